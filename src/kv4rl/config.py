@@ -1,0 +1,172 @@
+"""The run config: one typed tree, loaded from YAML plus dotted overrides, validated across fields.
+
+Each component owns its section (`engine`, `algo`, `advantage` live beside their code); this
+module composes them and adds the sections the training loop owns. `load_config` is the single
+entry point used by the CLI and by `--resume` (which reloads the run folder's saved config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kv4rl.algo.config import AdvantageConfig, AlgoConfig
+from kv4rl.config_loader import ConfigError, apply_overrides, from_dict, merge, read_yaml, to_dict
+from kv4rl.engine.config import EngineConfig
+
+__all__ = ["RunConfig", "ConfigError", "load_config", "save_config"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """`path: null` uses the embedded tiny model (built and cached on first use)."""
+
+    path: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Training/eval problems. `train: null` uses the embedded arithmetic task.
+
+    `prompt_template` formats each problem (`{problem}` is replaced); null picks the task's own
+    template for the embedded task and a boxed-answer instruction for a dataset file.
+    """
+
+    train: str | None = None
+    eval: str | None = None
+    prompt_template: str | None = None
+    chat_template: bool = False
+    eval_size: int = 256
+    shuffle: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """`name: auto` is `exact` for the embedded task and `math_verify` for dataset files."""
+
+    name: str = "auto"
+    timeout_s: float = 5.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """Each iteration samples `quota_groups` prompts x `group_size` responses."""
+
+    quota_groups: int = 16
+    group_size: int = 8
+    max_slots: int = 256
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    iterations: int = 60
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    micro_batch_size: int = 64
+    updates_per_batch: int = 1
+    grad_checkpointing: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    save_every: int = 20
+    keep_last: int = 2
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Periodic evaluation of the policy during training (`every: 0` turns it off)."""
+
+    every: int = 0
+    k: int = 1
+    temperature: float = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    name: str = "tiny-arith"
+    out_dir: str = "runs"
+    seed: int = 0
+    device: str = "auto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def validate(self) -> "RunConfig":
+        """Cross-field checks; each error names the key."""
+        try:
+            self.engine.validate()
+            self.algo.validate()
+            self.advantage.validate()
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        checks = [
+            (self.rollout.group_size >= 2, "rollout.group_size must be >= 2: GRPO compares responses within a group"),
+            (self.rollout.quota_groups >= 1, "rollout.quota_groups must be >= 1"),
+            (self.rollout.max_slots >= 1, "rollout.max_slots must be >= 1"),
+            (self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+            (self.rollout.temperature > 0, "rollout.temperature must be > 0 for RL (greedy has no behaviour log-probs)"),
+            (0 < self.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+            (self.trainer.iterations >= 1, "trainer.iterations must be >= 1"),
+            (self.trainer.lr > 0, "trainer.lr must be > 0"),
+            (self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+            (self.trainer.updates_per_batch >= 1, "trainer.updates_per_batch must be >= 1"),
+            (self.trainer.grad_clip > 0, "trainer.grad_clip must be > 0"),
+            (self.checkpoint.save_every >= 1, "checkpoint.save_every must be >= 1"),
+            (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
+            (self.eval.every >= 0, "eval.every must be >= 0"),
+            (self.eval.k >= 1, "eval.k must be >= 1"),
+            (self.data.eval_size >= 1, "data.eval_size must be >= 1"),
+            (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
+            (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
+            (bool(self.name) and "/" not in self.name, "name must be a non-empty folder name"),
+            (self.algo.old_logprob == "behavior" or self.algo.loss == "ppo_clip",
+             "algo.old_logprob only applies to algo.loss=ppo_clip"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if self.data.prompt_template is not None and "{problem}" not in self.data.prompt_template:
+            raise ConfigError("data.prompt_template must contain '{problem}'")
+        return self
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults <- `base` mapping <- YAML file <- dotted overrides; then validate."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        data = merge(data, read_yaml(path))
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(RunConfig, data).validate()
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,34 @@
+"""Shared fixtures: random tiny HF checkpoints (built in seconds, no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def make_checkpoint(path, model_type="qwen3", vocab=97, seed=0, **overrides):
+    """Save a random-init tiny HF causal LM of `model_type` to `path`; returns the HF model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[model_type]
+    kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  eos_token_id=vocab - 1, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.mul_(4.0)  # sharper distributions so greedy ties are vanishingly unlikely
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    model = make_checkpoint(path)
+    return path, model

@@ -1,0 +1,55 @@
+"""Config loading: YAML + dotted overrides into typed dataclasses; errors name the key."""
+
+import pytest
+import yaml
+
+from kv4rl.config import ConfigError, RunConfig, load_config, save_config
+from kv4rl.config_loader import to_dict
+
+
+def test_defaults_validate_and_round_trip(tmp_path):
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig) and cfg.rollout.group_size == 8
+    save_config(cfg, tmp_path / "c.yaml")
+    again = load_config(tmp_path / "c.yaml")
+    assert to_dict(again) == to_dict(cfg)
+
+
+def test_yaml_then_overrides_take_precedence(tmp_path):
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump({"trainer": {"lr": 0.5, "iterations": 3},
+                                                      "algo": {"horizon": 64}}))
+    cfg = load_config(tmp_path / "my.yaml", ["trainer.lr=1e-5", "rollout.group_size=4", "model.path=null",
+                                             "trainer.betas=[0.8, 0.9]"])
+    assert cfg.trainer.lr == 1e-5 and cfg.trainer.iterations == 3
+    assert cfg.rollout.group_size == 4 and cfg.algo.horizon == 64 and cfg.model.path is None
+    assert cfg.trainer.betas == (0.8, 0.9)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("trainer.lrr=1", "trainer.lrr"),
+    ("nosuch.x=1", "nosuch"),
+    ("trainer.lr=fast", "trainer.lr"),
+    ("rollout.group_size=2.5", "rollout.group_size"),
+    ("data.shuffle=3", "data.shuffle"),
+    ("algo.loss=dpo", "algo.loss"),
+    ("engine.kv.format=int3", "engine.kv.format"),
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("rollout.temperature=0", "rollout.temperature"),
+    ("algo.eps_low=1.5", "algo.eps_low"),
+    ("trainer.betas=[0.9]", "trainer.betas"),
+    ("data.prompt_template=hello", "data.prompt_template"),
+    ("trainer=3", "trainer"),
+])
+def test_bad_keys_values_and_combinations_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(overrides=["trainer.lr"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
