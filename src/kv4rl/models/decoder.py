@@ -1,0 +1,183 @@
+"""Compact Qwen3 / Qwen2 / Llama decoder for the rollout engine.
+
+The model runs over a flattened batch of tokens from many sequences (varlen) and does not attend by
+itself: each layer hands its rotated q, k and v to an ``attention`` callable that the engine injects
+(paged KV cache, quantisation and kernels live there). The file stays plain PyTorch, with no cache
+and no engine imports, so the engine can transform it afterwards.
+
+Parameter names equal the Hugging Face checkpoint's, so loading weights (from safetensors or from
+the learner's ``state_dict()`` after every update) is a copy name by name, in place.
+
+Shape legend: N tokens, M selected rows, Hq query heads, Hkv key/value heads, D head dim,
+C hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from kv4rl.models.args import ModelArgs
+from kv4rl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+# (layer_idx, q[N, Hq, D], k[N, Hkv, D], v[N, Hkv, D]) -> out[N, Hq, D]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+TIED_HEAD_NAME = "lm_head.weight"
+EMBED_NAME = "model.embed_tokens.weight"
+# Checkpoint tensors that carry no learned state (older Llama checkpoints saved RoPE frequencies).
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, dtype=None, device=None) -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, q_size, bias=args.qkv_bias, **factory)
+        self.k_proj = nn.Linear(args.hidden_size, kv_size, bias=args.qkv_bias, **factory)
+        self.v_proj = nn.Linear(args.hidden_size, kv_size, bias=args.qkv_bias, **factory)
+        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias, **factory)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, **factory)
+        else:
+            self.q_norm = self.k_norm = None
+        self.head_dim = args.head_dim
+
+    def forward(
+        self,
+        x_NC: torch.Tensor,
+        positions_N: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attention: AttentionFn,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        num_tokens = x_NC.shape[0]
+        q_NHD = self.q_proj(x_NC).view(num_tokens, -1, self.head_dim)
+        k_NHD = self.k_proj(x_NC).view(num_tokens, -1, self.head_dim)
+        v_NHD = self.v_proj(x_NC).view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_NHD = self.q_norm(q_NHD)
+            k_NHD = self.k_norm(k_NHD)
+        q_NHD = rotary.apply_rotary(q_NHD, positions_N)
+        k_NHD = rotary.apply_rotary(k_NHD, positions_N)
+        out_NHD = attention(layer_idx, q_NHD, k_NHD, v_NHD)
+        return self.o_proj(out_NHD.reshape(num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype=None, device=None) -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.self_attn = Attention(args, **factory)
+        self.mlp = SwiGLUMLP(args.hidden_size, args.intermediate_size, **factory)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **factory)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **factory)
+
+    def forward(self, x_NC, positions_N, rotary, attention, layer_idx) -> torch.Tensor:
+        residual = x_NC
+        x_NC = self.self_attn(self.input_layernorm(x_NC), positions_N, rotary, attention, layer_idx)
+        x_NC = residual + x_NC
+        residual = x_NC
+        return residual + self.mlp(self.post_attention_layernorm(x_NC))
+
+
+class DecoderBody(nn.Module):
+    """The ``model.`` prefix of the checkpoint names."""
+
+    def __init__(self, args: ModelArgs, dtype=None, device=None) -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(args, **factory) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, **factory)
+
+
+class Decoder(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderBody(args, dtype=dtype, device=device)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(
+            args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, device=device
+        )
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so (again after ``to_empty``)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """Final-norm hidden states [N, C] for N flattened tokens at absolute ``positions``."""
+        x_NC = self.model.embed_tokens(input_ids)
+        for layer_idx, layer in enumerate(self.model.layers):
+            x_NC = layer(x_NC, positions, self.rotary, attention, layer_idx)
+        return self.model.norm(x_NC)
+
+    def compute_logits(self, hidden_MC: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [M, V]; the matmul runs in the model dtype, as the learner's does."""
+        return self.lm_head(hidden_MC).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def hf_targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> parameter to fill. A tied ``lm_head.weight`` is omitted (it is the
+        embedding)."""
+        targets = dict(self.state_dict(keep_vars=True))
+        if self.args.tie_word_embeddings:
+            del targets[TIED_HEAD_NAME]
+        return targets
+
+    def check_hf_shapes(self, shapes: Mapping[str, Sequence[int]], strict: bool = True) -> list[str]:
+        """Validate checkpoint names and shapes; return the names that will be copied.
+
+        Raises ValueError naming unexpected tensors, wrong shapes and (when ``strict``) missing
+        parameters. A tied model accepts and skips ``lm_head.weight``.
+        """
+        targets = self.hf_targets()
+        unexpected = [name for name in shapes if name not in targets and not self._ignorable(name)]
+        if unexpected:
+            raise ValueError(f"unexpected tensors for {self.args.model_type}: {_preview(unexpected)}")
+        wrong_shape = [
+            f"{name} has shape {tuple(shape)}, expected {tuple(targets[name].shape)}"
+            for name, shape in shapes.items()
+            if name in targets and tuple(shape) != tuple(targets[name].shape)
+        ]
+        if wrong_shape:
+            raise ValueError("wrong tensor shapes: " + "; ".join(wrong_shape[:5]))
+        if strict:
+            missing = [name for name in targets if name not in shapes]
+            if missing:
+                raise ValueError(f"missing parameters: {_preview(missing)}")
+        return [name for name in shapes if name in targets]
+
+    def _ignorable(self, name: str) -> bool:
+        return name.endswith(_IGNORABLE_SUFFIXES) or (
+            name == TIED_HEAD_NAME and self.args.tie_word_embeddings
+        )
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> int:
+        """Copy ``transformers``-named tensors into the existing parameters (cast to their dtype and
+        device; nothing is reallocated). Everything is validated before anything is copied.
+
+        ``strict=False`` allows a partial update (e.g. one shard); unknown names and wrong shapes
+        always raise. Returns the number of tensors copied.
+        """
+        names = self.check_hf_shapes({name: tensor.shape for name, tensor in state_dict.items()}, strict)
+        targets = self.hf_targets()
+        for name in names:
+            targets[name].copy_(state_dict[name])
+        return len(names)
+
+
+def _preview(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} (+{len(names) - limit} more)"

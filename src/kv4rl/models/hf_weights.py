@@ -1,0 +1,125 @@
+"""Load a local Hugging Face checkpoint folder into the engine's decoder, without ``transformers``.
+
+Reads ``config.json`` and the ``*.safetensors`` files (one file, or shards listed by
+``model.safetensors.index.json``) with the ``safetensors`` package. Every tensor name and shape is
+checked from the file headers before any memory is allocated, so a wrong or incomplete folder fails
+in milliseconds with a message naming the problem. ``check_model_folder`` runs the same checks plus
+the tokenizer files, for use before a run starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kv4rl.models.args import ModelArgs
+from kv4rl.models.decoder import Decoder
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ModelFolderError(ValueError):
+    """The checkpoint folder is missing something or does not match its config."""
+
+
+def read_model_args(model_dir: str | Path) -> ModelArgs:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelFolderError(f"model folder {model_dir} does not exist")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ModelFolderError(f"{model_dir}: config.json is missing")
+    try:
+        config = json.loads(config_path.read_text())
+        return ModelArgs.from_hf_config(config)
+    except (json.JSONDecodeError, ValueError) as error:
+        raise ModelFolderError(f"{config_path}: {error}") from error
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files holding the weights: those named by the shard index, else all of them."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise ModelFolderError(f"{index_path}: unreadable shard index ({error})") from error
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [path.name for path in files if not path.is_file()]
+        if absent:
+            raise ModelFolderError(f"{model_dir}: shards named in {INDEX_FILE} are missing: {absent}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelFolderError(f"{model_dir}: no *.safetensors weight files")
+    return files
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """name -> (file, shape), read from the headers only."""
+    shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[name] = (path, tuple(reader.get_slice(name).get_shape()))
+    return shapes
+
+
+def _validated_names(model: Decoder, model_dir: Path, shapes: dict) -> list[str]:
+    try:
+        return model.check_hf_shapes({name: shape for name, (_, shape) in shapes.items()}, strict=True)
+    except ValueError as error:
+        raise ModelFolderError(f"{model_dir}: {error}") from error
+
+
+def _has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")) or all(
+        (model_dir / name).is_file() for name in ("vocab.json", "merges.txt")
+    )
+
+
+def check_model_folder(model_dir: str | Path) -> ModelArgs:
+    """Validate config, weight headers (names and shapes) and tokenizer files; return the args.
+
+    Raises ModelFolderError naming the first problem found. Allocates no weights.
+    """
+    model_dir = Path(model_dir)
+    args = read_model_args(model_dir)
+    shapes = tensor_shapes(weight_files(model_dir))
+    with torch.device("meta"):
+        _validated_names(Decoder(args), model_dir, shapes)
+    if not _has_tokenizer(model_dir):
+        raise ModelFolderError(
+            f"{model_dir}: no tokenizer files (need tokenizer.json, tokenizer.model, or vocab.json + merges.txt)"
+        )
+    return args
+
+
+def load_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> tuple[Decoder, ModelArgs]:
+    """Build the decoder on ``device`` in ``dtype`` and fill it from the folder's safetensors."""
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    args = read_model_args(model_dir)
+    shapes = tensor_shapes(weight_files(model_dir))
+    # Built on meta and then materialised, so no time is spent on random initialisation.
+    with torch.device("meta"):
+        model = Decoder(args, dtype=dtype)
+    names = _validated_names(model, model_dir, shapes)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rotary.build_cache(device)
+    targets = model.hf_targets()
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(shapes[name][0], []).append(name)
+    with torch.no_grad():
+        for path, file_names in by_file.items():
+            with safe_open(path, framework="pt") as reader:
+                for name in file_names:
+                    targets[name].copy_(reader.get_tensor(name))
+    return model.eval(), args
