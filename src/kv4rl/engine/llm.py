@@ -1,0 +1,171 @@
+"""The engine facade: requests in, completions with behaviour log-probs and versions out.
+
+`Engine.generate(prompts, params)` runs to completion; `add_request` / `step` expose the
+continuous-batching loop for orchestration that keeps requests alive across weight updates.
+`load_weights(state_dict, version)` copies learner weights in place and tags later tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from kv4rl.engine.block_manager import BlockManager, blocks_needed
+from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.kv_formats import get_kv_format
+from kv4rl.engine.runner import ModelRunner
+from kv4rl.engine.sampler import sample
+from kv4rl.engine.scheduler import Scheduler
+from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}' requested but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"model.dtype: unknown dtype '{name}' (known: auto, {', '.join(table)})")
+    return table[name]
+
+
+class Engine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        max_num_seqs: int = 256,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        seed: int = 0,
+        tokenizer: Any = None,
+    ):
+        from kv4rl.models.hf_weights import load_model
+
+        config = config or EngineConfig()
+        config.validate()
+        self.config = config
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
+        self.model, self.args = load_model(model_dir, self.device, self.dtype)
+        self.tokenizer = tokenizer
+        fmt_name = config.kv.format
+        if fmt_name == "auto":
+            fmt_name = "bf16" if self.dtype == torch.bfloat16 else "fp32"
+        self.kv_format = get_kv_format(fmt_name)
+        block_size = config.kv.block_size
+        self.max_model_len = config.max_model_len or self.args.max_position_embeddings
+        num_blocks = config.num_kv_blocks or max_num_seqs * blocks_needed(self.max_model_len, block_size)
+        self.runner = ModelRunner(
+            self.model, self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
+            self.kv_format, num_blocks, block_size, self.device,
+        )
+        self.scheduler = Scheduler(
+            BlockManager(num_blocks, block_size), max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        eos = self.args.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.version = 0
+        self.bytes_per_token = self.kv_format.bytes_per_token(self.args.num_kv_heads, self.args.head_dim) * (
+            self.args.num_layers
+        )
+        self.pool_tokens = num_blocks * block_size
+        log.info(
+            "engine: kv format %s, %.0f bytes/token, pool %d tokens (%d blocks x %d), %.1f MiB",
+            fmt_name, self.bytes_per_token, self.pool_tokens, num_blocks, block_size,
+            self.bytes_per_token * self.pool_tokens / 2**20,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, tag: Any = None) -> Sequence:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        seq = Sequence(list(prompt_ids), params, tag=tag)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Advance every scheduled sequence by one token; return the ones that finished."""
+        seqs, _ = self.scheduler.schedule()
+        if not seqs:
+            raise RuntimeError("scheduler produced an empty batch with requests pending")
+        logits = self.runner.forward(seqs)
+        params = [s.params for s in seqs]
+        to = dict(device=self.device)
+        tokens, logprobs = sample(
+            logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, **to),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, **to),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, **to),
+            self.generator,
+        )
+        finished = []
+        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.append(tok, lp, self.version)
+            stop_ids = self.eos_ids if seq.params.stop_token_ids is None else frozenset(seq.params.stop_token_ids)
+            reason = self.scheduler.stop_reason(seq, stop_ids)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def generate(
+        self,
+        prompts: Iterable[list[int] | str],
+        params: SamplingParams | None = None,
+        tags: Iterable[Any] | None = None,
+        progress: Any = None,
+    ) -> list[Completion]:
+        """Run prompts to completion; results in input order. `progress(n_done)` is called per finish."""
+        params = params or SamplingParams()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        prompts = list(prompts)
+        tags = list(tags) if tags is not None else [None] * len(prompts)
+        seqs = [self.add_request(self._encode(p), params, t) for p, t in zip(prompts, tags)]
+        done = 0
+        while self.has_unfinished():
+            done += len(self.step())
+            if progress is not None:
+                progress(done)
+        out = [Completion.from_sequence(s) for s in seqs]
+        if self.tokenizer is not None:
+            for c in out:
+                c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return out
+
+    def _encode(self, prompt: list[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need an Engine built with a tokenizer")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy learner weights (HF names) in place; tokens sampled afterwards carry `version`."""
+        self.model.load_hf_state_dict(state_dict)
+        self.version = version
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions

@@ -1,0 +1,114 @@
+"""Continuous batching: admit waiting requests as slots and KV blocks free up; preempt on OOM.
+
+Each step is either a prefill of newly admitted (or re-admitted) sequences or one decode token for
+every running sequence, as in nano-vllm. When a decode step needs a block and the pool is empty, the
+most recently admitted sequence is preempted: its blocks are freed, its sampled tokens kept, and it
+is re-queued at the front to be recomputed (its whole prefix is prefilled again). Nothing is ever
+dropped. Torch-free, so the invariants are tested on CPU with random lengths.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kv4rl.engine.block_manager import BlockManager, blocks_needed
+from kv4rl.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request; refuse at once one that could never fit, instead of hanging later."""
+        longest = min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
+        if len(seq.prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(seq.prompt_ids)} tokens does not fit max_model_len={self.max_model_len}"
+            )
+        need = blocks_needed(longest, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"KV pool too small for one request: it needs {need} blocks of "
+                f"{self.blocks.block_size} tokens ({longest} tokens) but the pool has "
+                f"{self.blocks.num_blocks}; raise engine.num_kv_blocks or lower the token limits"
+            )
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Pick the next batch. Returns (sequences, is_prefill)."""
+        batch = self._admit()
+        if batch:
+            return batch, True
+        return self._decode_batch(), False
+
+    def _admit(self) -> list[Sequence]:
+        batch: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # one token of headroom: the prefill samples a token whose KV the next step writes
+            if not self.blocks.can_grow(seq, len(seq) + 1):
+                break
+            if batch and seq.num_new_tokens > budget:
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, len(seq))
+            seq.status = Status.RUNNING
+            budget -= seq.num_new_tokens
+            self.running.append(seq)
+            batch.append(seq)
+        return batch
+
+    def _decode_batch(self) -> list[Sequence]:
+        batch: list[Sequence] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while not self.blocks.can_grow(seq, len(seq)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.blocks.grow(seq, len(seq))
+                batch.append(seq)
+                i += 1
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.blocks.free(seq)
+
+    def stop_reason(self, seq: Sequence, stop_ids: frozenset[int]) -> str | None:
+        """Why `seq` should stop after its newest token, or None to continue."""
+        if not seq.params.ignore_eos and seq.output_ids and seq.output_ids[-1] in stop_ids:
+            return "stop"
+        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,107 @@
+"""Per-request state of the rollout engine (torch-free, so the scheduler can be tested alone)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample one request. `temperature == 0` is greedy; `top_k <= 0` and `top_p == 1` are off.
+
+    The engine reports each token's log-prob under the distribution it actually sampled from
+    (temperature-scaled and truncated), so RL with the defaults sees the exact behaviour policy.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
+    ignore_eos: bool = False
+    seed: int | None = None  # generate(): reseed the engine's generator first
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """Prompt, sampled tokens with their behaviour log-probs and policy versions, and KV blocks.
+
+    Invariant while running: the KV of the first `num_cached_tokens` tokens is in the cache; the
+    newest sampled token is not (its KV is written by the next step).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tag: Any = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens whose KV the next forward must compute."""
+        return len(self) - self.num_cached_tokens
+
+    def append(self, token_id: int, logprob: float, version: int) -> None:
+        self.output_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self.output_versions.append(version)
+
+
+@dataclass(slots=True)
+class Completion:
+    """What `Engine.generate` returns for one request."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    tag: Any = None
+    text: str | None = None
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> "Completion":
+        return cls(
+            seq_id=seq.seq_id,
+            prompt_ids=list(seq.prompt_ids),
+            token_ids=list(seq.output_ids),
+            logprobs=list(seq.output_logprobs),
+            versions=list(seq.output_versions),
+            finish_reason=seq.finish_reason or "unknown",
+            tag=seq.tag,
+        )
