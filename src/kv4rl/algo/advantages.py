@@ -1,0 +1,116 @@
+"""Advantage estimators (SPEC §2) as registered pure functions.
+
+Every estimator maps one reward per response, groups contiguous (`[g0r0, g0r1, …, g1r0, …]`),
+to one advantage per response; the learner broadcasts it over the response's tokens.
+
+GRPO divides by the *unbiased* (sample, n−1) standard deviation of the group, as most GRPO
+implementations do; SPEC leaves population vs sample open. Groups whose rewards are all equal
+get exactly zero (not a rounding residue of `r − mean`), and a group of one response has no
+baseline information, so it gets zero too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from kv4rl.algo.config import AdvantageConfig
+
+STD_EPS = 1e-6
+
+# (rewards[N], group_size, cfg) -> (advantages[N], metrics)
+AdvantageFn = Callable[[Tensor, int, AdvantageConfig], tuple[Tensor, dict[str, float]]]
+ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    def wrap(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADVANTAGES:
+            raise ValueError(f"advantage estimator '{name}' is already registered")
+        ADVANTAGES[name] = fn
+        return fn
+
+    return wrap
+
+
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (one per response), got shape {tuple(rewards.shape)}")
+    if rewards.numel() == 0:
+        raise ValueError("rewards is empty")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of size {group_size}")
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    return rewards.reshape(-1, group_size)
+
+
+def _zero_variance(grouped: Tensor) -> Tensor:
+    """[num_groups] bool: every reward of the group is the same value."""
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True) -> Tensor:
+    """`(r − mean_group) / (std_group + 1e-6)` per response (std: unbiased sample std).
+
+    With `normalize_std=False` the result is `r − mean_group`.
+    """
+    grouped = _grouped(rewards, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std and group_size > 1:
+        centered = centered / (grouped.std(dim=1, correction=1, keepdim=True) + STD_EPS)
+    flat_groups = _zero_variance(grouped)[:, None]
+    return torch.where(flat_groups, torch.zeros_like(centered), centered).reshape(-1)
+
+
+def perturb_baseline(adv: Tensor, sigma: float, generator: torch.Generator | None = None) -> Tensor:
+    """`adv + ξ` with `ξ = ±sigma`, each sign with probability ½, independently per response.
+
+    Apply it to per-response advantages (1-D), before broadcasting over tokens.
+    """
+    if adv.dim() != 1:
+        raise ValueError(f"perturb_baseline expects per-response advantages (1-D), got {tuple(adv.shape)}")
+    if sigma < 0:
+        raise ValueError(f"baseline noise sigma must be >= 0, got {sigma}")
+    signs = torch.randint(0, 2, adv.shape, generator=generator, device=adv.device).to(adv.dtype) * 2 - 1
+    return adv + sigma * signs
+
+
+@register_advantage("grpo")
+def _grpo(rewards: Tensor, group_size: int, cfg: AdvantageConfig) -> tuple[Tensor, dict[str, float]]:
+    adv = grpo_advantages(rewards, group_size, cfg.normalize_std)
+    grouped = _grouped(rewards, group_size)
+    zero_var = _zero_variance(grouped).float().mean()
+    return adv, {"zero_var_group_frac": float(zero_var)}
+
+
+def compute_advantages(
+    rewards: Tensor,
+    group_size: int,
+    cfg: AdvantageConfig,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Run the configured estimator, then the optional ±σ baseline perturbation.
+
+    Metrics: the estimator's own (GRPO: `zero_var_group_frac`), plus `reward_mean`, `reward_std`,
+    `adv_mean`, `adv_std`, `adv_absmax` of the final advantages.
+    """
+    if cfg.estimator not in ADVANTAGES:
+        raise ValueError(
+            f"unknown advantage estimator '{cfg.estimator}' (known: {', '.join(sorted(ADVANTAGES))})"
+        )
+    adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg)
+    if cfg.baseline_noise > 0:
+        adv = perturb_baseline(adv, cfg.baseline_noise, generator)
+    rewards_f = rewards.double()
+    adv_f = adv.double()
+    metrics.update(
+        reward_mean=float(rewards_f.mean()),
+        reward_std=float(rewards_f.std(correction=0)),
+        adv_mean=float(adv_f.mean()),
+        adv_std=float(adv_f.std(correction=0)),
+        adv_absmax=float(adv_f.abs().max()),
+    )
+    return adv, metrics

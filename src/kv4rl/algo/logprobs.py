@@ -1,0 +1,123 @@
+"""Per-token log-probabilities, entropy and the k3 reference KL, computed from logits.
+
+The LM head's logits `[B, T, V]` are the learner's largest activation (V ≈ 150k for Qwen3). A plain
+`log_softmax(logits.float() / τ).gather(...)` materialises an fp32 `[B, T, V]` copy and autograd
+keeps it (and the softmax) for backward. `token_logprobs` instead works on chunks of tokens and
+saves only the logits it was given plus a `[B, T]` logsumexp; backward recomputes each chunk's
+softmax. Peak extra memory is one fp32 chunk, whatever the sequence length.
+
+Maths runs in fp32, or in the logits' dtype if that is wider (float64 in the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# Elements of fp32 work space per chunk (2**27 floats = 512 MiB).
+CHUNK_ELEMENTS = 2**27
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _chunk_step(vocab: int, chunk_tokens: int | None) -> int:
+    if chunk_tokens is None:
+        return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return chunk_tokens
+
+
+def _chunks(batch: int, length: int, step: int) -> list[tuple[slice, slice]]:
+    """(batch slice, token slice) blocks of at most `step` tokens that tile `[B, T]`.
+
+    Indexing `[B, T, V]` by these gives views, so a sliced (non-contiguous) logits tensor is
+    never copied whole.
+    """
+    if step >= length:
+        rows = max(1, step // max(length, 1))
+        return [(slice(b, b + rows), slice(None)) for b in range(0, batch, rows)]
+    return [(slice(b, b + 1), slice(t, t + step)) for b in range(batch) for t in range(0, length, step)]
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(logits/τ)[id] for `[B, T, V]` logits, chunked in both passes."""
+
+    @staticmethod
+    def forward(ctx, logits_BTV: Tensor, ids_BT: Tensor, temperature: float, step: int) -> Tensor:
+        dtype = _compute_dtype(logits_BTV)
+        out_BT = torch.empty(ids_BT.shape, dtype=dtype, device=logits_BTV.device)
+        lse_BT = torch.empty_like(out_BT)
+        for block in _chunks(*ids_BT.shape, step):
+            scaled = logits_BTV[block].to(dtype) / temperature
+            lse_BT[block] = torch.logsumexp(scaled, dim=-1)
+            out_BT[block] = scaled.gather(-1, ids_BT[block].unsqueeze(-1)).squeeze(-1) - lse_BT[block]
+        ctx.save_for_backward(logits_BTV, ids_BT, lse_BT)
+        ctx.temperature = temperature
+        ctx.step = step
+        return out_BT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_BT: Tensor):
+        logits_BTV, ids_BT, lse_BT = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits_BTV)
+        for block in _chunks(*ids_BT.shape, ctx.step):
+            g = grad_BT[block].unsqueeze(-1).to(lse_BT.dtype)
+            log_p = logits_BTV[block].to(lse_BT.dtype) / ctx.temperature - lse_BT[block].unsqueeze(-1)
+            chunk_grad = -g * log_p.exp()
+            chunk_grad.scatter_add_(-1, ids_BT[block].unsqueeze(-1), g)
+            grad_logits[block] = (chunk_grad / ctx.temperature).to(grad_logits.dtype)
+        return grad_logits, None, None, None
+
+
+def token_logprobs(
+    logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk_tokens: int | None = None
+) -> Tensor:
+    """`log softmax(logits / τ)` at `ids`: logits `[B, T, V]`, ids `[B, T]` -> `[B, T]`.
+
+    Differentiable w.r.t. `logits`. `chunk_tokens` caps how many tokens share one fp32 work
+    chunk (default: about 512 MiB of fp32 per chunk).
+    """
+    _check_temperature(temperature)
+    if logits.dim() != 3 or logits.shape[:-1] != ids.shape:
+        raise ValueError(
+            f"expected logits [B, T, V] and ids [B, T], got {tuple(logits.shape)} and {tuple(ids.shape)}"
+        )
+    step = _chunk_step(logits.shape[-1], chunk_tokens)
+    return _SelectiveLogSoftmax.apply(logits, ids.long(), temperature, step)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_tokens: int | None = None) -> Tensor:
+    """Entropy of `softmax(logits / τ)` per position: `[B, T, V]` -> `[B, T]`.
+
+    Chunked over tokens so that, without grad (the usual logging case), only one fp32 chunk lives
+    at a time. Differentiable through ordinary autograd.
+    """
+    _check_temperature(temperature)
+    if logits.dim() != 3:
+        raise ValueError(f"expected logits [B, T, V], got {tuple(logits.shape)}")
+    batch, length, vocab = logits.shape
+    entropy_BT = logits.new_empty((batch, length), dtype=_compute_dtype(logits))
+    for block in _chunks(batch, length, _chunk_step(vocab, chunk_tokens)):
+        log_p = torch.log_softmax(logits[block].to(entropy_BT.dtype) / temperature, dim=-1)
+        entropy_BT[block] = -(log_p.exp() * log_p).sum(dim=-1)
+    return entropy_BT
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(π ‖ π_ref): `(ρ − 1) − log ρ`, `ρ = exp(ref_logp − logp)`.
+
+    Non-negative, unbiased for the KL when tokens are sampled from π; gradients flow through both
+    arguments (detach `ref_logp` at the call site, as usual).
+    """
+    log_rho = ref_logp - logp
+    return torch.expm1(log_rho) - log_rho

@@ -1,0 +1,95 @@
+"""GRPO advantages and the ±σ baseline perturbation against hand-worked values and binomial bounds."""
+
+import math
+
+import pytest
+import torch
+
+from kv4rl.algo import ADVANTAGES, AdvantageConfig, compute_advantages, grpo_advantages, perturb_baseline
+
+
+def test_hand_worked_groups():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 4.0, 6.0, 8.0])
+    adv = grpo_advantages(rewards, group_size=4)
+    std0 = math.sqrt((4 * 0.25) / 3)  # sample std of [1, 0, 0, 1]
+    std1 = math.sqrt((9 + 1 + 1 + 9) / 3)  # of [2, 4, 6, 8], mean 5
+    expected = [0.5 / (std0 + 1e-6) * s for s in (1, -1, -1, 1)]
+    expected += [d / (std1 + 1e-6) for d in (-3, -1, 1, 3)]
+    assert adv.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_without_std_normalisation():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 4.0, 6.0, 8.0])
+    adv = grpo_advantages(rewards, group_size=4, normalize_std=False)
+    assert adv.tolist() == [0.5, -0.5, -0.5, 0.5, -3.0, -1.0, 1.0, 3.0]
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_equal_rewards_give_exact_zeros(normalize_std):
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 1.0, 0.0, 0.0])  # 0.1·3/3 != 0.1 in floats
+    adv = grpo_advantages(rewards, group_size=3, normalize_std=normalize_std)
+    assert adv[:6].tolist() == [0.0] * 6
+    assert adv[6:].abs().min() > 0.1
+
+
+def test_group_of_one_and_integer_rewards():
+    assert grpo_advantages(torch.tensor([3.0, -1.0]), group_size=1).tolist() == [0.0, 0.0]
+    adv = grpo_advantages(torch.tensor([True, False]), group_size=2)
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)])
+
+
+@pytest.mark.parametrize(
+    "rewards, group_size", [(torch.zeros(6), 4), (torch.zeros(2, 3), 3), (torch.zeros(0), 2)]
+)
+def test_bad_shapes(rewards, group_size):
+    with pytest.raises(ValueError):
+        grpo_advantages(rewards, group_size)
+
+
+def test_perturbation_values_and_frequencies():
+    num = 20_000
+    adv = torch.linspace(-2, 2, num)
+    sigma = 0.3
+    out = perturb_baseline(adv, sigma, torch.Generator().manual_seed(0))
+    plus = out == adv + sigma
+    minus = out == adv - sigma
+    assert bool((plus | minus).all())
+    bound = 5 * math.sqrt(num * 0.25)
+    assert abs(int(plus.sum()) - num / 2) < bound
+    # independence per response: the sign of a response says nothing about its neighbour's
+    agree = int((plus[1:] == plus[:-1]).sum())
+    assert abs(agree - (num - 1) / 2) < 5 * math.sqrt((num - 1) * 0.25)
+    again = perturb_baseline(adv, sigma, torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
+
+
+def test_perturbation_rejects_misuse():
+    with pytest.raises(ValueError, match="sigma"):
+        perturb_baseline(torch.zeros(3), -1.0)
+    with pytest.raises(ValueError, match="1-D"):
+        perturb_baseline(torch.zeros(2, 3), 0.1)
+
+
+def test_compute_advantages_metrics_and_noise():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    clean, metrics = compute_advantages(rewards, 2, AdvantageConfig())
+    assert metrics["zero_var_group_frac"] == pytest.approx(0.5)  # groups 0 and 2 are flat
+    torch.testing.assert_close(clean, grpo_advantages(rewards, 2))
+    assert metrics["reward_mean"] == pytest.approx(4 / 8)
+    assert metrics["adv_absmax"] == pytest.approx(float(clean.abs().max()))
+    noisy, _ = compute_advantages(
+        rewards, 2, AdvantageConfig(baseline_noise=0.5), torch.Generator().manual_seed(1)
+    )
+    assert sorted(set((noisy - clean).abs().tolist())) == [0.5]
+
+
+def test_advantage_registry_and_config():
+    assert "grpo" in ADVANTAGES
+    AdvantageConfig(normalize_std=False, baseline_noise=0.2).validate()
+    with pytest.raises(ValueError, match="advantage.baseline_noise"):
+        AdvantageConfig(baseline_noise=-0.1).validate()
+    with pytest.raises(ValueError, match="advantage.estimator"):
+        AdvantageConfig(estimator="rloo").validate()
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        compute_advantages(torch.zeros(4), 2, AdvantageConfig(estimator="rloo"))

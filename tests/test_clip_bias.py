@@ -1,0 +1,56 @@
+"""The A-2 simulation: Monte-Carlo moments against the closed forms derived in its docstring."""
+
+import pytest
+
+from kv4rl.sim import clip_bias, closed_form, plot, sweep
+
+
+def _within(result, branch, stat, num_se=5.0):
+    exact = result["closed_form"][branch][stat]
+    se = result["stderr"][branch][stat]
+    # the sample variance of a two-point law deviates by O(1/n) even when its stderr is ~0
+    slack = 25 * abs(exact) / result["n_samples"] if stat == "var" else 0.0
+    return abs(result[branch][stat] - exact) <= num_se * se + slack
+
+
+@pytest.mark.parametrize("rho, regime", [(1.5, "above"), (1.1, "inside"), (0.9, "inside"), (0.5, "below")])
+def test_monte_carlo_matches_closed_form(rho, regime):
+    result = clip_bias(rho, eps=0.2, sigma=1.0, n_samples=50_000, seed=3)
+    assert result["closed_form"]["regime"] == regime
+    for branch in ("clip", "noclip"):
+        for stat in ("mean", "var"):
+            assert _within(result, branch, stat), (branch, stat, result)
+
+
+def test_closed_forms_by_hand():
+    above = closed_form(1.5, 0.2, 1.0)
+    assert above["clip"] == {"mean": -0.75, "var": 0.5625}
+    assert above["noclip"] == {"mean": 0.0, "var": 2.25}
+    assert above["clip_mean_per_unit_ratio"] == -0.5
+    below = closed_form(0.5, 0.2, 2.0)
+    assert below["clip"] == {"mean": 0.5, "var": 0.25}
+    inside = closed_form(1.1, 0.2, 2.0)
+    assert inside["clip"] == inside["noclip"] == {"mean": 0.0, "var": pytest.approx(4.84)}
+
+
+def test_default_a2_numbers():
+    result = clip_bias(1.5, 0.2, 1.0)
+    assert result["clip"]["mean"] == pytest.approx(-0.75, abs=5 * result["stderr"]["clip"]["mean"])
+    assert result["clip"]["var"] == pytest.approx(0.5625, rel=1e-3)
+    assert result["noclip"]["mean"] == pytest.approx(0.0, abs=5 * result["stderr"]["noclip"]["mean"])
+    assert result["noclip"]["var"] == pytest.approx(2.25, rel=1e-3)
+
+
+def test_sweep_and_plot(tmp_path):
+    results = sweep([0.5, 1.0, 1.5], eps=[0.1, 0.2], sigma=1.0, n_samples=2_000)
+    assert [(r["eps"], r["rho"]) for r in results] == [(e, r) for e in (0.1, 0.2) for r in (0.5, 1.0, 1.5)]
+    assert all(_within(r, b, s) for r in results for b in ("clip", "noclip") for s in ("mean", "var"))
+    path = plot(results, tmp_path / "fig" / "a2.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("kwargs", [{"rho": 0.0}, {"eps": 1.0}, {"sigma": -1.0}, {"n_samples": 1}])
+def test_bad_arguments(kwargs):
+    args = {"rho": 1.5, "eps": 0.2, "sigma": 1.0, "n_samples": 100} | kwargs
+    with pytest.raises(ValueError):
+        clip_bias(**args)

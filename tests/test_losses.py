@@ -1,0 +1,285 @@
+"""PPO-clip against hand-worked gradients, aggregation, micro-batching, reference KL, registry, config."""
+
+import math
+
+import pytest
+import torch
+
+from kv4rl.algo import (
+    LOSSES,
+    AlgoConfig,
+    LossInputs,
+    aggregate,
+    batch_denominators,
+    combine_metrics,
+    get_loss,
+    register_loss,
+)
+
+
+def _one_row(ratios, advantages, old=None):
+    """Inputs for one response whose tokens have the given ratios π/μ and advantages."""
+    behavior = torch.linspace(-2.0, -0.5, len(ratios), dtype=torch.float64)[None]
+    logprobs = (behavior + torch.tensor(ratios, dtype=torch.float64).log()).requires_grad_()
+    return LossInputs(
+        logprobs=logprobs,
+        behavior_logprobs=behavior,
+        advantages=torch.tensor([advantages], dtype=torch.float64),
+        mask=torch.ones(1, len(ratios)),
+        old_logprobs=old,
+    )
+
+
+def _coefficients(inp, cfg):
+    """Per-token coefficient of ∇log π in the surrogate (loss = −Σ surrogate with num_tokens=1)."""
+    inp.num_tokens = 1.0
+    loss, metrics = get_loss(cfg.loss)(inp, cfg)
+    (grad,) = torch.autograd.grad(loss, inp.logprobs)
+    return (-grad[0]).tolist(), loss.item(), metrics
+
+
+def test_ppo_clip_by_hand_with_asymmetric_eps():
+    cases = [  # (ratio, advantage, coefficient, surrogate)
+        (1.1, 1.0, 1.1, 1.1),
+        (1.5, 1.0, 0.0, 1.28),  # clipped above 1 + eps_high
+        (1.5, -1.0, -1.5, -1.5),  # a negative advantage is never clipped above
+        (0.5, -1.0, 0.0, -0.8),  # clipped below 1 − eps_low
+        (0.5, 2.0, 1.0, 1.0),
+        (1.25, 1.0, 1.25, 1.25),  # inside only because eps_high = 0.28 > 0.2
+        (0.79, -1.0, 0.0, -0.8),
+        (0.81, -1.0, -0.81, -0.81),
+    ]
+    inp = _one_row([c[0] for c in cases], [c[1] for c in cases])
+    cfg = AlgoConfig(loss="ppo_clip", eps_low=0.2, eps_high=0.28)
+    coef, loss, metrics = _coefficients(inp, cfg)
+    assert coef == pytest.approx([c[2] for c in cases], abs=1e-12)
+    assert loss == pytest.approx(-sum(c[3] for c in cases), abs=1e-12)
+    assert metrics["clip_frac_high"] == pytest.approx(1 / 8)
+    assert metrics["clip_frac_low"] == pytest.approx(2 / 8)
+    assert metrics["clip_frac"] == pytest.approx(3 / 8)
+    assert metrics["ratio_mean"] == pytest.approx(sum(c[0] for c in cases) / 8)
+    assert metrics["ratio_max"] == pytest.approx(1.5)
+
+
+def test_ppo_clip_default_token_mean_divides_by_valid_tokens():
+    inp = _one_row([1.1, 0.9, 3.0], [1.0, -2.0, 5.0])
+    inp.mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, _ = get_loss("ppo_clip")(inp, AlgoConfig(loss="ppo_clip"))
+    loss.backward()
+    torch.testing.assert_close(
+        inp.logprobs.grad, torch.tensor([[-1.1 / 2, 0.9 * 2 / 2, 0.0]], dtype=torch.float64)
+    )
+    assert loss.item() == pytest.approx(-(1.1 - 1.8) / 2)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    inp = _one_row([4.0, 2.0, 4.0], [-1.0, -1.0, 1.0])
+    cfg = AlgoConfig(loss="ppo_clip", eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    coef, loss, metrics = _coefficients(inp, cfg)
+    assert coef == pytest.approx([0.0, -2.0, 0.0], abs=1e-12)
+    assert loss == pytest.approx(-(-3.0 - 2.0 + 1.2), abs=1e-12)
+    assert metrics["dual_clip_frac"] == pytest.approx(1 / 3)
+    assert metrics["clip_frac_high"] == pytest.approx(1 / 3)
+
+
+def test_the_a2_case():
+    """ρ = 1.5 > 1 + ε with A = ±σ: the clipped token gets 0, the other −ρσ (SPEC §3.3)."""
+    inp = _one_row([1.5, 1.5], [1.0, -1.0])
+    coef, _, metrics = _coefficients(inp, AlgoConfig(loss="ppo_clip", eps_low=0.2, eps_high=0.2))
+    assert coef == pytest.approx([0.0, -1.5], abs=1e-12)
+    assert sum(coef) / 2 == pytest.approx(-1.5 / 2)
+    assert metrics["clip_frac"] == 0.5
+
+
+def test_recompute_uses_the_learners_old_logprobs():
+    behavior = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.5, -0.5]], dtype=torch.float64)
+    logprobs = torch.tensor([[-1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    inp = LossInputs(
+        logprobs=logprobs,
+        behavior_logprobs=behavior,
+        advantages=torch.ones(1, 2, dtype=torch.float64),
+        mask=torch.ones(1, 2),
+        old_logprobs=old,
+        num_tokens=1.0,
+    )
+    cfg = AlgoConfig(loss="ppo_clip", old_logprob="recompute")
+    loss, metrics = get_loss("ppo_clip")(inp, cfg)
+    loss.backward()
+    r0, r1 = math.exp(0.5), math.exp(-0.5)  # 1.65 is clipped (A > 0), 0.61 is not
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, -r1])
+    assert metrics["ratio_mean"] == pytest.approx((r0 + r1) / 2)
+    inp.old_logprobs = None
+    with pytest.raises(ValueError, match="old_logprobs"):
+        get_loss("ppo_clip")(inp, cfg)
+
+
+def test_aggregate_modes_by_hand():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    assert aggregate(values, mask, "token_mean").item() == pytest.approx((1 + 2 + 4) / 3)
+    assert aggregate(values, mask, "seq_mean").item() == pytest.approx((1.5 + 4) / 2)
+    assert aggregate(values, mask, "token_mean", num_tokens=7.0).item() == pytest.approx(1.0)
+    assert aggregate(values, mask, "seq_mean", num_seqs=5.0).item() == pytest.approx(5.5 / 5)
+    assert batch_denominators(mask) == (3.0, 2.0)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate(values, mask, "sum")
+    with pytest.raises(ValueError, match="num_tokens"):
+        aggregate(values, mask, "token_mean", num_tokens=0.0)
+
+
+def _random_batch(seed, with_ref=True):
+    gen = torch.Generator().manual_seed(seed)
+    num_rows, length = 6, 7
+    lengths = torch.tensor([7, 3, 5, 1, 6, 4])
+    mask = torch.arange(length)[None] < lengths[:, None]
+    behavior = -torch.rand(num_rows, length, generator=gen, dtype=torch.float64) * 3
+    logprobs = behavior + 0.4 * torch.randn(num_rows, length, generator=gen, dtype=torch.float64)
+    ref = behavior + 0.3 * torch.randn(num_rows, length, generator=gen, dtype=torch.float64)
+    adv = torch.randn(num_rows, 1, generator=gen, dtype=torch.float64).expand(num_rows, length).clone()
+    return {
+        "logprobs": logprobs.requires_grad_(),
+        "behavior_logprobs": behavior,
+        "advantages": adv,
+        "mask": mask,
+        "ref_logprobs": ref if with_ref else None,
+    }
+
+
+CONFIGS = [
+    AlgoConfig(loss="ppo_clip", loss_agg="token_mean", kl_ref_coef=0.1, dual_clip=2.0),
+    AlgoConfig(loss="ppo_clip", loss_agg="seq_mean", eps_high=0.28),
+    AlgoConfig(loss="future_kl", loss_agg="token_mean", horizon=2, is_mode="token", future_cost_clip=0.5),
+    AlgoConfig(loss="future_kl", loss_agg="seq_mean", is_mode="sequence", kl_ref_coef=0.2),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss}-{c.loss_agg}")
+def test_micro_batches_with_full_denominators_equal_the_full_batch(cfg):
+    batch = _random_batch(0)
+    loss_fn = get_loss(cfg.loss)
+    full_loss, full_metrics = loss_fn(LossInputs(**batch), cfg)
+    (full_grad,) = torch.autograd.grad(full_loss, batch["logprobs"])
+
+    num_tokens, num_seqs = batch_denominators(batch["mask"])
+    total = torch.zeros((), dtype=torch.float64)
+    parts = []
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        micro = {k: (v[rows] if v is not None else None) for k, v in batch.items()}
+        loss, metrics = loss_fn(LossInputs(**micro, num_tokens=num_tokens, num_seqs=num_seqs), cfg)
+        total = total + loss
+        parts.append((metrics, float(micro["mask"].sum())))
+    (micro_grad,) = torch.autograd.grad(total, batch["logprobs"])
+    assert total.item() == pytest.approx(full_loss.item(), abs=1e-12)
+    torch.testing.assert_close(micro_grad, full_grad, rtol=0, atol=1e-12)
+    merged = combine_metrics(parts)
+    assert merged.keys() == full_metrics.keys()
+    for key in (
+        "kl_ref",
+        "ratio_mean",
+        "ratio_max",
+        "clip_frac",
+        "is_weight_mean",
+        "is_weight_max",
+        "log_ratio_absmax",
+        "future_credit_mean",
+        "future_credit_absmax",
+    ):
+        if key in full_metrics:
+            assert merged[key] == pytest.approx(full_metrics[key], abs=1e-12), key
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "future_kl"])
+def test_reference_kl_term_by_hand(name):
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.5, -9.0]], dtype=torch.float64)
+    inp = LossInputs(
+        logprobs=logprobs,
+        behavior_logprobs=logprobs.detach(),
+        advantages=torch.zeros(1, 3),
+        mask=torch.tensor([[1, 1, 0]]),
+        ref_logprobs=ref,
+    )
+    cfg = AlgoConfig(loss=name, kl_ref_coef=0.5, is_mode="none")
+    loss, metrics = get_loss(name)(inp, cfg)
+    loss.backward()
+    log_rho = [-0.2, 0.5]
+    k3 = [math.exp(x) - 1 - x for x in log_rho]
+    assert metrics["kl_ref"] == pytest.approx(sum(k3) / 2)
+    assert loss.item() == pytest.approx(0.5 * sum(k3) / 2)
+    expected_grad = [0.5 * (1 - math.exp(x)) / 2 for x in log_rho] + [0.0]  # d k3 / d log π = 1 − ρ_ref
+    assert logprobs.grad[0].tolist() == pytest.approx(expected_grad)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss}-{c.loss_agg}")
+def test_garbage_in_padding_never_reaches_loss_or_gradient(cfg):
+    clean = _random_batch(1)
+    dirty = {k: (v.detach().clone() if v is not None else None) for k, v in clean.items()}
+    pad = ~clean["mask"]
+    dirty["logprobs"][pad] = float("-inf")
+    dirty["behavior_logprobs"][pad] = float("nan")
+    dirty["advantages"][pad] = float("nan")
+    dirty["ref_logprobs"][pad] = float("inf")
+    dirty["logprobs"].requires_grad_()
+    losses, grads = [], []
+    for batch in (clean, dirty):
+        loss, metrics = get_loss(cfg.loss)(LossInputs(**batch), cfg)
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, batch["logprobs"])[0])
+        assert all(math.isfinite(v) for v in metrics.values())
+    assert torch.isfinite(losses[1]) and losses[1].item() == pytest.approx(losses[0].item(), abs=1e-12)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-12)
+
+
+def test_combine_metrics_rule():
+    merged = combine_metrics(
+        [({"a": 1.0, "r_max": 2.0, "c_absmax": 1.0}, 1.0), ({"a": 4.0, "r_max": 1.0, "c_absmax": 3.0}, 3.0)]
+    )
+    assert merged == {"a": pytest.approx(3.25), "r_max": 2.0, "c_absmax": 3.0}
+
+
+def test_registry():
+    assert set(LOSSES) >= {"ppo_clip", "future_kl"}
+    with pytest.raises(ValueError, match="ppo_clip"):
+        get_loss("reinforce")
+    with pytest.raises(ValueError, match="already registered"):
+        register_loss("ppo_clip")(lambda inp, cfg: None)
+
+
+def test_shape_mismatch_is_a_value_error():
+    inp = _one_row([1.0, 1.0], [1.0, 1.0])
+    inp.mask = torch.ones(1, 3)
+    with pytest.raises(ValueError, match="mask"):
+        get_loss("ppo_clip")(inp, AlgoConfig())
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("eps_low", 1.0),
+        ("eps_low", -0.1),
+        ("eps_high", -0.1),
+        ("dual_clip", 1.0),
+        ("beta", -1.0),
+        ("horizon", 0),
+        ("horizon", True),
+        ("horizon", "all"),
+        ("is_cap", 0.0),
+        ("future_cost_clip", 0.0),
+        ("kl_ref_coef", -0.1),
+        ("loss", "pg"),
+        ("loss_agg", "sum"),
+        ("is_mode", "seq"),
+        ("old_logprob", "old"),
+    ],
+)
+def test_algo_config_validate_names_the_key(field, value):
+    AlgoConfig().validate()
+    AlgoConfig(loss="future_kl", horizon=64, dual_clip=3.0, future_cost_clip=1.0).validate()
+    with pytest.raises(ValueError, match=f"algo.{field}"):
+        AlgoConfig(**{field: value}).validate()
+
+
+def test_horizon_tokens():
+    assert AlgoConfig().horizon_tokens is None
+    assert AlgoConfig(horizon=4).horizon_tokens == 4
