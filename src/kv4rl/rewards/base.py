@@ -1,0 +1,126 @@
+"""Reward functions: one batch signature, a name registry, and final-answer extraction.
+
+A reward scores a whole batch at once (responses with their gold answers) so that a verifier can
+amortise a worker round-trip over hundreds of responses, and it returns diagnostic counts
+(`timeouts`, `errors`, `no_answer`) next to the scores so the training loop can log them.
+Registry entries are factories rather than functions: a verifier that owns a worker process is
+created with its options (`get_reward("math_verify", timeout_s=2)`) and released with `close()`
+or a `with` block.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+__all__ = [
+    "Reward",
+    "RewardFn",
+    "RewardResult",
+    "extract_boxed",
+    "get_reward",
+    "register_reward",
+    "registered_rewards",
+]
+
+
+@dataclass
+class RewardResult:
+    """Per-response scores plus batch-level diagnostic counts."""
+
+    scores: list[float]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+RewardFn = Callable[[list[str], list[str]], RewardResult]
+RewardFactory = Callable[..., RewardFn]
+
+_REGISTRY: dict[str, RewardFactory] = {}
+
+
+class Reward:
+    """Base for reward objects: batch call, `close()`, and use as a context manager.
+
+    Subclasses implement `score`; `__call__` checks that responses and golds pair up.
+    """
+
+    def __call__(self, responses: list[str], golds: list[str]) -> RewardResult:
+        if len(responses) != len(golds):
+            raise ValueError(
+                f"reward got {len(responses)} responses but {len(golds)} gold answers; they must pair up"
+            )
+        return self.score(list(responses), list(golds))
+
+    def score(self, responses: list[str], golds: list[str]) -> RewardResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release owned resources (worker processes); a no-op for in-process rewards."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
+    """Register a factory `(**options) -> RewardFn` under `name` (a class works as its own factory)."""
+
+    def decorator(factory: RewardFactory) -> RewardFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorator
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward(name: str, **options: Any) -> RewardFn:
+    """Build the reward registered as `name`, passing `options` (e.g. `timeout_s`) to its factory."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown reward {name!r}; known rewards: {', '.join(registered_rewards())}")
+    factory = _REGISTRY[name]
+    try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as exc:
+        raise ValueError(f"bad options {sorted(options)} for reward {name!r}: {exc}") from None
+    return factory(**options)
+
+
+_BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), or None if there is none or it is unclosed.
+
+    Braces nest; backslash escapes such as `\\{`, `\\}` and `\\\\` are skipped when counting, so
+    `\\boxed{\\{1, 2\\}}` gives `\\{1, 2\\}`. An unclosed last box (a truncated response) gives None
+    rather than an earlier box, since the earlier one was not the final answer.
+    """
+    openings = list(_BOX_OPENING.finditer(text))
+    if not openings:
+        return None
+    start = openings[-1].end()
+    depth = 1
+    i = start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+        i += 1
+    return None

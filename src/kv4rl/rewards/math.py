@@ -1,0 +1,250 @@
+"""Final-answer rewards for maths: `math_verify` (symbolic equivalence) and `exact` (string/integer).
+
+Only the last `\\boxed{...}` of a response is graded; a response without one scores 0 and is counted
+as `no_answer` (falling back to the whole text would reward answers the model never committed to).
+
+`math_verify` runs in a separate worker process because sympy can take unbounded time on
+adversarial model output, and a thread cannot be interrupted. The worker (spawn context, so it is
+safe next to CUDA) imports the check function once and serves many batches over a pipe: the whole
+batch goes in one message and results stream back one per item. Each result must arrive within
+`timeout_s` of the previous one; if it does not, that item scores 0 and counts as a timeout, the
+worker is killed and restarted, and the rest of the batch is resent. The check function is named
+by import path (`check_fn="module:function"`) so tests can substitute one that hangs or raises.
+math-verify's own signal-based timeouts are switched off: this watchdog is the single mechanism.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import multiprocessing
+import re
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kv4rl.rewards.base import Reward, RewardResult, extract_boxed, register_reward
+
+__all__ = ["DEFAULT_CHECK_FN", "ExactReward", "MathVerifyReward", "exact_match", "verify_answer"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHECK_FN = "kv4rl.rewards.math:verify_answer"
+
+CheckFn = Callable[[str, str], bool]
+# One item's outcome: ("ok", bool), ("error", message) or ("timeout", None).
+Outcome = tuple[str, Any]
+
+
+class _DropTimeoutDisabledWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+@functools.cache
+def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    import math_verify
+
+    # We disable its per-call timeouts on purpose (see the module docstring); silence the reminder.
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropTimeoutDisabledWarning())
+    return math_verify.parse, math_verify.verify
+
+
+def verify_answer(predicted: str, gold: str) -> bool:
+    """True when the boxed answer `predicted` is mathematically equivalent to `gold` (math-verify)."""
+    parse, verify = _math_verify()
+    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
+    if not gold_parsed:
+        raise ValueError(f"gold answer {gold!r} does not parse with math-verify")
+    predicted_parsed = parse(f"\\boxed{{{predicted}}}", parsing_timeout=None)
+    return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=None))
+
+
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+def exact_match(predicted: str, gold: str) -> bool:
+    """Equal after stripping surrounding whitespace; two integers compare by value (`007` == `7`)."""
+    predicted, gold = predicted.strip(), gold.strip()
+    if _INTEGER.fullmatch(predicted) and _INTEGER.fullmatch(gold):
+        return int(predicted) == int(gold)
+    return predicted == gold
+
+
+def _boxed_answers(responses: list[str]) -> list[str | None]:
+    """The stripped last-box content per response; None when absent, unclosed or empty."""
+    answers = []
+    for response in responses:
+        boxed = extract_boxed(response)
+        answers.append(boxed.strip() if boxed is not None and boxed.strip() else None)
+    return answers
+
+
+@register_reward("exact")
+class ExactReward(Reward):
+    """In-process exact match of the boxed answer, for synthetic tasks with integer/string answers."""
+
+    def score(self, responses: list[str], golds: list[str]) -> RewardResult:
+        answers = _boxed_answers(responses)
+        scores = [float(a is not None and exact_match(a, g)) for a, g in zip(answers, golds)]
+        return RewardResult(scores, {"no_answer": float(answers.count(None))})
+
+
+def _resolve_check_fn(check_fn: str) -> CheckFn:
+    module_name, _, attribute_path = check_fn.partition(":")
+    target: Any = importlib.import_module(module_name)
+    for attribute in attribute_path.split("."):
+        target = getattr(target, attribute)
+    return target
+
+
+def _serve(conn: Connection, check_fn: str) -> None:
+    """Worker main loop: load the check, report ready, then answer batches until told to stop."""
+    try:
+        check = _resolve_check_fn(check_fn)
+        check("0", "0")  # pay for imports and sympy warm-up before any item's clock starts
+    except Exception as exc:  # noqa: BLE001 - any failure to load is reported to the parent
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            batch = conn.recv()
+        except EOFError:
+            return
+        if batch is None:
+            return
+        for index, (predicted, gold) in batch:
+            try:
+                conn.send((index, "ok", bool(check(predicted, gold))))
+            except Exception as exc:  # noqa: BLE001 - a failing check must not kill the worker
+                conn.send((index, "error", f"{type(exc).__name__}: {exc}"))
+
+
+@register_reward("math_verify")
+class MathVerifyReward(Reward):
+    """Boxed answer vs gold with math-verify, in a watchdogged worker process (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 5.0,
+        check_fn: str = DEFAULT_CHECK_FN,
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        if timeout_s <= 0 or startup_timeout_s <= 0:
+            raise ValueError(
+                f"timeout_s and startup_timeout_s must be positive, got {timeout_s} and {startup_timeout_s}"
+            )
+        module_name, colon, attribute_path = check_fn.partition(":")
+        if not (colon and module_name and attribute_path):
+            raise ValueError(f"check_fn must look like 'package.module:function', got {check_fn!r}")
+        self.timeout_s = timeout_s
+        self.check_fn = check_fn
+        self.startup_timeout_s = startup_timeout_s
+        self._context = multiprocessing.get_context("spawn")
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    def score(self, responses: list[str], golds: list[str]) -> RewardResult:
+        answers = _boxed_answers(responses)
+        items = [(i, (a, g)) for i, (a, g) in enumerate(zip(answers, golds)) if a is not None]
+        outcomes = self._check_all(items) if items else {}
+        scores = [0.0] * len(responses)
+        counts = {"no_answer": len(responses) - len(items), "timeouts": 0, "errors": 0}
+        for index, (kind, value) in outcomes.items():
+            if kind == "ok":
+                scores[index] = float(value)
+            elif kind == "timeout":
+                counts["timeouts"] += 1
+            else:
+                counts["errors"] += 1
+                logger.warning("math_verify check failed on %r: %s", answers[index], value)
+        return RewardResult(scores, {name: float(count) for name, count in counts.items()})
+
+    def _check_all(self, items: list[tuple[int, tuple[str, str]]]) -> dict[int, Outcome]:
+        outcomes: dict[int, Outcome] = {}
+        remaining = items
+        while remaining:
+            conn = self._ensure_worker()
+            conn.send(remaining)
+            remaining = remaining[self._collect(conn, remaining, outcomes) :]
+        return outcomes
+
+    def _collect(self, conn: Connection, items: list[tuple[int, Any]], outcomes: dict[int, Outcome]) -> int:
+        """Receive results in order; on a hang or a dead worker settle that item, drop the worker and
+        return how many items are settled so the caller resends the rest."""
+        for position, (index, (predicted, _)) in enumerate(items):
+            if not conn.poll(self.timeout_s):
+                logger.warning(
+                    "math_verify timed out after %.1f s on %r; restarting worker",
+                    self.timeout_s,
+                    predicted[:200],
+                )
+                outcomes[index] = ("timeout", None)
+                self._stop_worker(graceful=False)
+                return position + 1
+            try:
+                got_index, kind, value = conn.recv()
+            except EOFError:
+                outcomes[index] = ("error", "worker process died")
+                self._stop_worker(graceful=False)
+                return position + 1
+            assert got_index == index, (got_index, index)
+            outcomes[index] = (kind, value)
+        return len(items)
+
+    def _ensure_worker(self) -> Connection:
+        if self._process is not None and self._process.is_alive():
+            assert self._conn is not None
+            return self._conn
+        if self._process is not None:  # died between batches
+            self._stop_worker(graceful=False)
+        parent_conn, child_conn = self._context.Pipe()
+        process = self._context.Process(
+            target=_serve, args=(child_conn, self.check_fn), name="kv4rl-math-verify", daemon=True
+        )
+        process.start()
+        child_conn.close()  # so that the worker dying shows up as EOF on our end
+        self._process, self._conn = process, parent_conn
+        self._await_ready(parent_conn)
+        return parent_conn
+
+    def _await_ready(self, conn: Connection) -> None:
+        if not conn.poll(self.startup_timeout_s):
+            self._stop_worker(graceful=False)
+            raise RuntimeError(f"math_verify worker did not start within {self.startup_timeout_s} s")
+        try:
+            status, message = conn.recv()
+        except EOFError:
+            status, message = (
+                "failed",
+                (
+                    "the worker exited during startup; with the spawn start method it re-imports the main "
+                    "script, so that script's top level must be guarded by `if __name__ == '__main__':`"
+                ),
+            )
+        if status != "ready":
+            self._stop_worker(graceful=False)
+            raise ValueError(f"math_verify worker could not load check_fn {self.check_fn!r}: {message}")
+
+    def _stop_worker(self, *, graceful: bool) -> None:
+        process, conn = self._process, self._conn
+        self._process, self._conn = None, None
+        if process is None or conn is None:
+            return
+        if graceful and process.is_alive():
+            try:
+                conn.send(None)
+                process.join(timeout=5.0)
+            except (BrokenPipeError, OSError):
+                pass
+        if process.is_alive():
+            process.kill()
+        process.join()
+        conn.close()
+
+    def close(self) -> None:
+        self._stop_worker(graceful=True)

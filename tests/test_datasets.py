@@ -1,0 +1,118 @@
+"""JSONL problem loading: field handling, default ids, and errors that name the file and line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kv4rl.data.datasets import DatasetError, load_jsonl
+from kv4rl.data.types import Problem
+
+SHARED_DATA = Path("/work/shared/data")
+
+
+def write_lines(tmp_path: Path, lines: list[str], name: str = "set.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_loads_rows_with_defaults_and_meta(tmp_path):
+    path = write_lines(
+        tmp_path,
+        [
+            json.dumps({"problem": "1+1?", "answer": "2", "id": "p1", "level": 3, "source": "hand"}),
+            "",
+            json.dumps({"problem": "Half of 1?", "answer": 0.5}),
+            "   ",
+            json.dumps({"problem": "AIME-style", "answer": 25, "id": 7}),
+            json.dumps({"problem": "sep\u2028inside", "answer": "x"}),
+        ],
+    )
+    assert load_jsonl(path) == [
+        Problem(problem="1+1?", answer="2", id="p1", meta={"level": 3, "source": "hand"}),
+        Problem(problem="Half of 1?", answer="0.5", id="set.jsonl:3", meta={}),
+        Problem(problem="AIME-style", answer="25", id="7", meta={}),
+        Problem(problem="sep\u2028inside", answer="x", id="set.jsonl:6", meta={}),
+    ]
+
+
+def test_problem_is_frozen():
+    problem = Problem(problem="q", answer="a", id="i")
+    assert problem.meta == {}
+    with pytest.raises(AttributeError):
+        problem.answer = "b"
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        (json.dumps({"answer": "1"}), "missing field 'problem'"),
+        (json.dumps({"problem": "q"}), "missing field 'answer'"),
+        (json.dumps({"problem": "  ", "answer": "1"}), "field 'problem' is empty"),
+        (json.dumps({"problem": "q", "answer": ""}), "field 'answer' is empty"),
+        (json.dumps({"problem": 5, "answer": "1"}), "field 'problem' must be a string, got int"),
+        (
+            json.dumps({"problem": "q", "answer": [1]}),
+            "field 'answer' must be a string or a number, got list",
+        ),
+        (
+            json.dumps({"problem": "q", "answer": True}),
+            "field 'answer' must be a string or a number, got bool",
+        ),
+        ('{"problem": "q", "answer": NaN}', "field 'answer' is not a finite number"),
+        (json.dumps({"problem": "q", "answer": "1", "id": None}), "field 'id' must be"),
+        (
+            json.dumps({"problem": "q", "answer": "1", "id": "a"}),
+            r"duplicate id 'a' \(first used on line 1\)",
+        ),
+    ],
+)
+def test_malformed_row_names_file_and_line(tmp_path, bad_line, message):
+    good = json.dumps({"problem": "q", "answer": "1", "id": "a"})
+    path = write_lines(tmp_path, [good, "", bad_line])
+    with pytest.raises(DatasetError, match=f"{path}:3: {message}"):
+        load_jsonl(path)
+
+
+def test_invalid_utf8_is_reported(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"problem": "q", "answer": "\xff"}\n')
+    with pytest.raises(DatasetError, match=f"{path}:1: not valid UTF-8"):
+        load_jsonl(path)
+
+
+def test_missing_and_empty_files(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(DatasetError, match=f"{missing} does not exist"):
+        load_jsonl(missing)
+    empty = write_lines(tmp_path, ["", "  "], name="empty.jsonl")
+    with pytest.raises(DatasetError, match=f"{empty} contains no rows"):
+        load_jsonl(empty)
+
+
+def test_dataset_error_is_a_value_error():
+    assert issubclass(DatasetError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("name", "num_rows", "first_id"),
+    [
+        ("math500.jsonl", 500, "test/precalculus/807.json"),
+        ("aime2024.jsonl", 30, "2024-I-1"),
+    ],
+)
+def test_shared_eval_sets_load(name, num_rows, first_id):
+    path = SHARED_DATA / name
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    problems = load_jsonl(path)
+    assert len(problems) == num_rows
+    assert problems[0].id == first_id
+    assert len({p.id for p in problems}) == num_rows
+    assert all(p.answer.strip() and p.problem.strip() for p in problems)
+    assert all(p.meta["source"] for p in problems)

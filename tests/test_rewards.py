@@ -1,0 +1,199 @@
+"""Rewards: boxed extraction, the registry, `exact`, and `math_verify` with its watchdogged worker."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kv4rl.rewards import base, extract_boxed, get_reward, registered_rewards
+from kv4rl.rewards.math import MathVerifyReward, verify_answer
+
+MATH500 = Path("/work/shared/data/math500.jsonl")
+
+
+def _hang_or_raise_check(predicted: str, gold: str) -> bool:
+    """Check used by the worker tests: hangs on `HANG`, raises on `RAISE`, else the real check."""
+    if predicted == "HANG":
+        time.sleep(3600)
+    if predicted == "RAISE":
+        raise RuntimeError("check blew up")
+    return verify_answer(predicted, gold)
+
+
+TEST_CHECK_FN = f"{__name__}:_hang_or_raise_check"
+
+
+@pytest.fixture(scope="module")
+def math_reward():
+    with get_reward("math_verify", timeout_s=5.0) as reward:
+        yield reward
+
+
+# --- extract_boxed -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (r"so the answer is \boxed{42}.", "42"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"first \boxed{1} then \boxed{2}", "2"),
+        (r"\fbox{7}", "7"),
+        (r"\boxed {x+1}", "x+1"),
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+        (r"\boxed{a_{b_{c}}} tail }", "a_{b_{c}}"),
+        (r"\boxed{}", ""),
+        ("no box here", None),
+        (r"\boxed{\frac{1}{2}", None),
+        (r"\boxed{1} and a truncated \boxed{\frac{3", None),
+        (r"\boxed 5", None),
+    ],
+)
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+# --- registry ------------------------------------------------------------------------------------
+
+
+def test_builtin_rewards_are_registered():
+    assert {"exact", "math_verify"} <= set(registered_rewards())
+
+
+def test_unknown_reward_lists_known_names():
+    with pytest.raises(ValueError, match="unknown reward 'nope'.*exact.*math_verify"):
+        get_reward("nope")
+
+
+def test_bad_option_is_a_value_error():
+    with pytest.raises(ValueError, match="bad options.*'exact'"):
+        get_reward("exact", timeout_s=3)
+
+
+def test_register_reward_passes_options_and_rejects_duplicates(monkeypatch):
+    monkeypatch.setattr(base, "_REGISTRY", {})
+
+    @base.register_reward("constant")
+    def make_constant(value: float = 1.0):
+        return lambda responses, golds: base.RewardResult([value] * len(responses), {})
+
+    assert get_reward("constant", value=0.25)(["a", "b"], ["x", "y"]).scores == [0.25, 0.25]
+    with pytest.raises(ValueError, match="already registered"):
+        base.register_reward("constant")(make_constant)
+
+
+# --- exact ---------------------------------------------------------------------------------------
+
+
+def test_exact_reward_scores_and_counts():
+    responses = [
+        r"\boxed{007}",
+        r"\boxed{ 12 }",
+        r"\boxed{3}",
+        "no box",
+        r"\boxed{-05}",
+        r"\boxed{7.0}",
+        r"\boxed{abc}",
+        r"\boxed{  }",
+    ]
+    golds = ["7", "12", "4", "1", "-5", "7", "abc", "1"]
+    with get_reward("exact") as reward:
+        result = reward(responses, golds)
+    assert result.scores == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert result.stats == {"no_answer": 2.0}
+
+
+def test_reward_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="2 responses but 1 gold"):
+        get_reward("exact")(["a", "b"], ["a"])
+
+
+# --- math_verify ---------------------------------------------------------------------------------
+
+
+def test_math_verify_correct_incorrect_and_missing(math_reward):
+    cases = [
+        (r"Thus \boxed{\frac{1}{2}}.", "0.5", 1.0),
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{\frac{2}{4}}", r"\frac12", 1.0),
+        (r"\boxed{3}", "4", 0.0),
+        (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
+        (r"\boxed{(3, \pi)}", r"\left( 3, \frac{\pi}{2} \right)", 0.0),
+        ("The answer is 0.5", "0.5", 0.0),  # no box: not graded
+        (r"\boxed{\frac{1}{2}", "0.5", 0.0),  # unclosed box
+    ]
+    result = math_reward([c[0] for c in cases], [c[1] for c in cases])
+    assert result.scores == [c[2] for c in cases]
+    assert result.stats == {"no_answer": 2.0, "timeouts": 0.0, "errors": 0.0}
+
+
+def test_math_verify_unparseable_gold_counts_as_error(math_reward):
+    result = math_reward([r"\boxed{1}", r"\boxed{1}"], ["\\\\", "1"])
+    assert result.scores == [0.0, 1.0]
+    assert result.stats["errors"] == 1.0
+
+
+@pytest.mark.skipif(not MATH500.exists(), reason="shared MATH-500 file not present")
+def test_math_verify_on_math500_golds(math_reward):
+    rows = [json.loads(line) for line in MATH500.read_text().splitlines()[:120]]
+    golds = [row["answer"] for row in rows]
+    own = math_reward([f"The answer is \\boxed{{{gold}}}." for gold in golds], golds)
+    assert own.scores == [1.0] * len(golds)
+    shifted = math_reward([f"\\boxed{{{gold}}}" for gold in golds[1:] + golds[:1]], golds)
+    # A neighbour's answer is almost never right; allow the few coincidences (equal golds).
+    coincidences = sum(a == b for a, b in zip(golds[1:] + golds[:1], golds))
+    assert sum(shifted.scores) <= coincidences + 3
+
+
+def test_hanging_check_times_out_and_worker_recovers():
+    responses = [
+        r"\boxed{\frac{1}{2}}",
+        r"\boxed{HANG}",
+        r"\boxed{3}",
+        r"\boxed{RAISE}",
+        r"\boxed{HANG}",
+        r"\boxed{2}",
+        "unboxed",
+    ]
+    golds = ["0.5", "1", "4", "1", "1", "2", "2"]
+    with MathVerifyReward(timeout_s=1.0, check_fn=TEST_CHECK_FN) as reward:
+        start = time.monotonic()
+        result = reward(responses, golds)
+        elapsed = time.monotonic() - start
+        assert result.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        assert result.stats == {"no_answer": 1.0, "timeouts": 2.0, "errors": 1.0}
+        # Two 1 s timeouts plus two worker restarts (~0.5 s each here); nowhere near the 3600 s sleep.
+        assert elapsed < 15.0
+        follow_up = reward([r"\boxed{4}", r"\boxed{5}"], ["4", "4"])
+        assert follow_up.scores == [1.0, 0.0]
+        assert follow_up.stats["timeouts"] == 0.0
+        process = reward._process
+        assert process is not None and process.is_alive()
+    assert not process.is_alive()
+
+
+def test_worker_killed_between_batches_is_restarted(math_reward):
+    assert math_reward([r"\boxed{1}"], ["1"]).scores == [1.0]
+    old_process = math_reward._process
+    old_process.kill()
+    old_process.join()
+    assert math_reward([r"\boxed{2}", r"\boxed{3}"], ["2", "2"]).scores == [1.0, 0.0]
+    assert math_reward._process.pid != old_process.pid
+
+
+def test_bad_check_fn_is_reported():
+    with pytest.raises(ValueError, match="check_fn must look like"):
+        MathVerifyReward(check_fn="no_colon_here")
+    with (
+        MathVerifyReward(check_fn="kv4rl_no_such_module:check") as reward,
+        pytest.raises(ValueError, match="could not load check_fn.*kv4rl_no_such_module"),
+    ):
+        reward([r"\boxed{1}"], ["1"])
+
+
+def test_non_positive_timeout_is_rejected():
+    with pytest.raises(ValueError, match="timeout_s"):
+        get_reward("math_verify", timeout_s=0)
