@@ -86,3 +86,26 @@ def test_bf16_cache_runs(tiny_qwen3):
     out = engine.generate(prompts(3, 97, seed=5), SamplingParams(max_tokens=5, ignore_eos=True, seed=0))
     assert all(len(c.token_ids) == 5 for c in out)
     assert engine.bytes_per_token == 2 * 2 * 2 * 16 * 2  # K+V x layers x kv heads x head_dim x 2 bytes
+
+
+def test_sampling_is_independent_of_batching_and_preemption(tiny_qwen3):
+    """Counter-based noise: a request samples the same tokens alone, in a batch, or when preempted."""
+    path, _ = tiny_qwen3
+    ps = prompts(8, 97, seed=6)
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=11)
+
+    def run(num_blocks, max_seqs, order):
+        cfg = EngineConfig(kv=KVConfig(format="fp32", block_size=2), num_kv_blocks=num_blocks, max_model_len=40)
+        engine = Engine(path, cfg, max_num_seqs=max_seqs, device="cpu", dtype="float32")
+        seqs = [engine.add_request(ps[i], params, sample_seed=1000 + i) for i in order]
+        while engine.has_unfinished():
+            engine.step()
+        return {s.sample_seed: (s.output_ids, s.output_logprobs) for s in seqs}, engine.num_preemptions
+
+    alone, _ = run(None, 1, range(8))
+    batched, _ = run(None, 8, reversed(range(8)))
+    squeezed, preempted = run(30, 8, range(8))
+    assert preempted > 0
+    for key in alone:
+        assert alone[key][0] == batched[key][0] == squeezed[key][0]
+        assert torch.allclose(torch.tensor(alone[key][1]), torch.tensor(squeezed[key][1]), atol=1e-5)

@@ -24,6 +24,14 @@ from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
 log = logging.getLogger(__name__)
 
 
+def request_seed(seed: int, index: int) -> int:
+    """A well-mixed 62-bit sampling seed for request `index` of a call seeded with `seed`."""
+    from kv4rl.engine.sampler import splitmix64
+
+    mixed = splitmix64(torch.tensor([seed * 1_000_003 + index], dtype=torch.long))
+    return int(mixed) & (2**62 - 1)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,7 +86,7 @@ class Engine:
         )
         eos = self.args.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.generator = torch.Generator(device=self.device)
+        self.generator = torch.Generator()  # only draws per-request seeds; sampling noise is counter-based
         self.generator.manual_seed(seed)
         self.version = 0
         self.bytes_per_token = self.kv_format.bytes_per_token(self.args.num_kv_heads, self.args.head_dim) * (
@@ -92,11 +100,15 @@ class Engine:
         )
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, tag: Any = None) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, tag: Any = None,
+                    sample_seed: int | None = None) -> Sequence:
+        """Queue one request. `sample_seed` fixes its random stream (default: drawn from the engine's)."""
         params.validate()
         if not prompt_ids:
             raise ValueError("empty prompt")
-        seq = Sequence(list(prompt_ids), params, tag=tag)
+        if sample_seed is None:
+            sample_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        seq = Sequence(list(prompt_ids), params, tag=tag, sample_seed=sample_seed)
         self.scheduler.add(seq)
         return seq
 
@@ -116,7 +128,8 @@ class Engine:
             torch.tensor([p.temperature for p in params], dtype=torch.float32, **to),
             torch.tensor([p.top_k for p in params], dtype=torch.long, **to),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, **to),
-            self.generator,
+            torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, **to),
+            torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long, **to),
         )
         finished = []
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
@@ -137,11 +150,11 @@ class Engine:
     ) -> list[Completion]:
         """Run prompts to completion; results in input order. `progress(n_done)` is called per finish."""
         params = params or SamplingParams()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
         prompts = list(prompts)
         tags = list(tags) if tags is not None else [None] * len(prompts)
-        seqs = [self.add_request(self._encode(p), params, t) for p, t in zip(prompts, tags)]
+        seeds = [None] * len(prompts) if params.seed is None else [request_seed(params.seed, i)
+                                                                   for i in range(len(prompts))]
+        seqs = [self.add_request(self._encode(p), params, t, s) for p, t, s in zip(prompts, tags, seeds)]
         done = 0
         while self.has_unfinished():
             done += len(self.step())

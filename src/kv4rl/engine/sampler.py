@@ -2,11 +2,41 @@
 
 The reported log-prob is `log_softmax(truncate(logits / τ))` at the sampled token, so with top-p = 1
 and top-k off it is exactly the behaviour policy μ that RL needs; greedy rows report 0 (a point mass).
+
+Randomness is counter-based: the Gumbel noise for a token is a hash of (the sequence's seed, its
+position, the vocabulary index). A sequence therefore samples the same tokens whatever batch it
+shares, whether it was preempted and recomputed, or resumed from a checkpoint — which is what makes
+partial rollout and resume reproducible. Gumbel-max over the truncated logits is an exact sample.
 """
 
 from __future__ import annotations
 
 import torch
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # as signed int64
+_MUL1 = 0xBF58476D1CE4E5B9 - 2**64
+_MUL2 = 0x94D049BB133111EB - 2**64
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser on int64 tensors (wrapping arithmetic)."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float64 uniforms in (0, 1), a pure function of (seed, step, vocab index)."""
+    row = splitmix64(seeds ^ splitmix64(steps))
+    cols = torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN
+    bits = _shr(splitmix64(row[:, None] + cols[None, :]), 11)
+    return (bits.double() + 0.5) * 2.0**-53
 
 
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -31,15 +61,17 @@ def sample(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
-    generator: torch.Generator | None = None,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p."""
+    """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p / seed / step."""
     logits = logits.float()
     greedy = temperature <= 0
     safe_temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = _truncate(logits / safe_temp[:, None], top_k, top_p)
     logprobs_all = scaled.log_softmax(-1)
-    sampled = torch.multinomial(logprobs_all.exp(), 1, generator=generator).squeeze(1)
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+    sampled = (logprobs_all.double() + gumbel).argmax(-1)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)

@@ -53,6 +53,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     tag: Any = None
+    sample_seed: int = 0  # counter-based sampling: token t's noise depends on (sample_seed, t) only
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
