@@ -8,6 +8,7 @@ continuous-batching loop for orchestration that keeps requests alive across weig
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -89,6 +90,7 @@ class Engine:
         self.generator = torch.Generator()  # only draws per-request seeds; sampling noise is counter-based
         self.generator.manual_seed(seed)
         self.version = 0
+        self.last_step: dict = {}
         self.bytes_per_token = self.kv_format.bytes_per_token(self.args.num_kv_heads, self.args.head_dim) * (
             self.args.num_layers
         )
@@ -101,25 +103,50 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tag: Any = None,
-                    sample_seed: int | None = None) -> Sequence:
-        """Queue one request. `sample_seed` fixes its random stream (default: drawn from the engine's)."""
+                    sample_seed: int | None = None, resume_from: Completion | None = None) -> Sequence:
+        """Queue one request. `sample_seed` fixes its random stream (default: drawn from the engine's).
+
+        `resume_from` continues a partially generated response (tokens, log-probs and versions kept);
+        its KV is recomputed by the prefill.
+        """
         params.validate()
         if not prompt_ids:
             raise ValueError("empty prompt")
         if sample_seed is None:
             sample_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         seq = Sequence(list(prompt_ids), params, tag=tag, sample_seed=sample_seed)
+        if resume_from is not None:
+            seq.output_ids = list(resume_from.token_ids)
+            seq.output_logprobs = list(resume_from.logprobs)
+            seq.output_versions = list(resume_from.versions)
         self.scheduler.add(seq)
         return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Remove an unfinished request (its blocks are freed); it is never returned by `step`."""
+        self.scheduler.abort(seq)
+
+    def recompute_all(self) -> None:
+        """Drop every running sequence's KV so it is re-prefilled under the current weights."""
+        self.scheduler.preempt_all()
+
+    def unfinished(self) -> list[Sequence]:
+        return list(self.scheduler.running) + list(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """Advance every scheduled sequence by one token; return the ones that finished."""
-        seqs, _ = self.scheduler.schedule()
+        """Advance every scheduled sequence by one token; return the ones that finished.
+
+        `last_step` afterwards describes the step for rollout traces: batch size, prefill or decode,
+        mean context length, nominal resident KV bytes and latency.
+        """
+        t0 = time.perf_counter()
+        seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
+        new_tokens = sum(s.num_new_tokens for s in seqs)
         logits = self.runner.forward(seqs)
         params = [s.params for s in seqs]
         to = dict(device=self.device)
@@ -139,6 +166,17 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        resident = sum(len(s) for s in self.scheduler.running) + sum(len(s) for s in finished)
+        self.last_step = {
+            "batch_size": len(seqs),
+            "prefill": is_prefill,
+            "new_tokens": new_tokens,
+            "context_mean": sum(len(s) for s in seqs) / len(seqs),
+            "kv_bytes": resident * self.bytes_per_token,
+            "latency_s": time.perf_counter() - t0,
+        }
         return finished
 
     def generate(

@@ -99,6 +99,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def preempt_all(self) -> None:
+        """Preempt every running sequence, keeping their queue order ahead of the waiting ones."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = "abort"
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
