@@ -11,9 +11,9 @@ def make_checkpoint(path, model_type="qwen3", vocab=97, seed=0, **overrides):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[model_type]
-    kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                  eos_token_id=vocab - 1, tie_word_embeddings=False)
+    kwargs = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+              "eos_token_id": vocab - 1, "tie_word_embeddings": False}
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cls(**kwargs), dtype=torch.float32)

@@ -71,7 +71,7 @@ def test_eos_stops_and_versions_follow_load_weights(tiny_qwen3):
 def test_load_weights_changes_the_policy(tiny_qwen3, tmp_path):
     from tests.conftest import make_checkpoint
 
-    path, hf = tiny_qwen3
+    path, _ = tiny_qwen3
     other = make_checkpoint(tmp_path, seed=1)
     engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64), device="cpu", dtype="float32")
     p = prompts(1, 97, seed=4)[0]

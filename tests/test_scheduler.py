@@ -24,12 +24,13 @@ def drive(num_requests, num_blocks, block_size, max_seqs, seed):
     finished = []
     steps = 0
     while sched.has_unfinished():
-        batch, is_prefill = sched.schedule()
+        batch = sched.schedule()
         assert batch, "empty batch with work pending"
         # invariants: blocks are disjoint and cover each sequence's positions
         owned = [b for s in sched.running for b in s.block_table]
         assert len(owned) == len(set(owned))
         assert len(owned) + blocks.num_free_blocks == num_blocks
+        assert sum(s.num_new_tokens for s in batch) <= 64 or len(batch) == 1
         for s in batch:
             assert len(s.block_table) >= blocks_needed(len(s), block_size)
             s.num_cached_tokens = len(s)

@@ -8,16 +8,24 @@ from typing import Literal
 
 @dataclass(kw_only=True, slots=True)
 class KVConfig:
-    """How the paged KV cache stores keys and values.
+    """How the paged KV cache stores keys and values (SPEC §6).
 
-    `format: auto` stores KV in the model's compute dtype (fp32 on CPU, bf16 on CUDA).
+    `format: auto` stores KV in the model's compute dtype (fp32 on CPU, bf16 on CUDA); the others are
+    bf16, fp32, fp8, int4, kv4, nvfp4, mxfp4. `group_size` applies to int4/kv4. `rotate: auto` means
+    the format's default: `k` for kv4, `none` for the rest. `n_sink`/`n_recent` are kv4's INT8-protected
+    positions per sequence. Checks that need the model (head_dim, context limit) run when the engine
+    starts.
     """
 
     format: str = "auto"
     block_size: int = 16
+    group_size: int = 128
+    rotate: Literal["auto", "none", "k", "kv"] = "auto"
+    n_sink: int = 16
+    n_recent: int = 128
 
     def validate(self) -> None:
-        from kv4rl.engine.kv_formats import KV_FORMATS
+        from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
 
         if self.format != "auto" and self.format not in KV_FORMATS:
             raise ValueError(
@@ -26,6 +34,8 @@ class KVConfig:
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"engine.kv.block_size must be a power of two, got {self.block_size}")
+        if self.format != "auto":
+            kv_format_from_config(self)  # option checks that need no model
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +53,12 @@ class EngineConfig:
 
     def validate(self) -> None:
         self.kv.validate()
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"engine.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv.format != "auto" and self.max_model_len is not None:
+            from kv4rl.engine.kv_formats import kv_format_from_config
+
+            kv_format_from_config(self.kv).check(head_dim=None, max_model_len=self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_num_batched_tokens < 1:

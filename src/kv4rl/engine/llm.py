@@ -3,20 +3,23 @@
 `Engine.generate(prompts, params)` runs to completion; `add_request` / `step` expose the
 continuous-batching loop for orchestration that keeps requests alive across weight updates.
 `load_weights(state_dict, version)` copies learner weights in place and tags later tokens.
+`score_tokens(prompts, forced)` teacher-forces given responses through the same cache path and
+returns full-vocabulary logits (the fidelity bench compares KV formats with it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from kv4rl.engine.block_manager import BlockManager, blocks_needed
 from kv4rl.engine.config import EngineConfig
-from kv4rl.engine.kv_formats import get_kv_format
+from kv4rl.engine.kv_formats import kv_format_from_config
 from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.sampler import sample
 from kv4rl.engine.scheduler import Scheduler
@@ -70,17 +73,19 @@ class Engine:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
         self.model, self.args = load_model(model_dir, self.device, self.dtype)
+        self.model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
         self.tokenizer = tokenizer
         fmt_name = config.kv.format
         if fmt_name == "auto":
             fmt_name = "bf16" if self.dtype == torch.bfloat16 else "fp32"
-        self.kv_format = get_kv_format(fmt_name)
+        self.kv_format = kv_format_from_config(config.kv, fmt_name)
         block_size = config.kv.block_size
         self.max_model_len = config.max_model_len or self.args.max_position_embeddings
+        self.kv_format.check(self.args.head_dim, self.max_model_len)
         num_blocks = config.num_kv_blocks or max_num_seqs * blocks_needed(self.max_model_len, block_size)
         self.runner = ModelRunner(
             self.model, self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
-            self.kv_format, num_blocks, block_size, self.device,
+            self.kv_format, num_blocks, block_size, self.device, max_num_seqs=max_num_seqs,
         )
         self.scheduler = Scheduler(
             BlockManager(num_blocks, block_size), max_num_seqs, config.max_num_batched_tokens, self.max_model_len
@@ -91,15 +96,21 @@ class Engine:
         self.generator.manual_seed(seed)
         self.version = 0
         self.last_step: dict = {}
-        self.bytes_per_token = self.kv_format.bytes_per_token(self.args.num_kv_heads, self.args.head_dim) * (
-            self.args.num_layers
-        )
+        # all layers, scales and KV4's reserved INT8 rows (spread over max_model_len) included
+        self.bytes_per_token = self.kv_bytes_per_token(self.max_model_len)
         self.pool_tokens = num_blocks * block_size
+        self.pool_bytes = self.runner.cache_bytes
         log.info(
-            "engine: kv format %s, %.0f bytes/token, pool %d tokens (%d blocks x %d), %.1f MiB",
-            fmt_name, self.bytes_per_token, self.pool_tokens, num_blocks, block_size,
-            self.bytes_per_token * self.pool_tokens / 2**20,
+            "engine: kv format %s (rotate %s), %.1f bytes/token at context %d, pool %d tokens "
+            "(%d blocks x %d) for up to %d sequences, %.1f MiB",
+            fmt_name, self.kv_format.rotate, self.bytes_per_token, self.max_model_len, self.pool_tokens,
+            num_blocks, block_size, max_num_seqs, self.pool_bytes / 2**20,
         )
+
+    def kv_bytes_per_token(self, context_len: int) -> float:
+        """KV storage per token over all layers, K and V, scales and protected copies at `context_len`."""
+        per_layer = self.kv_format.bytes_per_token(self.args.num_kv_heads, self.args.head_dim, context_len)
+        return per_layer * self.args.num_layers
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tag: Any = None,
@@ -140,16 +151,16 @@ class Engine:
         """Advance every scheduled sequence by one token; return the ones that finished.
 
         `last_step` afterwards describes the step for rollout traces: batch size, prefill or decode,
-        mean context length, nominal resident KV bytes and latency.
+        new (prefill + decode) tokens, mean context length, nominal resident KV bytes and latency.
         """
         t0 = time.perf_counter()
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs = self.scheduler.schedule()
         if not seqs:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
         new_tokens = sum(s.num_new_tokens for s in seqs)
         logits = self.runner.forward(seqs)
         params = [s.params for s in seqs]
-        to = dict(device=self.device)
+        to = {"device": self.device}
         tokens, logprobs = sample(
             logits,
             torch.tensor([p.temperature for p in params], dtype=torch.float32, **to),
@@ -171,7 +182,6 @@ class Engine:
         resident = sum(len(s) for s in self.scheduler.running) + sum(len(s) for s in finished)
         self.last_step = {
             "batch_size": len(seqs),
-            "prefill": is_prefill,
             "new_tokens": new_tokens,
             "context_mean": sum(len(s) for s in seqs) / len(seqs),
             "kv_bytes": resident * self.bytes_per_token,
@@ -203,6 +213,47 @@ class Engine:
             for c in out:
                 c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return out
+
+    @torch.inference_mode()
+    def score_tokens(self, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher forcing: for each prompt, float32 logits[T, V] of its forced tokens, row t given
+        `prompt + forced[:t]`.
+
+        Each sequence is prefilled with its prompt, then decodes its forced tokens one at a time from
+        the engine's own KV cache, exactly as sampling would (a quantized cache attends over its
+        quantized history). Sequences are batched and may be preempted and recomputed like any other.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("score_tokens needs an idle engine (finish or abort pending requests first)")
+        if len(prompts) != len(forced):
+            raise ValueError(f"score_tokens: {len(prompts)} prompts but {len(forced)} forced sequences")
+        for prompt, tokens in zip(prompts, forced):
+            if not tokens:
+                raise ValueError("score_tokens: every forced sequence needs at least one token")
+            if len(prompt) + len(tokens) > self.max_model_len:
+                raise ValueError(
+                    f"score_tokens: {len(prompt)} prompt + {len(tokens)} forced tokens exceed "
+                    f"max_model_len={self.max_model_len}"
+                )
+        seqs = [
+            self.add_request(p, SamplingParams(temperature=0.0, max_tokens=len(f), ignore_eos=True), sample_seed=0)
+            for p, f in zip(prompts, forced)
+        ]
+        forced_by_id = {s.seq_id: f for s, f in zip(seqs, forced)}
+        rows: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
+        while self.has_unfinished():
+            batch = self.scheduler.schedule()
+            logits = self.runner.forward(batch)
+            logprobs = logits.log_softmax(-1)
+            for i, seq in enumerate(batch):
+                t = len(seq.output_ids)
+                assert len(rows[seq.seq_id]) == t, "a forced position was scored twice or skipped"
+                rows[seq.seq_id].append(logits[i])
+                token = forced_by_id[seq.seq_id][t]
+                seq.append(token, float(logprobs[i, token]), self.version)
+                if self.scheduler.stop_reason(seq, frozenset()) is not None:
+                    self.scheduler.finish(seq, "length")
+        return [torch.stack(rows[s.seq_id]) for s in seqs]
 
     def _encode(self, prompt: list[int] | str) -> list[int]:
         if isinstance(prompt, str):

@@ -1,10 +1,14 @@
 """Continuous batching: admit waiting requests as slots and KV blocks free up; preempt on OOM.
 
-Each step is either a prefill of newly admitted (or re-admitted) sequences or one decode token for
-every running sequence, as in nano-vllm. When a decode step needs a block and the pool is empty, the
+Every step advances every running sequence by exactly one token and, in the same batch, prefills
+newly admitted (or re-admitted) sequences within a token budget. Because a sequence's progress never
+waits on other sequences' prefills, a resumed or recomputed sequence keeps the same step-by-step
+timeline as an uninterrupted one. When a running sequence needs a block and the pool is empty, the
 most recently admitted sequence is preempted: its blocks are freed, its sampled tokens kept, and it
 is re-queued at the front to be recomputed (its whole prefix is prefilled again). Nothing is ever
-dropped. Torch-free, so the invariants are tested on CPU with random lengths.
+dropped. Each running sequence also holds one of `max_num_seqs` running slots, which indexes
+per-sequence cache state (KV4's protected rows); it is taken on admission and given back on finish
+or preemption. Torch-free, so the invariants are tested on CPU with random lengths.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._free_seq_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; refuse at once one that could never fit, instead of hanging later."""
@@ -50,26 +55,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next batch. Returns (sequences, is_prefill)."""
-        batch = self._admit()
-        if batch:
-            return batch, True
-        return self._decode_batch(), False
+    def schedule(self) -> list[Sequence]:
+        """The next batch: one decode token for each running sequence, then new admissions."""
+        decode = self._decode_batch()
+        return decode + self._admit(self.max_num_batched_tokens - len(decode))
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, budget: int) -> list[Sequence]:
         batch: list[Sequence] = []
-        budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # one token of headroom: the prefill samples a token whose KV the next step writes
             if not self.blocks.can_grow(seq, len(seq) + 1):
                 break
-            if batch and seq.num_new_tokens > budget:
-                break
+            if seq.num_new_tokens > budget and (batch or len(self.running) > 0):
+                break  # a prompt longer than the whole budget still runs, alone
             self.waiting.popleft()
             self.blocks.grow(seq, len(seq))
             seq.status = Status.RUNNING
+            seq.seq_slot = self._free_seq_slots.pop()
             budget -= seq.num_new_tokens
             self.running.append(seq)
             batch.append(seq)
@@ -91,9 +94,14 @@ class Scheduler:
                 i += 1
         return batch
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        self._free_seq_slots.append(seq.seq_slot)
+        seq.seq_slot = -1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -106,8 +114,7 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-            self.blocks.free(seq)
+            self._release(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
@@ -116,8 +123,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        self.running.remove(seq)
-        self.blocks.free(seq)
+        self._release(seq)
 
     def stop_reason(self, seq: Sequence, stop_ids: frozenset[int]) -> str | None:
         """Why `seq` should stop after its newest token, or None to continue."""

@@ -60,6 +60,7 @@ class Sequence:
     output_versions: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    seq_slot: int = -1  # running slot (0..max_num_seqs-1) owning per-sequence cache rows; -1 when not running
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -96,7 +97,7 @@ class Completion:
     text: str | None = None
 
     @classmethod
-    def from_sequence(cls, seq: Sequence) -> "Completion":
+    def from_sequence(cls, seq: Sequence) -> Completion:
         return cls(
             seq_id=seq.seq_id,
             prompt_ids=list(seq.prompt_ids),
