@@ -1,0 +1,95 @@
+"""Where each iteration's problems come from: the embedded task or a JSONL file.
+
+The training stream is indexed: problem `i` is a pure function of (seed, i), so a resumed run sees
+exactly the prompts an uninterrupted run would have, with no sampler state to checkpoint.
+The embedded task trains on a fixed pool of distinct problems (like a dataset's train split,
+revisited each epoch), or on fresh problems forever with `pool_size = 0`; its evaluation problems
+never overlap the pool.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kv4rl.data.datasets import load_jsonl
+from kv4rl.data.synthetic import PROMPT_TEMPLATE as ARITH_TEMPLATE
+from kv4rl.data.synthetic import ArithmeticTask
+from kv4rl.data.types import Problem
+
+BOXED_INSTRUCTION = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+_CHUNK = 1024
+DEFAULT_POOL_SIZE = 512
+EVAL_SEED_OFFSET = 7_919_000  # keeps embedded eval problems disjoint in seed space from training draws
+
+
+class ProblemSource:
+    def __init__(self, train_path: str | None, eval_path: str | None, seed: int, shuffle: bool = True,
+                 pool_size: int = DEFAULT_POOL_SIZE):
+        self.embedded = train_path is None
+        self.seed = seed
+        self.shuffle = shuffle
+        self.task = ArithmeticTask() if self.embedded and pool_size == 0 else None
+        if self.embedded:
+            self.train = _distinct(ArithmeticTask(), pool_size, seed) if pool_size else None
+        else:
+            self.train = load_jsonl(train_path)
+        self.eval_file = None if eval_path is None else load_jsonl(eval_path)
+        self._chunk: tuple[int, list[Problem]] = (-1, [])  # the last task chunk / epoch order used
+        self._order: tuple[int, list[int]] = (-1, [])
+
+    @property
+    def default_template(self) -> str:
+        return ARITH_TEMPLATE if self.embedded else BOXED_INSTRUCTION
+
+    @property
+    def default_reward(self) -> str:
+        return "exact" if self.embedded else "math_verify"
+
+    def problem_at(self, index: int) -> Problem:
+        """The `index`-th problem of the training stream (a pure function of seed and index)."""
+        if self.task is not None:
+            chunk, pos = divmod(index, _CHUNK)
+            return self._task_chunk(chunk)[pos]
+        assert self.train is not None
+        epoch, pos = divmod(index, len(self.train))
+        return self.train[self._epoch_order(epoch)[pos]]
+
+    def batch(self, iteration: int, n: int) -> list[Problem]:
+        return [self.problem_at(iteration * n + j) for j in range(n)]
+
+    def _task_chunk(self, chunk: int) -> list[Problem]:
+        if self._chunk[0] != chunk:
+            self._chunk = (chunk, self.task.problems(_CHUNK, seed=self.seed * 1_000_003 + chunk))
+        return self._chunk[1]
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order[0] != epoch:
+            order = list(range(len(self.train)))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        if self.eval_file is not None:
+            return self.eval_file[:n]
+        if self.embedded:
+            seen = {p.problem for p in self.train or []}
+            fresh = (p for p in ArithmeticTask().problems(n + len(seen), seed=EVAL_SEED_OFFSET + self.seed)
+                     if p.problem not in seen)
+            return [p for _, p in zip(range(n), fresh)]
+        assert self.train is not None
+        return self.train[:n]
+
+
+def _distinct(task: ArithmeticTask, n: int, seed: int) -> list[Problem]:
+    """`n` problems with distinct expressions, deterministic in `seed`."""
+    out: dict[str, Problem] = {}
+    draw = 0
+    while len(out) < n:
+        for p in task.problems(n, seed=seed * 1_000_003 + 999_983 + draw):
+            out.setdefault(p.problem, p)
+        draw += 1
+        if draw > 100:
+            raise ValueError(f"data.pool_size={n} exceeds the number of distinct problems of the task")
+    return list(out.values())[:n]

@@ -1,0 +1,1 @@
+"""Rollout orchestration: sync and quota-based partial collection, staleness control, traces."""

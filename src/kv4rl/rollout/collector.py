@@ -1,0 +1,167 @@
+"""Collect learner batches from the engine: synchronous or quota-based partial rollout (SPEC §5).
+
+Prompt groups are numbered in the order they are drawn from the problem stream; response j of group
+g on attempt a samples with a seed derived from (run seed, g, j, a), so its tokens do not depend on
+scheduling. In `partial` mode the engine's slots are topped up with new groups before every step;
+as soon as `quota_groups` groups are complete, exactly those leave in completion order, and every
+unfinished response stays resident (its tokens, behaviour log-probs and versions kept) to continue
+after the weight update. `max_versions` drops responses that would be too stale when consumed and
+re-samples them; nothing is lost or delivered twice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kv4rl.data.prompts import PromptFormatter
+from kv4rl.data.source import ProblemSource
+from kv4rl.data.types import Problem
+from kv4rl.engine.llm import Engine, request_seed
+from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
+from kv4rl.rollout.config import RolloutConfig
+
+
+@dataclass(slots=True)
+class GroupResult:
+    """One complete prompt group, as handed to the learner."""
+
+    index: int
+    problem: Problem
+    prompt_ids: list[int]
+    completions: list[Completion]
+
+
+@dataclass(slots=True)
+class _Group:
+    index: int
+    problem: Problem
+    prompt_ids: list[int]
+    done: list[Completion | None]
+    attempts: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return all(c is not None for c in self.done)
+
+
+class Collector:
+    def __init__(self, engine: Engine, source: ProblemSource, formatter: PromptFormatter, cfg: RolloutConfig,
+                 seed: int, max_tokens_fn: Callable[[int, int], int] | None = None):
+        """`max_tokens_fn(group, j)` overrides the response length limit (benchmarks script lengths)."""
+        self.engine, self.source, self.formatter, self.cfg, self.seed = engine, source, formatter, cfg, seed
+        self.max_tokens_fn = max_tokens_fn
+        self.next_group = 0
+        self.groups: dict[int, _Group] = {}
+        self.ready: deque[int] = deque()  # complete groups not yet delivered, completion order
+        self.trace: list[dict] = []
+        self.num_dropped = 0
+
+    # ---- collection -------------------------------------------------------------------------
+    def collect(self) -> list[GroupResult]:
+        """Run the engine until a learner batch of `quota_groups` complete groups is ready."""
+        quota = self.cfg.quota_groups
+        if self.cfg.mode == "sync":
+            while len(self.groups) < quota:
+                self._start_group()
+            while len(self.ready) < quota:
+                self._step()
+        else:
+            while len(self.ready) < quota:
+                self._top_up()
+                self._step()
+        out = []
+        for _ in range(quota):
+            g = self.groups.pop(self.ready.popleft())
+            out.append(GroupResult(g.index, g.problem, g.prompt_ids, list(g.done)))  # type: ignore[arg-type]
+        if self.cfg.mode == "sync":
+            out.sort(key=lambda g: g.index)  # the whole batch ends together: keep prompt order
+        return out
+
+    def _top_up(self) -> None:
+        while len(self.engine.unfinished()) < self.cfg.max_slots:
+            self._start_group()
+
+    def _start_group(self) -> None:
+        index = self.next_group
+        self.next_group += 1
+        problem = self.source.problem_at(index)
+        group = _Group(index, problem, self.formatter.ids(problem), [None] * self.cfg.group_size,
+                       [0] * self.cfg.group_size)
+        self.groups[index] = group
+        for j in range(self.cfg.group_size):
+            self._submit(group, j)
+
+    def _params(self, group: int, j: int) -> SamplingParams:
+        c = self.cfg
+        max_tokens = c.max_new_tokens if self.max_tokens_fn is None else self.max_tokens_fn(group, j)
+        return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=max_tokens,
+                              ignore_eos=self.max_tokens_fn is not None)
+
+    def _submit(self, group: _Group, j: int, resume_from: Completion | None = None) -> Sequence:
+        seed = request_seed(self.seed, (group.index * self.cfg.group_size + j) * 1_009 + group.attempts[j])
+        return self.engine.add_request(group.prompt_ids, self._params(group.index, j), tag=(group.index, j),
+                                       sample_seed=seed, resume_from=resume_from)
+
+    def _step(self) -> None:
+        finished = self.engine.step()
+        self.trace.append(dict(self.engine.last_step))
+        for seq in sorted(finished, key=lambda s: s.tag):
+            index, j = seq.tag
+            group = self.groups[index]
+            group.done[j] = Completion.from_sequence(seq)
+            if group.complete:
+                self.ready.append(index)
+
+    # ---- weight updates ---------------------------------------------------------------------
+    def on_refresh(self) -> None:
+        """The engine received new weights: with `carry: recompute`, re-prefill every resident response."""
+        if self.cfg.carry == "recompute":
+            self.engine.recompute_all()
+
+    def drop_stale(self, next_consumer: int, max_versions: int | None) -> None:
+        """Re-sample held responses whose oldest token would be more than `max_versions` versions
+        old at learner update `next_consumer` (in the engine, or finished in an incomplete group)."""
+        if max_versions is None:
+            return
+        too_old = lambda versions: bool(versions) and next_consumer - min(versions) > max_versions
+        for seq in self.engine.unfinished():
+            if too_old(seq.output_versions):
+                self.engine.abort(seq)
+                self._redo(*seq.tag)
+        for index, group in self.groups.items():
+            for j, c in enumerate(group.done):
+                if c is not None and too_old(c.versions):
+                    if index in self.ready:
+                        self.ready.remove(index)
+                    group.done[j] = None
+                    self._redo(index, j)
+
+    def _redo(self, index: int, j: int) -> None:
+        group = self.groups[index]
+        group.attempts[j] += 1
+        self.num_dropped += 1
+        self._submit(group, j)
+
+    # ---- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything in flight: groups, finished and partial responses in engine queue order."""
+        in_engine = [(seq.tag, Completion.from_sequence(seq)) for seq in self.engine.unfinished()]
+        return {
+            "next_group": self.next_group,
+            "ready": list(self.ready),
+            "num_dropped": self.num_dropped,
+            "groups": [(g.index, g.problem, g.prompt_ids, g.done, g.attempts) for g in self.groups.values()],
+            "in_engine": in_engine,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore in-flight work into an empty engine; partial responses are re-prefilled."""
+        assert not self.engine.unfinished(), "restore needs an empty engine"
+        self.next_group = state["next_group"]
+        self.ready = deque(state["ready"])
+        self.num_dropped = state["num_dropped"]
+        self.groups = {i: _Group(i, p, ids, list(done), list(att)) for i, p, ids, done, att in state["groups"]}
+        for (index, j), partial in state["in_engine"]:
+            self._submit(self.groups[index], j, resume_from=partial if partial.token_ids else None)
