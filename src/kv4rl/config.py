@@ -15,9 +15,11 @@ import yaml
 
 from kv4rl.algo.config import AdvantageConfig, AlgoConfig
 from kv4rl.config_loader import ConfigError, apply_overrides, from_dict, merge, read_yaml, to_dict
+from kv4rl.data.source import DEFAULT_POOL_SIZE
 from kv4rl.engine.config import EngineConfig
+from kv4rl.rollout.config import RolloutConfig, StalenessConfig
 
-__all__ = ["RunConfig", "ConfigError", "load_config", "save_config"]
+__all__ = ["ConfigError", "RunConfig", "load_config", "save_config"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,7 +32,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    """Training/eval problems. `train: null` uses the embedded arithmetic task.
+    """Training/eval problems. `train: null` uses the embedded arithmetic task (a pool of
+    `pool_size` distinct problems; evaluation problems are outside the pool).
 
     `prompt_template` formats each problem (`{problem}` is replaced); null picks the task's own
     template for the embedded task and a boxed-answer instruction for a dataset file.
@@ -38,6 +41,7 @@ class DataConfig:
 
     train: str | None = None
     eval: str | None = None
+    pool_size: int = DEFAULT_POOL_SIZE  # embedded task only: distinct training problems (0 = fresh ones forever)
     prompt_template: str | None = None
     chat_template: bool = False
     eval_size: int = 256
@@ -53,22 +57,10 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class RolloutConfig:
-    """Each iteration samples `quota_groups` prompts x `group_size` responses."""
-
-    quota_groups: int = 16
-    group_size: int = 8
-    max_slots: int = 256
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-
-@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
-    iterations: int = 60
-    lr: float = 1e-3
+    iterations: int = 100
+    lr: float = 1e-4
+    warmup_iters: int = 5  # linear learning-rate warm-up over the first iterations
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
@@ -103,6 +95,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -113,10 +106,12 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.name
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         """Cross-field checks; each error names the key."""
         try:
             self.engine.validate()
+            self.rollout.validate()
+            self.staleness.validate()
             self.algo.validate()
             self.advantage.validate()
         except ConfigError:
@@ -124,14 +119,9 @@ class RunConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         checks = [
-            (self.rollout.group_size >= 2, "rollout.group_size must be >= 2: GRPO compares responses within a group"),
-            (self.rollout.quota_groups >= 1, "rollout.quota_groups must be >= 1"),
-            (self.rollout.max_slots >= 1, "rollout.max_slots must be >= 1"),
-            (self.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
-            (self.rollout.temperature > 0, "rollout.temperature must be > 0 for RL (greedy has no behaviour log-probs)"),
-            (0 < self.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
             (self.trainer.iterations >= 1, "trainer.iterations must be >= 1"),
             (self.trainer.lr > 0, "trainer.lr must be > 0"),
+            (self.trainer.warmup_iters >= 0, "trainer.warmup_iters must be >= 0"),
             (self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
             (self.trainer.updates_per_batch >= 1, "trainer.updates_per_batch must be >= 1"),
             (self.trainer.grad_clip > 0, "trainer.grad_clip must be > 0"),
@@ -140,6 +130,7 @@ class RunConfig:
             (self.eval.every >= 0, "eval.every must be >= 0"),
             (self.eval.k >= 1, "eval.k must be >= 1"),
             (self.data.eval_size >= 1, "data.eval_size must be >= 1"),
+            (self.data.pool_size >= 0, "data.pool_size must be >= 0"),
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
             (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
             (bool(self.name) and "/" not in self.name, "name must be a non-empty folder name"),

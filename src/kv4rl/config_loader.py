@@ -16,7 +16,6 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -125,7 +124,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip().lstrip("-")
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}' has an empty key")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML (e.g. a template like `{problem}=`): take it as a plain string
     return key.split("."), value
 
 

@@ -332,8 +332,9 @@ def _generate(
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     step_input, cache = prompt_ids, None
     for _ in range(max_new_tokens):
-        result = model(input_ids=step_input, cache=cache, use_cache=True, logits_to_keep=1)
-        cache = result.cache
+        # transformers renamed `past_key_values` to `cache` (5.17 has only the old name, 5.24 both)
+        result = model(input_ids=step_input, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = getattr(result, "past_key_values", None) or getattr(result, "cache", None)
         logits = result.logits[:, -1, :].float()
         if temperature == 0:
             tokens = logits.argmax(dim=-1)

@@ -1,0 +1,206 @@
+"""Command line: `kv4rl train`, `eval`, `bench`, `sim`, `plot`.
+
+`kv4rl train` with no arguments trains the embedded tiny model on the embedded arithmetic task.
+Any config key can be overridden as `section.key=value` after the options.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kv4rl.cli_bench import bench_app
+from kv4rl.cli_sim import sim_app
+from kv4rl.config_loader import ConfigError
+
+app = typer.Typer(add_completion=False, no_args_is_help=False, help="kv4rl: RL post-training with cheap rollouts.")
+console = Console()
+
+
+@app.callback()
+def _quiet_libraries() -> None:
+    """Keep the terminal for kv4rl's own progress: no per-file bars or notices from transformers."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def _print_table(title: str, data: dict) -> None:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in data.items():
+        table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+    console.print(table)
+
+
+@app.command()
+def train(
+    overrides: list[str] | None = typer.Argument(None, help="config overrides, e.g. trainer.lr=1e-5"),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file"),
+    resume: Path | None = typer.Option(None, "--resume", help="run folder to continue (runs/<name>)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Train a policy with RL (defaults: the embedded tiny model on the embedded arithmetic task)."""
+    from kv4rl.config import load_config
+    from kv4rl.loop import train as run_train
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        if resume is not None:
+            saved = resume / "config.yaml"
+            if not saved.is_file():
+                _fail(f"--resume {resume}: no config.yaml there (is it a run folder?)")
+            cfg = load_config(saved, overrides or [])
+            if cfg.run_dir.resolve() != resume.resolve():
+                _fail(f"--resume {resume}: its config points at {cfg.run_dir}; do not override name/out_dir")
+        else:
+            cfg = load_config(config, overrides or [])
+        summary = run_train(cfg, resume=resume is not None, show_progress=progress)
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    _print_table(f"run {summary['run_dir']}", summary)
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
+    data: Path | None = typer.Option(None, "--data", help="JSONL with problem/answer rows (default: embedded task)"),
+    k: int = typer.Option(8, "--k", help="samples per problem"),
+    n: int = typer.Option(0, "--n", help="evaluate the first n problems (0: all; embedded task: 256)"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens"),
+    reward: str = typer.Option("auto", "--reward", help="reward function (auto: exact for the embedded task)"),
+    template: str | None = typer.Option(None, "--template", help="prompt template with {problem}"),
+    chat: bool = typer.Option(False, "--chat/--no-chat", help="apply the tokenizer's chat template"),
+    device: str = typer.Option("auto", "--device"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: Path | None = typer.Option(None, "--json", help="also write the results here"),
+) -> None:
+    """Report mean@k and pass@k of a model on a dataset."""
+    from transformers import AutoTokenizer
+
+    from kv4rl.data.prompts import PromptFormatter
+    from kv4rl.data.source import ProblemSource
+    from kv4rl.engine.config import EngineConfig
+    from kv4rl.engine.llm import Engine
+    from kv4rl.eval.runner import evaluate
+    from kv4rl.models.hf_weights import check_model_folder
+    from kv4rl.rewards import get_reward
+
+    try:
+        if model is None:
+            from kv4rl.models.tiny import tiny_model_dir
+
+            model = tiny_model_dir()
+        check_model_folder(model)
+        source = ProblemSource(None, str(data) if data else None, seed)
+        problems = source.eval_problems(n or (256 if data is None else 10**9))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
+        if data is None:
+            max_new_tokens = min(max_new_tokens, 16)
+        longest = max(len(formatter.ids(p)) for p in problems)
+        engine = Engine(model, EngineConfig(max_model_len=longest + max_new_tokens), device=device,
+                        seed=seed, tokenizer=tokenizer)
+        reward_name = source.default_reward if reward == "auto" else reward
+        with get_reward(reward_name) as reward_fn:
+            res = evaluate(engine, formatter, problems, reward_fn, k=k, temperature=temperature,
+                           max_new_tokens=max_new_tokens, seed=seed)
+    except ValueError as exc:
+        _fail(str(exc))
+    res = {"model": str(model), "data": str(data) if data else "embedded", **res}
+    _print_table("evaluation", res)
+    if json_out is not None:
+        json_out.write_text(json.dumps(res, indent=2))
+
+
+plot_app = typer.Typer(help="Plots from run folders.")
+app.add_typer(plot_app, name="plot")
+app.add_typer(sim_app, name="sim")
+app.add_typer(bench_app, name="bench")
+
+
+@plot_app.command("rollout-trace")
+def plot_rollout_trace_cmd(
+    runs: list[Path] = typer.Argument(..., help="run folders (e.g. a sync run and a partial run)"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="PNG path (default: <first run>/rollout_trace.png)"),
+    first: int = typer.Option(0, "--from", help="first iteration to show"),
+    last: int = typer.Option(10**9, "--to", help="show iterations before this one"),
+) -> None:
+    """Per-step rollout trace (batch size, context, resident KV, latency), runs side by side."""
+    from kv4rl.telemetry.plots import plot_rollout_trace
+
+    for run in runs:
+        if not (run / "rollout_trace.jsonl").is_file():
+            _fail(f"{run}: no rollout_trace.jsonl (is it a run folder?)")
+    try:
+        path = plot_rollout_trace(runs, out or runs[0] / "rollout_trace.png", (first, last))
+    except ValueError as exc:
+        _fail(str(exc))
+    console.print(f"wrote {path}")
+
+
+@bench_app.command("rollout")
+def bench_rollout_cmd(
+    model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
+    modes: str = typer.Option("sync,partial", "--modes"),
+    kv_format: str = typer.Option("auto", "--kv-format"),
+    quota: int = typer.Option(8, "--quota-groups"),
+    group: int = typer.Option(4, "--group-size"),
+    slots: int = typer.Option(16, "--max-slots"),
+    batches: int = typer.Option(4, "--batches", help="timed learner batches per mode"),
+    prompt_len: int = typer.Option(16, "--prompt-len"),
+    median_len: int = typer.Option(8, "--median-len", help="median response length"),
+    sigma: float = typer.Option(1.0, "--sigma", help="log-normal tail of response lengths"),
+    max_len: int = typer.Option(40, "--max-len"),
+    device: str = typer.Option("auto", "--device"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """Rollout collection time per learner batch, sync vs partial, on one long-tailed workload."""
+    from kv4rl.bench.rollout import Workload, bench_rollout
+
+    try:
+        if model is None:
+            from kv4rl.models.tiny import tiny_model_dir
+
+            model = tiny_model_dir()
+        workload = Workload(prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len)
+        res = bench_rollout(model, modes=modes.split(","), kv_format=kv_format, quota=quota, group=group,
+                            slots=slots, batches=batches, workload=workload, device=device)
+    except ValueError as exc:
+        _fail(str(exc))
+    table = Table(title=f"rollout: {model} on {res['device']}")
+    for col in ("mode", "rollout_s", "slot_util", "tokens_per_s", "steps_per_batch", "step_ms"):
+        table.add_column(col, justify="right")
+    for r in res["results"]:
+        table.add_row(r["mode"], f"{r['rollout_s']:.3f}", f"{r['slot_util']:.3f}", f"{r['tokens_per_s']:.0f}",
+                      f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
+    console.print(table)
+    if res["speedup"] is not None:
+        console.print(f"speedup (sync time / partial time): {res['speedup']:.2f}x")
+    if json_out is not None:
+        json_out.write_text(json.dumps(res, indent=2))
+
+
+def main() -> None:  # pragma: no cover
+    try:
+        app()
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,47 @@
+"""Offline plots from run folders (never imported by hot paths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kv4rl.telemetry.metrics import read_jsonl
+
+
+def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[int, int] | None = None) -> Path:
+    """Figure B-2 style: per decode step, active batch size and mean context length, nominal resident
+    KV bytes, and step latency; one column per run (e.g. sync and partial side by side)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, len(run_dirs), figsize=(6 * len(run_dirs), 9), squeeze=False, sharey="row")
+    for col, run in enumerate(run_dirs):
+        trace = read_jsonl(Path(run) / "rollout_trace.jsonl")
+        if iterations is not None:
+            trace = [t for t in trace if iterations[0] <= t["iteration"] < iterations[1]]
+        if not trace:
+            raise ValueError(f"{run}: rollout_trace.jsonl holds no steps in the chosen iterations")
+        steps = range(len(trace))
+        ax = axes[0][col]
+        ax.plot(steps, [t["batch_size"] for t in trace], label="active batch size")
+        ax2 = ax.twinx()
+        ax2.plot(steps, [t["context_mean"] for t in trace], color="tab:orange", label="mean context length")
+        ax.set_title(Path(run).name)
+        ax.set_ylabel("active sequences")
+        ax2.set_ylabel("mean context (tokens)")
+        axes[1][col].plot(steps, [t["kv_bytes"] / 2**20 for t in trace], color="tab:green")
+        axes[1][col].set_ylabel("resident KV (MiB, nominal)")
+        axes[2][col].plot(steps, [1e3 * t["latency_s"] for t in trace], color="tab:red")
+        axes[2][col].set_ylabel("step latency (ms)")
+        axes[2][col].set_xlabel("engine step")
+        bounds = [i for i in range(1, len(trace)) if trace[i]["iteration"] != trace[i - 1]["iteration"]]
+        for row in axes:
+            for b in bounds:
+                row[col].axvline(b, color="grey", lw=0.5, ls=":")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

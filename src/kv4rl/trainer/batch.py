@@ -1,0 +1,64 @@
+"""The learner's view of a rollout batch: padded token grids aligned for next-token log-probs.
+
+Column j of every [B, L-1] tensor refers to predicting token j+1 from tokens 0..j, so the response
+mask selects exactly the sampled tokens and the behaviour log-probs line up with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, L]   prompt + response, right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L-1] float, 1 where token j+1 was sampled by the engine
+    behavior_logprobs: torch.Tensor  # [B, L-1] log mu of token j+1 (0 off-mask)
+    advantages: torch.Tensor  # [B, L-1] per-response advantage broadcast over its tokens
+    versions: torch.Tensor  # [B, L-1] policy version that sampled token j+1 (-1 off-mask)
+
+    @property
+    def num_tokens(self) -> float:
+        return float(self.response_mask.sum())
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: slice | torch.Tensor) -> TrainBatch:
+        return TrainBatch(*(getattr(self, f)[rows] for f in self.__slots__))
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(*(getattr(self, f).to(device) for f in self.__slots__))
+
+
+def build_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    behavior_logprobs: list[list[float]],
+    versions: list[list[int]],
+    advantages: list[float],
+    pad_id: int,
+) -> TrainBatch:
+    """Assemble rows `prompt + response`; every response must be non-empty."""
+    n = len(prompts)
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attn = torch.zeros(n, length, dtype=torch.long)
+    mask = torch.zeros(n, length - 1)
+    blp = torch.zeros(n, length - 1)
+    adv = torch.zeros(n, length - 1)
+    ver = torch.full((n, length - 1), -1, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        assert r, "empty response"
+        total = len(p) + len(r)
+        ids[i, :total] = torch.tensor(p + r)
+        attn[i, :total] = 1
+        cols = slice(len(p) - 1, total - 1)
+        mask[i, cols] = 1.0
+        blp[i, cols] = torch.tensor(behavior_logprobs[i], dtype=torch.float32)
+        adv[i, cols] = advantages[i]
+        ver[i, cols] = torch.tensor(versions[i])
+    return TrainBatch(ids, attn, mask, blp, adv, ver)

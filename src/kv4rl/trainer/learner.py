@@ -1,0 +1,141 @@
+"""The BF16 learner: policy log-probs, the registered policy loss, backward, clip, AdamW.
+
+Master weights and AdamW state are fp32; on CUDA the forward runs under bf16 autocast, so the
+compute is BF16 while optimizer arithmetic keeps full precision. The engine receives the weights
+through `state_dict()` after every update. A frozen copy of the initial policy gives the k3
+reference KL (logged; added to the loss only when `algo.kl_ref_coef > 0`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from kv4rl.algo.config import AlgoConfig
+from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
+from kv4rl.algo.losses import LossInputs, get_loss
+from kv4rl.trainer.batch import TrainBatch
+
+
+def load_hf_model(path: str | Path, device: torch.device, grad_checkpointing: bool = False):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    return model
+
+
+class MetricAccumulator:
+    """Combines per-micro-batch metrics: `*_max`/`*absmax` by max, the rest token-weighted."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        for k, v in metrics.items():
+            if k.endswith("max"):
+                self.sums[k] = max(self.sums.get(k, -math.inf), v)
+                self.weights[k] = 1.0
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * weight
+                self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def result(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.weights[k] if self.weights[k] else 0.0 for k in self.sums}
+
+
+class Learner:
+    def __init__(self, policy_path: str | Path, ref_path: str | Path | None, *, algo: AlgoConfig,
+                 lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float,
+                 micro_batch_size: int, updates_per_batch: int, temperature: float,
+                 device: torch.device, grad_checkpointing: bool = False):
+        self.device = device
+        self.algo = algo
+        self.loss_fn = get_loss(algo.loss)
+        self.temperature = temperature
+        self.grad_clip = grad_clip
+        self.micro_batch_size = micro_batch_size
+        self.updates_per_batch = updates_per_batch
+        self.model = load_hf_model(policy_path, device, grad_checkpointing)
+        self.ref_model = None
+        if ref_path is not None:
+            self.ref_model = load_hf_model(ref_path, device).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, model, mb: TrainBatch, with_entropy: bool = False):
+        with self._autocast():
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        logp = token_logprobs(logits, mb.input_ids[:, 1:], self.temperature)
+        ent = entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None
+        return logp, ent
+
+    @torch.no_grad()
+    def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
+        out = [self._forward(model, batch.select(slice(i, i + self.micro_batch_size)))[0]
+               for i in range(0, len(batch), self.micro_batch_size)]
+        return torch.cat(out)
+
+    def step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        """One learner batch: `updates_per_batch` optimizer steps over contiguous mini-batches."""
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        batch = batch.to(self.device)
+        mask = batch.response_mask
+        ref_logp = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
+        old_logp = None
+        if self.algo.loss == "ppo_clip" and self.algo.old_logprob == "recompute":
+            old_logp = self._logprobs(self.model, batch)
+        acc = MetricAccumulator()
+        rows = torch.arange(len(batch), device=self.device).chunk(self.updates_per_batch)
+        for update, mini_rows in enumerate(rows):
+            mini = batch.select(mini_rows)
+            num_tokens, num_seqs = mini.num_tokens, float((mini.response_mask.sum(1) > 0).sum())
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb_rows in mini_rows.split(self.micro_batch_size):
+                mb = batch.select(mb_rows)
+                logp, ent = self._forward(self.model, mb, with_entropy=True)
+                inp = LossInputs(
+                    logprobs=logp, behavior_logprobs=mb.behavior_logprobs, advantages=mb.advantages,
+                    mask=mb.response_mask,
+                    old_logprobs=None if old_logp is None else old_logp[mb_rows],
+                    ref_logprobs=None if ref_logp is None else ref_logp[mb_rows],
+                    num_tokens=num_tokens, num_seqs=num_seqs,
+                )
+                loss, metrics = self.loss_fn(inp, self.algo)
+                loss.backward()
+                metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
+                metrics.update(self._token_stats(logp.detach(), ent, mb, first=update == 0))
+                acc.add(metrics, mb.num_tokens)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            acc.add({"grad_norm": float(grad_norm)}, 1.0)
+            self.optimizer.step()
+        out = acc.result()
+        out["num_tokens"] = float(mask.sum())
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def _token_stats(self, logp, ent, mb: TrainBatch, first: bool) -> dict[str, float]:
+        """Entropy and engine-vs-learner mismatch (measured before any update of this batch)."""
+        m = mb.response_mask
+        n = m.sum().clamp(min=1)
+        stats = {"entropy": float((ent * m).sum() / n)}
+        if first:
+            diff = (logp - mb.behavior_logprobs) * m
+            stats["mismatch_k3"] = float((k3_kl(mb.behavior_logprobs, logp) * m).sum() / n)
+            stats["mismatch_abs_mean"] = float(diff.abs().sum() / n)
+            stats["mismatch_absmax"] = float(diff.abs().max())
+        return stats
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()

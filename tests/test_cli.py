@@ -1,0 +1,49 @@
+"""The `kv4rl` command: eval on the embedded model, and bad input reported before any work."""
+
+import json
+
+from typer.testing import CliRunner
+
+from kv4rl.cli import app
+
+runner = CliRunner()
+
+
+def test_eval_reports_mean_and_pass_at_k(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{a}+{b}", "answer": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(4)))
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["eval", "--data", str(data), "--k", "4", "--reward", "exact",
+                              "--template", "{problem}=", "--max-new-tokens", "12", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["num_problems"] == 16 and r["k"] == 4
+    assert 0 <= r["mean@4"] <= r["pass@2"] <= r["pass@4"] <= 1 and r["pass@1"] == r["mean@4"]
+
+
+def test_malformed_dataset_row_names_file_and_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
+    res = runner.invoke(app, ["train", f"data.train={data}", f"out_dir={tmp_path}", "--no-progress"])
+    assert res.exit_code == 2
+    assert "bad.jsonl:2" in res.output and "answer" in res.output
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    res = runner.invoke(app, ["train", f"model.path={tmp_path / 'nope'}", f"out_dir={tmp_path}", "--no-progress"])
+    assert res.exit_code == 2 and "nope" in res.output
+
+
+def test_unknown_kv_format_and_unknown_key(tmp_path):
+    res = runner.invoke(app, ["train", "engine.kv.format=int3", f"out_dir={tmp_path}", "--no-progress"])
+    assert res.exit_code == 2 and "engine.kv.format" in res.output
+    res = runner.invoke(app, ["train", "trainer.lrr=1", f"out_dir={tmp_path}"])
+    assert res.exit_code == 2 and "trainer.lrr" in res.output
+
+
+def test_kv_pool_too_small_for_one_request(tmp_path):
+    res = runner.invoke(app, ["train", "engine.num_kv_blocks=1", "engine.kv.block_size=4", f"out_dir={tmp_path}",
+                              "--no-progress"])
+    assert res.exit_code == 2 and "KV pool too small" in res.output
+    assert not (tmp_path / "tiny-arith" / "checkpoints").exists()
