@@ -1,0 +1,168 @@
+"""`kv4rl sim …`: the simulations behind the method's arguments, as commands that print, save and plot.
+
+- `clip-bias` (SPEC §3.3, figure A-2): Monte-Carlo of the PPO-clip gradient coefficient under ±σ
+  advantage noise, against its closed form, plus a sweep over ρ.
+- `correction-variance` (SPEC §3.4, figure A-9c): the variance of the future-KL credit `F_t^H` for
+  a fixed pair (π, μ), per horizon H, on responses sampled by the engine.
+
+The commands only parse, print and write files; the numbers come from `kv4rl.sim`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+sim_app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Simulations that reproduce the method's arguments (clip bias A-2, correction variance A-9c).",
+)
+console = Console()
+
+DEFAULT_SWEEP = ",".join(f"{0.5 + 0.1 * i:.1f}" for i in range(16))  # 0.5 … 2.0
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def _floats(text: str, option: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{option}: {text!r} is not a comma-separated list of numbers") from None
+    if not values:
+        raise ValueError(f"{option} is empty")
+    return values
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _clip_bias_table(result: dict) -> Table:
+    exact = result["closed_form"]
+    inputs = f"ρ={result['rho']:g}, ε={result['eps']:g}, σ={result['sigma']:g}"
+    table = Table(title=f"PPO-clip coefficient at {inputs} ({result['n_samples']} samples, "
+                        f"regime: {exact['regime']})")
+    for name in ("branch", "mean (MC ± se)", "mean (exact)", "var (MC ± se)", "var (exact)"):
+        table.add_column(name, justify="left" if name == "branch" else "right")
+    for branch in ("clip", "noclip"):
+        mc, se = result[branch], result["stderr"][branch]
+        table.add_row(branch, f"{mc['mean']:+.4f} ± {se['mean']:.4f}", f"{exact[branch]['mean']:+.4f}",
+                      f"{mc['var']:.4f} ± {se['var']:.4f}", f"{exact[branch]['var']:.4f}")
+    return table
+
+
+@sim_app.command("clip-bias")
+def clip_bias_cmd(
+    rho: Annotated[float, typer.Option("--rho", help="importance ratio ρ = π/π_old of the token")] = 1.5,
+    eps: Annotated[float, typer.Option("--eps", help="symmetric clip width ε")] = 0.2,
+    sigma: Annotated[float, typer.Option("--sigma", help="advantage noise: A = ±σ, true advantage 0")] = 1.0,
+    samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples per ρ")] = 200_000,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    sweep_rho: Annotated[str, typer.Option(
+        "--sweep-rho", help="comma-separated ρ values to sweep")] = DEFAULT_SWEEP,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the numbers here")] = None,
+    png_out: Annotated[Path | None, typer.Option(
+        "--png", help="plot mean and variance against ρ here")] = None,
+) -> None:
+    """Mean and variance of the PPO-clip gradient coefficient with and without clipping (figure A-2)."""
+    from kv4rl.sim.clip_bias import clip_bias, plot, sweep
+
+    try:
+        rhos = _floats(sweep_rho, "--sweep-rho")
+        result = clip_bias(rho, eps, sigma, samples, seed)
+        swept = sweep(rhos, eps, sigma, samples, seed + 1)
+    except ValueError as exc:
+        _fail(str(exc))
+    console.print(_clip_bias_table(result))
+    shift = result["clip"]["mean"] / rho
+    console.print(f"clipped mean shift per unit ratio: {shift:+.4f} (exact "
+                  f"{result['closed_form']['clip_mean_per_unit_ratio']:+.4f}); unclipped mean "
+                  f"{result['noclip']['mean']:+.4f}")
+    if json_out is not None:
+        _write_json(json_out, {**result, "sweep": swept})
+        console.print(f"wrote {json_out}")
+    if png_out is not None:
+        points = swept + ([result] if all(r["rho"] != rho for r in swept) else [])
+        plot(points, png_out)
+        console.print(f"wrote {png_out}")
+
+
+def _variance_table(summary: dict) -> Table:
+    table = Table(title=f"future-KL credit F_t^H, μ = {summary['behavior']}: {summary['n_responses']} "
+                        f"responses, {summary['n_tokens']} tokens (mean length "
+                        f"{summary['mean_response_len']:.1f})")
+    for name in ("H", "var", "std", "mean", "|F| max"):
+        table.add_column(name, justify="right")
+    for row in summary["horizons"]:
+        table.add_row(str(row["horizon"]), f"{row['var']:.4e}", f"{row['std']:.4e}", f"{row['mean']:+.4e}",
+                      f"{row['absmax']:.4e}")
+    return table
+
+
+@sim_app.command("correction-variance")
+def correction_variance_cmd(
+    model: Annotated[Path | None, typer.Option(
+        "--model", help="HF checkpoint folder (default: the embedded tiny model)")] = None,
+    behavior: Annotated[str, typer.Option("--behavior", help="μ: fp8, kv4 or stale:K")] = "stale:4",
+    horizons: Annotated[str, typer.Option(
+        "--horizons", help="comma-separated H values or 'full'")] = "1,4,16,64,full",
+    data: Annotated[Path | None, typer.Option(
+        "--data", help="JSONL problems (default: the embedded task)")] = None,
+    template: Annotated[str | None, typer.Option("--template", help="prompt template with {problem}")] = None,
+    n_prompts: Annotated[int, typer.Option("--n-prompts")] = 16,
+    samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt", "-G")] = 4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 16,
+    temperature: Annotated[float, typer.Option("--temperature")] = 1.0,
+    stale_lr: Annotated[float, typer.Option(
+        "--stale-lr", help="stale:K: AdamW learning rate of each step (use the run's trainer.lr)")] = 1e-4,
+    stale_batch_size: Annotated[int, typer.Option(
+        "--stale-batch-size", help="stale:K: problems per step")] = 16,
+    engine: Annotated[list[str] | None, typer.Option(
+        "--engine", help="engine key for μ, repeatable: kv.n_sink=4, kv.n_recent=12, kv.format=kv4")] = None,
+    device: Annotated[str, typer.Option("--device")] = "auto",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the numbers here")] = None,
+    png_out: Annotated[Path | None, typer.Option("--png", help="plot variance against H here")] = None,
+) -> None:
+    """Variance of the future-KL credit F_t^H per horizon for a fixed (π, μ) (figure A-9c)."""
+    from transformers.utils import logging as hf_logging
+
+    from kv4rl.sim.correction_variance import Settings, measure, parse_behavior, parse_horizons, plot
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would bury the table
+    try:
+        if model is None:
+            from kv4rl.models.tiny import tiny_model_dir
+
+            model = tiny_model_dir()
+        settings = Settings(
+            model_dir=model, behavior=parse_behavior(behavior), horizons=parse_horizons(horizons),
+            data=str(data) if data else None, template=template, n_prompts=n_prompts,
+            samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+            seed=seed, device=device, stale_lr=stale_lr, stale_batch_size=stale_batch_size,
+            engine_overrides=list(engine or []),
+        )
+        summary = measure(settings).summary
+    except ValueError as exc:
+        _fail(str(exc))
+    console.print(_variance_table(summary))
+    ratio = summary["log_ratio"]
+    console.print(f"c_t = log π − log μ: mean {ratio['mean']:+.4e}, var {ratio['var']:.4e}, "
+                  f"KL(μ‖π) (k3) {ratio['kl_mu_pi_k3']:.4e}")
+    if json_out is not None:
+        _write_json(json_out, summary)
+        console.print(f"wrote {json_out}")
+    if png_out is not None:
+        plot(summary, png_out)
+        console.print(f"wrote {png_out}")
