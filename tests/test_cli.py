@@ -47,3 +47,16 @@ def test_kv_pool_too_small_for_one_request(tmp_path):
                               "--no-progress"])
     assert res.exit_code == 2 and "KV pool too small" in res.output
     assert not (tmp_path / "tiny-arith" / "checkpoints").exists()
+
+
+def test_eval_accepts_engine_kv_settings(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["eval", "--n", "8", "--k", "2", "--json", str(out), "engine.kv.format=kv4", "engine.kv.group_size=32",
+            "engine.kv.n_sink=2", "engine.kv.n_recent=6"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["num_problems"] == 8
+    res = runner.invoke(app, ["eval", "--n", "4", "engine.kv.format=kv4"])
+    assert res.exit_code == 2 and "engine.kv." in res.output  # the defaults do not fit this tiny model
+    res = runner.invoke(app, ["eval", "--n", "4", "trainer.lr=1"])
+    assert res.exit_code == 2 and "engine" in res.output

@@ -74,8 +74,22 @@ def train(
     _print_table(f"run {summary['run_dir']}", summary)
 
 
+def _engine_config(overrides: list[str]):
+    """An EngineConfig from `engine.*` overrides (the same keys as in a run config)."""
+    from kv4rl.config_loader import apply_overrides, from_dict
+    from kv4rl.engine.config import EngineConfig
+
+    data = apply_overrides({}, overrides)
+    unknown = set(data) - {"engine"}
+    if unknown:
+        raise ConfigError(f"only engine.* settings apply here, got {', '.join(sorted(unknown))}")
+    return from_dict(EngineConfig, data.get("engine", {}), prefix="engine")
+
+
 @app.command("eval")
 def eval_cmd(
+    engine_overrides: list[str] | None = typer.Argument(
+        None, help="engine settings as in the run config, e.g. engine.kv.format=kv4 engine.kv.group_size=32"),
     model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
     data: Path | None = typer.Option(None, "--data", help="JSONL with problem/answer rows (default: embedded task)"),
     k: int = typer.Option(8, "--k", help="samples per problem"),
@@ -94,7 +108,6 @@ def eval_cmd(
 
     from kv4rl.data.prompts import PromptFormatter
     from kv4rl.data.source import ProblemSource
-    from kv4rl.engine.config import EngineConfig
     from kv4rl.engine.llm import Engine
     from kv4rl.eval.runner import evaluate
     from kv4rl.models.hf_weights import check_model_folder
@@ -113,7 +126,9 @@ def eval_cmd(
         if data is None:
             max_new_tokens = min(max_new_tokens, 16)
         longest = max(len(formatter.ids(p)) for p in problems)
-        engine = Engine(model, EngineConfig(max_model_len=longest + max_new_tokens), device=device,
+        engine_cfg = _engine_config(engine_overrides or [])
+        engine_cfg.max_model_len = engine_cfg.max_model_len or longest + max_new_tokens
+        engine = Engine(model, engine_cfg, device=device,
                         seed=seed, tokenizer=tokenizer)
         reward_name = source.default_reward if reward == "auto" else reward
         with get_reward(reward_name) as reward_fn:
