@@ -46,6 +46,7 @@ class EngineConfig:
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
+    weight_format: Literal["auto", "fp8"] = "auto"  # fp8: e4m3 block linears, re-quantized at each refresh
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int = 16384

@@ -74,6 +74,7 @@ class Engine:
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
         self.model, self.args = load_model(model_dir, self.device, self.dtype)
         self.model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
+        self._apply_weight_format()
         self.tokenizer = tokenizer
         fmt_name = config.kv.format
         if fmt_name == "auto":
@@ -266,7 +267,14 @@ class Engine:
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy learner weights (HF names) in place; tokens sampled afterwards carry `version`."""
         self.model.load_hf_state_dict(state_dict)
+        self._apply_weight_format()
         self.version = version
+
+    def _apply_weight_format(self) -> None:
+        if self.config.weight_format == "fp8":
+            from kv4rl.engine.fp8_weights import apply_fp8_weights
+
+            apply_fp8_weights(self.model)
 
     @property
     def num_preemptions(self) -> int:
