@@ -93,6 +93,10 @@ def build(cfg: RunConfig, resume: bool, show_progress: bool) -> Setup:
     engine = Engine(policy_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device,
                     dtype=cfg.model.dtype, seed=cfg.seed, tokenizer=tokenizer)
     engine.version = start
+    if show_progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(engine.summary, highlight=False)
     t = cfg.trainer
     learner = Learner(policy_dir, base_dir, algo=cfg.algo, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                       grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,

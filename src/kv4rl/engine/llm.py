@@ -101,12 +101,13 @@ class Engine:
         self.bytes_per_token = self.kv_bytes_per_token(self.max_model_len)
         self.pool_tokens = num_blocks * block_size
         self.pool_bytes = self.runner.cache_bytes
-        log.info(
-            "engine: kv format %s (rotate %s), %.1f bytes/token at context %d, pool %d tokens "
-            "(%d blocks x %d) for up to %d sequences, %.1f MiB",
-            fmt_name, self.kv_format.rotate, self.bytes_per_token, self.max_model_len, self.pool_tokens,
-            num_blocks, block_size, max_num_seqs, self.pool_bytes / 2**20,
+        self.summary = (
+            f"engine: kv format {fmt_name} (rotate {self.kv_format.rotate}), {self.bytes_per_token:.1f} "
+            f"bytes/token at context {self.max_model_len}, pool {self.pool_tokens} tokens ({num_blocks} "
+            f"blocks x {block_size}) for up to {max_num_seqs} sequences, {self.pool_bytes / 2**20:.1f} MiB, "
+            f"weights {config.weight_format}"
         )
+        log.info(self.summary)
 
     def kv_bytes_per_token(self, context_len: int) -> float:
         """KV storage per token over all layers, K and V, scales and protected copies at `context_len`."""
