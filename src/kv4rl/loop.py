@@ -60,10 +60,11 @@ class Setup:
 
 
 def _max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter, model_max: int) -> int:
-    probe = source.batch(0, 64) + source.eval_problems(min(cfg.data.eval_size, 64))
+    """Longest prompt of the data (embedded task: a sample, with headroom) plus the response limit."""
+    probe = (source.train or source.batch(0, 64)) + source.eval_problems(cfg.data.eval_size)
     longest = max(len(formatter.ids(p)) for p in probe)
-    # headroom for longer prompts later in the data; never beyond the model's own limit
-    return min(model_max, 2 * longest + cfg.rollout.max_new_tokens + 16)
+    headroom = 2 * longest if source.embedded else longest
+    return min(model_max, headroom + cfg.rollout.max_new_tokens + 1)
 
 
 def build(cfg: RunConfig, resume: bool, show_progress: bool) -> Setup:
@@ -71,7 +72,7 @@ def build(cfg: RunConfig, resume: bool, show_progress: bool) -> Setup:
     torch.manual_seed(cfg.seed)
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size)
     base_dir = resolve_model_dir(cfg, progress=show_progress)
-    check_model_folder(base_dir)
+    model_max = check_model_folder(base_dir).max_position_embeddings
     start, policy_dir, state = 0, base_dir, None
     if resume:
         ckpt = latest_checkpoint(cfg.run_dir)
@@ -84,9 +85,6 @@ def build(cfg: RunConfig, resume: bool, show_progress: bool) -> Setup:
     reward_name = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
     reward_fn = get_reward(reward_name, timeout_s=cfg.reward.timeout_s) if reward_name == "math_verify" \
         else get_reward(reward_name)
-    import json
-
-    model_max = json.loads((base_dir / "config.json").read_text()).get("max_position_embeddings", 4096)
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
     if engine_cfg.max_model_len is None:
         engine_cfg.max_model_len = _max_model_len(cfg, source, formatter, model_max)
