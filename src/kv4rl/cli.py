@@ -170,6 +170,7 @@ def plot_rollout_trace_cmd(
 
 @bench_app.command("rollout")
 def bench_rollout_cmd(
+    engine_overrides: list[str] | None = typer.Argument(None, help="engine settings, e.g. engine.kv.format=kv4"),
     model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
     modes: str = typer.Option("sync,partial", "--modes"),
     kv_format: str = typer.Option("auto", "--kv-format"),
@@ -194,7 +195,8 @@ def bench_rollout_cmd(
             model = tiny_model_dir()
         workload = Workload(prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len)
         res = bench_rollout(model, modes=modes.split(","), kv_format=kv_format, quota=quota, group=group,
-                            slots=slots, batches=batches, workload=workload, device=device)
+                            slots=slots, batches=batches, workload=workload, device=device,
+                            engine_config=_engine_config(engine_overrides or []))
     except ValueError as exc:
         _fail(str(exc))
     table = Table(title=f"rollout: {model} on {res['device']}")

@@ -7,13 +7,14 @@ distribution seeded by (g, j) (EOS is ignored), so the comparison isolates sched
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
 from dataclasses import dataclass
 
 from kv4rl.data.types import Problem
-from kv4rl.engine.config import EngineConfig, KVConfig
+from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.config import RolloutConfig
@@ -48,13 +49,18 @@ class _Prompts:
 
 def bench_rollout(model_dir, *, modes: list[str], kv_format: str = "auto", quota: int = 8, group: int = 4,
                   slots: int = 16, batches: int = 4, workload: Workload = Workload(), device: str = "auto",
-                  num_kv_blocks: int | None = None, progress=None) -> dict:
+                  num_kv_blocks: int | None = None, engine_config: EngineConfig | None = None,
+                  progress=None) -> dict:
+    """`engine_config` supplies any other engine settings (KV group size, protection, FP8 weights)."""
     results = []
     for mode in modes:
         if mode not in ("sync", "partial"):
             raise ValueError(f"--modes: unknown rollout mode '{mode}' (known: sync, partial)")
-        cfg = EngineConfig(kv=KVConfig(format=kv_format), num_kv_blocks=num_kv_blocks,
-                           max_model_len=workload.prompt_len + workload.max_len + 1)
+        cfg = copy.deepcopy(engine_config) if engine_config is not None else EngineConfig()
+        if kv_format != "auto":
+            cfg.kv.format = kv_format
+        cfg.num_kv_blocks = num_kv_blocks or cfg.num_kv_blocks
+        cfg.max_model_len = workload.prompt_len + workload.max_len + 1
         engine = Engine(model_dir, cfg, max_num_seqs=slots, device=device, seed=workload.seed)
         prompts = _Prompts(engine.args.vocab_size, workload.prompt_len, workload.seed)
         rcfg = RolloutConfig(mode=mode, quota_groups=quota, group_size=group, max_slots=slots)
