@@ -23,10 +23,11 @@ from kv4rl.trainer.batch import TrainBatch
 
 def load_hf_model(path: str | Path, device: torch.device, grad_checkpointing: bool = False):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if grad_checkpointing:
-        model.gradient_checkpointing_enable()
+    if grad_checkpointing:  # transformers renamed the switch; 5.17 has only the old name
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
     model.config.use_cache = False
-    return model
+    return model.train()  # from_pretrained returns eval mode, which also turns checkpointing off
 
 
 class MetricAccumulator:
