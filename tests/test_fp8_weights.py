@@ -55,5 +55,4 @@ def test_refresh_requantizes_and_sampling_differs_only_slightly(tiny_qwen3):
     a = plain.generate([[5, 6, 7]], params)[0]
     b = fp8.generate([[5, 6, 7]], params)[0]
     gap = (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs()
-    assert a.token_ids[0] == b.token_ids[0] or gap.max() > 0
-    assert 0 < gap[0] < 0.5
+    assert 0 < gap[0] < 0.5  # same prompt, same first token context: FP8 moves the log-prob a little

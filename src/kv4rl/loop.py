@@ -29,7 +29,7 @@ from kv4rl.models.hf_weights import check_model_folder
 from kv4rl.rewards import get_reward
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
-from kv4rl.telemetry.metrics import JsonlWriter, MetricsWriter
+from kv4rl.telemetry.metrics import JsonlWriter
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
@@ -208,7 +208,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     save_config(cfg, run_dir / "config.yaml")
     s = build(cfg, resume, show_progress)
     resume_from = s.start_iteration if resume else None
-    writer = MetricsWriter(run_dir / "metrics.jsonl", resume_from=resume_from)
+    writer = JsonlWriter(run_dir / "metrics.jsonl", resume_from=resume_from)
     tracer = JsonlWriter(run_dir / "rollout_trace.jsonl", resume_from=resume_from)
     rows: list[dict] = []
     t_start = time.perf_counter()

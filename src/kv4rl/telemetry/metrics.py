@@ -33,8 +33,7 @@ class JsonlWriter:
         self._file = path.open("a")
 
     def write(self, row: dict) -> None:
-        self._file.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self._file.flush()
+        self.write_many([row])
 
     def write_many(self, rows: list[dict]) -> None:
         for row in rows:
@@ -43,9 +42,6 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._file.close()
-
-
-MetricsWriter = JsonlWriter
 
 
 def read_jsonl(path: Path) -> list[dict]:

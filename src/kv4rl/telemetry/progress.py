@@ -41,7 +41,6 @@ class TrainProgress:
             f"ent {row.get('entropy', float('nan')):.3f}  gnorm {row.get('grad_norm', float('nan')):.2f}  "
             f"{row['tokens_per_s']:.0f} tok/s"
         )
-        if "eval/mean@1" in row or any(k.startswith("eval/mean@") for k in row):
-            key = next(k for k in row if k.startswith("eval/mean@"))
+        for key in (k for k in row if k.startswith("eval/mean@")):
             stats += f"  {key} {row[key]:.3f}"
         self.progress.update(self.task, advance=1, stats=stats)

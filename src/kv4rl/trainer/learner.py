@@ -9,7 +9,6 @@ reference KL (logged; added to the loss only when `algo.kl_ref_coef > 0`).
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
-from kv4rl.algo.losses import LossInputs, get_loss
+from kv4rl.algo.losses import LossInputs, combine_metrics, get_loss
 from kv4rl.trainer.batch import TrainBatch
 
 
@@ -28,26 +27,6 @@ def load_hf_model(path: str | Path, device: torch.device, grad_checkpointing: bo
         enable()
     model.config.use_cache = False
     return model.train()  # from_pretrained returns eval mode, which also turns checkpointing off
-
-
-class MetricAccumulator:
-    """Combines per-micro-batch metrics: `*_max`/`*absmax` by max, the rest token-weighted."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-
-    def add(self, metrics: dict[str, float], weight: float) -> None:
-        for k, v in metrics.items():
-            if k.endswith("max"):
-                self.sums[k] = max(self.sums.get(k, -math.inf), v)
-                self.weights[k] = 1.0
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + v * weight
-                self.weights[k] = self.weights.get(k, 0.0) + weight
-
-    def result(self) -> dict[str, float]:
-        return {k: self.sums[k] / self.weights[k] if self.weights[k] else 0.0 for k in self.sums}
 
 
 class Learner:
@@ -97,7 +76,7 @@ class Learner:
         old_logp = None
         if self.algo.loss == "ppo_clip" and self.algo.old_logprob == "recompute":
             old_logp = self._logprobs(self.model, batch)
-        acc = MetricAccumulator()
+        parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
         rows = torch.arange(len(batch), device=self.device).chunk(self.updates_per_batch)
         for update, mini_rows in enumerate(rows):
             mini = batch.select(mini_rows)
@@ -117,11 +96,11 @@ class Learner:
                 loss.backward()
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
                 metrics.update(self._token_stats(logp.detach(), ent, mb, first=update == 0))
-                acc.add(metrics, mb.num_tokens)
+                parts.append((metrics, mb.num_tokens))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            acc.add({"grad_norm": float(grad_norm)}, 1.0)
+            parts.append(({"grad_norm": float(grad_norm)}, 1.0))
             self.optimizer.step()
-        out = acc.result()
+        out = combine_metrics(parts)
         out["num_tokens"] = float(mask.sum())
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
