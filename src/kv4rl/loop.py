@@ -105,7 +105,7 @@ def build(cfg: RunConfig, resume: bool, show_progress: bool) -> Setup:
     if state is not None:
         learner.optimizer.load_state_dict(state["optimizer"])
         if state.get("engine_weights") is not None:  # the engine was behind the learner (refresh_every)
-            engine.load_weights(state["engine_weights"], state["engine_version"])
+            engine.model.load_state_dict(state["engine_weights"])  # its own names: FP8 codes stay exact
         engine.version = state["engine_version"]
         pipeline.load_state_dict(state["pipeline"])
     log.info("device %s, model %s, start iteration %d", device, base_dir, start)

@@ -1,9 +1,10 @@
-"""FP8 rollout weights (SPEC §7): e4m3 with one scale per output channel for the decoder's linears.
+"""FP8 rollout weights (SPEC §7): the decoder blocks' linears become :class:`FP8Linear` modules.
 
-Applied as a transform after weights are loaded, and again at every weight refresh, so the model
-file stays plain. This is the reference path: each linear's weight is replaced by its FP8-rounded
-value (codes x scale) in the compute dtype, so every product sees exactly the FP8 weights the
-behaviour policy uses. Embeddings, norms and the LM head stay in the compute dtype.
+Applied once after the checkpoint is loaded. Each block linear (q/k/v/o, gate/up/down) is replaced
+by e4m3 codes with one float32 scale per output channel, and the full-precision weight is dropped;
+weight refreshes go through the decoder's HF-name loader, which the FP8 modules answer by
+quantizing on copy. Embeddings, norms and the LM head stay in the compute dtype. On Hopper the
+products run as scaled FP8 matrix products, elsewhere on dequantized weights (same maths).
 """
 
 from __future__ import annotations
@@ -11,19 +12,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kv4rl.quant.fp8 import dequantize_fp8, quantize_fp8
+from kv4rl.engine.fp8_linear import FALLBACK_PATH, SCALED_MM_PATH, FP8Linear
 
 
-def fp8_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The linear layers inside the decoder blocks (attention and MLP projections)."""
-    return {name: m for name, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)}
+def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The plain linear layers inside the decoder blocks (attention and MLP projections)."""
+    return {name: m for name, m in model.model.layers.named_modules() if type(m) is nn.Linear}
 
 
 @torch.no_grad()
 def apply_fp8_weights(model: nn.Module) -> int:
-    """Round every block linear's weight to e4m3 with a per-output-channel scale; returns the count."""
-    linears = fp8_linears(model)
-    for linear in linears.values():
-        codes, scale = quantize_fp8(linear.weight.float())  # one scale per row = per output channel
-        linear.weight.copy_(dequantize_fp8(codes, scale, torch.float32))
+    """Swap every block linear for an :class:`FP8Linear` quantized from it; returns the count."""
+    linears = block_linears(model)
+    for name, linear in linears.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.model.layers.get_submodule(parent_name)
+        setattr(parent, attr, FP8Linear.from_linear(linear))
     return len(linears)
+
+
+def fp8_path(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
+    """Which product the FP8 linears use for activations of ``dtype`` on ``device``, for logs."""
+    paths = [m.path(dtype, device) for m in model.modules() if isinstance(m, FP8Linear)]
+    fast = paths.count(SCALED_MM_PATH)
+    if fast == len(paths):
+        return SCALED_MM_PATH
+    if fast == 0:
+        return FALLBACK_PATH
+    return f"{SCALED_MM_PATH} for {fast} of {len(paths)} linears, {FALLBACK_PATH} for the rest"

@@ -15,6 +15,7 @@ C hidden size, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -24,6 +25,27 @@ from kv4rl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 # (layer_idx, q[N, Hq, D], k[N, Hkv, D], v[N, Hkv, D]) -> out[N, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class CheckpointSlot(NamedTuple):
+    """A checkpoint tensor that a module stores in its own form (quantized, say): ``load`` converts
+    the incoming tensor and writes it in place. Modules opt in with a ``checkpoint_slots()`` method
+    returning ``{local name: CheckpointSlot | tensor}``, which then stands for all their state."""
+
+    shape: tuple[int, ...]
+    load: Callable[[torch.Tensor], None]
+
+
+LoadTarget = torch.Tensor | CheckpointSlot
+
+
+def store(target: LoadTarget, tensor: torch.Tensor) -> None:
+    """Write a checkpoint tensor into its target: an in-place cast copy, or the slot's own loader."""
+    if isinstance(target, CheckpointSlot):
+        target.load(tensor)
+    else:
+        target.copy_(tensor)
+
 
 TIED_HEAD_NAME = "lm_head.weight"
 EMBED_NAME = "model.embed_tokens.weight"
@@ -127,10 +149,17 @@ class Decoder(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def hf_targets(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> parameter to fill. A tied ``lm_head.weight`` is omitted (it is the
-        embedding)."""
-        targets = dict(self.state_dict(keep_vars=True))
+    def hf_targets(self) -> dict[str, LoadTarget]:
+        """Checkpoint name -> parameter (or module slot) to fill. A tied ``lm_head.weight`` is
+        omitted (it is the embedding). A module with ``checkpoint_slots()`` (an FP8 linear, say)
+        names its checkpoint tensors itself, so a transformed model still loads HF names."""
+        targets: dict[str, LoadTarget] = dict(self.state_dict(keep_vars=True))
+        for prefix, module in self.named_modules():
+            slots = getattr(module, "checkpoint_slots", None)
+            if slots is not None:
+                owned = f"{prefix}."
+                targets = {name: t for name, t in targets.items() if not name.startswith(owned)}
+                targets.update({owned + name: t for name, t in slots().items()})
         if self.args.tie_word_embeddings:
             del targets[TIED_HEAD_NAME]
         return targets
@@ -174,7 +203,7 @@ class Decoder(nn.Module):
         names = self.check_hf_shapes({name: tensor.shape for name, tensor in state_dict.items()}, strict)
         targets = self.hf_targets()
         for name in names:
-            targets[name].copy_(state_dict[name])
+            store(targets[name], state_dict[name])
         return len(names)
 
 

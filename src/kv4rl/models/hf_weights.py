@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from kv4rl.models.args import ModelArgs
-from kv4rl.models.decoder import Decoder
+from kv4rl.models.decoder import Decoder, store
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -121,5 +121,5 @@ def load_model(
         for path, file_names in by_file.items():
             with safe_open(path, framework="pt") as reader:
                 for name in file_names:
-                    targets[name].copy_(reader.get_tensor(name))
+                    store(targets[name], reader.get_tensor(name))
     return model.eval(), args

@@ -1,0 +1,141 @@
+"""A linear layer that keeps its weight as FP8 e4m3 codes with one float32 scale per output channel.
+
+The point is half the weight bytes per decode step, so no full-precision copy of the weight is kept:
+a refresh quantizes the incoming tensor straight into the codes and scales (in place, nothing is
+reallocated). Both forward paths compute the same function,
+
+    y = deq(q(x)) @ deq(W_q).T + b,    q(x): e4m3 with one scale per row (token), amax / 448,
+
+and differ only in accumulation order and output rounding:
+
+- ``scaled_mm``: CUDA with compute capability >= 8.9 (Hopper, Ada) in bfloat16 multiplies the FP8
+  codes on the tensor cores with row-wise scales (``torch._scaled_mm``);
+- dequantized fallback (CPU, older GPUs, other dtypes, in/out features not multiples of 16):
+  dequantizes activation and weight to the compute dtype and runs an ordinary matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kv4rl.models.decoder import CheckpointSlot
+from kv4rl.quant.fp8 import dequantize_fp8, quantize_fp8
+
+SCALED_MM_PATH = "scaled_mm (Hopper)"
+FALLBACK_PATH = "dequantized fallback"
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def fp8_matmul_device(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 tensor-core matrix products (CUDA compute capability >= 8.9)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
+class FP8Linear(nn.Module):
+    """``nn.Linear`` replacement for inference; ``use_scaled_mm`` None picks the path per call,
+    True forces ``torch._scaled_mm`` (raising where it cannot run), False forces the fallback."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        )
+        self.register_buffer("weight_scale", torch.zeros(out_features, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.use_scaled_mm: bool | None = None
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> FP8Linear:
+        """Quantize an ``nn.Linear`` (bias kept in its dtype); the caller drops the original."""
+        w = linear.weight
+        fp8 = cls(linear.in_features, linear.out_features, linear.bias is not None, device=w.device, dtype=w.dtype)
+        fp8.load_weight_(w)
+        if linear.bias is not None:
+            fp8.bias.copy_(linear.bias)
+        return fp8
+
+    @torch.no_grad()
+    def load_weight_(self, weight: torch.Tensor) -> None:
+        """Quantize a full-precision ``[out, in]`` weight into the codes and scales, in place."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)}, expected {(self.out_features, self.in_features)}")
+        codes, scale = quantize_fp8(weight.to(self.qweight.device))
+        self.qweight.copy_(codes)
+        self.weight_scale.copy_(scale)
+
+    def checkpoint_slots(self) -> dict:
+        """HF names for the decoder's loader: ``weight`` is quantized on copy, ``bias`` copied."""
+        slots = {"weight": CheckpointSlot((self.out_features, self.in_features), self.load_weight_)}
+        if self.bias is not None:
+            slots["bias"] = self.bias
+        return slots
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8(self.qweight, self.weight_scale, dtype)
+
+    def scaled_mm_ok(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether ``torch._scaled_mm`` can run here: FP8 tensor cores, bf16 compute, and the
+        in/out features multiples of 16 (its layout rule for the operands)."""
+        return (
+            dtype == torch.bfloat16
+            and self.in_features % 16 == 0
+            and self.out_features % 16 == 0
+            and fp8_matmul_device(device)
+        )
+
+    def path(self, dtype: torch.dtype, device: torch.device) -> str:
+        """Which forward path an input of ``dtype`` on ``device`` takes."""
+        if self.use_scaled_mm is False:
+            return FALLBACK_PATH
+        if self.scaled_mm_ok(dtype, device):
+            return SCALED_MM_PATH
+        if self.use_scaled_mm:
+            raise RuntimeError(f"scaled_mm forced but unavailable for {dtype} on {device} ({self.extra_repr()})")
+        return FALLBACK_PATH
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_MK = x.reshape(-1, self.in_features)
+        if self.path(x.dtype, x.device) == SCALED_MM_PATH and x_MK.shape[0] > 0:
+            out_MN = self._scaled_mm(x_MK)
+        else:
+            out_MN = self._dequantized(x_MK)
+        return out_MN.reshape(*x.shape[:-1], self.out_features)
+
+    def _dequantized(self, x_MK: torch.Tensor) -> torch.Tensor:
+        codes, scale = quantize_fp8(x_MK)
+        x_deq = dequantize_fp8(codes, scale, x_MK.dtype)
+        bias = None if self.bias is None else self.bias.to(x_MK.dtype)
+        return F.linear(x_deq, self.dequantized_weight(x_MK.dtype), bias)
+
+    def _scaled_mm(self, x_MK: torch.Tensor) -> torch.Tensor:
+        # row-wise scaling takes any token count M (seen with torch 2.11 on an H200 for M = 1, 17)
+        codes_MK, scale_M = quantize_fp8(x_MK.contiguous())
+        out_MN = torch._scaled_mm(
+            codes_MK,  # row-major [M, K]
+            self.qweight.t(),  # column-major [K, N], as the FP8 GEMM wants its second operand
+            scale_a=scale_M.view(-1, 1),  # [M, 1] float32: one scale per token
+            scale_b=self.weight_scale.view(1, -1),  # [1, N] float32: one scale per output channel
+            out_dtype=torch.bfloat16,
+        )
+        if self.bias is not None:
+            out_MN = out_MN + self.bias
+        return out_MN
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
