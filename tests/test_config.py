@@ -19,10 +19,11 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     (tmp_path / "my.yaml").write_text(yaml.safe_dump({"trainer": {"lr": 0.5, "iterations": 3},
                                                       "algo": {"horizon": 64}}))
     cfg = load_config(tmp_path / "my.yaml", ["trainer.lr=1e-5", "rollout.group_size=4", "model.path=null",
-                                             "trainer.betas=[0.8, 0.9]"])
+                                             "trainer.betas=[0.8, 0.9]", "engine.prefix_sharing=false"])
     assert cfg.trainer.lr == 1e-5 and cfg.trainer.iterations == 3
     assert cfg.rollout.group_size == 4 and cfg.algo.horizon == 64 and cfg.model.path is None
     assert cfg.trainer.betas == (0.8, 0.9)
+    assert cfg.engine.prefix_sharing is False and load_config().engine.prefix_sharing is True
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -39,6 +40,7 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("trainer.betas=[0.9]", "trainer.betas"),
     ("data.prompt_template=hello", "data.prompt_template"),
     ("trainer=3", "trainer"),
+    ("engine.prefix_sharing=3", "engine.prefix_sharing"),
 ])
 def test_bad_keys_values_and_combinations_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

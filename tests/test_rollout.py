@@ -19,15 +19,17 @@ class IdsFormatter:
         return [3 + (ord(ch) % 90) for ch in problem.problem[:6]]
 
 
-def make_engine(path, slots, num_blocks=None):
-    cfg = EngineConfig(kv=KVConfig(format="fp32", block_size=4), num_kv_blocks=num_blocks, max_model_len=96)
+def make_engine(path, slots, num_blocks=None, prefix_sharing=True):
+    cfg = EngineConfig(kv=KVConfig(format="fp32", block_size=4), num_kv_blocks=num_blocks, max_model_len=96,
+                       prefix_sharing=prefix_sharing)
     return Engine(path, cfg, max_num_seqs=slots, device="cpu", dtype="float32", seed=0)
 
 
-def make_collector(path, lengths, *, mode="partial", quota=2, group=2, slots=4, carry="keep_kv", num_blocks=None):
+def make_collector(path, lengths, *, mode="partial", quota=2, group=2, slots=4, carry="keep_kv", num_blocks=None,
+                   prefix_sharing=True):
     cfg = RolloutConfig(mode=mode, quota_groups=quota, group_size=group, max_slots=slots, carry=carry)
-    return Collector(make_engine(path, slots, num_blocks), ProblemSource(None, None, seed=0), IdsFormatter(), cfg,
-                     seed=0, max_tokens_fn=lengths)
+    return Collector(make_engine(path, slots, num_blocks, prefix_sharing), ProblemSource(None, None, seed=0),
+                     IdsFormatter(), cfg, seed=0, max_tokens_fn=lengths)
 
 
 def test_b1_example_slot_timeline_and_handoff_order(tiny_qwen3):
@@ -38,10 +40,11 @@ def test_b1_example_slot_timeline_and_handoff_order(tiny_qwen3):
     step 3: A2 C1 D1 D2 -> nothing finishes
     step 4: A2 C1 D1 D2 -> all finish: A, C, D complete in that order
     The first batch is {B, A}; C and D are already complete and form the second batch at once.
+    (Without prefix sharing: with it, a group's second request starts a step after the first.)
     """
     path, _ = tiny_qwen3
     table = {0: (2, 4), 1: (1, 1), 2: (3, 1), 3: (2, 2)}
-    col = make_collector(path, lambda g, j: table[g][j] if g in table else 50)
+    col = make_collector(path, lambda g, j: table[g][j] if g in table else 50, prefix_sharing=False)
     first = col.collect()
     assert [g.index for g in first] == [1, 0]
     assert [t["batch_size"] for t in col.trace] == [4, 4, 4, 4]
@@ -53,7 +56,7 @@ def test_b1_example_slot_timeline_and_handoff_order(tiny_qwen3):
 def test_sync_mode_waits_for_the_longest_response(tiny_qwen3):
     path, _ = tiny_qwen3
     table = {0: (2, 4), 1: (1, 1), 2: (3, 1), 3: (2, 2)}
-    col = make_collector(path, lambda g, j: table[g][j], mode="sync", quota=2)
+    col = make_collector(path, lambda g, j: table[g][j], mode="sync", quota=2, prefix_sharing=False)
     assert [g.index for g in col.collect()] == [0, 1]
     assert [t["batch_size"] for t in col.trace] == [4, 2, 1, 1]  # slots idle behind A2
     assert [g.index for g in col.collect()] == [2, 3]

@@ -9,6 +9,16 @@ is re-queued at the front to be recomputed (its whole prefix is prefilled again)
 dropped. Each running sequence also holds one of `max_num_seqs` running slots, which indexes
 per-sequence cache state (KV4's protected rows); it is taken on admission and given back on finish
 or preemption. Torch-free, so the invariants are tested on CPU with random lengths.
+
+Prefix sharing (GRPO groups: G requests with one prompt). A fresh request (no sampled tokens yet)
+whose prompt was computed in the previous step by a still-running sequence that has not decoded
+since (its "parent") is forked instead of prefilled: it shares the parent's whole blocks below its
+last prompt position P-1 (reference-counted), gets a private block for P-1 into which the runner
+copies the shared positions of that block (copy-on-write), inherits the parent's per-sequence rows,
+and computes only position P-1, whose logits give its first token. A request whose prompt is being
+prefilled in the current batch waits one step for that KV instead of prefilling a second copy; the
+requests behind it are still admitted. Recomputed and resumed requests prefill as before. Because
+every sequence samples from counter-based noise, forked and prefilled requests draw the same tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 
 from kv4rl.engine.block_manager import BlockManager, blocks_needed
-from kv4rl.engine.sequence import Sequence, Status
+from kv4rl.engine.sequence import PrefixFork, Sequence, Status
 
 
 class Scheduler:
@@ -26,6 +36,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        prefix_sharing: bool = False,
     ):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
@@ -35,6 +46,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._free_seq_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest
+        self.prefix_sharing = prefix_sharing
+        self._prefix_parents: dict[tuple[int, ...], Sequence] = {}  # prompt -> who computed it last step
+        self.num_forks = 0
+        self.prefill_tokens_saved = 0  # prompt tokens forked requests did not compute
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; refuse at once one that could never fit, instead of hanging later."""
@@ -62,21 +77,71 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[Sequence]:
         batch: list[Sequence] = []
+        parents, self._prefix_parents = self._prefix_parents, {}
+        deferred: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            key = self._share_key(seq)
+            parent = parents.get(key) if key is not None else None
+            if parent is not None and not self._holds_prompt(parent):
+                parent = None
+            if parent is None and key is not None and key in self._prefix_parents:
+                deferred.append(self.waiting.popleft())  # its prompt's KV exists after this step
+                continue
             # one token of headroom: the prefill samples a token whose KV the next step writes
-            if not self.blocks.can_grow(seq, len(seq) + 1):
-                break
-            if seq.num_new_tokens > budget and (batch or len(self.running) > 0):
+            if parent is not None:
+                shared = (len(seq.prompt_ids) - 1) // self.blocks.block_size
+                if blocks_needed(len(seq) + 1, self.blocks.block_size) - shared > self.blocks.num_free_blocks:
+                    break
+                new_tokens = 1
+            else:
+                if not self.blocks.can_grow(seq, len(seq) + 1):
+                    break
+                new_tokens = seq.num_new_tokens
+            if new_tokens > budget and (batch or len(self.running) > 0):
                 break  # a prompt longer than the whole budget still runs, alone
             self.waiting.popleft()
-            self.blocks.grow(seq, len(seq))
             seq.status = Status.RUNNING
             seq.seq_slot = self._free_seq_slots.pop()
+            if parent is not None:
+                self._fork(seq, parent, shared)
+            else:
+                self.blocks.grow(seq, len(seq))
             budget -= seq.num_new_tokens
             self.running.append(seq)
             batch.append(seq)
+            if key is not None and seq.params.max_tokens > 1 and len(seq) + 1 < self.max_model_len:
+                self._prefix_parents.setdefault(key, seq)  # a parent next step, unless it stops at EOS
+        self.waiting.extendleft(reversed(deferred))
         return batch
+
+    def _share_key(self, seq: Sequence) -> tuple[int, ...] | None:
+        """The prompt, for a request that may share it; None when it must prefill on its own."""
+        if not self.prefix_sharing or seq.output_ids or len(seq.prompt_ids) < 2:
+            return None
+        return tuple(seq.prompt_ids)
+
+    @staticmethod
+    def _holds_prompt(parent: Sequence) -> bool:
+        """Still running with exactly its prompt cached (not preempted, finished or decoded since)."""
+        return parent.status is Status.RUNNING and parent.num_cached_tokens == len(parent.prompt_ids)
+
+    def _fork(self, seq: Sequence, parent: Sequence, shared: int) -> None:
+        """Give `seq` the parent's prompt KV up to its last prompt token, which `seq` computes itself."""
+        bs = self.blocks.block_size
+        last = len(seq.prompt_ids) - 1
+        self.blocks.share(seq, parent.block_table[:shared])
+        self.blocks.grow(seq, len(seq))  # the private block that holds position `last`
+        seq.num_cached_tokens = last
+        src, dst = parent.block_table[shared] * bs, seq.block_table[shared] * bs
+        copied = range(last - shared * bs)  # offsets of the shared positions in that block
+        seq.fork = PrefixFork([src + i for i in copied], [dst + i for i in copied], parent.seq_slot, seq.seq_slot)
+        self.num_forks += 1
+        self.prefill_tokens_saved += last
+
+    def forget_prefixes(self) -> None:
+        """New weights: prompt KV computed under the old ones must not seed new requests."""
+        self._prefix_parents = {}
 
     def _decode_batch(self) -> list[Sequence]:
         batch: list[Sequence] = []

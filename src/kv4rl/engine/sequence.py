@@ -42,6 +42,19 @@ class Status(enum.Enum):
 _ids = itertools.count()
 
 
+@dataclass(slots=True)
+class PrefixFork:
+    """Cache copies the runner makes before the first forward of a sequence forked from a parent
+    that holds the same prompt: the shared positions of the partly shared block (copy-on-write,
+    cache slots `src_slots` -> `dst_slots`) and the parent's per-sequence rows (KV4's protected copies).
+    """
+
+    src_slots: list[int]
+    dst_slots: list[int]
+    src_seq_slot: int
+    dst_seq_slot: int
+
+
 @dataclass(eq=False, slots=True)
 class Sequence:
     """Prompt, sampled tokens with their behaviour log-probs and policy versions, and KV blocks.
@@ -64,6 +77,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    fork: PrefixFork | None = None  # set by the scheduler, applied and cleared by the runner
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -5,7 +5,8 @@ offset). Each quantity lives in its own tensor (4-bit codes packed two per byte,
 so a GPU kernel can later read the paged codes and their scales directly. A format implements three
 hooks for one of K or V (`allocate_part`, `store`, `load`); the base class adds the Hadamard rotation
 and the write/read calls the reference attention makes. KV4, which keeps per-sequence state, also
-overrides `append_and_read`.
+overrides `append_and_read`. `copy_slots` and `copy_seq_state` serve prefix sharing: a request forked
+from another with the same prompt gets copies of a partly shared block and of the per-sequence state.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class KVFormat:
     name = "base"
     options: tuple[str, ...] = ()
     default_rotate = "none"
+    per_sequence_keys: tuple[str, ...] = ()  # cache tensors indexed by running slot, not by cache slot
 
     def __init__(self, *, rotate: str = "auto"):
         rotate = self.default_rotate if rotate == "auto" else rotate
@@ -87,6 +89,15 @@ class KVFormat:
         """Zeroed cache tensors; `num_seq_slots` (running sequences) sizes per-sequence state."""
         shape = (num_slots, num_kv_heads, head_dim, device)
         return {**self.allocate_part("k", *shape), **self.allocate_part("v", *shape)}
+
+    def copy_slots(self, cache: dict, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy-on-write of a shared block: every slot-indexed tensor's entries `src` -> `dst`."""
+        for key, tensor in cache.items():
+            if tensor.dim() and key not in self.per_sequence_keys:
+                tensor[dst_slots] = tensor[src_slots]
+
+    def copy_seq_state(self, cache: dict, src_seq_slots: torch.Tensor, dst_seq_slots: torch.Tensor) -> None:
+        """A forked sequence inherits its parent's per-sequence state (plain pages have none)."""
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rotate != "none":
