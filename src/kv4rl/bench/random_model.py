@@ -1,11 +1,12 @@
-"""Randomly initialised checkpoints with a real model's shape, for benchmarks that need no trained weights.
+"""Randomly initialised models with a real model's shape, for benchmarks that need no trained weights.
 
 KV storage and the fidelity of a quantized cache depend on the attention shape (head_dim, KV heads,
 layers) and the vocabulary, which a random-init model reproduces exactly; its outputs are close to
 uniform, so distribution distances measured on it are small in absolute terms. The folder is an
 ordinary HF checkpoint (weights saved in bf16, as the released model) plus the char tokenizer of the
 embedded task, so `kv4rl bench` can feed it the embedded prompts; the tokenizer's ids are a subset
-of the model's vocabulary.
+of the model's vocabulary. `random_decoder` builds the engine's own decoder directly on a device, and
+`random_hf_qwen3` a transformers model for baselines, both without touching the disk.
 """
 
 from __future__ import annotations
@@ -16,29 +17,116 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
-# From the released config.json of Qwen/Qwen3-0.6B.
+from kv4rl.models.args import ModelArgs
+from kv4rl.models.decoder import Decoder
+from kv4rl.models.layers import RMSNorm
+
+_INIT_STD = 0.02  # transformers' Qwen3Config.initializer_range
+
+_QWEN3_COMMON = {
+    "vocab_size": 151936,
+    "head_dim": 128,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tie: bool) -> dict:
+    return {**_QWEN3_COMMON, "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "tie_word_embeddings": tie}
+
+
+# From the released config.json files of Qwen/Qwen3-{0.6B,1.7B,4B,8B}.
 QWEN3_SHAPES: dict[str, dict] = {
-    "qwen3-0.6b": {
-        "vocab_size": 151936,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 40960,
-        "rope_theta": 1_000_000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-    },
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tie=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tie=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, tie=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, tie=False),
+}
+# Small enough for CPU tests of the commands that take a shape; not a released model.
+TEST_SHAPES: dict[str, dict] = {
+    "qwen3-tiny": {**_QWEN3_COMMON, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                   "max_position_embeddings": 512, "tie_word_embeddings": True},
 }
 
 
 def _shape(name: str) -> dict:
-    if name not in QWEN3_SHAPES:
-        raise ValueError(f"--random-init: unknown shape '{name}' (known: {', '.join(QWEN3_SHAPES)})")
-    return dict(QWEN3_SHAPES[name])
+    shapes = {**QWEN3_SHAPES, **TEST_SHAPES}
+    if name not in shapes:
+        raise ValueError(f"unknown model shape '{name}' (known: {', '.join(shapes)})")
+    return dict(shapes[name])
+
+
+def qwen3_args(shape: str, num_layers: int | None = None) -> ModelArgs:
+    """The engine's ModelArgs for `shape`, read as the released config.json would be (no EOS: random
+    models have no meaningful stop token)."""
+    config = {"model_type": "qwen3", **_shape(shape), "eos_token_id": None}
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    return ModelArgs.from_hf_config(config)
+
+
+def _empty_decoder(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Decoder:
+    """Parameters allocated on `device` but not initialised (built on meta: no init cost)."""
+    with torch.device("meta"):
+        model = Decoder(args, dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rotary.build_cache(device)
+    return model
+
+
+@torch.no_grad()
+def random_decoder(shape: str, device: str | torch.device, *, dtype: torch.dtype = torch.bfloat16,
+                   seed: int = 0, num_layers: int | None = None) -> Decoder:
+    """The engine's decoder with `shape`, random-init in place on `device` (no disk, no transformers).
+
+    Initialised as transformers initialises Qwen3 (normal std 0.02 for linears and embeddings, RMSNorm
+    weights one), from a generator on the device, so an 8B model builds in seconds on a GPU; the same
+    seed on the same device type gives the same weights.
+    """
+    device = torch.device(device)
+    model = _empty_decoder(qwen3_args(shape, num_layers), device, dtype)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, nn.Linear | nn.Embedding):
+            if module is model.lm_head and model.args.tie_word_embeddings:
+                continue  # the embedding, drawn once
+            module.weight.normal_(0.0, _INIT_STD, generator=generator)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+    return model.eval()
+
+
+def random_hf_qwen3(shape: str, device: str | torch.device, *, dtype: torch.dtype = torch.bfloat16,
+                    seed: int = 0, pad_token_id: int = 0):
+    """A transformers Qwen3ForCausalLM with `shape`, random-init by transformers on `device`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**_shape(shape), eos_token_id=None, bos_token_id=None, pad_token_id=pad_token_id)
+    with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def decoder_from_hf(hf_model) -> Decoder:
+    """The engine's decoder holding a copy of an in-memory transformers model's weights, on its device."""
+    weight = next(hf_model.parameters())
+    args = ModelArgs.from_hf_config(hf_model.config.to_dict())
+    model = _empty_decoder(args, weight.device, weight.dtype)
+    model.load_hf_state_dict(hf_model.state_dict())
+    return model.eval()
 
 
 def make_random_qwen3(out_dir: str | Path, shape: str = "qwen3-0.6b", *, num_layers: int | None = None,

@@ -1,0 +1,161 @@
+"""`kv4rl bench generate`: engine decode throughput against transformers' `generate`, same weights.
+
+One random-init model of a real shape: transformers builds and initialises it on the device, and the
+engine's decoder gets a copy of those very weights (HF parameter names), so both sample from the same
+distribution over the same random prompts. Every sequence generates exactly `new_tokens` tokens (the
+engine ignores EOS, transformers gets `min_new_tokens = max_new_tokens`; the random model has no EOS
+anyway), so the two do the same work. Each system is warmed up once with a short run of the largest
+batch, then every batch size is timed on its own (CUDA synchronised around it).
+
+transformers runs first and is freed before the engines start, so each peak-memory figure holds one
+system only: its weights, its KV cache and its activations. The engines of the KV formats share one
+decoder, one after another.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+
+import torch
+
+from kv4rl.bench.random_model import decoder_from_hf, qwen3_args, random_decoder, random_hf_qwen3
+from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.llm import Engine, resolve_device
+from kv4rl.engine.sequence import SamplingParams
+
+WARMUP_TOKENS = 4
+PAD_TOKEN_ID = 0
+
+
+def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + batch)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=generator).tolist()
+
+
+class _Timer:
+    """Wall time and peak allocated bytes of a block, CUDA synchronised at both ends."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - self.t0
+        self.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def _hf_generate(model, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    ids = torch.tensor(prompts, device=model.device)
+    return model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=PAD_TOKEN_ID,
+    )
+
+
+def run_hf(model, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int, device: torch.device) -> dict:
+    """transformers `generate` per batch size: produced tokens, seconds, peak memory."""
+    largest = prompts_by_batch[max(prompts_by_batch)]
+    _hf_generate(model, largest, min(new_tokens, WARMUP_TOKENS))
+    rows = {}
+    for batch, prompts in prompts_by_batch.items():
+        with _Timer(device) as t:
+            out = _hf_generate(model, prompts, new_tokens)
+        tokens = out.shape[0] * (out.shape[1] - len(prompts[0]))
+        rows[batch] = {"hf_tokens": tokens, "hf_s": t.seconds, "hf_tokens_per_s": tokens / t.seconds,
+                       "hf_peak_gib": t.peak_gib}
+    return rows
+
+
+def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
+               seed: int) -> dict:
+    """Engine generation per batch size: produced tokens, seconds, steps, decode step time, peak memory."""
+    largest = prompts_by_batch[max(prompts_by_batch)]
+    engine.generate(largest, SamplingParams(max_tokens=min(new_tokens, WARMUP_TOKENS), ignore_eos=True, seed=seed))
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
+    rows = {}
+    for batch, prompts in prompts_by_batch.items():
+        steps: list[dict] = []
+        preempted = engine.num_preemptions
+        with _Timer(engine.device) as t:
+            completions = engine.generate(prompts, params, progress=lambda _, steps=steps: steps.append(dict(engine.last_step)))
+        tokens = sum(len(c.token_ids) for c in completions)
+        decode = [s["latency_s"] for s in steps if s["new_tokens"] == s["batch_size"]]  # no prompt token
+        rows[batch] = {
+            "engine_tokens": tokens, "engine_s": t.seconds, "engine_tokens_per_s": tokens / t.seconds,
+            "engine_steps": len(steps), "decode_steps": len(decode),
+            "decode_step_ms": 1e3 * sum(decode) / len(decode) if decode else None,
+            "preemptions": engine.num_preemptions - preempted, "engine_peak_gib": t.peak_gib,
+        }
+    return rows
+
+
+def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128, new_tokens: int = 256,
+                   kv_formats: list[str] = ("bf16",), weight_format: str = "auto", hf: bool = True,
+                   device: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
+                   progress=None) -> dict:
+    """Tokens/s of the engine (each KV format) and of transformers on the same model and prompts.
+
+    `engine_config` supplies other engine settings; unless it sets `max_model_len`, that is
+    `prompt_len + new_tokens`. The model is bf16 on CUDA and float32 on CPU.
+    """
+    if not batch_sizes or min(batch_sizes) < 1 or prompt_len < 1 or new_tokens < 1:
+        raise ValueError("--batch-sizes, --prompt-len and --new-tokens must be >= 1")
+    note = progress or (lambda message: None)
+    dev = resolve_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    args = qwen3_args(shape)
+    prompts = {b: random_prompts(args.vocab_size, b, prompt_len, seed) for b in batch_sizes}
+    hf_rows: dict[int, dict] = {}
+    if hf:
+        import transformers
+
+        note(f"transformers {transformers.__version__}: building {shape} on {dev}")
+        hf_model = random_hf_qwen3(shape, dev, dtype=dtype, seed=seed, pad_token_id=PAD_TOKEN_ID)
+        hf_rows = run_hf(hf_model, prompts, new_tokens, dev)
+        decoder = decoder_from_hf(hf_model)
+        del hf_model
+        _free(dev)
+    else:
+        decoder = random_decoder(shape, dev, dtype=dtype, seed=seed)
+    results, summaries = [], {}
+    for fmt in kv_formats:
+        cfg = copy.deepcopy(engine_config) if engine_config is not None else EngineConfig()
+        cfg.kv.format = fmt
+        cfg.weight_format = weight_format
+        cfg.max_model_len = cfg.max_model_len or prompt_len + new_tokens
+        engine = Engine.from_model(decoder, cfg, max_num_seqs=max(batch_sizes), seed=seed)
+        summaries[fmt] = engine.summary
+        note(engine.summary)
+        for batch, row in run_engine(engine, prompts, new_tokens, seed).items():
+            row = {"kv_format": fmt, "batch_size": batch, **row, **hf_rows.get(batch, {})}
+            row["speedup"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"] if hf else None
+            results.append(row)
+            note(f"{fmt} batch {batch}: {row['engine_tokens_per_s']:.0f} tokens/s")
+        del engine
+        _free(dev)
+    return {
+        "shape": shape,
+        "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_heads,
+                        "kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "vocab": args.vocab_size},
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "weight_format": weight_format,
+        "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "seed": seed,
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "engine_summaries": summaries, "results": results,
+    }
