@@ -42,7 +42,15 @@ class KVConfig:
 class EngineConfig:
     """Capacity and backend of the rollout engine.
 
-    `num_kv_blocks: null` sizes the pool so every slot can hold `max_model_len` tokens.
+    `num_kv_blocks: null` sizes the pool from device memory on CUDA: what is left of
+    `gpu_memory_fraction` of the device after the weights and the activation peak of the largest step,
+    at most enough for every slot to hold `max_model_len` tokens (on CPU: exactly that).
+    `prefix_sharing` lets requests with the same prompt (a GRPO group) hold one copy of its KV blocks
+    and skip its prefill (see the scheduler); off, every request prefills and holds its own prompt.
+    `attention_backend: auto` runs decode rows through the Triton kernels on CUDA when the KV format has
+    them (bf16, fp8, int4 and kv4 with group_size = head_dim) and the torch reference path otherwise;
+    `torch` forces the reference path, `triton` fails at start when the kernels cannot run.
+    `cuda_graphs` replays decode steps as CUDA graphs (fast path only).
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -50,7 +58,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int = 16384
-    attention_backend: Literal["auto", "torch"] = "auto"
+    gpu_memory_fraction: float = 0.9
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    cuda_graphs: bool = True
+    prefix_sharing: bool = True
 
     def validate(self) -> None:
         self.kv.validate()
@@ -64,3 +75,5 @@ class EngineConfig:
             raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("engine.max_num_batched_tokens must be >= 1")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"engine.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kv4rl.engine import memory
 from kv4rl.engine.block_manager import BlockManager, blocks_needed
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.kv_formats import kv_format_from_config
@@ -24,6 +25,7 @@ from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.sampler import sample
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
+from kv4rl.models.decoder import Decoder
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Engine:
     def __init__(
         self,
-        model_dir: str | Path,
+        model_dir: str | Path | None,
         config: EngineConfig | None = None,
         *,
         max_num_seqs: int = 256,
@@ -64,17 +66,28 @@ class Engine:
         dtype: str | torch.dtype = "auto",
         seed: int = 0,
         tokenizer: Any = None,
+        model: Decoder | None = None,
     ):
+        """Load the checkpoint in `model_dir`, or take an in-memory `model` (see `from_model`)."""
         from kv4rl.models.hf_weights import load_model
 
         config = config or EngineConfig()
         config.validate()
         self.config = config
+        if (model is None) == (model_dir is None):
+            raise ValueError("Engine needs exactly one of a model folder and an in-memory model")
+        if model is not None:  # it is already placed: its device and dtype are the engine's
+            if (device, dtype) != ("auto", "auto"):
+                raise ValueError("an in-memory model fixes the engine's device and dtype; leave them 'auto'")
+            device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
-        self.model, self.args = load_model(model_dir, self.device, self.dtype)
+        if model is None:
+            self.model, self.args = load_model(model_dir, self.device, self.dtype)
+        else:
+            self.model, self.args = model, model.args
         self.model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
-        self._apply_weight_format()
+        self.weights_desc = self._apply_weight_format()
         self.tokenizer = tokenizer
         fmt_name = config.kv.format
         if fmt_name == "auto":
@@ -83,13 +96,12 @@ class Engine:
         block_size = config.kv.block_size
         self.max_model_len = config.max_model_len or self.args.max_position_embeddings
         self.kv_format.check(self.args.head_dim, self.max_model_len)
-        num_blocks = config.num_kv_blocks or max_num_seqs * blocks_needed(self.max_model_len, block_size)
-        self.runner = ModelRunner(
-            self.model, self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
-            self.kv_format, num_blocks, block_size, self.device, max_num_seqs=max_num_seqs,
-        )
+        self.fast = self._choose_attention()
+        num_blocks, self.pool_sizing = self._num_kv_blocks(max_num_seqs)
+        self.runner = self._make_runner(num_blocks, max_num_seqs, graphs=True)
         self.scheduler = Scheduler(
-            BlockManager(num_blocks, block_size), max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            BlockManager(num_blocks, block_size), max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            prefix_sharing=config.prefix_sharing,
         )
         eos = self.args.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -104,10 +116,75 @@ class Engine:
         self.summary = (
             f"engine: kv format {fmt_name} (rotate {self.kv_format.rotate}), {self.bytes_per_token:.1f} "
             f"bytes/token at context {self.max_model_len}, pool {self.pool_tokens} tokens ({num_blocks} "
-            f"blocks x {block_size}) for up to {max_num_seqs} sequences, {self.pool_bytes / 2**20:.1f} MiB, "
-            f"weights {config.weight_format}"
+            f"blocks x {block_size}) for up to {max_num_seqs} sequences, {memory.format_bytes(self.pool_bytes)} "
+            f"(sized by {self.pool_sizing}), {self.weights_desc}, {self.attention_desc}"
         )
         log.info(self.summary)
+
+    @classmethod
+    def from_model(cls, model: Decoder, config: EngineConfig | None = None, **kwargs) -> Engine:
+        """An engine around a decoder already in memory (e.g. random-init for a benchmark), on its device
+        and in its dtype. The engine owns it from then on (weight formats transform it in place)."""
+        return cls(None, config, model=model, **kwargs)
+
+    def _make_runner(self, num_blocks: int, max_num_seqs: int, graphs: bool = False) -> ModelRunner:
+        graph_max_batch = max_num_seqs if graphs and self.config.cuda_graphs else 0
+        return ModelRunner(
+            self.model, self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
+            self.kv_format, num_blocks, self.config.kv.block_size, self.device, max_num_seqs=max_num_seqs,
+            fast=self.fast, graph_max_batch=graph_max_batch, max_model_len=self.max_model_len,
+        )
+
+    def _choose_attention(self):
+        """The Triton decode path when `engine.attention_backend` and the hardware allow it; logged."""
+        from kv4rl.engine.fast_path import FastAttention, fast_path_problem
+
+        backend = self.config.attention_backend
+        problem = "engine.attention_backend=torch" if backend == "torch" else fast_path_problem(
+            self.kv_format, self.dtype, self.args.head_dim, self.device)
+        if problem is not None:
+            if backend == "triton":
+                raise ValueError(f"engine.attention_backend=triton cannot run here: {problem}")
+            self.attention_desc = f"attention: torch reference ({problem})"
+            return None
+        graphs = "CUDA graphs" if self.config.cuda_graphs and self.device.type == "cuda" else "eager"
+        self.attention_desc = f"attention: Triton decode kernels ({graphs}) + reference prefill"
+        return FastAttention(self.kv_format, self.args.num_kv_heads, self.args.head_dim,
+                             self.config.kv.block_size, self.device)
+
+    def _num_kv_blocks(self, max_num_seqs: int) -> tuple[int, str]:
+        """The pool's blocks and how they were chosen: `engine.num_kv_blocks`, every slot at
+        `max_model_len` (CPU), or what fits in device memory (CUDA, see `kv4rl.engine.memory`)."""
+        cfg, block_size = self.config, self.config.kv.block_size
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks, "engine.num_kv_blocks"
+        if self.device.type != "cuda":
+            return max_num_seqs * blocks_needed(self.max_model_len, block_size), "max_num_seqs x max_model_len"
+        footprint = memory.kv_footprint(
+            self.kv_format, self.args.num_layers, self.args.num_kv_heads, self.args.head_dim, block_size)
+        activation = memory.measure_step_peak(lambda: self._profile_step(max_num_seqs), self.device)
+        total, used = memory.in_use_bytes(self.device)
+        blocks = memory.pool_blocks(
+            total_bytes=total, fraction=cfg.gpu_memory_fraction, used_bytes=used, activation_bytes=activation,
+            footprint=footprint, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+        capped = " (capped at max_num_seqs x max_model_len)" if blocks == max_num_seqs * blocks_needed(
+            self.max_model_len, block_size) else ""
+        return blocks, (
+            f"engine.gpu_memory_fraction={cfg.gpu_memory_fraction:g} of {memory.format_bytes(total)}: "
+            f"{memory.format_bytes(used)} in use, {memory.format_bytes(activation)} step peak{capped}"
+        )
+
+    @torch.inference_mode()
+    def _profile_step(self, max_num_seqs: int) -> None:
+        """The largest step's work on dummy tokens and a one-block cache: its prefill, then sampling
+        for `max_num_seqs` rows with top-k and top-p on (their sorts are the sampler's peak)."""
+        seqs = memory.profile_batch(self.config.max_num_batched_tokens, self.max_model_len, max_num_seqs,
+                                    self.config.kv.block_size)
+        self._make_runner(1, 1).forward(seqs)
+        rows = {"size": (max_num_seqs,), "device": self.device}
+        sample(torch.zeros(max_num_seqs, self.args.vocab_size, device=self.device),
+               torch.ones(**rows), torch.ones(**rows, dtype=torch.long), torch.full(fill_value=0.5, **rows),
+               torch.zeros(**rows, dtype=torch.long), torch.zeros(**rows, dtype=torch.long))
 
     def kv_bytes_per_token(self, context_len: int) -> float:
         """KV storage per token over all layers, K and V, scales and protected copies at `context_len`."""
@@ -153,12 +230,16 @@ class Engine:
         """Advance every scheduled sequence by one token; return the ones that finished.
 
         `last_step` afterwards describes the step for rollout traces: batch size, prefill or decode,
-        new (prefill + decode) tokens, mean context length, nominal resident KV bytes and latency.
+        new (prefill + decode) tokens, mean context length, nominal resident KV bytes, KV blocks in
+        use and how many of them are shared, prompt tokens whose prefill sharing saved, and latency.
         """
         t0 = time.perf_counter()
+        saved_before = self.scheduler.prefill_tokens_saved
         seqs = self.scheduler.schedule()
         if not seqs:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
+        blocks = self.scheduler.blocks
+        kv_blocks, shared_blocks = blocks.num_blocks - blocks.num_free_blocks, blocks.num_shared_blocks
         new_tokens = sum(s.num_new_tokens for s in seqs)
         logits = self.runner.forward(seqs)
         params = [s.params for s in seqs]
@@ -187,6 +268,9 @@ class Engine:
             "new_tokens": new_tokens,
             "context_mean": sum(len(s) for s in seqs) / len(seqs),
             "kv_bytes": resident * self.bytes_per_token,
+            "kv_blocks": kv_blocks,
+            "shared_blocks": shared_blocks,
+            "prefill_tokens_saved": self.scheduler.prefill_tokens_saved - saved_before,
             "latency_s": time.perf_counter() - t0,
         }
         return finished
@@ -250,7 +334,7 @@ class Engine:
             for i, seq in enumerate(batch):
                 t = len(seq.output_ids)
                 assert len(rows[seq.seq_id]) == t, "a forced position was scored twice or skipped"
-                rows[seq.seq_id].append(logits[i])
+                rows[seq.seq_id].append(logits[i].clone())  # graph outputs are reused
                 token = forced_by_id[seq.seq_id][t]
                 seq.append(token, float(logprobs[i, token]), self.version)
                 if self.scheduler.stop_reason(seq, frozenset()) is not None:
@@ -266,17 +350,31 @@ class Engine:
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy learner weights (HF names) in place; tokens sampled afterwards carry `version`."""
+        """Copy learner weights (HF names) in place; tokens sampled afterwards carry `version`.
+        FP8 linears re-quantize from the incoming tensors as they are copied."""
         self.model.load_hf_state_dict(state_dict)
-        self._apply_weight_format()
         self.version = version
+        self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
 
-    def _apply_weight_format(self) -> None:
-        if self.config.weight_format == "fp8":
-            from kv4rl.engine.fp8_weights import apply_fp8_weights
+    def _apply_weight_format(self) -> str:
+        """Transform the loaded model for `weight_format`; returns the summary's description."""
+        if self.config.weight_format != "fp8":
+            return f"weights {self.config.weight_format}"
+        from kv4rl.engine.fp8_weights import apply_fp8_weights, fp8_path
 
-            apply_fp8_weights(self.model)
+        apply_fp8_weights(self.model)
+        return f"fp8 weights: {fp8_path(self.model, self.dtype, self.device)}"
 
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """KV blocks held by more than one running sequence right now (prefix sharing)."""
+        return self.scheduler.blocks.num_shared_blocks
+
+    @property
+    def num_prefill_tokens_saved(self) -> int:
+        """Prompt tokens, over the engine's life, that forked requests did not prefill."""
+        return self.scheduler.prefill_tokens_saved

@@ -16,6 +16,8 @@ own recent window in INT8. Those copies come from the step's freshly quantized t
 already have moved past them) and, for older positions, from the side rows read before the step
 overwrites them. Hence a prefill computes what token-by-token decoding would, and re-prefilling a
 preempted sequence rebuilds the same cache. Sequences carried across weight updates keep their rows.
+A request forked from a parent with the same prompt (prefix sharing) starts from a copy of the
+parent's rows, taken while they still hold the prompt's sink and recent window.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class KV4Format(INT4Format):
     name = "kv4"
     options = ("group_size", "n_sink", "n_recent")
     default_rotate = "k"
+    per_sequence_keys = ("k_prot_codes", "k_prot_scale", "v_prot_codes", "v_prot_scale")
 
     def __init__(self, *, group_size: int = 128, rotate: str = "auto", n_sink: int = 16, n_recent: int = 128):
         super().__init__(group_size=group_size, rotate=rotate)
@@ -63,6 +66,14 @@ class KV4Format(INT4Format):
         reserve = storage_bytes("int8", head_dim) * self.budget / context_len
         return 2 * num_kv_heads * (self.part_bytes(head_dim) + reserve)
 
+    def copy_seq_state(self, cache, src_seq_slots, dst_seq_slots):
+        """Copy every protected row of each source sequence to the matching destination sequence."""
+        offsets = torch.arange(self.budget, device=src_seq_slots.device)
+        src = (src_seq_slots[:, None] * self.budget + offsets).flatten()
+        dst = (dst_seq_slots[:, None] * self.budget + offsets).flatten()
+        for key in self.per_sequence_keys:
+            cache[key][dst] = cache[key][src]
+
     # ---- protection -----------------------------------------------------------------------------
     def is_protected(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         """Whether a query at `query_pos` reads key `key_pos` from its INT8 copy (broadcasting)."""
@@ -76,6 +87,16 @@ class KV4Format(INT4Format):
         else:
             in_seq = positions.clamp(max=self.n_sink - 1)
         return seq_slots * self.budget + in_seq
+
+    def protected_rows(self, meta) -> torch.Tensor:
+        """[N] side row of each new token that is protected at the step's end, -1 for the others
+        (what the fused GPU writer takes)."""
+        tok_seq = meta.token_seq_index()
+        keep = self.is_protected(meta.positions, meta.context_lens[tok_seq] - 1)
+        if not self.budget:
+            return torch.full_like(meta.positions, -1)
+        rows = self.side_rows(meta.seq_slots[tok_seq], meta.positions)
+        return torch.where(keep, rows, torch.full_like(rows, -1))
 
     # ---- write and read ---------------------------------------------------------------------------
     def write(self, cache, meta, k, v):

@@ -1,0 +1,118 @@
+"""`kv4rl bench decode-forward`: one whole-model decode step (all layers, LM head) at Qwen3 shapes, for
+BF16 or FP8 weights and a BF16 or KV4 cache (SPEC figure B-9).
+
+The model is random-init on the device (no download), every sequence of the batch sits at the same
+context with its cache filled with random codes, and the step is the engine's own CUDA-graph decode
+step (`DecodeGraphs`: embeddings, projections, fused KV write, split-KV attention, LM head; sampling
+excluded, as it is the same for every variant). Times are medians of graph replays.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import torch
+
+WORKLOADS = {"early": (256, 1024), "mid": (128, 4096), "late": (64, 8192)}
+VARIANTS = (("bf16", "bf16"), ("fp8", "bf16"), ("bf16", "kv4"), ("fp8", "kv4"))
+
+
+def _fill_random(cache: dict, gen: torch.Generator) -> None:
+    for name, t in cache.items():
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 256, t.shape, device=t.device, dtype=torch.uint8, generator=gen))
+        elif t.dtype == torch.int8:
+            t.copy_(torch.randint(-127, 128, t.shape, device=t.device, dtype=torch.int8, generator=gen))
+        elif "scale" in name:
+            t.copy_(torch.rand(t.shape, device=t.device, generator=gen) * 0.02 + 0.01)
+        else:
+            t.normal_(0.0, 0.5, generator=gen)
+
+
+def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, reps: int = 20,
+              seed: int = 0) -> dict:
+    """Build a full cache for `batch` sequences at `context` tokens and time one graph-replayed step."""
+    from kv4rl.engine.cuda_graphs import DecodeGraphs
+    from kv4rl.engine.fast_path import FastAttention
+    from kv4rl.engine.kv_formats import get_kv_format
+
+    args = model.args
+    device = next(model.parameters()).device
+    opts = {"group_size": args.head_dim} if kv in ("int4", "kv4") else {}
+    fmt = get_kv_format(kv, **opts)
+    blocks_per_seq = math.ceil((context + 1) / block_size)
+    num_slots = batch * blocks_per_seq * block_size
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    caches = []
+    for _ in range(args.num_layers):
+        cache = fmt.allocate(num_slots, args.num_kv_heads, args.head_dim, device, num_seq_slots=batch)
+        _fill_random(cache, gen)
+        caches.append(cache)
+    fast = FastAttention(fmt, args.num_kv_heads, args.head_dim, block_size, device)
+    graphs = DecodeGraphs(model, caches, fast, batch, blocks_per_seq)
+    graphs.buckets = [batch]
+    tables = np.random.default_rng(seed).permutation(batch * blocks_per_seq).astype(np.int32).reshape(
+        batch, blocks_per_seq)
+    pos = np.full(batch, context - 1, dtype=np.int64)
+    seq_slots = np.arange(batch, dtype=np.int32)
+    host = {
+        "ids": np.random.default_rng(seed).integers(0, args.vocab_size, batch),
+        "positions": pos,
+        "slots": tables[:, (context - 1) // block_size].astype(np.int64) * block_size + (context - 1) % block_size,
+        "context_lens": np.full(batch, context, dtype=np.int32),
+        "seq_slots": seq_slots,
+        "block_tables": tables,
+        "protect_rows": fast.protect_rows(pos, seq_slots.astype(np.int64)),
+    }
+    logits = graphs.run(host)  # captures
+    finite = bool(torch.isfinite(logits).all())
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.graphs[batch].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    kv_bytes = sum(t.numel() * t.element_size() for c in caches for t in c.values())
+    del graphs, caches
+    torch.cuda.empty_cache()
+    ms = statistics.median(times)
+    return {"ms": ms, "tokens_per_s": batch / ms * 1e3, "finite": finite, "kv_gib": kv_bytes / 2**30}
+
+
+def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANTS, device="cuda",
+                       progress=None) -> dict:
+    from kv4rl.bench.random_model import random_decoder
+    from kv4rl.engine.fp8_weights import apply_fp8_weights
+
+    results = []
+    for shape in shapes:
+        model = random_decoder(shape, device)
+        weights_now = "bf16"
+        for weights in ("bf16", "fp8"):
+            for w, kv in variants:
+                if w != weights:
+                    continue
+                if weights == "fp8" and weights_now != "fp8":
+                    apply_fp8_weights(model)
+                    torch.cuda.empty_cache()
+                    weights_now = "fp8"
+                for name in workloads:
+                    batch, context = WORKLOADS[name]
+                    row = {"shape": shape, "workload": name, "batch": batch, "context": context, "weights": w,
+                           "kv": kv, **time_step(model, kv, batch, context)}
+                    results.append(row)
+                    if progress:
+                        progress(row)
+        del model
+        torch.cuda.empty_cache()
+    for row in results:
+        base = next(r for r in results if r["shape"] == row["shape"] and r["workload"] == row["workload"]
+                    and r["weights"] == "bf16" and r["kv"] == "bf16")
+        row["speedup_vs_bf16"] = base["ms"] / row["ms"]
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}

@@ -1,0 +1,118 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
+
+A decode step launches a few hundred small kernels (per layer: norms, projections, RoPE, the fused KV
+write, two attention stages); replaying them as one graph removes the launch gaps. Inputs live in
+static buffers sized for the largest bucket; a step copies its rows in, pads the bucket with rows
+that write nothing and attend to nothing (slot -1, context 0), replays, and reads the first B rows of
+the logits. The attention grid is fixed per bucket (`max_splits` splits per sequence and head) and the
+tokens per split are a device value, so one graph serves any context lengths. Weights are updated in
+place, so graphs stay valid across weight refreshes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kv4rl.engine.fast_path import DecodeInputs, FastAttention
+
+log = logging.getLogger(__name__)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to `max_batch` (which is always a bucket)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, model, caches: list[dict], fast: FastAttention, max_batch: int, max_blocks: int):
+        from kv4rl.kernels.decode_attention import DecodeBatch
+
+        self.model, self.caches, self.fast = model, caches, fast
+        self.buckets = graph_buckets(max_batch)
+        self.max_batch = max_batch
+        dev = fast.device
+        long = {"dtype": torch.long, "device": dev}
+        i32 = {"dtype": torch.int32, "device": dev}
+        self.ids = torch.zeros(max_batch, **long)
+        self.positions = torch.zeros(max_batch, **long)
+        self.slots = torch.full((max_batch,), -1, **long)
+        self.protect_rows = torch.full((max_batch,), -1, **long)
+        self.block_tables = torch.zeros(max_batch, max_blocks, **i32)
+        self.context_lens = torch.zeros(max_batch, **i32)
+        self.seq_slots = torch.zeros(max_batch, **i32)
+        self.split_size = torch.full((1,), 64, **i32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self._batch = DecodeBatch
+        self.num_replays = 0
+
+    def bucket(self, batch_size: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch_size), None)
+
+    def _inputs(self, bs: int) -> DecodeInputs:
+        batch = self._batch(block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
+                            seq_slots=self.seq_slots[:bs], split_size=self.split_size,
+                            max_splits=self.fast.num_splits(bs), block_size=self.fast.block_size)
+        return DecodeInputs(slots=self.slots[:bs], protect_rows=self.protect_rows[:bs] if self.fast.side else None,
+                            batch=batch)
+
+    def _run_model(self, bs: int) -> torch.Tensor:
+        inputs = self._inputs(bs)
+
+        def attention(layer: int, q, k, v):
+            return self.fast.decode(self.caches[layer], q, k, v, inputs)
+
+        hidden = self.model(self.ids[:bs], self.positions[:bs], attention)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, bs: int) -> None:
+        self._clear_rows(0)
+        torch.cuda.synchronize(self.fast.device)
+        stream = torch.cuda.Stream(self.fast.device)
+        stream.wait_stream(torch.cuda.current_stream(self.fast.device))
+        with torch.cuda.stream(stream):
+            self._run_model(bs)  # compiles the kernels and warms the allocator outside the capture
+        torch.cuda.current_stream(self.fast.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[bs] = self._run_model(bs)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs] = graph
+        log.info("captured a CUDA graph for decode batches of up to %d sequences", bs)
+
+    def _clear_rows(self, start: int) -> None:
+        """Rows from `start` on become padding: no write, no attention, harmless ids."""
+        self.slots[start:].fill_(-1)
+        self.protect_rows[start:].fill_(-1)
+        self.context_lens[start:].zero_()
+        self.ids[start:].zero_()
+        self.positions[start:].zero_()
+
+    @torch.inference_mode()
+    def run(self, host: dict[str, np.ndarray]) -> torch.Tensor:
+        """Logits [B, V] of a decode step described by `FastAttention.host_inputs`."""
+        n = len(host["slots"])
+        bs = self.bucket(n)
+        if bs not in self.graphs:
+            self._capture(bs)
+        to = lambda a: torch.from_numpy(a)
+        width = host["block_tables"].shape[1]
+        self.ids[:n].copy_(to(host["ids"]), non_blocking=True)
+        self.positions[:n].copy_(to(host["positions"]), non_blocking=True)
+        self.slots[:n].copy_(to(host["slots"]), non_blocking=True)
+        self.protect_rows[:n].copy_(to(host["protect_rows"]), non_blocking=True)
+        self.context_lens[:n].copy_(to(host["context_lens"]), non_blocking=True)
+        self.seq_slots[:n].copy_(to(host["seq_slots"]), non_blocking=True)
+        self.block_tables[:n, :width].copy_(to(host["block_tables"]), non_blocking=True)
+        if n < bs:
+            self._clear_rows(n)
+        self.split_size.fill_(self.fast.split_size(int(host["context_lens"].max()), bs))
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.logits[bs][:n]

@@ -1,0 +1,37 @@
+"""Triton kernels of the GPU fast path: fused quantize-on-write and split-KV paged decode attention.
+
+Each kernel computes what the torch reference path (`kv4rl.engine.attention`, `kv4rl.engine.kv_formats`)
+computes and is tested against it. They run on CUDA, and on the CPU under `TRITON_INTERPRET=1` (how CI
+checks their indexing on small shapes); the engine uses them only on CUDA and falls back to the
+reference path elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+@functools.lru_cache(maxsize=1)
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means no kernels
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_usable(device) -> bool:
+    """The fast path needs Triton and a CUDA device (or the interpreter, which runs on CPU tensors)."""
+    import torch
+
+    device = torch.device(device)
+    if not triton_importable():
+        return False
+    return device.type == "cuda" or interpreting()

@@ -1,0 +1,180 @@
+"""Triton kernels against the torch reference path, on fresh random inputs.
+
+On a CUDA machine the kernels run compiled at real head shapes; elsewhere they run in Triton's CPU
+interpreter on small shapes (exact float32 dot products there), which checks paging, splits, the KV4
+protected rows and the quantized writes. NaN never passes: caches are poisoned before they are filled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+pytest.importorskip("triton")
+
+from tests.kernel_cases import (  # noqa: E402
+    fast_decode,
+    make_format,
+    random_paged_batch,
+    reference_decode,
+    rel_err,
+)
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+# (head_dim, kv heads, q heads, block size, context lengths)
+SHAPE = (128, 8, 32, 16) if CUDA else (32, 2, 4, 4)
+LENS = ([1, 7, 16, 17, 150, 1000, 2049, 3001] if CUDA else [1, 3, 4, 5, 9, 17, 40])
+# float32 dot products under the interpreter; bf16 operands (and p, p·s rounded to bf16) on the GPU
+TOL = 2e-2 if CUDA else 1e-5
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def _splits(max_len: int):
+    if CUDA:
+        return [(1, max_len), (8, -(-max_len // 8 // 64) * 64), (64, 64)]
+    return [(1, max_len), (3, -(-max_len // 3)), (16, 4)]
+
+
+VARIANTS = ["heads_on_m", "tokens_on_m"] + (["tokens_on_m+magic"] if CUDA else [])
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """Both kernel layouts (and, on the GPU, the bit-trick code conversions) for every kind."""
+    from kv4rl.kernels import decode_attention as da
+
+    for kind in da.LAUNCH:
+        monkeypatch.setitem(da.LAUNCH, kind, {**da.LAUNCH[kind], "tokens_on_m": request.param != "heads_on_m",
+                                              "magic": request.param.endswith("magic")})
+    return request.param
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "int4", "kv4"])
+def test_decode_attention_matches_reference(name, gen, variant):
+    head_dim, hkv, hq, block = SHAPE
+    fmt = make_format(name, head_dim, n_sink=4 if CUDA else 2, n_recent=128 if CUDA else 5)
+    cache, meta = random_paged_batch(fmt, LENS, hkv, head_dim, block, DEVICE, gen)
+    q = torch.randn(len(LENS), hq, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = reference_decode(fmt, cache, meta, q)
+    for max_splits, split in _splits(max(LENS)):
+        out = fast_decode(fmt, name, cache, meta, q, max_splits, split, out_dtype=torch.float32)
+        assert not torch.isnan(out).any()
+        err = rel_err(out, ref)
+        assert err < TOL, (name, max_splits, split, err)
+        for i in range(len(LENS)):  # every sequence, not just the batch on average
+            assert rel_err(out[i], ref[i]) < 3 * TOL, (name, i, LENS[i])
+
+
+def test_kv4_sequences_shorter_than_protected_budget(gen, variant):
+    """Only INT8 rows are read: the INT4 body is empty, and padding rows (length 0) give zeros."""
+    head_dim, hkv, hq, block = SHAPE
+    fmt = make_format("kv4", head_dim, n_sink=4, n_recent=16)
+    lens = [1, 2, 5, 19, 20]
+    cache, meta = random_paged_batch(fmt, lens, hkv, head_dim, block, DEVICE, gen)
+    q = torch.randn(len(lens), hq, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = reference_decode(fmt, cache, meta, q)
+    out = fast_decode(fmt, "kv4", cache, meta, q, 2, 16, out_dtype=torch.float32)
+    assert rel_err(out, ref) < TOL
+    meta.context_lens[1] = 0
+    out = fast_decode(fmt, "kv4", cache, meta, q, 2, 16, out_dtype=torch.float32)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_split_grid_covers_every_context_and_stays_small():
+    """Splits fill the SMs a few times over for small batches, a single split for large ones, and
+    `num_splits × split_size` always covers the longest context on tile boundaries."""
+    from kv4rl.engine.fast_path import FastAttention
+    from kv4rl.engine.kv_formats import get_kv_format
+
+    fast = FastAttention(get_kv_format("bf16"), 8, 128, 16, torch.device("cpu"))
+    fast.num_sms = 132
+    for max_len in (1, 63, 64, 65, 4096, 8192, 40000):
+        for batch in (1, 8, 64, 256):
+            splits, split = fast.num_splits(batch), fast.split_size(max_len, batch)
+            assert split % 64 == 0 and splits * split >= max_len
+            assert 1 <= splits <= fast.max_splits
+            assert batch * 8 * (splits - 1) < 4 * 132  # no more programs than needed to fill the SMs
+    assert fast.num_splits(256) == 1 and fast.num_splits(1) == fast.max_splits
+
+
+# ---- fused quantize-and-write ---------------------------------------------------------------------
+def _write_both(name: str, gen, rotate: str, with_inputs: bool = False):
+    from kv4rl.engine.attention import AttnMetadata
+    from kv4rl.kernels.kv_write import write_kv
+
+    head_dim, hkv, _, block = SHAPE
+    fmt = make_format(name, head_dim, n_sink=2, n_recent=3, rotate=rotate)
+    num_slots = 12 * block
+    ref = fmt.allocate(num_slots, hkv, head_dim, DEVICE, num_seq_slots=4)
+    fast = fmt.allocate(num_slots, hkv, head_dim, DEVICE, num_seq_slots=4)
+    # a mixed step: a 6-token prefill (positions 0..5) and two decodes; one padding row (slot -1)
+    meta = AttnMetadata.build([6, 1, 1], [6, 9, 3], [[4, 7], [1, 2, 3], [9]], block, [0, 1, 2],
+                              torch.device("cpu"), [3, 0, 2])
+    n = len(meta.positions)
+    k = (torch.randn(n, hkv, head_dim, generator=gen) * 3).to(torch.bfloat16)
+    v = torch.randn(n, hkv, head_dim, generator=gen).to(torch.bfloat16)
+    for name_ in ("slot_mapping", "positions", "context_lens", "seq_slots", "query_valid"):
+        setattr(meta, name_, getattr(meta, name_).to(DEVICE))
+    fmt.write(ref, meta, k.to(DEVICE), v.to(DEVICE))
+    slots = torch.cat((meta.slot_mapping, torch.tensor([-1], device=DEVICE)))
+    pad = lambda x: torch.cat((x, x[:1] * 0 + 7)).to(DEVICE)  # the padding row must not land anywhere
+    prot = fmt.protected_rows(meta) if name == "kv4" else None
+    if prot is not None:
+        prot = torch.cat((prot, torch.tensor([-1], device=DEVICE)))
+    for prefix, x in (("k", k), ("v", v)):
+        kw = {"rotate": fmt.rotate == "kv" or (prefix == "k" and fmt.rotate == "k")}
+        if name == "bf16":
+            write_kv(pad(x), slots, store="bf16", out=fast[prefix], **kw)
+            continue
+        kw.update(out=fast[f"{prefix}_codes"], scale=fast[f"{prefix}_scale"], zero=fast.get(f"{prefix}_zero"),
+                  group_size=getattr(fmt, "group_size", head_dim))
+        if prot is not None:
+            kw.update(protect_rows=prot, prot_codes=fast[f"{prefix}_prot_codes"],
+                      prot_scale=fast[f"{prefix}_prot_scale"])
+        write_kv(pad(x), slots, store="int4" if name in ("int4", "kv4") else name, **kw)
+    if with_inputs:
+        return fmt, ref, fast, (meta, k, v, prot)
+    return fmt, ref, fast
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4", "kv4"] + (["fp8"] if CUDA else []))
+def test_fused_write_equals_reference_without_rotation(name, gen):
+    """Same codes and scales bit for bit (FP8 only on the GPU: the interpreter's e4m3 cast is off)."""
+    _, ref, fast = _write_both(name, gen, rotate="none")
+    for key in ref:
+        assert torch.equal(ref[key].view(torch.uint8) if ref[key].dtype == torch.float8_e4m3fn else ref[key],
+                           fast[key].view(torch.uint8) if fast[key].dtype == torch.float8_e4m3fn else fast[key]), key
+
+
+@pytest.mark.parametrize("rotate", ["k", "kv"])
+def test_fused_write_with_rotation_matches_float64(rotate, gen):
+    """With the Hadamard rotation, each cached value is within half a quantization step (plus the bf16
+    rounding of the rotated value) of the float64 rotation of the input, for the INT4 pages and the
+    INT8 protected rows alike (2^-7: the CPU interpreter truncates to bf16 instead of rounding)."""
+    from kv4rl.quant import dequantize_int4, dequantize_int8, hadamard_matrix
+
+    fmt, _, fast, (meta, k, v, prot) = _write_both("kv4", gen, rotate=rotate, with_inputs=True)
+    h64 = hadamard_matrix(k.shape[-1], torch.float64)
+    for prefix, x in (("k", k), ("v", v)):
+        rotated = x.double() @ h64 if (prefix == "k" or rotate == "kv") else x.double()
+        slots = meta.slot_mapping.cpu()
+        got = dequantize_int4(fast[f"{prefix}_codes"][slots].cpu(), fast[f"{prefix}_scale"][slots].cpu(),
+                              fast[f"{prefix}_zero"][slots].cpu(), fmt.group_size, torch.float64)
+        step = fast[f"{prefix}_scale"][slots].cpu().double().repeat_interleave(fmt.group_size, -1)
+        assert ((got - rotated).abs() <= 0.5 * step + 2**-7 * rotated.abs() + 1e-3).all()
+        keep = prot[:-1].cpu() >= 0
+        rows = prot[:-1].cpu()[keep]
+        got8 = dequantize_int8(fast[f"{prefix}_prot_codes"][rows].cpu(), fast[f"{prefix}_prot_scale"][rows].cpu(),
+                               torch.float64)
+        scale8 = fast[f"{prefix}_prot_scale"][rows].cpu().double()[..., None]
+        assert keep.any()
+        assert ((got8 - rotated[keep]).abs() <= 0.5 * scale8 + 2**-7 * rotated[keep].abs() + 1e-3).all()
