@@ -25,7 +25,7 @@ def make_format(name: str, head_dim: int, n_sink: int = 2, n_recent: int = 5, ro
 
 def random_paged_batch(fmt, lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, device,
                        generator: torch.Generator, dtype=torch.bfloat16, spare_blocks: int = 3):
-    """Fill a paged cache through the reference write path (token by token, as decoding would) for
+    """Fill a paged cache through the reference write path for
     sequences of the given context lengths, with shuffled block tables. Returns (cache, meta, k, v) where
     meta describes a decode step whose last token is the sequence's newest (already written)."""
     nblocks = [math.ceil(n / block_size) for n in lens]
@@ -42,14 +42,11 @@ def random_paged_batch(fmt, lens: list[int], num_kv_heads: int, head_dim: int, b
     seq_slots = torch.randperm(len(lens) + 2, generator=generator)[: len(lens)].tolist()
     keys = [torch.randn(n, num_kv_heads, head_dim, generator=generator).to(dtype) for n in lens]
     values = [torch.randn(n, num_kv_heads, head_dim, generator=generator).to(dtype) for n in lens]
-    for step in range(max(lens)):
-        live = [i for i, n in enumerate(lens) if step < n]
-        meta = AttnMetadata.build([1] * len(live), [step + 1] * len(live), [tables[i] for i in live], block_size,
-                                  live, torch.device("cpu"), [seq_slots[i] for i in live])
-        meta = _to(meta, device)
-        k = torch.stack([keys[i][step] for i in live]).to(device)
-        v = torch.stack([values[i][step] for i in live]).to(device)
-        fmt.write(cache, meta, k, v)
+    # one prefill-like write of every position: the same final cache as decoding token by token (INT4
+    # pages are per token; KV4 keeps INT8 rows for what is protected at the end: sinks and the recent ring)
+    meta = _to(AttnMetadata.build(lens, lens, tables, block_size, list(range(len(lens))), torch.device("cpu"),
+                                  seq_slots), device)
+    fmt.write(cache, meta, torch.cat(keys).to(device), torch.cat(values).to(device))
     final = _to(AttnMetadata.build([1] * len(lens), lens, tables, block_size, list(range(len(lens))),
                                    torch.device("cpu"), seq_slots), device)
     return cache, final
