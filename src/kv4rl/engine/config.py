@@ -51,6 +51,10 @@ class EngineConfig:
     them (bf16, fp8, int4 and kv4 with group_size = head_dim) and the torch reference path otherwise;
     `torch` forces the reference path, `triton` fails at start when the kernels cannot run.
     `cuda_graphs` replays decode steps as CUDA graphs (fast path only).
+    `sampler: triton` draws the tokens of untruncated batches (top-k off, top-p = 1) with a fused Triton
+    Gumbel-max kernel, the same tokens as `torch` without its [B, V] noise tensors; truncated batches
+    keep the torch path, and it fails at start off CUDA. The default stays `torch` until the kernel's
+    speed and its bit-exactness are measured on a GPU (tests/gpu/test_sampling_kernel_gpu.py).
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -61,6 +65,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True
+    sampler: Literal["torch", "triton"] = "torch"
     prefix_sharing: bool = True
 
     def validate(self) -> None:

@@ -97,6 +97,11 @@ class Engine:
         self.max_model_len = config.max_model_len or self.args.max_position_embeddings
         self.kv_format.check(self.args.head_dim, self.max_model_len)
         self.fast = self._choose_attention()
+        if config.sampler == "triton":
+            from kv4rl.kernels import kernels_usable
+
+            if not kernels_usable(self.device):
+                raise ValueError("engine.sampler=triton cannot run here: it needs Triton and a CUDA device")
         num_blocks, self.pool_sizing = self._num_kv_blocks(max_num_seqs)
         self.runner = self._make_runner(num_blocks, max_num_seqs, graphs=True)
         self.scheduler = Scheduler(
@@ -117,7 +122,7 @@ class Engine:
             f"engine: kv format {fmt_name} (rotate {self.kv_format.rotate}), {self.bytes_per_token:.1f} "
             f"bytes/token at context {self.max_model_len}, pool {self.pool_tokens} tokens ({num_blocks} "
             f"blocks x {block_size}) for up to {max_num_seqs} sequences, {memory.format_bytes(self.pool_bytes)} "
-            f"(sized by {self.pool_sizing}), {self.weights_desc}, {self.attention_desc}"
+            f"(sized by {self.pool_sizing}), {self.weights_desc}, {self.attention_desc}, sampler {config.sampler}"
         )
         log.info(self.summary)
 
@@ -251,6 +256,7 @@ class Engine:
             torch.tensor([p.top_p for p in params], dtype=torch.float32, **to),
             torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, **to),
             torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long, **to),
+            fused=self.config.sampler == "triton",
         )
         finished = []
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):

@@ -56,6 +56,14 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return scaled
 
 
+def _fused_usable(device: torch.device, top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """The fused kernel covers untruncated rows (top-k off, top-p = 1) on CUDA or the interpreter;
+    greedy rows are fine too, their token is the logits' argmax whatever the kernel draws."""
+    from kv4rl.kernels import kernels_usable
+
+    return kernels_usable(device) and not bool(((top_k > 0) | (top_p < 1)).any())
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -63,15 +71,27 @@ def sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p / seed / step."""
+    """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p / seed / step.
+
+    `fused` draws the Gumbel-max tokens with the Triton kernel (`kv4rl.kernels.sampling`: the same
+    tokens without materialising the [B, V] noise) when no row is truncated and the kernels can run on
+    the logits' device; otherwise, and for truncated batches, the torch path below runs.
+    """
     logits = logits.float()
     greedy = temperature <= 0
     safe_temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = _truncate(logits / safe_temp[:, None], top_k, top_p)
-    logprobs_all = scaled.log_softmax(-1)
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
-    sampled = (logprobs_all.double() + gumbel).argmax(-1)
+    scaled = logits / safe_temp[:, None]
+    if fused and _fused_usable(logits.device, top_k, top_p):
+        from kv4rl.kernels.sampling import gumbel_argmax
+
+        logprobs_all = scaled.log_softmax(-1)  # no row truncates, so _truncate would return `scaled`
+        sampled = gumbel_argmax(logprobs_all, seeds, steps)
+    else:
+        logprobs_all = _truncate(scaled, top_k, top_p).log_softmax(-1)
+        gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+        sampled = (logprobs_all.double() + gumbel).argmax(-1)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)

@@ -1,0 +1,164 @@
+"""Fused Gumbel-max sampling for untruncated rows (Triton): noise and argmax in one pass over the row.
+
+The torch sampler (`kv4rl.engine.sampler`) draws a token as
+
+    argmax_v  logprobs_all[b, v] (float32 -> float64) + (-log(-log(u(seed_b, step_b, v)))),
+    u = ((splitmix64(splitmix64(seed ^ splitmix64(step)) + v * GOLDEN) >>> 11) + 0.5) * 2^-53,
+
+materialising [B, V] int64 and float64 tensors several times over. This kernel computes the same
+expression element by element and never stores it, so the tokens are the torch sampler's, bit for bit:
+
+- the hash runs in uint64, where multiplication and addition wrap and `>>` is the logical shift that
+  the torch code emulates on int64; the 53 bits left convert to float64 exactly;
+- the float64 steps are the same IEEE operations in the same order, and no product of ours feeds an
+  addition, so FMA contraction cannot change them; `log` is libdevice's `__nv_log` on the GPU, the
+  function CUDA's `::log(double)` (torch's float64 log kernel) compiles to. Its only contractible pair,
+  `t + t` with `t = x * y`, rounds to `2t` fused or not. The interpreter uses numpy's log, which may
+  differ from torch's CPU log in the last bit (tests there compare the hash bits and the tokens);
+- the argmax follows torch.argmax: NaN above everything, ties to the lowest index.
+
+Each program scans one split of a row's vocabulary with a per-lane running best and reduces it at the
+end; the few per-split winners are merged by torch.argmax (its tie rule keeps the earliest split).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kv4rl.kernels import interpreting
+
+BLOCK_V = 1024
+_NO_INDEX = tl.constexpr(2**31 - 1)  # loses every tie against a real vocabulary index
+
+
+@triton.jit
+def _splitmix64(x):
+    """splitmix64 on uint64 (wrapping multiply, logical shifts), as `sampler.splitmix64` on int64."""
+    z = x + 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _precedes(v1, i1, v2, i2):
+    """Whether (v1, i1) wins torch.argmax over (v2, i2): NaN first, then the larger value, then the
+    lower index."""
+    nan1 = v1 != v1
+    nan2 = v2 != v2
+    same = (v1 == v2) | (nan1 & nan2)
+    return (nan1 & ~nan2) | (v1 > v2) | (same & (i1 < i2))
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    x_ptr, stride_x, seed_ptr, step_ptr, vocab, blocks_per_split,
+    best_v_ptr, best_i_ptr, u_ptr, score_ptr,
+    NOISE: tl.constexpr, LIBDEVICE: tl.constexpr, DEBUG: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    lane = tl.arange(0, BLOCK)
+    if NOISE:
+        # the row key, computed per lane so every value is a uint64 vector (identical in all lanes)
+        seed = tl.load(seed_ptr + row + lane * 0).to(tl.uint64, bitcast=True)
+        step = tl.load(step_ptr + row + lane * 0).to(tl.uint64, bitcast=True)
+        key = _splitmix64(seed ^ _splitmix64(step))
+    best_v = tl.full([BLOCK], float("-inf"), tl.float64)
+    best_i = tl.full([BLOCK], _NO_INDEX, tl.int32)
+    lo = split * blocks_per_split * BLOCK
+    hi = tl.minimum(lo + blocks_per_split * BLOCK, vocab)
+    for start in range(lo, hi, BLOCK):
+        offs = start + lane
+        live = offs < hi
+        score = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=live, other=0.0).to(tl.float64)
+        if NOISE:
+            bits = _splitmix64(key + offs.to(tl.uint64) * 0x9E3779B97F4A7C15) >> 11
+            u = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53, exact in any float type
+            # torch: lp + (-log(-log(u))); x - y is x + (-y) in IEEE arithmetic
+            if LIBDEVICE:
+                score = score - libdevice.log(-libdevice.log(u))
+            else:
+                score = score - tl.log(-tl.log(u))
+            if DEBUG:
+                out = row.to(tl.int64) * vocab + offs
+                tl.store(u_ptr + out, u, mask=live)
+                tl.store(score_ptr + out, score, mask=live)
+        score = tl.where(live, score, float("-inf"))
+        idx = tl.where(live, offs, _NO_INDEX)
+        take = _precedes(score, idx, best_v, best_i)
+        best_v = tl.where(take, score, best_v)
+        best_i = tl.where(take, idx, best_i)
+    # lanes -> one winner with plain max/min reductions (a custom combine runs per element in the
+    # interpreter): the first NaN if any lane holds one, else the lowest index among the largest
+    is_nan = best_v != best_v
+    any_nan = tl.max(is_nan.to(tl.int32), 0) > 0
+    clean = tl.where(is_nan, float("-inf"), best_v)
+    top = tl.max(clean, 0)
+    winner = tl.where(any_nan, is_nan, clean == top)
+    i = tl.min(tl.where(winner, best_i, _NO_INDEX), 0)
+    v = tl.where(any_nan, float("nan"), top)
+    n_splits = tl.num_programs(1)
+    tl.store(best_v_ptr + row * n_splits + split, v)
+    tl.store(best_i_ptr + row * n_splits + split, i)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int | None):
+    rows, vocab = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n_blocks = triton.cdiv(vocab, block)
+    if splits is None:  # enough programs to fill the device a few times over
+        wanted = 4 * _num_sms(torch.device(x.device).index or torch.cuda.current_device()) if x.device.type == "cuda" else 1
+        splits = triton.cdiv(wanted, max(rows, 1))
+    blocks_per_split = triton.cdiv(n_blocks, max(1, min(splits, n_blocks)))
+    splits = triton.cdiv(n_blocks, blocks_per_split)
+    best_v = torch.empty(rows, splits, dtype=torch.float64, device=x.device)
+    best_i = torch.empty(rows, splits, dtype=torch.int32, device=x.device)
+    shape = (rows, vocab) if debug else (1,)
+    u = torch.empty(shape, dtype=torch.float64, device=x.device)
+    scores = torch.empty(shape, dtype=torch.float64, device=x.device)
+    if rows:
+        _gumbel_argmax_kernel[(rows, splits)](
+            x, x.stride(0), seeds, steps, vocab, blocks_per_split, best_v, best_i, u, scores,
+            NOISE=noise, LIBDEVICE=not interpreting(), DEBUG=debug, BLOCK=block,
+        )
+    tokens = best_i.gather(1, best_v.argmax(1, keepdim=True)).squeeze(1).long()
+    return tokens, u, scores
+
+
+def gumbel_argmax(logprobs_all: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
+                  block: int = BLOCK_V, splits: int | None = None) -> torch.Tensor:
+    """The sampler's Gumbel-max tokens [B] for float32 log-probs [B, V] and int64 seeds, steps [B].
+
+    `splits` (vocabulary ranges per row; default: enough programs to fill the GPU) and `block` change
+    only the work layout, never the tokens.
+    """
+    assert logprobs_all.dtype == torch.float32 and logprobs_all.dim() == 2
+    seeds, steps = seeds.to(torch.long).contiguous(), steps.to(torch.long).contiguous()
+    return _launch(logprobs_all, seeds, steps, True, False, block, splits)[0]
+
+
+def gumbel_scores(logprobs_all: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
+                  block: int = BLOCK_V, splits: int | None = None):
+    """(tokens, uniforms [B, V], scores [B, V]) as the kernel computes them, for tests that compare the
+    noise itself with `uniform_noise` and the scores with the torch sampler's."""
+    seeds, steps = seeds.to(torch.long).contiguous(), steps.to(torch.long).contiguous()
+    return _launch(logprobs_all, seeds, steps, True, True, block, splits)
+
+
+def rows_argmax(values: torch.Tensor, *, block: int = BLOCK_V, splits: int | None = None) -> torch.Tensor:
+    """The kernel's reduction without noise: torch.argmax(values, -1) for float32/float64 [B, V]; lets
+    tests check tie-breaking and NaN handling on crafted rows."""
+    dummy = torch.zeros(values.shape[0], dtype=torch.long, device=values.device)
+    return _launch(values, dummy, dummy, False, False, block, splits)[0]

@@ -1,0 +1,164 @@
+"""The fused Gumbel-max kernel against the torch sampler: same noise bits, same tokens, torch.argmax's
+tie and NaN rules, and an engine that samples the same completions with either sampler.
+
+On CPU the kernel runs in Triton's interpreter, whose float64 log is numpy's: it may differ from torch's
+CPU log in the last bit, so the uniforms are compared bit for bit and the Gumbel scores to 1e-15 (the
+GPU test compares those exactly too).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+pytest.importorskip("triton")
+
+import kv4rl.kernels.sampling as ks  # noqa: E402
+from kv4rl.config import ConfigError, load_config  # noqa: E402
+from kv4rl.engine.config import EngineConfig, KVConfig  # noqa: E402
+from kv4rl.engine.llm import Engine  # noqa: E402
+from kv4rl.engine.sampler import sample, uniform_noise  # noqa: E402
+from kv4rl.engine.sequence import SamplingParams  # noqa: E402
+from tests.conftest import make_checkpoint  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts launches of the fused path, so a test knows which path `sample` took."""
+    calls = []
+    real = ks.gumbel_argmax
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ks, "gumbel_argmax", spy)
+    return calls
+
+
+def _rows(gen, b, v, greedy_every=0):
+    """Random logits at assorted sharpness, temperatures, seeds over the full 62-bit range (plus a
+    few negative ones, which the int64 hash also accepts) and steps."""
+    logits = torch.randn(b, v, generator=gen) * torch.rand(b, 1, generator=gen).mul(8).add(0.5)
+    temp = torch.rand(b, generator=gen) + 0.3
+    if greedy_every:
+        temp[::greedy_every] = 0.0
+    seeds = torch.randint(0, 2**62, (b,), generator=gen)
+    seeds[:3] = torch.tensor([0, 2**62 - 1, -(2**63)])
+    steps = torch.randint(0, 2**40, (b,), generator=gen)
+    rows = (logits, temp, torch.zeros(b, dtype=torch.long), torch.ones(b), seeds, steps)
+    return tuple(t.to(DEVICE) for t in rows)
+
+
+@pytest.mark.parametrize("vocab", [97, 1000, 5003])
+def test_fused_sample_equals_torch_sample(gen, kernel_calls, vocab):
+    rows = _rows(gen, 96, vocab, greedy_every=7)
+    tokens, logprobs = sample(*rows)
+    fused_tokens, fused_logprobs = sample(*rows, fused=True)
+    assert kernel_calls == [(96, vocab)]
+    assert torch.equal(fused_tokens, tokens)
+    assert torch.equal(fused_logprobs, logprobs)
+
+
+@pytest.mark.parametrize("block,splits", [(256, 1), (256, 3), (1024, 2), (4096, None)])
+def test_tokens_do_not_depend_on_the_work_layout(gen, block, splits):
+    logits, temp, _, _, seeds, steps = _rows(gen, 24, 5003)
+    logprobs_all = (logits / temp[:, None]).log_softmax(-1)
+    want = (logprobs_all.double() - torch.log(-torch.log(uniform_noise(seeds, steps, 5003)))).argmax(-1)
+    assert torch.equal(ks.gumbel_argmax(logprobs_all, seeds, steps, block=block, splits=splits), want)
+
+
+def test_noise_bits_and_scores_match_the_torch_formula(gen):
+    logits, temp, _, _, seeds, steps = _rows(gen, 16, 1000)
+    logprobs_all = (logits / temp[:, None]).log_softmax(-1)
+    tokens, u, scores = ks.gumbel_scores(logprobs_all, seeds, steps, block=256, splits=2)
+    ref_u = uniform_noise(seeds, steps, 1000)
+    ref_scores = logprobs_all.double() + -torch.log(-torch.log(ref_u))
+    assert torch.equal(u, ref_u)  # the integer hash and the uniform's float64 formula, bit for bit
+    if CUDA:
+        assert torch.equal(scores, ref_scores)
+    else:  # numpy's log against torch's: equal up to the last bit of each term (lp + g can cancel)
+        gumbel = -torch.log(-torch.log(ref_u))
+        bound = 1e-14 * (logprobs_all.double().abs() + gumbel.abs() + 1e-300)
+        assert ((scores - ref_scores).abs() <= bound).all()
+    assert torch.equal(tokens, ref_scores.argmax(-1))
+
+
+def test_ties_nan_and_all_minus_inf_rows_follow_torch_argmax():
+    v = 700  # 11 blocks of 64 over up to 5 splits: ties inside a block, across blocks and splits
+    x = torch.randn(9, v, dtype=torch.float64)
+    x[0] = 1.5  # a constant row: index 0
+    x[1, [650, 400, 130, 129, 64]] = 9.0  # the maximum five times, in different blocks and splits
+    x[2, [699, 130, 66]] = 9.0  # 66 and 130 share a lane of the running best
+    x[3] = float("-inf")  # every score -inf: index 0
+    x[4] = float("-inf")
+    x[4, 301] = -1e300
+    x[5, [500, 230]] = float("nan")  # NaN wins over everything, the first one
+    x[5, 10] = float("inf")
+    x[6, 699] = float("nan")
+    x[7, [3, 5]] = float("inf")
+    x[8] = -0.0
+    x[8, 345] = 0.0  # +0 == -0: still index 0
+    x = x.to(DEVICE)
+    want = x.argmax(-1)
+    for splits in (1, 2, 5, None):
+        assert torch.equal(ks.rows_argmax(x, block=64, splits=splits), want), splits
+    assert torch.equal(ks.rows_argmax(x.float(), block=128, splits=3), x.float().argmax(-1))
+
+
+def test_truncated_batches_keep_the_torch_path(gen, kernel_calls):
+    logits, temp, top_k, top_p, seeds, steps = _rows(gen, 8, 97)
+    for k, p in ((top_k.clone().fill_(5), top_p), (top_k, top_p.clone().fill_(0.9))):
+        k[1:], p[1:] = 0, 1.0  # one truncated row is enough
+        fused = sample(logits, temp, k, p, seeds, steps, fused=True)
+        plain = sample(logits, temp, k, p, seeds, steps)
+        assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    assert kernel_calls == []
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sampler")
+    make_checkpoint(path, vocab=301)
+    return path
+
+
+def test_engine_triton_sampler_generates_the_torch_samplers_tokens(ckpt, kernel_calls):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [2, 7]]
+    outs = {}
+    for sampler in ("torch", "triton"):
+        cfg = EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64, sampler=sampler)
+        engine = Engine(ckpt, cfg, max_num_seqs=4, device=DEVICE, dtype="float32")
+        assert f"sampler {sampler}" in engine.summary
+        outs[sampler] = engine.generate(prompts, SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True,
+                                                                seed=11))
+    assert len(kernel_calls) >= 10
+    for a, b in zip(outs["torch"], outs["triton"]):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@pytest.mark.skipif(CUDA, reason="the kernels can run on this machine")
+def test_engine_triton_sampler_fails_at_start_without_kernels(ckpt, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cfg = EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64, sampler="triton")
+    with pytest.raises(ValueError, match="engine.sampler=triton"):
+        Engine(ckpt, cfg, max_num_seqs=2, device="cpu", dtype="float32")
+
+
+def test_config_knows_the_sampler():
+    assert load_config().engine.sampler == "torch"
+    assert load_config(overrides=["engine.sampler=triton"]).engine.sampler == "triton"
+    with pytest.raises(ConfigError, match=r"engine\.sampler"):
+        load_config(overrides=["engine.sampler=fast"])
