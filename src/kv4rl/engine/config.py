@@ -55,6 +55,12 @@ class EngineConfig:
     Gumbel-max kernel, the same tokens as `torch` without its [B, V] noise tensors; truncated batches
     keep the torch path, and it fails at start off CUDA. The default stays `torch` until the kernel's
     speed and its bit-exactness are measured on a GPU (tests/gpu/test_sampling_kernel_gpu.py).
+    `fused_ops` runs the model's norms (with the residual adds), q/k norm + RoPE and SiLU * up through
+    fused Triton kernels (`kv4rl.models.fused`): per layer four launches instead of some sixty small
+    ones, which dominate a CUDA-graph decode step of a small model; the eager ops are repeated in their
+    dtypes, so only the norms' summation order differs. It fails at start off CUDA. The default stays
+    off until its speed and its agreement with eager are measured on a GPU
+    (tests/gpu/test_fused_ops_gpu.py).
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -66,6 +72,7 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True
     sampler: Literal["torch", "triton"] = "torch"
+    fused_ops: bool = False
     prefix_sharing: bool = True
 
     def validate(self) -> None:

@@ -88,6 +88,12 @@ class Engine:
             self.model, self.args = model, model.args
         self.model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
         self.weights_desc = self._apply_weight_format()
+        if config.fused_ops:  # before the pool's profiling step and any graph capture
+            from kv4rl.kernels import kernels_usable
+
+            if not kernels_usable(self.device):
+                raise ValueError("engine.fused_ops=true cannot run here: it needs Triton and a CUDA device")
+            self.model.enable_fused_ops()
         self.tokenizer = tokenizer
         fmt_name = config.kv.format
         if fmt_name == "auto":
@@ -123,6 +129,7 @@ class Engine:
             f"bytes/token at context {self.max_model_len}, pool {self.pool_tokens} tokens ({num_blocks} "
             f"blocks x {block_size}) for up to {max_num_seqs} sequences, {memory.format_bytes(self.pool_bytes)} "
             f"(sized by {self.pool_sizing}), {self.weights_desc}, {self.attention_desc}, sampler {config.sampler}"
+            f"{', fused ops' if config.fused_ops else ''}"
         )
         log.info(self.summary)
 

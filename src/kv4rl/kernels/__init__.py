@@ -1,7 +1,8 @@
-"""Triton kernels of the GPU fast path: fused quantize-on-write and split-KV paged decode attention.
+"""Triton kernels of the GPU fast path: fused quantize-on-write, split-KV paged decode attention, the
+fused sampler and the decoder's fused elementwise ops.
 
-Each kernel computes what the torch reference path (`kv4rl.engine.attention`, `kv4rl.engine.kv_formats`)
-computes and is tested against it. They run on CUDA, and on the CPU under `TRITON_INTERPRET=1` (how CI
+Each kernel computes what the torch reference path (`kv4rl.engine.attention`, `kv4rl.engine.kv_formats`,
+`kv4rl.engine.sampler`, `kv4rl.models.layers`) computes and is tested against it. They run on CUDA, and on the CPU under `TRITON_INTERPRET=1` (how CI
 checks their indexing on small shapes); the engine uses them only on CUDA and falls back to the
 reference path elsewhere.
 """

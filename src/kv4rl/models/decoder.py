@@ -3,7 +3,9 @@
 The model runs over a flattened batch of tokens from many sequences (varlen) and does not attend by
 itself: each layer hands its rotated q, k and v to an ``attention`` callable that the engine injects
 (paged KV cache, quantisation and kernels live there). The file stays plain PyTorch, with no cache
-and no engine imports, so the engine can transform it afterwards.
+and no engine imports, so the engine can transform it afterwards. Its forward is the reference; the
+engine may switch a model to `kv4rl.models.fused`, the same forward with fused Triton kernels for the
+norms, RoPE and SwiGLU (`enable_fused_ops`).
 
 Parameter names equal the Hugging Face checkpoint's, so loading weights (from safetensors or from
 the learner's ``state_dict()`` after every update) is a copy name by name, in place.
@@ -128,6 +130,21 @@ class Decoder(nn.Module):
             args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, device=device
         )
         self.tie_weights()
+        self._fused_forward = None
+
+    def enable_fused_ops(self, enabled: bool = True) -> None:
+        """Run `forward` through `kv4rl.models.fused` (fewer, larger kernels for a CUDA-graph decode
+        step), or back through the eager reference. Imports Triton, so failures show here, not mid-step."""
+        if enabled:
+            from kv4rl.models.fused import decoder_forward
+
+            self._fused_forward = decoder_forward
+        else:
+            self._fused_forward = None
+
+    @property
+    def fused_ops(self) -> bool:
+        return self._fused_forward is not None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config says so (again after ``to_empty``)."""
@@ -138,6 +155,8 @@ class Decoder(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         """Final-norm hidden states [N, C] for N flattened tokens at absolute ``positions``."""
+        if self._fused_forward is not None:
+            return self._fused_forward(self, input_ids, positions, attention)
         x_NC = self.model.embed_tokens(input_ids)
         for layer_idx, layer in enumerate(self.model.layers):
             x_NC = layer(x_NC, positions, self.rotary, attention, layer_idx)

@@ -1,0 +1,225 @@
+"""Fused Triton kernels for the decoder's elementwise work: RMSNorm (optionally with the residual add
+before it), per-head q/k RMSNorm + RoPE, and SiLU(gate) * up.
+
+Eager, each of these is a chain of small torch kernels (a norm alone is to/pow/mean/add/rsqrt/mul/to/mul),
+which dominates a CUDA-graph decode step at small batch. Each kernel here performs the eager chain of
+`kv4rl.models.layers` operation by operation, in the same dtypes, so that on the GPU its results are
+the eager ones bit for bit except where noted:
+
+- a torch op on bf16/fp16 tensors computes in float32 and rounds to the tensor dtype; the kernels do the
+  same by rounding (`_round`) after every op that eager runs in the activation dtype (the compiler may
+  turn such a pair into one bf16 instruction, which rounds the same: float32 holds over twice bf16's
+  precision). The launches forbid FMA contraction, which would skip a rounding, and libdevice's
+  flush-to-zero (`_EAGER_MATH`);
+- RMSNorm: float32 sum of squares times 1/C (CUDA torch's mean multiplies by that factor; the summation
+  order differs, the one deviation), `rsqrt` (MUFU on both sides), the product rounded to the input
+  dtype, then the weight product rounded again;
+- RoPE: the float32 cos/sin rows rounded to the activation dtype first, then `x1*cos - x2*sin` and
+  `x2*cos + x1*sin` over the rotate-half halves with every product and sum rounded;
+- SiLU: `x / (1 + exp(-x))` in float32 with libdevice's `expf` and IEEE division (torch's CUDA kernel;
+  Triton's own `exp` and `/` are approximations), rounded, then the product with `up` rounded.
+
+They also run in the CPU interpreter (tests), whose bf16 rounding is not faithful (it truncates): test
+there in float32, and in float16, which it rounds to nearest even as the GPU does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kv4rl.kernels import interpreting
+
+_SILU_BLOCK = 1024
+# Launch options for eager's arithmetic (the interpreter ignores them): eager never fuses a product
+# into a later sum, so neither may the compiler (with fusion on, the RoPE sums become bf16 FMAs), and
+# torch's CUDA build keeps subnormals, which libdevice flushes by default.
+_EAGER_MATH = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """The float32 value `x` rounded to DT, as a torch op in DT stores its float32 result."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro, C, inv_c, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    live = cols < C
+    DT = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # eager: residual + x in the activation dtype, then the next norm reads that sum
+        r = tl.load(res_ptr + row * stride_r + cols, mask=live, other=0.0).to(tl.float32)
+        x = _round(x + r, DT)
+        tl.store(res_out_ptr + row * stride_ro + cols, x.to(DT), mask=live)
+    var = tl.sum(x * x, axis=0) * inv_c
+    normed = _round(x * tl.rsqrt(var + eps), DT)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, C] with unit stride along C (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch_rms_norm(x, residual, weight, eps):
+    C = x.shape[-1]
+    if weight.shape != (C,):
+        raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} for rows of {C}")
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res2 = res_out = x2  # placeholders the kernel does not touch without a residual
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("add_rms_norm: x and residual need the same shape and dtype")
+        res2 = _rows(residual)
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    weight = weight.contiguous()
+    n = x2.shape[0]
+    if n:
+        block = triton.next_power_of_2(C)
+        _rms_norm_kernel[(n,)](
+            x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), C, C, C, 1.0 / C, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_C=block, num_warps=8 if block >= 4096 else 4, **_EAGER_MATH,
+        )
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` over the last dim of x ([N, C], or [N, H, D] per head) in one launch."""
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`RMSNorm(residual + x)`, `residual + x`) in one launch: a block's output joins the residual
+    stream inside the kernel that normalises it for the next block."""
+    return _launch_rms_norm(x, residual, weight, eps)
+
+
+@triton.jit
+def _norm_rope_heads(
+    x_ptr, stride_n, stride_h, w_ptr, o_ptr, row, H, c, s, inv_d, eps,
+    NORM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """One token's heads [H, 2*HALF] of q or k: optional per-head RMSNorm, then rotate-half RoPE."""
+    DT = o_ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    live = (heads < H) & (cols < HALF)
+    src = x_ptr + row * stride_n + heads * stride_h + cols
+    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+    if NORM:
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) * inv_d
+        r = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+        x1 = _round(w1 * _round(x1 * r, DT), DT)
+        x2 = _round(w2 * _round(x2 * r, DT), DT)
+    out1 = _round(_round(x1 * c, DT) - _round(x2 * s, DT), DT)
+    out2 = _round(_round(x2 * c, DT) + _round(x1 * s, DT), DT)
+    dst = o_ptr + row * (H * 2 * HALF) + heads * (2 * HALF) + cols
+    tl.store(dst, out1.to(DT), mask=live)
+    tl.store(dst + HALF, out2.to(DT), mask=live)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, stride_qn, stride_qh, k_ptr, stride_kn, stride_kh, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
+    cos_ptr, sin_ptr, stride_t, pos_ptr, HQ, HK, inv_d, eps,
+    NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    DT = qo_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    # eager: self.cos[positions].to(x.dtype), once for both tensors
+    c = _round(tl.load(cos_ptr + pos * stride_t + cols, mask=cols < HALF, other=0.0), DT)
+    s = _round(tl.load(sin_ptr + pos * stride_t + cols, mask=cols < HALF, other=0.0), DT)
+    _norm_rope_heads(q_ptr, stride_qn, stride_qh, qw_ptr, qo_ptr, row, HQ, c, s, inv_d, eps,
+                     NORM, BLOCK_HQ, HALF, BLOCK_HALF)
+    _norm_rope_heads(k_ptr, stride_kn, stride_kh, kw_ptr, ko_ptr, row, HK, c, s, inv_d, eps,
+                     NORM, BLOCK_HK, HALF, BLOCK_HALF)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (q, k), new contiguous [N, H, D] tensors, from q [N, Hq, D] and k [N, Hkv, D] in one launch.
+
+    With weights (Qwen3), each head is first `RMSNorm`-ed with them (`eps`); with None (Qwen2, Llama)
+    only RoPE is applied. `cos`/`sin` are `RotaryEmbedding`'s float32 tables [positions, D/2] (rope
+    scaling lives in them), `positions` [N] the absolute position of each token.
+    """
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    if k.shape != (n, hk, d) or k.dtype != q.dtype or d % 2:
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} do not match")
+    if cos.shape != sin.shape or cos.shape[-1] != d // 2 or cos.dtype != torch.float32:
+        raise ValueError(f"qk_norm_rope: cos/sin must be float32 [positions, {d // 2}]")
+    norm = q_weight is not None
+    if norm != (k_weight is not None):
+        raise ValueError("qk_norm_rope: pass both norm weights or neither")
+    if norm and (q_weight.shape != (d,) or k_weight.shape != (d,) or q_weight.dtype != q.dtype
+                 or k_weight.dtype != q.dtype):
+        raise ValueError(f"qk_norm_rope: norm weights must be [{d}] in {q.dtype}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos, sin, positions = cos.contiguous(), sin.contiguous(), positions.contiguous()
+    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format)
+    if n:
+        qw, kw = (q_weight.contiguous(), k_weight.contiguous()) if norm else (q, k)  # unread without the norm
+        _qk_norm_rope_kernel[(n,)](
+            q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), qw, kw, q_out, k_out,
+            cos, sin, cos.stride(0), positions, hq, hk, 1.0 / d, eps,
+            NORM=norm, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), HALF=d // 2,
+            BLOCK_HALF=triton.next_power_of_2(d // 2), num_warps=4, **_EAGER_MATH,
+        )
+    return q_out, k_out
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (q, k) without the per-head norm (Qwen2, Llama): `qk_norm_rope` with no weights."""
+    return qk_norm_rope(q, k, None, None, 0.0, cos, sin, positions)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    DT = o_ptr.dtype.element_ty
+    g = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    if LIBDEVICE:
+        e = libdevice.exp(-g)
+    else:  # the interpreter's libdevice may be missing
+        e = tl.exp(-g)
+    silu = _round(tl.div_rn(g, 1.0 + e), DT)
+    tl.store(o_ptr + offs, (silu * u).to(DT), mask=live)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` in one launch (SwiGLU's elementwise part), a new tensor of their shape."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype}")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, _SILU_BLOCK),)](
+            gate, up, out, n, LIBDEVICE=not interpreting(), BLOCK=_SILU_BLOCK, num_warps=4, **_EAGER_MATH)
+    return out

@@ -1,0 +1,99 @@
+"""Compile the fused elementwise kernels (kv4rl.kernels.fused_ops) for Hopper (sm_90) on any machine
+at Qwen3-1.7B's shapes, print each one's registers and SASS opcode counts, and check in the PTX that the
+arithmetic stayed eager's: every float add/sub/mul carries an explicit `.rn` (which ptxas may not
+contract into an FMA), no `fma` on activation-dtype values, SiLU's division is `div.rn.f32`. Exits 1
+on a problem (tests/test_fused_ops.py runs it).
+
+    python tools/fused_ops_sass.py [--dtype bf16|fp16|fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kv4rl.kernels import fused_ops as fo
+
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 8, 128
+
+
+def _compile(fn, pointers: dict[str, str], consts: dict, num_warps: int = 4):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in ("eps", "inv_c", "inv_d")
+                                                                     else "i32") for n in names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, **fo._EAGER_MATH})
+
+
+def kernels(dtype: str) -> dict:
+    """name -> compiled kernel, for each specialisation the decoder launches."""
+    act = f"*{dtype}"
+    norm_ptrs = dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"), act)
+    rope_ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "qw_ptr", "kw_ptr", "qo_ptr", "ko_ptr"), act),
+                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"}
+    rope_consts = {"BLOCK_HQ": Q_HEADS, "BLOCK_HK": KV_HEADS, "HALF": HEAD_DIM // 2, "BLOCK_HALF": HEAD_DIM // 2}
+    return {
+        "rms_norm": _compile(fo._rms_norm_kernel, norm_ptrs, {"HAS_RESIDUAL": False, "BLOCK_C": HIDDEN}),
+        "add_rms_norm": _compile(fo._rms_norm_kernel, norm_ptrs, {"HAS_RESIDUAL": True, "BLOCK_C": HIDDEN}),
+        "qk_norm_rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": True, **rope_consts}),
+        "rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": False, **rope_consts}),
+        "silu_mul": _compile(fo._silu_mul_kernel, {"g_ptr": act, "u_ptr": act, "o_ptr": act},
+                             {"LIBDEVICE": True, "BLOCK": fo._SILU_BLOCK}),
+    }
+
+
+def sass_of(kernel) -> tuple[str, str]:
+    """(resource usage line, SASS) of a compiled kernel, with the cuobjdump bundled with Triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    return next((line.strip() for line in usage.splitlines() if "REG:" in line), usage.strip()), sass
+
+
+def opcodes(sass: str) -> collections.Counter:
+    ins = (re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line) for line in sass.splitlines())
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)).split()[0] for m in ins if m)
+
+
+def eager_math_problems(name: str, ptx: str) -> list[str]:
+    """Where the PTX of kernel `name` could round differently from eager torch."""
+    body = [line.split("//")[0] for line in ptx.splitlines()]
+    problems = [f"{name}: contractible `{m.group(0)}`" for line in body
+                for m in [re.search(r"\b(add|sub|mul)\.(f32|f16|bf16)(x2)?\b", line)] if m]
+    problems += [f"{name}: fused `{m.group(0)}`" for line in body
+                 for m in [re.search(r"\bfma\.rn\.(f16|bf16)\w*", line)] if m]
+    if name == "silu_mul" and ("div.rn.f32" not in ptx or re.search(r"div\.(full|approx)", ptx)):
+        problems.append(f"{name}: the division is not div.rn.f32")
+    return problems[:5]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    args = parser.parse_args()
+    problems = []
+    for name, kernel in kernels(args.dtype).items():
+        usage, sass = sass_of(kernel)
+        ops = opcodes(sass)
+        print(f"{name}: {sum(ops.values())} instructions; {usage}")
+        print("   ", ", ".join(f"{k} {v}" for k, v in ops.most_common(14)))
+        problems += eager_math_problems(name, kernel.asm["ptx"])
+    if problems:
+        raise SystemExit("arithmetic that differs from eager:\n  " + "\n  ".join(problems))
+
+
+if __name__ == "__main__":
+    main()
