@@ -182,8 +182,9 @@ def test_float16_norms_within_an_ulp_or_two(gen):
 
 
 def test_kernels_compile_for_hopper_with_eager_arithmetic():
-    """sm_90 offline (no GPU needed): the kernels compile, and their PTX keeps eager's roundings
-    (tools/fused_ops_sass.py). A fresh process: this one runs Triton's interpreter."""
+    """sm_90 offline (no GPU needed): the kernels (and FP8Linear's input quantizer) compile, and their
+    PTX keeps eager's roundings (tools/fused_ops_sass.py). A fresh process: this one runs Triton's
+    interpreter."""
     import subprocess
     import sys
     from pathlib import Path
@@ -197,7 +198,7 @@ def test_kernels_compile_for_hopper_with_eager_arithmetic():
     run = subprocess.run([sys.executable, str(root / "tools" / "fused_ops_sass.py")], cwd=root, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "rope", "silu_mul"):
+    for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "rope", "silu_mul", "quantize_rows_fp8"):
         assert f"{name}: " in run.stdout
 
 

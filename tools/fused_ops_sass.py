@@ -1,8 +1,10 @@
-"""Compile the fused elementwise kernels (kv4rl.kernels.fused_ops) for Hopper (sm_90) on any machine
-at Qwen3-1.7B's shapes, print each one's registers and SASS opcode counts, and check in the PTX that the
-arithmetic stayed eager's: every float add/sub/mul carries an explicit `.rn` (which ptxas may not
-contract into an FMA), no `fma` on activation-dtype values, SiLU's division is `div.rn.f32`. Exits 1
-on a problem (tests/test_fused_ops.py runs it).
+"""Compile the fused elementwise kernels (kv4rl.kernels.fused_ops) and the FP8 activation quantizer
+(kv4rl.kernels.fp8_quant) for Hopper (sm_90) on any machine at Qwen3-1.7B's shapes, print each one's
+registers and SASS opcode counts, and check in the PTX that the arithmetic stayed eager's: every float
+add/sub/mul carries an explicit `.rn` (which ptxas may not contract into an FMA), no `fma` on
+activation-dtype values, SiLU's and the quantizer's divisions are `div.rn.f32`, the quantizer casts
+with `cvt.rn.satfinite.e4m3x2.f32` and flushes no subnormal. Exits 1 on a problem
+(tests/test_fused_ops.py runs it).
 
     python tools/fused_ops_sass.py [--dtype bf16|fp16|fp32]
 """
@@ -20,15 +22,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kv4rl.kernels import fp8_quant as fq
 from kv4rl.kernels import fused_ops as fo
 
-HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 8, 128
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2048, 16, 8, 128, 6144
 
 
 def _compile(fn, pointers: dict[str, str], consts: dict, num_warps: int = 4):
     names = fn.arg_names
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in ("eps", "inv_c", "inv_d")
-                                                                     else "i32") for n in names}
+    floats = ("eps", "inv_c", "inv_d", "inv_max")
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -49,6 +52,11 @@ def kernels(dtype: str) -> dict:
         "rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": False, **rope_consts}),
         "silu_mul": _compile(fo._silu_mul_kernel, {"g_ptr": act, "u_ptr": act, "o_ptr": act},
                              {"LIBDEVICE": True, "BLOCK": fo._SILU_BLOCK}),
+        # FP8Linear's input quantizer as it runs on CUDA, at down_proj's K (two chunks of 4096)
+        "quantize_rows_fp8": _compile(fq._quantize_rows_fp8_kernel,
+                                      {"x_ptr": act, "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+                                      {"RECIPROCAL": True, "BLOCK_K": fq.launch_shape(INTERMEDIATE)[0]},
+                                      num_warps=fq.launch_shape(INTERMEDIATE)[1]),
     }
 
 
@@ -77,6 +85,13 @@ def eager_math_problems(name: str, ptx: str) -> list[str]:
                  for m in [re.search(r"\bfma\.rn\.(f16|bf16)\w*", line)] if m]
     if name == "silu_mul" and ("div.rn.f32" not in ptx or re.search(r"div\.(full|approx)", ptx)):
         problems.append(f"{name}: the division is not div.rn.f32")
+    if name == "quantize_rows_fp8":
+        if "div.rn.f32" not in ptx or re.search(r"div\.(full|approx)", ptx):
+            problems.append(f"{name}: the division is not div.rn.f32")
+        if "cvt.rn.satfinite.e4m3x2.f32" not in ptx or re.search(r"cvt\.\w+\.e4m3x2\.f16x2", ptx):
+            problems.append(f"{name}: the e4m3 cast is not one cvt.rn.satfinite.e4m3x2.f32")
+        if ".ftz" in ptx:
+            problems.append(f"{name}: flushes subnormals (.ftz)")
     return problems[:5]
 
 

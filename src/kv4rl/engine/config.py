@@ -58,9 +58,11 @@ class EngineConfig:
     `fused_ops` runs the model's norms (with the residual adds), q/k norm + RoPE and SiLU * up through
     fused Triton kernels (`kv4rl.models.fused`): per layer four launches instead of some sixty small
     ones, which dominate a CUDA-graph decode step of a small model; the eager ops are repeated in their
-    dtypes, so only the norms' summation order differs. It fails at start off CUDA. The default stays
-    off until its speed and its agreement with eager are measured on a GPU
-    (tests/gpu/test_fused_ops_gpu.py).
+    dtypes, so only the norms' summation order differs. With `weight_format: fp8` it also quantizes each
+    FP8 linear's input (scaled_mm path) in one Triton kernel (`kv4rl.kernels.fp8_quant`) instead of
+    ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit. It fails at start off CUDA. The
+    default stays off until its speed and its agreement with eager are measured on a GPU
+    (tests/gpu/test_fused_ops_gpu.py, tests/gpu/test_fp8_quant_kernel_gpu.py).
     """
 
     kv: KVConfig = field(default_factory=KVConfig)

@@ -12,6 +12,10 @@ and differ only in accumulation order and output rounding:
   codes on the tensor cores with row-wise scales (``torch._scaled_mm``);
 - dequantized fallback (CPU, older GPUs, other dtypes, in/out features not multiples of 16):
   dequantizes activation and weight to the compute dtype and runs an ordinary matmul.
+
+``fused_quant`` (set by the engine with ``engine.fused_ops``) quantizes the activation of the
+``scaled_mm`` path with one Triton kernel (``kv4rl.kernels.fp8_quant``) instead of ~8 small torch ones,
+which dominate a CUDA-graph decode step; its codes and scales are ``quantize_fp8``'s bit for bit.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def fp8_matmul_device(device: torch.device) -> bool:
 
 class FP8Linear(nn.Module):
     """``nn.Linear`` replacement for inference; ``use_scaled_mm`` None picks the path per call,
-    True forces ``torch._scaled_mm`` (raising where it cannot run), False forces the fallback."""
+    True forces ``torch._scaled_mm`` (raising where it cannot run), False forces the fallback.
+    ``fused_quant`` quantizes the ``scaled_mm`` path's input in one Triton launch (same codes)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__()
@@ -58,6 +63,7 @@ class FP8Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.use_scaled_mm: bool | None = None
+        self.fused_quant = False
 
     @classmethod
     @torch.no_grad()
@@ -125,7 +131,12 @@ class FP8Linear(nn.Module):
 
     def _scaled_mm(self, x_MK: torch.Tensor) -> torch.Tensor:
         # row-wise scaling takes any token count M (seen with torch 2.11 on an H200 for M = 1, 17)
-        codes_MK, scale_M = quantize_fp8(x_MK.contiguous())
+        if self.fused_quant:
+            from kv4rl.kernels.fp8_quant import quantize_rows_fp8  # Triton only when asked for
+
+            codes_MK, scale_M = quantize_rows_fp8(x_MK)
+        else:
+            codes_MK, scale_M = quantize_fp8(x_MK.contiguous())
         out_MN = torch._scaled_mm(
             codes_MK,  # row-major [M, K]
             self.qweight.t(),  # column-major [K, N], as the FP8 GEMM wants its second operand
@@ -138,4 +149,6 @@ class FP8Linear(nn.Module):
         return out_MN
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        fused = ", fused_quant=True" if self.fused_quant else ""
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}{fused}"

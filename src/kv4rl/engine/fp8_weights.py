@@ -31,6 +31,15 @@ def apply_fp8_weights(model: nn.Module) -> int:
     return len(linears)
 
 
+def set_fused_quant(model: nn.Module, enabled: bool = True) -> int:
+    """Quantize the FP8 linears' activations with the Triton kernel (``engine.fused_ops``) or with
+    torch ops; returns how many linears there are."""
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in linears:
+        m.fused_quant = enabled
+    return len(linears)
+
+
 def fp8_path(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
     """Which product the FP8 linears use for activations of ``dtype`` on ``device``, for logs."""
     paths = [m.path(dtype, device) for m in model.modules() if isinstance(m, FP8Linear)]

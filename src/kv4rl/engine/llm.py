@@ -94,6 +94,10 @@ class Engine:
             if not kernels_usable(self.device):
                 raise ValueError("engine.fused_ops=true cannot run here: it needs Triton and a CUDA device")
             self.model.enable_fused_ops()
+            if config.weight_format == "fp8":  # FP8 linears quantize their inputs in one kernel too
+                from kv4rl.engine.fp8_weights import set_fused_quant
+
+                set_fused_quant(self.model)
         self.tokenizer = tokenizer
         fmt_name = config.kv.format
         if fmt_name == "auto":

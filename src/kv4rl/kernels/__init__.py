@@ -1,8 +1,8 @@
 """Triton kernels of the GPU fast path: fused quantize-on-write, split-KV paged decode attention, the
-fused sampler and the decoder's fused elementwise ops.
+fused sampler, the decoder's fused elementwise ops and FP8 linears' per-token input quantization.
 
 Each kernel computes what the torch reference path (`kv4rl.engine.attention`, `kv4rl.engine.kv_formats`,
-`kv4rl.engine.sampler`, `kv4rl.models.layers`) computes and is tested against it. They run on CUDA, and on the CPU under `TRITON_INTERPRET=1` (how CI
+`kv4rl.engine.sampler`, `kv4rl.models.layers`, `kv4rl.quant.fp8`) computes and is tested against it. They run on CUDA, and on the CPU under `TRITON_INTERPRET=1` (how CI
 checks their indexing on small shapes); the engine uses them only on CUDA and falls back to the
 reference path elsewhere.
 """

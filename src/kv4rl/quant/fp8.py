@@ -1,6 +1,8 @@
 """FP8 (e4m3fn) KV quantization with one float32 scale per (token, head).
 
-``scale = amax / 448`` maps each row's largest magnitude onto e4m3's largest finite value; the
+``scale = amax / 448`` maps each row's largest magnitude onto e4m3's largest finite value (float32;
+on CUDA torch divides by a number as ``amax · fl(1/448)``, one ulp off the quotient in about half
+the rows, so CPU and CUDA scales differ; ``kv4rl.kernels.fp8_quant`` follows the device's); the
 scaled values are clamped to ±448 (so a float32 rounding step can never produce NaN, which e4m3fn
 uses for overflow) and cast with round-to-nearest-even. Normal e4m3 values carry a relative error
 of at most 2^-4; scaled magnitudes below 2^-6 are subnormal with absolute error at most
