@@ -16,4 +16,7 @@ timeout 110 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 
 # the opt-in paths that still need a measurement before they become defaults
 timeout 80 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 --no-hf \
     --json $OUT/generate_fused.json engine.sampler=triton engine.fused_ops=true 2>&1 | grep "│" | tail -6
+timeout 80 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 --no-hf \
+    --weight-format fp8 --json $OUT/generate_fused_fp8.json engine.sampler=triton engine.fused_ops=true 2>&1 \
+    | grep "│" | tail -6
 date
