@@ -61,6 +61,46 @@ def _load_paged_rows(bt_ptr, stride_bt, b, offs_n, mask_n, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
+def _work_range(L, b, s, split_ptr, slots_ptr, KIND: tl.constexpr, START: tl.constexpr, END_OFF: tl.constexpr,
+                N_SINK: tl.constexpr, N_RECENT: tl.constexpr):
+    """[lo, hi) of split `s`: positions of the paged body [START, L - END_OFF); for KV4's INT8 item
+    (KIND 3), indices over its protected positions [0, min(L, n_sink)) then [max(n_sink, L - n_recent), L).
+    Also returns what `_tile_rows` needs to map those indices to side rows."""
+    if KIND == 3:
+        n_s = tl.minimum(L, N_SINK)
+        lo2 = tl.maximum(L - N_RECENT, N_SINK)
+        lo = s * 0
+        hi = n_s + tl.maximum(L - lo2, 0)
+        seq_row0 = tl.load(slots_ptr + b).to(tl.int64) * (N_SINK + N_RECENT)
+    else:
+        split = tl.load(split_ptr)
+        end = tl.maximum(L - END_OFF, START)
+        lo = START + s * split
+        hi = tl.minimum(lo + split, end)
+        n_s = lo * 0
+        lo2 = lo * 0
+        seq_row0 = n_s.to(tl.int64)
+    return lo, hi, n_s, lo2, seq_row0
+
+
+@triton.jit
+def _tile_rows(offs_n, mask_n, b, bt_ptr, stride_bt, n_s, lo2, seq_row0, KIND: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, N_SINK: tl.constexpr, N_RECENT: tl.constexpr):
+    """Cache row of each token of a tile: its page slot, or (KIND 3) the sequence's side row holding the
+    protected position (sinks first, then the ring of recent positions, see `KV4Format.side_rows`)."""
+    if KIND == 3:
+        pos = tl.where(offs_n < n_s, offs_n, lo2 + offs_n - n_s)
+        if N_RECENT > 0:
+            in_seq = tl.where(pos < N_SINK, pos, N_SINK + (pos - N_SINK) % N_RECENT)
+        else:
+            in_seq = pos
+        rows = seq_row0 + in_seq.to(tl.int64)
+    else:
+        rows = _load_paged_rows(bt_ptr, stride_bt, b, offs_n, mask_n, BLOCK_SIZE)
+    return rows
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, stride_qb, stride_qh,
     k_ptr, v_ptr, stride_ks, stride_kh,
@@ -76,17 +116,7 @@ def _decode_split_kernel(
     b = tl.program_id(1)
     s = tl.program_id(2)
     L = tl.load(lens_ptr + b)
-    if KIND == 3:  # INT8 protected rows: positions [0, min(L, n_sink)) then [max(n_sink, L - n_recent), L)
-        n_s = tl.minimum(L, N_SINK)
-        lo2 = tl.maximum(L - N_RECENT, N_SINK)
-        lo = s * 0
-        hi = n_s + tl.maximum(L - lo2, 0)
-        seq_row0 = tl.load(slots_ptr + b).to(tl.int64) * (N_SINK + N_RECENT)
-    else:
-        split = tl.load(split_ptr)
-        end = tl.maximum(L - END_OFF, START)
-        lo = START + s * split
-        hi = tl.minimum(lo + split, end)
+    lo, hi, n_s, lo2, seq_row0 = _work_range(L, b, s, split_ptr, slots_ptr, KIND, START, END_OFF, N_SINK, N_RECENT)
 
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < G
@@ -112,15 +142,8 @@ def _decode_split_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        if KIND == 3:
-            pos = tl.where(offs_n < n_s, offs_n, lo2 + offs_n - n_s)
-            if N_RECENT > 0:
-                in_seq = tl.where(pos < N_SINK, pos, N_SINK + (pos - N_SINK) % N_RECENT)
-            else:
-                in_seq = pos
-            rows = seq_row0 + in_seq.to(tl.int64)
-        else:
-            rows = _load_paged_rows(bt_ptr, stride_bt, b, offs_n, mask_n, BLOCK_SIZE)
+        rows = _tile_rows(offs_n, mask_n, b, bt_ptr, stride_bt, n_s, lo2, seq_row0, KIND, BLOCK_SIZE, N_SINK,
+                          N_RECENT)
         base = rows * stride_ks + h * stride_kh  # [BLOCK_N]
         if KIND == 2:
             kc = tl.load(k_ptr + base[None, :] + offs_d2[:, None], mask=mask_n[None, :], other=0)  # [D/2, N]
@@ -214,17 +237,7 @@ def _decode_split_kernel_t(
     b = tl.program_id(1)
     s = tl.program_id(2)
     L = tl.load(lens_ptr + b)
-    if KIND == 3:
-        n_s = tl.minimum(L, N_SINK)
-        lo2 = tl.maximum(L - N_RECENT, N_SINK)
-        lo = s * 0
-        hi = n_s + tl.maximum(L - lo2, 0)
-        seq_row0 = tl.load(slots_ptr + b).to(tl.int64) * (N_SINK + N_RECENT)
-    else:
-        split = tl.load(split_ptr)
-        end = tl.maximum(L - END_OFF, START)
-        lo = START + s * split
-        hi = tl.minimum(lo + split, end)
+    lo, hi, n_s, lo2, seq_row0 = _work_range(L, b, s, split_ptr, slots_ptr, KIND, START, END_OFF, N_SINK, N_RECENT)
     if MAGIC and KIND == 1:
         unit = 1.329227995784916e36  # 2^120: FP8 codes are read as code * 2^-120
     else:
@@ -254,15 +267,8 @@ def _decode_split_kernel_t(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        if KIND == 3:
-            pos = tl.where(offs_n < n_s, offs_n, lo2 + offs_n - n_s)
-            if N_RECENT > 0:
-                in_seq = tl.where(pos < N_SINK, pos, N_SINK + (pos - N_SINK) % N_RECENT)
-            else:
-                in_seq = pos
-            rows = seq_row0 + in_seq.to(tl.int64)
-        else:
-            rows = _load_paged_rows(bt_ptr, stride_bt, b, offs_n, mask_n, BLOCK_SIZE)
+        rows = _tile_rows(offs_n, mask_n, b, bt_ptr, stride_bt, n_s, lo2, seq_row0, KIND, BLOCK_SIZE, N_SINK,
+                          N_RECENT)
         base = rows * stride_ks + h * stride_kh
         srow = rows * stride_ss + h * stride_sh
         if KIND == 2:
