@@ -298,6 +298,8 @@ def decode_forward(
     shapes: Annotated[str, Option("--shapes", help="model shapes: qwen3-4b, qwen3-8b, ...")] = "qwen3-8b",
     workloads: Annotated[str, Option(
         "--workloads", help="early (B256 x 1024), mid (B128 x 4096), late (B64 x 8192)")] = "early,mid,late",
+    fused_ops: Annotated[bool, Option(
+        "--fused-ops/--no-fused-ops", help="run the step as engine.fused_ops=true would")] = False,
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
 ) -> None:
     """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""
@@ -308,9 +310,10 @@ def decode_forward(
     for name in work:
         if name not in WORKLOADS:
             _fail(f"--workloads: unknown workload '{name}' (known: {', '.join(WORKLOADS)})")
-    res = run_decode_forward(_csv(shapes), work, progress=lambda r: console.print(
+    res = run_decode_forward(_csv(shapes), work, fused_ops=fused_ops, progress=lambda r: console.print(
         f"[dim]{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms[/]"))
-    table = Table(title=f"whole-model decode step on {res['device']} (random-init weights, CUDA graph)")
+    table = Table(title=f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
+                        f"{', fused ops' if fused_ops else ''})")
     for name in ("shape", "workload", "batch x context", "weights", "kv", "ms/step", "tokens/s", "vs bf16/bf16"):
         table.add_column(name, justify="left" if name in ("shape", "workload", "weights", "kv") else "right")
     for r in res["results"]:

@@ -86,13 +86,17 @@ def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, re
 
 
 def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANTS, device="cuda",
-                       progress=None) -> dict:
+                       progress=None, fused_ops: bool = False) -> dict:
+    """`fused_ops` runs the step as `engine.fused_ops=true` would (fused norms/RoPE/SwiGLU, one-launch
+    FP8 activation quantization)."""
     from kv4rl.bench.random_model import random_decoder
-    from kv4rl.engine.fp8_weights import apply_fp8_weights
+    from kv4rl.engine.fp8_weights import apply_fp8_weights, set_fused_quant
 
     results = []
     for shape in shapes:
         model = random_decoder(shape, device)
+        if fused_ops:
+            model.enable_fused_ops()
         weights_now = "bf16"
         for weights in ("bf16", "fp8"):
             for w, kv in variants:
@@ -100,12 +104,13 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                     continue
                 if weights == "fp8" and weights_now != "fp8":
                     apply_fp8_weights(model)
+                    set_fused_quant(model, fused_ops)
                     torch.cuda.empty_cache()
                     weights_now = "fp8"
                 for name in workloads:
                     batch, context = WORKLOADS[name]
                     row = {"shape": shape, "workload": name, "batch": batch, "context": context, "weights": w,
-                           "kv": kv, **time_step(model, kv, batch, context)}
+                           "kv": kv, "fused_ops": fused_ops, **time_step(model, kv, batch, context)}
                     results.append(row)
                     if progress:
                         progress(row)
