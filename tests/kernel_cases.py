@@ -11,9 +11,6 @@ import torch
 from kv4rl.engine.attention import AttnMetadata
 from kv4rl.engine.kv_formats import get_kv_format
 
-FAST_KINDS = {"bf16": "bf16", "fp8": "fp8", "int4": "int4", "kv4": "int4"}
-
-
 def make_format(name: str, head_dim: int, n_sink: int = 2, n_recent: int = 5, rotate: str = "auto"):
     """The fast INT4 path keeps one scale and zero per token and head (group = head_dim)."""
     if name == "kv4":
@@ -75,30 +72,20 @@ def reference_decode(fmt, cache, meta: AttnMetadata, q: torch.Tensor) -> torch.T
     return fmt.finish_output(out)
 
 
-def fast_decode(fmt, name: str, cache, meta: AttnMetadata, q: torch.Tensor, max_splits: int, split_size: int,
+def fast_decode(fmt, cache, meta: AttnMetadata, q: torch.Tensor, max_splits: int, split_size: int,
                 out_dtype=None):
-    """The Triton path on the same cache (q rotated like the reference, output un-rotated)."""
-    from kv4rl.kernels.decode_attention import DecodeBatch, paged_decode_attention
+    """The engine's Triton path (`FastAttention.attend`) on the same cache, with a chosen split grid."""
+    from kv4rl.engine.fast_path import DecodeInputs, FastAttention
+    from kv4rl.kernels.decode_attention import DecodeBatch
 
     device = q.device
     batch = DecodeBatch(block_tables=meta.block_tables.to(torch.int32), context_lens=meta.context_lens.to(torch.int32),
                         seq_slots=meta.seq_slots.to(torch.int32),
                         split_size=torch.tensor([split_size], dtype=torch.int32, device=device),
                         max_splits=max_splits, block_size=meta.block_size)
-    qr = fmt.prepare_query(q)
+    fast = FastAttention(fmt, cache[next(iter(cache))].shape[1], q.shape[-1], meta.block_size, device)
     out = None if out_dtype is None else torch.empty(q.shape, dtype=out_dtype, device=device)
-    kind = FAST_KINDS[name]
-    if kind == "bf16":
-        out = paged_decode_attention(qr, cache["k"], cache["v"], batch, kind="bf16", out=out)
-    else:
-        side = None
-        if name == "kv4":
-            side = {"k": cache["k_prot_codes"], "v": cache["v_prot_codes"], "k_scale": cache["k_prot_scale"],
-                    "v_scale": cache["v_prot_scale"], "n_sink": fmt.n_sink, "n_recent": fmt.n_recent}
-        out = paged_decode_attention(qr, cache["k_codes"], cache["v_codes"], batch, kind=kind,
-                                     k_scale=cache["k_scale"], v_scale=cache["v_scale"],
-                                     k_zero=cache.get("k_zero"), v_zero=cache.get("v_zero"), side=side, out=out)
-    return fmt.finish_output(out)
+    return fast.attend(cache, q, DecodeInputs(slots=meta.slot_mapping, protect_rows=None, batch=batch), out=out)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

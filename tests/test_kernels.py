@@ -66,7 +66,7 @@ def test_decode_attention_matches_reference(name, gen, variant):
     q = torch.randn(len(LENS), hq, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     ref = reference_decode(fmt, cache, meta, q)
     for max_splits, split in _splits(max(LENS)):
-        out = fast_decode(fmt, name, cache, meta, q, max_splits, split, out_dtype=torch.float32)
+        out = fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=torch.float32)
         assert not torch.isnan(out).any()
         err = rel_err(out, ref)
         assert err < TOL, (name, max_splits, split, err)
@@ -82,10 +82,10 @@ def test_kv4_sequences_shorter_than_protected_budget(gen, variant):
     cache, meta = random_paged_batch(fmt, lens, hkv, head_dim, block, DEVICE, gen)
     q = torch.randn(len(lens), hq, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     ref = reference_decode(fmt, cache, meta, q)
-    out = fast_decode(fmt, "kv4", cache, meta, q, 2, 16, out_dtype=torch.float32)
+    out = fast_decode(fmt, cache, meta, q, 2, 16, out_dtype=torch.float32)
     assert rel_err(out, ref) < TOL
     meta.context_lens[1] = 0
-    out = fast_decode(fmt, "kv4", cache, meta, q, 2, 16, out_dtype=torch.float32)
+    out = fast_decode(fmt, cache, meta, q, 2, 16, out_dtype=torch.float32)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 

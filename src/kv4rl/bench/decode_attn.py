@@ -79,13 +79,29 @@ def time_sdpa(batch: int, context: int, hq: int, hkv: int, d: int, device, gen) 
     return _time_graph(call), out, (q, k, v)
 
 
+def fill_random(cache: dict, gen: torch.Generator) -> None:
+    """Random codes and plausible scales in every cache tensor (never zeros: they hide unread memory)."""
+    for name, t in cache.items():
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 256, t.shape, device=t.device, dtype=torch.uint8, generator=gen))
+        elif t.dtype == torch.int8:
+            t.copy_(torch.randint(-127, 128, t.shape, device=t.device, dtype=torch.int8, generator=gen))
+        elif t.dtype == torch.float8_e4m3fn:
+            t.copy_(torch.randn(t.shape, device=t.device, generator=gen).to(torch.float8_e4m3fn))
+        elif "scale" in name:
+            t.copy_(torch.rand(t.shape, device=t.device, generator=gen) * 0.02 + 0.01)
+        else:
+            t.normal_(0.0, 0.1, generator=gen)
+
+
 class PagedCase:
     """A paged cache of one layer in `fmt` with every sequence at `context` tokens."""
 
     def __init__(self, fmt: str, batch: int, context: int, hq: int, hkv: int, d: int, device, gen,
                  block_size: int = 16, bf16_kv: tuple | None = None, n_sink: int = 16, n_recent: int = 128):
-        from kv4rl.engine.fast_path import FastAttention
+        from kv4rl.engine.fast_path import DecodeInputs, FastAttention
         from kv4rl.engine.kv_formats import get_kv_format
+        from kv4rl.kernels.decode_attention import DecodeBatch
 
         opts = {"group_size": d} if fmt in ("int4", "kv4") else {}
         if fmt == "kv4":
@@ -94,17 +110,7 @@ class PagedCase:
         blocks_per_seq = math.ceil(context / block_size)
         num_blocks = batch * blocks_per_seq
         self.cache = self.fmt.allocate(num_blocks * block_size, hkv, d, device, num_seq_slots=batch)
-        for name, t in self.cache.items():
-            if t.dtype == torch.uint8:
-                t.copy_(torch.randint(0, 256, t.shape, device=device, dtype=torch.uint8, generator=gen))
-            elif t.dtype == torch.int8:
-                t.copy_(torch.randint(-127, 128, t.shape, device=device, dtype=torch.int8, generator=gen))
-            elif t.dtype == torch.float8_e4m3fn:
-                t.copy_(torch.randn(t.shape, device=device, generator=gen).to(torch.float8_e4m3fn))
-            elif "scale" in name:
-                t.copy_(torch.rand(t.shape, device=device, generator=gen) * 0.02 + 0.01)
-            else:
-                t.copy_(torch.randn(t.shape, device=device, generator=gen) * 0.1)
+        fill_random(self.cache, gen)
         perm = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
         tables = perm.view(batch, blocks_per_seq)
         if bf16_kv is not None and fmt == "bf16":  # the very values SDPA reads, for a sanity check
@@ -115,9 +121,6 @@ class PagedCase:
             self.cache["v"][slots] = v.transpose(1, 2)
         self.fast = FastAttention(self.fmt, hkv, d, block_size, torch.device(device))
         host_lens = torch.full((batch,), context, dtype=torch.int32)
-        from kv4rl.kernels.decode_attention import DecodeBatch
-        from kv4rl.engine.fast_path import DecodeInputs
-
         split = self.fast.split_size(context, batch)
         self.inputs = DecodeInputs(
             slots=torch.full((batch,), -1, dtype=torch.long, device=device), protect_rows=None,

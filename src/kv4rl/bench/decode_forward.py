@@ -19,21 +19,10 @@ WORKLOADS = {"early": (256, 1024), "mid": (128, 4096), "late": (64, 8192)}
 VARIANTS = (("bf16", "bf16"), ("fp8", "bf16"), ("bf16", "kv4"), ("fp8", "kv4"))
 
 
-def _fill_random(cache: dict, gen: torch.Generator) -> None:
-    for name, t in cache.items():
-        if t.dtype == torch.uint8:
-            t.copy_(torch.randint(0, 256, t.shape, device=t.device, dtype=torch.uint8, generator=gen))
-        elif t.dtype == torch.int8:
-            t.copy_(torch.randint(-127, 128, t.shape, device=t.device, dtype=torch.int8, generator=gen))
-        elif "scale" in name:
-            t.copy_(torch.rand(t.shape, device=t.device, generator=gen) * 0.02 + 0.01)
-        else:
-            t.normal_(0.0, 0.5, generator=gen)
-
-
 def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, reps: int = 20,
               seed: int = 0) -> dict:
     """Build a full cache for `batch` sequences at `context` tokens and time one graph-replayed step."""
+    from kv4rl.bench.decode_attn import fill_random
     from kv4rl.engine.cuda_graphs import DecodeGraphs
     from kv4rl.engine.fast_path import FastAttention
     from kv4rl.engine.kv_formats import get_kv_format
@@ -49,11 +38,10 @@ def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, re
     caches = []
     for _ in range(args.num_layers):
         cache = fmt.allocate(num_slots, args.num_kv_heads, args.head_dim, device, num_seq_slots=batch)
-        _fill_random(cache, gen)
+        fill_random(cache, gen)
         caches.append(cache)
     fast = FastAttention(fmt, args.num_kv_heads, args.head_dim, block_size, device)
-    graphs = DecodeGraphs(model, caches, fast, batch, blocks_per_seq)
-    graphs.buckets = [batch]
+    graphs = DecodeGraphs(model, caches, fast, batch, blocks_per_seq)  # `batch` is its largest bucket
     tables = np.random.default_rng(seed).permutation(batch * blocks_per_seq).astype(np.int32).reshape(
         batch, blocks_per_seq)
     pos = np.full(batch, context - 1, dtype=np.int64)

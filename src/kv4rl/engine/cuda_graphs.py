@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kv4rl.engine.fast_path import DecodeInputs, FastAttention
+from kv4rl.kernels.decode_attention import DecodeBatch
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,6 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, caches: list[dict], fast: FastAttention, max_batch: int, max_blocks: int):
-        from kv4rl.kernels.decode_attention import DecodeBatch
-
         self.model, self.caches, self.fast = model, caches, fast
         self.buckets = graph_buckets(max_batch)
         self.max_batch = max_batch
@@ -48,14 +47,13 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
-        self._batch = DecodeBatch
         self.num_replays = 0
 
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
     def _inputs(self, bs: int) -> DecodeInputs:
-        batch = self._batch(block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
+        batch = DecodeBatch(block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
                             seq_slots=self.seq_slots[:bs], split_size=self.split_size,
                             max_splits=self.fast.num_splits(bs), block_size=self.fast.block_size)
         return DecodeInputs(slots=self.slots[:bs], protect_rows=self.protect_rows[:bs] if self.fast.side else None,

@@ -105,17 +105,12 @@ class FastAttention:
         return out
 
     def protect_rows(self, positions: np.ndarray, seq_slots: np.ndarray) -> np.ndarray:
-        """KV4: the side row of a decode token (always protected while n_recent > 0)."""
+        """KV4: the side row of each decode token, -1 where it is not protected (`KV4Format`'s rules)."""
         if not self.side:
             return np.full_like(positions, -1)
-        f = self.fmt
-        if f.n_recent:
-            in_seq = np.where(positions < f.n_sink, positions, f.n_sink + (positions - f.n_sink) % f.n_recent)
-            keep = np.ones_like(positions, dtype=bool)
-        else:
-            in_seq = np.minimum(positions, f.n_sink - 1)
-            keep = positions < f.n_sink
-        return np.where(keep, seq_slots * f.budget + in_seq, -1)
+        pos, slots = torch.from_numpy(positions), torch.from_numpy(seq_slots)
+        rows = self.fmt.side_rows(slots, pos)
+        return torch.where(self.fmt.is_protected(pos, pos), rows, -1).numpy()
 
     def device_inputs(self, host: dict[str, np.ndarray]) -> DecodeInputs:
         from kv4rl.kernels.decode_attention import DecodeBatch
@@ -147,12 +142,14 @@ class FastAttention:
                      scale=cache[f"{prefix}_scale"], zero=cache.get(f"{prefix}_zero"),
                      group_size=self.head_dim, rotate=rot, **kw)
 
-    def attend(self, cache: dict, q: torch.Tensor, inputs: DecodeInputs) -> torch.Tensor:
+    def attend(self, cache: dict, q: torch.Tensor, inputs: DecodeInputs, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """q[B, Hq, D] over each row's cached context; `out` (e.g. float32) receives the result."""
         from kv4rl.kernels.decode_attention import paged_decode_attention
 
         q = self.fmt.prepare_query(q)
         if self.kind == "bf16":
-            out = paged_decode_attention(q, cache["k"], cache["v"], inputs.batch, kind="bf16")
+            out = paged_decode_attention(q, cache["k"], cache["v"], inputs.batch, kind="bf16", out=out)
         else:
             side = None
             if self.side:
@@ -160,7 +157,8 @@ class FastAttention:
                         "v_scale": cache["v_prot_scale"], "n_sink": self.fmt.n_sink, "n_recent": self.fmt.n_recent}
             out = paged_decode_attention(q, cache["k_codes"], cache["v_codes"], inputs.batch, kind=self.kind,
                                          k_scale=cache["k_scale"], v_scale=cache["v_scale"],
-                                         k_zero=cache.get("k_zero"), v_zero=cache.get("v_zero"), side=side)
+                                         k_zero=cache.get("k_zero"), v_zero=cache.get("v_zero"), side=side,
+                                         out=out)
         return self.fmt.finish_output(out)
 
     def decode(self, cache: dict, q, k, v, inputs: DecodeInputs) -> torch.Tensor:
