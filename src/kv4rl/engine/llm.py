@@ -89,10 +89,7 @@ class Engine:
         self.model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
         self.weights_desc = self._apply_weight_format()
         if config.fused_ops:  # before the pool's profiling step and any graph capture
-            from kv4rl.kernels import kernels_usable
-
-            if not kernels_usable(self.device):
-                raise ValueError("engine.fused_ops=true cannot run here: it needs Triton and a CUDA device")
+            self._require_kernels("engine.fused_ops=true")
             self.model.enable_fused_ops()
             if config.weight_format == "fp8":  # FP8 linears quantize their inputs in one kernel too
                 from kv4rl.engine.fp8_weights import set_fused_quant
@@ -108,10 +105,7 @@ class Engine:
         self.kv_format.check(self.args.head_dim, self.max_model_len)
         self.fast = self._choose_attention()
         if config.sampler == "triton":
-            from kv4rl.kernels import kernels_usable
-
-            if not kernels_usable(self.device):
-                raise ValueError("engine.sampler=triton cannot run here: it needs Triton and a CUDA device")
+            self._require_kernels("engine.sampler=triton")
         num_blocks, self.pool_sizing = self._num_kv_blocks(max_num_seqs)
         self.runner = self._make_runner(num_blocks, max_num_seqs, graphs=True)
         self.scheduler = Scheduler(
@@ -150,6 +144,12 @@ class Engine:
             self.kv_format, num_blocks, self.config.kv.block_size, self.device, max_num_seqs=max_num_seqs,
             fast=self.fast, graph_max_batch=graph_max_batch, max_model_len=self.max_model_len,
         )
+
+    def _require_kernels(self, setting: str) -> None:
+        from kv4rl.kernels import kernels_usable
+
+        if not kernels_usable(self.device):
+            raise ValueError(f"{setting} cannot run here: it needs Triton and a CUDA device")
 
     def _choose_attention(self):
         """The Triton decode path when `engine.attention_backend` and the hardware allow it; logged."""
