@@ -83,7 +83,8 @@ def fast_decode(fmt, cache, meta: AttnMetadata, q: torch.Tensor, max_splits: int
                         seq_slots=meta.seq_slots.to(torch.int32),
                         split_size=torch.tensor([split_size], dtype=torch.int32, device=device),
                         max_splits=max_splits, block_size=meta.block_size)
-    fast = FastAttention(fmt, cache[next(iter(cache))].shape[1], q.shape[-1], meta.block_size, device)
+    fast = FastAttention(fmt, cache[next(iter(cache))].shape[1], q.shape[-1], meta.block_size, device,
+                         num_q_heads=q.shape[1])
     out = None if out_dtype is None else torch.empty(q.shape, dtype=out_dtype, device=device)
     return fast.attend(cache, q, DecodeInputs(slots=meta.slot_mapping, protect_rows=None, batch=batch), out=out)
 

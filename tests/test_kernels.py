@@ -44,17 +44,22 @@ def _splits(max_len: int):
     return [(1, max_len), (3, -(-max_len // 3)), (16, 4)]
 
 
-VARIANTS = ["heads_on_m", "tokens_on_m"] + (["tokens_on_m+magic"] if CUDA else [])
+VARIANTS = ["heads_on_m", "tokens_on_m"] + (["tokens_on_m+magic", "cuda"] if CUDA else [])
 
 
 @pytest.fixture(params=VARIANTS)
 def variant(request, monkeypatch):
-    """Both kernel layouts (and, on the GPU, the bit-trick code conversions) for every kind."""
+    """Both Triton kernel layouts (and, on the GPU, the bit-trick code conversions and the CUDA INT4
+    kernel) for every kind."""
     from kv4rl.kernels import decode_attention as da
 
     for kind in da.LAUNCH:
         monkeypatch.setitem(da.LAUNCH, kind, {**da.LAUNCH[kind], "tokens_on_m": request.param != "heads_on_m",
-                                              "magic": request.param.endswith("magic")})
+                                              "magic": request.param.endswith("magic"),
+                                              "cuda": request.param == "cuda"})
+    if request.param == "cuda":
+        q, k = torch.empty(1, 32, 128, device=DEVICE), torch.empty(16, 8, 64, dtype=torch.uint8, device=DEVICE)
+        assert da.int4_backend(q, k, 16) == ("cuda", None)
     return request.param
 
 
@@ -178,3 +183,42 @@ def test_fused_write_with_rotation_matches_float64(rotate, gen):
         scale8 = fast[f"{prefix}_prot_scale"][rows].cpu().double()[..., None]
         assert keep.any()
         assert ((got8 - rotated[keep]).abs() <= 0.5 * scale8 + 2**-7 * rotated[keep].abs() + 1e-3).all()
+
+
+@pytest.mark.skipif(not CUDA, reason="the CUDA INT4 kernel needs a GPU")
+@pytest.mark.parametrize("name,rotate", [("int4", "none"), ("int4", "kv"), ("kv4", "none"), ("kv4", "kv")])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (64, 8), (8, 2), (12, 6)])
+def test_cuda_int4_kernel_rotations_and_head_shapes(name, rotate, hq, hkv, gen):
+    """The CUDA INT4 kernel (in-register query rotation, GQA groups 1.5-8 of the MMA rows, KV-head
+    counts that are not a block's worth) against float64, on ragged lengths and several split grids."""
+    from kv4rl.kernels import decode_attention as da
+
+    assert da.int4_backend_for(DEVICE, 128, hq // hkv, hkv, 16) == ("cuda", None)
+    fmt = make_format(name, 128, n_sink=4, n_recent=32, rotate=rotate)
+    lens = [1, 17, 40, 300, 1500]
+    cache, meta = random_paged_batch(fmt, lens, hkv, 128, 16, DEVICE, gen)
+    q = torch.randn(len(lens), hq, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = reference_decode(fmt, cache, meta, q)
+    for max_splits, split in [(1, 1504), (4, 384), (16, 96)]:
+        out = fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=torch.float32)
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < TOL, (name, rotate, hq, hkv, max_splits)
+        for i in range(len(lens)):
+            assert rel_err(out[i], ref[i]) < 3 * TOL, (name, rotate, i)
+
+
+def test_cuda_int4_kernel_split_grid_and_refusals():
+    """One block per (split, sequence) of up to 8 KV heads, 2 resident per SM: the grid is sized to a
+    whole number of waves; shapes the kernel cannot take name the reason."""
+    from kv4rl.kernels import int4_decode_cuda as cu
+
+    assert cu.choose_num_splits(64, 8, 32, 132) == 4  # 256 blocks for 264 slots
+    assert cu.choose_num_splits(256, 8, 32, 132) == 1
+    assert cu.choose_num_splits(1, 8, 32, 132) == 32  # capped by max_splits
+    assert cu.choose_num_splits(16, 16, 32, 132) == 8  # 16 heads: two blocks per (split, sequence)
+    assert cu.problem(torch.device("cpu"), 128, 4, 8, 16) == "not a CUDA device"
+    if CUDA:
+        assert cu.problem(DEVICE, 64, 4, 8, 16) == "head_dim 64 != 128"
+        assert "query heads per KV head" in cu.problem(DEVICE, 128, 16, 2, 16)
+        assert "block_size" in cu.problem(DEVICE, 128, 4, 8, 8)
+        assert "even" in cu.problem(DEVICE, 128, 4, 3, 16)

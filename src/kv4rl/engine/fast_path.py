@@ -54,7 +54,7 @@ class FastAttention:
     """Binds the kernels to one KV format and model shape."""
 
     def __init__(self, kv_format, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
-                 max_splits: int = DEFAULT_MAX_SPLITS):
+                 max_splits: int = DEFAULT_MAX_SPLITS, num_q_heads: int | None = None):
         from kv4rl.kernels.decode_attention import KINDS
 
         self.fmt = kv_format
@@ -68,11 +68,21 @@ class FastAttention:
         self.side = kv_format.name == "kv4" and kv_format.budget > 0
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
+        self.int4_kernel = None  # 'cuda' or 'triton' for INT4 bodies (needs the query heads to decide)
+        if self.kind == "int4" and num_q_heads is not None:
+            from kv4rl.kernels.decode_attention import int4_backend_for
+
+            self.int4_kernel = int4_backend_for(device, head_dim, num_q_heads // num_kv_heads, num_kv_heads,
+                                                block_size)[0]
 
     def num_splits(self, batch_size: int) -> int:
         """The split grid for a batch of this size (fixed per CUDA-graph bucket)."""
         from kv4rl.kernels.decode_attention import choose_num_splits
 
+        if self.int4_kernel == "cuda":
+            from kv4rl.kernels import int4_decode_cuda
+
+            return int4_decode_cuda.choose_num_splits(batch_size, self.num_kv_heads, self.max_splits, self.num_sms)
         return choose_num_splits(batch_size, self.num_kv_heads, self.max_splits, self.num_sms)
 
     def split_size(self, max_context: int, batch_size: int) -> int:
@@ -147,8 +157,8 @@ class FastAttention:
         """q[B, Hq, D] over each row's cached context; `out` (e.g. float32) receives the result."""
         from kv4rl.kernels.decode_attention import paged_decode_attention
 
-        q = self.fmt.prepare_query(q)
         if self.kind == "bf16":
+            q = self.fmt.prepare_query(q)
             out = paged_decode_attention(q, cache["k"], cache["v"], inputs.batch, kind="bf16", out=out)
         else:
             side = None
@@ -158,7 +168,7 @@ class FastAttention:
             out = paged_decode_attention(q, cache["k_codes"], cache["v_codes"], inputs.batch, kind=self.kind,
                                          k_scale=cache["k_scale"], v_scale=cache["v_scale"],
                                          k_zero=cache.get("k_zero"), v_zero=cache.get("v_zero"), side=side,
-                                         out=out)
+                                         out=out, rotate_query=self.fmt.rotate != "none")
         return self.fmt.finish_output(out)
 
     def decode(self, cache: dict, q, k, v, inputs: DecodeInputs) -> torch.Tensor:

@@ -36,12 +36,13 @@ KINDS = {"bf16": KIND_BF16, "fp8": KIND_FP8, "int4": KIND_INT4, "int8_side": KIN
 
 # Tile shapes and launch settings per kind, the fastest of a sweep on an H200 at Qwen3-8B heads,
 # batch 64 x 8192 (bench/RESULTS.md). `tokens_on_m` picks the kernel with the K/V tile as the left dot
-# operand; `magic` its bit-trick code conversions.
+# operand; `magic` its bit-trick code conversions. INT4's `cuda` runs the body in the CUDA kernel of
+# `int4_decode.cu` wherever it can (`int4_decode_cuda.problem`), the Triton kernel elsewhere.
 LAUNCH = {
     KIND_BF16: {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
     KIND_FP8: {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-    KIND_INT4: {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tokens_on_m": True, "magic": True},
-    KIND_INT8_SIDE: {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+    KIND_INT4: {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "tokens_on_m": True, "magic": True, "cuda": True},
+    KIND_INT8_SIDE: {"BLOCK_N": 32, "num_warps": 1, "num_stages": 1},
 }
 
 
@@ -107,10 +108,10 @@ def _decode_split_kernel(
     ks_ptr, vs_ptr, kz_ptr, vz_ptr, stride_ss, stride_sh,
     bt_ptr, stride_bt, lens_ptr, slots_ptr, split_ptr,
     o_ptr, lse_ptr, num_q_heads, num_partials, split_base,
-    sm_scale_log2,
+    sm_scale_log2, out_ptr, stride_outb, stride_outh,
     KIND: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, START: tl.constexpr, END_OFF: tl.constexpr,
-    N_SINK: tl.constexpr, N_RECENT: tl.constexpr, EXACT: tl.constexpr,
+    N_SINK: tl.constexpr, N_RECENT: tl.constexpr, EXACT: tl.constexpr, MERGE: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1)
@@ -188,6 +189,11 @@ def _decode_split_kernel(
     lse = m_i + tl.log2(l_safe)
     part = (b * num_q_heads + heads).to(tl.int64) * num_partials + split_base + s
     has_work = mask_h & ((offs_h * 0 + lo) < hi)
+    if MERGE:  # KV4's INT8 item: merge with the body's splits and write the output (no merge kernel)
+        _merge_with_body(acc / l_safe[:, None], tl.where(has_work, lse, float("-inf")), b, L, heads, mask_h,
+                         o_ptr, lse_ptr, split_ptr, num_q_heads, num_partials, out_ptr, stride_outb, stride_outh,
+                         D, N_SINK, N_RECENT)
+        return
     tl.store(lse_ptr + part, lse, mask=has_work)
     o_rows = o_ptr + part[:, None] * D
     if KIND == 2:
@@ -197,6 +203,33 @@ def _decode_split_kernel(
                  mask=has_work[:, None])
     else:
         tl.store(o_rows + offs_d[None, :], acc / l_safe[:, None], mask=has_work[:, None])
+
+
+@triton.jit
+def _merge_with_body(o_side, lse_side, b, L, heads, mask_h, o_ptr, lse_ptr, split_ptr, num_q_heads, num_partials,
+                     out_ptr, stride_outb, stride_outh, D: tl.constexpr, N_SINK: tl.constexpr,
+                     N_RECENT: tl.constexpr):
+    """out[b, heads] = log-sum-exp merge of o_side [H, D] (log2-sum-exp lse_side, -inf: none) and the
+    body's split partials over [N_SINK, L - N_RECENT)."""
+    split = tl.load(split_ptr)
+    n_main = tl.cdiv(tl.maximum(L - N_RECENT, N_SINK) - N_SINK, split)
+    rows = (b * num_q_heads + heads).to(tl.int64) * num_partials
+    m = lse_side
+    for sp in range(0, n_main):
+        m = tl.maximum(m, tl.load(lse_ptr + rows + sp, mask=mask_h, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(lse_side == float("-inf"), 0.0, tl.exp2(lse_side - m))
+    offs_d = tl.arange(0, D)
+    num = w[:, None] * o_side
+    den = w
+    for sp in range(0, n_main):
+        w = tl.exp2(tl.load(lse_ptr + rows + sp, mask=mask_h, other=float("-inf")) - m)
+        num += w[:, None] * tl.load(o_ptr + (rows + sp)[:, None] * D + offs_d[None, :], mask=mask_h[:, None],
+                                    other=0.0)
+        den += w
+    out = tl.where(den[:, None] > 0, num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
 
 
 @triton.jit
@@ -225,10 +258,11 @@ def _decode_split_kernel_t(
     ks_ptr, vs_ptr, kz_ptr, vz_ptr, stride_ss, stride_sh,
     bt_ptr, stride_bt, lens_ptr, slots_ptr, split_ptr,
     o_ptr, lse_ptr, num_q_heads, num_partials, split_base,
-    sm_scale_log2,
+    sm_scale_log2, out_ptr, stride_outb, stride_outh,
     KIND: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, START: tl.constexpr, END_OFF: tl.constexpr,
     N_SINK: tl.constexpr, N_RECENT: tl.constexpr, EXACT: tl.constexpr, MAGIC: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     """Same maths as `_decode_split_kernel` with tokens on the M side of the dot products: the
     dequantized K and V tiles are the left operands (they can stay in registers) and the packed query
@@ -337,11 +371,10 @@ def _decode_split_kernel_t(
 
 @triton.jit
 def _merge_kernel(
-    o_ptr, lse_ptr, out_ptr, stride_outb, stride_outh,
-    lens_ptr, split_ptr, num_q_heads, num_partials, side_index,
-    D: tl.constexpr, SPLITS_P2: tl.constexpr, HAS_SIDE: tl.constexpr,
-    START: tl.constexpr, END_OFF: tl.constexpr,
+    o_ptr, lse_ptr, out_ptr, stride_outb, stride_outh, lens_ptr, split_ptr, num_q_heads, num_partials,
+    D: tl.constexpr, SPLITS_P2: tl.constexpr, START: tl.constexpr, END_OFF: tl.constexpr,
 ):
+    """Log-sum-exp merge of one (sequence, query head)'s split partials (KV4 merges in its INT8 item)."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     L = tl.load(lens_ptr + b)
@@ -352,20 +385,12 @@ def _merge_kernel(
     row0 = (b * num_q_heads + hq).to(tl.int64) * num_partials
     lse = tl.load(lse_ptr + row0 + offs_s, mask=valid, other=float("-inf"))
     m = tl.max(lse, 0)
-    if HAS_SIDE:
-        lse_side = tl.load(lse_ptr + row0 + side_index, mask=L > 0, other=float("-inf"))
-        m = tl.maximum(m, lse_side)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.where(valid, tl.exp2(lse - m), 0.0)
     offs_d = tl.arange(0, D)
     o = tl.load(o_ptr + (row0 + offs_s[:, None]) * D + offs_d[None, :], mask=valid[:, None], other=0.0)
     num = tl.sum(w[:, None] * o, 0)
     den = tl.sum(w, 0)
-    if HAS_SIDE:
-        w_side = tl.where(L > 0, tl.exp2(lse_side - m), 0.0)
-        o_side = tl.load(o_ptr + (row0 + side_index) * D + offs_d, mask=(offs_d * 0 + L) > 0, other=0.0)
-        num += w_side * o_side
-        den += w_side
     out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(out_ptr + b * stride_outb + hq * stride_outh + offs_d, out.to(out_ptr.dtype.element_ty))
 
@@ -386,6 +411,7 @@ class DecodeBatch:
     block_size: int
 
 
+MERGE_WARPS = 2  # a little faster than 4 on an H200 (bench/kernel_notes.md)
 last_compiled = None  # the main split kernel of the latest call (registers, spills: for tuning notes)
 
 
@@ -396,16 +422,40 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: i
     return max(1, min(max_splits, math.ceil(target_programs_per_sm * num_sms / max(1, batch * num_kv_heads))))
 
 
+def int4_backend(q: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[str, str | None]:
+    """Which kernel runs the INT4 body ('cuda' or 'triton') and, for Triton, why not CUDA."""
+    return int4_backend_for(q.device, q.shape[-1], q.shape[1] // k.shape[1], k.shape[1], block_size)
+
+
+def int4_backend_for(device: torch.device, head_dim: int, group: int, num_kv_heads: int, block_size: int
+                     ) -> tuple[str, str | None]:
+    if not LAUNCH[KIND_INT4].get("cuda", False):
+        return "triton", "disabled"
+    if interpreting():
+        return "triton", "Triton interpreter"
+    from kv4rl.kernels import int4_decode_cuda
+
+    why = int4_decode_cuda.problem(device, head_dim, group, num_kv_heads, block_size)
+    return ("triton", why) if why else ("cuda", None)
+
+
 def _launch_split(q, kind, k, v, ks, vs, kz, vz, batch: DecodeBatch, o_part, lse_part, split_base, num_splits,
-                  sm_scale, start, end_off, n_sink, n_recent):
+                  sm_scale, start, end_off, n_sink, n_recent, rotate_query=False, q_rot_out=None, out=None):
     bsz, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
     launch = LAUNCH[kind]
+    if kind == KIND_INT4 and split_base == 0 and int4_backend(q, k, batch.block_size)[0] == "cuda":
+        from kv4rl.kernels import int4_decode_cuda
+
+        int4_decode_cuda.launch_split(q, k, v, ks, vs, kz, vz, batch, o_part, lse_part, num_splits, sm_scale,
+                                      start, end_off, rotate_query, q_rot_out)
+        return None
     dummy = k if ks is None else ks
     scale_strides = (0, 0) if ks is None else (ks.stride(0), ks.stride(1))
     grid = (num_kv_heads, bsz, num_splits)
-    transposed = launch.get("tokens_on_m", False)
+    merge = out is not None  # KV4's INT8 item also merges and writes `out`: heads-on-M kernel only
+    transposed = launch.get("tokens_on_m", False) and not merge
     kernel = _decode_split_kernel_t if transposed else _decode_split_kernel
     extra = {"MAGIC": launch.get("magic", False) and not interpreting()} if transposed else {}
     return kernel[grid](
@@ -415,10 +465,11 @@ def _launch_split(q, kind, k, v, ks, vs, kz, vz, batch: DecodeBatch, o_part, lse
         dummy if kz is None else kz, dummy if vz is None else vz, *scale_strides,
         batch.block_tables, batch.block_tables.stride(0), batch.context_lens, batch.seq_slots, batch.split_size,
         o_part, lse_part, num_q_heads, o_part.shape[2], split_base,
-        sm_scale * 1.4426950408889634,
+        sm_scale * 1.4426950408889634, o_part if out is None else out,
+        0 if out is None else out.stride(0), 0 if out is None else out.stride(1),
         KIND=kind, G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_dim,
         BLOCK_N=launch["BLOCK_N"], BLOCK_SIZE=batch.block_size, START=start, END_OFF=end_off,
-        N_SINK=n_sink, N_RECENT=n_recent, EXACT=interpreting(), num_warps=launch["num_warps"],
+        N_SINK=n_sink, N_RECENT=n_recent, EXACT=interpreting(), MERGE=merge, num_warps=launch["num_warps"],
         num_stages=launch["num_stages"], **extra,
     )
 
@@ -428,35 +479,47 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     k_zero: torch.Tensor | None = None, v_zero: torch.Tensor | None = None,
     side: dict | None = None, sm_scale: float | None = None, out: torch.Tensor | None = None,
+    rotate_query: bool = False,
 ) -> torch.Tensor:
     """Attention of q[B, Hq, D] (one decode query per sequence) over each sequence's cached context.
 
     `k`/`v` are the paged tensors [slots, Hkv, D] (bf16 or fp8 codes) or [slots, Hkv, D/2] (INT4 codes)
     with `k_scale`… [slots, Hkv(, 1)] alongside. `side` (KV4) holds the INT8 protected rows
     {k, v, k_scale, v_scale, n_sink, n_recent}; the paged body then covers [n_sink, L - n_recent).
-    Returns [B, Hq, D] in q's dtype.
+    `rotate_query`: the keys are Hadamard-rotated and q is not yet (the CUDA INT4 kernel rotates it
+    in registers; elsewhere it is rotated first). Returns [B, Hq, D] in q's dtype.
     """
     code = KINDS[kind]
     bsz, num_q_heads, head_dim = q.shape
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    num_partials = batch.max_splits + (1 if side is not None else 0)
+    num_partials = batch.max_splits
     o_part = torch.empty(bsz, num_q_heads, num_partials, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(bsz, num_q_heads, num_partials, dtype=torch.float32, device=q.device)
     start = end_off = n_sink = n_recent = 0
     if side is not None:
         n_sink, n_recent = side["n_sink"], side["n_recent"]
         start, end_off = n_sink, n_recent
-        _launch_split(q, KIND_INT8_SIDE, side["k"], side["v"], side["k_scale"], side["v_scale"], None, None,
-                      batch, o_part, lse_part, batch.max_splits, 1, sm_scale, 0, 0, n_sink, n_recent)
-    global last_compiled
-    last_compiled = _launch_split(q, code, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part, 0,
-                                  batch.max_splits, sm_scale, start, end_off, n_sink, n_recent)
+    in_kernel = rotate_query and code == KIND_INT4 and int4_backend(q, k, batch.block_size)[0] == "cuda"
+    q_in = q
+    if rotate_query and not in_kernel:
+        from kv4rl.quant.hadamard import rotate
+
+        q_in = q = rotate(q)
+    q_rot = torch.empty_like(q) if in_kernel and side is not None else None
     if out is None:
         out = torch.empty_like(q)
+    global last_compiled
+    # the body first: with an in-kernel rotation it also hands KV4's INT8 kernel the rotated query
+    last_compiled = _launch_split(q_in, code, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part, 0,
+                                  batch.max_splits, sm_scale, start, end_off, n_sink, n_recent, in_kernel, q_rot)
+    if side is not None:  # the protected INT8 rows, merged with the body's splits into `out`
+        _launch_split(q if q_rot is None else q_rot, KIND_INT8_SIDE, side["k"], side["v"], side["k_scale"],
+                      side["v_scale"], None, None, batch, o_part, lse_part, 0, 1, sm_scale, 0, 0,
+                      n_sink, n_recent, out=out)
+        return out
     _merge_kernel[(bsz, num_q_heads)](
-        o_part, lse_part, out, out.stride(0), out.stride(1),
-        batch.context_lens, batch.split_size, num_q_heads, num_partials, batch.max_splits,
-        D=head_dim, SPLITS_P2=triton.next_power_of_2(batch.max_splits), HAS_SIDE=side is not None,
-        START=start, END_OFF=end_off, num_warps=4,
+        o_part, lse_part, out, out.stride(0), out.stride(1), batch.context_lens, batch.split_size, num_q_heads,
+        num_partials, D=head_dim, SPLITS_P2=triton.next_power_of_2(batch.max_splits), START=start, END_OFF=end_off,
+        num_warps=MERGE_WARPS,
     )
     return out

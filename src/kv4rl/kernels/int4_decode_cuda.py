@@ -1,0 +1,103 @@
+"""The CUDA INT4 decode kernel (`int4_decode.cu`): compiled with NVRTC on first use, launched on torch's
+current stream (so CUDA graphs capture it).
+
+It computes the same split partials as the Triton split kernel for KIND_INT4 (normalised outputs and
+log2-sum-exp per split), so KV4's INT8 work item and the merge kernel stay shared. Where it cannot run
+(`problem` says why), the Triton kernel serves instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("int4_decode.cu")
+KERNEL_NAME = "int4_decode_split"
+HEAD_DIM = 128
+MAX_GROUP = 8  # query heads per KV head: the M rows of the MMA tile the kernel uses
+STAGE_BYTES = 2304  # shared memory per pipeline stage and warp: K and V tiles, scale words (see the source)
+# Compile-time settings (macros of the source): warps per block (one per KV head of a (sequence,
+# split), at most this many), cp.async stages, and the warps per SM that __launch_bounds__ sizes
+# registers for (at most 128 registers a thread at 16 warps).
+CONFIG = {"warps": 8, "stages": 4, "warps_per_sm": 16}
+LOG2E = 1.4426950408889634
+
+
+def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
+    """Why the CUDA kernel cannot serve this shape, or None when it can."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if torch.version.hip is not None:
+        return "ROCm: the kernel uses NVIDIA PTX"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs sm_80 or newer (mma.sync m16n8k16)"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    if head_dim != HEAD_DIM:
+        return f"head_dim {head_dim} != {HEAD_DIM}"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head > {MAX_GROUP}"
+    if block_size % 16 or block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two >= 16"
+    if num_kv_heads % 2:
+        return f"{num_kv_heads} KV heads: the kernel copies fp16 scales as aligned pairs (needs an even count)"
+    return None
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
+    """Splits per sequence so that the grid is about a whole number of waves: blocks are (split,
+    sequence) pairs of up to `warps` KV heads, `warps_per_sm / warps` of them resident per SM, and a
+    wave and a bit is slower than one (measured on an H200, bench/RESULTS.md)."""
+    warps = min(CONFIG["warps"], num_kv_heads)
+    slots = num_sms * max(1, CONFIG["warps_per_sm"] // warps)
+    per_split = batch * math.ceil(num_kv_heads / warps)
+    return max(1, min(max_splits, round(slots / per_split)))
+
+
+def shared_bytes(warps: int, stages: int) -> int:
+    return warps * stages * STAGE_BYTES
+
+
+@functools.cache
+def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...]):
+    options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"]
+    options += [f"-D{name}={value}" for name, value in zip(("KV_ROW", "KV_HEAD", "S_ROW", "S_HEAD"), strides)]
+    with torch.cuda.device(device_index):
+        kernel = torch.cuda._compile_kernel(SOURCE.read_text(), KERNEL_NAME, nvcc_options=options)
+        kernel.set_shared_memory_config(shared_bytes(warps, stages))
+    return kernel
+
+
+def launch_split(q, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part, num_splits: int,
+                 sm_scale: float, start: int, end_off: int, rotate_query: bool = False,
+                 q_rot_out: torch.Tensor | None = None) -> None:
+    """Fill o_part[:, :, :num_splits] / lse_part with the INT4 body's split partials.
+
+    `rotate_query`: q is the raw query and the kernel applies the cache's Hadamard rotation itself
+    (then, with `q_rot_out` [B, Hq, D] bf16, it also writes the rotated query there)."""
+    bsz, num_q_heads, _ = q.shape
+    num_kv_heads = k.shape[1]
+    if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        q = q.contiguous()  # the kernel reads the query in 16-byte pieces
+    assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride() == k_zero.stride() == v_zero.stride()
+    assert q.dtype == torch.bfloat16 and k.dtype == torch.uint8 and k_scale.dtype == torch.float16
+    assert k.stride(-1) == 1 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0 and k.data_ptr() % 16 == 0
+    assert k_scale.stride(0) % 2 == 0 and all(t.data_ptr() % 4 == 0 for t in (k_scale, v_scale, k_zero, v_zero))
+    warps, stages = min(CONFIG["warps"], num_kv_heads), CONFIG["stages"]
+    min_blocks = max(1, CONFIG["warps_per_sm"] // warps)
+    grid = (num_splits, bsz, math.ceil(num_kv_heads / warps))
+    bt = batch.block_tables
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))
+    _kernel(device, warps, stages, min_blocks, strides)(
+        grid=grid, block=(32 * warps, 1, 1),
+        args=[q, q.stride(0), q.stride(1), k, v, k_scale, v_scale, k_zero, v_zero,
+              bt, bt.stride(0), batch.context_lens, batch.split_size,
+              o_part, lse_part, num_q_heads, o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
+              batch.block_size.bit_length() - 1, start, end_off, float(sm_scale * LOG2E),
+              int(rotate_query), q if q_rot_out is None else q_rot_out, int(q_rot_out is not None)],
+        shared_mem=shared_bytes(warps, stages),
+    )
