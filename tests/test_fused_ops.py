@@ -311,5 +311,18 @@ def test_engine_fused_ops_fail_at_start_without_kernels(ckpt, monkeypatch):
 
 
 def test_config_knows_fused_ops():
-    assert load_config().engine.fused_ops is False
+    assert load_config().engine.fused_ops == "auto"
     assert load_config(overrides=["engine.fused_ops=true"]).engine.fused_ops is True
+    assert load_config(overrides=["engine.fused_ops=false"]).engine.fused_ops is False
+    assert load_config(overrides=["engine.fused_ops=true"]).engine.fused_ops is True
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_auto_settings_keep_cpu_engines_off_the_kernels(ckpt, monkeypatch, interpret):
+    """`auto` means the compiled kernels on CUDA; a CPU engine (even with the interpreter on) keeps the
+    torch sampler and eager ops."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    engine = Engine(ckpt, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64), max_num_seqs=2, device="cpu",
+                    dtype="float32")
+    assert engine.sampler == "torch" and engine.fused_ops is False and not engine.model.fused_ops
+    assert "sampler torch" in engine.summary and "fused ops" not in engine.summary

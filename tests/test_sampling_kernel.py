@@ -158,7 +158,8 @@ def test_engine_triton_sampler_fails_at_start_without_kernels(ckpt, monkeypatch)
 
 
 def test_config_knows_the_sampler():
-    assert load_config().engine.sampler == "torch"
+    assert load_config().engine.sampler == "auto"
     assert load_config(overrides=["engine.sampler=triton"]).engine.sampler == "triton"
+    assert load_config(overrides=["engine.sampler=torch"]).engine.sampler == "torch"
     with pytest.raises(ConfigError, match=r"engine\.sampler"):
         load_config(overrides=["engine.sampler=fast"])

@@ -53,16 +53,15 @@ class EngineConfig:
     `cuda_graphs` replays decode steps as CUDA graphs (fast path only).
     `sampler: triton` draws the tokens of untruncated batches (top-k off, top-p = 1) with a fused Triton
     Gumbel-max kernel, the same tokens as `torch` without its [B, V] noise tensors; truncated batches
-    keep the torch path, and it fails at start off CUDA. The default stays `torch` until the kernel's
-    speed and its bit-exactness are measured on a GPU (tests/gpu/test_sampling_kernel_gpu.py).
+    keep the torch path, and it fails at start off CUDA. `auto` (default): triton on CUDA, torch
+    elsewhere (tests/gpu/test_sampling_kernel_gpu.py checks the tokens bit for bit on the GPU).
     `fused_ops` runs the model's norms (with the residual adds), q/k norm + RoPE and SiLU * up through
     fused Triton kernels (`kv4rl.models.fused`): per layer four launches instead of some sixty small
     ones, which dominate a CUDA-graph decode step of a small model; the eager ops are repeated in their
     dtypes, so only the norms' summation order differs. With `weight_format: fp8` it also quantizes each
     FP8 linear's input (scaled_mm path) in one Triton kernel (`kv4rl.kernels.fp8_quant`) instead of
-    ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit. It fails at start off CUDA. The
-    default stays off until its speed and its agreement with eager are measured on a GPU
-    (tests/gpu/test_fused_ops_gpu.py, tests/gpu/test_fp8_quant_kernel_gpu.py).
+    ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit. `true` fails at start off CUDA;
+    `auto` (default) is on on CUDA and off elsewhere (bench/RESULTS.md has the speed-ups).
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -73,8 +72,8 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True
-    sampler: Literal["torch", "triton"] = "torch"
-    fused_ops: bool = False
+    sampler: Literal["auto", "torch", "triton"] = "auto"
+    fused_ops: Literal["auto"] | bool = "auto"
     prefix_sharing: bool = True
 
     def validate(self) -> None:

@@ -88,7 +88,13 @@ class Engine:
             self.model, self.args = model, model.args
         self.model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
         self.weights_desc = self._apply_weight_format()
-        if config.fused_ops:  # before the pool's profiling step and any graph capture
+        # `auto` settings take the Triton kernels on CUDA (never the CPU interpreter)
+        from kv4rl.kernels import interpreting, triton_importable
+
+        compiled = self.device.type == "cuda" and triton_importable() and not interpreting()
+        self.fused_ops = compiled if config.fused_ops == "auto" else config.fused_ops
+        self.sampler = ("triton" if compiled else "torch") if config.sampler == "auto" else config.sampler
+        if self.fused_ops:  # before the pool's profiling step and any graph capture
             self._require_kernels("engine.fused_ops=true")
             self.model.enable_fused_ops()
             if config.weight_format == "fp8":  # FP8 linears quantize their inputs in one kernel too
@@ -104,7 +110,7 @@ class Engine:
         self.max_model_len = config.max_model_len or self.args.max_position_embeddings
         self.kv_format.check(self.args.head_dim, self.max_model_len)
         self.fast = self._choose_attention()
-        if config.sampler == "triton":
+        if self.sampler == "triton":
             self._require_kernels("engine.sampler=triton")
         num_blocks, self.pool_sizing = self._num_kv_blocks(max_num_seqs)
         self.runner = self._make_runner(num_blocks, max_num_seqs, graphs=True)
@@ -126,8 +132,8 @@ class Engine:
             f"engine: kv format {fmt_name} (rotate {self.kv_format.rotate}), {self.bytes_per_token:.1f} "
             f"bytes/token at context {self.max_model_len}, pool {self.pool_tokens} tokens ({num_blocks} "
             f"blocks x {block_size}) for up to {max_num_seqs} sequences, {memory.format_bytes(self.pool_bytes)} "
-            f"(sized by {self.pool_sizing}), {self.weights_desc}, {self.attention_desc}, sampler {config.sampler}"
-            f"{', fused ops' if config.fused_ops else ''}"
+            f"(sized by {self.pool_sizing}), {self.weights_desc}, {self.attention_desc}, sampler {self.sampler}"
+            f"{', fused ops' if self.fused_ops else ''}"
         )
         log.info(self.summary)
 
@@ -164,9 +170,11 @@ class Engine:
             self.attention_desc = f"attention: torch reference ({problem})"
             return None
         graphs = "CUDA graphs" if self.config.cuda_graphs and self.device.type == "cuda" else "eager"
-        self.attention_desc = f"attention: Triton decode kernels ({graphs}) + reference prefill"
-        return FastAttention(self.kv_format, self.args.num_kv_heads, self.args.head_dim,
-                             self.config.kv.block_size, self.device)
+        fast = FastAttention(self.kv_format, self.args.num_kv_heads, self.args.head_dim,
+                             self.config.kv.block_size, self.device, num_q_heads=self.args.num_heads)
+        kernels = "CUDA INT4 + Triton decode kernels" if fast.int4_kernel == "cuda" else "Triton decode kernels"
+        self.attention_desc = f"attention: {kernels} ({graphs}) + reference prefill"
+        return fast
 
     def _num_kv_blocks(self, max_num_seqs: int) -> tuple[int, str]:
         """The pool's blocks and how they were chosen: `engine.num_kv_blocks`, every slot at
@@ -267,7 +275,7 @@ class Engine:
             torch.tensor([p.top_p for p in params], dtype=torch.float32, **to),
             torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, **to),
             torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long, **to),
-            fused=self.config.sampler == "triton",
+            fused=self.sampler == "triton",
         )
         finished = []
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
