@@ -265,7 +265,9 @@ def decode_attn(
     shapes: Annotated[str, Option("--shapes", help="head shapes: qwen3-1.7b, qwen3-4b, qwen3-8b")] = "qwen3-8b",
     batches: Annotated[str, Option("--batches", help="comma-separated batch sizes")] = "64",
     contexts: Annotated[str, Option("--contexts", help="comma-separated context lengths")] = "2048,4096,8192,16384",
-    formats: Annotated[str, Option("--formats", help="KV formats: bf16, fp8, int4, kv4")] = "bf16,fp8,int4,kv4",
+    formats: Annotated[str, Option(
+        "--formats", help="KV formats: bf16, fp8, int4, kv4; int4-triton / kv4-triton run the INT4 body in the "
+                          "Triton kernel instead of the CUDA one")] = "bf16,fp8,int4,kv4",
     seed: Annotated[int, Option("--seed")] = 0,
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
 ) -> None:
@@ -284,11 +286,11 @@ def decode_attn(
                           progress=lambda r: console.print(
                               f"[dim]{r['shape']} {r['format']} B{r['batch']} L{r['context']}: {r['ms']:.4f} ms[/]"))
     table = Table(title=f"decode attention per layer on {res['device']} (bytes read incl. scales)")
-    for name in ("shape", "format", "batch", "context", "ms", "TB/s", "vs SDPA-cuDNN"):
-        table.add_column(name, justify="left" if name in ("shape", "format") else "right")
+    for name in ("shape", "format", "kernel", "batch", "context", "ms", "TB/s", "vs SDPA-cuDNN"):
+        table.add_column(name, justify="left" if name in ("shape", "format", "kernel") else "right")
     for r in res["results"]:
-        table.add_row(r["shape"], r["format"], str(r["batch"]), str(r["context"]), f"{r['ms']:.4f}",
-                      f"{r['tbps']:.2f}", f"{r['speedup_vs_sdpa']:.2f}x")
+        table.add_row(r["shape"], r["format"], r.get("int4_kernel", ""), str(r["batch"]), str(r["context"]),
+                      f"{r['ms']:.4f}", f"{r['tbps']:.2f}", f"{r['speedup_vs_sdpa']:.2f}x")
     console.print(table)
     _write_json(res, json_out)
 
@@ -299,7 +301,8 @@ def decode_forward(
     workloads: Annotated[str, Option(
         "--workloads", help="early (B256 x 1024), mid (B128 x 4096), late (B64 x 8192)")] = "early,mid,late",
     fused_ops: Annotated[bool, Option(
-        "--fused-ops/--no-fused-ops", help="run the step as engine.fused_ops=true would")] = False,
+        "--fused-ops/--no-fused-ops", help="fused norms/RoPE/SwiGLU kernels, as the engine runs on CUDA "
+                                           "(engine.fused_ops=auto)")] = True,
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
 ) -> None:
     """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""

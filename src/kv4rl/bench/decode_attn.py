@@ -10,6 +10,7 @@ codes, scales and zero points, protected INT8 rows, the query and its output.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 
@@ -17,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from kv4rl.bench.random_model import QWEN3_SHAPES
+from kv4rl.kernels import decode_attention as da
 
-FORMATS = ("bf16", "fp8", "int4", "kv4")
+FORMATS = ("bf16", "fp8", "int4", "kv4", "int4-triton", "kv4-triton")  # -triton: the INT4 body in Triton
 HEAD_SHAPES = {name: (QWEN3_SHAPES[name]["num_attention_heads"], QWEN3_SHAPES[name]["num_key_value_heads"],
                       QWEN3_SHAPES[name]["head_dim"]) for name in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b")}
 
@@ -119,7 +121,7 @@ class PagedCase:
             slots = slots[:, :context]
             self.cache["k"][slots] = k.transpose(1, 2)
             self.cache["v"][slots] = v.transpose(1, 2)
-        self.fast = FastAttention(self.fmt, hkv, d, block_size, torch.device(device))
+        self.fast = FastAttention(self.fmt, hkv, d, block_size, torch.device(device), num_q_heads=hq)
         host_lens = torch.full((batch,), context, dtype=torch.int32)
         split = self.fast.split_size(context, batch)
         self.inputs = DecodeInputs(
@@ -132,6 +134,17 @@ class PagedCase:
 
     def call(self, q: torch.Tensor) -> torch.Tensor:
         return self.fast.attend(self.cache, q, self.inputs)
+
+
+@contextlib.contextmanager
+def int4_kernel(which: str):
+    """Run the INT4 body in the CUDA kernel ('auto': where it can) or in Triton ('triton')."""
+    saved = dict(da.LAUNCH[da.KIND_INT4])
+    da.LAUNCH[da.KIND_INT4]["cuda"] = which != "triton"
+    try:
+        yield
+    finally:
+        da.LAUNCH[da.KIND_INT4] = saved
 
 
 def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], formats: list[str], device="cuda",
@@ -150,17 +163,25 @@ def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], 
                                 "ms": sdpa_ms, "tbps": sdpa_bytes / sdpa_ms / 1e9, "speedup_vs_sdpa": 1.0,
                                 "bytes": sdpa_bytes})
                 for fmt in formats:
-                    case = PagedCase(fmt, batch, context, hq, hkv, d, device, gen, bf16_kv=qkv)
-                    out = case.call(q)
-                    check = {"finite": bool(torch.isfinite(out).all())}
+                    base, _, kernel = fmt.partition("-")
+                    with int4_kernel(kernel or "auto"):  # the split grid follows the kernel too
+                        case = PagedCase(base, batch, context, hq, hkv, d, device, gen, bf16_kv=qkv)
+                        out = case.call(q)
+                        check = {"finite": bool(torch.isfinite(out).all())}
+                        if base in ("int4", "kv4"):
+                            check["int4_kernel"] = da.int4_backend(q, case.cache["k_codes"], case.fast.block_size)[0]
+                        ms = _time_graph(lambda c=case, q=q: c.call(q))
                     if fmt == "bf16":
                         ref = sdpa_out[:, :, 0, :].float()
                         check["rel_err_vs_sdpa"] = float((out.float() - ref).norm() / ref.norm())
-                    ms = _time_graph(lambda c=case, q=q: c.call(q))
-                    nbytes = kv_bytes_read(fmt, batch, context, hkv, d)
+                    elif check.get("int4_kernel") == "cuda":  # the same cache through the Triton kernel
+                        with int4_kernel("triton"):
+                            ref = case.call(q).float()
+                        check["rel_diff_vs_triton"] = float((out.float() - ref).norm() / ref.norm())
+                    nbytes = kv_bytes_read(base, batch, context, hkv, d)
                     results.append({"shape": shape, "format": fmt, "batch": batch, "context": context, "ms": ms,
                                     "tbps": nbytes / ms / 1e9, "speedup_vs_sdpa": sdpa_ms / ms, "bytes": nbytes,
-                                    "split_size": case.split, **check})
+                                    "split_size": case.split, "splits": case.inputs.batch.max_splits, **check})
                     del case
                     if progress:
                         progress(results[-1])
@@ -171,8 +192,6 @@ def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], 
 
 def tune(kinds: list[str], configs: list[dict], shape: str, batch: int, context: int, device="cuda") -> list[dict]:
     """Time each launch config (BLOCK_N, num_warps, num_stages) per kind at one shape."""
-    from kv4rl.kernels import decode_attention as da
-
     hq, hkv, d = HEAD_SHAPES[shape]
     gen = torch.Generator(device=device)
     gen.manual_seed(1)

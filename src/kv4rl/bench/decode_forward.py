@@ -40,7 +40,7 @@ def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, re
         cache = fmt.allocate(num_slots, args.num_kv_heads, args.head_dim, device, num_seq_slots=batch)
         fill_random(cache, gen)
         caches.append(cache)
-    fast = FastAttention(fmt, args.num_kv_heads, args.head_dim, block_size, device)
+    fast = FastAttention(fmt, args.num_kv_heads, args.head_dim, block_size, device, num_q_heads=args.num_heads)
     graphs = DecodeGraphs(model, caches, fast, batch, blocks_per_seq)  # `batch` is its largest bucket
     tables = np.random.default_rng(seed).permutation(batch * blocks_per_seq).astype(np.int32).reshape(
         batch, blocks_per_seq)
