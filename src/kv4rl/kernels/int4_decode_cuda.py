@@ -36,6 +36,8 @@ def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, 
         return "needs sm_80 or newer (mma.sync m16n8k16)"
     if not hasattr(torch.cuda, "_compile_kernel"):
         return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    if _cuda_home() is None:
+        return "no CUDA toolkit found (CUDA_HOME): NVRTC needs its headers"
     if head_dim != HEAD_DIM:
         return f"head_dim {head_dim} != {HEAD_DIM}"
     if group > MAX_GROUP:
@@ -45,6 +47,14 @@ def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, 
     if num_kv_heads % 2:
         return f"{num_kv_heads} KV heads: the kernel copies fp16 scales as aligned pairs (needs an even count)"
     return None
+
+
+@functools.cache
+def _cuda_home() -> str | None:
+    """torch's NVRTC wrapper adds the toolkit's include directory, found through CUDA_HOME."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
