@@ -17,6 +17,8 @@
 // offset's dot product subtracted once); V's are made exact with one fp16x2 op per pair. P^T's
 // fragment is assembled from S^T's with four shuffles. Softmax is online with a lazy rescale: the
 // running max moves only when a score passes it by LAZY, so most tiles skip the cross-lane max.
+// Ranges: the fp16 operands hold q * sm_scale * log2(e) and p * vs with p < 2^LAZY, so V's per-token
+// range must stay below ~15,000 (vs < 1024); the INT4 format already keeps values in fp16's range.
 // Dot products do not care which channel a register holds as long as q uses the same one: lane
 // (g = lane/4, j = lane%4) reads K bytes [16j, 16j+16) of tokens g and g+8 and V bytes [8g, 8g+8) of
 // tokens 2j, 2j+1, 2j+8, 2j+9; the query is loaded to match, and O^T's m-tile e row r is channel
