@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kv4rl.kernels import interpreting
+from kv4rl.kernels.int4_decode_cuda import LOG2E
 
 KIND_BF16, KIND_FP8, KIND_INT4, KIND_INT8_SIDE = 0, 1, 2, 3
 KINDS = {"bf16": KIND_BF16, "fp8": KIND_FP8, "int4": KIND_INT4, "int8_side": KIND_INT8_SIDE}
@@ -440,12 +441,14 @@ def int4_backend_for(device: torch.device, head_dim: int, group: int, num_kv_hea
 
 
 def _launch_split(q, kind, k, v, ks, vs, kz, vz, batch: DecodeBatch, o_part, lse_part, split_base, num_splits,
-                  sm_scale, start, end_off, n_sink, n_recent, rotate_query=False, q_rot_out=None, out=None):
+                  sm_scale, start, end_off, n_sink, n_recent, use_cuda=False, rotate_query=False, q_rot_out=None,
+                  out=None):
+    """One split kernel launch; `use_cuda` (INT4 bodies only) runs it in `int4_decode.cu`."""
     bsz, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
     launch = LAUNCH[kind]
-    if kind == KIND_INT4 and split_base == 0 and int4_backend(q, k, batch.block_size)[0] == "cuda":
+    if use_cuda:
         from kv4rl.kernels import int4_decode_cuda
 
         int4_decode_cuda.launch_split(q, k, v, ks, vs, kz, vz, batch, o_part, lse_part, num_splits, sm_scale,
@@ -465,7 +468,7 @@ def _launch_split(q, kind, k, v, ks, vs, kz, vz, batch: DecodeBatch, o_part, lse
         dummy if kz is None else kz, dummy if vz is None else vz, *scale_strides,
         batch.block_tables, batch.block_tables.stride(0), batch.context_lens, batch.seq_slots, batch.split_size,
         o_part, lse_part, num_q_heads, o_part.shape[2], split_base,
-        sm_scale * 1.4426950408889634, o_part if out is None else out,
+        sm_scale * LOG2E, o_part if out is None else out,
         0 if out is None else out.stride(0), 0 if out is None else out.stride(1),
         KIND=kind, G=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_dim,
         BLOCK_N=launch["BLOCK_N"], BLOCK_SIZE=batch.block_size, START=start, END_OFF=end_off,
@@ -499,7 +502,8 @@ def paged_decode_attention(
     if side is not None:
         n_sink, n_recent = side["n_sink"], side["n_recent"]
         start, end_off = n_sink, n_recent
-    in_kernel = rotate_query and code == KIND_INT4 and int4_backend(q, k, batch.block_size)[0] == "cuda"
+    use_cuda = code == KIND_INT4 and int4_backend(q, k, batch.block_size)[0] == "cuda"
+    in_kernel = rotate_query and use_cuda
     q_in = q
     if rotate_query and not in_kernel:
         from kv4rl.quant.hadamard import rotate
@@ -511,7 +515,8 @@ def paged_decode_attention(
     global last_compiled
     # the body first: with an in-kernel rotation it also hands KV4's INT8 kernel the rotated query
     last_compiled = _launch_split(q_in, code, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part, 0,
-                                  batch.max_splits, sm_scale, start, end_off, n_sink, n_recent, in_kernel, q_rot)
+                                  batch.max_splits, sm_scale, start, end_off, n_sink, n_recent, use_cuda, in_kernel,
+                                  q_rot)
     if side is not None:  # the protected INT8 rows, merged with the body's splits into `out`
         _launch_split(q if q_rot is None else q_rot, KIND_INT8_SIDE, side["k"], side["v"], side["k_scale"],
                       side["v_scale"], None, None, batch, o_part, lse_part, 0, 1, sm_scale, 0, 0,
