@@ -1,6 +1,7 @@
 #!/bin/bash
-# Device session script: GPU tests and the GPU benchmarks, JSON under $OUT. This is how the
-# bench/results/2026-11-30-h200-*.json files were made. Run it from the repository root on a CUDA
+# Device session script: GPU tests and the GPU benchmarks, JSON under $OUT. This is how the second
+# round's bench/results/2026-11-30-h200-*-cuda-int4.json files were made (the first round's came from
+# an earlier version of this script with the same bench commands). Run it from the repository root on a CUDA
 # machine; stages run in the order given, each with its own time limit, so one slow stage cannot take
 # the others' results with it:
 #   bash tools/device_benches.sh tests attn generate forward 2>&1 | tee $OUT/log.txt
