@@ -88,10 +88,9 @@ class Engine:
             self.model, self.args = model, model.args
         self.model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
         self.weights_desc = self._apply_weight_format()
-        # `auto` settings take the Triton kernels on CUDA (never the CPU interpreter)
-        from kv4rl.kernels import interpreting, triton_importable
+        from kv4rl.kernels import kernels_compiled
 
-        compiled = self.device.type == "cuda" and triton_importable() and not interpreting()
+        compiled = kernels_compiled(self.device)  # what the `auto` settings take
         self.fused_ops = compiled if config.fused_ops == "auto" else config.fused_ops
         self.sampler = ("triton" if compiled else "torch") if config.sampler == "auto" else config.sampler
         if self.fused_ops:  # before the pool's profiling step and any graph capture
