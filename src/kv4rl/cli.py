@@ -11,15 +11,14 @@ import logging
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kv4rl.cli_bench import bench_app
+from kv4rl.cli_common import console, engine_config, fail
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="kv4rl: RL post-training with cheap rollouts.")
-console = Console()
 
 
 @app.callback()
@@ -31,9 +30,6 @@ def _quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(2)
 
 
 def _print_table(title: str, data: dict) -> None:
@@ -62,28 +58,16 @@ def train(
         if resume is not None:
             saved = resume / "config.yaml"
             if not saved.is_file():
-                _fail(f"--resume {resume}: no config.yaml there (is it a run folder?)")
+                fail(f"--resume {resume}: no config.yaml there (is it a run folder?)")
             cfg = load_config(saved, overrides or [])
             if cfg.run_dir.resolve() != resume.resolve():
-                _fail(f"--resume {resume}: its config points at {cfg.run_dir}; do not override name/out_dir")
+                fail(f"--resume {resume}: its config points at {cfg.run_dir}; do not override name/out_dir")
         else:
             cfg = load_config(config, overrides or [])
         summary = run_train(cfg, resume=resume is not None, show_progress=progress)
     except (ConfigError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     _print_table(f"run {summary['run_dir']}", summary)
-
-
-def _engine_config(overrides: list[str]):
-    """An EngineConfig from `engine.*` overrides (the same keys as in a run config)."""
-    from kv4rl.config_loader import apply_overrides, from_dict
-    from kv4rl.engine.config import EngineConfig
-
-    data = apply_overrides({}, overrides)
-    unknown = set(data) - {"engine"}
-    if unknown:
-        raise ConfigError(f"only engine.* settings apply here, got {', '.join(sorted(unknown))}")
-    return from_dict(EngineConfig, data.get("engine", {}), prefix="engine")
 
 
 @app.command("eval")
@@ -126,7 +110,7 @@ def eval_cmd(
         if data is None:
             max_new_tokens = min(max_new_tokens, 16)
         longest = max(len(formatter.ids(p)) for p in problems)
-        engine_cfg = _engine_config(engine_overrides or [])
+        engine_cfg = engine_config(engine_overrides)
         engine_cfg.max_model_len = engine_cfg.max_model_len or longest + max_new_tokens
         engine = Engine(model, engine_cfg, device=device,
                         seed=seed, tokenizer=tokenizer)
@@ -135,7 +119,7 @@ def eval_cmd(
             res = evaluate(engine, formatter, problems, reward_fn, k=k, temperature=temperature,
                            max_new_tokens=max_new_tokens, seed=seed)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     res = {"model": str(model), "data": str(data) if data else "embedded", **res}
     _print_table("evaluation", res)
     if json_out is not None:
@@ -160,63 +144,19 @@ def plot_rollout_trace_cmd(
 
     for run in runs:
         if not (run / "rollout_trace.jsonl").is_file():
-            _fail(f"{run}: no rollout_trace.jsonl (is it a run folder?)")
+            fail(f"{run}: no rollout_trace.jsonl (is it a run folder?)")
     try:
         path = plot_rollout_trace(runs, out or runs[0] / "rollout_trace.png", (first, last))
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     console.print(f"wrote {path}")
-
-
-@bench_app.command("rollout")
-def bench_rollout_cmd(
-    engine_overrides: list[str] | None = typer.Argument(None, help="engine settings, e.g. engine.kv.format=kv4"),
-    model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
-    modes: str = typer.Option("sync,partial", "--modes"),
-    kv_format: str = typer.Option("auto", "--kv-format"),
-    quota: int = typer.Option(8, "--quota-groups"),
-    group: int = typer.Option(4, "--group-size"),
-    slots: int = typer.Option(16, "--max-slots"),
-    batches: int = typer.Option(4, "--batches", help="timed learner batches per mode"),
-    prompt_len: int = typer.Option(16, "--prompt-len"),
-    median_len: int = typer.Option(8, "--median-len", help="median response length"),
-    sigma: float = typer.Option(1.0, "--sigma", help="log-normal tail of response lengths"),
-    max_len: int = typer.Option(40, "--max-len"),
-    device: str = typer.Option("auto", "--device"),
-    json_out: Path | None = typer.Option(None, "--json"),
-) -> None:
-    """Rollout collection time per learner batch, sync vs partial, on one long-tailed workload."""
-    from kv4rl.bench.rollout import Workload, bench_rollout
-
-    try:
-        if model is None:
-            from kv4rl.models.tiny import tiny_model_dir
-
-            model = tiny_model_dir()
-        workload = Workload(prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len)
-        res = bench_rollout(model, modes=modes.split(","), kv_format=kv_format, quota=quota, group=group,
-                            slots=slots, batches=batches, workload=workload, device=device,
-                            engine_config=_engine_config(engine_overrides or []))
-    except ValueError as exc:
-        _fail(str(exc))
-    table = Table(title=f"rollout: {model} on {res['device']}")
-    for col in ("mode", "rollout_s", "slot_util", "tokens_per_s", "steps_per_batch", "step_ms"):
-        table.add_column(col, justify="right")
-    for r in res["results"]:
-        table.add_row(r["mode"], f"{r['rollout_s']:.3f}", f"{r['slot_util']:.3f}", f"{r['tokens_per_s']:.0f}",
-                      f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
-    console.print(table)
-    if res["speedup"] is not None:
-        console.print(f"speedup (sync time / partial time): {res['speedup']:.2f}x")
-    if json_out is not None:
-        json_out.write_text(json.dumps(res, indent=2))
 
 
 def main() -> None:  # pragma: no cover
     try:
         app()
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 if __name__ == "__main__":  # pragma: no cover

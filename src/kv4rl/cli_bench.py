@@ -9,25 +9,21 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from typer import Option
 
+from kv4rl.cli_common import console, engine_config, fail, write_json
+
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks of the rollout engine.")
-console = Console()
 
 ALL_FORMATS = "bf16,fp8,int4,kv4,nvfp4,mxfp4"
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(2)
 
 
 def _fidelity_table(res: dict) -> Table:
@@ -139,24 +135,10 @@ def fidelity(
                            device=device, dtype=dtype, batch_size=batch_size,
                            progress=lambda message: console.print(f"[dim]{message}[/]"))
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     console.print(_fidelity_table(res))
     console.print(f"KL order: {kl_order(res['results'])}")
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=2) + "\n")
-
-
-def _engine_overrides(overrides: list[str] | None):
-    from kv4rl.cli import _engine_config  # the run config's `engine.*` parsing (cli imports this module)
-
-    return _engine_config(overrides or [])
-
-
-def _write_json(res: dict, json_out: Path | None) -> None:
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    write_json(res, json_out)
 
 
 @bench_app.command()
@@ -177,11 +159,11 @@ def pool(
     from kv4rl.bench.pool import bench_pool
 
     try:
-        kv = _engine_overrides(engine_overrides).kv
+        kv = engine_config(engine_overrides).kv
         res = bench_pool(shape, memory_gib=memory_gib, formats=[f.strip() for f in formats.split(",") if f.strip()],
                          max_num_seqs=max_num_seqs, context=context, kv=kv)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     s = res["model_shape"]
     table = Table(title=(
         f"KV pool in {memory_gib:g} GiB — {shape}: {s['layers']} layers x {s['kv_heads']} KV heads x head_dim "
@@ -195,7 +177,7 @@ def pool(
                       f"{r['bytes_per_token_at_context']:,.0f}", f"{r['reserve_bytes'] / 2**20:,.1f} MiB",
                       f"{r['sequences_at_context']}")
     console.print(table)
-    _write_json(res, json_out)
+    write_json(res, json_out)
 
 
 def _num(value: float | None) -> str:
@@ -228,10 +210,10 @@ def generate(
         res = bench_generate(shape, batch_sizes=sizes, prompt_len=prompt_len, new_tokens=new_tokens,
                              kv_formats=[f.strip() for f in kv_format.split(",") if f.strip()],
                              weight_format=weight_format, hf=hf, device=device,
-                             engine_config=_engine_overrides(engine_overrides), seed=seed,
+                             engine_config=engine_config(engine_overrides), seed=seed,
                              progress=lambda message: console.print(f"[dim]{message}[/]", highlight=False))
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     s = res["model_shape"]
     table = Table(title=(
         f"generate: {shape} ({s['layers']} layers, hidden {s['hidden']}) {res['dtype']} on "
@@ -246,7 +228,7 @@ def generate(
                       f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
                       _num(r["decode_step_ms"]), _num(r["engine_peak_gib"]), _num(r.get("hf_peak_gib")))
     console.print(table)
-    _write_json(res, json_out)
+    write_json(res, json_out)
 
 
 def _csv(value: str, cast=str) -> list:
@@ -257,7 +239,7 @@ def _need_cuda() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        _fail("this benchmark times GPU kernels and needs a CUDA device")
+        fail("this benchmark times GPU kernels and needs a CUDA device")
 
 
 @bench_app.command("decode-attn")
@@ -278,10 +260,10 @@ def decode_attn(
     shape_list, fmt_list = _csv(shapes), _csv(formats)
     for name in shape_list:
         if name not in HEAD_SHAPES:
-            _fail(f"--shapes: unknown shape '{name}' (known: {', '.join(HEAD_SHAPES)})")
+            fail(f"--shapes: unknown shape '{name}' (known: {', '.join(HEAD_SHAPES)})")
     for name in fmt_list:
         if name not in FORMATS:
-            _fail(f"--formats: no decode kernel for '{name}' (known: {', '.join(FORMATS)})")
+            fail(f"--formats: no decode kernel for '{name}' (known: {', '.join(FORMATS)})")
     res = run_decode_attn(shape_list, _csv(batches, int), _csv(contexts, int), fmt_list, seed=seed,
                           progress=lambda r: console.print(
                               f"[dim]{r['shape']} {r['format']} B{r['batch']} L{r['context']}: {r['ms']:.4f} ms[/]"))
@@ -292,7 +274,7 @@ def decode_attn(
         table.add_row(r["shape"], r["format"], r.get("int4_kernel", ""), str(r["batch"]), str(r["context"]),
                       f"{r['ms']:.4f}", f"{r['tbps']:.2f}", f"{r['speedup_vs_sdpa']:.2f}x")
     console.print(table)
-    _write_json(res, json_out)
+    write_json(res, json_out)
 
 
 @bench_app.command("decode-forward")
@@ -312,7 +294,7 @@ def decode_forward(
     work = _csv(workloads)
     for name in work:
         if name not in WORKLOADS:
-            _fail(f"--workloads: unknown workload '{name}' (known: {', '.join(WORKLOADS)})")
+            fail(f"--workloads: unknown workload '{name}' (known: {', '.join(WORKLOADS)})")
     res = run_decode_forward(_csv(shapes), work, fused_ops=fused_ops, progress=lambda r: console.print(
         f"[dim]{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms[/]"))
     table = Table(title=f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
@@ -323,4 +305,47 @@ def decode_forward(
         table.add_row(r["shape"], r["workload"], f"{r['batch']} x {r['context']}", r["weights"], r["kv"],
                       f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x")
     console.print(table)
-    _write_json(res, json_out)
+    write_json(res, json_out)
+
+
+@bench_app.command("rollout")
+def bench_rollout_cmd(
+    engine_overrides: list[str] | None = typer.Argument(None, help="engine settings, e.g. engine.kv.format=kv4"),
+    model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
+    modes: str = typer.Option("sync,partial", "--modes"),
+    kv_format: str = typer.Option("auto", "--kv-format"),
+    quota: int = typer.Option(8, "--quota-groups"),
+    group: int = typer.Option(4, "--group-size"),
+    slots: int = typer.Option(16, "--max-slots"),
+    batches: int = typer.Option(4, "--batches", help="timed learner batches per mode"),
+    prompt_len: int = typer.Option(16, "--prompt-len"),
+    median_len: int = typer.Option(8, "--median-len", help="median response length"),
+    sigma: float = typer.Option(1.0, "--sigma", help="log-normal tail of response lengths"),
+    max_len: int = typer.Option(40, "--max-len"),
+    device: str = typer.Option("auto", "--device"),
+    json_out: Path | None = typer.Option(None, "--json"),
+) -> None:
+    """Rollout collection time per learner batch, sync vs partial, on one long-tailed workload."""
+    from kv4rl.bench.rollout import Workload, bench_rollout
+
+    try:
+        if model is None:
+            from kv4rl.models.tiny import tiny_model_dir
+
+            model = tiny_model_dir()
+        workload = Workload(prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len)
+        res = bench_rollout(model, modes=modes.split(","), kv_format=kv_format, quota=quota, group=group,
+                            slots=slots, batches=batches, workload=workload, device=device,
+                            engine_config=engine_config(engine_overrides))
+    except ValueError as exc:
+        fail(str(exc))
+    table = Table(title=f"rollout: {model} on {res['device']}")
+    for col in ("mode", "rollout_s", "slot_util", "tokens_per_s", "steps_per_batch", "step_ms"):
+        table.add_column(col, justify="right")
+    for r in res["results"]:
+        table.add_row(r["mode"], f"{r['rollout_s']:.3f}", f"{r['slot_util']:.3f}", f"{r['tokens_per_s']:.0f}",
+                      f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
+    console.print(table)
+    if res["speedup"] is not None:
+        console.print(f"speedup (sync time / partial time): {res['speedup']:.2f}x")
+    write_json(res, json_out)

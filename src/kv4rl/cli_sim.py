@@ -15,22 +15,17 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from kv4rl.cli_common import console, fail
 
 sim_app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Simulations that reproduce the method's arguments (clip bias A-2, correction variance A-9c).",
 )
-console = Console()
 
 DEFAULT_SWEEP = ",".join(f"{0.5 + 0.1 * i:.1f}" for i in range(16))  # 0.5 … 2.0
-
-
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(2)
 
 
 def _floats(text: str, option: str) -> list[float]:
@@ -83,7 +78,7 @@ def clip_bias_cmd(
         result = clip_bias(rho, eps, sigma, samples, seed)
         swept = sweep(rhos, eps, sigma, samples, seed + 1)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     console.print(_clip_bias_table(result))
     shift = result["clip"]["mean"] / rho
     console.print(f"clipped mean shift per unit ratio: {shift:+.4f} (exact "
@@ -155,7 +150,7 @@ def correction_variance_cmd(
         )
         summary = measure(settings).summary
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     console.print(_variance_table(summary))
     ratio = summary["log_ratio"]
     console.print(f"c_t = log π − log μ: mean {ratio['mean']:+.4e}, var {ratio['var']:.4e}, "
