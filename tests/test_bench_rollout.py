@@ -1,32 +1,181 @@
-"""`kv4rl bench rollout` and `kv4rl plot rollout-trace` on CPU."""
+"""`kv4rl bench rollout` (formats x modes at one KV budget) and `kv4rl plot rollout-trace`, on CPU."""
 
 import json
+import re
+import shlex
+from pathlib import Path
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
+from kv4rl.bench import rollout
+from kv4rl.bench.rollout import add_speedups, summarize
 from kv4rl.cli import app
 from kv4rl.config import load_config
+from kv4rl.engine.llm import Engine
 from kv4rl.loop import train
 
 runner = CliRunner()
+TOOLS_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "rollout_bench.sh"
+# qwen3-tiny: 2 layers x 2 KV heads x head_dim 32, K and V in 2 bytes each -> 512 bytes per token
+TINY_BF16_BYTES_PER_TOKEN = 2 * 2 * 32 * 2 * 2
+BUDGET_GIB = 0.00015
+TINY = ["--shape", "qwen3-tiny", "--device", "cpu", "--quota-groups", "4", "--group-size", "2", "--max-slots", "8",
+        "--prompt-len", "4", "--median-len", "8", "--max-len", "60", "--sigma", "1.2"]
 
 
-def test_bench_rollout_sync_vs_partial(tiny_qwen3, tmp_path):
-    path, _ = tiny_qwen3
-    out = tmp_path / "r.json"
-    res = runner.invoke(app, ["bench", "rollout", "--model", str(path), "--device", "cpu", "--quota-groups", "4",
-                              "--group-size", "2", "--max-slots", "8", "--batches", "2", "--prompt-len", "4",
-                              "--median-len", "4", "--max-len", "30", "--sigma", "1.2", "--json", str(out)])
+@pytest.fixture
+def one_thread():
+    """One torch thread: the tiny model's steps are far slower when threads contend for shared cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Building an engine or a model fails the test: validation must come first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("work started before the options were validated")
+
+    monkeypatch.setattr(Engine, "__init__", refuse)
+    monkeypatch.setattr(rollout, "_decoder", refuse)
+
+
+def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
+    out, png = tmp_path / "new" / "r.json", tmp_path / "figs" / "r.png"
+    res = runner.invoke(app, ["bench", "rollout", *TINY, "--formats", "bf16,kv4", "--modes", "sync,partial",
+                              "--repeats", "2", "--kv-budget-gib", str(BUDGET_GIB), "--json", str(out),
+                              "--png", str(png)])
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
-    modes = {x["mode"]: x for x in r["results"]}
-    assert set(modes) == {"sync", "partial"}
-    for x in modes.values():
-        assert x["rollout_s"] > 0 and 0 < x["slot_util"] <= 1 and x["tokens_per_s"] > 0
-    # the same long-tailed lengths: partial keeps its slots fuller and needs fewer engine steps per batch
-    assert modes["partial"]["slot_util"] > modes["sync"]["slot_util"]
-    assert modes["partial"]["steps_per_batch"] < modes["sync"]["steps_per_batch"]
-    assert abs(r["speedup"] - modes["sync"]["rollout_s"] / modes["partial"]["rollout_s"]) < 1e-9
+    rows = {(x["format"], x["mode"]): x for x in r["results"]}
+    assert list(rows) == [("bf16", "sync"), ("bf16", "partial"), ("kv4", "sync"), ("kv4", "partial")]
+    ref = rows["bf16", "sync"]
+    for x in rows.values():
+        a, b = x["rollout_s_repeats"]
+        assert x["rollout_s"] == pytest.approx((a + b) / 2) and (x["rollout_s_min"], x["rollout_s_max"]) == (
+            min(a, b), max(a, b))
+        assert x["speedup_vs_bf16_sync"] == pytest.approx(ref["rollout_s"] / x["rollout_s"])
+        assert x["tokens_per_s"] > 0 and x["step_ms"] > 0
+        assert x["slot_util"] == pytest.approx(x["mean_active"] / 8) and 0 < x["slot_util"] <= 1
+        assert x["kv_peak_bytes"] <= x["pool_bytes"]
+    # the same budget: bf16 gets floor(budget / block bytes) blocks of 16; kv4 fits every slot at its
+    # longest (8 slots x 4 blocks of 16 for 4 + 60 tokens), so it can never preempt
+    assert ref["pool_tokens"] == int(BUDGET_GIB * 2**30) // (16 * TINY_BF16_BYTES_PER_TOKEN) * 16 == 304
+    assert rows["kv4", "sync"]["pool_tokens"] == rows["kv4", "partial"]["pool_tokens"] == 8 * 4 * 16
+    assert rows["bf16", "partial"]["preemptions"] > 0
+    assert rows["kv4", "sync"]["preemptions"] == rows["kv4", "partial"]["preemptions"] == 0
+    for fmt in ("bf16", "kv4"):  # the same long-tailed lengths: partial keeps its slots fuller
+        assert rows[fmt, "partial"]["slot_util"] > rows[fmt, "sync"]["slot_util"]
+        assert rows[fmt, "partial"]["steps_per_batch"] < rows[fmt, "sync"]["steps_per_batch"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_model_folder_and_one_repeat(tiny_qwen3, tmp_path, one_thread):
+    path, _ = tiny_qwen3
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["bench", "rollout", "--model", str(path), "--device", "cpu", "--formats", "bf16",
+                              "--repeats", "1", "--batches", "2", "--quota-groups", "4", "--group-size", "2",
+                              "--max-slots", "8", "--prompt-len", "4", "--median-len", "4", "--max-len", "30",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["model"] == str(path) and r["batches"] == 2
+    for x in r["results"]:
+        assert x["rollout_s"] == x["rollout_s_min"] == x["rollout_s_max"] == x["rollout_s_repeats"][0]
+        assert x["pool_sizing"] == "max_num_seqs x max_model_len"
+
+
+def test_summarize_against_hand_computation():
+    # sorted 0.1 0.2 0.3 0.4: median (0.2 + 0.3) / 2; quartiles at positions 0.75 and 2.25 of 0..3
+    s = summarize([0.4, 0.1, 0.3, 0.2])
+    assert s == pytest.approx({"median": 0.25, "min": 0.1, "max": 0.4, "q1": 0.175, "q3": 0.325})
+    assert summarize([3.0, 1.0, 2.0]) == pytest.approx({"median": 2.0, "min": 1.0, "max": 3.0, "q1": 1.5, "q3": 2.5})
+    assert summarize([5.0]) == {"median": 5.0, "min": 5.0, "max": 5.0, "q1": 5.0, "q3": 5.0}
+
+
+def _row(fmt, mode, median, low, high):
+    return {"format": fmt, "mode": mode, "rollout_s": median, "rollout_s_min": low, "rollout_s_max": high}
+
+
+def test_speedups_are_ratios_of_medians_with_extreme_range():
+    rows = [_row("bf16", "sync", 2.0, 1.5, 3.0), _row("kv4", "partial", 0.5, 0.4, 1.0)]
+    add_speedups(rows)
+    assert (rows[0]["speedup_vs_bf16_sync"], rows[0]["speedup_min"], rows[0]["speedup_max"]) == (1.0, 1.0, 1.0)
+    assert rows[1]["speedup_vs_bf16_sync"] == pytest.approx(4.0)
+    assert (rows[1]["speedup_min"], rows[1]["speedup_max"]) == pytest.approx((1.5, 7.5))
+    no_reference = [_row("kv4", "sync", 1.0, 1.0, 1.0)]
+    add_speedups(no_reference)
+    assert no_reference[0]["speedup_vs_bf16_sync"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--formats", "bf16,kv5"], "--formats: unknown kv5"),
+    (["--formats", "bf16,bf16"], "names one twice"),
+    (["--modes", "sync,async"], "--modes: unknown async"),
+    (["--shape", "qwen3-99b"], "unknown model shape 'qwen3-99b'"),
+    (["--repeats", "0"], "--repeats and --batches must be >= 1"),
+    (["--max-slots", "0"], "--max-slots must be >= 1"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--median-len", "100"], "--median-len 100 exceeds --max-len 60"),
+    (["--sigma", "-1"], "--sigma must be >= 0"),
+    (["--kv-budget-gib", "0"], "--kv-budget-gib must be > 0"),
+    (["--kv-budget-gib", "0.00001"], "--kv-budget-gib 1e-05: bf16 needs"),
+    (["--max-len", "600"], "exceeds the model's context of 512"),
+    (["--model", "/nonexistent"], "pass either --model or --shape"),
+    (["engine.kv.group_size=64", "--formats", "kv4"], "engine.kv.group_size=64 does not divide"),
+    (["engine.max_model_len=99"], "engine.max_model_len is set by --prompt-len + --max-len"),
+    (["engine.kv.format=fp8"], "engine.kv.format is set by --formats"),
+    (["--formats", ""], "--formats is empty"),
+    pytest.param(["--device", "cuda"], "CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
+])
+def test_bad_options_fail_before_any_work(args, message, tmp_path, no_work):
+    out = tmp_path / "new" / "r.json"
+    res = runner.invoke(app, ["bench", "rollout", *TINY, *args, "--json", str(out)])
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split())
+    assert not out.parent.exists()  # validated before the output folder is made
+
+
+def test_unwritable_output_path_fails_before_any_work(tmp_path, no_work):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = runner.invoke(app, ["bench", "rollout", *TINY, "--json", str(blocker / "r.json")])
+    assert res.exit_code == 2 and "--json" in res.output
+    res = runner.invoke(app, ["bench", "rollout", *TINY, "--png", str(tmp_path)])
+    assert res.exit_code == 2 and "is a folder" in " ".join(res.output.split())
+
+
+def _script_commands() -> dict[str, list[str]]:
+    """The `bench rollout` argument lists of the GPU script, by function name."""
+    text = TOOLS_SCRIPT.read_text().replace("\\\n", " ")
+    found = re.findall(r"^(\w+)\(\) \{\s+timeout \d+ python -m kv4rl\.cli (bench rollout .*?) \$ROLLOUT_ARGS$",
+                       text, flags=re.M)
+    return {name: shlex.split(command) for name, command in found}
+
+
+def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
+    commands = _script_commands()
+    assert set(commands) == {"qwen3_1p7b", "qwen3_8b"}
+    for name, argv in commands.items():
+        argv = [a.replace("$OUT", str(tmp_path / "out")) for a in argv]
+        res = runner.invoke(app, [*argv, "--validate-only"])
+        assert res.exit_code == 0, f"{name}: {res.output}"
+        assert "stopping before any work" in res.output
+    assert {"--shape", "qwen3-1.7b", "engine.gpu_memory_fraction=0.6", "--max-len", "4096"} <= set(
+        commands["qwen3_1p7b"])
+    assert {"--shape", "qwen3-8b", "--kv-budget-gib", "40", "--median-len", "1024", "--max-len", "8192"} <= set(
+        commands["qwen3_8b"])
+    # 40 GiB of bf16 pages for Qwen3-8B: 36 layers x 8 KV heads x 128 x K,V x 2 bytes per token, blocks of 16
+    res = runner.invoke(app, [*commands["qwen3_8b"], "--validate-only"])
+    blocks = 40 * 2**30 // (16 * 36 * 8 * 128 * 2 * 2)
+    assert f"pool {blocks * 16:,} tokens" in " ".join(res.output.split())
+    assert not (tmp_path / "out").exists()
 
 
 def test_plot_rollout_trace_side_by_side(tmp_path):
@@ -43,3 +192,4 @@ def test_plot_rollout_trace_side_by_side(tmp_path):
     res = runner.invoke(app, ["plot", "rollout-trace", *runs, "--out", str(png)])
     assert res.exit_code == 0, res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+

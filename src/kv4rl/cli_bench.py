@@ -308,44 +308,105 @@ def decode_forward(
     write_json(res, json_out)
 
 
+def _out_path(path: Path | None, flag: str, create: bool) -> None:
+    """Fail now, not after the benchmark, on an output path that cannot be written; make its folder."""
+    if path is not None and path.is_dir():
+        fail(f"{flag} {path} is a folder; give a file path")
+    if path is not None and create:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            fail(f"{flag} {path}: cannot create its folder ({exc})")
+
+
+def _rollout_table(res: dict) -> Table:
+    from rich.markup import escape
+
+    w = res["workload"]
+    budget = f"{res['kv_budget_gib']:g} GiB KV budget" if res["kv_budget_gib"] else "pool sized by the engine"
+    table = Table(title=escape(
+        f"rollout: {res['model']} on {res['gpu'] or res['device']}, {budget} — {w['quota_groups']} groups x "
+        f"{w['group_size']}, {w['max_slots']} slots, prompt {w['prompt_len']}, lengths log-normal median "
+        f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}; median [min-max] of {res['repeats']} repeats"
+    ))
+    for name in ("format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
+                 "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step"):
+        table.add_column(name, justify="left" if name in ("format", "mode") else "right")
+    for r in res["results"]:
+        speedup = "-" if r["speedup_vs_bf16_sync"] is None else (
+            f"{r['speedup_vs_bf16_sync']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]")
+        table.add_row(
+            r["format"], r["mode"], escape(f"{r['rollout_s']:.3f} [{r['rollout_s_min']:.3f}-{r['rollout_s_max']:.3f}]"),
+            escape(speedup), f"{r['tokens_per_s']:,.0f}", f"{r['slot_util']:.3f}", f"{r['mean_active']:.1f}",
+            str(r["preemptions"]), f"{r['pool_tokens']:,}", f"{r['kv_peak_bytes'] / r['pool_bytes']:.0%}",
+            f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
+    return table
+
+
 @bench_app.command("rollout")
 def bench_rollout_cmd(
-    engine_overrides: list[str] | None = typer.Argument(None, help="engine settings, e.g. engine.kv.format=kv4"),
-    model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
-    modes: str = typer.Option("sync,partial", "--modes"),
-    kv_format: str = typer.Option("auto", "--kv-format"),
-    quota: int = typer.Option(8, "--quota-groups"),
-    group: int = typer.Option(4, "--group-size"),
-    slots: int = typer.Option(16, "--max-slots"),
-    batches: int = typer.Option(4, "--batches", help="timed learner batches per mode"),
-    prompt_len: int = typer.Option(16, "--prompt-len"),
-    median_len: int = typer.Option(8, "--median-len", help="median response length"),
-    sigma: float = typer.Option(1.0, "--sigma", help="log-normal tail of response lengths"),
-    max_len: int = typer.Option(40, "--max-len"),
-    device: str = typer.Option("auto", "--device"),
-    json_out: Path | None = typer.Option(None, "--json"),
+    engine_overrides: Annotated[list[str] | None, typer.Argument(
+        help="engine settings, e.g. engine.gpu_memory_fraction=0.6 engine.kv.group_size=64")] = None,
+    shape: Annotated[str | None, Option(
+        "--shape", help="random-init model of this shape (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, "
+                        "qwen3-tiny for tests)")] = None,
+    model: Annotated[Path | None, Option(
+        "--model", help="HF checkpoint folder (default without --shape: embedded tiny model)")] = None,
+    formats: Annotated[str, Option("--formats", help="comma-separated KV formats")] = "bf16,kv4",
+    modes: Annotated[str, Option("--modes", help="comma-separated rollout modes: sync, partial")] = "sync,partial",
+    repeats: Annotated[int, Option("--repeats", help="timed repeats per format and mode, after a warm-up")] = 3,
+    batches: Annotated[int, Option("--batches", help="learner batches timed in each repeat")] = 1,
+    kv_budget_gib: Annotated[float | None, Option(
+        "--kv-budget-gib", help="KV pool of every format in GiB (default: engine.gpu_memory_fraction on CUDA, "
+                                "every slot at full length elsewhere)")] = None,
+    quota: Annotated[int, Option("--quota-groups", help="prompt groups per learner batch")] = 8,
+    group: Annotated[int, Option("--group-size", help="responses per prompt")] = 4,
+    slots: Annotated[int, Option("--max-slots", help="decode slots (engine max_num_seqs)")] = 16,
+    prompt_len: Annotated[int, Option("--prompt-len")] = 16,
+    median_len: Annotated[int, Option("--median-len", help="median response length")] = 8,
+    sigma: Annotated[float, Option("--sigma", help="log-normal tail of response lengths")] = 1.0,
+    max_len: Annotated[int, Option("--max-len", help="longest response")] = 40,
+    device: Annotated[str, Option("--device")] = "auto",
+    seed: Annotated[int, Option("--seed")] = 0,
+    json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
+    png: Annotated[Path | None, Option(
+        "--png", help="figure: active sequences and KV in use over time, per format and mode")] = None,
+    validate_only: Annotated[bool, Option(
+        "--validate-only", help="check the options and print each pool, then stop before any work")] = False,
 ) -> None:
-    """Rollout collection time per learner batch, sync vs partial, on one long-tailed workload."""
-    from kv4rl.bench.rollout import Workload, bench_rollout
+    """Seconds per learner batch for each KV format x rollout mode at one KV memory budget."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kv4rl.bench.rollout import RolloutBench, Workload, bench_rollout, prepare
+    from kv4rl.config_loader import parse_override
 
     try:
-        if model is None:
-            from kv4rl.models.tiny import tiny_model_dir
-
-            model = tiny_model_dir()
-        workload = Workload(prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len)
-        res = bench_rollout(model, modes=modes.split(","), kv_format=kv_format, quota=quota, group=group,
-                            slots=slots, batches=batches, workload=workload, device=device,
-                            engine_config=engine_config(engine_overrides))
+        overrides = engine_overrides or []
+        bench = RolloutBench(
+            formats=tuple(_csv(formats)), modes=tuple(_csv(modes)), repeats=repeats, batches=batches,
+            workload=Workload(quota_groups=quota, group_size=group, max_slots=slots, prompt_len=prompt_len,
+                              median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
+            shape=shape, model_dir=model, kv_budget_gib=kv_budget_gib, device=device,
+            engine=engine_config(overrides), engine_keys=frozenset(".".join(parse_override(o)[0]) for o in overrides))
+        plan = prepare(bench)
     except ValueError as exc:
         fail(str(exc))
-    table = Table(title=f"rollout: {model} on {res['device']}")
-    for col in ("mode", "rollout_s", "slot_util", "tokens_per_s", "steps_per_batch", "step_ms"):
-        table.add_column(col, justify="right")
-    for r in res["results"]:
-        table.add_row(r["mode"], f"{r['rollout_s']:.3f}", f"{r['slot_util']:.3f}", f"{r['tokens_per_s']:.0f}",
-                      f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
-    console.print(table)
-    if res["speedup"] is not None:
-        console.print(f"speedup (sync time / partial time): {res['speedup']:.2f}x")
+    _out_path(json_out, "--json", create=not validate_only)
+    _out_path(png, "--png", create=not validate_only)
+    for fmt in bench.formats:
+        console.print(f"[dim]{plan.pool_line(fmt)}[/]", highlight=False)
+    if validate_only:
+        console.print("options valid; stopping before any work (--validate-only)")
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("rollout", total=len(bench.formats) * len(bench.modes) * repeats)
+        res, traces = bench_rollout(plan, progress=lambda what, done: bar.update(task, description=what,
+                                                                                 advance=done))
+    console.print(_rollout_table(res))
     write_json(res, json_out)
+    if png is not None:
+        from kv4rl.telemetry.plots import plot_rollout_corners
+
+        pools = {r["format"]: r["pool_bytes"] for r in res["results"]}
+        console.print(f"wrote {plot_rollout_corners(traces, pools, png)}")

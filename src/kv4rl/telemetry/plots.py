@@ -45,3 +45,41 @@ def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[in
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+def plot_rollout_corners(traces: dict[str, list[dict]], pool_bytes: dict[str, int], out_png: Path) -> Path:
+    """`kv4rl bench rollout --png`: per KV format (columns), active sequences and KV bytes in use over
+    engine time for each rollout mode, with the format's pool as a dashed line; rows share their y axis,
+    so the formats' budgets and how full each mode keeps them compare at a glance.
+
+    `traces` maps "format mode" to steps of {"t": engine seconds, "active", "kv_bytes"}; `pool_bytes`
+    maps each format to its pool's bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    formats = list(dict.fromkeys(label.split()[0] for label in traces))
+    unit, scale = ("GiB", 2**30) if max(pool_bytes.values()) >= 2**30 else ("MiB", 2**20)
+    fig, axes = plt.subplots(2, len(formats), figsize=(5 * len(formats), 6), squeeze=False, sharey="row")
+    for col, fmt in enumerate(formats):
+        top, bottom = axes[0][col], axes[1][col]
+        for label, trace in traces.items():
+            name, mode = label.split()
+            if name != fmt:
+                continue
+            t = [s["t"] for s in trace]
+            top.plot(t, [s["active"] for s in trace], label=mode)
+            bottom.plot(t, [s["kv_bytes"] / scale for s in trace], label=mode)
+        bottom.axhline(pool_bytes[fmt] / scale, color="grey", ls="--", lw=1, label="pool")
+        top.set_title(f"KV {fmt}")
+        top.set_ylabel("active sequences")
+        bottom.set_ylabel(f"KV in use ({unit})")
+        bottom.set_xlabel("engine time in one timed repeat (s)")
+        bottom.legend(loc="lower right")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,41 @@
+#!/bin/bash
+# GPU runs of `kv4rl bench rollout`: what KV4 and partial rollout buy together at one KV memory budget.
+# Run from the repository root on a CUDA machine; JSON and figures go under $OUT:
+#   bash tools/rollout_bench.sh qwen3_1p7b qwen3_8b 2>&1 | tee $OUT/rollout_log.txt
+# ROLLOUT_ARGS adds flags to every line (ROLLOUT_ARGS=--validate-only checks them without a GPU);
+# tests/test_bench_rollout.py validates these exact lines on CPU.
+#
+# Workload of both: 16 prompt groups x 8 responses per learner batch, 256-token prompts, 128 decode
+# slots, log-normal response lengths (sigma 1, EOS ignored). A sync batch lasts as long as its longest
+# response (about 2% of draws reach --max-len), so the 8B line, at twice the lengths and a larger
+# model, needs a longer time limit than the 1.7B one. Where one command may run only 10 minutes, run
+# it once per format (ROLLOUT_ARGS="--formats bf16", then "--formats kv4"; the last --formats wins) and
+# divide the medians of the two JSON files for the speedups.
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+
+# Qwen3-1.7B shape, pool in 60% of the GPU for every format (sized by the engine after weights and
+# activations), median 512 / max 4096 tokens. All 128 slots at their longest need 128 x 4352 tokens x
+# 112 KiB = 59.5 GiB of bf16, which 60% of an H200 holds: here KV4 is measured for its step cost, and
+# the 8B line below for what its capacity buys.
+qwen3_1p7b() {
+    timeout 590 python -m kv4rl.cli bench rollout --shape qwen3-1.7b --formats bf16,kv4 --modes sync,partial \
+        --quota-groups 16 --group-size 8 --prompt-len 256 --median-len 512 --max-len 4096 --max-slots 128 \
+        engine.gpu_memory_fraction=0.6 --json $OUT/rollout_qwen3_1p7b.json --png $OUT/rollout_qwen3_1p7b.png $ROLLOUT_ARGS
+}
+
+# Qwen3-8B shape, 40 GiB of KV for every format (bf16: 291,264 tokens, fewer than 128 slots at their
+# longest), median 1024 / max 8192 tokens.
+qwen3_8b() {
+    timeout 1800 python -m kv4rl.cli bench rollout --shape qwen3-8b --kv-budget-gib 40 --formats bf16,kv4 \
+        --modes sync,partial --quota-groups 16 --group-size 8 --prompt-len 256 --median-len 1024 --max-len 8192 \
+        --max-slots 128 --json $OUT/rollout_qwen3_8b.json --png $OUT/rollout_qwen3_8b.png $ROLLOUT_ARGS
+}
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(qwen3_1p7b qwen3_8b)
+date
+for stage in "${stages[@]}"; do
+    $stage
+done
+date
