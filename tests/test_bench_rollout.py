@@ -66,6 +66,7 @@ def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
     # the same budget: bf16 gets floor(budget / block bytes) blocks of 16; kv4 fits every slot at its
     # longest (8 slots x 4 blocks of 16 for 4 + 60 tokens), so it can never preempt
     assert ref["pool_tokens"] == int(BUDGET_GIB * 2**30) // (16 * TINY_BF16_BYTES_PER_TOKEN) * 16 == 304
+    assert ref["pool_bytes"] == 304 * TINY_BF16_BYTES_PER_TOKEN  # bf16 reserves nothing per sequence
     assert rows["kv4", "sync"]["pool_tokens"] == rows["kv4", "partial"]["pool_tokens"] == 8 * 4 * 16
     assert rows["bf16", "partial"]["preemptions"] > 0
     assert rows["kv4", "sync"]["preemptions"] == rows["kv4", "partial"]["preemptions"] == 0
