@@ -72,6 +72,7 @@ def plot_rollout_corners(traces: dict[str, list[dict]], pool_bytes: dict[str, in
             top.plot(t, [s["active"] for s in trace], label=mode)
             bottom.plot(t, [s["kv_bytes"] / scale for s in trace], label=mode)
         bottom.axhline(pool_bytes[fmt] / scale, color="grey", ls="--", lw=1, label="pool")
+        bottom.set_ylim(bottom=0)
         top.set_title(f"KV {fmt}")
         top.set_ylabel("active sequences")
         bottom.set_ylabel(f"KV in use ({unit})")
