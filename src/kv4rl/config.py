@@ -7,6 +7,7 @@ entry point used by the CLI and by `--resume` (which reloads the run folder's sa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,8 @@ from kv4rl.engine.config import EngineConfig
 from kv4rl.rollout.config import RolloutConfig, StalenessConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "save_config"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,14 +137,14 @@ class RunConfig:
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
             (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
             (bool(self.name) and "/" not in self.name, "name must be a non-empty folder name"),
-            (self.algo.old_logprob == "behavior" or self.algo.loss == "ppo_clip",
-             "algo.old_logprob only applies to algo.loss=ppo_clip"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
         if self.data.prompt_template is not None and "{problem}" not in self.data.prompt_template:
             raise ConfigError("data.prompt_template must contain '{problem}'")
+        for line in self.algo.ignored_keys():
+            log.warning(line)
         return self
 
 

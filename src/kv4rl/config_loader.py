@@ -51,7 +51,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None:
             return None
         raise ConfigError(f"{key}: expected null, got {value!r}")
-    if dataclasses.is_dataclass(tp):
+    if _is_section(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -86,20 +86,28 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp) or hasattr(tp, "config_schema")
+
+
+def _schema(cls: type) -> dict[str, Any]:
+    """Key -> annotation of a section: a dataclass's fields, or the keys a section whose keys depend
+    on what is registered (`algo`: one set per loss) lists through `config_schema()`."""
+    if hasattr(cls, "config_schema"):
+        return cls.config_schema()
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass `cls` from a (possibly partial) mapping; unknown keys are errors."""
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    """Build section `cls` from a (possibly partial) mapping; unknown keys are errors."""
+    schema = _schema(cls)
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
-        if name not in names:
-            raise ConfigError(f"unknown config key '{key}' (known here: {', '.join(names)})")
-        kwargs[name] = _coerce(value, hints[name], key)
+        if name not in schema:
+            raise ConfigError(f"unknown config key '{key}' (known here: {', '.join(schema)})")
+        kwargs[name] = _coerce(value, schema[name], key)
     return cls(**kwargs)
 
 
@@ -107,6 +115,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict (tuples as lists) suitable for YAML."""
 
     def plain(v: Any) -> Any:
+        if hasattr(v, "config_values"):
+            return {k: plain(x) for k, x in v.config_values().items()}
         if dataclasses.is_dataclass(v):
             return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         if isinstance(v, (list, tuple)):

@@ -6,71 +6,112 @@ values the type annotations cannot (ranges, cross-field rules) and names the off
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal
 
-LossName = Literal["ppo_clip", "future_kl"]
+import kv4rl.algo.losses  # noqa: F401  (registers the built-in losses before any config is read)
+from kv4rl.algo.registry import COMMON_KEYS, LOSSES, get_loss, key_owner, require_choice
+
 LossAgg = Literal["token_mean", "seq_mean"]
-OldLogprob = Literal["behavior", "recompute"]
-ISMode = Literal["none", "token", "sequence"]
 
 
-def _require_choice(key: str, value: object, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
-
-
-@dataclass(kw_only=True, slots=True)
 class AlgoConfig:
-    """The policy loss (SPEC §3).
+    """The policy loss (SPEC §3): the keys every loss shares plus each registered loss's settings.
 
-    PPO-clip reads `eps_low`, `eps_high`, `dual_clip` and `old_logprob`; future-KL credit reads
-    `beta`, `horizon`, `is_mode`, `is_cap` and `future_cost_clip`. `kl_ref_coef > 0` adds the k3
-    reference KL to either loss. `dual_clip` is the usual dual-clip constant c > 1: for negative
-    advantages the surrogate is bounded below by c·A.
+    `loss` names a registered loss; `kl_ref_coef > 0` adds the k3 reference KL to it. Every other
+    `algo.*` key belongs to one loss's settings dataclass (see `registry`) and reads back as an
+    attribute (`cfg.eps_low`) or through the whole section (`cfg.section("ppo_clip")`). The keys
+    are not a fixed list, so this is not a dataclass: the config loader asks `config_schema()` and
+    `config_values()` for them instead.
     """
 
-    loss: LossName = "ppo_clip"
-    loss_agg: LossAgg = "token_mean"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
-    old_logprob: OldLogprob = "behavior"
-    beta: float = 0.3
-    horizon: int | Literal["full"] = "full"
-    is_mode: ISMode = "token"
-    is_cap: float = 2.0
-    future_cost_clip: float | None = None
-    kl_ref_coef: float = 0.0
+    __slots__ = ("_sections", "kl_ref_coef", "loss", "loss_agg")
 
-    @property
-    def horizon_tokens(self) -> int | None:
-        """The credit window in tokens, or None for the full tail."""
-        return None if self.horizon == "full" else self.horizon
+    def __init__(self, *, loss: str = "ppo_clip", loss_agg: LossAgg = "token_mean", kl_ref_coef: float = 0.0,
+                 **loss_keys: Any):
+        self.loss, self.loss_agg, self.kl_ref_coef = loss, loss_agg, kl_ref_coef
+        self._sections: dict[str, Any] = {}
+        for key, value in loss_keys.items():
+            try:
+                setattr(self, key, value)
+            except AttributeError as exc:
+                raise TypeError(f"AlgoConfig: {exc}") from None
+
+    def section(self, loss: str) -> Any:
+        """Loss `loss`'s settings (an instance of its settings dataclass; None if it has none)."""
+        if loss not in self._sections:
+            settings = get_loss(loss).settings
+            self._sections[loss] = None if settings is None else settings()
+        return self._sections[loss]
+
+    def _owner(self, name: str) -> str:
+        owner = key_owner(name)
+        if owner is None:  # a read-only property of a settings class, e.g. horizon_tokens
+            owner = next((n for n, spec in LOSSES.items()
+                          if isinstance(getattr(spec.settings, name, None), property)), None)
+        if owner is None:
+            raise AttributeError(f"'algo.{name}' is not a key of any registered loss "
+                                 f"(registered: {', '.join(sorted(LOSSES))})")
+        return owner
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names that are not slots
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.section(self._owner(name)), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in AlgoConfig.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.section(self._owner(name)), name, value)
+
+    @classmethod
+    def config_schema(cls) -> dict[str, Any]:
+        """Every `algo.*` key with its type annotation: the shared keys, then each loss's."""
+        schema = {key: typing.get_type_hints(cls.__init__)[key] for key in COMMON_KEYS}
+        for spec in LOSSES.values():
+            if spec.settings is not None:
+                hints = typing.get_type_hints(spec.settings)
+                schema.update({key: hints[key] for key in spec.keys()})
+        return schema
+
+    def config_values(self) -> dict[str, Any]:
+        values = {key: getattr(self, key) for key in COMMON_KEYS}
+        for name, spec in LOSSES.items():
+            values.update({key: getattr(self.section(name), key) for key in spec.keys()})
+        return values
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AlgoConfig) and self.config_values() == other.config_values()
+
+    def __repr__(self) -> str:
+        return f"AlgoConfig({', '.join(f'{k}={v!r}' for k, v in self.config_values().items())})"
 
     def validate(self) -> None:
-        _require_choice("algo.loss", self.loss, get_args(LossName))
-        _require_choice("algo.loss_agg", self.loss_agg, get_args(LossAgg))
-        _require_choice("algo.old_logprob", self.old_logprob, get_args(OldLogprob))
-        _require_choice("algo.is_mode", self.is_mode, get_args(ISMode))
-        if not 0.0 <= self.eps_low < 1.0:
-            raise ValueError(f"algo.eps_low must be in [0, 1), got {self.eps_low}")
-        if not self.eps_high >= 0.0:
-            raise ValueError(f"algo.eps_high must be >= 0, got {self.eps_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"algo.dual_clip must be > 1 (or null), got {self.dual_clip}")
-        if not self.beta >= 0.0:
-            raise ValueError(f"algo.beta must be >= 0, got {self.beta}")
-        if self.horizon != "full" and (
-            isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
-        ):
-            raise ValueError(f"algo.horizon must be an integer >= 1 or 'full', got {self.horizon!r}")
-        if not self.is_cap > 0.0:
-            raise ValueError(f"algo.is_cap must be > 0, got {self.is_cap}")
-        if self.future_cost_clip is not None and not self.future_cost_clip > 0.0:
-            raise ValueError(f"algo.future_cost_clip must be > 0 (or null), got {self.future_cost_clip}")
+        """Values of every loss's keys (a typo in an unused section is still a typo)."""
+        if self.loss not in LOSSES:
+            raise ValueError(f"algo.loss: unknown loss {self.loss!r} (registered: {', '.join(sorted(LOSSES))})")
+        require_choice("algo.loss_agg", self.loss_agg, typing.get_args(LossAgg))
         if not self.kl_ref_coef >= 0.0:
             raise ValueError(f"algo.kl_ref_coef must be >= 0, got {self.kl_ref_coef}")
+        for name in LOSSES:
+            validate = getattr(self.section(name), "validate", None)
+            if validate is not None:
+                validate()
+
+    def ignored_keys(self) -> list[str]:
+        """One line per key set away from its default in the section of a loss this run does not
+        use. Not an error: a config written for one loss stays loadable with `algo.loss` switched."""
+        lines = []
+        for name, spec in LOSSES.items():
+            if name == self.loss or spec.settings is None:
+                continue
+            current, default = self.section(name), spec.settings()
+            lines += [f"algo.{key}={getattr(current, key)!r} belongs to algo.loss={name}; "
+                      f"algo.loss={self.loss} ignores it"
+                      for key in spec.keys() if getattr(current, key) != getattr(default, key)]
+        return lines
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,6 +123,6 @@ class AdvantageConfig:
     baseline_noise: float = 0.0
 
     def validate(self) -> None:
-        _require_choice("advantage.estimator", self.estimator, ("grpo",))
+        require_choice("advantage.estimator", self.estimator, ("grpo",))
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")

@@ -1,6 +1,7 @@
-"""Policy losses (SPEC §3) as registered pure functions with one signature.
+"""The built-in policy losses (SPEC §3), registered like any plug-in (see `registry`).
 
 `loss_fn(inp: LossInputs, cfg: AlgoConfig) -> (loss, metrics)`; pick one with `get_loss(cfg.loss)`.
+Each declares its own `algo.*` keys (`PPOClipSettings`, `FutureKLSettings`) and the inputs it reads.
 Tensors are `[B, T]` (B responses, T response positions); `mask` is nonzero at valid tokens.
 Padding never reaches a loss or a gradient, even when it holds NaN or ±inf.
 
@@ -22,66 +23,22 @@ by the micro-batch's valid-token count.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
 from kv4rl.algo.aggregation import aggregate
-from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import k3_kl
+from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
+if TYPE_CHECKING:
+    from kv4rl.algo.config import AlgoConfig
 
-@dataclass(kw_only=True)
-class LossInputs:
-    """One (micro-)batch. `num_tokens`/`num_seqs`: full-batch denominators (see aggregation)."""
-
-    logprobs: Tensor  # [B, T] learner log π_θ at temperature τ, with grad
-    behavior_logprobs: Tensor  # [B, T] engine's log μ
-    advantages: Tensor  # [B, T]
-    mask: Tensor  # [B, T] float or bool
-    old_logprobs: Tensor | None = None  # [B, T] for old_logprob=recompute
-    ref_logprobs: Tensor | None = None  # [B, T] log π_ref
-    num_tokens: float | None = None
-    num_seqs: float | None = None
-
-    def valid_mask(self) -> Tensor:
-        """Check shapes; return the bool mask."""
-        shape = self.logprobs.shape
-        if len(shape) != 2:
-            raise ValueError(f"logprobs must be [B, T], got {tuple(shape)}")
-        named = {
-            "behavior_logprobs": self.behavior_logprobs,
-            "advantages": self.advantages,
-            "mask": self.mask,
-            "old_logprobs": self.old_logprobs,
-            "ref_logprobs": self.ref_logprobs,
-        }
-        for name, tensor in named.items():
-            if tensor is not None and tensor.shape != shape:
-                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(shape)}")
-        return self.mask.bool()
-
-
-LossFn = Callable[[LossInputs, AlgoConfig], tuple[Tensor, dict[str, float]]]
-LOSSES: dict[str, LossFn] = {}
-
-
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    def wrap(fn: LossFn) -> LossFn:
-        if name in LOSSES:
-            raise ValueError(f"loss '{name}' is already registered")
-        LOSSES[name] = fn
-        return fn
-
-    return wrap
-
-
-def get_loss(name: str) -> LossFn:
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss '{name}' (known: {', '.join(sorted(LOSSES))})")
-    return LOSSES[name]
+__all__ = ["LOSSES", "FutureKLSettings", "LossFn", "LossInputs", "PPOClipSettings", "combine_metrics",
+           "future_kl_credit", "future_kl_loss", "get_loss", "ppo_clip_loss", "register_loss"]
 
 
 def future_kl_credit(log_ratio: Tensor, mask: Tensor, horizon: int | None) -> Tensor:
@@ -150,27 +107,51 @@ def _with_ref_kl(
     return loss
 
 
-@register_loss("ppo_clip")
+@dataclass(kw_only=True)
+class PPOClipSettings:
+    """`ppo_clip`'s keys: the clip range, the dual-clip constant c > 1 (null: off) and π_old."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    old_logprob: Literal["behavior", "recompute"] = "behavior"
+
+    def validate(self) -> None:
+        require_choice("algo.old_logprob", self.old_logprob, ("behavior", "recompute"))
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ValueError(f"algo.eps_low must be in [0, 1), got {self.eps_low}")
+        if not self.eps_high >= 0.0:
+            raise ValueError(f"algo.eps_high must be >= 0, got {self.eps_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"algo.dual_clip must be > 1 (or null), got {self.dual_clip}")
+
+
+def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
+    """π_old is either the engine's log-probs or a recompute by the learner, never both."""
+    old = "old_logprobs" if cfg.section("ppo_clip").old_logprob == "recompute" else "behavior_logprobs"
+    return {old, "ref_logprobs"}
+
+
+@register_loss("ppo_clip", settings=PPOClipSettings, inputs=_ppo_clip_inputs)
 def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+    s: PPOClipSettings = cfg.section("ppo_clip")
     valid = inp.valid_mask()
-    if cfg.old_logprob == "recompute":
-        if inp.old_logprobs is None:
-            raise ValueError("algo.old_logprob=recompute needs LossInputs.old_logprobs")
-        old_logprobs = inp.old_logprobs
+    if s.old_logprob == "recompute":
+        old_logprobs = inp.need("old_logprobs", "algo.old_logprob=recompute")
     else:
-        old_logprobs = inp.behavior_logprobs
+        old_logprobs = inp.need("behavior_logprobs")
     log_ratio = torch.where(valid, inp.logprobs - old_logprobs.detach(), 0)
     ratio = torch.exp(log_ratio)
     adv = torch.where(valid, inp.advantages.detach(), 0)
-    clipped_ratio = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    clipped_ratio = ratio.clamp(1.0 - s.eps_low, 1.0 + s.eps_high)
     surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
-    if cfg.dual_clip is not None:
-        surrogate = torch.where(adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate)
+    if s.dual_clip is not None:
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)
     loss = -aggregate(surrogate, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
 
     ratio = ratio.detach()
-    clipped_high = valid & (adv > 0) & (ratio > 1.0 + cfg.eps_high)
-    clipped_low = valid & (adv < 0) & (ratio < 1.0 - cfg.eps_low)
+    clipped_high = valid & (adv > 0) & (ratio > 1.0 + s.eps_high)
+    clipped_low = valid & (adv < 0) & (ratio < 1.0 - s.eps_low)
     stats = {
         "clip_frac": _mean((clipped_high | clipped_low).double(), valid),
         "clip_frac_low": _mean(clipped_low.double(), valid),
@@ -178,37 +159,67 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         "ratio_mean": _mean(ratio, valid),
         "ratio_max": _max(ratio, valid),
     }
-    if cfg.dual_clip is not None:
-        stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > cfg.dual_clip)).double(), valid)
+    if s.dual_clip is not None:
+        stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > s.dual_clip)).double(), valid)
     loss = _with_ref_kl(loss, inp, cfg, valid, stats)
     return loss, _floats(stats)
 
 
-def _importance_weights(log_ratio: Tensor, valid: Tensor, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
-    """(w [B, T], capped [B, T] bool) for `cfg.is_mode`; `log_ratio` is 0 at padding."""
-    if cfg.is_mode == "none":
+@dataclass(kw_only=True)
+class FutureKLSettings:
+    """`future_kl`'s keys: cost β, window H, importance weights, and the clamp C of F (null: off)."""
+
+    beta: float = 0.3
+    horizon: int | Literal["full"] = "full"
+    is_mode: Literal["none", "token", "sequence"] = "token"
+    is_cap: float = 2.0
+    future_cost_clip: float | None = None
+
+    @property
+    def horizon_tokens(self) -> int | None:
+        """The credit window in tokens, or None for the full tail."""
+        return None if self.horizon == "full" else self.horizon
+
+    def validate(self) -> None:
+        require_choice("algo.is_mode", self.is_mode, ("none", "token", "sequence"))
+        if not self.beta >= 0.0:
+            raise ValueError(f"algo.beta must be >= 0, got {self.beta}")
+        if self.horizon != "full" and (
+            isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
+        ):
+            raise ValueError(f"algo.horizon must be an integer >= 1 or 'full', got {self.horizon!r}")
+        if not self.is_cap > 0.0:
+            raise ValueError(f"algo.is_cap must be > 0, got {self.is_cap}")
+        if self.future_cost_clip is not None and not self.future_cost_clip > 0.0:
+            raise ValueError(f"algo.future_cost_clip must be > 0 (or null), got {self.future_cost_clip}")
+
+
+def _importance_weights(log_ratio: Tensor, valid: Tensor, s: FutureKLSettings) -> tuple[Tensor, Tensor]:
+    """(w [B, T], capped [B, T] bool) for `s.is_mode`; `log_ratio` is 0 at padding."""
+    if s.is_mode == "none":
         return torch.ones_like(log_ratio), torch.zeros_like(valid)
-    if cfg.is_mode == "token":
+    if s.is_mode == "token":
         raw = torch.exp(log_ratio)
-    elif cfg.is_mode == "sequence":
+    elif s.is_mode == "sequence":
         lengths = valid.sum(dim=-1, keepdim=True).clamp(min=1)
         raw = torch.exp(log_ratio.sum(dim=-1, keepdim=True) / lengths).expand_as(log_ratio)
     else:
-        raise ValueError(f"algo.is_mode: unknown importance weighting '{cfg.is_mode}'")
-    return raw.clamp(max=cfg.is_cap), raw > cfg.is_cap
+        raise ValueError(f"algo.is_mode: unknown importance weighting '{s.is_mode}'")
+    return raw.clamp(max=s.is_cap), raw > s.is_cap
 
 
-@register_loss("future_kl")
+@register_loss("future_kl", settings=FutureKLSettings, inputs={"behavior_logprobs", "ref_logprobs"})
 def future_kl_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+    s: FutureKLSettings = cfg.section("future_kl")
     valid = inp.valid_mask()
-    log_ratio = torch.where(valid, inp.logprobs.detach() - inp.behavior_logprobs.detach(), 0)
-    credit = future_kl_credit(log_ratio, valid, cfg.horizon_tokens)
+    log_ratio = torch.where(valid, inp.logprobs.detach() - inp.need("behavior_logprobs").detach(), 0)
+    credit = future_kl_credit(log_ratio, valid, s.horizon_tokens)
     charged = credit
-    if cfg.future_cost_clip is not None:
-        charged = credit.clamp(-cfg.future_cost_clip, cfg.future_cost_clip)
-    weights, capped = _importance_weights(log_ratio, valid, cfg)
+    if s.future_cost_clip is not None:
+        charged = credit.clamp(-s.future_cost_clip, s.future_cost_clip)
+    weights, capped = _importance_weights(log_ratio, valid, s)
     adv = torch.where(valid, inp.advantages.detach(), 0)
-    coef = torch.where(valid, weights * (adv - cfg.beta * charged), 0)
+    coef = torch.where(valid, weights * (adv - s.beta * charged), 0)
     loss = -aggregate(coef * inp.logprobs, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
 
     credit_mean = _mean(credit, valid)

@@ -2,8 +2,10 @@
 
 Master weights and AdamW state are fp32; on CUDA the forward runs under bf16 autocast, so the
 compute is BF16 while optimizer arithmetic keeps full precision. The engine receives the weights
-through `state_dict()` after every update. A frozen copy of the initial policy gives the k3
-reference KL (logged; added to the loss only when `algo.kl_ref_coef > 0`).
+through `state_dict()` after every update. The loss says which optional inputs it reads
+(`LossSpec.inputs`); the learner computes only those: a frozen copy of the initial policy is loaded
+only for `ref_logprobs` (the built-in losses log the k3 reference KL and add it when
+`algo.kl_ref_coef > 0`), and the policy's own pre-update log-probs only for `old_logprobs`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from transformers import AutoModelForCausalLM
 
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
-from kv4rl.algo.losses import LossInputs, combine_metrics, get_loss
+from kv4rl.algo.losses import combine_metrics
+from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.batch import TrainBatch
+
+FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
 
 
 def load_hf_model(path: str | Path, device: torch.device, grad_checkpointing: bool = False):
@@ -37,13 +42,14 @@ class Learner:
         self.device = device
         self.algo = algo
         self.loss_fn = get_loss(algo.loss)
+        self.loss_inputs = self.loss_fn.inputs(algo)  # the optional LossInputs fields to fill
         self.temperature = temperature
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.updates_per_batch = updates_per_batch
         self.model = load_hf_model(policy_path, device, grad_checkpointing)
         self.ref_model = None
-        if ref_path is not None:
+        if ref_path is not None and "ref_logprobs" in self.loss_inputs:
             self.ref_model = load_hf_model(ref_path, device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
 
@@ -65,6 +71,15 @@ class Learner:
                for i in range(0, len(batch), self.micro_batch_size)]
         return torch.cat(out)
 
+    def _before_update_inputs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """The loss inputs that cost a forward pass over the whole batch before its first update."""
+        out = {}
+        if "ref_logprobs" in self.loss_inputs and self.ref_model is not None:
+            out["ref_logprobs"] = self._logprobs(self.ref_model, batch)
+        if "old_logprobs" in self.loss_inputs:
+            out["old_logprobs"] = self._logprobs(self.model, batch)
+        return out
+
     def step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         """One learner batch: `updates_per_batch` optimizer steps over contiguous mini-batches."""
         if lr is not None:
@@ -72,10 +87,7 @@ class Learner:
                 group["lr"] = lr
         batch = batch.to(self.device)
         mask = batch.response_mask
-        ref_logp = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
-        old_logp = None
-        if self.algo.loss == "ppo_clip" and self.algo.old_logprob == "recompute":
-            old_logp = self._logprobs(self.model, batch)
+        before_update = self._before_update_inputs(batch)
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
         rows = torch.arange(len(batch), device=self.device).chunk(self.updates_per_batch)
         for update, mini_rows in enumerate(rows):
@@ -85,13 +97,10 @@ class Learner:
             for mb_rows in mini_rows.split(self.micro_batch_size):
                 mb = batch.select(mb_rows)
                 logp, ent = self._forward(self.model, mb, with_entropy=True)
-                inp = LossInputs(
-                    logprobs=logp, behavior_logprobs=mb.behavior_logprobs, advantages=mb.advantages,
-                    mask=mb.response_mask,
-                    old_logprobs=None if old_logp is None else old_logp[mb_rows],
-                    ref_logprobs=None if ref_logp is None else ref_logp[mb_rows],
-                    num_tokens=num_tokens, num_seqs=num_seqs,
-                )
+                optional = {name: getattr(mb, name) for name in FROM_BATCH & self.loss_inputs}
+                optional.update({name: values[mb_rows] for name, values in before_update.items()})
+                inp = LossInputs(logprobs=logp, advantages=mb.advantages, mask=mb.response_mask,
+                                 num_tokens=num_tokens, num_seqs=num_seqs, **optional)
                 loss, metrics = self.loss_fn(inp, self.algo)
                 loss.backward()
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))

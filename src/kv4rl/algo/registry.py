@@ -1,0 +1,159 @@
+"""The policy-loss plug-in contract: what a loss receives, what it declares, and the registry.
+
+A loss is a function `fn(inp: LossInputs, cfg: AlgoConfig) -> (loss, metrics)` registered with
+`@register_loss(name, settings=..., inputs=...)`:
+
+- `settings`: a dataclass of the loss's own knobs (every field with a default). Each field is a
+  config key `algo.<field>` and reads back as `cfg.<field>`; a key belongs to exactly one loss, so
+  a run config that sets another loss's key is refused with the name of the loss that owns it.
+  An optional `validate()` method raises ValueError naming `algo.<field>` for bad values.
+- `inputs`: which optional `LossInputs` fields the loss reads (names in `LOSS_INPUTS`), as a set or
+  as a function of the config. The learner computes and passes only those; the others stay None,
+  so an extra forward pass (old or reference log-probs) is paid only by the losses that use it.
+
+`logprobs`, `advantages` and `mask` are always given. The registry lives here rather than in
+`losses` so that a loss written outside the package imports only this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from kv4rl.algo.config import AlgoConfig
+
+LOSS_INPUTS: dict[str, str] = {
+    "behavior_logprobs": "log μ of each sampled token, as reported by the rollout engine",
+    "old_logprobs": "log π_old: the learner's own log-probs before this batch's first update (one extra forward)",
+    "ref_logprobs": "log π_ref of the frozen reference policy (one extra forward; given when the run has one)",
+    "versions": "policy version that sampled each token (an integer tensor)",
+}
+COMMON_KEYS = ("loss", "loss_agg", "kl_ref_coef")  # algo keys every loss shares
+
+
+@dataclass(kw_only=True)
+class LossInputs:
+    """One (micro-)batch, `[B, T]` tensors. `num_tokens`/`num_seqs`: full-batch denominators
+    (see aggregation). The optional tensors are those of `LOSS_INPUTS`; a loss reads a declared
+    one through `need()`, which says which loss input is missing instead of failing on None.
+    """
+
+    logprobs: Tensor  # learner log π_θ at temperature τ, with grad
+    advantages: Tensor
+    mask: Tensor  # float or bool, nonzero at valid tokens
+    behavior_logprobs: Tensor | None = None
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    versions: Tensor | None = None
+    num_tokens: float | None = None
+    num_seqs: float | None = None
+
+    def need(self, name: str, why: str = "") -> Tensor:
+        """The optional input `name`, or a ValueError that names it (and `why` it is needed)."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"LossInputs.{name} is missing" + (f" ({why})" if why else ""))
+        return value
+
+    def valid_mask(self) -> Tensor:
+        """Check shapes; return the bool mask."""
+        shape = self.logprobs.shape
+        if len(shape) != 2:
+            raise ValueError(f"logprobs must be [B, T], got {tuple(shape)}")
+        for name in ("advantages", "mask", *LOSS_INPUTS):
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.shape != shape:
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs has {tuple(shape)}")
+        return self.mask.bool()
+
+
+LossFn = Callable[[LossInputs, "AlgoConfig"], tuple[Tensor, dict[str, float]]]
+InputsDecl = Iterable[str] | Callable[["AlgoConfig"], Iterable[str]]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: call it like the function; ask `inputs(cfg)` what to compute for it."""
+
+    name: str
+    fn: LossFn
+    settings: type | None = None
+    declared_inputs: InputsDecl = ()
+
+    def __call__(self, inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
+        return self.fn(inp, cfg)
+
+    def inputs(self, cfg: AlgoConfig) -> frozenset[str]:
+        """The optional `LossInputs` fields this loss reads under `cfg`."""
+        declared = self.declared_inputs(cfg) if callable(self.declared_inputs) else self.declared_inputs
+        names = frozenset(declared)
+        _check_input_names(self.name, names)
+        return names
+
+    def keys(self) -> tuple[str, ...]:
+        """The loss's own `algo.*` keys."""
+        return tuple(f.name for f in dataclasses.fields(self.settings)) if self.settings else ()
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def _check_input_names(loss: str, names: Iterable[str]) -> None:
+    unknown = sorted(set(names) - LOSS_INPUTS.keys())
+    if unknown:
+        raise ValueError(f"loss '{loss}' declares unknown inputs {unknown} (known: {', '.join(LOSS_INPUTS)})")
+
+
+def _check_settings(name: str, settings: type) -> None:
+    if not dataclasses.is_dataclass(settings):
+        raise TypeError(f"loss '{name}': settings must be a dataclass, got {settings!r}")
+    for f in dataclasses.fields(settings):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise TypeError(f"loss '{name}': setting '{f.name}' needs a default")
+        owner = "all losses" if f.name in COMMON_KEYS else key_owner(f.name)
+        if owner is not None:
+            raise ValueError(f"loss '{name}': key 'algo.{f.name}' already belongs to {owner!r}")
+
+
+def register_loss(name: str, *, settings: type | None = None, inputs: InputsDecl = ()) -> Callable[[LossFn], LossFn]:
+    """Decorator: make `fn` selectable as `algo.loss=<name>` (see the module docstring)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"loss name must be an identifier, got {name!r}")
+    if name in LOSSES:
+        raise ValueError(f"loss '{name}' is already registered")
+    if settings is not None:
+        _check_settings(name, settings)
+    if not callable(inputs):
+        inputs = frozenset(inputs)
+        _check_input_names(name, inputs)
+
+    def wrap(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss '{name}' is already registered")
+        LOSSES[name] = LossSpec(name, fn, settings, inputs)
+        return fn
+
+    return wrap
+
+
+def require_choice(key: str, value: object, choices: Iterable) -> None:
+    """For a settings `validate()`: a ValueError naming `key` unless `value` is one of `choices`."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def get_loss(name: str) -> LossSpec:
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss '{name}' (registered: {', '.join(sorted(LOSSES))})")
+    return LOSSES[name]
+
+
+def key_owner(key: str) -> str | None:
+    """The registered loss whose settings hold `key`, or None."""
+    return next((spec.name for spec in LOSSES.values() if key in spec.keys()), None)

@@ -1,0 +1,206 @@
+"""Losses as plug-ins: a loss registered outside the package trains via `algo.loss`, gets exactly
+the inputs it declares, owns its `algo.*` keys; unknown names and clashing keys are clear errors."""
+
+import json
+import logging
+import typing
+from dataclasses import dataclass
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from kv4rl.algo.aggregation import aggregate
+from kv4rl.algo.config import AlgoConfig
+from kv4rl.algo.registry import LOSS_INPUTS, LOSSES, LossInputs, register_loss
+from kv4rl.cli import app
+from kv4rl.config import ConfigError, load_config, save_config
+from kv4rl.config_loader import to_dict
+from kv4rl.trainer.batch import build_batch
+from kv4rl.trainer.learner import Learner
+
+
+@dataclass(kw_only=True)
+class ToySettings:
+    toy_scale: float = 1.0
+
+    def validate(self) -> None:
+        if not self.toy_scale > 0:
+            raise ValueError(f"algo.toy_scale must be > 0, got {self.toy_scale}")
+
+
+SEEN: list[dict] = []  # per call of the toy loss: which optional inputs it got, and their values
+
+
+@pytest.fixture
+def toy_loss():
+    """REINFORCE scaled by `algo.toy_scale`, reading per-token versions and the pre-update log-probs."""
+
+    @register_loss("toy_pg", settings=ToySettings, inputs={"versions", "old_logprobs"})
+    def toy_pg(inp: LossInputs, cfg: AlgoConfig):
+        valid = inp.valid_mask()
+        SEEN.append({name: getattr(inp, name) for name in LOSS_INPUTS} | {"logprobs": inp.logprobs.detach()})
+        adv = torch.where(valid, inp.advantages, 0)
+        loss = -cfg.section("toy_pg").toy_scale * aggregate(adv * inp.logprobs, valid, cfg.loss_agg, inp.num_tokens)
+        return loss, {"toy_version_max": float(inp.need("versions").max())}
+
+    SEEN.clear()
+    yield "toy_pg"
+    del LOSSES["toy_pg"]
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 5, 2)]
+    responses = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 2, 5)]
+    versions = [[7] * 4, [5, 6], [7, 7, 8, 8, 8]]
+    return build_batch(prompts, responses, [[-1.0] * len(r) for r in responses], versions, [1.0, -0.5, 0.3], 0)
+
+
+def _learner(path, algo):
+    """A learner given a reference checkpoint: whether it loads it is up to the loss."""
+    learner = Learner(path, path, algo=algo, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9,
+                      micro_batch_size=2, updates_per_batch=1, temperature=1.0, device=torch.device("cpu"))
+    learner.extra_forwards = 0
+    inner = learner._logprobs
+
+    def counted(model, batch):
+        learner.extra_forwards += 1
+        return inner(model, batch)
+
+    learner._logprobs = counted
+    return learner
+
+
+def test_a_loss_registered_outside_gets_exactly_its_declared_inputs(tiny_qwen3, toy_loss):
+    path, _ = tiny_qwen3
+    algo = load_config(overrides=[f"algo.loss={toy_loss}", "algo.toy_scale=2.0"]).algo
+    assert algo.section(toy_loss).toy_scale == 2.0 and algo.toy_scale == 2.0
+    learner = _learner(path, algo)
+    assert learner.ref_model is None  # the toy does not read ref_logprobs, so no reference model
+    b = _batch()
+    metrics = learner.step(b)
+    assert learner.extra_forwards == 1  # old_logprobs only
+    assert len(SEEN) == 2  # two micro-batches of 2 and 1 rows
+    for seen in SEEN:
+        given = {name for name in LOSS_INPUTS if seen[name] is not None}
+        assert given == {"versions", "old_logprobs"}
+        # before the first update, π_old is the policy itself
+        torch.testing.assert_close(seen["old_logprobs"], seen["logprobs"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.cat([s["versions"] for s in SEEN]), b.versions, rtol=0, atol=0)
+    assert metrics["toy_version_max"] == 8.0
+
+
+def test_a_plugin_setting_reaches_the_loss(tiny_qwen3, toy_loss):
+    """toy_scale = 4 scales every gradient of toy_scale = 1 by 4, exactly (a power of two; no clipping)."""
+    path, _ = tiny_qwen3
+    grads = []
+    for scale in (1.0, 4.0):
+        learner = _learner(path, AlgoConfig(loss=toy_loss, toy_scale=scale))
+        learner.step(_batch())
+        grads.append({n: p.grad.clone() for n, p in learner.model.named_parameters()})
+    assert sum(float(g.abs().sum()) for g in grads[0].values()) > 0
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], 4.0 * grad), name
+
+
+@pytest.mark.parametrize("overrides, forwards, ref_loaded", [
+    (["algo.loss=ppo_clip"], 1, True),  # reference log-probs only
+    (["algo.loss=ppo_clip", "algo.old_logprob=recompute"], 2, True),
+    (["algo.loss=future_kl"], 1, True),
+])
+def test_built_in_losses_declare_what_the_learner_computes(tiny_qwen3, overrides, forwards, ref_loaded):
+    path, _ = tiny_qwen3
+    learner = _learner(path, load_config(overrides=overrides).algo)
+    learner.step(_batch())
+    assert learner.extra_forwards == forwards
+    assert (learner.ref_model is not None) == ref_loaded
+
+
+@pytest.mark.slow
+def test_short_training_run_with_a_plugin_loss(tmp_path, toy_loss):
+    from kv4rl.loop import train
+
+    cfg = load_config(overrides=["name=toy", f"out_dir={tmp_path}", "device=cpu", f"algo.loss={toy_loss}",
+                                 "algo.toy_scale=0.5", "trainer.iterations=2", "checkpoint.save_every=2",
+                                 "rollout.quota_groups=4", "rollout.group_size=4"])
+    train(cfg, show_progress=False)
+    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert [r["toy_version_max"] for r in rows] == [0.0, 1.0]  # sync rollouts: sampled by the current version
+    saved = yaml.safe_load((cfg.run_dir / "config.yaml").read_text())
+    assert saved["algo"]["loss"] == toy_loss and saved["algo"]["toy_scale"] == 0.5
+
+
+def test_plugin_keys_round_trip_through_the_saved_config(tmp_path, toy_loss):
+    cfg = load_config(overrides=[f"algo.loss={toy_loss}", "algo.toy_scale=4"])
+    save_config(cfg, tmp_path / "c.yaml")
+    assert to_dict(load_config(tmp_path / "c.yaml")) == to_dict(cfg)
+    with pytest.raises(ConfigError, match=r"algo\.toy_scale must be > 0"):
+        load_config(overrides=[f"algo.loss={toy_loss}", "algo.toy_scale=-1"])
+    with pytest.raises(ConfigError, match=r"algo\.toy_scale: expected float"):
+        load_config(overrides=[f"algo.loss={toy_loss}", "algo.toy_scale=big"])
+
+
+def test_unregistered_names_and_keys_are_clear_errors(toy_loss):
+    with pytest.raises(ConfigError, match=r"algo\.loss: unknown loss 'dpo' \(registered: future_kl, ppo_clip, toy_pg\)"):
+        load_config(overrides=["algo.loss=dpo"])
+    spec = LOSSES.pop(toy_loss)
+    try:
+        with pytest.raises(ConfigError, match=r"unknown config key 'algo\.toy_scale'"):
+            load_config(overrides=["algo.toy_scale=2"])
+    finally:
+        LOSSES[toy_loss] = spec
+
+
+def test_unknown_loss_on_the_command_line_exits_2_with_the_registered_names(tmp_path):
+    res = CliRunner().invoke(app, ["train", f"out_dir={tmp_path}", "algo.loss=reinforce"])
+    assert res.exit_code == 2
+    assert "unknown loss 'reinforce'" in res.output and "ppo_clip" in res.output and "future_kl" in res.output
+    assert not any(tmp_path.iterdir())  # refused before the run folder was made
+
+
+def test_loss_is_an_open_name_not_a_closed_literal(toy_loss):
+    assert typing.get_type_hints(AlgoConfig.__init__)["loss"] is str
+    assert AlgoConfig.config_schema()["loss"] is str
+    AlgoConfig(loss=toy_loss).validate()
+
+
+def test_a_key_of_another_loss_is_warned_about_naming_its_owner(caplog, toy_loss):
+    with caplog.at_level(logging.WARNING, logger="kv4rl.config"):
+        load_config(overrides=["algo.loss=ppo_clip", "algo.beta=0.5", "algo.toy_scale=2"])
+    assert "algo.beta=0.5 belongs to algo.loss=future_kl; algo.loss=ppo_clip ignores it" in caplog.messages
+    assert "algo.toy_scale=2.0 belongs to algo.loss=toy_pg; algo.loss=ppo_clip ignores it" in caplog.messages
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kv4rl.config"):
+        load_config(overrides=["algo.loss=future_kl", "algo.beta=0.5", "algo.eps_low=0.2"])  # a default: silent
+    assert caplog.messages == []
+
+
+def test_registration_refuses_what_would_make_keys_or_inputs_ambiguous(toy_loss):
+    @dataclass
+    class Clash:
+        beta: float = 1.0
+
+    @dataclass
+    class Shared:
+        loss_agg: str = "x"
+
+    @dataclass
+    class NoDefault:
+        toy_other: float
+
+    with pytest.raises(ValueError, match=r"'algo\.beta' already belongs to 'future_kl'"):
+        register_loss("clash", settings=Clash)
+    with pytest.raises(ValueError, match=r"'algo\.loss_agg' already belongs to 'all losses'"):
+        register_loss("shared", settings=Shared)
+    with pytest.raises(TypeError, match="toy_other.*needs a default"):
+        register_loss("nodefault", settings=NoDefault)
+    with pytest.raises(ValueError, match=r"unknown inputs \['entropy'\]"):
+        register_loss("wants_entropy", inputs={"entropy", "versions"})
+    with pytest.raises(ValueError, match="already registered"):
+        register_loss(toy_loss)
+    with pytest.raises(ValueError, match="identifier"):
+        register_loss("my loss")
+    assert set(LOSSES) == {"ppo_clip", "future_kl", toy_loss}
