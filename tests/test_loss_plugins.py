@@ -3,6 +3,9 @@ the inputs it declares, owns its `algo.*` keys; unknown names and clashing keys 
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import typing
 from dataclasses import dataclass
 
@@ -11,6 +14,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+import kv4rl
 from kv4rl.algo.aggregation import aggregate
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.registry import LOSS_INPUTS, LOSSES, LossInputs, register_loss
@@ -204,3 +208,50 @@ def test_registration_refuses_what_would_make_keys_or_inputs_ambiguous(toy_loss)
     with pytest.raises(ValueError, match="identifier"):
         register_loss("my loss")
     assert set(LOSSES) == {"ppo_clip", "future_kl", toy_loss}
+
+
+def test_kl_ref_coef_needs_a_loss_that_reads_reference_logprobs(toy_loss):
+    with pytest.raises(ConfigError, match=r"algo\.kl_ref_coef: algo\.loss=toy_pg does not read reference"):
+        load_config(overrides=[f"algo.loss={toy_loss}", "algo.kl_ref_coef=0.1"])
+    assert load_config(overrides=["algo.loss=future_kl", "algo.kl_ref_coef=0.1"]).algo.kl_ref_coef == 0.1
+
+
+PLUGIN_MODULE = """
+from dataclasses import dataclass
+
+from kv4rl.algo.registry import register_loss
+
+
+@dataclass
+class Knobs:
+    my_knob: float = 1.0
+
+
+@register_loss("file_loss", settings=Knobs)
+def file_loss(inp, cfg):
+    return -(inp.advantages * inp.logprobs).sum() * cfg.section("file_loss").my_knob, {}
+"""
+
+
+def test_algo_plugins_imports_the_module_that_registers_a_loss(tmp_path, monkeypatch):
+    """`algo.plugins` makes a loss in the user's own file usable from a config, and a saved run
+    config that names it loads again in a fresh process (as `--resume` does)."""
+    (tmp_path / "file_loss_plugin.py").write_text(PLUGIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cfg = load_config(overrides=["algo.plugins=[file_loss_plugin]", "algo.loss=file_loss", "algo.my_knob=3"])
+        assert cfg.algo.my_knob == 3.0 and cfg.algo.plugins == ["file_loss_plugin"]
+        save_config(cfg, tmp_path / "run" / "config.yaml")
+    finally:
+        LOSSES.pop("file_loss", None)
+        sys.modules.pop("file_loss_plugin", None)
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo\.my_knob'"):
+        load_config(overrides=["algo.my_knob=3"])  # without the plugin the key means nothing
+    with pytest.raises(ConfigError, match=r"algo\.plugins: cannot import 'no_such_plugin'"):
+        load_config(overrides=["algo.plugins=[no_such_plugin]"])
+    code = ("from kv4rl.config import load_config; import sys; "
+            "a = load_config(sys.argv[1]).algo; print(a.loss, a.my_knob)")
+    path = os.pathsep.join([str(tmp_path), str(os.path.dirname(os.path.dirname(kv4rl.__file__)))])
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run" / "config.yaml")], check=True,
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
+    assert out.stdout.split() == ["file_loss", "3.0"]

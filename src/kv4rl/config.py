@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 
 from kv4rl.algo.config import AdvantageConfig, AlgoConfig
+from kv4rl.algo.registry import import_plugins
 from kv4rl.config_loader import ConfigError, apply_overrides, from_dict, merge, read_yaml, to_dict
 from kv4rl.data.source import DEFAULT_POOL_SIZE
 from kv4rl.engine.config import EngineConfig
@@ -155,7 +156,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         data = merge(data, read_yaml(path))
     data = apply_overrides(data, list(overrides or []))
+    _import_loss_plugins(data)
     return from_dict(RunConfig, data).validate()
+
+
+def _import_loss_plugins(data: dict[str, Any]) -> None:
+    """Import `algo.plugins` before the `algo` section is read: their losses own some of its keys."""
+    algo = data.get("algo")
+    plugins = algo.get("plugins") if isinstance(algo, dict) else None
+    if plugins is None:
+        return
+    if not isinstance(plugins, list) or not all(isinstance(m, str) for m in plugins):
+        raise ConfigError(f"algo.plugins: expected a list of module names like [my_losses], got {plugins!r}")
+    try:
+        import_plugins(plugins)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

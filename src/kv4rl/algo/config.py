@@ -11,25 +11,26 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import kv4rl.algo.losses  # noqa: F401  (registers the built-in losses before any config is read)
-from kv4rl.algo.registry import COMMON_KEYS, LOSSES, get_loss, key_owner, require_choice
-
-LossAgg = Literal["token_mean", "seq_mean"]
+from kv4rl.algo.aggregation import AggMode
+from kv4rl.algo.registry import COMMON_KEYS, LOSSES, get_loss, import_plugins, key_owner, require_choice
 
 
 class AlgoConfig:
     """The policy loss (SPEC §3): the keys every loss shares plus each registered loss's settings.
 
-    `loss` names a registered loss; `kl_ref_coef > 0` adds the k3 reference KL to it. Every other
-    `algo.*` key belongs to one loss's settings dataclass (see `registry`) and reads back as an
-    attribute (`cfg.eps_low`) or through the whole section (`cfg.section("ppo_clip")`). The keys
-    are not a fixed list, so this is not a dataclass: the config loader asks `config_schema()` and
-    `config_values()` for them instead.
+    `loss` names a registered loss; `kl_ref_coef > 0` adds the k3 reference KL to it; `plugins`
+    lists modules to import first, which register more losses. Every other `algo.*` key belongs to
+    one loss's settings dataclass (see `registry`) and reads back as an attribute (`cfg.eps_low`)
+    or through the whole section (`cfg.section("ppo_clip")`). The keys are not a fixed list, so
+    this is not a dataclass: the config loader asks `config_schema()` and `config_values()`.
     """
 
-    __slots__ = ("_sections", "kl_ref_coef", "loss", "loss_agg")
+    __slots__ = ("_sections", "kl_ref_coef", "loss", "loss_agg", "plugins")
 
-    def __init__(self, *, loss: str = "ppo_clip", loss_agg: LossAgg = "token_mean", kl_ref_coef: float = 0.0,
-                 **loss_keys: Any):
+    def __init__(self, *, loss: str = "ppo_clip", loss_agg: AggMode = "token_mean", kl_ref_coef: float = 0.0,
+                 plugins: list[str] | None = None, **loss_keys: Any):
+        self.plugins = list(plugins or [])
+        import_plugins(self.plugins)  # before the keys below: a plugin's loss owns some of them
         self.loss, self.loss_agg, self.kl_ref_coef = loss, loss_agg, kl_ref_coef
         self._sections: dict[str, Any] = {}
         for key, value in loss_keys.items():
@@ -69,7 +70,9 @@ class AlgoConfig:
     @classmethod
     def config_schema(cls) -> dict[str, Any]:
         """Every `algo.*` key with its type annotation: the shared keys, then each loss's."""
-        schema = {key: typing.get_type_hints(cls.__init__)[key] for key in COMMON_KEYS}
+        hints = typing.get_type_hints(cls.__init__)
+        schema = {key: hints[key] for key in COMMON_KEYS}
+        schema["plugins"] = list[str]  # null is the constructor's convenience, not a config value
         for spec in LOSSES.values():
             if spec.settings is not None:
                 hints = typing.get_type_hints(spec.settings)
@@ -92,9 +95,12 @@ class AlgoConfig:
         """Values of every loss's keys (a typo in an unused section is still a typo)."""
         if self.loss not in LOSSES:
             raise ValueError(f"algo.loss: unknown loss {self.loss!r} (registered: {', '.join(sorted(LOSSES))})")
-        require_choice("algo.loss_agg", self.loss_agg, typing.get_args(LossAgg))
+        require_choice("algo.loss_agg", self.loss_agg, typing.get_args(AggMode))
         if not self.kl_ref_coef >= 0.0:
             raise ValueError(f"algo.kl_ref_coef must be >= 0, got {self.kl_ref_coef}")
+        if self.kl_ref_coef > 0 and "ref_logprobs" not in get_loss(self.loss).inputs(self):
+            raise ValueError(f"algo.kl_ref_coef: algo.loss={self.loss} does not read reference log-probs, "
+                             "so it cannot add the reference KL; set algo.kl_ref_coef=0")
         for name in LOSSES:
             validate = getattr(self.section(name), "validate", None)
             if validate is not None:

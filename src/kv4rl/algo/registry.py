@@ -18,6 +18,7 @@ A loss is a function `fn(inp: LossInputs, cfg: AlgoConfig) -> (loss, metrics)` r
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,7 +34,7 @@ LOSS_INPUTS: dict[str, str] = {
     "ref_logprobs": "log π_ref of the frozen reference policy (one extra forward; given when the run has one)",
     "versions": "policy version that sampled each token (an integer tensor)",
 }
-COMMON_KEYS = ("loss", "loss_agg", "kl_ref_coef")  # algo keys every loss shares
+COMMON_KEYS = ("loss", "loss_agg", "kl_ref_coef", "plugins")  # algo keys every loss shares
 
 
 @dataclass(kw_only=True)
@@ -157,3 +158,15 @@ def get_loss(name: str) -> LossSpec:
 def key_owner(key: str) -> str | None:
     """The registered loss whose settings hold `key`, or None."""
     return next((spec.name for spec in LOSSES.values() if key in spec.keys()), None)
+
+
+def import_plugins(modules: Iterable[str]) -> None:
+    """Import the modules named in `algo.plugins`; importing one runs its `register_loss` calls.
+
+    Python caches imports, so naming a module twice, or in a reloaded run config, registers once.
+    """
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ValueError(f"algo.plugins: cannot import {module!r} ({exc}); is it on the Python path?") from exc
