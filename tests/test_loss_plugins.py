@@ -148,7 +148,7 @@ def test_plugin_keys_round_trip_through_the_saved_config(tmp_path, toy_loss):
 
 
 def test_unregistered_names_and_keys_are_clear_errors(toy_loss):
-    with pytest.raises(ConfigError, match=r"algo\.loss: unknown loss 'dpo' \(registered: future_kl, ppo_clip, toy_pg\)"):
+    with pytest.raises(ConfigError, match=r"algo\.loss: unknown loss 'dpo' \(registered: future_kl, ppo_clip, toy_pg; "):
         load_config(overrides=["algo.loss=dpo"])
     spec = LOSSES.pop(toy_loss)
     try:

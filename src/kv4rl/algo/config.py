@@ -94,7 +94,8 @@ class AlgoConfig:
     def validate(self) -> None:
         """Values of every loss's keys (a typo in an unused section is still a typo)."""
         if self.loss not in LOSSES:
-            raise ValueError(f"algo.loss: unknown loss {self.loss!r} (registered: {', '.join(sorted(LOSSES))})")
+            raise ValueError(f"algo.loss: unknown loss {self.loss!r} (registered: {', '.join(sorted(LOSSES))}; "
+                             "a loss of your own needs algo.plugins=[its module])")
         require_choice("algo.loss_agg", self.loss_agg, typing.get_args(AggMode))
         if not self.kl_ref_coef >= 0.0:
             raise ValueError(f"algo.kl_ref_coef must be >= 0, got {self.kl_ref_coef}")
