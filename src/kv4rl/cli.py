@@ -152,6 +152,61 @@ def plot_rollout_trace_cmd(
     console.print(f"wrote {path}")
 
 
+@plot_app.command("curves")
+def plot_curves_cmd(
+    runs: list[str] | None = typer.Argument(
+        None, help="run folders or globs; folders named NAME-s<seed> form arm NAME"),
+    metric: str = typer.Option("accuracy", "--metric", "-m", help="metrics.jsonl key, e.g. reward_mean, eval/mean@1"),
+    ema: float = typer.Option(0.9, "--ema", help="EMA decay per seed: s_t = ema*s_(t-1) + (1-ema)*x_t; 0: raw"),
+    arm: list[str] | None = typer.Option(None, "--arm", help="NAME=GLOB: the runs of one arm, named (repeatable)"),
+    out: Path = typer.Option(Path("curves.png"), "--out", "-o", help="PNG path; the CSV goes beside it"),
+    json_out: Path | None = typer.Option(None, "--json", help="also write the per-arm summary here"),
+) -> None:
+    """Learning curves: per arm, the mean over seeds of each seed's EMA curve, with a min-max band."""
+    from kv4rl.cli_common import write_json
+    from kv4rl.telemetry.curves import curve_rows, learning_curves
+    from kv4rl.telemetry.plots import plot_curves, write_csv
+
+    try:
+        curves, summary = learning_curves(runs or [], arm or [], metric, ema)
+    except ValueError as exc:
+        fail(str(exc))
+    png = plot_curves(curves, metric, ema, summary["band"], out)
+    csv_path = write_csv(curve_rows(curves), out.with_suffix(".csv"))
+    table = Table(title=f"{metric}, EMA {ema:g}", caption="final: each seed's EMA at its last iteration; "
+                  "drop: largest fall below the running max, of the mean curve and of the worst seed")
+    for col in ("arm", "seeds", "last iter", "final mean ± std", "drop mean", "drop seed"):
+        table.add_column(col, justify="left" if col == "arm" else "right")
+    for name, a in summary["arms"].items():
+        final = "-" if a["final_mean"] is None else f"{a['final_mean']:.4f}"
+        if a["final_std"] is not None:
+            final += f" ± {a['final_std']:.4f}"
+        table.add_row(name, str(a["n_seeds"]), str(a["last_iteration"]), final,
+                      f"{a['worst_drop_mean_curve']:.4f}", f"{a['worst_drop_worst_seed']:.4f}")
+    console.print(table)
+    write_json(summary, json_out)
+    console.print(f"wrote {png} and {csv_path}" + (f" and {json_out}" if json_out else ""))
+
+
+@plot_app.command("iteration-time")
+def plot_iteration_time_cmd(
+    runs: list[Path] = typer.Argument(..., help="run folders"),
+    out: Path = typer.Option(Path("iteration_time.png"), "--out", "-o", help="PNG path; the CSV goes beside it"),
+    skip: int = typer.Option(0, "--skip", help="leave out the iterations before this one (warm-up)"),
+) -> None:
+    """Stacked bars of the mean time per phase (rollout, reward, update, sync, other) per run."""
+    from kv4rl.telemetry.phases import phase_rows
+    from kv4rl.telemetry.plots import plot_iteration_time, write_csv
+
+    try:
+        rows = phase_rows(runs, skip)
+    except ValueError as exc:
+        fail(str(exc))
+    png = plot_iteration_time(rows, out)
+    csv_path = write_csv(rows, out.with_suffix(".csv"))
+    console.print(f"wrote {png} and {csv_path}")
+
+
 def main() -> None:  # pragma: no cover
     try:
         app()

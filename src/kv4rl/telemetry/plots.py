@@ -2,19 +2,83 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 from kv4rl.telemetry.metrics import read_jsonl
 
 
-def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[int, int] | None = None) -> Path:
-    """Figure B-2 style: per decode step, active batch size and mean context length, nominal resident
-    KV bytes, and step latency; one column per run (e.g. sync and partial side by side)."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, out_png: Path) -> Path:
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    _pyplot().close(fig)
+    return out_png
+
+
+def write_csv(rows: list[dict], path: Path) -> Path:
+    """The numbers behind a figure, one row per plotted point (columns from the first row)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def plot_curves(curves, metric: str, decay: float, band: str, out_png: Path) -> Path:
+    """Per arm: the mean over seeds of the EMA curves, and a shaded band (see `curves.BAND`)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for c in curves:
+        n = max(c.n_seeds, default=0)
+        (line,) = ax.plot(c.iterations, c.mean, label=f"{c.name} (n={n})")
+        ax.fill_between(c.iterations, c.low, c.high, color=line.get_color(), alpha=0.2, lw=0)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric}: mean over seeds of EMA({decay:g}); band: {band}")
+    ax.grid(alpha=0.3)
+    ax.legend(title=f"arm (band: {band})", fontsize="small")
+    return _save(fig, out_png)
+
+
+def plot_iteration_time(rows: list[dict], out_png: Path) -> Path:
+    """Stacked bars: mean seconds per phase, one bar per run (rows from `phases.phase_rows`)."""
+    plt = _pyplot()
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    phases = list(dict.fromkeys(r["phase"] for r in rows))
+    value = {(r["run"], r["phase"]): r["mean_s"] for r in rows}
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(runs) + 3), 5))
+    bottom = [0.0] * len(runs)
+    for phase in phases:
+        heights = [value[(run, phase)] for run in runs]
+        ax.bar(runs, heights, bottom=bottom, label=phase)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for x, total in enumerate(bottom):
+        ax.annotate(f"{total:.3g} s", (x, total), ha="center", va="bottom", fontsize="small")
+    ax.margins(y=0.08)
+    ax.set_ylabel("mean seconds per iteration")
+    ax.set_title("time per iteration by phase")
+    ax.legend(fontsize="small")
+    ax.tick_params(axis="x", labelrotation=20)
+    return _save(fig, out_png)
+
+
+def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[int, int] | None = None) -> Path:
+    """Figure B-2 style: per decode step, active batch size and mean context length, nominal resident
+    KV bytes, and step latency; one column per run (e.g. sync and partial side by side)."""
+    plt = _pyplot()
     fig, axes = plt.subplots(3, len(run_dirs), figsize=(6 * len(run_dirs), 9), squeeze=False, sharey="row")
     for col, run in enumerate(run_dirs):
         trace = read_jsonl(Path(run) / "rollout_trace.jsonl")
@@ -39,12 +103,7 @@ def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[in
         for row in axes:
             for b in bounds:
                 row[col].axvline(b, color="grey", lw=0.5, ls=":")
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return _save(fig, out_png)
 
 
 def plot_rollout_corners(traces: dict[str, list[dict]], pool_bytes: dict[str, int], out_png: Path) -> Path:
@@ -54,11 +113,7 @@ def plot_rollout_corners(traces: dict[str, list[dict]], pool_bytes: dict[str, in
 
     `traces` maps "format mode" to steps of {"t": engine seconds, "active", "kv_bytes"}; `pool_bytes`
     maps each format to its pool's bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     formats = list(dict.fromkeys(label.split()[0] for label in traces))
     unit, scale = ("GiB", 2**30) if max(pool_bytes.values()) >= 2**30 else ("MiB", 2**20)
     fig, axes = plt.subplots(2, len(formats), figsize=(5 * len(formats), 6), squeeze=False, sharey="row")
@@ -78,9 +133,4 @@ def plot_rollout_corners(traces: dict[str, list[dict]], pool_bytes: dict[str, in
         bottom.set_ylabel(f"KV in use ({unit})")
         bottom.set_xlabel("engine time in one timed repeat (s)")
         bottom.legend(loc="lower right")
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return _save(fig, out_png)

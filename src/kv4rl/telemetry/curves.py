@@ -1,0 +1,197 @@
+"""Learning curves over seeds: run folders -> arms -> EMA per seed -> mean and min-max band per arm.
+
+Pure computation (no matplotlib), so the numbers behind a figure can be checked by hand and
+written as CSV/JSON beside it.
+
+Definitions (the figure, CSV and JSON all use these):
+- An *arm* is a set of runs that differ only by seed: folder names that differ only by a trailing
+  `-s<seed>` (`ppo-s0`, `ppo-s1` -> arm `ppo`), or the runs named by `--arm NAME=GLOB`.
+- Per seed, the metric's series keeps the iterations whose row has the key with a non-null value
+  (evaluation metrics are logged every N iterations; non-finite values are written as null).
+- EMA per seed over that series: s_0 = x_0, s_t = ema * s_{t-1} + (1 - ema) * x_t (`ema=0`: raw).
+- Per arm and iteration, over the seeds that logged that iteration: mean, low = min, high = max.
+- Final value: each seed's EMA at its last logged iteration; mean and sample std (ddof=1) over seeds.
+- Worst drop of a curve: max over t of (max_{u<=t} s_u) - s_t, for metrics where higher is better;
+  reported for the arm's mean curve and for its worst seed.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kv4rl.telemetry.metrics import read_jsonl
+
+SEED_SUFFIX = re.compile(r"-s\d+$")
+BAND = "min-max over seeds"
+
+
+@dataclass
+class Arm:
+    name: str
+    runs: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class SeedCurve:
+    run: Path
+    iterations: list[int]
+    values: list[float]  # raw metric
+    smoothed: list[float]  # EMA
+    null_values: int  # rows where the metric was logged as null (non-finite)
+
+
+@dataclass
+class ArmCurve:
+    name: str
+    seeds: list[SeedCurve]
+    iterations: list[int]
+    mean: list[float]
+    low: list[float]
+    high: list[float]
+    n_seeds: list[int]
+
+
+def ema(values: list[float], decay: float) -> list[float]:
+    out: list[float] = []
+    for x in values:
+        out.append(x if not out else decay * out[-1] + (1 - decay) * x)
+    return out
+
+
+def worst_drop(curve: list[float]) -> float:
+    """Largest fall below the running maximum (0 for a non-decreasing curve)."""
+    peak, drop = -math.inf, 0.0
+    for v in curve:
+        peak = max(peak, v)
+        drop = max(drop, peak - v)
+    return drop
+
+
+def expand(pattern: str) -> list[Path]:
+    """A run folder, or a glob over run folders (sorted); errors name what did not match."""
+    path = Path(pattern)
+    if path.is_dir():
+        found = [path]
+    else:
+        found = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_dir())
+        if not found:
+            raise ValueError(f"{pattern}: matches no run folder")
+    for run in found:
+        if not (run / "metrics.jsonl").is_file():
+            raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
+    return found
+
+
+def arm_name(run: Path) -> str:
+    return SEED_SUFFIX.sub("", run.name)
+
+
+def group_arms(patterns: list[str], named: list[str]) -> list[Arm]:
+    """Arms in order of first appearance: positional runs grouped by name, then `NAME=GLOB` arms."""
+    arms: dict[str, Arm] = {}
+    owner: dict[Path, str] = {}
+
+    def add(arm: str, run: Path) -> None:
+        key = run.resolve()
+        if key in owner:
+            if owner[key] == arm:
+                return  # the same folder matched twice (overlapping globs)
+            raise ValueError(f"{run} falls in two arms: {owner[key]} and {arm}")
+        owner[key] = arm
+        arms.setdefault(arm, Arm(arm)).runs.append(run)
+
+    for pattern in patterns:
+        for run in expand(pattern):
+            add(arm_name(run), run)
+    for arm in arms.values():  # one folder name twice (from two parents) is not two seeds
+        names = [r.name for r in arm.runs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"arm {arm.name}: several folders named {dup[0]}; name the arms with --arm NAME=GLOB")
+    for spec in named:
+        name, sep, pattern = spec.partition("=")
+        if not sep or not name or not pattern:
+            raise ValueError(f"--arm {spec!r} must look like NAME=GLOB")
+        if name in arms:
+            raise ValueError(f"--arm {name}: an arm of that name already exists")
+        for run in expand(pattern):
+            add(name, run)
+    if not arms:
+        raise ValueError("no runs given")
+    return list(arms.values())
+
+
+def _numeric_keys(rows: list[dict]) -> list[str]:
+    return sorted({k for r in rows for k, v in r.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"})
+
+
+def load_seed(run: Path, metric: str, decay: float) -> SeedCurve:
+    rows = read_jsonl(run / "metrics.jsonl")
+    logged = [r for r in rows if metric in r]
+    if not logged:
+        raise ValueError(f"{run}: metric '{metric}' not in metrics.jsonl; numeric keys there: "
+                         f"{', '.join(_numeric_keys(rows)) or 'none'}")
+    present = [r for r in logged if r[metric] is not None]
+    for r in present:
+        v = r[metric]
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ValueError(f"{run}: metric '{metric}' is not a number (iteration {r['iteration']}: "
+                             f"{type(v).__name__})")
+    present.sort(key=lambda r: r["iteration"])
+    values = [float(r[metric]) for r in present]
+    return SeedCurve(run, [r["iteration"] for r in present], values, ema(values, decay),
+                     len(logged) - len(present))
+
+
+def arm_curve(arm: Arm, metric: str, decay: float) -> ArmCurve:
+    seeds = [load_seed(run, metric, decay) for run in arm.runs]
+    by_iter: dict[int, list[float]] = {}
+    for s in seeds:
+        for it, v in zip(s.iterations, s.smoothed):
+            by_iter.setdefault(it, []).append(v)
+    its = sorted(by_iter)
+    return ArmCurve(arm.name, seeds, its, [math.fsum(by_iter[i]) / len(by_iter[i]) for i in its],
+                    [min(by_iter[i]) for i in its], [max(by_iter[i]) for i in its],
+                    [len(by_iter[i]) for i in its])
+
+
+def summarize(curve: ArmCurve) -> dict:
+    """Per arm: final EMA value (mean, sample std over seeds) and worst drops."""
+    finals = [s.smoothed[-1] for s in curve.seeds if s.smoothed]
+    n = len(finals)
+    mean = math.fsum(finals) / n if n else None
+    std = math.sqrt(sum((f - mean) ** 2 for f in finals) / (n - 1)) if n > 1 else None
+    return {
+        "runs": [str(s.run) for s in curve.seeds],
+        "n_seeds": len(curve.seeds),
+        "last_iteration": curve.iterations[-1] if curve.iterations else None,
+        "final_mean": mean,
+        "final_std": std,
+        "final_per_seed": finals,
+        "worst_drop_mean_curve": worst_drop(curve.mean),
+        "worst_drop_worst_seed": max(worst_drop(s.smoothed) for s in curve.seeds),
+        "null_values": sum(s.null_values for s in curve.seeds),
+    }
+
+
+def curve_rows(curves: list[ArmCurve]) -> list[dict]:
+    """The CSV rows: one per (arm, iteration)."""
+    return [{"iteration": it, "arm": c.name, "mean": m, "low": lo, "high": hi, "n_seeds": n}
+            for c in curves for it, m, lo, hi, n in zip(c.iterations, c.mean, c.low, c.high, c.n_seeds)]
+
+
+def learning_curves(patterns: list[str], named: list[str], metric: str,
+                    decay: float) -> tuple[list[ArmCurve], dict]:
+    """Everything the `plot curves` command shows: the arm curves and the summary (JSON-ready)."""
+    if not 0 <= decay < 1:
+        raise ValueError(f"--ema {decay}: must be in [0, 1)")
+    arms = group_arms(patterns, named)
+    curves = [arm_curve(a, metric, decay) for a in arms]
+    summary = {"metric": metric, "ema": decay, "band": BAND,
+               "arms": {c.name: summarize(c) for c in curves}}
+    return curves, summary

@@ -1,0 +1,48 @@
+"""Where an iteration's time goes: mean seconds per phase of the training loop, per run.
+
+The loop times rollout, reward (with advantages), update and weight sync inside `time_total`;
+whatever `time_total` holds beyond those four (batch hand-off, bookkeeping) is shown as `other`, so
+the stacked bar's height is the mean `time_total`. Evaluation runs outside `time_total`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from kv4rl.telemetry.metrics import read_jsonl
+
+PHASES = ("time_rollout", "time_reward", "time_update", "time_sync")
+
+
+def phase_means(run: Path, skip: int = 0) -> dict[str, float]:
+    """Mean seconds per phase over the run's iterations from `skip` on (`skip` drops warm-up)."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
+    rows = [r for r in read_jsonl(path) if r["iteration"] >= skip]
+    if not rows:
+        raise ValueError(f"{run}: no iterations at or after {skip}")
+    for key in (*PHASES, "time_total"):
+        missing = [r["iteration"] for r in rows if not isinstance(r.get(key), (int, float))]
+        if missing:
+            raise ValueError(f"{run}: '{key}' missing at iteration {missing[0]}")
+    means = {k: math.fsum(r[k] for r in rows) / len(rows) for k in (*PHASES, "time_total")}
+    means["other"] = means["time_total"] - sum(means[k] for k in PHASES)
+    means["iterations"] = len(rows)
+    return means
+
+
+def phase_rows(runs: list[Path], skip: int = 0) -> list[dict]:
+    """The CSV rows: one per (run, phase), `share` = the phase's part of the mean `time_total`."""
+    labels = [Path(r).name for r in runs]
+    if len(set(labels)) < len(labels):
+        labels = [str(r) for r in runs]
+    rows = []
+    for label, run in zip(labels, runs):
+        m = phase_means(run, skip)
+        for phase in (*PHASES, "other"):
+            rows.append({"run": label, "phase": phase.removeprefix("time_"), "mean_s": m[phase],
+                         "share": m[phase] / m["time_total"] if m["time_total"] else 0.0,
+                         "iterations": m["iterations"]})
+    return rows

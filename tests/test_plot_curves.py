@@ -1,0 +1,141 @@
+"""`kv4rl plot curves` and `plot iteration-time`: the CSV/JSON numbers against cases worked by hand."""
+
+import csv
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from kv4rl.cli import app
+from kv4rl.telemetry.curves import ema, worst_drop
+
+runner = CliRunner()
+EVAL = "eval/mean@1"
+
+
+def squash(text: str) -> str:
+    """The console wraps long lines: compare text with all whitespace removed."""
+    return "".join(text.split())
+
+
+def write_run(folder, rows):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def eval_rows(values: dict):
+    """Rows for iterations 0..max: the eval metric only where given (None is written as null)."""
+    last = max(values)
+    return [{"iteration": i, "loss": 0.1 * i, **({EVAL: values[i]} if i in values else {})} for i in range(last + 1)]
+
+
+@pytest.fixture
+def runs(tmp_path):
+    write_run(tmp_path / "ppo-s0", eval_rows({1: 0.0, 3: 1.0, 5: 0.5, 6: None, 7: 0.0}))
+    write_run(tmp_path / "ppo-s1", eval_rows({1: 1.0, 3: 1.0, 5: 0.0, 7: 1.0, 9: 1.0}))
+    write_run(tmp_path / "other" / "base-s0", eval_rows({1: 0.25, 3: 0.75}))
+    return tmp_path
+
+
+def read_csv(path):
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_and_summary_match_hand_computation(runs):
+    out = runs / "fig" / "curves.png"
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--metric", EVAL, "--ema", "0.5",
+                              "--arm", f"baseline={runs / 'other' / 'base-*'}", "--out", str(out),
+                              "--json", str(runs / "s.json")])
+    assert res.exit_code == 0, res.output
+    assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # By hand, EMA 0.5 over the logged iterations (iteration 6's null is skipped):
+    #   ppo-s0 at 1,3,5,7: x = 0, 1, .5, 0    -> s = 0, .5, .5, .25
+    #   ppo-s1 at 1,3,5,7,9: x = 1, 1, 0, 1, 1 -> s = 1, 1, .5, .75, .875
+    #   baseline at 1,3: x = .25, .75          -> s = .25, .5
+    expected = [
+        (1, "ppo", 0.5, 0.0, 1.0, 2), (3, "ppo", 0.75, 0.5, 1.0, 2), (5, "ppo", 0.5, 0.5, 0.5, 2),
+        (7, "ppo", 0.5, 0.25, 0.75, 2), (9, "ppo", 0.875, 0.875, 0.875, 1),
+        (1, "baseline", 0.25, 0.25, 0.25, 1), (3, "baseline", 0.5, 0.5, 0.5, 1),
+    ]
+    rows = read_csv(out.with_suffix(".csv"))
+    assert list(rows[0]) == ["iteration", "arm", "mean", "low", "high", "n_seeds"]
+    got = [(int(r["iteration"]), r["arm"], float(r["mean"]), float(r["low"]), float(r["high"]), int(r["n_seeds"]))
+           for r in rows]
+    assert got == expected
+
+    summary = json.loads((runs / "s.json").read_text())
+    assert summary["band"] == "min-max over seeds" and summary["ema"] == 0.5
+    ppo = summary["arms"]["ppo"]
+    # finals .25 and .875: mean .5625, sample std |.875 - .25| / sqrt(2)
+    assert ppo["final_per_seed"] == [0.25, 0.875]
+    assert ppo["final_mean"] == pytest.approx(0.5625)
+    assert ppo["final_std"] == pytest.approx(0.625 / math.sqrt(2))
+    # mean curve .5, .75, .5, .5, .875: falls .25 below its peak; seed 1 falls from 1 to .5
+    assert ppo["worst_drop_mean_curve"] == pytest.approx(0.25)
+    assert ppo["worst_drop_worst_seed"] == pytest.approx(0.5)
+    assert ppo["null_values"] == 1 and ppo["n_seeds"] == 2 and ppo["last_iteration"] == 9
+    base = summary["arms"]["baseline"]
+    assert base["final_mean"] == 0.5 and base["final_std"] is None and base["worst_drop_mean_curve"] == 0.0
+    assert "0.5625±0.4419" in squash(res.output)
+
+
+def test_ema_and_worst_drop_definitions():
+    assert ema([4.0, 0.0, 2.0], 0.75) == [4.0, 3.0, 2.75]
+    assert ema([4.0, 0.0], 0.0) == [4.0, 0.0]
+    assert worst_drop([1.0, 3.0, 2.0, 5.0, 1.5, 4.0]) == 3.5
+    assert worst_drop([1.0, 2.0, 2.0]) == 0.0
+
+
+def test_missing_metric_names_it_and_the_keys_there(runs):
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s0"), "--metric", "acuracy",
+                              "--out", str(runs / "x.png")])
+    assert res.exit_code == 2
+    assert squash("metric 'acuracy' not in metrics.jsonl; numeric keys there: eval/mean@1, loss") in squash(res.output)
+    assert not (runs / "x.png").exists()
+
+
+def test_glob_matching_nothing_is_a_clear_error(runs):
+    res = runner.invoke(app, ["plot", "curves", str(runs / "dpo-s*"), "--out", str(runs / "x.png")])
+    assert res.exit_code == 2 and squash(f"{runs / 'dpo-s*'}: matches no run folder") in squash(res.output)
+    res = runner.invoke(app, ["plot", "curves", "--arm", "dpo", "--out", str(runs / "x.png")])
+    assert res.exit_code == 2 and "NAME=GLOB" in res.output
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s0"), "--ema", "1"])
+    assert res.exit_code == 2 and "--ema" in res.output
+    assert not (runs / "x.png").exists()
+
+
+def test_same_folder_name_under_two_parents_needs_named_arms(runs):
+    write_run(runs / "again" / "ppo-s0", eval_rows({1: 0.5}))
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), str(runs / "again" / "ppo-s0"),
+                              "--metric", EVAL, "--out", str(runs / "x.png")])
+    assert res.exit_code == 2 and "--arm NAME=GLOB" in res.output
+
+
+def test_iteration_time_csv_matches_hand_computation(tmp_path):
+    phases = lambda it, r, w, u, s, t: {"iteration": it, "time_rollout": r, "time_reward": w, "time_update": u,
+                                        "time_sync": s, "time_total": t}
+    write_run(tmp_path / "a", [phases(0, 9.0, 9.0, 9.0, 9.0, 99.0),  # warm-up, left out by --skip 1
+                               phases(1, 1.0, 0.5, 2.0, 0.25, 4.0), phases(2, 3.0, 0.5, 4.0, 0.75, 9.0)])
+    write_run(tmp_path / "b", [phases(0, 2.0, 0.0, 1.0, 0.0, 4.0), phases(1, 2.0, 0.0, 1.0, 0.0, 4.0)])
+    out = tmp_path / "t.png"
+    res = runner.invoke(app, ["plot", "iteration-time", str(tmp_path / "a"), str(tmp_path / "b"), "--skip", "1",
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    got = [(r["run"], r["phase"], float(r["mean_s"]), float(r["share"]), int(r["iterations"]))
+           for r in read_csv(tmp_path / "t.csv")]
+    # a, iterations 1-2: rollout 2, reward .5, update 3, sync .5, total 6.5 -> other .5
+    # b, iteration 1: rollout 2, update 1, total 4 -> other 1
+    assert got == [("a", "rollout", 2.0, 2 / 6.5, 2), ("a", "reward", 0.5, 0.5 / 6.5, 2),
+                   ("a", "update", 3.0, 3 / 6.5, 2), ("a", "sync", 0.5, 0.5 / 6.5, 2),
+                   ("a", "other", 0.5, 0.5 / 6.5, 2),
+                   ("b", "rollout", 2.0, 0.5, 1), ("b", "reward", 0.0, 0.0, 1), ("b", "update", 1.0, 0.25, 1),
+                   ("b", "sync", 0.0, 0.0, 1), ("b", "other", 1.0, 0.25, 1)]
+
+
+def test_iteration_time_names_a_missing_phase(tmp_path):
+    write_run(tmp_path / "a", [{"iteration": 0, "time_rollout": 1.0, "time_total": 2.0}])
+    res = runner.invoke(app, ["plot", "iteration-time", str(tmp_path / "a"), "--out", str(tmp_path / "t.png")])
+    assert res.exit_code == 2 and "'time_reward' missing at iteration 0" in res.output
