@@ -89,6 +89,19 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    """Live viewers besides metrics.jsonl (see `telemetry.sinks`). `tensorboard: auto` writes event
+    files into the run folder when the package is installed; `true` requires it. W&B only when asked;
+    its run name defaults to the run's name and its group to that name without a `-s<seed>` suffix."""
+
+    tensorboard: Literal["auto"] | bool = "auto"
+    wandb: bool = False
+    wandb_project: str = "kv4rl"
+    wandb_name: str | None = None
+    wandb_group: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     name: str = "tiny-arith"
     out_dir: str = "runs"
@@ -105,6 +118,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def run_dir(self) -> Path:

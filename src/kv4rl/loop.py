@@ -31,6 +31,7 @@ from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.telemetry.metrics import JsonlWriter
 from kv4rl.telemetry.progress import TrainProgress
+from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from kv4rl.trainer.learner import Learner
@@ -203,6 +204,7 @@ def run_eval(s: Setup, it: int) -> dict:
 
 def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict:
     """Run (or continue) training; returns a summary of the run."""
+    sink = MetricsSink(cfg)  # checks the optional viewers before the run folder is touched
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -220,6 +222,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
                 if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == cfg.trainer.iterations):
                     row.update(run_eval(s, it))
                 writer.write(row)
+                sink.log(row)
                 rows.append(row)
                 bar.update(row)
                 done = it + 1
@@ -229,6 +232,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     finally:
         writer.close()
         tracer.close()
+        sink.close()
         close = getattr(s.reward_fn, "close", None)
         if close is not None:
             close()

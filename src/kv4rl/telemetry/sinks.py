@@ -1,0 +1,95 @@
+"""Live viewers of a run's metrics: TensorBoard event files and a Weights & Biases run (both optional).
+
+`metrics.jsonl` stays the record; a sink mirrors each row's numeric scalars under their keys at
+step = iteration (nested values such as the staleness histogram are left out). Which sinks run is the
+config's `logging` section; a sink asked for (`true`) whose package is missing is an error at
+start-up, before the run folder is touched. `tensorboard: auto` writes event files when the package
+is installed.
+
+Resume: a resumed run logs again the iterations after its checkpoint that the interrupted process
+may already have logged. The TensorBoard writer is opened at the first row it receives, with
+`purge_step` = that row's iteration: it starts a new event file whose first record is a
+`SessionLog.START` at that step, and TensorBoard's readers drop every earlier event at or after it,
+so each iteration appears once (metrics.jsonl does the same by dropping those rows). W&B only
+accepts increasing steps: the run is resumed by its id (kept in `wandb_id.txt`) and the iterations
+it already holds keep their first values, which a deterministic resume reproduces.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from kv4rl.config import RunConfig
+from kv4rl.config_loader import ConfigError, to_dict
+from kv4rl.telemetry.curves import SEED_SUFFIX
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The row's numeric scalars (bools and nested dicts/lists left out), without the step itself."""
+    return {k: float(v) for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
+
+
+class MetricsSink:
+    """Mirrors each metrics row into the viewers the config asks for; `log` once per row, then `close`."""
+
+    def __init__(self, cfg: RunConfig, announce=lambda line: print(line, file=sys.stderr)):
+        log_cfg = cfg.logging
+        if log_cfg.tensorboard is True and not installed("tensorboard"):
+            raise ConfigError("logging.tensorboard=true but the 'tensorboard' package is not installed "
+                              "(pip install 'kv4rl[tb]', or set logging.tensorboard=auto)")
+        if log_cfg.wandb and not installed("wandb"):
+            raise ConfigError("logging.wandb=true but the 'wandb' package is not installed "
+                              "(pip install wandb, or set logging.wandb=false)")
+        self.cfg = cfg
+        self.tensorboard = log_cfg.tensorboard is True or (log_cfg.tensorboard == "auto" and installed("tensorboard"))
+        self.wandb = log_cfg.wandb
+        self._tb = None
+        self._wandb_run = None
+        if self.tensorboard:
+            announce(f"tensorboard: event files in {cfg.run_dir} (view: tensorboard --logdir {cfg.run_dir.parent})")
+        if self.wandb:
+            announce(f"wandb: project {log_cfg.wandb_project}, run {log_cfg.wandb_name or cfg.name}")
+
+    def log(self, row: dict) -> None:
+        values, step = scalars(row), row["iteration"]
+        if self.tensorboard:
+            if self._tb is None:
+                self._tb = self._open_tensorboard(step)
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()  # one row per iteration: keep the viewer current, lose nothing on a crash
+        if self.wandb:
+            if self._wandb_run is None:
+                self._wandb_run = self._open_wandb()
+            self._wandb_run.log(values, step=step)
+
+    def _open_tensorboard(self, first_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=str(self.cfg.run_dir), purge_step=first_step)
+
+    def _open_wandb(self):
+        import wandb
+
+        log_cfg, run_dir = self.cfg.logging, Path(self.cfg.run_dir)
+        id_file = run_dir / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        id_file.write_text(run_id + "\n")
+        return wandb.init(project=log_cfg.wandb_project, name=log_cfg.wandb_name or self.cfg.name,
+                          group=log_cfg.wandb_group or SEED_SUFFIX.sub("", self.cfg.name),
+                          config=to_dict(self.cfg), dir=str(run_dir), id=run_id, resume="allow")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None

@@ -1,0 +1,126 @@
+"""Metrics sinks: TensorBoard event files equal metrics.jsonl (read back with TensorBoard's own reader),
+a resume logs each iteration once, and a viewer asked for but not installed stops the run at start-up."""
+
+import json
+import math
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kv4rl.cli import app
+from kv4rl.telemetry.sinks import scalars
+
+runner = CliRunner()
+TINY = ["rollout.quota_groups=2", "rollout.group_size=2", "--no-progress"]
+
+
+def squash(text: str) -> str:
+    return "".join(text.split())
+
+
+@pytest.mark.parametrize("package", ["wandb", "tensorboard"])
+def test_viewer_asked_for_but_not_installed_fails_before_the_run_folder(tmp_path, monkeypatch, package):
+    monkeypatch.setitem(sys.modules, package, None)  # import and find_spec now see no such package
+    res = runner.invoke(app, ["train", f"logging.{package}=true", f"out_dir={tmp_path}", *TINY])
+    assert res.exit_code == 2
+    assert squash(f"logging.{package}=true but the '{package}' package is not installed") in squash(res.output)
+    assert not (tmp_path / "tiny-arith").exists()
+
+
+def test_scalars_keep_numbers_only():
+    row = {"iteration": 3, "loss": 0.5, "steps": 2, "ok": True, "hist": {"0": 1}, "groups": [1], "name": "x"}
+    assert scalars(row) == {"loss": 0.5, "steps": 2.0}
+
+
+def read_events(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def assert_events_equal_jsonl(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = read_events(run_dir)
+    keys = {k for r in rows for k, v in r.items()
+            if k != "iteration" and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))}
+    assert set(events) == keys
+    assert "staleness_hist" not in events and "groups" not in events  # nested values are left out
+    for key, series in events.items():
+        logged = [(r["iteration"], r[key]) for r in rows if key in r]
+        assert [step for step, _ in series] == [it for it, _ in logged], key  # each iteration once
+        for (_, got), (_, want) in zip(series, logged):
+            if want is None:  # metrics.jsonl writes non-finite values as null
+                assert math.isnan(got), key
+            else:  # event files hold float32
+                assert got == np.float32(want), (key, got, want)
+
+
+@pytest.mark.slow
+def test_training_writes_event_files_equal_to_metrics_and_resume_logs_once(tmp_path):
+    pytest.importorskip("tensorboard")
+    run_dir = tmp_path / "tb"
+    res = runner.invoke(app, ["train", "name=tb", f"out_dir={tmp_path}", "trainer.iterations=3",
+                              "checkpoint.save_every=2", *TINY])
+    assert res.exit_code == 0, res.output
+    assert squash(f"tensorboard: event files in {run_dir}") in squash(res.output)
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    assert_events_equal_jsonl(run_dir)
+
+    # as if the process died after logging iteration 2 but before its checkpoint was written
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts / "iter_000003")
+    (ckpts / "latest").write_text("iter_000002\n")
+    res = runner.invoke(app, ["train", "--resume", str(run_dir), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2  # a fresh file for the resumed process
+    assert_events_equal_jsonl(run_dir)
+
+
+class FakeWandb:
+    """Records the calls of the documented `wandb` API that the sink uses."""
+
+    def __init__(self):
+        self.inits, self.logged, self.finished = [], [], 0
+        ids = iter(f"id{i}" for i in range(10))
+        self.util = type("util", (), {"generate_id": staticmethod(lambda: next(ids))})
+        self.__spec__ = type("spec", (), {})()  # find_spec asks for it
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        fake = self
+
+        class Run:
+            def log(self, values, step):
+                fake.logged.append((step, values))
+
+            def finish(self):
+                fake.finished += 1
+
+        return Run()
+
+
+def test_wandb_run_named_after_the_run_grouped_by_arm_and_resumed_by_id(tmp_path, monkeypatch):
+    from kv4rl.config import load_config
+    from kv4rl.telemetry.sinks import MetricsSink
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config(overrides=["name=ppo-s1", f"out_dir={tmp_path}", "logging.wandb=true",
+                                 "logging.tensorboard=false"])
+    cfg.run_dir.mkdir(parents=True)
+    lines = []
+    for _ in range(2):  # a run, then its resume
+        sink = MetricsSink(cfg, announce=lines.append)
+        sink.log({"iteration": 4, "loss": 0.25, "hist": {"0": 3}})
+        sink.close()
+    assert lines == ["wandb: project kv4rl, run ppo-s1"] * 2
+    assert [i["id"] for i in fake.inits] == ["id0", "id0"] and (cfg.run_dir / "wandb_id.txt").is_file()
+    first = fake.inits[0]
+    assert (first["project"], first["name"], first["group"], first["resume"]) == ("kv4rl", "ppo-s1", "ppo", "allow")
+    assert first["config"]["name"] == "ppo-s1" and first["dir"] == str(cfg.run_dir)
+    assert fake.logged == [(4, {"loss": 0.25})] * 2 and fake.finished == 2
