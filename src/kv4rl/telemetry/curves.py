@@ -137,6 +137,8 @@ def load_seed(run: Path, metric: str, decay: float) -> SeedCurve:
         raise ValueError(f"{run}: metric '{metric}' not in metrics.jsonl; numeric keys there: "
                          f"{', '.join(_numeric_keys(rows)) or 'none'}")
     present = [r for r in logged if r[metric] is not None]
+    if not present:
+        raise ValueError(f"{run}: metric '{metric}' is null (non-finite) in every row that has it")
     for r in present:
         v = r[metric]
         if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -162,9 +164,9 @@ def arm_curve(arm: Arm, metric: str, decay: float) -> ArmCurve:
 
 def summarize(curve: ArmCurve) -> dict:
     """Per arm: final EMA value (mean, sample std over seeds) and worst drops."""
-    finals = [s.smoothed[-1] for s in curve.seeds if s.smoothed]
+    finals = [s.smoothed[-1] for s in curve.seeds]
     n = len(finals)
-    mean = math.fsum(finals) / n if n else None
+    mean = math.fsum(finals) / n
     std = math.sqrt(sum((f - mean) ** 2 for f in finals) / (n - 1)) if n > 1 else None
     return {
         "runs": [str(s.run) for s in curve.seeds],
