@@ -121,7 +121,7 @@ def group_arms(patterns: list[str], named: list[str]) -> list[Arm]:
         for run in expand(pattern):
             add(name, run)
     if not arms:
-        raise ValueError("no runs given")
+        raise ValueError("no runs given: name run folders or globs, or --arm NAME=GLOB")
     return list(arms.values())
 
 
