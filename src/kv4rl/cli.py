@@ -46,28 +46,36 @@ def train(
     overrides: list[str] | None = typer.Argument(None, help="config overrides, e.g. trainer.lr=1e-5"),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file"),
     resume: Path | None = typer.Option(None, "--resume", help="run folder to continue (runs/<name>)"),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="start over in a folder that holds a run (the old run is moved aside)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Train a policy with RL (defaults: the embedded tiny model on the embedded arithmetic task)."""
+    """Train a policy with RL (defaults: the embedded tiny model on the embedded arithmetic task).
+
+    A run folder holds one run: training into one that holds a run stops before any work unless
+    --overwrite. SIGTERM/SIGINT end the run after the current iteration with a checkpoint (exit 0).
+    """
     from kv4rl.config import load_config
     from kv4rl.loop import train as run_train
+    from kv4rl.run_folder import config_for_resume
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         if resume is not None:
-            saved = resume / "config.yaml"
-            if not saved.is_file():
-                fail(f"--resume {resume}: no config.yaml there (is it a run folder?)")
-            cfg = load_config(saved, overrides or [])
-            if cfg.run_dir.resolve() != resume.resolve():
-                fail(f"--resume {resume}: its config points at {cfg.run_dir}; do not override name/out_dir")
+            if overwrite or config is not None:
+                fail("--resume continues the run in its folder with its config.yaml; "
+                     "--overwrite and --config do not apply")
+            cfg = config_for_resume(resume, overrides or [])
         else:
             cfg = load_config(config, overrides or [])
-        summary = run_train(cfg, resume=resume is not None, show_progress=progress)
+        summary = run_train(cfg, resume=resume is not None, show_progress=progress, overwrite=overwrite)
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
     _print_table(f"run {summary['run_dir']}", summary)
+    if "stopped_by" in summary:
+        console.print(f"stopped by {summary['stopped_by']}; continue with: kv4rl train --resume "
+                      f"{summary['run_dir']}", highlight=False)
 
 
 @app.command("eval")

@@ -5,7 +5,9 @@ batch of `quota_groups` prompt groups x `group_size` responses from the rollout 
 partial collection, with the configured staleness), scores them, computes GRPO advantages, runs the
 learner's update(s) and, when the refresh schedule says so, pushes the new weights into the engine
 as version `iteration + 1`. Every phase is timed; metrics go to `runs/<name>/metrics.jsonl` and the
-engine's per-step trace to `runs/<name>/rollout_trace.jsonl`.
+engine's per-step trace to `runs/<name>/rollout_trace.jsonl`. The run folder is written only once the
+first iteration has succeeded (`kv4rl.run_folder`), and a SIGTERM/SIGINT ends the run after the
+current iteration with a checkpoint (`kv4rl.graceful_stop`).
 """
 
 from __future__ import annotations
@@ -19,21 +21,23 @@ import torch
 from transformers import AutoTokenizer
 
 from kv4rl.algo.advantages import compute_advantages
-from kv4rl.config import RunConfig, save_config
+from kv4rl.config import RunConfig
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.source import ProblemSource
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine, resolve_device
 from kv4rl.eval.runner import evaluate
+from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.hf_weights import check_model_folder
 from kv4rl.rewards import get_reward
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
-from kv4rl.telemetry.metrics import JsonlWriter
+from kv4rl.run_folder import RunFolder, RunFolderError, check_new_run
+from kv4rl.telemetry.metrics import read_lines
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
-from kv4rl.trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of, save_checkpoint
 from kv4rl.trainer.learner import Learner
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,7 @@ class Setup:
     reward_fn: object
     engine: Engine
     learner: Learner
+    collector: Collector
     pipeline: RolloutPipeline
     start_iteration: int
 
@@ -68,18 +73,35 @@ def _max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptForma
     return min(model_max, headroom + cfg.rollout.max_new_tokens + 1)
 
 
-def build(cfg: RunConfig, resume: bool, show_progress: bool) -> Setup:
+@dataclass
+class Restore:
+    """What a resume starts from: the checkpoint folder, its trainer state and the run it belongs to."""
+
+    path: Path
+    state: dict
+    run_id: str | None
+
+
+def find_restore(cfg: RunConfig) -> Restore:
+    """The newest intact checkpoint of `cfg.run_dir`; a folder with none cannot be resumed."""
+    found = find_resume_checkpoint(cfg.run_dir)
+    if found is None:
+        raise RunFolderError(
+            f"--resume {cfg.run_dir}: no checkpoint yet (the run stopped before its first save, every "
+            f"checkpoint.save_every={cfg.checkpoint.save_every} iterations); to start it over, run "
+            f"`kv4rl train -c {cfg.run_dir / 'config.yaml'} --overwrite`")
+    path, state = found
+    return Restore(path, state, run_of(path))
+
+
+def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup:
+    """Everything a run needs, built and checked before its folder is touched."""
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size)
     base_dir = resolve_model_dir(cfg, progress=show_progress)
     model_max = check_model_folder(base_dir).max_position_embeddings
-    start, policy_dir, state = 0, base_dir, None
-    if resume:
-        ckpt = latest_checkpoint(cfg.run_dir)
-        if ckpt is not None:
-            state = load_trainer_state(ckpt)
-            start, policy_dir = state["iteration"], ckpt
+    policy_dir = base_dir if restore is None else restore.path
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     formatter = PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template,
                                 cfg.data.chat_template)
@@ -91,26 +113,36 @@ def build(cfg: RunConfig, resume: bool, show_progress: bool) -> Setup:
         engine_cfg.max_model_len = _max_model_len(cfg, source, formatter, model_max)
     engine = Engine(policy_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device,
                     dtype=cfg.model.dtype, seed=cfg.seed, tokenizer=tokenizer)
-    engine.version = start
     if show_progress:
         from rich.console import Console
 
         Console(stderr=True).print(engine.summary, highlight=False)
-    t = cfg.trainer
-    learner = Learner(policy_dir, base_dir, algo=cfg.algo, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
-                      grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-                      updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
-                      device=device, grad_checkpointing=t.grad_checkpointing)
+    learner = build_learner(cfg, policy_dir, base_dir, device)
     collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed)
-    pipeline = RolloutPipeline(collector, cfg.staleness)
-    if state is not None:
-        learner.optimizer.load_state_dict(state["optimizer"])
-        if state.get("engine_weights") is not None:  # the engine was behind the learner (refresh_every)
-            engine.model.load_state_dict(state["engine_weights"])  # its own names: FP8 codes stay exact
-        engine.version = state["engine_version"]
-        pipeline.load_state_dict(state["pipeline"])
-    log.info("device %s, model %s, start iteration %d", device, base_dir, start)
-    return Setup(cfg, device, source, formatter, reward_fn, engine, learner, pipeline, start)
+    s = Setup(cfg, device, source, formatter, reward_fn, engine, learner, collector,
+              RolloutPipeline(collector, cfg.staleness), 0)
+    if restore is not None:
+        restore_state(s, restore.state)
+    log.info("device %s, model %s, start iteration %d", device, base_dir, s.start_iteration)
+    return s
+
+
+def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torch.device) -> Learner:
+    t = cfg.trainer
+    return Learner(policy_dir, base_dir, algo=cfg.algo, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
+                   grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
+                   updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
+                   device=device, grad_checkpointing=t.grad_checkpointing)
+
+
+def restore_state(s: Setup, state: dict) -> None:
+    """Put the learner, engine and pipeline back where the checkpoint left them."""
+    s.start_iteration = state["iteration"]
+    s.learner.load_checkpoint_state(state.get("learner") or {"optimizer": state["optimizer"]})
+    if state.get("engine_weights") is not None:  # the engine was behind the learner (refresh_every)
+        s.engine.load_weights_state(state["engine_weights"], state["engine_version"])
+    s.engine.version = state["engine_version"]
+    s.pipeline.load_state_dict(state["pipeline"])
 
 
 def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
@@ -119,7 +151,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     groups = s.pipeline.next_batch()
-    trace, s.pipeline.collector.trace = s.pipeline.collector.trace, []
+    trace = s.collector.take_trace()
     times["time_rollout"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -160,7 +192,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         **staleness_stats(it, completions),
         **collection_stats(trace, r.max_slots),
         "preemptions": s.engine.num_preemptions,
-        "dropped_stale": s.pipeline.collector.num_dropped,
+        "dropped_stale": s.collector.num_dropped,
         "groups": [g.index for g in groups],
         **{f"reward_{k}": float(v) for k, v in reward.stats.items()},
         **adv_metrics,
@@ -202,41 +234,65 @@ def run_eval(s: Setup, it: int) -> dict:
     return {f"eval/{k}": v for k, v in res.items()}
 
 
-def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict:
-    """Run (or continue) training; returns a summary of the run."""
+def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, overwrite: bool = False) -> dict:
+    """Run (or continue) training; returns a summary of the whole run.
+
+    Every start-up check runs before the run folder is touched (see `kv4rl.run_folder`): a fresh run
+    refuses a folder that holds a run unless `overwrite`; a resume takes the newest intact checkpoint.
+    """
     sink = MetricsSink(cfg)  # checks the optional viewers before the run folder is touched
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    s = build(cfg, resume, show_progress)
-    resume_from = s.start_iteration if resume else None
-    writer = JsonlWriter(run_dir / "metrics.jsonl", resume_from=resume_from)
-    tracer = JsonlWriter(run_dir / "rollout_trace.jsonl", resume_from=resume_from)
-    rows: list[dict] = []
-    t_start = time.perf_counter()
-    try:
-        with TrainProgress(cfg.trainer.iterations, s.start_iteration, enabled=show_progress) as bar:
-            for it in range(s.start_iteration, cfg.trainer.iterations):
-                row, trace = run_iteration(s, it)
-                tracer.write_many(trace)
-                if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == cfg.trainer.iterations):
-                    row.update(run_eval(s, it))
-                writer.write(row)
-                sink.log(row)
-                rows.append(row)
-                bar.update(row)
-                done = it + 1
-                if done % cfg.checkpoint.save_every == 0 or done == cfg.trainer.iterations:
-                    save_checkpoint(run_dir, done, s.learner.model, s.formatter.tokenizer, s.learner.optimizer,
-                                    resume_state(s, done), cfg.checkpoint.keep_last)
-    finally:
-        writer.close()
-        tracer.close()
-        sink.close()
-        close = getattr(s.reward_fn, "close", None)
-        if close is not None:
-            close()
-    return summarize_run(rows, time.perf_counter() - t_start, run_dir)
+    if resume:
+        restore = find_restore(cfg)
+    else:
+        check_new_run(cfg.run_dir, overwrite)
+        restore = None
+    with GracefulStop() as stop:
+        s = build(cfg, restore, show_progress)
+        folder = RunFolder(cfg, restore.run_id if restore else None,
+                           s.start_iteration if restore else None, overwrite)
+        try:
+            last = run_loop(s, folder, stop, show_progress, sink)
+        finally:
+            folder.close()
+            sink.close()
+            close = getattr(s.reward_fn, "close", None)
+            if close is not None:
+                close()
+    summary = summarize_run(cfg.run_dir, s.start_iteration if resume else None)
+    if folder.moved_to is not None:
+        summary["previous_run_moved_to"] = str(folder.moved_to)
+    if stop.requested:
+        summary["stopped_by"] = f"{stop.requested} after iteration {last}"
+    return summary
+
+
+def run_loop(s: Setup, folder: RunFolder, stop: GracefulStop, show_progress: bool, sink: MetricsSink) -> int:
+    """Iterate from the start iteration to the end (or a stop signal); returns iterations done."""
+    cfg = s.cfg
+    end, done = cfg.trainer.iterations, s.start_iteration
+    with TrainProgress(end, s.start_iteration, enabled=show_progress) as bar:
+        for it in range(s.start_iteration, end):
+            if stop.requested:
+                break
+            row, trace = run_iteration(s, it)
+            if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
+                row.update(run_eval(s, it))
+            folder.write(row, trace)  # the first write opens the folder: every start-up check has passed
+            sink.log(row)
+            bar.update(row)
+            done = it + 1
+            if done % cfg.checkpoint.save_every == 0 or done == end or stop.requested:
+                save(s, folder, done)
+    return done
+
+
+def save(s: Setup, folder: RunFolder, done: int) -> Path:
+    def write_files(path: Path) -> None:
+        s.learner.save_pretrained(path)
+        s.formatter.tokenizer.save_pretrained(path)
+
+    state = {"learner": s.learner.checkpoint_state(), **resume_state(s, done)}
+    return save_checkpoint(folder.path, done, write_files, state, folder.run_id, s.cfg.checkpoint.keep_last)
 
 
 def resume_state(s: Setup, done: int) -> dict:
@@ -245,23 +301,27 @@ def resume_state(s: Setup, done: int) -> dict:
     behind = s.engine.version != done
     return {
         "engine_version": s.engine.version,
-        "engine_weights": {k: v.detach().cpu().clone() for k, v in s.engine.model.state_dict().items()}
-        if behind else None,
+        "engine_weights": s.engine.weights_state() if behind else None,
         "pipeline": s.pipeline.state_dict(),
     }
 
 
-def summarize_run(rows: list[dict], seconds: float, run_dir: Path) -> dict:
-    if not rows:
-        return {"iterations": 0, "seconds": seconds, "run_dir": str(run_dir)}
-    head, tail = rows[:5], rows[-5:]
-    acc = lambda rs: sum(r["accuracy"] for r in rs) / len(rs)
-    return {
-        "iterations": len(rows),
-        "seconds": seconds,
-        "accuracy_first5": acc(head),
-        "accuracy_last5": acc(tail),
-        "reward_first": rows[0]["reward_mean"],
-        "reward_last": rows[-1]["reward_mean"],
-        "run_dir": str(run_dir),
-    }
+def summarize_run(run_dir: Path, resumed_from: int | None) -> dict:
+    """The whole run as recorded in metrics.jsonl (a resumed run included from iteration 0)."""
+    path = run_dir / "metrics.jsonl"
+    rows = [row for _, row in read_lines(path)] if path.is_file() else []
+    out: dict = {"iterations": len(rows)}
+    if resumed_from is not None:
+        out["resumed_from"] = resumed_from
+    if rows:
+        head, tail = rows[:5], rows[-5:]
+        acc = lambda rs: sum(r["accuracy"] for r in rs) / len(rs)
+        out.update({
+            "iteration_seconds": sum(r.get("time_total") or 0.0 for r in rows),
+            "accuracy_first5": acc(head),
+            "accuracy_last5": acc(tail),
+            "reward_first": rows[0]["reward_mean"],
+            "reward_last": rows[-1]["reward_mean"],
+        })
+    out["run_dir"] = str(run_dir)
+    return out

@@ -389,6 +389,16 @@ class Engine:
         apply_fp8_weights(self.model)
         return f"fp8 weights: {fp8_path(self.model, self.dtype, self.device)}"
 
+    def weights_state(self) -> dict[str, torch.Tensor]:
+        """The engine's weights under its own names, on CPU (FP8 codes and scales stay exact)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def load_weights_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Restore weights saved by `weights_state`; tokens sampled afterwards carry `version`."""
+        self.model.load_state_dict(state)
+        self.version = version
+        self.scheduler.forget_prefixes()
+
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions

@@ -144,6 +144,11 @@ class Collector:
         self.num_dropped += 1
         self._submit(group, j)
 
+    def take_trace(self) -> list[dict]:
+        """The engine steps recorded since the last call (one dict per step), handed over once."""
+        trace, self.trace = self.trace, []
+        return trace
+
     # ---- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything in flight: groups, finished and partial responses in engine queue order."""

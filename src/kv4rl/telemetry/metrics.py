@@ -1,14 +1,20 @@
 """JSON-lines logs (metrics per iteration, rollout trace per engine step), flushed as written.
 
-On resume, rows whose `iteration` is at or after the checkpoint are dropped first: they will be
-produced again, so the file never holds an iteration twice.
+A writer touches its file only at its first write, so a run that fails before its first iteration
+completes leaves an existing file as it was. A fresh run's file is created new (never replacing
+one); a resumed run first drops the rows of iterations at or after the checkpoint (they will be
+produced again) with an atomic rewrite, so the file never holds an iteration twice.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def _clean(v):
@@ -19,29 +25,48 @@ def _clean(v):
 
 class JsonlWriter:
     def __init__(self, path: Path, resume_from: int | None = None):
-        """Start a new file, or (resume) keep the rows of iterations before `resume_from`."""
+        """A new file, or (resume) the existing rows of iterations before `resume_from` kept."""
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_from is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("iteration", -1) < resume_from]
-            tmp = path.with_suffix(".tmp")
+        self.resume_from = resume_from
+        self._file = None
+
+    def _open(self) -> None:
+        if self.resume_from is None:
+            self._file = self.path.open("x")  # a fresh run's log is a new file, never a replaced one
+            return
+        if self.path.exists():
+            kept = [line for line, row in read_lines(self.path) if row.get("iteration", -1) < self.resume_from]
+            tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(path)
-        elif resume_from is None and path.exists():
-            path.unlink()
-        self._file = path.open("a")
+            os.replace(tmp, self.path)
+        self._file = self.path.open("a")
 
     def write(self, row: dict) -> None:
         self.write_many([row])
 
     def write_many(self, rows: list[dict]) -> None:
+        if self._file is None:
+            self._open()
         for row in rows:
             self._file.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def read_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) pairs; a line that does not parse (torn by a kill mid-write) is skipped with a warning."""
+    out = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -1,55 +1,179 @@
-"""Atomic checkpoints: an HF folder (loadable by transformers) plus the trainer's own state.
+"""Checkpoints: an HF folder (loadable by transformers) plus the trainer's own state.
 
-A checkpoint is written into a temporary sibling folder and renamed into place, and the pointer
-file `latest` is replaced atomically afterwards, so a crash at any moment leaves the previous
-checkpoint intact and never a half-written one that looks complete.
+A checkpoint is written into a temporary sibling folder (`.tmp_iter_N`) and renamed into place,
+and the pointer file `latest` is replaced atomically afterwards, so a crash at any moment leaves the
+previous checkpoint intact and never a half-written one that looks complete; temporary folders a
+kill left behind are cleared when the run folder is next used. `checkpoint.json` records the run
+that wrote a checkpoint: retention deletes only that run's own checkpoints, never another's.
+A resume takes the newest intact checkpoint (its JSON files parse, its safetensors headers match
+the file sizes, its trainer state loads) and names every damaged one it passes over.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kv4rl.models.hf_weights import ModelFolderError, check_model_folder, weight_files
+
+log = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.pt"
+META_FILE = "checkpoint.json"
+TMP_PREFIX = ".tmp_"
+_NAME = re.compile(r"iter_(\d+)")
+
+
+class CheckpointError(ValueError):
+    """No checkpoint of a run folder can be resumed from."""
 
 
 def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, iteration: int, model, tokenizer, optimizer, extra: dict,
-                    keep_last: int) -> Path:
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(iteration, folder) of every `iter_N` folder, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.fullmatch(p.name))]
+    return sorted(found)
+
+
+def run_of(path: Path) -> str | None:
+    """The id of the run that wrote the checkpoint at `path` (None: unknown, e.g. an older layout)."""
+    try:
+        return json.loads((path / META_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def save_checkpoint(run_dir: Path, iteration: int, write_files: Callable[[Path], None], state: dict,
+                    run_id: str, keep_last: int) -> Path:
+    """Write `write_files(folder)` (the HF model and tokenizer) plus `state` as `iter_<iteration>`,
+    point `latest` at it and drop this run's checkpoints beyond the newest `keep_last`."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
-    tmp = root / f".tmp_iter_{iteration:06d}"
+    tmp = root / f"{TMP_PREFIX}{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"iteration": iteration, "optimizer": optimizer.state_dict(), **extra}, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
+    tmp.mkdir()
+    write_files(tmp)
+    torch.save({"iteration": iteration, **state}, tmp / STATE_FILE)
+    (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": iteration}) + "\n")
+    replaced = _make_room(final, run_id) if final.exists() else None
     os.replace(tmp, final)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     pointer = root / "latest.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, root / "latest")
-    for old in sorted(root.glob("iter_*"))[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(run_dir, run_id, iteration, keep_last)
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = checkpoint_root(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    path = checkpoint_root(run_dir) / pointer.read_text().strip()
+def _make_room(final: Path, run_id: str) -> Path | None:
+    """Move an existing folder of this iteration out of the way. This run's own (a damaged save a
+    resume passed over) goes to a temporary name, deleted after the swap; another run's is kept
+    under a new name."""
+    if run_of(final) == run_id:
+        old = final.with_name(f"{TMP_PREFIX}old_{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        return old
+    k = 1
+    while (kept := final.with_name(f"{final.name}.other-run-{k}")).exists():
+        k += 1
+    os.replace(final, kept)
+    log.warning("%s was written by another run; kept it as %s", final, kept.name)
+    return None
+
+
+def _prune(run_dir: Path, run_id: str, iteration: int, keep_last: int) -> None:
+    """Keep this run's newest `keep_last` checkpoints up to `iteration`; touch nothing else."""
+    own = [p for i, p in checkpoints(run_dir) if i <= iteration and run_of(p) == run_id]
+    for old in own[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def clear_stale_temps(run_dir: Path) -> list[str]:
+    """Delete the temporary folders and pointer files an interrupted save left; returns their names."""
+    root = checkpoint_root(run_dir)
+    stale = sorted([*root.glob(f"{TMP_PREFIX}*"), *root.glob("latest.tmp")]) if root.is_dir() else []
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return [p.name for p in stale]
+
+
+def _one_line(error: Exception) -> str:
+    """The first sentence of an error, on one line (torch appends paragraphs of advice)."""
+    text = " ".join(str(error).split()).split(". ")[0] or type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the files of checkpoint `path` cannot be resumed from (naming the file), or None."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.glob("*.json")):
+        try:
+            json.loads(file.read_text())
+        except (ValueError, OSError) as error:
+            return f"{file} is not valid JSON ({_one_line(error)})"
+    try:
+        for file in weight_files(path):
+            try:
+                with safe_open(file, framework="pt") as reader:
+                    reader.metadata()
+            except (SafetensorError, OSError) as error:
+                return f"{file} is unreadable ({_one_line(error)})"
+        check_model_folder(path)
+    except ModelFolderError as error:
+        return _one_line(error)
     if not (path / STATE_FILE).is_file():
-        raise ValueError(f"checkpoint pointer {pointer} names {path}, which is incomplete")
-    return path
+        return f"{path / STATE_FILE} is missing"
+    return None
 
 
 def load_trainer_state(path: Path) -> dict:
     return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def find_resume_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
+    """The newest intact checkpoint and its trainer state; None when the folder has no checkpoint.
+
+    Each damaged checkpoint passed over is reported in one line naming the file; CheckpointError
+    when none is intact.
+    """
+    found = checkpoints(run_dir)
+    problems = []
+    for iteration, path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            try:  # any failure to unpickle means the file is damaged, whatever the exception type
+                state = load_trainer_state(path)
+            except Exception as error:  # noqa: BLE001
+                problem = f"{path / STATE_FILE} does not load ({_one_line(error)})"
+            else:
+                if state.get("iteration") != iteration:
+                    problem = f"{path / STATE_FILE} holds iteration {state.get('iteration')}, not {iteration}"
+        if problem is None:
+            if problems:
+                log.warning("resuming from %s, the newest intact checkpoint", path)
+            return path, state
+        log.warning("checkpoint %s is damaged: %s", path.name, problem)
+        problems.append(problem)
+    if found:
+        raise CheckpointError(f"{checkpoint_root(run_dir)}: no intact checkpoint ({'; '.join(problems)})")
+    return None

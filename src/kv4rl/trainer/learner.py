@@ -128,3 +128,15 @@ class Learner:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
+
+    # ---- checkpointing ----------------------------------------------------------------------
+    def save_pretrained(self, path: Path) -> None:
+        """The policy as a Hugging Face folder (safetensors), loadable by transformers."""
+        self.model.save_pretrained(path, safe_serialization=True)
+
+    def checkpoint_state(self) -> dict:
+        """What a resume needs beyond the weights: the AdamW moments and step counts."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

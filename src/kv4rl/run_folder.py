@@ -1,0 +1,119 @@
+"""A run folder holds exactly one run, and a failed start never changes it.
+
+`runs/<name>/` holds one run's `config.yaml`, `metrics.jsonl`, `rollout_trace.jsonl` and
+`checkpoints/`. Training into a folder that already holds a run stops before any work (continue it
+with `--resume`, pick another `name=`, or `--overwrite`, which renames the old folder to a sibling
+and never deletes it). Nothing is written until the run's first iteration has succeeded: every
+start-up check (model, data, engine, learner, the first rollout and update) runs first, so a start
+that fails leaves an existing folder byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+from kv4rl.config import RunConfig, load_config, save_config
+from kv4rl.config_loader import ConfigError, apply_overrides
+from kv4rl.telemetry.metrics import JsonlWriter
+from kv4rl.trainer.checkpoint import clear_stale_temps
+
+log = logging.getLogger(__name__)
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "rollout_trace.jsonl", "checkpoints")
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used as asked (it holds another run, or has nothing to resume)."""
+
+
+def run_contents(run_dir: Path) -> list[str]:
+    """Which of a run's files `run_dir` holds (empty: it holds no run and may be trained into)."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def check_new_run(run_dir: Path, overwrite: bool) -> None:
+    """Refuse, before any work, to train into a folder holding a run unless `overwrite`."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunFolderError(f"{run_dir} is a file, not a run folder")
+    held = run_contents(run_dir)
+    if held and not overwrite:
+        raise RunFolderError(
+            f"{run_dir} already holds a run ({', '.join(held)}); continue it with `--resume {run_dir}`, "
+            f"train into another folder with name=..., or start over with --overwrite (the old run is "
+            f"moved aside, not deleted)")
+
+
+def set_aside(run_dir: Path) -> Path:
+    """Rename `run_dir` to a new sibling `<name>.old-<time>[-k]`; returns the new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, k = run_dir.with_name(f"{run_dir.name}.old-{stamp}"), 1
+    while target.exists():
+        k += 1
+        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{k}")
+    os.rename(run_dir, target)
+    return target
+
+
+def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
+    """The config saved in `folder`, with `overrides`, placed in `folder` itself.
+
+    The folder given is the run: a copied or moved run folder resumes where it is, whatever
+    `name`/`out_dir` its config.yaml recorded (they are rewritten at the first iteration).
+    """
+    saved = folder / "config.yaml"
+    if not saved.is_file():
+        raise RunFolderError(f"--resume {folder}: no config.yaml there (is it a run folder?)")
+    moved = set(apply_overrides({}, overrides)) & {"name", "out_dir"}
+    if moved:
+        raise ConfigError(f"--resume {folder}: {'/'.join(sorted(moved))} come from the folder resumed; "
+                          f"leave them out (copy the folder to resume it elsewhere)")
+    place = folder if folder.name not in ("", ".", "..") else folder.resolve()
+    return load_config(saved, [*overrides, f"name={place.name}", f"out_dir={place.parent}"])
+
+
+class RunFolder:
+    """Writes one run's files; the first write creates (fresh) or reopens (resume) the folder."""
+
+    def __init__(self, cfg: RunConfig, run_id: str | None, resume_from: int | None, overwrite: bool):
+        """`run_id` None starts a new run; `resume_from` is the checkpoint's iteration on resume."""
+        self.cfg = cfg
+        self.path = cfg.run_dir
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.resume_from = resume_from
+        self.overwrite = overwrite
+        self.opened = False
+        self.moved_to: Path | None = None
+        self.metrics = JsonlWriter(self.path / "metrics.jsonl", resume_from=resume_from)
+        self.trace = JsonlWriter(self.path / "rollout_trace.jsonl", resume_from=resume_from)
+
+    def open(self) -> None:
+        """Make the folder this run's: set an old run aside (--overwrite), clear temporary folders
+        an interrupted save left, and write config.yaml. Runs once, at the first write."""
+        if self.opened:
+            return
+        if self.resume_from is None:
+            check_new_run(self.path, self.overwrite)  # again: another process may have started meanwhile
+            if run_contents(self.path):
+                self.moved_to = set_aside(self.path)
+                log.warning("moved the previous run in %s to %s", self.path, self.moved_to)
+        self.path.mkdir(parents=True, exist_ok=True)
+        stale = clear_stale_temps(self.path)
+        if stale:
+            log.warning("removed unfinished checkpoint saves in %s: %s", self.path / "checkpoints",
+                        ", ".join(stale))
+        save_config(self.cfg, self.path / "config.yaml")
+        self.opened = True
+
+    def write(self, row: dict, trace: list[dict]) -> None:
+        """One iteration's engine trace and metrics row."""
+        self.open()
+        self.trace.write_many(trace)
+        self.metrics.write(row)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.trace.close()

@@ -1,0 +1,128 @@
+"""A run folder holds one run: a second `train` into it refuses, --overwrite moves the old run
+aside, a failed start (each cause) leaves the folder byte for byte as it was, retention deletes
+only the run's own checkpoints, and a resume works in place and reports the whole run."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kv4rl.telemetry.metrics import read_jsonl
+from tests.small_runs import SMALL, new_run, train_cli, tree_state
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 2-iteration run with checkpoints iter_1 and iter_2."""
+    return new_run(tmp_path_factory.mktemp("runs"), "base", "trainer.iterations=2", "checkpoint.save_every=1")
+
+
+@pytest.fixture
+def run(finished, tmp_path):
+    """A private copy of the finished run, in a folder of its own."""
+    return shutil.copytree(finished, tmp_path / "run")
+
+
+def test_train_into_a_folder_holding_a_run_refuses_before_any_work(run):
+    before = tree_state(run.parent)
+    res = train_cli(f"out_dir={run.parent}", "name=run", *SMALL, "trainer.iterations=3")
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert "already holds a run" in text and f"--resume {run}" in text and "name=" in text and "--overwrite" in text
+    assert tree_state(run.parent) == before
+
+
+def test_overwrite_moves_the_old_run_aside_and_says_where(run, caplog):
+    before = tree_state(run)
+    res = train_cli(f"out_dir={run.parent}", "name=run", *SMALL, "trainer.iterations=1", "--overwrite")
+    assert res.exit_code == 0, res.output
+    siblings = [p for p in run.parent.iterdir() if p.name.startswith("run.old-")]
+    assert len(siblings) == 1
+    assert tree_state(siblings[0]) == before  # the old run, untouched, under its new name
+    assert str(siblings[0]) in caplog.text
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "latest"]
+
+
+CAUSES = {
+    "missing model folder": ["model.path={tmp}/no-model"],
+    "missing data file": ["data.train={tmp}/no-data.jsonl"],
+    "KV pool too small": ["engine.num_kv_blocks=1", "engine.kv.block_size=4"],
+    "context shorter than a prompt": ["engine.max_model_len=4"],
+    "kv4 protection beyond the context": ["engine.kv.format=kv4", "engine.kv.group_size=32",
+                                          "engine.kv.n_sink=64", "engine.kv.n_recent=64"],
+    "no CUDA": ["device=cuda"],
+}
+
+
+@pytest.mark.parametrize("mode", ["resume", "overwrite"])
+@pytest.mark.parametrize("cause", list(CAUSES))
+def test_failed_start_leaves_the_folder_byte_identical(run, cause, mode):
+    if cause == "no CUDA" and torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    extra = [a.format(tmp=run.parent) for a in CAUSES[cause]]
+    before = tree_state(run.parent)
+    if mode == "resume":
+        res = train_cli("--resume", str(run), "trainer.iterations=4", "--no-progress", *extra)
+    else:
+        res = train_cli(f"out_dir={run.parent}", "name=run", *SMALL, "trainer.iterations=4", *extra, "--overwrite")
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith("error:") and "Traceback" not in res.output
+    assert tree_state(run.parent) == before  # nothing written, nothing moved aside
+
+
+def test_failed_start_in_a_new_folder_creates_nothing(tmp_path):
+    res = train_cli(f"out_dir={tmp_path}", "name=new", *SMALL, "engine.max_model_len=4")
+    assert res.exit_code == 2 and "max_model_len" in res.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_retention_deletes_only_this_runs_checkpoints(run, tmp_path):
+    other = new_run(tmp_path / "elsewhere", "other", "trainer.iterations=1", "checkpoint.save_every=1")
+    foreign = run / "checkpoints" / "iter_000000"  # another run's checkpoint dropped into this folder
+    shutil.copytree(other / "checkpoints" / "iter_000001", foreign)
+    foreign_state = tree_state(foreign)
+    res = train_cli("--resume", str(run), "trainer.iterations=4", "checkpoint.keep_last=1", "--no-progress")
+    assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["iter_000000", "iter_000004", "latest"]
+    assert tree_state(foreign) == foreign_state
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
+
+
+def test_resume_without_a_checkpoint_refuses_and_says_how_to_start_over(run):
+    shutil.rmtree(run / "checkpoints")
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert "no checkpoint yet" in text and f"-c {run / 'config.yaml'} --overwrite" in text
+    assert tree_state(run) == before
+
+
+def test_copied_run_folder_resumes_in_place(run, finished):
+    original = tree_state(finished)
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2]
+    assert (run / "checkpoints" / "iter_000003").is_dir()
+    assert "name: run\n" in (run / "config.yaml").read_text()
+    assert tree_state(finished) == original  # the folder it was copied from is untouched
+    res = train_cli("--resume", str(run), "name=elsewhere", "--no-progress")
+    assert res.exit_code == 2 and "leave them out" in res.output
+
+
+def test_summary_after_resume_covers_the_whole_run(run):
+    from kv4rl.config import load_config
+    from kv4rl.loop import train
+
+    summary = train(load_config(run / "config.yaml", [f"out_dir={run.parent}", "name=run",
+                                                      "trainer.iterations=4"]), resume=True, show_progress=False)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    assert summary["iterations"] == 4 and summary["resumed_from"] == 2
+    assert summary["reward_first"] == rows[0]["reward_mean"] and summary["reward_last"] == rows[3]["reward_mean"]
+    assert summary["accuracy_first5"] == pytest.approx(sum(r["accuracy"] for r in rows) / 4, abs=1e-12)

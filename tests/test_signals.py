@@ -1,0 +1,73 @@
+"""SIGTERM mid-run: the run finishes its iteration, checkpoints and exits 0, and `--resume` then
+ends exactly where an uninterrupted run ends; a second signal ends the process at once."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import kv4rl
+from kv4rl.telemetry.metrics import read_jsonl
+from tests.small_runs import SMALL, new_run, train_cli
+
+pytestmark = pytest.mark.slow
+
+
+def start_training(out_dir: Path, name: str, *extra: str, stderr_path: Path | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(Path(kv4rl.__file__).parents[1]))
+    cmd = [sys.executable, "-m", "kv4rl.cli", "train", f"out_dir={out_dir}", f"name={name}", *SMALL, *extra]
+    stderr = subprocess.PIPE if stderr_path is None else stderr_path.open("w")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
+    ref = new_run(tmp_path, "ref", "trainer.iterations=4", "checkpoint.save_every=100")
+    proc = start_training(tmp_path, "cut", "trainer.iterations=4", "checkpoint.save_every=100")
+    run = tmp_path / "cut"
+    wait_for(lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 1,
+             proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    stopped = len(read_jsonl(run / "metrics.jsonl"))
+    assert 1 <= stopped < 4, "the signal came after the run ended: the test would prove nothing"
+    assert (run / "checkpoints" / "latest").read_text() == f"iter_{stopped:06d}"
+    assert "stopped by SIGTERM" in " ".join(out.split()) and "--resume" in out
+
+    res = train_cli("--resume", str(run), "--no-progress")
+    assert res.exit_code == 0, res.output
+    rows, ref_rows = read_jsonl(run / "metrics.jsonl"), read_jsonl(ref / "metrics.jsonl")
+    for key in ("iteration", "groups", "reward_mean", "response_len_mean"):
+        assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
+    a = load_file(ref / "checkpoints" / "iter_000004" / "model.safetensors")
+    b = load_file(run / "checkpoints" / "iter_000004" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_second_signal_stops_at_once(tmp_path):
+    """Iterations of a second or so, so the second signal lands while the first is being honoured."""
+    big = ["rollout.quota_groups=4", "rollout.group_size=4"]
+    proc = start_training(tmp_path, "twice", "trainer.iterations=1000", "checkpoint.save_every=1000", *big,
+                          stderr_path=tmp_path / "stderr.txt")
+    metrics = tmp_path / "twice" / "metrics.jsonl"
+    wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "stopping after this iteration" in (tmp_path / "stderr.txt").read_text(), proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    assert not (tmp_path / "twice" / "checkpoints").exists()  # it did not wait for the iteration to end
