@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from kv4rl.telemetry.metrics import read_jsonl
 from tests.small_runs import SMALL, new_run, train_cli, tree_state
@@ -21,9 +22,18 @@ def finished(tmp_path_factory):
 
 
 @pytest.fixture
-def run(finished, tmp_path):
-    """A private copy of the finished run, in a folder of its own."""
+def copied(finished, tmp_path):
+    """A private copy of the finished run (its config.yaml still names the original folder)."""
     return shutil.copytree(finished, tmp_path / "run")
+
+
+@pytest.fixture
+def run(copied):
+    """A private run folder whose config.yaml names the folder itself, as if trained there."""
+    saved = copied / "config.yaml"
+    saved.write_text(yaml.safe_dump({**yaml.safe_load(saved.read_text()), "name": "run",
+                                     "out_dir": str(copied.parent)}, sort_keys=False))
+    return copied
 
 
 def test_train_into_a_folder_holding_a_run_refuses_before_any_work(run):
@@ -103,7 +113,8 @@ def test_resume_without_a_checkpoint_refuses_and_says_how_to_start_over(run):
     assert tree_state(run) == before
 
 
-def test_copied_run_folder_resumes_in_place(run, finished):
+def test_copied_run_folder_resumes_in_place(copied, finished):
+    run = copied
     original = tree_state(finished)
     res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
     assert res.exit_code == 0, res.output

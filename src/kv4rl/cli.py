@@ -73,7 +73,7 @@ def train(
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
     _print_table(f"run {summary['run_dir']}", summary)
-    if "stopped_by" in summary:
+    if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
         console.print(f"stopped by {summary['stopped_by']}; continue with: kv4rl train --resume "
                       f"{summary['run_dir']}", highlight=False)
 

@@ -262,7 +262,9 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
     if folder.moved_to is not None:
         summary["previous_run_moved_to"] = str(folder.moved_to)
     if stop.requested:
-        summary["stopped_by"] = f"{stop.requested} after iteration {last}"
+        written = folder.opened or restore is not None
+        summary["stopped_by"] = f"{stop.requested} after iteration {last}" if written else \
+            f"{stop.requested} before the first iteration (nothing written)"
     return summary
 
 

@@ -72,7 +72,9 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
         raise ConfigError(f"--resume {folder}: {'/'.join(sorted(moved))} come from the folder resumed; "
                           f"leave them out (copy the folder to resume it elsewhere)")
     place = folder if folder.name not in ("", ".", "..") else folder.resolve()
-    return load_config(saved, [*overrides, f"name={place.name}", f"out_dir={place.parent}"])
+    cfg = load_config(saved, overrides)
+    cfg.name, cfg.out_dir = place.name, str(place.parent)
+    return cfg.validate()
 
 
 class RunFolder:
