@@ -19,16 +19,28 @@ from kv4rl.quant.fp4 import (
     dequantize_nvfp4,
     e8m0_to_float,
     encode_e2m1,
+    mxfp4_row_bytes,
+    nvfp4_row_bytes,
     nvfp4_tensor_scale,
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from kv4rl.quant.fp8 import dequantize_fp8, quantize_fp8
+from kv4rl.quant.fp8 import dequantize_fp8, fp8_row_bytes, quantize_fp8
 from kv4rl.quant.hadamard import hadamard_matrix, rotate
-from kv4rl.quant.int4 import dequantize_int4, pack_nibbles, quantize_int4, unpack_nibbles
-from kv4rl.quant.int8 import dequantize_int8, quantize_int8
+from kv4rl.quant.int4 import dequantize_int4, int4_row_bytes, pack_nibbles, quantize_int4, unpack_nibbles
+from kv4rl.quant.int8 import dequantize_int8, int8_row_bytes, quantize_int8
 
-KV_FORMATS = ("bf16", "fp32", "fp8", "int8", "int4", "nvfp4", "mxfp4")
+# bytes of one token and head for one of K or V, by name (each quantizer module owns its formula)
+ROW_BYTES = {
+    "bf16": lambda head_dim, group_size: 2.0 * head_dim,
+    "fp32": lambda head_dim, group_size: 4.0 * head_dim,
+    "fp8": lambda head_dim, group_size: fp8_row_bytes(head_dim),
+    "int8": lambda head_dim, group_size: int8_row_bytes(head_dim),
+    "int4": int4_row_bytes,
+    "nvfp4": lambda head_dim, group_size: nvfp4_row_bytes(head_dim),
+    "mxfp4": lambda head_dim, group_size: mxfp4_row_bytes(head_dim),
+}
+KV_FORMATS = tuple(ROW_BYTES)
 
 
 def storage_bytes(format_name: str, head_dim: int, group_size: int = 128) -> float:
@@ -48,20 +60,7 @@ def storage_bytes(format_name: str, head_dim: int, group_size: int = 128) -> flo
         raise ValueError(
             f"{format_name} packs two values per byte and needs an even head_dim, got {head_dim}"
         )
-    match format_name:
-        case "bf16":
-            return 2.0 * head_dim
-        case "fp32":
-            return 4.0 * head_dim
-        case "fp8" | "int8":
-            return head_dim + 4.0  # one float32 scale per token and head
-        case "int4":
-            return head_dim / 2 + 4.0 * (head_dim // group_size)  # fp16 scale + fp16 zero per group
-        case "nvfp4":
-            return head_dim / 2 + 1.0 * (head_dim // NVFP4_BLOCK)  # one e4m3 scale per 16 values
-        case "mxfp4":
-            return head_dim / 2 + 1.0 * (head_dim // MXFP4_BLOCK)  # one e8m0 exponent per 32 values
-    raise AssertionError(f"unhandled KV format {format_name}")
+    return ROW_BYTES[format_name](head_dim, group_size)
 
 
 __all__ = [
@@ -76,7 +75,12 @@ __all__ = [
     "dequantize_nvfp4",
     "e8m0_to_float",
     "encode_e2m1",
+    "fp8_row_bytes",
     "hadamard_matrix",
+    "int4_row_bytes",
+    "int8_row_bytes",
+    "mxfp4_row_bytes",
+    "nvfp4_row_bytes",
     "nvfp4_tensor_scale",
     "pack_nibbles",
     "quantize_fp8",

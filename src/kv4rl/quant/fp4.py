@@ -38,6 +38,19 @@ def _check_block(head_dim: int, block: int, format_name: str) -> None:
         raise ValueError(f"{format_name} needs head_dim divisible by its block size {block}, got {head_dim}")
 
 
+def nvfp4_row_bytes(head_dim: int) -> float:
+    """Bytes of one token and head: two codes per byte and one e4m3 scale per 16 values (the layer's
+    float32 scale is shared by the whole cache and counted as zero)."""
+    _check_block(head_dim, NVFP4_BLOCK, "nvfp4")
+    return head_dim / 2 + 1.0 * (head_dim // NVFP4_BLOCK)
+
+
+def mxfp4_row_bytes(head_dim: int) -> float:
+    """Bytes of one token and head: two codes per byte and one e8m0 exponent per 32 values."""
+    _check_block(head_dim, MXFP4_BLOCK, "mxfp4")
+    return head_dim / 2 + 1.0 * (head_dim // MXFP4_BLOCK)
+
+
 def encode_e2m1(scaled: torch.Tensor) -> torch.Tensor:
     """Round float values (already divided by their scale) to 4-bit e2m1 codes (uint8, unpacked)."""
     magnitude = scaled.float().abs()

@@ -14,6 +14,11 @@ import torch
 FP8_E4M3_MAX = 448.0
 
 
+def fp8_row_bytes(head_dim: int) -> float:
+    """Bytes of one token and head: a code per channel and one float32 scale."""
+    return head_dim + 4.0
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., D]`` -> ``codes [..., D] float8_e4m3fn``, ``scale [...] float32``."""
     values = x.float()

@@ -26,6 +26,12 @@ def _check_group_size(head_dim: int, group_size: int) -> None:
         raise ValueError(f"group_size={group_size} must be a positive divisor of head_dim={head_dim}")
 
 
+def int4_row_bytes(head_dim: int, group_size: int) -> float:
+    """Bytes of one token and head: two codes per byte, an fp16 scale and an fp16 zero per group."""
+    _check_group_size(head_dim, group_size)
+    return head_dim / 2 + 4.0 * (head_dim // group_size)
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Pack 4-bit codes ``[..., D]`` (values 0..15, D even) into bytes ``[..., D//2]`` (even channel low)."""
     if codes.shape[-1] % 2 != 0:

@@ -13,6 +13,11 @@ import torch
 INT8_MAX_CODE = 127
 
 
+def int8_row_bytes(head_dim: int) -> float:
+    """Bytes of one token and head: a code per channel and one float32 scale."""
+    return head_dim + 4.0
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., D]`` -> ``codes [..., D] int8``, ``scale [...] float32``."""
     values = x.float()
