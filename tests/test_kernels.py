@@ -48,19 +48,17 @@ VARIANTS = ["heads_on_m", "tokens_on_m"] + (["tokens_on_m+magic", "cuda"] if CUD
 
 
 @pytest.fixture(params=VARIANTS)
-def variant(request, monkeypatch):
-    """Both Triton kernel layouts (and, on the GPU, the bit-trick code conversions and the CUDA INT4
-    kernel) for every kind."""
-    from kv4rl.kernels import decode_attention as da
+def variant(request):
+    """Decode kernels with both Triton layouts (and, on the GPU, the bit-trick code conversions and the
+    CUDA INT4 kernel) for every kind."""
+    from kv4rl.kernels.decode_attention import DEFAULT_LAUNCH, DecodeKernels
 
-    for kind in da.LAUNCH:
-        monkeypatch.setitem(da.LAUNCH, kind, {**da.LAUNCH[kind], "tokens_on_m": request.param != "heads_on_m",
-                                              "magic": request.param.endswith("magic"),
-                                              "cuda": request.param == "cuda"})
+    launch = {kind: {**cfg, "tokens_on_m": request.param != "heads_on_m", "magic": request.param.endswith("magic")}
+              for kind, cfg in DEFAULT_LAUNCH.items()}
+    kernels = DecodeKernels(launch, int4_cuda=request.param == "cuda")
     if request.param == "cuda":
-        q, k = torch.empty(1, 32, 128, device=DEVICE), torch.empty(16, 8, 64, dtype=torch.uint8, device=DEVICE)
-        assert da.int4_backend(q, k, 16) == ("cuda", None)
-    return request.param
+        assert kernels.int4_body(DEVICE, 128, 4, 8, 16) == ("cuda", None)
+    return kernels
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8", "int4", "kv4"])
@@ -71,7 +69,7 @@ def test_decode_attention_matches_reference(name, gen, variant):
     q = torch.randn(len(LENS), hq, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     ref = reference_decode(fmt, cache, meta, q)
     for max_splits, split in _splits(max(LENS)):
-        out = fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=torch.float32)
+        out = fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=torch.float32, kernels=variant)
         assert not torch.isnan(out).any()
         err = rel_err(out, ref)
         assert err < TOL, (name, max_splits, split, err)
@@ -87,10 +85,10 @@ def test_kv4_sequences_shorter_than_protected_budget(gen, variant):
     cache, meta = random_paged_batch(fmt, lens, hkv, head_dim, block, DEVICE, gen)
     q = torch.randn(len(lens), hq, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     ref = reference_decode(fmt, cache, meta, q)
-    out = fast_decode(fmt, cache, meta, q, 2, 16, out_dtype=torch.float32)
+    out = fast_decode(fmt, cache, meta, q, 2, 16, out_dtype=torch.float32, kernels=variant)
     assert rel_err(out, ref) < TOL
     meta.context_lens[1] = 0
-    out = fast_decode(fmt, cache, meta, q, 2, 16, out_dtype=torch.float32)
+    out = fast_decode(fmt, cache, meta, q, 2, 16, out_dtype=torch.float32, kernels=variant)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
@@ -137,15 +135,12 @@ def _write_both(name: str, gen, rotate: str, with_inputs: bool = False):
         prot = torch.cat((prot, torch.tensor([-1], device=DEVICE)))
     for prefix, x in (("k", k), ("v", v)):
         kw = {"rotate": fmt.rotate == "kv" or (prefix == "k" and fmt.rotate == "k")}
-        if name == "bf16":
-            write_kv(pad(x), slots, store="bf16", out=fast[prefix], **kw)
-            continue
-        kw.update(out=fast[f"{prefix}_codes"], scale=fast[f"{prefix}_scale"], zero=fast.get(f"{prefix}_zero"),
-                  group_size=getattr(fmt, "group_size", head_dim))
+        out, scale, zero = fmt.paged_tensors(fast, prefix)
+        kw.update(out=out, scale=scale, zero=zero, group_size=getattr(fmt, "group_size", head_dim))
         if prot is not None:
             kw.update(protect_rows=prot, prot_codes=fast[f"{prefix}_prot_codes"],
                       prot_scale=fast[f"{prefix}_prot_scale"])
-        write_kv(pad(x), slots, store="int4" if name in ("int4", "kv4") else name, **kw)
+        write_kv(pad(x), slots, store=fmt.decode_kind, **kw)
     if with_inputs:
         return fmt, ref, fast, (meta, k, v, prot)
     return fmt, ref, fast
@@ -191,9 +186,9 @@ def test_fused_write_with_rotation_matches_float64(rotate, gen):
 def test_cuda_int4_kernel_rotations_and_head_shapes(name, rotate, hq, hkv, gen):
     """The CUDA INT4 kernel (in-register query rotation, GQA groups 1.5-8 of the MMA rows, KV-head
     counts that are not a block's worth) against float64, on ragged lengths and several split grids."""
-    from kv4rl.kernels import decode_attention as da
+    from kv4rl.kernels.decode_attention import DecodeKernels
 
-    assert da.int4_backend_for(DEVICE, 128, hq // hkv, hkv, 16) == ("cuda", None)
+    assert DecodeKernels().int4_body(DEVICE, 128, hq // hkv, hkv, 16) == ("cuda", None)
     fmt = make_format(name, 128, n_sink=4, n_recent=32, rotate=rotate)
     lens = [1, 17, 40, 300, 1500]
     cache, meta = random_paged_batch(fmt, lens, hkv, 128, 16, DEVICE, gen)

@@ -207,6 +207,46 @@ def test_bytes_per_token():
     assert kv4 / bf16 <= 0.30
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp32", "fp8", "int4", "kv4", "nvfp4", "mxfp4"])
+def test_part_bytes_is_what_a_slot_allocates(name):
+    """A format's byte cost per token and head (one of K or V) equals the bytes one more cache slot holds
+    in its own allocation (per-sequence rows and per-layer scales excluded by the difference)."""
+    fmt = get_kv_format(name, group_size=32) if name in ("int4", "kv4") else get_kv_format(name)
+
+    def held(num_slots: int) -> int:
+        cache = fmt.allocate(num_slots, 3, 64, torch.device("meta"), num_seq_slots=2)
+        return sum(t.numel() * t.element_size() for t in cache.values())
+
+    assert fmt.part_bytes(64) == (held(5) - held(4)) / (2 * 3)
+
+
+def test_formats_name_their_decode_kernels_and_hand_them_their_tensors():
+    from kv4rl.kernels.decode_common import DecodeKind
+
+    formats = {name: get_kv_format(name, group_size=64) if name in ("int4", "kv4") else get_kv_format(name)
+               for name in ("bf16", "fp32", "fp8", "int4", "kv4", "nvfp4", "mxfp4")}
+    kinds = {name: fmt.decode_kind for name, fmt in formats.items()}
+    assert kinds == {"bf16": DecodeKind.BF16, "fp32": None, "fp8": DecodeKind.FP8, "int4": DecodeKind.INT4,
+                     "kv4": DecodeKind.INT4, "nvfp4": None, "mxfp4": None}
+    problems = {name: fmt.fast_path_problem(64) for name, fmt in formats.items()}
+    assert problems["bf16"] is problems["fp8"] is problems["int4"] is problems["kv4"] is None
+    assert problems["mxfp4"] == "no decode kernel for KV format 'mxfp4' (kernels: bf16, fp8, int4, kv4)"
+    assert "group_size must equal head_dim=128, got 64" in formats["int4"].fast_path_problem(128)
+    for name, fmt in formats.items():
+        if fmt.decode_kind is None:
+            continue
+        cache = fmt.allocate(4, 2, 64, "cpu", num_seq_slots=1)
+        pages, scale, zero = fmt.paged_tensors(cache, "v")
+        assert pages.shape[0] == 4 and (scale is None) == (name == "bf16") and (zero is None) != (name in ("int4", "kv4"))
+        assert pages is cache["v" if name == "bf16" else "v_codes"]
+        side = fmt.side_tensors(cache)
+        assert (side is not None) == fmt.has_side_rows == (name == "kv4")
+    kv4 = formats["kv4"]
+    side = kv4.side_tensors(kv4.allocate(4, 2, 64, "cpu", num_seq_slots=3))
+    assert side["k"].shape == (3 * kv4.budget, 2, 64) and (side["n_sink"], side["n_recent"]) == (16, 128)
+    assert get_kv_format("kv4", n_sink=0, n_recent=0).has_side_rows is False
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):

@@ -6,7 +6,7 @@ import sys
 import torch
 
 from kv4rl.bench.decode_attn import HEAD_SHAPES, PagedCase, _time_graph, int4_kernel, kv_bytes_read, time_sdpa
-from kv4rl.kernels import decode_attention as da
+from kv4rl.kernels.decode_common import DecodeKind
 
 shape, batch, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 hq, hkv, d = HEAD_SHAPES[shape]
@@ -21,7 +21,7 @@ print(f"sdpa {sdpa_ms:.4f} ms")
 def run(case, label):
     out = case.call(q).float()
     ms = _time_graph(lambda: case.call(q))
-    with int4_kernel("triton"):
+    with int4_kernel(case, "triton"):
         ref = case.call(q).float()
     err = float((out - ref).norm() / ref.norm())
     print(f"{label}: {ms:.4f} ms {kv_bytes_read(case.fmt.name, batch, context, hkv, d) / ms / 1e9:.2f} TB/s "
@@ -38,9 +38,9 @@ for fmt in ("int4", "kv4"):
     case.inputs.batch.split_size.fill_(context // 8)
     if fmt == "kv4":
         for warps in (1, 2, 4):
-            da.LAUNCH[da.KIND_INT8_SIDE]["num_warps"] = warps
+            case.fast.kernels.launch[DecodeKind.INT8_SIDE]["num_warps"] = warps
             run(case, f"{fmt} int8_side_warps={warps}")
-        da.LAUNCH[da.KIND_INT8_SIDE]["num_warps"] = 1
+        case.fast.kernels.launch[DecodeKind.INT8_SIDE]["num_warps"] = 1
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             case.call(q)

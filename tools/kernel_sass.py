@@ -18,7 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kv4rl.kernels import decode_attention as da
+from kv4rl.kernels import decode_triton as dt
+from kv4rl.kernels.decode_common import DecodeKind
 
 POINTERS = {"bf16": "*bf16", "fp8": "*fp8e4nv", "int4": "*u8", "int8_side": "*i8"}
 SCALES = {"bf16": "*bf16", "fp8": "*fp32", "int4": "*fp16", "int8_side": "*fp32"}
@@ -28,9 +29,9 @@ DIV16 = {"stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_bt", "num_q
 
 def compile_kernel(kind: str, tokens_on_m: bool, magic: bool, block_n: int, num_warps: int, num_stages: int,
                    group: int = 4, head_dim: int = 128):
-    fn = da._decode_split_kernel_t if tokens_on_m else da._decode_split_kernel
+    fn = dt._decode_split_kernel_t if tokens_on_m else dt._decode_split_kernel
     names = fn.arg_names
-    consts = {"stride_sh": 1, "KIND": da.KINDS[kind], "G": group, "BLOCK_H": max(16, group), "D": head_dim,
+    consts = {"stride_sh": 1, "KIND": int(DecodeKind[kind.upper()]), "G": group, "BLOCK_H": max(16, group), "D": head_dim,
               "BLOCK_N": block_n, "BLOCK_SIZE": 16, "START": 0, "END_OFF": 0, "N_SINK": 0, "N_RECENT": 0,
               "EXACT": False}
     if tokens_on_m:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kv4rl.bench.random_model import QWEN3_SHAPES
-from kv4rl.kernels import decode_attention as da
+from kv4rl.kernels.decode_attention import DecodeKernels
 
 FORMATS = ("bf16", "fp8", "int4", "kv4", "int4-triton", "kv4-triton")  # -triton: the INT4 body in Triton
 HEAD_SHAPES = {name: (QWEN3_SHAPES[name]["num_attention_heads"], QWEN3_SHAPES[name]["num_key_value_heads"],
@@ -100,7 +100,8 @@ class PagedCase:
     """A paged cache of one layer in `fmt` with every sequence at `context` tokens."""
 
     def __init__(self, fmt: str, batch: int, context: int, hq: int, hkv: int, d: int, device, gen,
-                 block_size: int = 16, bf16_kv: tuple | None = None, n_sink: int = 16, n_recent: int = 128):
+                 block_size: int = 16, bf16_kv: tuple | None = None, n_sink: int = 16, n_recent: int = 128,
+                 kernels: DecodeKernels | None = None):
         from kv4rl.engine.fast_path import DecodeInputs, FastAttention
         from kv4rl.engine.kv_formats import get_kv_format
         from kv4rl.kernels.decode_attention import DecodeBatch
@@ -121,7 +122,8 @@ class PagedCase:
             slots = slots[:, :context]
             self.cache["k"][slots] = k.transpose(1, 2)
             self.cache["v"][slots] = v.transpose(1, 2)
-        self.fast = FastAttention(self.fmt, hkv, d, block_size, torch.device(device), num_q_heads=hq)
+        self.fast = FastAttention(self.fmt, hkv, d, block_size, torch.device(device), num_q_heads=hq,
+                                  kernels=kernels)
         host_lens = torch.full((batch,), context, dtype=torch.int32)
         split = self.fast.split_size(context, batch)
         self.inputs = DecodeInputs(
@@ -137,14 +139,15 @@ class PagedCase:
 
 
 @contextlib.contextmanager
-def int4_kernel(which: str):
-    """Run the INT4 body in the CUDA kernel ('auto': where it can) or in Triton ('triton')."""
-    saved = dict(da.LAUNCH[da.KIND_INT4])
-    da.LAUNCH[da.KIND_INT4]["cuda"] = which != "triton"
+def int4_kernel(case: PagedCase, which: str):
+    """Run the case's INT4 body in the CUDA kernel ('auto': where it can) or in Triton ('triton')."""
+    kernels = case.fast.kernels
+    saved = kernels.int4_cuda
+    kernels.int4_cuda = which != "triton"
     try:
         yield
     finally:
-        da.LAUNCH[da.KIND_INT4] = saved
+        kernels.int4_cuda = saved
 
 
 def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], formats: list[str], device="cuda",
@@ -164,18 +167,19 @@ def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], 
                                 "bytes": sdpa_bytes})
                 for fmt in formats:
                     base, _, kernel = fmt.partition("-")
-                    with int4_kernel(kernel or "auto"):  # the split grid follows the kernel too
-                        case = PagedCase(base, batch, context, hq, hkv, d, device, gen, bf16_kv=qkv)
-                        out = case.call(q)
-                        check = {"finite": bool(torch.isfinite(out).all())}
-                        if base in ("int4", "kv4"):
-                            check["int4_kernel"] = da.int4_backend(q, case.cache["k_codes"], case.fast.block_size)[0]
-                        ms = _time_graph(lambda c=case, q=q: c.call(q))
+                    # the split grid follows the INT4 body's kernel too
+                    case = PagedCase(base, batch, context, hq, hkv, d, device, gen, bf16_kv=qkv,
+                                     kernels=DecodeKernels(int4_cuda=kernel != "triton"))
+                    out = case.call(q)
+                    check = {"finite": bool(torch.isfinite(out).all())}
+                    if case.fast.int4_kernel is not None:
+                        check["int4_kernel"] = case.fast.int4_kernel
+                    ms = _time_graph(lambda c=case, q=q: c.call(q))
                     if fmt == "bf16":
                         ref = sdpa_out[:, :, 0, :].float()
                         check["rel_err_vs_sdpa"] = float((out.float() - ref).norm() / ref.norm())
                     elif check.get("int4_kernel") == "cuda":  # the same cache through the Triton kernel
-                        with int4_kernel("triton"):
+                        with int4_kernel(case, "triton"):
                             ref = case.call(q).float()
                         check["rel_diff_vs_triton"] = float((out.float() - ref).norm() / ref.norm())
                     nbytes = kv_bytes_read(base, batch, context, hkv, d)
@@ -199,8 +203,7 @@ def tune(kinds: list[str], configs: list[dict], shape: str, batch: int, context:
     rows = []
     for fmt in kinds:
         case = PagedCase(fmt, batch, context, hq, hkv, d, device, gen)
-        kind = da.KINDS["int4" if fmt == "kv4" else fmt]
-        saved = dict(da.LAUNCH[kind])
+        kind, tuned = case.fmt.decode_kind, case.fast.kernels
         ref = case.call(q).float()
         default_split = int(case.inputs.batch.split_size)
         for cfg in configs:
@@ -210,7 +213,7 @@ def tune(kinds: list[str], configs: list[dict], shape: str, batch: int, context:
             else:
                 case.inputs.batch.max_splits = case.fast.num_splits(batch)
             case.inputs.batch.split_size.fill_(cfg.pop("split", default_split))
-            da.LAUNCH[kind] = {**saved, **cfg}
+            case.fast.kernels = tuned.with_launch(kind, **cfg)
             try:
                 out = case.call(q).float()
                 err = float((out - ref).norm() / ref.norm())
@@ -218,11 +221,10 @@ def tune(kinds: list[str], configs: list[dict], shape: str, batch: int, context:
             except Exception as exc:  # noqa: BLE001 - a config may not compile (shared memory)
                 rows.append({"format": fmt, **cfg, "error": str(exc)[:80]})
                 continue
-            ck = da.last_compiled
+            ck = case.fast.kernels.last_compiled
             stats = {"regs": getattr(ck, "n_regs", None), "spills": getattr(ck, "n_spills", None),
                      "smem": getattr(ck, "shared", None)}
             rows.append({"format": fmt, **cfg, **stats, "split": int(case.inputs.batch.split_size), "ms": ms, "tbps": kv_bytes_read(fmt, batch, context, hkv, d) / ms / 1e9,
                          "rel_diff": err})
-        da.LAUNCH[kind] = saved
         del case
     return rows

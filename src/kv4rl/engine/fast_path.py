@@ -4,7 +4,8 @@ A step's rows with one new token (decodes, and prefix-sharing forks that compute
 token) go through the Triton kernels; longer rows (prefills, re-prefills after preemption) keep the
 reference path, which dequantizes the context once and runs SDPA. Both write the same cache, so a
 sequence may move between them from step to step. Which path runs is decided once, when the engine
-starts, and logged.
+starts, and logged. The format says which kernels it binds to and hands them its
+tensors; the kernels' launch settings are this object's own (`DecodeKernels`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 import torch
 
 from kv4rl.engine.sequence import Sequence
+from kv4rl.kernels.decode_common import DecodeBatch
 
-FAST_FORMATS = ("bf16", "fp8", "int4", "kv4")
 DEFAULT_MAX_SPLITS = 32
 
 
@@ -29,11 +30,9 @@ def fast_path_problem(kv_format, dtype: torch.dtype, head_dim: int, device: torc
         return "no CUDA device"
     if not triton_importable():
         return "Triton is not installed"
-    if kv_format.name not in FAST_FORMATS:
-        return f"no decode kernel for KV format '{kv_format.name}' (kernels: {', '.join(FAST_FORMATS)})"
-    if kv_format.name in ("int4", "kv4") and kv_format.group_size != head_dim:
-        return (f"the INT4 kernels keep one scale per token and head: engine.kv.group_size must equal "
-                f"head_dim={head_dim}, got {kv_format.group_size}")
+    problem = kv_format.fast_path_problem(head_dim)
+    if problem is not None:
+        return problem
     if dtype != torch.bfloat16:
         return f"the kernels run bf16 models, this one is {dtype}"
     if head_dim < 32 or head_dim & (head_dim - 1):
@@ -47,33 +46,33 @@ class DecodeInputs:
 
     slots: torch.Tensor  # [B] long: cache slot of each row's new token (-1: padding)
     protect_rows: torch.Tensor | None  # [B] long: KV4 side row of the new token (-1: none)
-    batch: object  # kernels.decode_attention.DecodeBatch
+    batch: DecodeBatch
 
 
 class FastAttention:
-    """Binds the kernels to one KV format and model shape."""
+    """Binds the kernels to one KV format and model shape. `kernels`: launch settings (default: a fresh
+    `DecodeKernels` with the tuned ones)."""
 
     def __init__(self, kv_format, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
-                 max_splits: int = DEFAULT_MAX_SPLITS, num_q_heads: int | None = None):
-        from kv4rl.kernels.decode_attention import KINDS
+                 max_splits: int = DEFAULT_MAX_SPLITS, num_q_heads: int | None = None, kernels=None):
+        from kv4rl.kernels.decode_attention import DecodeKernels
 
         self.fmt = kv_format
-        self.kind = "int4" if kv_format.name in ("int4", "kv4") else kv_format.name
-        assert self.kind in KINDS
+        self.kind = kv_format.decode_kind
+        assert self.kind is not None, f"KV format {kv_format.name} has no decode kernels"
+        self.kernels = DecodeKernels() if kernels is None else kernels
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
         self.device = device
         self.max_splits = max_splits
-        self.side = kv_format.name == "kv4" and kv_format.budget > 0
+        self.side = kv_format.has_side_rows
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
         self.int4_kernel = None  # 'cuda' or 'triton' for INT4 bodies (needs the query heads to decide)
-        if self.kind == "int4" and num_q_heads is not None:
-            from kv4rl.kernels.decode_attention import int4_backend_for
-
-            self.int4_kernel = int4_backend_for(device, head_dim, num_q_heads // num_kv_heads, num_kv_heads,
-                                                block_size)[0]
+        if self.kind == self.kind.INT4 and num_q_heads is not None:
+            self.int4_kernel = self.kernels.int4_body(device, head_dim, num_q_heads // num_kv_heads, num_kv_heads,
+                                                      block_size)[0]
 
     def num_splits(self, batch_size: int) -> int:
         """The split grid for a batch of this size (fixed per CUDA-graph bucket)."""
@@ -87,9 +86,7 @@ class FastAttention:
 
     def split_size(self, max_context: int, batch_size: int) -> int:
         """Tokens per split so that `num_splits(batch_size)` splits cover the longest context."""
-        from kv4rl.kernels.decode_attention import LAUNCH
-
-        block_n = max(v["BLOCK_N"] for v in LAUNCH.values())
+        block_n = self.kernels.max_block_n
         per_split = math.ceil(max(1, max_context) / self.num_splits(batch_size))
         return math.ceil(per_split / block_n) * block_n
 
@@ -123,8 +120,6 @@ class FastAttention:
         return torch.where(self.fmt.is_protected(pos, pos), rows, -1).numpy()
 
     def device_inputs(self, host: dict[str, np.ndarray]) -> DecodeInputs:
-        from kv4rl.kernels.decode_attention import DecodeBatch
-
         to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)
         split = self.split_size(int(host["context_lens"].max()), len(host["slots"]))
         batch = DecodeBatch(block_tables=to(host["block_tables"]), context_lens=to(host["context_lens"]),
@@ -141,34 +136,24 @@ class FastAttention:
         rotate = self.fmt.rotate
         for prefix, x in (("k", k), ("v", v)):
             rot = rotate == "kv" or (prefix == "k" and rotate == "k")
-            if self.kind == "bf16":
-                write_kv(x, inputs.slots, store="bf16", out=cache[prefix], rotate=rot)
-                continue
+            out, scale, zero = self.fmt.paged_tensors(cache, prefix)
             kw = {}
             if self.side:
                 kw = {"protect_rows": inputs.protect_rows, "prot_codes": cache[f"{prefix}_prot_codes"],
                       "prot_scale": cache[f"{prefix}_prot_scale"]}
-            write_kv(x, inputs.slots, store=self.kind, out=cache[f"{prefix}_codes"],
-                     scale=cache[f"{prefix}_scale"], zero=cache.get(f"{prefix}_zero"),
-                     group_size=self.head_dim, rotate=rot, **kw)
+            write_kv(x, inputs.slots, store=self.kind, out=out, scale=scale, zero=zero, group_size=self.head_dim,
+                     rotate=rot, **kw)
 
     def attend(self, cache: dict, q: torch.Tensor, inputs: DecodeInputs, out: torch.Tensor | None = None
                ) -> torch.Tensor:
         """q[B, Hq, D] over each row's cached context; `out` (e.g. float32) receives the result."""
         from kv4rl.kernels.decode_attention import paged_decode_attention
 
-        if self.kind == "bf16":
-            q = self.fmt.prepare_query(q)
-            out = paged_decode_attention(q, cache["k"], cache["v"], inputs.batch, kind="bf16", out=out)
-        else:
-            side = None
-            if self.side:
-                side = {"k": cache["k_prot_codes"], "v": cache["v_prot_codes"], "k_scale": cache["k_prot_scale"],
-                        "v_scale": cache["v_prot_scale"], "n_sink": self.fmt.n_sink, "n_recent": self.fmt.n_recent}
-            out = paged_decode_attention(q, cache["k_codes"], cache["v_codes"], inputs.batch, kind=self.kind,
-                                         k_scale=cache["k_scale"], v_scale=cache["v_scale"],
-                                         k_zero=cache.get("k_zero"), v_zero=cache.get("v_zero"), side=side,
-                                         out=out, rotate_query=self.fmt.rotate != "none")
+        k, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
+        v, v_scale, v_zero = self.fmt.paged_tensors(cache, "v")
+        out = paged_decode_attention(q, k, v, inputs.batch, kind=self.kind, k_scale=k_scale, v_scale=v_scale,
+                                     k_zero=k_zero, v_zero=v_zero, side=self.fmt.side_tensors(cache), out=out,
+                                     rotate_query=self.fmt.rotate != "none", kernels=self.kernels)
         return self.fmt.finish_output(out)
 
     def decode(self, cache: dict, q, k, v, inputs: DecodeInputs) -> torch.Tensor:

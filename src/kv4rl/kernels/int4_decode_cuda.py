@@ -11,8 +11,11 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
+
+from kv4rl.kernels.decode_common import LOG2E, SplitLaunch
 
 SOURCE = Path(__file__).with_name("int4_decode.cu")
 KERNEL_NAME = "int4_decode_split"
@@ -22,12 +25,16 @@ STAGE_BYTES = 2304  # shared memory per pipeline stage and warp: K and V tiles, 
 # Compile-time settings (macros of the source): warps per block (one per KV head of a (sequence,
 # split), at most this many), cp.async stages, and the warps per SM that __launch_bounds__ sizes
 # registers for (at most 128 registers a thread at 16 warps).
-CONFIG = {"warps": 8, "stages": 4, "warps_per_sm": 16}
-LOG2E = 1.4426950408889634
+CONFIG = MappingProxyType({"warps": 8, "stages": 4, "warps_per_sm": 16})
 
 
 def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
     """Why the CUDA kernel cannot serve this shape, or None when it can."""
+    return device_problem(device) or shape_problem(head_dim, group, num_kv_heads, block_size)
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why the kernel cannot run on `device` at all (hardware, toolkit), or None."""
     if device.type != "cuda":
         return "not a CUDA device"
     if torch.version.hip is not None:
@@ -38,6 +45,11 @@ def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, 
         return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
     if _cuda_home() is None:
         return "no CUDA toolkit found (CUDA_HOME): NVRTC needs its headers"
+    return None
+
+
+def shape_problem(head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
+    """Why the kernel cannot take this head shape and block size, or None (pure)."""
     if head_dim != HEAD_DIM:
         return f"head_dim {head_dim} != {HEAD_DIM}"
     if group > MAX_GROUP:
@@ -47,6 +59,19 @@ def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, 
     if num_kv_heads % 2:
         return f"{num_kv_heads} KV heads: the kernel copies fp16 scales as aligned pairs (needs an even count)"
     return None
+
+
+def body_kernel(device_problem: str | None, head_dim: int, group: int, num_kv_heads: int, block_size: int, *,
+                enabled: bool = True, interpreter: bool = False) -> tuple[str, str | None]:
+    """Which kernel runs an INT4 body, 'cuda' or 'triton', and for Triton why not CUDA (pure: the engine's
+    plan, `FastAttention` and each decode call decide through it). `device_problem`: `device_problem(...)`
+    of the device, `enabled`: the launch settings allow the CUDA kernel."""
+    if not enabled:
+        return "triton", "disabled"
+    if interpreter:
+        return "triton", "Triton interpreter"
+    why = device_problem or shape_problem(head_dim, group, num_kv_heads, block_size)
+    return ("triton", why) if why else ("cuda", None)
 
 
 @functools.cache
@@ -71,7 +96,7 @@ def shared_bytes(warps: int, stages: int) -> int:
     return warps * stages * STAGE_BYTES
 
 
-@functools.cache
+@functools.cache  # a compile of the fixed source with these options: one per device and shape, kept for the process
 def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...]):
     options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"]
     options += [f"-D{name}={value}" for name, value in zip(("KV_ROW", "KV_HEAD", "S_ROW", "S_HEAD"), strides)]
@@ -81,13 +106,13 @@ def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides
     return kernel
 
 
-def launch_split(q, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part, num_splits: int,
-                 sm_scale: float, start: int, end_off: int, rotate_query: bool = False,
-                 q_rot_out: torch.Tensor | None = None) -> None:
-    """Fill o_part[:, :, :num_splits] / lse_part with the INT4 body's split partials.
+def launch_split(work: SplitLaunch) -> None:
+    """Fill work.o_part[:, :, :num_splits] / lse_part with the INT4 body's split partials.
 
-    `rotate_query`: q is the raw query and the kernel applies the cache's Hadamard rotation itself
-    (then, with `q_rot_out` [B, Hq, D] bf16, it also writes the rotated query there)."""
+    `work.rotate_query`: q is the raw query and the kernel applies the cache's Hadamard rotation itself
+    (then, with `work.q_rot_out` [B, Hq, D] bf16, it also writes the rotated query there)."""
+    q, k, v, batch = work.q, work.k, work.v, work.batch
+    k_scale, v_scale, k_zero, v_zero = work.k_scale, work.v_scale, work.k_zero, work.v_zero
     bsz, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
     if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
@@ -98,16 +123,17 @@ def launch_split(q, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_p
     assert k_scale.stride(0) % 2 == 0 and all(t.data_ptr() % 4 == 0 for t in (k_scale, v_scale, k_zero, v_zero))
     warps, stages = min(CONFIG["warps"], num_kv_heads), CONFIG["stages"]
     min_blocks = max(1, CONFIG["warps_per_sm"] // warps)
-    grid = (num_splits, bsz, math.ceil(num_kv_heads / warps))
+    grid = (work.num_splits, bsz, math.ceil(num_kv_heads / warps))
     bt = batch.block_tables
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))
+    q_rot_out = work.q_rot_out
     _kernel(device, warps, stages, min_blocks, strides)(
         grid=grid, block=(32 * warps, 1, 1),
         args=[q, q.stride(0), q.stride(1), k, v, k_scale, v_scale, k_zero, v_zero,
               bt, bt.stride(0), batch.context_lens, batch.split_size,
-              o_part, lse_part, num_q_heads, o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
-              batch.block_size.bit_length() - 1, start, end_off, float(sm_scale * LOG2E),
-              int(rotate_query), q if q_rot_out is None else q_rot_out, int(q_rot_out is not None)],
+              work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
+              batch.block_size.bit_length() - 1, work.start, work.end_off, float(work.sm_scale * LOG2E),
+              int(work.rotate_query), q if q_rot_out is None else q_rot_out, int(q_rot_out is not None)],
         shared_mem=shared_bytes(warps, stages),
     )

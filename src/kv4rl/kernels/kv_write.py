@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kv4rl.kernels.decode_common import DecodeKind
 from kv4rl.quant.hadamard import hadamard_matrix
 
-STORE_BF16, STORE_FP8, STORE_INT4 = 0, 1, 2
-STORES = {"bf16": STORE_BF16, "fp8": STORE_FP8, "int4": STORE_INT4}
 BLOCK_ROWS = 16
 
 
@@ -98,14 +97,14 @@ def _kv_write_kernel(
         tl.store(prot_scale_ptr + prow * stride_qs + head * stride_qh, pscale, mask=keep)
 
 
-def write_kv(x: torch.Tensor, slots: torch.Tensor, *, store: str, out: torch.Tensor,
+def write_kv(x: torch.Tensor, slots: torch.Tensor, *, store: DecodeKind, out: torch.Tensor,
              scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, group_size: int = 128,
              rotate: bool = False, protect_rows: torch.Tensor | None = None,
              prot_codes: torch.Tensor | None = None, prot_scale: torch.Tensor | None = None) -> None:
     """Quantize x[N, Hkv, D] and store it at `slots[N]` (-1: skip) of the paged `out` [slots, Hkv, ·].
 
-    store: "bf16" (values as they are), "fp8" (codes + per-row fp32 `scale`), "int4" (packed codes +
-    fp16 `scale`/`zero` per group). `rotate` applies the Hadamard rotation first. `protect_rows[N]`
+    store (the kernel's `STORE`, numbered like the decode kinds): BF16 (values as they are), FP8 (codes +
+    per-row fp32 `scale`), INT4 (packed codes + fp16 `scale`/`zero` per group). `rotate` applies the Hadamard rotation first. `protect_rows[N]`
     (-1: none) also writes the INT8 copy to `prot_codes`/`prot_scale` rows.
     """
     num_tokens, num_kv_heads, head_dim = x.shape
@@ -129,6 +128,6 @@ def write_kv(x: torch.Tensor, slots: torch.Tensor, *, store: str, out: torch.Ten
         out, out.stride(0), out.stride(1),
         sc, zr, *s_strides,
         pc, ps, pc.stride(0), pc.stride(1), ps.stride(0), ps.stride(1) if ps.dim() > 1 else 0,
-        NUM_KV_HEADS=num_kv_heads, D=head_dim, GROUP=group_size if store == "int4" else head_dim,
-        STORE=STORES[store], ROTATE=rotate, PROTECT=protect, BLOCK_R=BLOCK_ROWS, num_warps=4,
+        NUM_KV_HEADS=num_kv_heads, D=head_dim, GROUP=group_size if store == DecodeKind.INT4 else head_dim,
+        STORE=int(store), ROTATE=rotate, PROTECT=protect, BLOCK_R=BLOCK_ROWS, num_warps=4,
     )

@@ -3,8 +3,10 @@
 A format owns one layer's cache: a dict of tensors indexed by cache slot (block * block_size +
 offset). Each quantity lives in its own tensor (4-bit codes packed two per byte, scales, zero points),
 so a GPU kernel can later read the paged codes and their scales directly. A format implements three
-hooks for one of K or V (`allocate_part`, `store`, `load`); the base class adds the Hadamard rotation
-and the write/read calls the reference attention makes. KV4, which keeps per-sequence state, also
+hooks for one of K or V (`allocate_part`, `store`, `load`) and its byte cost (`part_bytes`); the base
+class adds the Hadamard rotation and the write/read calls the reference attention makes. A format with
+GPU decode kernels names their kind (`decode_kind`) and hands them its tensors (`paged_tensors`,
+`side_tensors`), so the fast path never dispatches on format names. KV4, which keeps per-sequence state, also
 overrides `append_and_read`. `copy_slots` and `copy_seq_state` serve prefix sharing: a request forked
 from another with the same prompt gets copies of a partly shared block and of the per-sequence state.
 """
@@ -16,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 from kv4rl.engine.attention import AttnMetadata
+from kv4rl.kernels.decode_common import DecodeKind
 from kv4rl.quant import rotate as hadamard_rotate
-from kv4rl.quant import storage_bytes
 
 KV_FORMATS: dict[str, Callable[..., KVFormat]] = {}
 ROTATIONS = ("none", "k", "kv")
@@ -47,6 +49,8 @@ class KVFormat:
     options: tuple[str, ...] = ()
     default_rotate = "none"
     per_sequence_keys: tuple[str, ...] = ()  # cache tensors indexed by running slot, not by cache slot
+    decode_kind: DecodeKind | None = None  # the GPU decode kernels' kind for its pages; None: reference only
+    has_side_rows = False  # per-sequence rows the kernels read besides the pages (KV4's INT8 copies)
 
     def __init__(self, *, rotate: str = "auto"):
         rotate = self.default_rotate if rotate == "auto" else rotate
@@ -80,7 +84,23 @@ class KVFormat:
 
     def part_bytes(self, head_dim: int) -> float:
         """Bytes per token per KV head for one of K or V, scales included."""
-        return storage_bytes(self.name, head_dim)
+        raise NotImplementedError
+
+    # ---- the GPU decode kernels -----------------------------------------------------------------
+    def fast_path_problem(self, head_dim: int) -> str | None:
+        """Why the decode kernels cannot serve this format at `head_dim`, or None when they can."""
+        if self.decode_kind is None:
+            with_kernels = sorted(name for name, f in KV_FORMATS.items() if getattr(f, "decode_kind", None) is not None)
+            return f"no decode kernel for KV format '{self.name}' (kernels: {', '.join(with_kernels)})"
+        return None
+
+    def paged_tensors(self, cache: dict, prefix: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(codes or values, scale, zero point) of K or V as the decode kernels take them."""
+        return cache[f"{prefix}_codes"], cache[f"{prefix}_scale"], cache.get(f"{prefix}_zero")
+
+    def side_tensors(self, cache: dict) -> dict | None:
+        """The per-sequence rows the kernels read besides the pages (see `has_side_rows`)."""
+        return None
 
     # ---- one layer ----------------------------------------------------------------------------
     def allocate(
@@ -155,6 +175,12 @@ class PlainFormat(KVFormat):
         shape = (num_slots, num_kv_heads, head_dim)
         return {prefix: torch.zeros(shape, dtype=self.storage_dtype, device=device)}
 
+    def part_bytes(self, head_dim):
+        return float(self.storage_dtype.itemsize * head_dim)
+
+    def paged_tensors(self, cache, prefix):
+        return cache[prefix], None, None
+
     def store(self, cache, prefix, slots, x):
         cache[prefix][slots] = x.to(self.storage_dtype)
 
@@ -166,6 +192,7 @@ class PlainFormat(KVFormat):
 class BF16Format(PlainFormat):
     name = "bf16"
     storage_dtype = torch.bfloat16
+    decode_kind = DecodeKind.BF16
 
 
 @register_kv_format("fp32")

@@ -20,6 +20,8 @@ from kv4rl.quant import (
     NVFP4_BLOCK,
     dequantize_mxfp4,
     dequantize_nvfp4,
+    mxfp4_row_bytes,
+    nvfp4_row_bytes,
     nvfp4_tensor_scale,
     quantize_mxfp4,
     quantize_nvfp4,
@@ -46,6 +48,9 @@ class NVFP4Format(KVFormat):
     def check(self, head_dim, max_model_len):
         _check_block(self.name, NVFP4_BLOCK, head_dim)
         super().check(head_dim, max_model_len)
+
+    def part_bytes(self, head_dim):
+        return nvfp4_row_bytes(head_dim)
 
     def allocate_part(self, prefix, num_slots, num_kv_heads, head_dim, device):
         return {
@@ -84,6 +89,9 @@ class MXFP4Format(KVFormat):
     def check(self, head_dim, max_model_len):
         _check_block(self.name, MXFP4_BLOCK, head_dim)
         super().check(head_dim, max_model_len)
+
+    def part_bytes(self, head_dim):
+        return mxfp4_row_bytes(head_dim)
 
     def allocate_part(self, prefix, num_slots, num_kv_heads, head_dim, device):
         return {

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from kv4rl.engine.kv_formats.base import KVFormat, register_kv_format
-from kv4rl.quant import dequantize_fp8, quantize_fp8
+from kv4rl.kernels.decode_common import DecodeKind
+from kv4rl.quant import dequantize_fp8, fp8_row_bytes, quantize_fp8
 
 
 @register_kv_format("fp8")
 class FP8Format(KVFormat):
     name = "fp8"
+    decode_kind = DecodeKind.FP8
 
     def allocate_part(self, prefix, num_slots, num_kv_heads, head_dim, device):
         return {
@@ -24,6 +26,9 @@ class FP8Format(KVFormat):
         codes, scale = quantize_fp8(x)
         cache[f"{prefix}_codes"][slots] = codes
         cache[f"{prefix}_scale"][slots] = scale
+
+    def part_bytes(self, head_dim):
+        return fp8_row_bytes(head_dim)
 
     def load(self, cache, prefix, slots, dtype):
         return dequantize_fp8(cache[f"{prefix}_codes"][slots], cache[f"{prefix}_scale"][slots], dtype)

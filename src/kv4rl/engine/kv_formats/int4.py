@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from kv4rl.engine.kv_formats.base import KVFormat, register_kv_format
-from kv4rl.quant import dequantize_int4, quantize_int4, storage_bytes
+from kv4rl.kernels.decode_common import DecodeKind
+from kv4rl.quant import dequantize_int4, int4_row_bytes, quantize_int4
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -26,6 +27,7 @@ def check_group_size(group_size: int, head_dim: int | None = None) -> None:
 class INT4Format(KVFormat):
     name = "int4"
     options = ("group_size",)
+    decode_kind = DecodeKind.INT4
 
     def __init__(self, *, group_size: int = 128, rotate: str = "auto"):
         super().__init__(rotate=rotate)
@@ -58,4 +60,10 @@ class INT4Format(KVFormat):
         )
 
     def part_bytes(self, head_dim):
-        return storage_bytes("int4", head_dim, self.group_size)
+        return int4_row_bytes(head_dim, self.group_size)
+
+    def fast_path_problem(self, head_dim):
+        if self.group_size != head_dim:
+            return (f"the INT4 kernels keep one scale per token and head: engine.kv.group_size must equal "
+                    f"head_dim={head_dim}, got {self.group_size}")
+        return super().fast_path_problem(head_dim)

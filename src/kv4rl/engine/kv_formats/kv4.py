@@ -26,7 +26,7 @@ import torch
 
 from kv4rl.engine.kv_formats.base import DEFAULT_BYTES_CONTEXT, register_kv_format
 from kv4rl.engine.kv_formats.int4 import INT4Format
-from kv4rl.quant import dequantize_int8, quantize_int8, storage_bytes
+from kv4rl.quant import dequantize_int8, int8_row_bytes, quantize_int8
 
 
 @register_kv_format("kv4")
@@ -43,6 +43,17 @@ class KV4Format(INT4Format):
                 raise ValueError(f"engine.kv.{key} must be >= 0, got {value}")
         self.n_sink, self.n_recent = n_sink, n_recent
         self.budget = n_sink + n_recent
+
+    @property
+    def has_side_rows(self) -> bool:
+        return self.budget > 0
+
+    def side_tensors(self, cache):
+        """The INT8 rows and their scales, with the protection rule the INT8 work item follows."""
+        if not self.has_side_rows:
+            return None
+        return {"k": cache["k_prot_codes"], "v": cache["v_prot_codes"], "k_scale": cache["k_prot_scale"],
+                "v_scale": cache["v_prot_scale"], "n_sink": self.n_sink, "n_recent": self.n_recent}
 
     def check(self, head_dim, max_model_len):
         super().check(head_dim, max_model_len)
@@ -63,7 +74,7 @@ class KV4Format(INT4Format):
 
     def bytes_per_token(self, num_kv_heads, head_dim, context_len=DEFAULT_BYTES_CONTEXT):
         """INT4 for every token plus the reserved `n_sink + n_recent` INT8 rows spread over `context_len`."""
-        reserve = storage_bytes("int8", head_dim) * self.budget / context_len
+        reserve = int8_row_bytes(head_dim) * self.budget / context_len
         return 2 * num_kv_heads * (self.part_bytes(head_dim) + reserve)
 
     def copy_seq_state(self, cache, src_seq_slots, dst_seq_slots):
