@@ -79,4 +79,4 @@ def test_profile_step_runs_on_a_one_block_cache(name):
                        max_num_batched_tokens=100)
     engine = Engine.from_model(model, cfg, max_num_seqs=3)
     assert engine.pool_tokens == 3 * 48 and "max_num_seqs x max_model_len" in engine.summary
-    engine._profile_step(3)  # 39 + 39 + 22 tokens, all on cache block 0 and sequence slot 0
+    engine.runner.profile.step(3)  # 39 + 39 + 22 tokens, all on cache block 0 and sequence slot 0

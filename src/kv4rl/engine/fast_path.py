@@ -4,7 +4,7 @@ A step's rows with one new token (decodes, and prefix-sharing forks that compute
 token) go through the Triton kernels; longer rows (prefills, re-prefills after preemption) keep the
 reference path, which dequantizes the context once and runs SDPA. Both write the same cache, so a
 sequence may move between them from step to step. Which path runs is decided once, when the engine
-starts, and logged. The format says which kernels it binds to and hands them its
+starts (`kv4rl.engine.plan`), and logged. The format says which kernels it binds to and hands them its
 tensors; the kernels' launch settings are this object's own (`DecodeKernels`).
 """
 
@@ -20,24 +20,6 @@ from kv4rl.engine.sequence import Sequence
 from kv4rl.kernels.decode_common import DecodeBatch
 
 DEFAULT_MAX_SPLITS = 32
-
-
-def fast_path_problem(kv_format, dtype: torch.dtype, head_dim: int, device: torch.device) -> str | None:
-    """Why the Triton path cannot serve this engine, or None when it can."""
-    from kv4rl.kernels import interpreting, triton_importable
-
-    if device.type != "cuda" and not interpreting():
-        return "no CUDA device"
-    if not triton_importable():
-        return "Triton is not installed"
-    problem = kv_format.fast_path_problem(head_dim)
-    if problem is not None:
-        return problem
-    if dtype != torch.bfloat16:
-        return f"the kernels run bf16 models, this one is {dtype}"
-    if head_dim < 32 or head_dim & (head_dim - 1):
-        return f"head_dim must be a power of two >= 32, got {head_dim}"
-    return None
 
 
 @dataclass

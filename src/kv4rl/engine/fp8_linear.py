@@ -33,6 +33,15 @@ SCALED_MM_PATH = "scaled_mm (Hopper)"
 FALLBACK_PATH = "dequantized fallback"
 
 
+def describe_fp8_paths(num_scaled_mm: int, num_linears: int) -> str:
+    """Which products FP8 linears use, `num_scaled_mm` of `num_linears` on the tensor cores (for logs)."""
+    if num_scaled_mm == num_linears:
+        return SCALED_MM_PATH
+    if num_scaled_mm == 0:
+        return FALLBACK_PATH
+    return f"{SCALED_MM_PATH} for {num_scaled_mm} of {num_linears} linears, {FALLBACK_PATH} for the rest"
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kv4rl.engine.fp8_linear import FALLBACK_PATH, SCALED_MM_PATH, FP8Linear
+from kv4rl.engine.fp8_linear import SCALED_MM_PATH, FP8Linear, describe_fp8_paths
 
 
 def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -43,9 +43,4 @@ def set_fused_quant(model: nn.Module, enabled: bool = True) -> int:
 def fp8_path(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
     """Which product the FP8 linears use for activations of ``dtype`` on ``device``, for logs."""
     paths = [m.path(dtype, device) for m in model.modules() if isinstance(m, FP8Linear)]
-    fast = paths.count(SCALED_MM_PATH)
-    if fast == len(paths):
-        return SCALED_MM_PATH
-    if fast == 0:
-        return FALLBACK_PATH
-    return f"{SCALED_MM_PATH} for {fast} of {len(paths)} linears, {FALLBACK_PATH} for the rest"
+    return describe_fp8_paths(paths.count(SCALED_MM_PATH), len(paths))

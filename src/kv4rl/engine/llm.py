@@ -18,11 +18,10 @@ from typing import Any
 import torch
 
 from kv4rl.engine import memory
-from kv4rl.engine.block_manager import BlockManager, blocks_needed
+from kv4rl.engine.block_manager import BlockManager
 from kv4rl.engine.config import EngineConfig
-from kv4rl.engine.kv_formats import kv_format_from_config
+from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
-from kv4rl.engine.sampler import sample
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
 from kv4rl.models.decoder import Decoder
@@ -55,6 +54,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+def _place_model(model_dir, model: Decoder | None, device, dtype) -> tuple[Decoder, torch.device, torch.dtype]:
+    """The engine's model with its device and dtype: loaded from `model_dir` or taken as it is placed."""
+    if (model is None) == (model_dir is None):
+        raise ValueError("Engine needs exactly one of a model folder and an in-memory model")
+    if model is not None:  # it is already placed: its device and dtype are the engine's
+        if (device, dtype) != ("auto", "auto"):
+            raise ValueError("an in-memory model fixes the engine's device and dtype; leave them 'auto'")
+        param = next(model.parameters())
+        return model, param.device, param.dtype
+    from kv4rl.models.hf_weights import load_model
+
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
+    return load_model(model_dir, device, dtype)[0], device, dtype
+
+
 class Engine:
     def __init__(
         self,
@@ -68,73 +83,34 @@ class Engine:
         tokenizer: Any = None,
         model: Decoder | None = None,
     ):
-        """Load the checkpoint in `model_dir`, or take an in-memory `model` (see `from_model`)."""
-        from kv4rl.models.hf_weights import load_model
-
+        """Load the checkpoint in `model_dir`, or take an in-memory `model` (see `from_model`); decide the
+        `auto` settings (`kv4rl.engine.plan`) and let the runner carry them out on the device."""
         config = config or EngineConfig()
         config.validate()
         self.config = config
-        if (model is None) == (model_dir is None):
-            raise ValueError("Engine needs exactly one of a model folder and an in-memory model")
-        if model is not None:  # it is already placed: its device and dtype are the engine's
-            if (device, dtype) != ("auto", "auto"):
-                raise ValueError("an in-memory model fixes the engine's device and dtype; leave them 'auto'")
-            device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-        self.device = device if isinstance(device, torch.device) else resolve_device(device)
-        self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self.device)
-        if model is None:
-            self.model, self.args = load_model(model_dir, self.device, self.dtype)
-        else:
-            self.model, self.args = model, model.args
-        self.model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
-        self.weights_desc = self._apply_weight_format()
-        from kv4rl.kernels import kernels_compiled
-
-        compiled = kernels_compiled(self.device)  # what the `auto` settings take
-        self.fused_ops = compiled if config.fused_ops == "auto" else config.fused_ops
-        self.sampler = ("triton" if compiled else "torch") if config.sampler == "auto" else config.sampler
-        if self.fused_ops:  # before the pool's profiling step and any graph capture
-            self._require_kernels("engine.fused_ops=true")
-            self.model.enable_fused_ops()
-            if config.weight_format == "fp8":  # FP8 linears quantize their inputs in one kernel too
-                from kv4rl.engine.fp8_weights import set_fused_quant
-
-                set_fused_quant(self.model)
+        self.model, self.device, self.dtype = _place_model(model_dir, model, device, dtype)
+        self.args = self.model.args
         self.tokenizer = tokenizer
-        fmt_name = config.kv.format
-        if fmt_name == "auto":
-            fmt_name = "bf16" if self.dtype == torch.bfloat16 else "fp32"
-        self.kv_format = kv_format_from_config(config.kv, fmt_name)
-        block_size = config.kv.block_size
-        self.max_model_len = config.max_model_len or self.args.max_position_embeddings
-        self.kv_format.check(self.args.head_dim, self.max_model_len)
-        self.fast = self._choose_attention()
-        if self.sampler == "triton":
-            self._require_kernels("engine.sampler=triton")
-        num_blocks, self.pool_sizing = self._num_kv_blocks(max_num_seqs)
-        self.runner = self._make_runner(num_blocks, max_num_seqs, graphs=True)
+        self.plan = make_plan(config, self.args, self.dtype, probe_capabilities(self.device), max_num_seqs)
+        self.kv_format = self.plan.kv_format
+        self.max_model_len = self.plan.max_model_len.value
+        self.runner = ModelRunner.build(self.model, self.plan, config, self.device)
         self.scheduler = Scheduler(
-            BlockManager(num_blocks, block_size), max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            prefix_sharing=config.prefix_sharing,
+            BlockManager(self.runner.num_blocks, config.kv.block_size), max_num_seqs, config.max_num_batched_tokens,
+            self.max_model_len, prefix_sharing=config.prefix_sharing,
         )
-        eos = self.args.eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.eos_ids = frozenset(self.args.eos_token_ids)
         self.generator = torch.Generator()  # only draws per-request seeds; sampling noise is counter-based
         self.generator.manual_seed(seed)
         self.version = 0
         self.last_step: dict = {}
         # all layers, scales and KV4's reserved INT8 rows (spread over max_model_len) included
         self.bytes_per_token = self.kv_bytes_per_token(self.max_model_len)
-        self.pool_tokens = num_blocks * block_size
+        self.pool_tokens = self.runner.num_blocks * config.kv.block_size
         self.pool_bytes = self.runner.cache_bytes
-        self.summary = (
-            f"engine: kv format {fmt_name} (rotate {self.kv_format.rotate}), {self.bytes_per_token:.1f} "
-            f"bytes/token at context {self.max_model_len}, pool {self.pool_tokens} tokens ({num_blocks} "
-            f"blocks x {block_size}) for up to {max_num_seqs} sequences, {memory.format_bytes(self.pool_bytes)} "
-            f"(sized by {self.pool_sizing}), {self.weights_desc}, {self.attention_desc}, sampler {self.sampler}"
-            f"{', fused ops' if self.fused_ops else ''}"
-        )
+        self.summary = self._summary(max_num_seqs)
         log.info(self.summary)
+        log.info("engine plan: %s", self.plan.explain())
 
     @classmethod
     def from_model(cls, model: Decoder, config: EngineConfig | None = None, **kwargs) -> Engine:
@@ -142,72 +118,36 @@ class Engine:
         and in its dtype. The engine owns it from then on (weight formats transform it in place)."""
         return cls(None, config, model=model, **kwargs)
 
-    def _make_runner(self, num_blocks: int, max_num_seqs: int, graphs: bool = False) -> ModelRunner:
-        graph_max_batch = max_num_seqs if graphs and self.config.cuda_graphs else 0
-        return ModelRunner(
-            self.model, self.args.num_layers, self.args.num_kv_heads, self.args.head_dim,
-            self.kv_format, num_blocks, self.config.kv.block_size, self.device, max_num_seqs=max_num_seqs,
-            fast=self.fast, graph_max_batch=graph_max_batch, max_model_len=self.max_model_len,
+    def _summary(self, max_num_seqs: int) -> str:
+        plan, block_size = self.plan, self.config.kv.block_size
+        return (
+            f"engine: kv format {plan.kv_format_name.value} (rotate {self.kv_format.rotate}), "
+            f"{self.bytes_per_token:.1f} bytes/token at context {self.max_model_len}, pool {self.pool_tokens} tokens "
+            f"({self.runner.num_blocks} blocks x {block_size}) for up to {max_num_seqs} sequences, "
+            f"{memory.format_bytes(self.pool_bytes)} (sized by {self.pool_sizing}), {plan.weights_desc}, "
+            f"{plan.attention_desc}, sampler {self.sampler}{', fused ops' if self.fused_ops else ''}"
         )
 
-    def _require_kernels(self, setting: str) -> None:
-        from kv4rl.kernels import kernels_usable
+    # ---- what the plan decided ----------------------------------------------------------------
+    @property
+    def sampler(self) -> str:
+        return self.plan.sampler.value
 
-        if not kernels_usable(self.device):
-            raise ValueError(f"{setting} cannot run here: it needs Triton and a CUDA device")
+    @property
+    def fused_ops(self) -> bool:
+        return self.plan.fused_ops.value
 
-    def _choose_attention(self):
-        """The Triton decode path when `engine.attention_backend` and the hardware allow it; logged."""
-        from kv4rl.engine.fast_path import FastAttention, fast_path_problem
+    @property
+    def attention_desc(self) -> str:
+        return self.plan.attention_desc
 
-        backend = self.config.attention_backend
-        problem = "engine.attention_backend=torch" if backend == "torch" else fast_path_problem(
-            self.kv_format, self.dtype, self.args.head_dim, self.device)
-        if problem is not None:
-            if backend == "triton":
-                raise ValueError(f"engine.attention_backend=triton cannot run here: {problem}")
-            self.attention_desc = f"attention: torch reference ({problem})"
-            return None
-        graphs = "CUDA graphs" if self.config.cuda_graphs and self.device.type == "cuda" else "eager"
-        fast = FastAttention(self.kv_format, self.args.num_kv_heads, self.args.head_dim,
-                             self.config.kv.block_size, self.device, num_q_heads=self.args.num_heads)
-        kernels = "CUDA INT4 + Triton decode kernels" if fast.int4_kernel == "cuda" else "Triton decode kernels"
-        self.attention_desc = f"attention: {kernels} ({graphs}) + reference prefill"
-        return fast
+    @property
+    def weights_desc(self) -> str:
+        return self.plan.weights_desc
 
-    def _num_kv_blocks(self, max_num_seqs: int) -> tuple[int, str]:
-        """The pool's blocks and how they were chosen: `engine.num_kv_blocks`, every slot at
-        `max_model_len` (CPU), or what fits in device memory (CUDA, see `kv4rl.engine.memory`)."""
-        cfg, block_size = self.config, self.config.kv.block_size
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks, "engine.num_kv_blocks"
-        if self.device.type != "cuda":
-            return max_num_seqs * blocks_needed(self.max_model_len, block_size), "max_num_seqs x max_model_len"
-        footprint = memory.kv_footprint(
-            self.kv_format, self.args.num_layers, self.args.num_kv_heads, self.args.head_dim, block_size)
-        activation = memory.measure_step_peak(lambda: self._profile_step(max_num_seqs), self.device)
-        total, used = memory.in_use_bytes(self.device)
-        blocks = memory.pool_blocks(
-            total_bytes=total, fraction=cfg.gpu_memory_fraction, used_bytes=used, activation_bytes=activation,
-            footprint=footprint, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
-        capped = " (capped at max_num_seqs x max_model_len)" if blocks == max_num_seqs * blocks_needed(
-            self.max_model_len, block_size) else ""
-        return blocks, (
-            f"engine.gpu_memory_fraction={cfg.gpu_memory_fraction:g} of {memory.format_bytes(total)}: "
-            f"{memory.format_bytes(used)} in use, {memory.format_bytes(activation)} step peak{capped}"
-        )
-
-    @torch.inference_mode()
-    def _profile_step(self, max_num_seqs: int) -> None:
-        """The largest step's work on dummy tokens and a one-block cache: its prefill, then sampling
-        for `max_num_seqs` rows with top-k and top-p on (their sorts are the sampler's peak)."""
-        seqs = memory.profile_batch(self.config.max_num_batched_tokens, self.max_model_len, max_num_seqs,
-                                    self.config.kv.block_size)
-        self._make_runner(1, 1).forward(seqs)
-        rows = {"size": (max_num_seqs,), "device": self.device}
-        sample(torch.zeros(max_num_seqs, self.args.vocab_size, device=self.device),
-               torch.ones(**rows), torch.ones(**rows, dtype=torch.long), torch.full(fill_value=0.5, **rows),
-               torch.zeros(**rows, dtype=torch.long), torch.zeros(**rows, dtype=torch.long))
+    @property
+    def pool_sizing(self) -> str:
+        return self.runner.pool_sizing
 
     def kv_bytes_per_token(self, context_len: int) -> float:
         """KV storage per token over all layers, K and V, scales and protected copies at `context_len`."""
@@ -265,17 +205,7 @@ class Engine:
         kv_blocks, shared_blocks = blocks.num_blocks - blocks.num_free_blocks, blocks.num_shared_blocks
         new_tokens = sum(s.num_new_tokens for s in seqs)
         logits = self.runner.forward(seqs)
-        params = [s.params for s in seqs]
-        to = {"device": self.device}
-        tokens, logprobs = sample(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, **to),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, **to),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, **to),
-            torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, **to),
-            torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long, **to),
-            fused=self.sampler == "triton",
-        )
+        tokens, logprobs = self.runner.sample(seqs, logits)
         finished = []
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             seq.append(tok, lp, self.version)
@@ -284,8 +214,7 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.runner.synchronize()
         resident = sum(len(s) for s in self.scheduler.running) + sum(len(s) for s in finished)
         self.last_step = {
             "batch_size": len(seqs),
@@ -376,18 +305,9 @@ class Engine:
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy learner weights (HF names) in place; tokens sampled afterwards carry `version`.
         FP8 linears re-quantize from the incoming tensors as they are copied."""
-        self.model.load_hf_state_dict(state_dict)
+        self.runner.load_weights(state_dict)
         self.version = version
         self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
-
-    def _apply_weight_format(self) -> str:
-        """Transform the loaded model for `weight_format`; returns the summary's description."""
-        if self.config.weight_format != "fp8":
-            return f"weights {self.config.weight_format}"
-        from kv4rl.engine.fp8_weights import apply_fp8_weights, fp8_path
-
-        apply_fp8_weights(self.model)
-        return f"fp8 weights: {fp8_path(self.model, self.dtype, self.device)}"
 
     def weights_state(self) -> dict[str, torch.Tensor]:
         """The engine's weights under its own names, on CPU (FP8 codes and scales stay exact)."""

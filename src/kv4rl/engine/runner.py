@@ -1,44 +1,104 @@
-"""One engine step on the device: sequences -> metadata -> model -> last-token logits."""
+"""The per-device unit of the engine: it carries out an `EnginePlan` and runs the steps.
+
+`ModelRunner.build` does the start-up's device work: the weight format and fused ops applied to the
+model, the KV pool sized (on CUDA by profiling the largest step) and allocated, decode CUDA graphs set
+up. Each step then goes sequences -> metadata -> model -> last-token logits -> sampled tokens. Tensor
+parallelism will run one runner per GPU behind the same engine loop.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
+from kv4rl.engine import memory
 from kv4rl.engine.attention import AttnMetadata, reference_paged_attention
+from kv4rl.engine.block_manager import blocks_needed
+from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.fast_path import FastAttention
 from kv4rl.engine.kv_formats import KVFormat
+from kv4rl.engine.plan import EnginePlan
+from kv4rl.engine.sampler import sample
 from kv4rl.engine.sequence import Sequence
 
 
 class ModelRunner:
     """Owns the model and the per-layer paged KV caches."""
 
-    def __init__(self, model, num_layers: int, num_kv_heads: int, head_dim: int, kv_format: KVFormat,
-                 num_blocks: int, block_size: int, device: torch.device, max_num_seqs: int = 1,
-                 fast: FastAttention | None = None, graph_max_batch: int = 0, max_model_len: int = 0):
+    def __init__(self, model, kv_format: KVFormat, num_blocks: int, block_size: int, device: torch.device,
+                 max_num_seqs: int = 1, fast: FastAttention | None = None, graph_max_batch: int = 0,
+                 max_model_len: int = 0, sampler: str = "torch", pool_sizing: str = ""):
         """`fast`: the Triton decode path (None: reference path only). `graph_max_batch` > 0 replays
-        decode steps of up to that many sequences as CUDA graphs (needs `fast` on CUDA)."""
+        decode steps of up to that many sequences as CUDA graphs (needs `fast` on CUDA). `sampler`:
+        "triton" draws untruncated rows with the fused kernel. `pool_sizing`: how `num_blocks` was chosen."""
         self.model = model
         self.kv_format = kv_format
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         num_slots = num_blocks * block_size
+        args = model.args
         self.caches = [
-            kv_format.allocate(num_slots, num_kv_heads, head_dim, device, num_seq_slots=max_num_seqs)
-            for _ in range(num_layers)
+            kv_format.allocate(num_slots, args.num_kv_heads, args.head_dim, device, num_seq_slots=max_num_seqs)
+            for _ in range(args.num_layers)
         ]
         self.fast = fast
         self.graphs = None
+        self.sampler = sampler
+        self.pool_sizing = pool_sizing
+        self.profile: _Profile | None = None  # the start-up's profiling step, kept for tests
         if fast is not None and graph_max_batch > 0 and device.type == "cuda":
             from kv4rl.engine.cuda_graphs import DecodeGraphs
 
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, self.caches, fast, graph_max_batch, max_blocks)
 
+    @classmethod
+    def build(cls, model, plan: EnginePlan, config: EngineConfig, device: torch.device) -> ModelRunner:
+        """Apply `plan` to `model` on `device`: weight format, fused ops, fast path, the sized pool, graphs."""
+        prepare_model(model, plan)
+        args, block_size = model.args, config.kv.block_size
+        fast = None
+        if plan.attention.value == "triton":
+            fast = FastAttention(plan.kv_format, args.num_kv_heads, args.head_dim, block_size, device,
+                                 num_q_heads=args.num_heads)
+        profile = _Profile(model, plan, config, device, fast)
+        num_blocks, sizing = plan.pool_blocks.value, plan.pool_blocks.reason
+        if num_blocks is None:
+            num_blocks, sizing = profile.pool_blocks()
+        runner = cls(model, plan.kv_format, num_blocks, block_size, device, max_num_seqs=plan.max_num_seqs,
+                     fast=fast, graph_max_batch=plan.max_num_seqs if plan.cuda_graphs.value else 0,
+                     max_model_len=plan.max_model_len.value, sampler=plan.sampler.value, pool_sizing=sizing)
+        runner.profile = profile
+        return runner
+
     @property
     def cache_bytes(self) -> int:
         """Bytes held by every layer's cache tensors (pages, scales, per-sequence rows)."""
         return sum(t.numel() * t.element_size() for cache in self.caches for t in cache.values())
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy learner weights (HF names) in place; FP8 linears re-quantize as they copy."""
+        self.model.load_hf_state_dict(state_dict)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its log-prob under the row's sampling parameters."""
+        params = [s.params for s in seqs]
+        to = {"device": self.device}
+        return sample(
+            logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, **to),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, **to),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, **to),
+            torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, **to),
+            torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long, **to),
+            fused=self.sampler == "triton",
+        )
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def apply_forks(self, seqs: list[Sequence]) -> None:
         """Make the cache copies of sequences forked this step, before any layer writes the step's KV
@@ -126,3 +186,59 @@ class ModelRunner:
             ends = torch.cumsum(torch.tensor(query_lens, device=self.device), 0) - 1 + num_decode
             last = torch.cat((last, ends))
         return self.model.compute_logits(hidden[last])
+
+
+def prepare_model(model, plan: EnginePlan) -> None:
+    """The plan's weight format and fused ops, applied in place before any profiling or graph capture."""
+    model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
+    if plan.weights.value == "fp8":
+        from kv4rl.engine.fp8_weights import apply_fp8_weights, fp8_path
+
+        apply_fp8_weights(model)
+        param = next(model.parameters())
+        assert fp8_path(model, param.dtype, param.device) == plan.weights.reason, "the plan mistook the FP8 path"
+    if plan.fused_ops.value:
+        model.enable_fused_ops()
+    if plan.fused_fp8_quant:  # FP8 linears quantize their inputs in one kernel too
+        from kv4rl.engine.fp8_weights import set_fused_quant
+
+        set_fused_quant(model)
+
+
+class _Profile:
+    """The pool size that fits in device memory, measured by running the largest step (CUDA)."""
+
+    def __init__(self, model, plan: EnginePlan, config: EngineConfig, device: torch.device,
+                 fast: FastAttention | None):
+        self.model, self.plan, self.config, self.device, self.fast = model, plan, config, device, fast
+
+    def pool_blocks(self) -> tuple[int, str]:
+        """The pool's blocks and how they were chosen: what is left of `engine.gpu_memory_fraction`
+        after the memory in use and the largest step's peak (see `kv4rl.engine.memory`)."""
+        cfg, plan, args = self.config, self.plan, self.model.args
+        max_num_seqs, max_model_len, block_size = plan.max_num_seqs, plan.max_model_len.value, cfg.kv.block_size
+        footprint = memory.kv_footprint(plan.kv_format, args.num_layers, args.num_kv_heads, args.head_dim, block_size)
+        activation = memory.measure_step_peak(lambda: self.step(max_num_seqs), self.device)
+        total, used = memory.in_use_bytes(self.device)
+        blocks = memory.pool_blocks(
+            total_bytes=total, fraction=cfg.gpu_memory_fraction, used_bytes=used, activation_bytes=activation,
+            footprint=footprint, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        capped = " (capped at max_num_seqs x max_model_len)" if blocks == max_num_seqs * blocks_needed(
+            max_model_len, block_size) else ""
+        return blocks, (
+            f"engine.gpu_memory_fraction={cfg.gpu_memory_fraction:g} of {memory.format_bytes(total)}: "
+            f"{memory.format_bytes(used)} in use, {memory.format_bytes(activation)} step peak{capped}"
+        )
+
+    @torch.inference_mode()
+    def step(self, max_num_seqs: int) -> None:
+        """The largest step's work on dummy tokens and a one-block cache: its prefill, then sampling
+        for `max_num_seqs` rows with top-k and top-p on (their sorts are the sampler's peak)."""
+        block_size, max_model_len = self.config.kv.block_size, self.plan.max_model_len.value
+        seqs = memory.profile_batch(self.config.max_num_batched_tokens, max_model_len, max_num_seqs, block_size)
+        ModelRunner(self.model, self.plan.kv_format, 1, block_size, self.device, fast=self.fast,
+                    max_model_len=max_model_len).forward(seqs)
+        rows = {"size": (max_num_seqs,), "device": self.device}
+        sample(torch.zeros(max_num_seqs, self.model.args.vocab_size, device=self.device),
+               torch.ones(**rows), torch.ones(**rows, dtype=torch.long), torch.full(fill_value=0.5, **rows),
+               torch.zeros(**rows, dtype=torch.long), torch.zeros(**rows, dtype=torch.long))

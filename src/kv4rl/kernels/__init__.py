@@ -37,9 +37,3 @@ def kernels_usable(device) -> bool:
         return False
     return device.type == "cuda" or interpreting()
 
-
-def kernels_compiled(device) -> bool:
-    """Compiled kernels on a CUDA device: what the engine's `auto` settings take (never the interpreter)."""
-    import torch
-
-    return torch.device(device).type == "cuda" and triton_importable() and not interpreting()

@@ -1,0 +1,220 @@
+"""The engine's start-up decisions as data: every `auto` setting resolved, each with its reason.
+
+`make_plan` is pure: from the engine config, the model's shape, its compute dtype and a `Capabilities`
+record of the machine it builds a frozen `EnginePlan`, allocating and launching nothing. Only
+`probe_capabilities` looks at the real device; tests write the record by hand (a CUDA machine, a CPU,
+the Triton interpreter), so each decision is checked without a GPU. The runner carries the plan out
+(`kv4rl.engine.runner`), and the start-up summary prints from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from kv4rl.engine.block_manager import blocks_needed
+from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.fp8_linear import describe_fp8_paths
+from kv4rl.engine.kv_formats import KVFormat, kv_format_from_config
+from kv4rl.kernels.decode_common import DecodeKind
+from kv4rl.kernels.int4_decode_cuda import body_kernel
+from kv4rl.models.args import ModelArgs
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What the machine offers the engine's kernels. `int4_cuda_problem`: why the CUDA INT4 decode kernel
+    cannot run on the device whatever the shape (None: it can); `fp8_matmul`: FP8 tensor-core products."""
+
+    device_type: str
+    triton: bool
+    interpreter: bool
+    int4_cuda_problem: str | None
+    fp8_matmul: bool
+
+    @property
+    def kernels_compiled(self) -> bool:
+        """Compiled kernels on a CUDA device: what the `auto` settings take (never the interpreter)."""
+        return self.device_type == "cuda" and self.triton and not self.interpreter
+
+    @property
+    def kernels_usable(self) -> bool:
+        """Kernels can run at all: Triton and a CUDA device, or the interpreter (on CPU tensors)."""
+        return self.triton and (self.device_type == "cuda" or self.interpreter)
+
+
+def probe_capabilities(device: torch.device) -> Capabilities:
+    """The real device's capabilities (queries CUDA on a CUDA device)."""
+    from kv4rl.engine.fp8_linear import fp8_matmul_device
+    from kv4rl.kernels import interpreting, triton_importable
+    from kv4rl.kernels.int4_decode_cuda import device_problem
+
+    return Capabilities(device_type=device.type, triton=triton_importable(), interpreter=interpreting(),
+                        int4_cuda_problem=device_problem(device), fp8_matmul=fp8_matmul_device(device))
+
+
+@dataclass(frozen=True, slots=True)
+class Choice(Generic[T]):
+    """One decision: the value the engine runs with and why."""
+
+    value: T
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    """What the engine runs. `attention` is "triton" (decode rows through the kernels) or "torch";
+    `int4_kernel` the INT4 body's kernel on the Triton path ("cuda"/"triton", None for other formats);
+    `pool_blocks` None means measured on the device by the runner."""
+
+    kv_format: KVFormat
+    kv_format_name: Choice[str]
+    max_model_len: Choice[int]
+    fused_ops: Choice[bool]
+    sampler: Choice[str]
+    attention: Choice[str]
+    int4_kernel: Choice[str | None]
+    cuda_graphs: Choice[bool]
+    weights: Choice[str]
+    pool_blocks: Choice[int | None]
+    max_num_seqs: int
+
+    @property
+    def fused_fp8_quant(self) -> bool:
+        """FP8 linears quantize their inputs in one Triton kernel (with fused ops only)."""
+        return self.fused_ops.value and self.weights.value == "fp8"
+
+    @property
+    def attention_desc(self) -> str:
+        if self.attention.value == "torch":
+            return f"attention: torch reference ({self.attention.reason})"
+        graphs = "CUDA graphs" if self.cuda_graphs.value else "eager"
+        kernels = "CUDA INT4 + Triton decode kernels" if self.int4_kernel.value == "cuda" else "Triton decode kernels"
+        return f"attention: {kernels} ({graphs}) + reference prefill"
+
+    @property
+    def weights_desc(self) -> str:
+        return f"fp8 weights: {self.weights.reason}" if self.weights.value == "fp8" else f"weights {self.weights.value}"
+
+    def choices(self) -> dict[str, Choice]:
+        return {name: getattr(self, name) for name in ("kv_format_name", "max_model_len", "fused_ops", "sampler",
+                                                       "attention", "int4_kernel", "cuda_graphs", "weights",
+                                                       "pool_blocks")}
+
+    def explain(self) -> str:
+        """Every decision with its reason, one `name=value (reason)` item each."""
+        return "; ".join(f"{name}={c.value} ({c.reason})" for name, c in self.choices().items())
+
+
+def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: Capabilities,
+              max_num_seqs: int) -> EnginePlan:
+    """Resolve the engine's settings for this model and machine; raises ValueError, naming the setting,
+    for one that cannot run here (checked in the order: fused ops, KV format, attention, sampler)."""
+    fused_ops = _kernel_setting("engine.fused_ops", config.fused_ops, True, False, caps)
+    kv_name = _kv_format_name(config, dtype)
+    kv_format = kv_format_from_config(config.kv, kv_name.value)
+    max_model_len = (Choice(config.max_model_len, "engine.max_model_len") if config.max_model_len
+                     else Choice(args.max_position_embeddings, "the model's max_position_embeddings"))
+    kv_format.check(args.head_dim, max_model_len.value)
+    attention = _attention(config, kv_format, dtype, args.head_dim, caps)
+    sampler = _kernel_setting("engine.sampler", config.sampler, "triton", "torch", caps)
+    on_kernels = attention.value == "triton"
+    return EnginePlan(
+        kv_format=kv_format, kv_format_name=kv_name, max_model_len=max_model_len, fused_ops=fused_ops,
+        sampler=sampler, attention=attention, int4_kernel=_int4_kernel(on_kernels, kv_format, args, config, caps),
+        cuda_graphs=_cuda_graphs(config, on_kernels, caps), weights=_weights(config, args, dtype, caps),
+        pool_blocks=_pool_blocks(config, caps, max_num_seqs, max_model_len.value), max_num_seqs=max_num_seqs,
+    )
+
+
+def _kernel_setting(key: str, setting, on, off, caps: Capabilities) -> Choice:
+    """A setting whose `auto` takes the compiled kernels where they exist; `on` fails where none can run."""
+    if setting == "auto":
+        if caps.kernels_compiled:
+            return Choice(on, f"{key}=auto: compiled Triton kernels on CUDA")
+        return Choice(off, f"{key}=auto: no compiled kernels on {caps.device_type}" +
+                      (" (Triton interpreter)" if caps.interpreter else ""))
+    if setting == on and not caps.kernels_usable:
+        raise ValueError(f"{key}={str(on).lower()} cannot run here: it needs Triton and a CUDA device")
+    return Choice(setting, f"{key}={str(setting).lower()}")
+
+
+def _kv_format_name(config: EngineConfig, dtype: torch.dtype) -> Choice[str]:
+    if config.kv.format != "auto":
+        return Choice(config.kv.format, f"engine.kv.format={config.kv.format}")
+    name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return Choice(name, f"engine.kv.format=auto: the model computes in {str(dtype).removeprefix('torch.')}")
+
+
+def fast_path_problem(kv_format: KVFormat, dtype: torch.dtype, head_dim: int, caps: Capabilities) -> str | None:
+    """Why the Triton decode path cannot serve this engine, or None when it can."""
+    if caps.device_type != "cuda" and not caps.interpreter:
+        return "no CUDA device"
+    if not caps.triton:
+        return "Triton is not installed"
+    problem = kv_format.fast_path_problem(head_dim)
+    if problem is not None:
+        return problem
+    if dtype != torch.bfloat16:
+        return f"the kernels run bf16 models, this one is {dtype}"
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        return f"head_dim must be a power of two >= 32, got {head_dim}"
+    return None
+
+
+def _attention(config: EngineConfig, kv_format: KVFormat, dtype: torch.dtype, head_dim: int,
+               caps: Capabilities) -> Choice[str]:
+    backend = config.attention_backend
+    if backend == "torch":
+        return Choice("torch", "engine.attention_backend=torch")
+    problem = fast_path_problem(kv_format, dtype, head_dim, caps)
+    if problem is None:
+        return Choice("triton", f"engine.attention_backend={backend}: the decode kernels serve {kv_format.name}")
+    if backend == "triton":
+        raise ValueError(f"engine.attention_backend=triton cannot run here: {problem}")
+    return Choice("torch", problem)
+
+
+def _int4_kernel(on_kernels: bool, kv_format: KVFormat, args: ModelArgs, config: EngineConfig,
+                 caps: Capabilities) -> Choice[str | None]:
+    if not on_kernels or kv_format.decode_kind != DecodeKind.INT4:
+        return Choice(None, "no INT4 body on the decode kernels")
+    kernel, why = body_kernel(caps.int4_cuda_problem, args.head_dim, args.num_heads // args.num_kv_heads,
+                              args.num_kv_heads, config.kv.block_size, interpreter=caps.interpreter)
+    return Choice(kernel, "the CUDA kernel serves this shape" if why is None else f"not CUDA: {why}")
+
+
+def _cuda_graphs(config: EngineConfig, on_kernels: bool, caps: Capabilities) -> Choice[bool]:
+    if not config.cuda_graphs:
+        return Choice(False, "engine.cuda_graphs=false")
+    if not on_kernels:
+        return Choice(False, "graphs replay the decode kernels only")
+    if caps.device_type != "cuda":
+        return Choice(False, f"no graphs on {caps.device_type}")
+    return Choice(True, "engine.cuda_graphs=true: decode steps replay per batch bucket")
+
+
+def _weights(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: Capabilities) -> Choice[str]:
+    """`fp8`: the reason is the products its linears take (`fp8_weights.fp8_path` of the built model)."""
+    if config.weight_format != "fp8":
+        return Choice(config.weight_format, f"engine.weight_format={config.weight_format}")
+    q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    hidden, inter = args.hidden_size, args.intermediate_size
+    per_layer = [(hidden, q_out), (hidden, kv_out), (hidden, kv_out), (q_out, hidden),  # q, k, v, o
+                 (hidden, inter), (hidden, inter), (inter, hidden)]  # gate, up, down
+    fast = sum(dtype == torch.bfloat16 and caps.fp8_matmul and n_in % 16 == 0 and n_out % 16 == 0
+               for n_in, n_out in per_layer) * args.num_layers
+    return Choice("fp8", describe_fp8_paths(fast, len(per_layer) * args.num_layers))
+
+
+def _pool_blocks(config: EngineConfig, caps: Capabilities, max_num_seqs: int, max_model_len: int
+                 ) -> Choice[int | None]:
+    if config.num_kv_blocks is not None:
+        return Choice(config.num_kv_blocks, "engine.num_kv_blocks")
+    if caps.device_type != "cuda":
+        return Choice(max_num_seqs * blocks_needed(max_model_len, config.kv.block_size), "max_num_seqs x max_model_len")
+    return Choice(None, f"engine.gpu_memory_fraction={config.gpu_memory_fraction:g}, measured on the device")

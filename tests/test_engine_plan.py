@@ -1,0 +1,164 @@
+"""The engine's start-up plan (`kv4rl.engine.plan`): every `auto` setting resolved, with its reason, for a
+CUDA machine, a CPU and the Triton interpreter, from hand-written capabilities (no GPU needed)."""
+
+import pytest
+import torch
+
+from kv4rl.engine.config import EngineConfig, KVConfig
+from kv4rl.engine.plan import Capabilities, make_plan
+from kv4rl.models.args import ModelArgs
+
+CUDA = Capabilities(device_type="cuda", triton=True, interpreter=False, int4_cuda_problem=None, fp8_matmul=True)
+CPU = Capabilities(device_type="cpu", triton=True, interpreter=False, int4_cuda_problem="not a CUDA device",
+                   fp8_matmul=False)
+INTERPRETER = Capabilities(device_type="cpu", triton=True, interpreter=True, int4_cuda_problem="not a CUDA device",
+                           fp8_matmul=False)
+CUDA_NO_TRITON = Capabilities(device_type="cuda", triton=False, interpreter=False, int4_cuda_problem=None,
+                              fp8_matmul=True)
+
+
+def _args(**overrides) -> ModelArgs:
+    """Qwen3-8B's attention shape (32 query heads over 8 KV heads of 128), two small layers."""
+    config = {"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "eos_token_id": 1}
+    return ModelArgs.from_hf_config({**config, **overrides})
+
+
+def _plan(caps, dtype=torch.bfloat16, args=None, max_num_seqs=4, **settings):
+    kv = settings.pop("kv", {})
+    return make_plan(EngineConfig(kv=KVConfig(**kv), **settings), args or _args(), dtype, caps, max_num_seqs)
+
+
+def test_auto_settings_on_cuda_take_the_compiled_kernels():
+    plan = _plan(CUDA, kv={"format": "kv4"})
+    assert plan.fused_ops.value is True and "compiled Triton kernels on CUDA" in plan.fused_ops.reason
+    assert plan.sampler.value == "triton" and plan.sampler.reason.startswith("engine.sampler=auto")
+    assert plan.attention.value == "triton" and "kv4" in plan.attention.reason
+    assert plan.int4_kernel.value == "cuda"
+    assert plan.cuda_graphs.value is True
+    assert plan.pool_blocks.value is None and "gpu_memory_fraction=0.9" in plan.pool_blocks.reason
+    assert plan.attention_desc == "attention: CUDA INT4 + Triton decode kernels (CUDA graphs) + reference prefill"
+    assert plan.kv_format_name.value == "kv4" and plan.kv_format.name == "kv4"
+    assert plan.max_model_len.value == 4096 and "max_position_embeddings" in plan.max_model_len.reason
+
+
+def test_auto_settings_on_a_cpu_keep_the_reference_path():
+    plan = _plan(CPU, dtype=torch.float32, max_num_seqs=3, max_model_len=40)
+    assert plan.fused_ops.value is False and "no compiled kernels on cpu" in plan.fused_ops.reason
+    assert plan.sampler.value == "torch"
+    assert plan.kv_format_name.value == "fp32" and "float32" in plan.kv_format_name.reason
+    assert plan.attention.value == "torch" and plan.attention.reason == "no CUDA device"
+    assert plan.attention_desc == "attention: torch reference (no CUDA device)"
+    assert plan.int4_kernel.value is None and plan.cuda_graphs.value is False
+    assert plan.pool_blocks.value == 3 * 3 and plan.pool_blocks.reason == "max_num_seqs x max_model_len"  # 40 -> 3 x 16
+    assert plan.max_model_len.value == 40 and plan.max_model_len.reason == "engine.max_model_len"
+
+
+def test_the_interpreter_runs_the_decode_kernels_but_never_the_auto_ones():
+    plan = _plan(INTERPRETER, kv={"format": "kv4"})
+    assert plan.fused_ops.value is False and "(Triton interpreter)" in plan.fused_ops.reason
+    assert plan.sampler.value == "torch"
+    assert plan.attention.value == "triton"
+    assert plan.int4_kernel.value == "triton" and "Triton interpreter" in plan.int4_kernel.reason
+    assert plan.cuda_graphs.value is False and "cpu" in plan.cuda_graphs.reason
+    assert plan.attention_desc == "attention: Triton decode kernels (eager) + reference prefill"
+    # explicit kernel settings may run in the interpreter
+    explicit = _plan(INTERPRETER, fused_ops=True, sampler="triton")
+    assert explicit.fused_ops.value is True and explicit.fused_ops.reason == "engine.fused_ops=true"
+    assert explicit.sampler.value == "triton" and explicit.kv_format_name.value == "bf16"
+
+
+@pytest.mark.parametrize("caps", [CPU, CUDA_NO_TRITON], ids=["cpu", "cuda-without-triton"])
+@pytest.mark.parametrize("setting,message", [
+    ({"fused_ops": True}, "engine.fused_ops=true cannot run here: it needs Triton and a CUDA device"),
+    ({"sampler": "triton"}, "engine.sampler=triton cannot run here: it needs Triton and a CUDA device"),
+])
+def test_kernel_settings_fail_where_no_kernel_can_run(caps, setting, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(caps, **setting)
+
+
+@pytest.mark.parametrize("caps,kv,dtype,args,reason", [
+    (CUDA_NO_TRITON, {"format": "bf16"}, torch.bfloat16, None, "Triton is not installed"),
+    (CUDA, {"format": "nvfp4"}, torch.bfloat16, None,
+     "no decode kernel for KV format 'nvfp4' (kernels: bf16, fp8, int4, kv4)"),
+    (CUDA, {"format": "int4", "group_size": 64}, torch.bfloat16, None,
+     "engine.kv.group_size must equal head_dim=128, got 64"),
+    (CUDA, {"format": "bf16"}, torch.float16, None, "the kernels run bf16 models, this one is torch.float16"),
+    (CUDA, {"format": "fp8"}, torch.bfloat16, {"head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2},
+     "head_dim must be a power of two >= 32, got 16"),
+])
+def test_attention_falls_back_to_torch_and_says_why(caps, kv, dtype, args, reason):
+    plan = _plan(caps, dtype=dtype, kv=kv, args=_args(**(args or {})))
+    assert plan.attention.value == "torch" and reason in plan.attention.reason
+    assert plan.cuda_graphs.value is False and plan.int4_kernel.value is None
+    with pytest.raises(ValueError) as refused:
+        _plan(caps, dtype=dtype, kv=kv, args=_args(**(args or {})), attention_backend="triton")
+    assert str(refused.value) == f"engine.attention_backend=triton cannot run here: {plan.attention.reason}"
+
+
+def test_explicit_backend_and_graph_settings_are_kept_with_their_reason():
+    plan = _plan(CUDA, kv={"format": "kv4"}, attention_backend="torch", cuda_graphs=True)
+    assert plan.attention.value == "torch" and plan.attention.reason == "engine.attention_backend=torch"
+    assert plan.cuda_graphs.value is False and plan.int4_kernel.value is None
+    plan = _plan(CUDA, kv={"format": "bf16"}, cuda_graphs=False, num_kv_blocks=7)
+    assert plan.cuda_graphs.value is False and plan.cuda_graphs.reason == "engine.cuda_graphs=false"
+    assert plan.attention_desc == "attention: Triton decode kernels (eager) + reference prefill"
+    assert (plan.pool_blocks.value, plan.pool_blocks.reason) == (7, "engine.num_kv_blocks")
+
+
+@pytest.mark.parametrize("args,why", [
+    ({"head_dim": 64}, "head_dim 64 != 128"),
+    ({"num_key_value_heads": 2}, "16 query heads per KV head > 8"),
+])
+def test_int4_body_leaves_the_cuda_kernel_for_shapes_it_cannot_take(args, why):
+    plan = _plan(CUDA, kv={"format": "kv4", "group_size": 64 if args.get("head_dim") == 64 else 128},
+                 args=_args(**args))
+    assert plan.attention.value == "triton"
+    assert plan.int4_kernel.value == "triton" and plan.int4_kernel.reason == f"not CUDA: {why}"
+    assert plan.attention_desc.startswith("attention: Triton decode kernels (CUDA graphs)")
+    unable = Capabilities(device_type="cuda", triton=True, interpreter=False, fp8_matmul=True,
+                          int4_cuda_problem="needs sm_80 or newer (mma.sync m16n8k16)")
+    assert _plan(unable, kv={"format": "int4"}).int4_kernel.reason == "not CUDA: needs sm_80 or newer (mma.sync m16n8k16)"
+
+
+def test_fp8_weight_path_matches_the_built_model(monkeypatch):
+    """Two layers of q/k/v/o (multiples of 16) and gate/up/down (intermediate 40 is not): 8 of 14 linears
+    take scaled_mm on an FP8 GPU in bf16; the plan, from the shapes alone, says what the swapped model does."""
+    from kv4rl.engine import fp8_linear
+    from kv4rl.engine.fp8_weights import apply_fp8_weights, fp8_path
+    from kv4rl.models.decoder import Decoder
+
+    args = _args(hidden_size=64, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    expected = "scaled_mm (Hopper) for 8 of 14 linears, dequantized fallback for the rest"
+    plan = _plan(CUDA, args=args, weight_format="fp8")
+    assert plan.weights.value == "fp8" and plan.weights.reason == expected
+    assert plan.weights_desc == f"fp8 weights: {expected}"
+    model = Decoder(args, dtype=torch.bfloat16)
+    apply_fp8_weights(model)
+    monkeypatch.setattr(fp8_linear, "fp8_matmul_device", lambda device: True)  # as on an H200
+    assert fp8_path(model, torch.bfloat16, torch.device("cpu")) == expected
+    assert _plan(CUDA, args=args, weight_format="fp8", dtype=torch.float32).weights.reason == "dequantized fallback"
+    assert _plan(CPU, args=args, weight_format="fp8").weights.reason == "dequantized fallback"
+    assert _plan(CUDA, weight_format="fp8").weights.reason == "scaled_mm (Hopper)"
+    assert _plan(CUDA).weights_desc == "weights auto"
+
+
+def test_fused_fp8_quant_needs_both_fused_ops_and_fp8_weights():
+    assert _plan(CUDA, weight_format="fp8").fused_fp8_quant is True
+    assert _plan(CUDA).fused_fp8_quant is False
+    assert _plan(CUDA, weight_format="fp8", fused_ops=False).fused_fp8_quant is False
+
+
+def test_kv_format_checks_run_on_the_planned_format():
+    with pytest.raises(ValueError, match="exceed the context limit engine.max_model_len=100"):
+        _plan(CPU, kv={"format": "kv4", "n_sink": 16, "n_recent": 128}, max_model_len=100)
+
+
+def test_explain_lists_every_decision_with_its_reason():
+    plan = _plan(CUDA, kv={"format": "kv4"})
+    text = plan.explain()
+    for name, choice in plan.choices().items():
+        assert f"{name}={choice.value} ({choice.reason})" in text
+    assert len(plan.choices()) == 9
