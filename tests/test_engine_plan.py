@@ -120,7 +120,8 @@ def test_int4_body_leaves_the_cuda_kernel_for_shapes_it_cannot_take(args, why):
     assert plan.attention_desc.startswith("attention: Triton decode kernels (CUDA graphs)")
     unable = Capabilities(device_type="cuda", triton=True, interpreter=False, fp8_matmul=True,
                           int4_cuda_problem="needs sm_80 or newer (mma.sync m16n8k16)")
-    assert _plan(unable, kv={"format": "int4"}).int4_kernel.reason == "not CUDA: needs sm_80 or newer (mma.sync m16n8k16)"
+    reason = _plan(unable, kv={"format": "int4"}).int4_kernel.reason
+    assert reason == "not CUDA: needs sm_80 or newer (mma.sync m16n8k16)"
 
 
 def test_fp8_weight_path_matches_the_built_model(monkeypatch):

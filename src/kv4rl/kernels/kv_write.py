@@ -104,8 +104,9 @@ def write_kv(x: torch.Tensor, slots: torch.Tensor, *, store: DecodeKind, out: to
     """Quantize x[N, Hkv, D] and store it at `slots[N]` (-1: skip) of the paged `out` [slots, Hkv, ·].
 
     store (the kernel's `STORE`, numbered like the decode kinds): BF16 (values as they are), FP8 (codes +
-    per-row fp32 `scale`), INT4 (packed codes + fp16 `scale`/`zero` per group). `rotate` applies the Hadamard rotation first. `protect_rows[N]`
-    (-1: none) also writes the INT8 copy to `prot_codes`/`prot_scale` rows.
+    per-row fp32 `scale`), INT4 (packed codes + fp16 `scale`/`zero` per group). `rotate` applies the
+    Hadamard rotation first. `protect_rows[N]` (-1: none) also writes the INT8 copy to
+    `prot_codes`/`prot_scale` rows.
     """
     num_tokens, num_kv_heads, head_dim = x.shape
     if num_tokens == 0:
