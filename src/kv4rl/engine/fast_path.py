@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kv4rl.engine.sequence import Sequence
-from kv4rl.kernels.decode_common import DecodeBatch
+from kv4rl.kernels.decode_common import DecodeBatch, DecodeKind
+
+if TYPE_CHECKING:  # the kernels import Triton, which a CPU-only install may lack
+    from kv4rl.kernels.decode_attention import DecodeKernels
 
 DEFAULT_MAX_SPLITS = 32
 
@@ -36,7 +40,8 @@ class FastAttention:
     `DecodeKernels` with the tuned ones)."""
 
     def __init__(self, kv_format, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
-                 max_splits: int = DEFAULT_MAX_SPLITS, num_q_heads: int | None = None, kernels=None):
+                 max_splits: int = DEFAULT_MAX_SPLITS, num_q_heads: int | None = None,
+                 kernels: DecodeKernels | None = None):
         from kv4rl.kernels.decode_attention import DecodeKernels
 
         self.fmt = kv_format
@@ -52,7 +57,7 @@ class FastAttention:
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
         self.int4_kernel = None  # 'cuda' or 'triton' for INT4 bodies (needs the query heads to decide)
-        if self.kind == self.kind.INT4 and num_q_heads is not None:
+        if self.kind == DecodeKind.INT4 and num_q_heads is not None:
             self.int4_kernel = self.kernels.int4_body(device, head_dim, num_q_heads // num_kv_heads, num_kv_heads,
                                                       block_size)[0]
 
