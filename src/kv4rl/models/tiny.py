@@ -13,6 +13,7 @@ next to its final place and renamed into place, so an interrupted build never lo
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -320,6 +321,15 @@ def sample_responses(
     return responses
 
 
+def _cache_argument(model: PreTrainedModel) -> str:
+    """The forward argument (and output key) that carries the KV cache in this transformers version.
+
+    transformers renamed `past_key_values` to `cache` (5.17 has only the old name; later versions
+    accept both but warn on the old one), so ask the signature instead of pinning a version.
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _generate(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor,
@@ -331,10 +341,10 @@ def _generate(
     outputs: list[list[int]] = [[] for _ in range(prompt_ids.shape[0])]
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     step_input, cache = prompt_ids, None
+    cache_name = _cache_argument(model)
     for _ in range(max_new_tokens):
-        # transformers renamed `past_key_values` to `cache` (5.17 has only the old name, 5.24 both)
-        result = model(input_ids=step_input, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = getattr(result, "past_key_values", None) or getattr(result, "cache", None)
+        result = model(input_ids=step_input, **{cache_name: cache}, use_cache=True, logits_to_keep=1)
+        cache = result[cache_name]
         logits = result.logits[:, -1, :].float()
         if temperature == 0:
             tokens = logits.argmax(dim=-1)
