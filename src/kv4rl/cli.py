@@ -11,12 +11,13 @@ import logging
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from kv4rl.cli_bench import bench_app
 from kv4rl.cli_common import console, engine_config, fail
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
+from kv4rl.telemetry.progress import StageProgress
+from kv4rl.telemetry.tables import ResultTable, metric_table, print_table
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="kv4rl: RL post-training with cheap rollouts.")
 
@@ -33,12 +34,7 @@ def _quiet_libraries() -> None:
 
 
 def _print_table(title: str, data: dict) -> None:
-    table = Table(title=title)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k, v in data.items():
-        table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
-    console.print(table)
+    print_table(console, metric_table(title, data))
 
 
 @app.command()
@@ -123,9 +119,9 @@ def eval_cmd(
         engine = Engine(model, engine_cfg, device=device,
                         seed=seed, tokenizer=tokenizer)
         reward_name = source.default_reward if reward == "auto" else reward
-        with get_reward(reward_name) as reward_fn:
+        with get_reward(reward_name) as reward_fn, StageProgress(console, "eval") as stages:
             res = evaluate(engine, formatter, problems, reward_fn, k=k, temperature=temperature,
-                           max_new_tokens=max_new_tokens, seed=seed)
+                           max_new_tokens=max_new_tokens, seed=seed, progress=stages)
     except ValueError as exc:
         fail(str(exc))
     res = {"model": str(model), "data": str(data) if data else "embedded", **res}
@@ -160,6 +156,20 @@ def plot_rollout_trace_cmd(
     console.print(f"wrote {path}")
 
 
+def _curves_table(metric: str, ema: float, summary: dict) -> ResultTable:
+    table = ResultTable(f"{metric}, EMA {ema:g}",
+                        ["arm", "seeds", "last iter", "final mean ± std", "drop mean", "drop seed"],
+                        caption="final: each seed's EMA at its last iteration; drop: largest fall below the "
+                                "running max, of the mean curve and of the worst seed")
+    for name, a in summary["arms"].items():
+        final = "-" if a["final_mean"] is None else f"{a['final_mean']:.4f}"
+        if a["final_std"] is not None:
+            final += f" ± {a['final_std']:.4f}"
+        table.add_row(name, str(a["n_seeds"]), str(a["last_iteration"]), final,
+                      f"{a['worst_drop_mean_curve']:.4f}", f"{a['worst_drop_worst_seed']:.4f}")
+    return table
+
+
 @plot_app.command("curves")
 def plot_curves_cmd(
     runs: list[str] | None = typer.Argument(
@@ -181,17 +191,7 @@ def plot_curves_cmd(
         fail(str(exc))
     png = plot_curves(curves, metric, ema, summary["band"], out)
     csv_path = write_csv(curve_rows(curves), out.with_suffix(".csv"))
-    table = Table(title=f"{metric}, EMA {ema:g}", caption="final: each seed's EMA at its last iteration; "
-                  "drop: largest fall below the running max, of the mean curve and of the worst seed")
-    for col in ("arm", "seeds", "last iter", "final mean ± std", "drop mean", "drop seed"):
-        table.add_column(col, justify="left" if col == "arm" else "right")
-    for name, a in summary["arms"].items():
-        final = "-" if a["final_mean"] is None else f"{a['final_mean']:.4f}"
-        if a["final_std"] is not None:
-            final += f" ± {a['final_std']:.4f}"
-        table.add_row(name, str(a["n_seeds"]), str(a["last_iteration"]), final,
-                      f"{a['worst_drop_mean_curve']:.4f}", f"{a['worst_drop_worst_seed']:.4f}")
-    console.print(table)
+    print_table(console, _curves_table(metric, ema, summary))
     write_json(summary, json_out)
     console.print(f"wrote {png} and {csv_path}" + (f" and {json_out}" if json_out else ""))
 

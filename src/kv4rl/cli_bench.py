@@ -18,6 +18,8 @@ from rich.table import Table
 from typer import Option
 
 from kv4rl.cli_common import console, engine_config, fail, write_json
+from kv4rl.telemetry.progress import StageProgress
+from kv4rl.telemetry.tables import ResultTable, print_table
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks of the rollout engine.")
 
@@ -26,18 +28,16 @@ ALL_FORMATS = "bf16,fp8,int4,kv4,nvfp4,mxfp4"
 
 
 
-def _fidelity_table(res: dict) -> Table:
+def _fidelity_table(res: dict) -> ResultTable:
     shape = res["model_shape"]
-    table = Table(title=(
-        f"KV fidelity vs {res['reference']} cache — {res['num_prompts']} prompts, "
-        f"{res['response_tokens_mean']:.0f} response tokens each (mean), {shape['layers']} layers x "
-        f"{shape['kv_heads']} KV heads x head_dim {shape['head_dim']}, group {res['kv']['group_size']}"
-    ))
     buckets = sorted({b for r in res["results"] for b in r["kl_by_position"]},
                      key=lambda b: int(b.split("-")[0].rstrip("+")))
-    for name in ("format", "allocation", "KL mean", *[f"KL @{b}" for b in buckets], "top-1 agree",
-                 f"bytes/token @{res['context_for_bytes']}", "vs bf16"):
-        table.add_column(name, justify="left" if name in ("format", "allocation") else "right")
+    table = ResultTable(
+        f"KV fidelity vs {res['reference']} cache — {res['num_prompts']} prompts, "
+        f"{res['response_tokens_mean']:.0f} response tokens each (mean), {shape['layers']} layers x "
+        f"{shape['kv_heads']} KV heads x head_dim {shape['head_dim']}, group {res['kv']['group_size']}",
+        ["format", "allocation", "KL mean", *[f"KL @{b}" for b in buckets], "top-1 agree",
+         f"bytes/token @{res['context_for_bytes']}", "vs bf16"], labels=2)
     for r in res["results"]:
         table.add_row(
             r["format"], r["allocation"] or "-", f"{r['kl_mean']:.3e}",
@@ -129,14 +129,15 @@ def fidelity(
         context_len = max(len(p) for p in prompts) + max_new_tokens
         budgets = parse_allocations(allocations) if allocations else [default_allocation(context_len)]
         variants = build_variants([f.strip() for f in formats.split(",") if f.strip()], budgets)
-        res = run_fidelity(model, prompts, variants, reference=reference, kv=kv,
-                           max_new_tokens=max_new_tokens,
-                           temperature=temperature, ignore_eos=ignore_eos, seed=seed, context_len=context,
-                           device=device, dtype=dtype, batch_size=batch_size,
-                           progress=lambda message: console.print(f"[dim]{message}[/]"))
+        with StageProgress(console, "fidelity") as stages:  # one stage to sample, then one per variant
+            res = run_fidelity(model, prompts, variants, reference=reference, kv=kv,
+                               max_new_tokens=max_new_tokens,
+                               temperature=temperature, ignore_eos=ignore_eos, seed=seed, context_len=context,
+                               device=device, dtype=dtype, batch_size=batch_size,
+                               progress=stages.counted(1 + len(variants)))
     except ValueError as exc:
         fail(str(exc))
-    console.print(_fidelity_table(res))
+    print_table(console, _fidelity_table(res))
     console.print(f"KL order: {kl_order(res['results'])}")
     write_json(res, json_out)
 
@@ -164,20 +165,22 @@ def pool(
                          max_num_seqs=max_num_seqs, context=context, kv=kv)
     except ValueError as exc:
         fail(str(exc))
+    print_table(console, _pool_table(res, shape, memory_gib, max_num_seqs, context))
+    write_json(res, json_out)
+
+
+def _pool_table(res: dict, shape: str, memory_gib: float, max_num_seqs: int, context: int) -> ResultTable:
     s = res["model_shape"]
-    table = Table(title=(
+    table = ResultTable(
         f"KV pool in {memory_gib:g} GiB — {shape}: {s['layers']} layers x {s['kv_heads']} KV heads x head_dim "
-        f"{s['head_dim']}, {max_num_seqs} sequences, block {res['kv']['block_size']}"
-    ))
-    for name in ("format", "tokens", "vs bf16", "bytes/token", f"bytes/token @{context}", "reserve",
-                 f"sequences @{context}"):
-        table.add_column(name, justify="left" if name == "format" else "right")
+        f"{s['head_dim']}, {max_num_seqs} sequences, block {res['kv']['block_size']}",
+        ["format", "tokens", "vs bf16", "bytes/token", f"bytes/token @{context}", "reserve",
+         f"sequences @{context}"])
     for r in res["results"]:
         table.add_row(r["format"], f"{r['tokens']:,}", f"{r['tokens_vs_bf16']:.2f}x", f"{r['bytes_per_token']:,.0f}",
                       f"{r['bytes_per_token_at_context']:,.0f}", f"{r['reserve_bytes'] / 2**20:,.1f} MiB",
                       f"{r['sequences_at_context']}")
-    console.print(table)
-    write_json(res, json_out)
+    return table
 
 
 def _num(value: float | None) -> str:
@@ -207,28 +210,34 @@ def generate(
         if weight_format not in ("auto", "fp8"):
             raise ValueError(f"--weight-format: '{weight_format}' is not one of auto, fp8")
         sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
-        res = bench_generate(shape, batch_sizes=sizes, prompt_len=prompt_len, new_tokens=new_tokens,
-                             kv_formats=[f.strip() for f in kv_format.split(",") if f.strip()],
-                             weight_format=weight_format, hf=hf, device=device,
-                             engine_config=engine_config(engine_overrides), seed=seed,
-                             progress=lambda message: console.print(f"[dim]{message}[/]", highlight=False))
+        kv_formats = [f.strip() for f in kv_format.split(",") if f.strip()]
+        # bench_generate says one line as transformers starts, one per built engine, one per timed batch
+        messages = int(hf) + len(kv_formats) * (1 + len(sizes))
+        with StageProgress(console, "generate") as stages:
+            stages(f"{shape}: {len(kv_formats)} KV formats x {len(sizes)} batch sizes", 0, messages)
+            res = bench_generate(shape, batch_sizes=sizes, prompt_len=prompt_len, new_tokens=new_tokens,
+                                 kv_formats=kv_formats, weight_format=weight_format, hf=hf, device=device,
+                                 engine_config=engine_config(engine_overrides), seed=seed, progress=stages.advance)
     except ValueError as exc:
         fail(str(exc))
+    print_table(console, _generate_table(res))
+    write_json(res, json_out)
+
+
+def _generate_table(res: dict) -> ResultTable:
     s = res["model_shape"]
-    table = Table(title=(
-        f"generate: {shape} ({s['layers']} layers, hidden {s['hidden']}) {res['dtype']} on "
-        f"{res['gpu'] or res['device']}, prompt {prompt_len} + {new_tokens} new tokens, weights {weight_format}"
-    ))
-    for name in ("kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "decode step ms",
-                 "engine peak GiB", "HF peak GiB"):
-        table.add_column(name, justify="left" if name == "kv" else "right")
+    table = ResultTable(
+        f"generate: {res['shape']} ({s['layers']} layers, hidden {s['hidden']}) {res['dtype']} on "
+        f"{res['gpu'] or res['device']}, prompt {res['prompt_len']} + {res['new_tokens']} new tokens, "
+        f"weights {res['weight_format']}",
+        ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "decode step ms", "engine peak GiB",
+         "HF peak GiB"], labels=2)
     for r in res["results"]:
         table.add_row(r["kv_format"], str(r["batch_size"]), f"{r['engine_tokens_per_s']:,.0f}",
-                      f"{r['hf_tokens_per_s']:,.0f}" if hf else "-",
+                      f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
                       f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
                       _num(r["decode_step_ms"]), _num(r["engine_peak_gib"]), _num(r.get("hf_peak_gib")))
-    console.print(table)
-    write_json(res, json_out)
+    return table
 
 
 def _csv(value: str, cast=str) -> list:
@@ -264,17 +273,23 @@ def decode_attn(
     for name in fmt_list:
         if name not in FORMATS:
             fail(f"--formats: no decode kernel for '{name}' (known: {', '.join(FORMATS)})")
-    res = run_decode_attn(shape_list, _csv(batches, int), _csv(contexts, int), fmt_list, seed=seed,
-                          progress=lambda r: console.print(
-                              f"[dim]{r['shape']} {r['format']} B{r['batch']} L{r['context']}: {r['ms']:.4f} ms[/]"))
-    table = Table(title=f"decode attention per layer on {res['device']} (bytes read incl. scales)")
-    for name in ("shape", "format", "kernel", "batch", "context", "ms", "TB/s", "vs SDPA-cuDNN"):
-        table.add_column(name, justify="left" if name in ("shape", "format", "kernel") else "right")
+    batch_list, context_list = _csv(batches, int), _csv(contexts, int)
+    cases = len(shape_list) * len(batch_list) * len(context_list) * len(fmt_list)
+    with StageProgress(console, "decode-attn") as stages:
+        stages(f"timing {cases} kernel cases (each also against SDPA)", 0, cases)
+        res = run_decode_attn(shape_list, batch_list, context_list, fmt_list, seed=seed, progress=lambda r: stages.advance(
+            f"{r['shape']} {r['format']} B{r['batch']} L{r['context']}: {r['ms']:.4f} ms"))
+    print_table(console, _decode_attn_table(res))
+    write_json(res, json_out)
+
+
+def _decode_attn_table(res: dict) -> ResultTable:
+    table = ResultTable(f"decode attention per layer on {res['device']} (bytes read incl. scales)",
+                        ["shape", "format", "kernel", "batch", "context", "ms", "TB/s", "vs SDPA-cuDNN"], labels=3)
     for r in res["results"]:
         table.add_row(r["shape"], r["format"], r.get("int4_kernel", ""), str(r["batch"]), str(r["context"]),
                       f"{r['ms']:.4f}", f"{r['tbps']:.2f}", f"{r['speedup_vs_sdpa']:.2f}x")
-    console.print(table)
-    write_json(res, json_out)
+    return table
 
 
 @bench_app.command("decode-forward")
@@ -288,23 +303,20 @@ def decode_forward(
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
 ) -> None:
     """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""
-    from kv4rl.bench.decode_forward import WORKLOADS, run_decode_forward
+    from kv4rl.bench.decode_forward import VARIANTS, WORKLOADS, run_decode_forward
 
     _need_cuda()
     work = _csv(workloads)
     for name in work:
         if name not in WORKLOADS:
             fail(f"--workloads: unknown workload '{name}' (known: {', '.join(WORKLOADS)})")
-    res = run_decode_forward(_csv(shapes), work, fused_ops=fused_ops, progress=lambda r: console.print(
-        f"[dim]{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms[/]"))
-    table = Table(title=f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
-                        f"{', fused ops' if fused_ops else ''})")
-    for name in ("shape", "workload", "batch x context", "weights", "kv", "ms/step", "tokens/s", "vs bf16/bf16"):
-        table.add_column(name, justify="left" if name in ("shape", "workload", "weights", "kv") else "right")
-    for r in res["results"]:
-        table.add_row(r["shape"], r["workload"], f"{r['batch']} x {r['context']}", r["weights"], r["kv"],
-                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x")
-    console.print(table)
+    shape_list = _csv(shapes)
+    cases = len(shape_list) * len(VARIANTS) * len(work)
+    with StageProgress(console, "decode-forward") as stages:
+        stages(f"timing {cases} decode steps", 0, cases)
+        res = run_decode_forward(shape_list, work, fused_ops=fused_ops, progress=lambda r: stages.advance(
+            f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
+    print_table(console, _decode_forward_table(res, fused_ops))
     write_json(res, json_out)
 
 
@@ -340,6 +352,17 @@ def _rollout_table(res: dict) -> Table:
             escape(speedup), f"{r['tokens_per_s']:,.0f}", f"{r['slot_util']:.3f}", f"{r['mean_active']:.1f}",
             str(r["preemptions"]), f"{r['pool_tokens']:,}", f"{r['kv_peak_bytes'] / r['pool_bytes']:.0%}",
             f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
+    return table
+
+
+def _decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
+    table = ResultTable(f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
+                        f"{', fused ops' if fused_ops else ''})",
+                        ["shape", "workload", "weights", "kv", "batch x context", "ms/step", "tokens/s",
+                         "vs bf16/bf16"], labels=4)
+    for r in res["results"]:
+        table.add_row(r["shape"], r["workload"], r["weights"], r["kv"], f"{r['batch']} x {r['context']}",
+                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x")
     return table
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from kv4rl.cli_common import console, fail
+from kv4rl.telemetry.progress import StageProgress
+from kv4rl.telemetry.tables import ResultTable, print_table
 
 sim_app = typer.Typer(
     add_completion=False,
@@ -43,13 +44,12 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _clip_bias_table(result: dict) -> Table:
+def _clip_bias_table(result: dict) -> ResultTable:
     exact = result["closed_form"]
     inputs = f"ρ={result['rho']:g}, ε={result['eps']:g}, σ={result['sigma']:g}"
-    table = Table(title=f"PPO-clip coefficient at {inputs} ({result['n_samples']} samples, "
-                        f"regime: {exact['regime']})")
-    for name in ("branch", "mean (MC ± se)", "mean (exact)", "var (MC ± se)", "var (exact)"):
-        table.add_column(name, justify="left" if name == "branch" else "right")
+    table = ResultTable(f"PPO-clip coefficient at {inputs} ({result['n_samples']} samples, "
+                        f"regime: {exact['regime']})",
+                        ["branch", "mean (MC ± se)", "mean (exact)", "var (MC ± se)", "var (exact)"])
     for branch in ("clip", "noclip"):
         mc, se = result[branch], result["stderr"][branch]
         table.add_row(branch, f"{mc['mean']:+.4f} ± {se['mean']:.4f}", f"{exact[branch]['mean']:+.4f}",
@@ -79,7 +79,7 @@ def clip_bias_cmd(
         swept = sweep(rhos, eps, sigma, samples, seed + 1)
     except ValueError as exc:
         fail(str(exc))
-    console.print(_clip_bias_table(result))
+    print_table(console, _clip_bias_table(result))
     shift = result["clip"]["mean"] / rho
     console.print(f"clipped mean shift per unit ratio: {shift:+.4f} (exact "
                   f"{result['closed_form']['clip_mean_per_unit_ratio']:+.4f}); unclipped mean "
@@ -93,12 +93,10 @@ def clip_bias_cmd(
         console.print(f"wrote {png_out}")
 
 
-def _variance_table(summary: dict) -> Table:
-    table = Table(title=f"future-KL credit F_t^H, μ = {summary['behavior']}: {summary['n_responses']} "
+def _variance_table(summary: dict) -> ResultTable:
+    table = ResultTable(f"future-KL credit F_t^H, μ = {summary['behavior']}: {summary['n_responses']} "
                         f"responses, {summary['n_tokens']} tokens (mean length "
-                        f"{summary['mean_response_len']:.1f})")
-    for name in ("H", "var", "std", "mean", "|F| max"):
-        table.add_column(name, justify="right")
+                        f"{summary['mean_response_len']:.1f})", ["H", "var", "std", "mean", "|F| max"])
     for row in summary["horizons"]:
         table.add_row(str(row["horizon"]), f"{row['var']:.4e}", f"{row['std']:.4e}", f"{row['mean']:+.4e}",
                       f"{row['absmax']:.4e}")
@@ -148,10 +146,11 @@ def correction_variance_cmd(
             seed=seed, device=device, stale_lr=stale_lr, stale_batch_size=stale_batch_size,
             engine_overrides=list(engine or []),
         )
-        summary = measure(settings).summary
+        with StageProgress(console, "correction-variance") as stages:
+            summary = measure(settings, progress=stages).summary
     except ValueError as exc:
         fail(str(exc))
-    console.print(_variance_table(summary))
+    print_table(console, _variance_table(summary))
     ratio = summary["log_ratio"]
     console.print(f"c_t = log π − log μ: mean {ratio['mean']:+.4e}, var {ratio['var']:.4e}, "
                   f"KL(μ‖π) (k3) {ratio['kl_mu_pi_k3']:.4e}")

@@ -44,6 +44,7 @@ from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.synthetic import target_text
 from kv4rl.data.types import Problem
 from kv4rl.engine.config import EngineConfig
+from kv4rl.telemetry.progress import StageReport
 
 FP8_WEIGHTS_FIELD = "weight_format"  # the EngineConfig key that selects FP8 engine weights
 
@@ -161,7 +162,7 @@ def _right_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> t
 @torch.no_grad()
 def teacher_forced_logprobs(
     model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
-    micro_batch: int = 8,
+    micro_batch: int = 8, progress: StageReport | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log π(response token | prompt, earlier response) at temperature τ: (`[B, T]` float64, mask)."""
     device = next(model.parameters()).device
@@ -178,6 +179,8 @@ def teacher_forced_logprobs(
             first = len(prompts[i]) - 1  # logits at position p-1 predict response token 0
             logprobs[i, : len(responses[i])] = shifted[local, first : first + len(responses[i])]
             mask[i, : len(responses[i])] = True
+        if progress is not None:
+            progress(f"teacher-forcing {len(responses)} responses through π", rows.stop, len(responses))
     return logprobs, mask
 
 
@@ -202,18 +205,21 @@ def supervised_batch(
     return ids, attention, labels
 
 
-def stale_policy(model, batches: list[list[Problem]], formatter: PromptFormatter, lr: float):
+def stale_policy(model, batches: list[list[Problem]], formatter: PromptFormatter, lr: float,
+                 progress: StageReport | None = None):
     """A copy of `model` after one AdamW step per batch (see the module docstring)."""
     moved = copy.deepcopy(model).requires_grad_(True)
     device = next(moved.parameters()).device
     optimizer = torch.optim.AdamW(moved.parameters(), lr=lr, weight_decay=0.0)
-    for problems in batches:
+    for step, problems in enumerate(batches):
         ids, attention, labels = supervised_batch(formatter, problems, device)
         with _autocast(device):
             loss = moved(input_ids=ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if progress is not None:
+            progress(f"training μ = stale:{len(batches)}", step + 1, len(batches))
     moved.requires_grad_(False)
     return moved
 
@@ -271,8 +277,11 @@ def _padded(rows: list[list[float]]) -> Tensor:
     return out
 
 
-def measure(settings: Settings) -> Measurement:
-    """Sample from μ with the engine, teacher-force through π, and pool `F_t^H` per horizon."""
+def measure(settings: Settings, progress: StageReport | None = None) -> Measurement:
+    """Sample from μ with the engine, teacher-force through π, and pool `F_t^H` per horizon.
+
+    `progress(stage, done, total)` hears of each AdamW step, finished response and micro-batch.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kv4rl.data.source import ProblemSource
@@ -301,16 +310,19 @@ def measure(settings: Settings) -> Measurement:
     policy.requires_grad_(False)
     if settings.behavior.kind == "stale" and settings.behavior.steps > 0:
         batches = [source.batch(1 + k, settings.stale_batch_size) for k in range(settings.behavior.steps)]
-        behavior_model = stale_policy(policy, batches, formatter, settings.stale_lr)
+        behavior_model = stale_policy(policy, batches, formatter, settings.stale_lr, progress)
         engine.load_weights(behavior_model.state_dict(), version=settings.behavior.steps)
         del behavior_model
     params = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_new_tokens,
                             seed=settings.seed)
-    completions = engine.generate(prompts, params)
+    sampling = f"sampling {len(prompts)} responses from μ = {settings.behavior}"
+    completions = engine.generate(prompts, params, progress=None if progress is None else (
+        lambda done: progress(sampling, done, len(prompts))))
     del engine
     responses = [c.token_ids for c in completions]
     behavior_logp = _padded([c.logprobs for c in completions])
-    reference_logp, mask = teacher_forced_logprobs(policy, prompts, responses, settings.temperature)
+    reference_logp, mask = teacher_forced_logprobs(policy, prompts, responses, settings.temperature,
+                                                   progress=progress)
     log_ratio = torch.where(mask, reference_logp - behavior_logp, 0.0)
     summary = _summary(settings, log_ratio, behavior_logp, reference_logp, mask)
     return Measurement(summary, prompts, responses, behavior_logp, reference_logp, mask)

@@ -1,32 +1,114 @@
-"""A rich progress bar for training that shows the latest reward, accuracy and timings."""
+"""Progress display: the training bar, and a stage bar for every command that runs for a while.
+
+Both fit an 80-column terminal without losing the figures a person waits for. rich shrinks every
+column of a line that is too wide, so the count and ETA used to vanish first; here the fixed parts
+(label, a short bar, M/N, elapsed, ETA) never wrap, and the only flexible part is the text after
+them, which keeps as many of its items as fit, most important first.
+
+A stage bar is transient (gone when the command prints its result). When the console is not a
+terminal (piped, a CI log) it draws nothing live and prints one short line per stage instead.
+"""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Self
 
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
+from rich.text import Text
+
+BAR_WIDTH = 12
+ITEM_GAP = "  "
+
+# `report(stage, done, total)`: the callback long-running library code takes (total None: unknown).
+StageReport = Callable[[str, int, "int | None"], None]
+
+
+class FittedItems:
+    """Items joined by two spaces, keeping the leading ones that fit the width rich gives the cell."""
+
+    def __init__(self, items: Sequence[str]):
+        self.items = list(items)
+
+    def text(self, width: int) -> str:
+        shown = ""
+        for item in self.items:
+            candidate = f"{shown}{ITEM_GAP}{item}" if shown else item
+            if len(candidate) > width:
+                break
+            shown = candidate
+        return shown
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(len(self.items[0]) if self.items else 0, len(ITEM_GAP.join(self.items)))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text(self.text(options.max_width), no_wrap=True, overflow="ellipsis")
+
+
+class _FittedField(ProgressColumn):
+    """A task field holding a FittedItems (or text), in the one column allowed to shrink."""
+
+    def __init__(self, field: str):
+        self.field = field
+        super().__init__(table_column=Column())  # wrapable: rich shrinks it first
+
+    def render(self, task: Task):
+        value = task.fields.get(self.field, "")
+        return value if isinstance(value, FittedItems) else Text(value, no_wrap=True, overflow="ellipsis")
+
+
+class _Count(MofNCompleteColumn):
+    def render(self, task: Task) -> Text:
+        return Text("") if task.total is None else super().render(task)
+
+
+class _Eta(TimeRemainingColumn):
+    def render(self, task: Task) -> Text:
+        remaining = super().render(task)
+        return Text(f"ETA {remaining.plain}", style=remaining.style) if remaining.plain else remaining
+
+
+def _fixed_columns(label: str) -> list[ProgressColumn]:
+    """Label, a short bar, M/N, elapsed, ETA: never wrapped, so rich cannot squeeze them away."""
+    def fixed() -> Column:
+        return Column(no_wrap=True)
+
+    return [TextColumn(label, table_column=fixed()), BarColumn(bar_width=BAR_WIDTH, table_column=fixed()),
+            _Count(table_column=fixed()), TimeElapsedColumn(table_column=fixed()), _Eta(table_column=fixed())]
+
+
+def train_stats(row: dict) -> list[str]:
+    """The latest iteration's figures, most important first (the narrowest terminal shows a prefix)."""
+    items = [f"rew {row['reward_mean']:.3f}", f"acc {row['accuracy']:.3f}"]
+    items += [f"eval@{key.removeprefix('eval/mean@')} {row[key]:.3f}" for key in row if key.startswith("eval/mean@")]
+    items += [f"len {row['response_len_mean']:.1f}", f"{row['tokens_per_s']:.0f} tok/s"]
+    if "entropy" in row:
+        items.append(f"ent {row['entropy']:.3f}")
+    if "grad_norm" in row:
+        items.append(f"gn {row['grad_norm']:.2f}")
+    return items
 
 
 class TrainProgress:
-    def __init__(self, total: int, start: int, enabled: bool = True):
+    def __init__(self, total: int, start: int, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
-        self.progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[stats]}"),
-            disable=not enabled,
-        )
-        self.task = self.progress.add_task("train", total=total, completed=start, stats="")
+        self.progress = Progress(*_fixed_columns("[bold]train"), _FittedField("stats"),
+                                 console=console, disable=not enabled)
+        self.task = self.progress.add_task("train", total=total, completed=start, stats=FittedItems([]))
 
     def __enter__(self) -> Self:
         self.progress.start()
@@ -36,11 +118,68 @@ class TrainProgress:
         self.progress.stop()
 
     def update(self, row: dict) -> None:
-        stats = (
-            f"reward {row['reward_mean']:.3f}  acc {row['accuracy']:.3f}  len {row['response_len_mean']:.1f}  "
-            f"ent {row.get('entropy', float('nan')):.3f}  gnorm {row.get('grad_norm', float('nan')):.2f}  "
-            f"{row['tokens_per_s']:.0f} tok/s"
-        )
-        for key in (k for k in row if k.startswith("eval/mean@")):
-            stats += f"  {key} {row[key]:.3f}"
-        self.progress.update(self.task, advance=1, stats=stats)
+        self.progress.update(self.task, advance=1, stats=FittedItems(train_stats(row)))
+
+
+class StageProgress:
+    """One bar for a command made of stages; call it as a `StageReport`.
+
+    A new stage text starts the bar afresh (and prints a line when the console is not a terminal);
+    the same text again only moves it. `note` prints a line that stays above the bar.
+    """
+
+    def __init__(self, console: Console, label: str):
+        self.console = console
+        self.label = label
+        self.lines = not console.is_terminal
+        self.stage: str | None = None
+        self.progress = Progress(*_fixed_columns(f"[bold]{label}"), _FittedField("stage"), console=console,
+                                 transient=True, disable=self.lines)
+        self.task = self.progress.add_task(label, total=None, stage="")
+
+    def __enter__(self) -> Self:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def __call__(self, stage: str, done: int = 0, total: int | None = None) -> None:
+        if stage == self.stage:
+            self.progress.update(self.task, completed=done)
+            return
+        self._announce(stage)
+        # a fresh task, not a reset: its clock and speed start again, and its total may be unknown (None)
+        self.progress.remove_task(self.task)
+        self.task = self.progress.add_task(self.label, total=total, completed=done, stage=stage)
+
+    def _announce(self, stage: str) -> None:
+        self.stage = stage
+        if self.lines:
+            self.console.print(f"[dim]{stage}[/]", highlight=False)
+
+    def note(self, message: str) -> None:
+        self.console.print(f"[dim]{message}[/]", highlight=False)
+
+    def advance(self, note: str | None = None) -> None:
+        """One more step of the current stage done, with an optional line to keep."""
+        if note is not None:
+            self.note(note)
+        self.progress.advance(self.task)
+
+    def counted(self, total: int) -> Callable[[str], None]:
+        """A message callback for code that announces each of `total` stages with one message.
+
+        The stages share one task, so the ETA comes from the pace of the stages so far.
+        """
+        started = itertools.count()
+
+        def announce(message: str) -> None:
+            done = next(started)
+            if done == 0:
+                self(message, 0, total)
+            else:
+                self._announce(message)
+                self.progress.update(self.task, completed=done, stage=message)
+
+        return announce
