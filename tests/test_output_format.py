@@ -126,9 +126,13 @@ def test_fidelity_at_80_columns_splits_and_repeats_the_labels():
 
 def test_piped_table_is_one_table_at_natural_width():
     console = piped()
-    print_table(console, tables()["fidelity"])
+    table = tables()["fidelity"]
+    print_table(console, table)
     out = console.file.getvalue()
     assert out.count("mxfp4") == 1
+    top_border = next(line for line in out.splitlines() if line.startswith("┏"))
+    widest = [max(len(h), *(len(row[i]) for row in table.rows)) for i, h in enumerate(table.headers)]
+    assert len(top_border) == sum(widest) + 3 * len(widest) + 1 > WIDTH  # "│ cell " per column, closing "│"
     header = next(line for line in out.splitlines() if "format" in line)
     assert "KL mean" in header and "bytes/token @8192" in header and "vs bf16" in header
 
@@ -183,6 +187,10 @@ def test_stage_bar_counts_and_estimates_at_80_columns():
     assert "\n" not in line and len(line) <= WIDTH
     # stages started at t = 0, 2, 4 s: one stage per 2 s, 3 of 5 to go -> 6 s
     assert "2/5" in line and "ETA 0:00:06" in line and "teacher-forcing through a format" in line
+    stages("scoring")  # a stage of unknown length: no count, no ETA
+    console.print(stages.progress.get_renderable())
+    last = console.file.getvalue().rstrip("\n").splitlines()[-1]
+    assert "scoring" in last and "/" not in last and "ETA" not in last
 
 
 def test_piped_stage_bar_prints_one_line_per_stage_and_keeps_notes():

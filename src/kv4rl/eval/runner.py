@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from kv4rl.data.prompts import PromptFormatter
-from kv4rl.telemetry.progress import StageReport
 from kv4rl.data.types import Problem
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.sequence import SamplingParams
 from kv4rl.eval.metrics import summarize
+from kv4rl.telemetry.progress import StageReport
 
 
 def evaluate(engine: Engine, formatter: PromptFormatter, problems: list[Problem], reward_fn, *, k: int,

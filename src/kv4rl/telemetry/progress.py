@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Self
 
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
 from rich.progress import (
@@ -34,7 +35,7 @@ BAR_WIDTH = 12
 ITEM_GAP = "  "
 
 # `report(stage, done, total)`: the callback long-running library code takes (total None: unknown).
-StageReport = Callable[[str, int, "int | None"], None]
+StageReport = Callable[[str, int, int | None], None]
 
 
 class FittedItems:
@@ -47,13 +48,13 @@ class FittedItems:
         shown = ""
         for item in self.items:
             candidate = f"{shown}{ITEM_GAP}{item}" if shown else item
-            if len(candidate) > width:
+            if cell_len(candidate) > width:
                 break
             shown = candidate
         return shown
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        return Measurement(len(self.items[0]) if self.items else 0, len(ITEM_GAP.join(self.items)))
+        return Measurement(cell_len(self.items[0]) if self.items else 0, cell_len(ITEM_GAP.join(self.items)))
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield Text(self.text(options.max_width), no_wrap=True, overflow="ellipsis")
@@ -66,7 +67,7 @@ class _FittedField(ProgressColumn):
         self.field = field
         super().__init__(table_column=Column())  # wrapable: rich shrinks it first
 
-    def render(self, task: Task):
+    def render(self, task: Task) -> FittedItems | Text:
         value = task.fields.get(self.field, "")
         return value if isinstance(value, FittedItems) else Text(value, no_wrap=True, overflow="ellipsis")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -20,6 +21,11 @@ from rich.text import Text
 FOLD_AFTER = 40  # longer cells (paths, long names) may fold; every number is far shorter
 COLUMN_OVERHEAD = 3  # rich's default box: one space of padding either side and one border
 EDGE = 1  # the table's closing border
+
+
+def rendered_width(column_widths: list[int]) -> int:
+    """Terminal cells a table with columns of these content widths takes in rich's default box."""
+    return sum(column_widths) + COLUMN_OVERHEAD * len(column_widths) + EDGE
 
 
 def format_value(value) -> str:
@@ -50,12 +56,12 @@ class ResultTable:
         return [row[index] for row in self.rows]
 
     def natural_width(self, index: int) -> int:
-        return max([len(self.headers[index]), *map(len, self._column(index))])
+        return max([cell_len(self.headers[index]), *map(cell_len, self._column(index))])
 
     def min_width(self, index: int) -> int:
         """Widest cell kept whole (up to FOLD_AFTER), and the longest header word."""
         words = self.headers[index].split() or [""]
-        return max([*map(len, words), *(min(len(c), FOLD_AFTER) for c in self._column(index))])
+        return max([*map(cell_len, words), *(min(cell_len(c), FOLD_AFTER) for c in self._column(index))])
 
     def parts(self, width: int | None) -> list[Table]:
         """rich tables no wider than `width` (None: one table at its natural width)."""
@@ -85,13 +91,13 @@ class ResultTable:
         return [[*labels, *part] for part in chosen]
 
     def _fits(self, columns: list[int], width: int) -> bool:
-        return sum(self.min_width(i) + COLUMN_OVERHEAD for i in columns) + EDGE <= width
+        return rendered_width([self.min_width(i) for i in columns]) <= width
 
     def _fit(self, group: list[int], width: int) -> list[int]:
         """Natural widths, narrowed (wrapping headers) where the header is the widest part, to fit."""
         widths = [self.natural_width(i) for i in group]
         floors = [self.min_width(i) for i in group]
-        excess = sum(widths) + COLUMN_OVERHEAD * len(group) + EDGE - width
+        excess = rendered_width(widths) - width
         while excess > 0:
             slack, pos = max((w - f, pos) for pos, (w, f) in enumerate(zip(widths, floors)))
             if slack <= 0:
@@ -117,7 +123,7 @@ def print_table(console: Console, table: ResultTable) -> None:
             console.print(part)
         return
     (part,) = table.parts(None)
-    natural = sum(table.natural_width(i) + COLUMN_OVERHEAD for i in range(len(table.headers))) + EDGE
+    natural = rendered_width([table.natural_width(i) for i in range(len(table.headers))])
     wide = Console(file=console.file, width=max(console.width, natural), no_color=console.no_color,
                    color_system=None, force_terminal=False)
     wide.print(part)
