@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from kv4rl.cli_bench import (
     _decode_attn_table,
     _decode_forward_table,
+    _rollout_table,
     _fidelity_table,
     _generate_table,
     _pool_table,
@@ -95,7 +96,16 @@ def tables() -> dict:
     curves = {"arms": {"kv4-partial": {"n_seeds": 3, "last_iteration": 199, "final_mean": 0.61234,
                                        "final_std": 0.01875, "worst_drop_mean_curve": 0.0213,
                                        "worst_drop_worst_seed": 0.0871}}}
-    return {"curves": _curves_table("eval/mean@1", 0.9, curves), "fidelity": _fidelity_table(fidelity_result()), "pool": _pool_table(pool, "qwen3-8b", 40.0, 256, 8192),
+    rollout = {"model": "qwen3-1.7b", "gpu": "NVIDIA H200", "device": "cuda", "kv_budget_gib": None, "repeats": 2,
+               "workload": {"quota_groups": 16, "group_size": 8, "max_slots": 128, "prompt_len": 256,
+                            "median_len": 512, "sigma": 1.0, "max_len": 4096},
+               "results": [{"format": f, "mode": m, "rollout_s": 18.786, "rollout_s_min": 18.33,
+                            "rollout_s_max": 19.243, "speedup_vs_bf16_sync": 0.74, "speedup_min": 0.66,
+                            "speedup_max": 0.83, "tokens_per_s": 5298.5, "slot_util": 0.19, "mean_active": 24.3,
+                            "preemptions": 0, "pool_tokens": 557056, "kv_peak_bytes": 5994455040,
+                            "pool_bytes": 18060148736, "steps_per_batch": 913.5, "step_ms": 27.898}
+                           for f in ("bf16", "kv4") for m in ("sync", "partial")]}
+    return {"rollout": _rollout_table(rollout), "curves": _curves_table("eval/mean@1", 0.9, curves), "fidelity": _fidelity_table(fidelity_result()), "pool": _pool_table(pool, "qwen3-8b", 40.0, 256, 8192),
             "generate": _generate_table(generate), "decode-attn": _decode_attn_table(attn),
             "decode-forward": _decode_forward_table(forward, True), "clip-bias": _clip_bias_table(clip),
             "correction-variance": _variance_table(variance), "metrics": metric_table("run", summary)}

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 from typer import Option
 
 from kv4rl.cli_common import console, engine_config, fail, write_json
@@ -331,25 +330,21 @@ def _out_path(path: Path | None, flag: str, create: bool) -> None:
             fail(f"{flag} {path}: cannot create its folder ({exc})")
 
 
-def _rollout_table(res: dict) -> Table:
-    from rich.markup import escape
-
+def _rollout_table(res: dict) -> ResultTable:
     w = res["workload"]
     budget = f"{res['kv_budget_gib']:g} GiB KV budget" if res["kv_budget_gib"] else "pool sized by the engine"
-    table = Table(title=escape(
+    table = ResultTable(
         f"rollout: {res['model']} on {res['gpu'] or res['device']}, {budget} — {w['quota_groups']} groups x "
         f"{w['group_size']}, {w['max_slots']} slots, prompt {w['prompt_len']}, lengths log-normal median "
-        f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}; median [min-max] of {res['repeats']} repeats"
-    ))
-    for name in ("format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
-                 "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step"):
-        table.add_column(name, justify="left" if name in ("format", "mode") else "right")
+        f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}; median [min-max] of {res['repeats']} repeats",
+        ["format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
+         "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step"], labels=2)
     for r in res["results"]:
         speedup = "-" if r["speedup_vs_bf16_sync"] is None else (
             f"{r['speedup_vs_bf16_sync']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]")
         table.add_row(
-            r["format"], r["mode"], escape(f"{r['rollout_s']:.3f} [{r['rollout_s_min']:.3f}-{r['rollout_s_max']:.3f}]"),
-            escape(speedup), f"{r['tokens_per_s']:,.0f}", f"{r['slot_util']:.3f}", f"{r['mean_active']:.1f}",
+            r["format"], r["mode"], f"{r['rollout_s']:.3f} [{r['rollout_s_min']:.3f}-{r['rollout_s_max']:.3f}]",
+            speedup, f"{r['tokens_per_s']:,.0f}", f"{r['slot_util']:.3f}", f"{r['mean_active']:.1f}",
             str(r["preemptions"]), f"{r['pool_tokens']:,}", f"{r['kv_peak_bytes'] / r['pool_bytes']:.0%}",
             f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
     return table
@@ -426,7 +421,7 @@ def bench_rollout_cmd(
         task = bar.add_task("rollout", total=len(bench.formats) * len(bench.modes) * repeats)
         res, traces = bench_rollout(plan, progress=lambda what, done: bar.update(task, description=what,
                                                                                  advance=done))
-    console.print(_rollout_table(res))
+    print_table(console, _rollout_table(res))
     write_json(res, json_out)
     if png is not None:
         from kv4rl.telemetry.plots import plot_rollout_corners

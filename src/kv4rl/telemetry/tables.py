@@ -107,7 +107,8 @@ class ResultTable:
         return widths
 
     def _rich(self, group: list[int], widths: list[int], title: str | None, caption: str | None) -> Table:
-        table = Table(title=title, caption=caption)
+        # titles and captions are plain text: a "[min-max]" in them is not rich markup
+        table = Table(title=None if title is None else Text(title), caption=None if caption is None else Text(caption))
         for index, width in zip(group, widths):
             table.add_column(self.headers[index], width=width, overflow="fold",
                              justify="left" if index < self.labels else "right")
