@@ -49,6 +49,8 @@ CASES: dict[str, Case] = {
     "kv4rl train --config recipes/baseline_clean.yaml trainer.lr=1e-5 rollout.group_size=8": Case(TINY_TRAIN),
     "kv4rl train --resume runs/tiny-arith": Case("--no-progress"),
     "kv4rl train --resume runs/tiny-arith trainer.iterations=200": Case("trainer.iterations=3 --no-progress"),
+    # starts over: the run above moves aside, and the new one ends at iteration 3 like it did
+    "kv4rl train --overwrite": Case(TINY_TRAIN + " trainer.iterations=3"),
     # `kv4rl eval` (the shortened run above ends at iteration 3, not 100)
     "kv4rl eval --model runs/tiny-arith/checkpoints/iter_000100": Case(
         TINY_EVAL, replace={"iter_000100": "iter_000003"}),
@@ -63,9 +65,10 @@ CASES: dict[str, Case] = {
     "kv4rl train name=recompute rollout.mode=partial staleness.max_versions=4 rollout.carry=recompute": Case(
         TINY_TRAIN),
     "kv4rl plot rollout-trace runs/sync-run runs/partial-run --out trace.png": Case(),
-    "kv4rl bench rollout --modes sync,partial --json rollout.json": Case(TINY_ROLLOUT),
-    "kv4rl bench rollout engine.kv.format=kv4 engine.kv.group_size=32 engine.kv.n_sink=4 engine.kv.n_recent=12":
-        Case(TINY_ROLLOUT),
+    "kv4rl bench rollout --formats bf16,kv4 --modes sync,partial --json rollout.json --png rollout.png": Case(
+        TINY_ROLLOUT),
+    "kv4rl bench rollout --shape qwen3-8b --kv-budget-gib 40 --quota-groups 16 --group-size 8 --max-slots 128 "
+    "--prompt-len 256 --median-len 1024 --max-len 8192 --validate-only": Case(),
     # KV formats and fidelity
     "kv4rl bench fidelity --formats bf16,fp8,int4,kv4,nvfp4,mxfp4 --json fidelity.json": Case(
         TINY_FIDELITY),
@@ -92,6 +95,13 @@ CASES: dict[str, Case] = {
     "kv4rl sim correction-variance --behavior stale:4 --horizons 1,2,4,full --json cv.json": Case(
         "--n-prompts 2 --samples-per-prompt 2 --max-new-tokens 4 --stale-batch-size 2"),
     "kv4rl train --config recipes/staleness16_future_kl.yaml": Case(TINY_TRAIN),
+    # plots of runs: the seed globs and arms point at the runs made above
+    "kv4rl plot curves \"runs/ppo-s*\" \"runs/grpo-s*\" --metric accuracy --ema 0.9 --out figs/acc.png "
+    "--json figs/acc.json": Case(replace={"runs/ppo-s*": "runs/sync-run", "runs/grpo-s*": "runs/partial-run"}),
+    "kv4rl plot curves --arm base=\"runs/a/*\" --arm kv4=\"runs/b/*\" --metric eval/mean@1 --out figs/eval.png":
+        Case(replace={"runs/a/*": "runs/lag4", "runs/b/*": "runs/refresh8", "eval/mean@1": "accuracy"}),
+    "kv4rl plot iteration-time runs/sync-s0 runs/partial-s0 --skip 1 --out figs/time.png": Case(
+        replace={"runs/sync-s0": "runs/sync-run", "runs/partial-s0": "runs/partial-run"}),
 }
 
 
