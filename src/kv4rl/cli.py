@@ -6,14 +6,13 @@ Any config key can be overridden as `section.key=value` after the options.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import typer
 
 from kv4rl.cli_bench import bench_app
-from kv4rl.cli_common import console, engine_config, fail
+from kv4rl.cli_common import check_output_path, console, engine_config, fail, warn, write_json
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
 from kv4rl.telemetry.progress import StageProgress
@@ -74,6 +73,45 @@ def train(
                       f"{summary['run_dir']}", highlight=False)
 
 
+def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int | None, reward: str,
+                        template: str | None) -> None:
+    """Refuse bad options before the model loads (ValueError naming the option)."""
+    from kv4rl.data.prompts import check_template
+    from kv4rl.rewards import registered_rewards
+
+    if k < 1:
+        raise ValueError(f"--k must be >= 1 (samples per problem), got {k}")
+    if n < 0:
+        raise ValueError(f"--n must be >= 0 (0: every problem), got {n}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    if reward != "auto" and reward not in registered_rewards():
+        raise ValueError(f"--reward: unknown reward '{reward}' (known: auto, {', '.join(registered_rewards())})")
+    if template is not None:
+        check_template(template, "--template")
+
+
+def _eval_context(formatter, problems, what: str, engine_len: int | None, model_len: int,
+                  max_new_tokens: int) -> int:
+    """The engine's `max_model_len`: every prompt must leave room for a response (else an error naming
+    it); responses that would run past the context are cut there, with one warning line."""
+    from kv4rl.data.prompts import check_prompt_lengths
+
+    if engine_len is not None and engine_len > model_len:
+        raise ValueError(f"engine.max_model_len={engine_len} exceeds the model's context of {model_len} positions")
+    limit = engine_len or model_len
+    limit_name = f"engine.max_model_len={engine_len}" if engine_len else "the model's context"
+    lengths = [len(formatter.ids(p)) for p in problems]
+    check_prompt_lengths(problems, lengths, limit, limit_name, what)
+    need = max(lengths) + max_new_tokens
+    if need > limit:
+        warn(f"the longest prompt ({max(lengths)} tokens) + --max-new-tokens {max_new_tokens} exceed "
+             f"{limit_name} of {limit} positions; responses stop when prompt + response reach {limit} tokens")
+    return engine_len or min(need, model_len)
+
+
 @app.command("eval")
 def eval_cmd(
     engine_overrides: list[str] | None = typer.Argument(
@@ -83,13 +121,16 @@ def eval_cmd(
     k: int = typer.Option(8, "--k", help="samples per problem"),
     n: int = typer.Option(0, "--n", help="evaluate the first n problems (0: all; embedded task: 256)"),
     temperature: float = typer.Option(1.0, "--temperature"),
-    max_new_tokens: int = typer.Option(1024, "--max-new-tokens"),
-    reward: str = typer.Option("auto", "--reward", help="reward function (auto: exact for the embedded task)"),
-    template: str | None = typer.Option(None, "--template", help="prompt template with {problem}"),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="response limit (default: 1024, embedded task: 16; capped by the context)"),
+    reward: str = typer.Option(
+        "auto", "--reward", help="reward function (auto: exact for the embedded task, math_verify for --data)"),
+    template: str | None = typer.Option(
+        None, "--template", help="prompt template with {problem} (default: the boxed-answer instruction for --data)"),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="apply the tokenizer's chat template"),
     device: str = typer.Option("auto", "--device"),
     seed: int = typer.Option(0, "--seed"),
-    json_out: Path | None = typer.Option(None, "--json", help="also write the results here"),
+    json_out: Path | None = typer.Option(None, "--json", help="also write the results and settings here"),
 ) -> None:
     """Report mean@k and pass@k of a model on a dataset."""
     from transformers import AutoTokenizer
@@ -102,22 +143,25 @@ def eval_cmd(
     from kv4rl.rewards import get_reward
 
     try:
+        _check_eval_options(k, n, temperature, max_new_tokens, reward, template)
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out)
+    try:
         if model is None:
             from kv4rl.models.tiny import tiny_model_dir
 
             model = tiny_model_dir()
-        check_model_folder(model)
+        model_len = check_model_folder(model).max_position_embeddings
+        engine_cfg = engine_config(engine_overrides)
         source = ProblemSource(None, str(data) if data else None, seed)
         problems = source.eval_problems(n or (256 if data is None else 10**9))
         tokenizer = AutoTokenizer.from_pretrained(model)
         formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
-        if data is None:
-            max_new_tokens = min(max_new_tokens, 16)
-        longest = max(len(formatter.ids(p)) for p in problems)
-        engine_cfg = engine_config(engine_overrides)
-        engine_cfg.max_model_len = engine_cfg.max_model_len or longest + max_new_tokens
-        engine = Engine(model, engine_cfg, device=device,
-                        seed=seed, tokenizer=tokenizer)
+        max_new_tokens = max_new_tokens or (16 if source.embedded else 1024)
+        engine_cfg.max_model_len = _eval_context(formatter, problems, f"--data {data}" if data else "embedded task",
+                                                 engine_cfg.max_model_len, model_len, max_new_tokens)
+        engine = Engine(model, engine_cfg, device=device, seed=seed, tokenizer=tokenizer)
         reward_name = source.default_reward if reward == "auto" else reward
         with get_reward(reward_name) as reward_fn, StageProgress(console, "eval") as stages:
             res = evaluate(engine, formatter, problems, reward_fn, k=k, temperature=temperature,
@@ -126,8 +170,10 @@ def eval_cmd(
         fail(str(exc))
     res = {"model": str(model), "data": str(data) if data else "embedded", **res}
     _print_table("evaluation", res)
-    if json_out is not None:
-        json_out.write_text(json.dumps(res, indent=2))
+    settings = {"reward": reward_name, "template": formatter.template, "chat_template": chat,
+                "temperature": temperature, "max_new_tokens": max_new_tokens,
+                "max_model_len": engine.max_model_len, "seed": seed, "engine": list(engine_overrides or [])}
+    write_json({**res, **settings}, json_out)
 
 
 plot_app = typer.Typer(help="Plots from run folders.")

@@ -16,7 +16,15 @@ from typing import Annotated
 import typer
 from typer import Option
 
-from kv4rl.cli_common import console, engine_config, fail, write_json
+from kv4rl.cli_common import (
+    check_kv_formats,
+    check_output_path,
+    console,
+    engine_config,
+    fail,
+    option_list,
+    write_json,
+)
 from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import ResultTable, print_table
 
@@ -46,16 +54,43 @@ def _fidelity_table(res: dict) -> ResultTable:
     return table
 
 
-def _prompts(model_dir: Path, data: Path | None, n: int, template: str | None, seed: int) -> list[list[int]]:
+def _prompts(model_dir: Path, data: Path | None, n: int, template: str | None, seed: int,
+             model_len: int) -> tuple[list[list[int]], str]:
+    """Token ids of the first `n` problems and the template used; a file gets the boxed-answer
+    instruction, and a prompt that fills the model's context is refused by name."""
     from transformers import AutoTokenizer
 
-    from kv4rl.data.prompts import PromptFormatter
+    from kv4rl.data.prompts import PromptFormatter, check_prompt_lengths
     from kv4rl.data.source import ProblemSource
 
     source = ProblemSource(None, str(data) if data else None, seed)
     problems = source.eval_problems(n)
     formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), template or source.default_template)
-    return [formatter.ids(p) for p in problems]
+    prompts = [formatter.ids(p) for p in problems]
+    check_prompt_lengths(problems, [len(p) for p in prompts], model_len, "the model's context",
+                         f"--data {data}" if data else "embedded task")
+    return prompts, formatter.template
+
+
+def _check_fidelity_options(formats: str, allocations: str | None, reference: str, n: int,
+                            max_new_tokens: int | None, batch_size: int, context: int, template: str | None,
+                            random_layers: int | None) -> list[str]:
+    """The --formats list, after refusing any bad option before a model is built or loaded."""
+    from kv4rl.bench.fidelity import parse_allocations
+    from kv4rl.data.prompts import check_template
+
+    for value, option in ((n, "--n"), (batch_size, "--batch-size"), (context, "--context"),
+                          (max_new_tokens, "--max-new-tokens"), (random_layers, "--random-layers")):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    format_list = option_list(formats, "--formats")
+    check_kv_formats(format_list, "--formats")
+    check_kv_formats([reference], "--reference")
+    if allocations is not None:
+        parse_allocations(allocations)
+    if template is not None:
+        check_template(template, "--template")
+    return format_list
 
 
 @bench_app.command()
@@ -110,6 +145,12 @@ def fidelity(
     try:
         if model is not None and random_init is not None:
             raise ValueError("pass either --model or --random-init, not both")
+        format_list = _check_fidelity_options(formats, allocations, reference, n, max_new_tokens, batch_size,
+                                              context, template, random_layers)
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out)
+    try:
         if random_init is not None:
             from kv4rl.bench.random_model import random_model_dir
 
@@ -120,14 +161,14 @@ def fidelity(
 
             model = tiny_model_dir()
         args = check_model_folder(model)
-        prompts = _prompts(model, data, n, template, seed)
+        prompts, template = _prompts(model, data, n, template, seed, args.max_position_embeddings)
         room = args.max_position_embeddings - max(len(p) for p in prompts)
         max_new_tokens = max_new_tokens or min(256, room)
         kv = KVConfig(block_size=block_size, group_size=group_size or min(128, args.head_dim), rotate=rotate)
         kv.validate()
         context_len = max(len(p) for p in prompts) + max_new_tokens
         budgets = parse_allocations(allocations) if allocations else [default_allocation(context_len)]
-        variants = build_variants([f.strip() for f in formats.split(",") if f.strip()], budgets)
+        variants = build_variants(format_list, budgets)
         with StageProgress(console, "fidelity") as stages:  # one stage to sample, then one per variant
             res = run_fidelity(model, prompts, variants, reference=reference, kv=kv,
                                max_new_tokens=max_new_tokens,
@@ -138,7 +179,7 @@ def fidelity(
         fail(str(exc))
     print_table(console, _fidelity_table(res))
     console.print(f"KL order: {kl_order(res['results'])}")
-    write_json(res, json_out)
+    write_json({**res, "data": str(data) if data else "embedded", "template": template, "seed": seed}, json_out)
 
 
 @bench_app.command()

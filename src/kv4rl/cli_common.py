@@ -1,4 +1,6 @@
-"""What every `kv4rl` sub-command shares: the console, the error exit, `engine.*` overrides, JSON output.
+"""What every `kv4rl` sub-command shares: the console, the error exit, `engine.*` overrides, JSON output,
+and the option checks that run before any work (a bad value found after minutes of timing, or an
+output path that cannot be written once the results exist, wastes the run).
 
 Kept apart from `cli.py` so that the sub-command modules (`cli_bench`, `cli_sim`) import it and
 `cli.py` imports them, with no cycle between the command modules.
@@ -6,7 +8,10 @@ Kept apart from `cli.py` so that the sub-command modules (`cli_bench`, `cli_sim`
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -22,6 +27,11 @@ def fail(message: str) -> NoReturn:
     """Print one error line and exit with status 2 (bad input), the convention of every command."""
     console.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(2)
+
+
+def warn(message: str) -> None:
+    """One warning line: the command goes on, but the user should know (e.g. a clamped length)."""
+    console.print(f"[bold yellow]warning:[/] {message}", highlight=False)
 
 
 def engine_config(overrides: list[str] | None):
@@ -40,3 +50,60 @@ def write_json(res: dict, json_out: Path | None) -> None:
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(res, indent=2) + "\n")
+
+
+def check_output_path(path: Path | None, option: str = "--json") -> None:
+    """Make sure a result file can be written before the work that fills it: create its folder, and
+    refuse a path that is a directory or cannot be written."""
+    if path is None:
+        return
+    if path.is_dir():
+        fail(f"{option} {path}: is a directory; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent is a file, or no permission
+        fail(f"{option} {path}: cannot create its folder {path.parent} ({exc.strerror or exc})")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"{option} {path}: cannot be written (no permission)")
+
+
+def option_list(text: str, option: str, cast: Callable = str, *, minimum: float | None = None,
+                known: tuple[str, ...] | list[str] | None = None) -> list:
+    """A comma-separated option as a list, refused when empty, unparsable, below `minimum` or unknown."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{option} is empty")
+    values = []
+    for item in items:
+        try:
+            value = cast(item)
+        except ValueError:
+            kind = {int: "an integer", float: "a number"}.get(cast, "a valid value")
+            raise ValueError(f"{option}: {item!r} is not {kind}") from None
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{option}: every value must be >= {minimum}, got {item}")
+        if known is not None and value not in known:
+            raise ValueError(f"{option}: unknown value '{item}' (known: {', '.join(known)})")
+        values.append(value)
+    return values
+
+
+def check_kv_formats(names: list[str], option: str, kv=None, *, head_dim: int | None = None,
+                     max_model_len: int | None = None, allow_auto: bool = False) -> None:
+    """Refuse, naming `option`, a KV format the engine does not know or that cannot run with these
+    `engine.kv` settings on a model of `head_dim` with `max_model_len` positions."""
+    from kv4rl.engine.config import EngineConfig, KVConfig
+    from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
+
+    known = (["auto"] if allow_auto else []) + sorted(KV_FORMATS)
+    for name in names:
+        if name not in known:
+            raise ValueError(f"{option}: unknown KV format '{name}' (known: {', '.join(known)})")
+        cfg = copy.deepcopy(kv) if kv is not None else KVConfig()
+        cfg.format = name
+        try:
+            EngineConfig(kv=cfg, max_model_len=max_model_len).validate()
+            if name != "auto":
+                kv_format_from_config(cfg).check(head_dim, max_model_len)
+        except ValueError as exc:
+            raise ValueError(f"{option} {name}: {exc}") from None

@@ -1,14 +1,41 @@
-"""Problem -> prompt token ids, with the tokenizer's chat template when asked for."""
+"""Problem -> prompt token ids, with the tokenizer's chat template when asked for.
+
+Templates and prompt lengths are checked before any generation: a template without `{problem}`
+makes every prompt the same text, and a prompt that fills the model's context would only fail deep
+inside the model (a position index out of range) after minutes of work.
+"""
 
 from __future__ import annotations
 
+import string
+
 from kv4rl.data.types import Problem
+
+SNIPPET_CHARS = 60  # how much of an offending problem an error message quotes
+
+
+def check_template(template: str, option: str) -> None:
+    """Raise ValueError, naming `option`, unless `template` formats with exactly one field, `{problem}`."""
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as exc:
+        raise ValueError(f"{option}: {template!r} is not a template ({exc}); write a literal brace as "
+                         "{{ or }}") from None
+    if "problem" not in fields:
+        raise ValueError(f"{option}: {template!r} has no {{problem}} field, so every prompt would be the "
+                         "same text")
+    others = sorted(fields - {"problem"})
+    if others:
+        shown = ", ".join("{" + name + "}" for name in others)
+        raise ValueError(f"{option}: {template!r} has fields other than {{problem}} ({shown}); write a "
+                         "literal brace as {{ or }}, e.g. \\boxed{{}}")
 
 
 class PromptFormatter:
     def __init__(self, tokenizer, template: str, chat: bool = False):
         if chat and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("data.chat_template is true but the tokenizer has no chat template")
+            raise ValueError("the chat template was asked for (--chat or data.chat_template) but the "
+                             "tokenizer has none")
         self.tokenizer = tokenizer
         self.template = template
         self.chat = chat
@@ -25,3 +52,26 @@ class PromptFormatter:
         text = self.text(problem)
         # chat templates already contain any BOS; plain prompts get the tokenizer's own specials
         return self.tokenizer.encode(text, add_special_tokens=not self.chat)
+
+
+def check_prompt_lengths(problems: list[Problem], lengths: list[int], limit: int, limit_name: str,
+                         what: str) -> None:
+    """Refuse prompts that leave no room for a response within `limit` positions.
+
+    `lengths[i]` is the token length of problem `i`'s prompt, `what` names the problem set (e.g.
+    "--data") and `limit_name` where the limit comes from (e.g. "the model's context"). The message
+    names the first offending problem by index, id and opening text, and counts the others, so the
+    user can filter the file or pick a model with a longer context.
+    """
+    too_long = [i for i, length in enumerate(lengths) if length >= limit]
+    if not too_long:
+        return
+    first = too_long[0]
+    problem = problems[first]
+    text = " ".join(problem.problem.split())
+    snippet = text if len(text) <= SNIPPET_CHARS else text[:SNIPPET_CHARS] + "…"
+    raise ValueError(
+        f"{what}: prompt {first} (id {problem.id}: {snippet!r}) is {lengths[first]} tokens, but {limit_name} is "
+        f"{limit} positions, which leaves no room for a response; {len(too_long)} of {len(problems)} prompts "
+        "are that long (use a model with a longer context, or shorter problems)"
+    )

@@ -1,5 +1,10 @@
 """Where each iteration's problems come from: the embedded task or a JSONL file.
 
+Any dataset file (for training or for evaluation) makes the run a dataset run: its default prompt is
+the boxed-answer instruction and its default reward is math-verify, because real answers (`18`,
+`\\frac{\\pi}{2}`) are only scored right when the model boxes them and the check compares maths,
+not strings. Only a run with no file at all uses the embedded task's own template and exact match.
+
 The training stream is indexed: problem `i` is a pure function of (seed, i), so a resumed run sees
 exactly the prompts an uninterrupted run would have, with no sampler state to checkpoint.
 The embedded task trains on a fixed pool of distinct problems (like a dataset's train split,
@@ -25,11 +30,12 @@ EVAL_SEED_OFFSET = 7_919_000  # keeps embedded eval problems disjoint in seed sp
 class ProblemSource:
     def __init__(self, train_path: str | None, eval_path: str | None, seed: int, shuffle: bool = True,
                  pool_size: int = DEFAULT_POOL_SIZE):
-        self.embedded = train_path is None
+        self.train_embedded = train_path is None  # the training stream is the embedded arithmetic task
+        self.embedded = train_path is None and eval_path is None  # no dataset file at all
         self.seed = seed
         self.shuffle = shuffle
-        self.task = ArithmeticTask() if self.embedded and pool_size == 0 else None
-        if self.embedded:
+        self.task = ArithmeticTask() if self.train_embedded and pool_size == 0 else None
+        if self.train_embedded:
             self.train = _distinct(ArithmeticTask(), pool_size, seed) if pool_size else None
         else:
             self.train = load_jsonl(train_path)
@@ -73,7 +79,7 @@ class ProblemSource:
     def eval_problems(self, n: int) -> list[Problem]:
         if self.eval_file is not None:
             return self.eval_file[:n]
-        if self.embedded:
+        if self.train_embedded:
             seen = {p.problem for p in self.train or []}
             fresh = (p for p in ArithmeticTask().problems(n + len(seen), seed=EVAL_SEED_OFFSET + self.seed)
                      if p.problem not in seen)
