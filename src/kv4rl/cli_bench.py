@@ -198,11 +198,24 @@ def pool(
 ) -> None:
     """Tokens the KV pool holds in a memory budget, per format, counted as the engine sizes its pool."""
     from kv4rl.bench.pool import bench_pool
+    from kv4rl.bench.random_model import qwen3_args
 
     try:
-        kv = engine_config(engine_overrides).kv
-        res = bench_pool(shape, memory_gib=memory_gib, formats=[f.strip() for f in formats.split(",") if f.strip()],
-                         max_num_seqs=max_num_seqs, context=context, kv=kv)
+        if memory_gib <= 0:
+            raise ValueError(f"--memory-gib must be > 0, got {memory_gib}")
+        for value, option in ((max_num_seqs, "--max-num-seqs"), (context, "--context")):
+            if value < 1:
+                raise ValueError(f"{option} must be >= 1, got {value}")
+        format_list = option_list(formats, "--formats")
+        engine_cfg = engine_config(engine_overrides)
+        check_kv_formats(format_list, "--formats", engine_cfg, head_dim=_shape_args(shape, qwen3_args).head_dim,
+                         max_model_len=context)
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out)
+    try:
+        res = bench_pool(shape, memory_gib=memory_gib, formats=format_list, max_num_seqs=max_num_seqs,
+                         context=context, kv=engine_cfg.kv)
     except ValueError as exc:
         fail(str(exc))
     print_table(console, _pool_table(res, shape, memory_gib, max_num_seqs, context))
@@ -221,6 +234,14 @@ def _pool_table(res: dict, shape: str, memory_gib: float, max_num_seqs: int, con
                       f"{r['bytes_per_token_at_context']:,.0f}", f"{r['reserve_bytes'] / 2**20:,.1f} MiB",
                       f"{r['sequences_at_context']}")
     return table
+
+
+def _shape_args(shape: str, args_of):
+    """`args_of(shape)`, with an unknown shape named as the --shape option's fault."""
+    try:
+        return args_of(shape)
+    except ValueError as exc:
+        raise ValueError(f"--shape: {exc}") from None
 
 
 def _num(value: float | None) -> str:
@@ -245,19 +266,32 @@ def generate(
 ) -> None:
     """Engine tokens/s vs transformers' generate on one random-init model, same weights and prompts."""
     from kv4rl.bench.generate import bench_generate
+    from kv4rl.bench.random_model import qwen3_args
 
     try:
         if weight_format not in ("auto", "fp8"):
             raise ValueError(f"--weight-format: '{weight_format}' is not one of auto, fp8")
-        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
-        kv_formats = [f.strip() for f in kv_format.split(",") if f.strip()]
+        sizes = option_list(batch_sizes, "--batch-sizes", int, minimum=1)
+        formats = option_list(kv_format, "--kv-format")
+        for value, option in ((prompt_len, "--prompt-len"), (new_tokens, "--new-tokens")):
+            if value < 1:
+                raise ValueError(f"{option} must be >= 1, got {value}")
+        head_dim = _shape_args(shape, qwen3_args).head_dim
+        engine_cfg = engine_config(engine_overrides)
+        engine_cfg.weight_format = weight_format
+        check_kv_formats(formats, "--kv-format", engine_cfg, head_dim=head_dim,
+                         max_model_len=engine_cfg.max_model_len or prompt_len + new_tokens, allow_auto=True)
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out)
+    try:
         # bench_generate says one line as transformers starts, one per built engine, one per timed batch
-        messages = int(hf) + len(kv_formats) * (1 + len(sizes))
+        messages = int(hf) + len(formats) * (1 + len(sizes))
         with StageProgress(console, "generate") as stages:
-            stages(f"{shape}: {len(kv_formats)} KV formats x {len(sizes)} batch sizes", 0, messages)
+            stages(f"{shape}: {len(formats)} KV formats x {len(sizes)} batch sizes", 0, messages)
             res = bench_generate(shape, batch_sizes=sizes, prompt_len=prompt_len, new_tokens=new_tokens,
-                                 kv_formats=kv_formats, weight_format=weight_format, hf=hf, device=device,
-                                 engine_config=engine_config(engine_overrides), seed=seed, progress=stages.advance)
+                                 kv_formats=formats, weight_format=weight_format, hf=hf, device=device,
+                                 engine_config=engine_cfg, seed=seed, progress=stages.advance)
     except ValueError as exc:
         fail(str(exc))
     print_table(console, _generate_table(res))
@@ -305,15 +339,15 @@ def decode_attn(
     """One layer's paged decode attention per KV format vs torch SDPA (cuDNN) on contiguous BF16."""
     from kv4rl.bench.decode_attn import FORMATS, HEAD_SHAPES, run_decode_attn
 
+    try:
+        shape_list = option_list(shapes, "--shapes", known=list(HEAD_SHAPES))
+        fmt_list = option_list(formats, "--formats", known=FORMATS)
+        batch_list = option_list(batches, "--batches", int, minimum=1)
+        context_list = option_list(contexts, "--contexts", int, minimum=1)
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out)
     _need_cuda()
-    shape_list, fmt_list = _csv(shapes), _csv(formats)
-    for name in shape_list:
-        if name not in HEAD_SHAPES:
-            fail(f"--shapes: unknown shape '{name}' (known: {', '.join(HEAD_SHAPES)})")
-    for name in fmt_list:
-        if name not in FORMATS:
-            fail(f"--formats: no decode kernel for '{name}' (known: {', '.join(FORMATS)})")
-    batch_list, context_list = _csv(batches, int), _csv(contexts, int)
     cases = len(shape_list) * len(batch_list) * len(context_list) * len(fmt_list)
     with StageProgress(console, "decode-attn") as stages:
         stages(f"timing {cases} kernel cases (each also against SDPA)", 0, cases)
@@ -344,13 +378,15 @@ def decode_forward(
 ) -> None:
     """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""
     from kv4rl.bench.decode_forward import VARIANTS, WORKLOADS, run_decode_forward
+    from kv4rl.bench.random_model import QWEN3_SHAPES
 
+    try:
+        shape_list = option_list(shapes, "--shapes", known=list(QWEN3_SHAPES))
+        work = option_list(workloads, "--workloads", known=list(WORKLOADS))
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out)
     _need_cuda()
-    work = _csv(workloads)
-    for name in work:
-        if name not in WORKLOADS:
-            fail(f"--workloads: unknown workload '{name}' (known: {', '.join(WORKLOADS)})")
-    shape_list = _csv(shapes)
     cases = len(shape_list) * len(VARIANTS) * len(work)
     with StageProgress(console, "decode-forward") as stages:
         stages(f"timing {cases} decode steps", 0, cases)

@@ -88,22 +88,24 @@ def option_list(text: str, option: str, cast: Callable = str, *, minimum: float 
     return values
 
 
-def check_kv_formats(names: list[str], option: str, kv=None, *, head_dim: int | None = None,
+def check_kv_formats(names: list[str], option: str, engine=None, *, head_dim: int | None = None,
                      max_model_len: int | None = None, allow_auto: bool = False) -> None:
-    """Refuse, naming `option`, a KV format the engine does not know or that cannot run with these
-    `engine.kv` settings on a model of `head_dim` with `max_model_len` positions."""
-    from kv4rl.engine.config import EngineConfig, KVConfig
+    """Refuse, naming `option`, a KV format the engine does not know or that cannot run with the other
+    settings of `engine` (an EngineConfig; default: the defaults) on a model of `head_dim` with
+    `max_model_len` positions (None: not known yet)."""
+    from kv4rl.engine.config import EngineConfig
     from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
 
     known = (["auto"] if allow_auto else []) + sorted(KV_FORMATS)
     for name in names:
         if name not in known:
             raise ValueError(f"{option}: unknown KV format '{name}' (known: {', '.join(known)})")
-        cfg = copy.deepcopy(kv) if kv is not None else KVConfig()
-        cfg.format = name
+        cfg = copy.deepcopy(engine) if engine is not None else EngineConfig()
+        cfg.kv.format = name
+        cfg.max_model_len = max_model_len or cfg.max_model_len
         try:
-            EngineConfig(kv=cfg, max_model_len=max_model_len).validate()
+            cfg.validate()
             if name != "auto":
-                kv_format_from_config(cfg).check(head_dim, max_model_len)
+                kv_format_from_config(cfg.kv).check(head_dim, cfg.max_model_len)
         except ValueError as exc:
             raise ValueError(f"{option} {name}: {exc}") from None

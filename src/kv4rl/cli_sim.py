@@ -16,7 +16,8 @@ from typing import Annotated
 
 import typer
 
-from kv4rl.cli_common import console, fail
+from kv4rl.cli_common import check_output_path, console, fail
+from kv4rl.data.prompts import check_template
 from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import ResultTable, print_table
 
@@ -75,6 +76,13 @@ def clip_bias_cmd(
 
     try:
         rhos = _floats(sweep_rho, "--sweep-rho")
+        if min(rhos) <= 0:
+            raise ValueError(f"--sweep-rho: every ρ must be > 0, got {min(rhos):g}")
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out, "--json")
+    check_output_path(png_out, "--png")
+    try:
         result = clip_bias(rho, eps, sigma, samples, seed)
         swept = sweep(rhos, eps, sigma, samples, seed + 1)
     except ValueError as exc:
@@ -134,6 +142,13 @@ def correction_variance_cmd(
     from kv4rl.sim.correction_variance import Settings, measure, parse_behavior, parse_horizons, plot
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the table
+    if template is not None:
+        try:
+            check_template(template, "--template")
+        except ValueError as exc:
+            fail(str(exc))
+    check_output_path(json_out, "--json")
+    check_output_path(png_out, "--png")
     try:
         if model is None:
             from kv4rl.models.tiny import tiny_model_dir

@@ -17,6 +17,7 @@ import yaml
 from kv4rl.algo.config import AdvantageConfig, AlgoConfig
 from kv4rl.algo.registry import import_plugins
 from kv4rl.config_loader import ConfigError, apply_overrides, from_dict, merge, read_yaml, to_dict
+from kv4rl.data.prompts import check_template
 from kv4rl.data.source import DEFAULT_POOL_SIZE
 from kv4rl.engine.config import EngineConfig
 from kv4rl.rollout.config import RolloutConfig, StalenessConfig
@@ -156,8 +157,11 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        if self.data.prompt_template is not None and "{problem}" not in self.data.prompt_template:
-            raise ConfigError("data.prompt_template must contain '{problem}'")
+        if self.data.prompt_template is not None:
+            try:
+                check_template(self.data.prompt_template, "data.prompt_template")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         for line in self.algo.ignored_keys():
             log.warning(line)
         return self
