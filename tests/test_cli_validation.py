@@ -1,0 +1,207 @@
+"""Every command refuses bad input with one clear error, exit status 2, before any work: option values and
+lists, output paths, templates, and prompts that do not fit the model's context. "Before any work" is
+checked by making the work itself fail loudly (exit status 1) if it is ever reached."""
+
+import importlib
+import json
+import logging
+
+import pytest
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+from kv4rl.cli import app
+
+runner = CliRunner()
+INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+GSM8K_ROWS = [  # from the GSM8K test split, in its file's JSON shape
+    {"id": "gsm8k-test-0",
+     "problem": "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes "
+                "muffins for her friends every day with four. She sells the remainder at the farmers' market "
+                "daily for $2 per fresh duck egg. How much in dollars does she make every day at the farmers' "
+                "market?",
+     "answer": "18", "source": "GSM8K", "solution": "16 - 3 - 4 = 9 eggs; 9 * 2 = $18"},
+    {"id": "gsm8k-test-1",
+     "problem": "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total does "
+                "it take?",
+     "answer": "3", "source": "GSM8K", "solution": "2/2 = 1 bolt of white fiber; 2 + 1 = 3"},
+]
+
+
+def _work_started(*args, **kwargs):
+    raise AssertionError("the command started its work before refusing the input")
+
+
+@pytest.fixture()
+def no_work(monkeypatch):
+    """Make loading a model and every benchmark or simulation body fail with exit status 1."""
+    import kv4rl.engine.llm
+
+    monkeypatch.setattr(kv4rl.engine.llm.Engine, "__init__", _work_started)
+    for module, name in [("kv4rl.models.hf_weights", "check_model_folder"), ("kv4rl.bench.generate", "bench_generate"),
+                         ("kv4rl.bench.pool", "bench_pool"), ("kv4rl.bench.fidelity", "run_fidelity"),
+                         ("kv4rl.bench.decode_attn", "run_decode_attn"),
+                         ("kv4rl.bench.decode_forward", "run_decode_forward"), ("kv4rl.sim.clip_bias", "clip_bias"),
+                         ("kv4rl.sim.correction_variance", "measure")]:
+        monkeypatch.setattr(importlib.import_module(module), name, _work_started)
+
+
+def refused(args: list[str], *needles: str) -> str:
+    """Run the command; it must exit 2 with an error naming every needle. Returns the unwrapped output."""
+    res = runner.invoke(app, args)
+    text = " ".join(res.output.split())  # the console wraps long lines
+    assert res.exit_code == 2, (res.exit_code, res.exception, text)
+    assert text.startswith("error:") and "Traceback" not in text, text
+    for needle in needles:
+        assert needle in text, (needle, text)
+    return text
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--k", "0"], "--k must be >= 1"),
+    (["--n", "-1"], "--n must be >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--template", "hello"], "--template: 'hello' has no {problem} field"),
+    (["--template", "{problem} in \\boxed{}"], "--template"),
+    (["--reward", "nope"], "--reward: unknown reward 'nope'"),
+])
+def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, args, option):
+    refused(["eval", *args], option)
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["bench", "generate", "--shape", "qwen3-tiny", "--kv-format", "bf16,kv5"], ["--kv-format", "'kv5'"]),
+    (["bench", "generate", "--shape", "qwen3-tiny", "--kv-format", "bf16,kv4"],  # group 128 > head_dim 32
+     ["--kv-format kv4", "head_dim=32"]),
+    (["bench", "generate", "--batch-sizes", "64,0"], ["--batch-sizes", ">= 1"]),
+    (["bench", "generate", "--batch-sizes", "64,x"], ["--batch-sizes", "'x'"]),
+    (["bench", "generate", "--shape", "qwen9"], ["--shape", "qwen9"]),
+    (["bench", "pool", "--formats", "bf16,kv9"], ["--formats", "'kv9'"]),
+    (["bench", "pool", "--shape", "qwen9"], ["--shape", "qwen9"]),
+    (["bench", "fidelity", "--formats", "bf16,kv9"], ["--formats", "'kv9'"]),
+    (["bench", "fidelity", "--reference", "kv9"], ["--reference", "'kv9'"]),
+    (["bench", "fidelity", "--n", "0"], ["--n must be >= 1"]),
+    (["bench", "fidelity", "--max-new-tokens", "0"], ["--max-new-tokens must be >= 1"]),
+    (["bench", "fidelity", "--template", "hello"], ["--template"]),
+    (["bench", "decode-attn", "--batches", "64,0"], ["--batches"]),
+    (["bench", "decode-attn", "--contexts", "2k"], ["--contexts", "'2k'"]),
+    (["bench", "decode-attn", "--formats", "bf16,fp4"], ["--formats", "'fp4'"]),
+    (["bench", "decode-forward", "--shapes", "qwen9"], ["--shapes", "'qwen9'"]),
+    (["sim", "clip-bias", "--sweep-rho", "1,-1"], ["--sweep-rho"]),
+    (["sim", "correction-variance", "--template", "hello"], ["--template"]),
+])
+def test_bench_and_sim_refuse_a_bad_option_before_any_work(no_work, args, needles):
+    refused(args, *needles)
+
+
+JSON_COMMANDS = [["eval"], ["bench", "fidelity"], ["bench", "generate"], ["bench", "pool"], ["bench", "decode-attn"],
+                 ["bench", "decode-forward"], ["sim", "clip-bias"], ["sim", "correction-variance"]]
+
+
+@pytest.mark.parametrize("command", JSON_COMMANDS, ids=" ".join)
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_work(no_work, command, tmp_path):
+    refused([*command, "--json", str(tmp_path)], f"--json {tmp_path}", "is a directory")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    refused([*command, "--json", str(blocker / "out.json")], "--json", "cannot create its folder")
+
+
+def test_eval_json_into_a_missing_folder_creates_it(tmp_path):
+    out = tmp_path / "not" / "yet" / "eval.json"
+    res = runner.invoke(app, ["eval", "--n", "3", "--k", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["num_problems"] == 3 and r["data"] == "embedded" and r["reward"] == "exact"
+
+
+@pytest.fixture()
+def gsm8k_file(tmp_path):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
+    return path
+
+
+def boxed_prompt_length(row) -> int:
+    from kv4rl.models.tiny import tiny_model_dir
+
+    return len(AutoTokenizer.from_pretrained(tiny_model_dir()).encode(row["problem"] + INSTRUCTION))
+
+
+def test_eval_names_a_prompt_longer_than_the_models_context_before_generating(gsm8k_file, monkeypatch):
+    import kv4rl.engine.llm
+
+    monkeypatch.setattr(kv4rl.engine.llm.Engine, "__init__", _work_started)
+    length = boxed_prompt_length(GSM8K_ROWS[0])
+    assert length > 64
+    refused(["eval", "--data", str(gsm8k_file)], "prompt 0 (id gsm8k-test-0: 'Janet\u2019s ducks lay 16 eggs",
+            f"is {length} tokens", "context is 64 positions", "2 of 2 prompts")
+
+
+def test_bench_fidelity_names_a_prompt_longer_than_the_models_context(gsm8k_file, monkeypatch):
+    import kv4rl.bench.fidelity
+
+    monkeypatch.setattr(kv4rl.bench.fidelity, "run_fidelity", _work_started)
+    refused(["bench", "fidelity", "--data", str(gsm8k_file)], "id gsm8k-test-0",
+            f"is {boxed_prompt_length(GSM8K_ROWS[0])} tokens", "64 positions")
+
+
+def tiny_setup(overrides):
+    from kv4rl.config import load_config
+    from kv4rl.data.prompts import PromptFormatter
+    from kv4rl.data.source import ProblemSource
+    from kv4rl.models.tiny import tiny_model_dir
+
+    cfg = load_config(None, overrides)
+    source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size)
+    formatter = PromptFormatter(AutoTokenizer.from_pretrained(tiny_model_dir()),
+                                cfg.data.prompt_template or source.default_template)
+    return cfg, source, formatter
+
+
+def test_train_names_a_prompt_longer_than_the_models_context(gsm8k_file):
+    from kv4rl.loop import _max_model_len
+
+    cfg, source, formatter = tiny_setup([f"data.train={gsm8k_file}"])
+    with pytest.raises(ValueError) as info:
+        _max_model_len(cfg, source, formatter, 64)
+    message = str(info.value)
+    assert f"data.train {gsm8k_file}: prompt 0 (id gsm8k-test-0" in message
+    assert f"is {boxed_prompt_length(GSM8K_ROWS[0])} tokens" in message and "64 positions" in message
+
+
+def test_train_warns_once_when_max_new_tokens_runs_past_the_context(caplog):
+    from kv4rl.loop import _max_model_len
+
+    cfg, source, formatter = tiny_setup(["rollout.max_new_tokens=100000"])
+    with caplog.at_level(logging.WARNING, logger="kv4rl.loop"):
+        assert _max_model_len(cfg, source, formatter, 64) == 64
+    (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "rollout.max_new_tokens=100000" in record.getMessage() and "64 positions" in record.getMessage()
+    caplog.clear()
+    cfg, source, formatter = tiny_setup(["rollout.max_new_tokens=16"])
+    with caplog.at_level(logging.WARNING, logger="kv4rl.loop"):
+        assert _max_model_len(cfg, source, formatter, 64) < 64
+    assert not caplog.records
+
+
+def test_eval_warns_when_max_new_tokens_runs_past_the_context_and_records_the_cut(tmp_path):
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(3)))
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["eval", "--data", str(data), "--template", "{problem}=", "--reward", "exact", "--k", "1",
+                              "--max-new-tokens", "100", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert text.count("warning:") == 1 and "--max-new-tokens 100" in text and "64 positions" in text
+    r = json.loads(out.read_text())
+    assert (r["max_new_tokens"], r["max_model_len"], r["template"], r["reward"]) == (100, 64, "{problem}=", "exact")
+
+
+@pytest.mark.parametrize("template", ["Solve it.", "{problem} and put it in \\boxed{}", "{problem} {answer}"])
+def test_config_refuses_a_prompt_template_that_would_not_format(template):
+    from kv4rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="data.prompt_template"):
+        load_config(base={"data": {"prompt_template": template}})
