@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 
 from kv4rl.cli_bench import bench_app
-from kv4rl.cli_common import check_output_path, console, engine_config, fail, warn, write_json
+from kv4rl.cli_common import check_device, check_output_path, console, engine_config, fail, warn, write_json
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
 from kv4rl.telemetry.progress import StageProgress
@@ -144,6 +144,7 @@ def eval_cmd(
 
     try:
         _check_eval_options(k, n, temperature, max_new_tokens, reward, template)
+        check_device(device)
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out)

@@ -17,6 +17,7 @@ import typer
 from typer import Option
 
 from kv4rl.cli_common import (
+    check_device,
     check_kv_formats,
     check_output_path,
     console,
@@ -147,6 +148,9 @@ def fidelity(
             raise ValueError("pass either --model or --random-init, not both")
         format_list = _check_fidelity_options(formats, allocations, reference, n, max_new_tokens, batch_size,
                                               context, template, random_layers)
+        check_device(device)
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype: '{dtype}' is not auto, float32, bfloat16 or float16")
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out)
@@ -277,6 +281,7 @@ def generate(
             if value < 1:
                 raise ValueError(f"{option} must be >= 1, got {value}")
         head_dim = _shape_args(shape, qwen3_args).head_dim
+        check_device(device)
         engine_cfg = engine_config(engine_overrides)
         engine_cfg.weight_format = weight_format
         check_kv_formats(formats, "--kv-format", engine_cfg, head_dim=head_dim,

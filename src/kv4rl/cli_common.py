@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -25,13 +26,13 @@ console = Console()
 
 def fail(message: str) -> NoReturn:
     """Print one error line and exit with status 2 (bad input), the convention of every command."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, unwrapped
     raise typer.Exit(2)
 
 
 def warn(message: str) -> None:
     """One warning line: the command goes on, but the user should know (e.g. a clamped length)."""
-    console.print(f"[bold yellow]warning:[/] {message}", highlight=False)
+    console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
 
 def engine_config(overrides: list[str] | None):
@@ -50,6 +51,18 @@ def write_json(res: dict, json_out: Path | None) -> None:
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(res, indent=2) + "\n")
+
+
+def check_device(device: str, option: str = "--device") -> None:
+    """Refuse a device that torch would reject only after the model has loaded, or CUDA where there is none."""
+    from kv4rl.engine.llm import resolve_device
+
+    if device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"{option}: '{device}' is not auto, cpu, cuda or cuda:N")
+    try:
+        resolve_device(device)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def check_output_path(path: Path | None, option: str = "--json") -> None:
