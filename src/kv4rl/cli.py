@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 
 from kv4rl.cli_bench import bench_app
-from kv4rl.cli_common import check_device, check_output_path, console, engine_config, fail, warn, write_json
+from kv4rl.cli_common import check_at_least, check_device, check_output_path, console, engine_config, fail, warn, write_json
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
 from kv4rl.telemetry.progress import StageProgress
@@ -79,14 +79,8 @@ def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int 
     from kv4rl.data.prompts import check_template
     from kv4rl.rewards import registered_rewards
 
-    if k < 1:
-        raise ValueError(f"--k must be >= 1 (samples per problem), got {k}")
-    if n < 0:
-        raise ValueError(f"--n must be >= 0 (0: every problem), got {n}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    check_at_least(1, ("--k", k), ("--max-new-tokens", max_new_tokens))
+    check_at_least(0, ("--n", n), ("--temperature", temperature))
     if reward != "auto" and reward not in registered_rewards():
         raise ValueError(f"--reward: unknown reward '{reward}' (known: auto, {', '.join(registered_rewards())})")
     if template is not None:

@@ -17,6 +17,7 @@ import typer
 from typer import Option
 
 from kv4rl.cli_common import (
+    check_at_least,
     check_device,
     check_kv_formats,
     check_output_path,
@@ -80,10 +81,8 @@ def _check_fidelity_options(formats: str, allocations: str | None, reference: st
     from kv4rl.bench.fidelity import parse_allocations
     from kv4rl.data.prompts import check_template
 
-    for value, option in ((n, "--n"), (batch_size, "--batch-size"), (context, "--context"),
-                          (max_new_tokens, "--max-new-tokens"), (random_layers, "--random-layers")):
-        if value is not None and value < 1:
-            raise ValueError(f"{option} must be >= 1, got {value}")
+    check_at_least(1, ("--n", n), ("--batch-size", batch_size), ("--context", context),
+                   ("--max-new-tokens", max_new_tokens), ("--random-layers", random_layers))
     format_list = option_list(formats, "--formats")
     check_kv_formats(format_list, "--formats")
     check_kv_formats([reference], "--reference")
@@ -148,6 +147,7 @@ def fidelity(
             raise ValueError("pass either --model or --random-init, not both")
         format_list = _check_fidelity_options(formats, allocations, reference, n, max_new_tokens, batch_size,
                                               context, template, random_layers)
+        check_at_least(0, ("--temperature", temperature))
         check_device(device)
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: '{dtype}' is not auto, float32, bfloat16 or float16")
@@ -207,9 +207,7 @@ def pool(
     try:
         if memory_gib <= 0:
             raise ValueError(f"--memory-gib must be > 0, got {memory_gib}")
-        for value, option in ((max_num_seqs, "--max-num-seqs"), (context, "--context")):
-            if value < 1:
-                raise ValueError(f"{option} must be >= 1, got {value}")
+        check_at_least(1, ("--max-num-seqs", max_num_seqs), ("--context", context))
         format_list = option_list(formats, "--formats")
         engine_cfg = engine_config(engine_overrides)
         check_kv_formats(format_list, "--formats", engine_cfg, head_dim=_shape_args(shape, qwen3_args).head_dim,
@@ -277,9 +275,7 @@ def generate(
             raise ValueError(f"--weight-format: '{weight_format}' is not one of auto, fp8")
         sizes = option_list(batch_sizes, "--batch-sizes", int, minimum=1)
         formats = option_list(kv_format, "--kv-format")
-        for value, option in ((prompt_len, "--prompt-len"), (new_tokens, "--new-tokens")):
-            if value < 1:
-                raise ValueError(f"{option} must be >= 1, got {value}")
+        check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens))
         head_dim = _shape_args(shape, qwen3_args).head_dim
         check_device(device)
         engine_cfg = engine_config(engine_overrides)

@@ -80,6 +80,13 @@ def check_output_path(path: Path | None, option: str = "--json") -> None:
         fail(f"{option} {path}: cannot be written (no permission)")
 
 
+def check_at_least(minimum: float, *options: tuple[str, float | None]) -> None:
+    """Refuse the first `(option, value)` whose value is below `minimum` (None: not given, no check)."""
+    for option, value in options:
+        if value is not None and value < minimum:
+            raise ValueError(f"{option} must be >= {minimum}, got {value}")
+
+
 def option_list(text: str, option: str, cast: Callable = str, *, minimum: float | None = None,
                 known: tuple[str, ...] | list[str] | None = None) -> list:
     """A comma-separated option as a list, refused when empty, unparsable, below `minimum` or unknown."""
