@@ -149,7 +149,7 @@ def test_unwritable_output_path_fails_before_any_work(tmp_path, no_work):
     res = runner.invoke(app, ["bench", "rollout", *TINY, "--json", str(blocker / "r.json")])
     assert res.exit_code == 2 and "--json" in res.output
     res = runner.invoke(app, ["bench", "rollout", *TINY, "--png", str(tmp_path)])
-    assert res.exit_code == 2 and "is a folder" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "is a directory" in " ".join(res.output.split())
 
 
 def _script_commands() -> dict[str, list[str]]:

@@ -14,13 +14,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kv4rl.cli_bench import (
-    _decode_attn_table,
-    _decode_forward_table,
-    _rollout_table,
-    _fidelity_table,
-    _generate_table,
-    _pool_table,
+from kv4rl.bench.tables import (
+    decode_attn_table as _decode_attn_table,
+    decode_forward_table as _decode_forward_table,
+    fidelity_table as _fidelity_table,
+    generate_table as _generate_table,
+    pool_table as _pool_table,
+    rollout_table as _rollout_table,
 )
 from kv4rl.cli import _curves_table
 from kv4rl.cli_sim import _clip_bias_table, _variance_table

@@ -28,50 +28,19 @@ from kv4rl.cli_common import (
     write_json,
 )
 from kv4rl.telemetry.progress import StageProgress
-from kv4rl.telemetry.tables import ResultTable, print_table
+from kv4rl.bench.tables import (
+    decode_attn_table,
+    decode_forward_table,
+    fidelity_table,
+    generate_table,
+    pool_table,
+    rollout_table,
+)
+from kv4rl.telemetry.tables import print_table
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks of the rollout engine.")
 
 ALL_FORMATS = "bf16,fp8,int4,kv4,nvfp4,mxfp4"
-
-
-
-
-def _fidelity_table(res: dict) -> ResultTable:
-    shape = res["model_shape"]
-    buckets = sorted({b for r in res["results"] for b in r["kl_by_position"]},
-                     key=lambda b: int(b.split("-")[0].rstrip("+")))
-    table = ResultTable(
-        f"KV fidelity vs {res['reference']} cache — {res['num_prompts']} prompts, "
-        f"{res['response_tokens_mean']:.0f} response tokens each (mean), {shape['layers']} layers x "
-        f"{shape['kv_heads']} KV heads x head_dim {shape['head_dim']}, group {res['kv']['group_size']}",
-        ["format", "allocation", "KL mean", *[f"KL @{b}" for b in buckets], "top-1 agree",
-         f"bytes/token @{res['context_for_bytes']}", "vs bf16"], labels=2)
-    for r in res["results"]:
-        table.add_row(
-            r["format"], r["allocation"] or "-", f"{r['kl_mean']:.3e}",
-            *[f"{r['kl_by_position'][b]:.3e}" if b in r["kl_by_position"] else "-" for b in buckets],
-            f"{r['top1_agree']:.4f}", f"{r['bytes_per_token']:,.0f}", f"{r['bytes_vs_bf16']:.1%}",
-        )
-    return table
-
-
-def _prompts(model_dir: Path, data: Path | None, n: int, template: str | None, seed: int,
-             model_len: int) -> tuple[list[list[int]], str]:
-    """Token ids of the first `n` problems and the template used; a file gets the boxed-answer
-    instruction, and a prompt that fills the model's context is refused by name."""
-    from transformers import AutoTokenizer
-
-    from kv4rl.data.prompts import PromptFormatter, check_prompt_lengths
-    from kv4rl.data.source import ProblemSource
-
-    source = ProblemSource(None, str(data) if data else None, seed)
-    problems = source.eval_problems(n)
-    formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), template or source.default_template)
-    prompts = [formatter.ids(p) for p in problems]
-    check_prompt_lengths(problems, [len(p) for p in prompts], model_len, "the model's context",
-                         f"--data {data}" if data else "embedded task")
-    return prompts, formatter.template
 
 
 def _check_fidelity_options(formats: str, allocations: str | None, reference: str, n: int,
@@ -134,6 +103,7 @@ def fidelity(
     from kv4rl.bench.fidelity import (
         build_variants,
         default_allocation,
+        fidelity_prompts,
         kl_order,
         parse_allocations,
         run_fidelity,
@@ -165,7 +135,7 @@ def fidelity(
 
             model = tiny_model_dir()
         args = check_model_folder(model)
-        prompts, template = _prompts(model, data, n, template, seed, args.max_position_embeddings)
+        prompts, template = fidelity_prompts(model, data, n, template, seed, args.max_position_embeddings)
         room = args.max_position_embeddings - max(len(p) for p in prompts)
         max_new_tokens = max_new_tokens or min(256, room)
         kv = KVConfig(block_size=block_size, group_size=group_size or min(128, args.head_dim), rotate=rotate)
@@ -181,7 +151,7 @@ def fidelity(
                                progress=stages.counted(1 + len(variants)))
     except ValueError as exc:
         fail(str(exc))
-    print_table(console, _fidelity_table(res))
+    print_table(console, fidelity_table(res))
     console.print(f"KL order: {kl_order(res['results'])}")
     write_json({**res, "data": str(data) if data else "embedded", "template": template, "seed": seed}, json_out)
 
@@ -220,22 +190,8 @@ def pool(
                          context=context, kv=engine_cfg.kv)
     except ValueError as exc:
         fail(str(exc))
-    print_table(console, _pool_table(res, shape, memory_gib, max_num_seqs, context))
+    print_table(console, pool_table(res, shape, memory_gib, max_num_seqs, context))
     write_json(res, json_out)
-
-
-def _pool_table(res: dict, shape: str, memory_gib: float, max_num_seqs: int, context: int) -> ResultTable:
-    s = res["model_shape"]
-    table = ResultTable(
-        f"KV pool in {memory_gib:g} GiB — {shape}: {s['layers']} layers x {s['kv_heads']} KV heads x head_dim "
-        f"{s['head_dim']}, {max_num_seqs} sequences, block {res['kv']['block_size']}",
-        ["format", "tokens", "vs bf16", "bytes/token", f"bytes/token @{context}", "reserve",
-         f"sequences @{context}"])
-    for r in res["results"]:
-        table.add_row(r["format"], f"{r['tokens']:,}", f"{r['tokens_vs_bf16']:.2f}x", f"{r['bytes_per_token']:,.0f}",
-                      f"{r['bytes_per_token_at_context']:,.0f}", f"{r['reserve_bytes'] / 2**20:,.1f} MiB",
-                      f"{r['sequences_at_context']}")
-    return table
 
 
 def _shape_args(shape: str, args_of):
@@ -244,10 +200,6 @@ def _shape_args(shape: str, args_of):
         return args_of(shape)
     except ValueError as exc:
         raise ValueError(f"--shape: {exc}") from None
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 @bench_app.command()
@@ -295,28 +247,8 @@ def generate(
                                  engine_config=engine_cfg, seed=seed, progress=stages.advance)
     except ValueError as exc:
         fail(str(exc))
-    print_table(console, _generate_table(res))
+    print_table(console, generate_table(res))
     write_json(res, json_out)
-
-
-def _generate_table(res: dict) -> ResultTable:
-    s = res["model_shape"]
-    table = ResultTable(
-        f"generate: {res['shape']} ({s['layers']} layers, hidden {s['hidden']}) {res['dtype']} on "
-        f"{res['gpu'] or res['device']}, prompt {res['prompt_len']} + {res['new_tokens']} new tokens, "
-        f"weights {res['weight_format']}",
-        ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "decode step ms", "engine peak GiB",
-         "HF peak GiB"], labels=2)
-    for r in res["results"]:
-        table.add_row(r["kv_format"], str(r["batch_size"]), f"{r['engine_tokens_per_s']:,.0f}",
-                      f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
-                      f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
-                      _num(r["decode_step_ms"]), _num(r["engine_peak_gib"]), _num(r.get("hf_peak_gib")))
-    return table
-
-
-def _csv(value: str, cast=str) -> list:
-    return [cast(v.strip()) for v in value.split(",") if v.strip()]
 
 
 def _need_cuda() -> None:
@@ -354,17 +286,8 @@ def decode_attn(
         stages(f"timing {cases} kernel cases (each also against SDPA)", 0, cases)
         res = run_decode_attn(shape_list, batch_list, context_list, fmt_list, seed=seed, progress=lambda r: stages.advance(
             f"{r['shape']} {r['format']} B{r['batch']} L{r['context']}: {r['ms']:.4f} ms"))
-    print_table(console, _decode_attn_table(res))
+    print_table(console, decode_attn_table(res))
     write_json(res, json_out)
-
-
-def _decode_attn_table(res: dict) -> ResultTable:
-    table = ResultTable(f"decode attention per layer on {res['device']} (bytes read incl. scales)",
-                        ["shape", "format", "kernel", "batch", "context", "ms", "TB/s", "vs SDPA-cuDNN"], labels=3)
-    for r in res["results"]:
-        table.add_row(r["shape"], r["format"], r.get("int4_kernel", ""), str(r["batch"]), str(r["context"]),
-                      f"{r['ms']:.4f}", f"{r['tbps']:.2f}", f"{r['speedup_vs_sdpa']:.2f}x")
-    return table
 
 
 @bench_app.command("decode-forward")
@@ -393,50 +316,8 @@ def decode_forward(
         stages(f"timing {cases} decode steps", 0, cases)
         res = run_decode_forward(shape_list, work, fused_ops=fused_ops, progress=lambda r: stages.advance(
             f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
-    print_table(console, _decode_forward_table(res, fused_ops))
+    print_table(console, decode_forward_table(res, fused_ops))
     write_json(res, json_out)
-
-
-def _out_path(path: Path | None, flag: str, create: bool) -> None:
-    """Fail now, not after the benchmark, on an output path that cannot be written; make its folder."""
-    if path is not None and path.is_dir():
-        fail(f"{flag} {path} is a folder; give a file path")
-    if path is not None and create:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            fail(f"{flag} {path}: cannot create its folder ({exc})")
-
-
-def _rollout_table(res: dict) -> ResultTable:
-    w = res["workload"]
-    budget = f"{res['kv_budget_gib']:g} GiB KV budget" if res["kv_budget_gib"] else "pool sized by the engine"
-    table = ResultTable(
-        f"rollout: {res['model']} on {res['gpu'] or res['device']}, {budget} — {w['quota_groups']} groups x "
-        f"{w['group_size']}, {w['max_slots']} slots, prompt {w['prompt_len']}, lengths log-normal median "
-        f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}; median [min-max] of {res['repeats']} repeats",
-        ["format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
-         "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step"], labels=2)
-    for r in res["results"]:
-        speedup = "-" if r["speedup_vs_bf16_sync"] is None else (
-            f"{r['speedup_vs_bf16_sync']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]")
-        table.add_row(
-            r["format"], r["mode"], f"{r['rollout_s']:.3f} [{r['rollout_s_min']:.3f}-{r['rollout_s_max']:.3f}]",
-            speedup, f"{r['tokens_per_s']:,.0f}", f"{r['slot_util']:.3f}", f"{r['mean_active']:.1f}",
-            str(r["preemptions"]), f"{r['pool_tokens']:,}", f"{r['kv_peak_bytes'] / r['pool_bytes']:.0%}",
-            f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
-    return table
-
-
-def _decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
-    table = ResultTable(f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
-                        f"{', fused ops' if fused_ops else ''})",
-                        ["shape", "workload", "weights", "kv", "batch x context", "ms/step", "tokens/s",
-                         "vs bf16/bf16"], labels=4)
-    for r in res["results"]:
-        table.add_row(r["shape"], r["workload"], r["weights"], r["kv"], f"{r['batch']} x {r['context']}",
-                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x")
-    return table
 
 
 @bench_app.command("rollout")
@@ -479,7 +360,7 @@ def bench_rollout_cmd(
     try:
         overrides = engine_overrides or []
         bench = RolloutBench(
-            formats=tuple(_csv(formats)), modes=tuple(_csv(modes)), repeats=repeats, batches=batches,
+            formats=tuple(option_list(formats, "--formats")), modes=tuple(option_list(modes, "--modes")), repeats=repeats, batches=batches,
             workload=Workload(quota_groups=quota, group_size=group, max_slots=slots, prompt_len=prompt_len,
                               median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
             shape=shape, model_dir=model, kv_budget_gib=kv_budget_gib, device=device,
@@ -487,8 +368,9 @@ def bench_rollout_cmd(
         plan = prepare(bench)
     except ValueError as exc:
         fail(str(exc))
-    _out_path(json_out, "--json", create=not validate_only)
-    _out_path(png, "--png", create=not validate_only)
+    if not validate_only:
+        check_output_path(json_out, "--json")
+        check_output_path(png, "--png")
     for fmt in bench.formats:
         console.print(f"[dim]{plan.pool_line(fmt)}[/]", highlight=False)
     if validate_only:
@@ -499,7 +381,7 @@ def bench_rollout_cmd(
         task = bar.add_task("rollout", total=len(bench.formats) * len(bench.modes) * repeats)
         res, traces = bench_rollout(plan, progress=lambda what, done: bar.update(task, description=what,
                                                                                  advance=done))
-    print_table(console, _rollout_table(res))
+    print_table(console, rollout_table(res))
     write_json(res, json_out)
     if png is not None:
         from kv4rl.telemetry.plots import plot_rollout_corners

@@ -227,3 +227,21 @@ def kl_order(results: list[dict]) -> str:
     """The variants from lowest to highest mean KL, e.g. "bf16 < fp8 < kv4(16+128) < int4"."""
     ordered = sorted(results, key=lambda r: r["kl_mean"])
     return " < ".join(r["format"] + (f"({r['allocation']})" if r["allocation"] else "") for r in ordered)
+
+
+def fidelity_prompts(model_dir: Path, data: Path | None, n: int, template: str | None, seed: int,
+             model_len: int) -> tuple[list[list[int]], str]:
+    """Token ids of the first `n` problems and the template used; a file gets the boxed-answer
+    instruction, and a prompt that fills the model's context is refused by name."""
+    from transformers import AutoTokenizer
+
+    from kv4rl.data.prompts import PromptFormatter, check_prompt_lengths
+    from kv4rl.data.source import ProblemSource
+
+    source = ProblemSource(None, str(data) if data else None, seed)
+    problems = source.eval_problems(n)
+    formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), template or source.default_template)
+    prompts = [formatter.ids(p) for p in problems]
+    check_prompt_lengths(problems, [len(p) for p in prompts], model_len, "the model's context",
+                         f"--data {data}" if data else "embedded task")
+    return prompts, formatter.template

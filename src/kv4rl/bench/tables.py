@@ -1,0 +1,102 @@
+"""Result tables of the `kv4rl bench` commands: one builder per benchmark, from the JSON it writes.
+
+Kept apart from the commands so the tables can be rendered (and tested) from saved results; every
+table goes through `telemetry.tables.ResultTable`, which never cuts a number.
+"""
+
+from __future__ import annotations
+
+from kv4rl.telemetry.tables import ResultTable
+
+
+def fidelity_table(res: dict) -> ResultTable:
+    shape = res["model_shape"]
+    buckets = sorted({b for r in res["results"] for b in r["kl_by_position"]},
+                     key=lambda b: int(b.split("-")[0].rstrip("+")))
+    table = ResultTable(
+        f"KV fidelity vs {res['reference']} cache — {res['num_prompts']} prompts, "
+        f"{res['response_tokens_mean']:.0f} response tokens each (mean), {shape['layers']} layers x "
+        f"{shape['kv_heads']} KV heads x head_dim {shape['head_dim']}, group {res['kv']['group_size']}",
+        ["format", "allocation", "KL mean", *[f"KL @{b}" for b in buckets], "top-1 agree",
+         f"bytes/token @{res['context_for_bytes']}", "vs bf16"], labels=2)
+    for r in res["results"]:
+        table.add_row(
+            r["format"], r["allocation"] or "-", f"{r['kl_mean']:.3e}",
+            *[f"{r['kl_by_position'][b]:.3e}" if b in r["kl_by_position"] else "-" for b in buckets],
+            f"{r['top1_agree']:.4f}", f"{r['bytes_per_token']:,.0f}", f"{r['bytes_vs_bf16']:.1%}",
+        )
+    return table
+
+
+def pool_table(res: dict, shape: str, memory_gib: float, max_num_seqs: int, context: int) -> ResultTable:
+    s = res["model_shape"]
+    table = ResultTable(
+        f"KV pool in {memory_gib:g} GiB — {shape}: {s['layers']} layers x {s['kv_heads']} KV heads x head_dim "
+        f"{s['head_dim']}, {max_num_seqs} sequences, block {res['kv']['block_size']}",
+        ["format", "tokens", "vs bf16", "bytes/token", f"bytes/token @{context}", "reserve",
+         f"sequences @{context}"])
+    for r in res["results"]:
+        table.add_row(r["format"], f"{r['tokens']:,}", f"{r['tokens_vs_bf16']:.2f}x", f"{r['bytes_per_token']:,.0f}",
+                      f"{r['bytes_per_token_at_context']:,.0f}", f"{r['reserve_bytes'] / 2**20:,.1f} MiB",
+                      f"{r['sequences_at_context']}")
+    return table
+
+
+def num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def generate_table(res: dict) -> ResultTable:
+    s = res["model_shape"]
+    table = ResultTable(
+        f"generate: {res['shape']} ({s['layers']} layers, hidden {s['hidden']}) {res['dtype']} on "
+        f"{res['gpu'] or res['device']}, prompt {res['prompt_len']} + {res['new_tokens']} new tokens, "
+        f"weights {res['weight_format']}",
+        ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "decode step ms", "engine peak GiB",
+         "HF peak GiB"], labels=2)
+    for r in res["results"]:
+        table.add_row(r["kv_format"], str(r["batch_size"]), f"{r['engine_tokens_per_s']:,.0f}",
+                      f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
+                      f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
+                      num(r["decode_step_ms"]), num(r["engine_peak_gib"]), num(r.get("hf_peak_gib")))
+    return table
+
+
+def decode_attn_table(res: dict) -> ResultTable:
+    table = ResultTable(f"decode attention per layer on {res['device']} (bytes read incl. scales)",
+                        ["shape", "format", "kernel", "batch", "context", "ms", "TB/s", "vs SDPA-cuDNN"], labels=3)
+    for r in res["results"]:
+        table.add_row(r["shape"], r["format"], r.get("int4_kernel", ""), str(r["batch"]), str(r["context"]),
+                      f"{r['ms']:.4f}", f"{r['tbps']:.2f}", f"{r['speedup_vs_sdpa']:.2f}x")
+    return table
+
+
+def rollout_table(res: dict) -> ResultTable:
+    w = res["workload"]
+    budget = f"{res['kv_budget_gib']:g} GiB KV budget" if res["kv_budget_gib"] else "pool sized by the engine"
+    table = ResultTable(
+        f"rollout: {res['model']} on {res['gpu'] or res['device']}, {budget} — {w['quota_groups']} groups x "
+        f"{w['group_size']}, {w['max_slots']} slots, prompt {w['prompt_len']}, lengths log-normal median "
+        f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}; median [min-max] of {res['repeats']} repeats",
+        ["format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
+         "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step"], labels=2)
+    for r in res["results"]:
+        speedup = "-" if r["speedup_vs_bf16_sync"] is None else (
+            f"{r['speedup_vs_bf16_sync']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]")
+        table.add_row(
+            r["format"], r["mode"], f"{r['rollout_s']:.3f} [{r['rollout_s_min']:.3f}-{r['rollout_s_max']:.3f}]",
+            speedup, f"{r['tokens_per_s']:,.0f}", f"{r['slot_util']:.3f}", f"{r['mean_active']:.1f}",
+            str(r["preemptions"]), f"{r['pool_tokens']:,}", f"{r['kv_peak_bytes'] / r['pool_bytes']:.0%}",
+            f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
+    return table
+
+
+def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
+    table = ResultTable(f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
+                        f"{', fused ops' if fused_ops else ''})",
+                        ["shape", "workload", "weights", "kv", "batch x context", "ms/step", "tokens/s",
+                         "vs bf16/bf16"], labels=4)
+    for r in res["results"]:
+        table.add_row(r["shape"], r["workload"], r["weights"], r["kv"], f"{r['batch']} x {r['context']}",
+                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x")
+    return table
