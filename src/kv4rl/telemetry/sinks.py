@@ -52,22 +52,23 @@ class MetricsSink:
         self.wandb = log_cfg.wandb
         self._tb = None
         self._wandb_run = None
-        if self.tensorboard:
-            announce(f"tensorboard: event files in {cfg.run_dir} (view: tensorboard --logdir {cfg.run_dir.parent})")
-        if self.wandb:
-            announce(f"wandb: project {log_cfg.wandb_project}, run {log_cfg.wandb_name or cfg.name}")
+        self._announce = announce  # at the first row: a run refused at start-up says nothing about viewers
 
     def log(self, row: dict) -> None:
         values, step = scalars(row), row["iteration"]
         if self.tensorboard:
             if self._tb is None:
                 self._tb = self._open_tensorboard(step)
+                self._announce(f"tensorboard: event files in {self.cfg.run_dir} "
+                               f"(view: tensorboard --logdir {self.cfg.run_dir.parent})")
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()  # one row per iteration: keep the viewer current, lose nothing on a crash
         if self.wandb:
             if self._wandb_run is None:
                 self._wandb_run = self._open_wandb()
+                log_cfg = self.cfg.logging
+                self._announce(f"wandb: project {log_cfg.wandb_project}, run {log_cfg.wandb_name or self.cfg.name}")
             self._wandb_run.log(values, step=step)
 
     def _open_tensorboard(self, first_step: int):
