@@ -35,8 +35,10 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 120.0) -> None:
 
 
 def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
-    ref = new_run(tmp_path, "ref", "trainer.iterations=4", "checkpoint.save_every=100")
-    proc = start_training(tmp_path, "cut", "trainer.iterations=4", "checkpoint.save_every=100")
+    # 16 short iterations: the signal, sent once the first row is written, lands well before the end
+    # even when the machine is slow to deliver it
+    ref = new_run(tmp_path, "ref", "trainer.iterations=16", "checkpoint.save_every=100")
+    proc = start_training(tmp_path, "cut", "trainer.iterations=16", "checkpoint.save_every=100")
     run = tmp_path / "cut"
     wait_for(lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 1,
              proc)
@@ -44,7 +46,7 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     stopped = len(read_jsonl(run / "metrics.jsonl"))
-    assert 1 <= stopped < 4, "the signal came after the run ended: the test would prove nothing"
+    assert 1 <= stopped < 16, "the signal came after the run ended: the test would prove nothing"
     assert (run / "checkpoints" / "latest").read_text() == f"iter_{stopped:06d}"
     assert "stopped by SIGTERM" in " ".join(out.split()) and "--resume" in out
 
@@ -53,8 +55,8 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
     rows, ref_rows = read_jsonl(run / "metrics.jsonl"), read_jsonl(ref / "metrics.jsonl")
     for key in ("iteration", "groups", "reward_mean", "response_len_mean"):
         assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
-    a = load_file(ref / "checkpoints" / "iter_000004" / "model.safetensors")
-    b = load_file(run / "checkpoints" / "iter_000004" / "model.safetensors")
+    a = load_file(ref / "checkpoints" / "iter_000016" / "model.safetensors")
+    b = load_file(run / "checkpoints" / "iter_000016" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
