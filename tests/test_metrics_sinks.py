@@ -124,3 +124,20 @@ def test_wandb_run_named_after_the_run_grouped_by_arm_and_resumed_by_id(tmp_path
     assert (first["project"], first["name"], first["group"], first["resume"]) == ("kv4rl", "ppo-s1", "ppo", "allow")
     assert first["config"]["name"] == "ppo-s1" and first["dir"] == str(cfg.run_dir)
     assert fake.logged == [(4, {"loss": 0.25})] * 2 and fake.finished == 2
+
+
+def test_a_resumed_event_file_is_created_after_the_second_of_the_newest_one(tmp_path):
+    """TensorBoard reads event files in name order (creation second first); a resumed file made in
+    the same second as the last one could be read before it and lose its purge."""
+    import time
+
+    from kv4rl.telemetry.sinks import _wait_past_existing_event_files
+
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now}.host.99.10").write_text("")
+    _wait_past_existing_event_files(tmp_path)
+    assert int(time.time()) > now
+    (tmp_path / "events.out.tfevents.garbage").write_text("")  # names it cannot read are ignored
+    start = time.monotonic()
+    _wait_past_existing_event_files(tmp_path)
+    assert time.monotonic() - start < 0.5

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 from kv4rl.config import RunConfig
@@ -74,6 +75,7 @@ class MetricsSink:
     def _open_tensorboard(self, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
+        _wait_past_existing_event_files(self.cfg.run_dir)
         return SummaryWriter(log_dir=str(self.cfg.run_dir), purge_step=first_step)
 
     def _open_wandb(self):
@@ -94,3 +96,18 @@ class MetricsSink:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+
+
+def _wait_past_existing_event_files(run_dir) -> None:
+    """TensorBoard reads a folder's event files in name order, and a name starts with the second it
+    was created in (then host, pid and a per-process counter, which do not sort by time). A resumed
+    run's file purges the steps it logs again only if it is read after the older files, so it must
+    not be created in the same second as the newest of them: wait for the next second (at most 1 s,
+    only when a run is resumed right after its last file was made, as in tests)."""
+    newest = -1
+    for path in Path(run_dir).glob("events.out.tfevents.*"):
+        stamp = path.name.split(".")[3]
+        if stamp.isdigit():
+            newest = max(newest, int(stamp))
+    while int(time.time()) <= newest:
+        time.sleep(0.05)
