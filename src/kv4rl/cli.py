@@ -12,7 +12,16 @@ from pathlib import Path
 import typer
 
 from kv4rl.cli_bench import bench_app
-from kv4rl.cli_common import check_at_least, check_device, check_output_path, console, engine_config, fail, warn, write_json
+from kv4rl.cli_common import (
+    check_at_least,
+    check_device,
+    check_output_path,
+    console,
+    engine_config,
+    fail,
+    warn,
+    write_json,
+)
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
 from kv4rl.telemetry.progress import StageProgress
@@ -28,8 +37,6 @@ def _quiet_libraries() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-
-
 
 
 def _print_table(title: str, data: dict) -> None:
@@ -91,18 +98,17 @@ def _eval_context(formatter, problems, what: str, engine_len: int | None, model_
                   max_new_tokens: int) -> int:
     """The engine's `max_model_len`: every prompt must leave room for a response (else an error naming
     it); responses that would run past the context are cut there, with one warning line."""
-    from kv4rl.data.prompts import check_prompt_lengths
+    from kv4rl.data.prompts import longest_prompt, overrun_warning
 
     if engine_len is not None and engine_len > model_len:
         raise ValueError(f"engine.max_model_len={engine_len} exceeds the model's context of {model_len} positions")
     limit = engine_len or model_len
     limit_name = f"engine.max_model_len={engine_len}" if engine_len else "the model's context"
-    lengths = [len(formatter.ids(p)) for p in problems]
-    check_prompt_lengths(problems, lengths, limit, limit_name, what)
-    need = max(lengths) + max_new_tokens
-    if need > limit:
-        warn(f"the longest prompt ({max(lengths)} tokens) + --max-new-tokens {max_new_tokens} exceed "
-             f"{limit_name} of {limit} positions; responses stop when prompt + response reach {limit} tokens")
+    longest = longest_prompt(formatter, problems, limit, limit_name, what)
+    warning = overrun_warning(longest, max_new_tokens, f"--max-new-tokens {max_new_tokens}", limit, limit_name)
+    if warning:
+        warn(warning)
+    need = longest + max_new_tokens
     return engine_len or min(need, model_len)
 
 
@@ -222,7 +228,6 @@ def plot_curves_cmd(
     json_out: Path | None = typer.Option(None, "--json", help="also write the per-arm summary here"),
 ) -> None:
     """Learning curves: per arm, the mean over seeds of each seed's EMA curve, with a min-max band."""
-    from kv4rl.cli_common import write_json
     from kv4rl.telemetry.curves import curve_rows, learning_curves
     from kv4rl.telemetry.plots import plot_curves, write_csv
 

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from kv4rl.algo.advantages import compute_advantages
 from kv4rl.config import RunConfig
-from kv4rl.data.prompts import PromptFormatter, check_prompt_lengths
+from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
 from kv4rl.data.source import ProblemSource
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine, resolve_device
@@ -73,16 +73,14 @@ def _max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptForma
     """
     train_name = f"data.train {cfg.data.train}" if cfg.data.train else "the embedded task"
     eval_name = f"data.eval {cfg.data.eval}" if cfg.data.eval else train_name
-    longest = 0
-    for what, problems in ((train_name, source.train or source.batch(0, 64)),
-                           (eval_name, source.eval_problems(cfg.data.eval_size))):
-        lengths = [len(formatter.ids(p)) for p in problems]
-        check_prompt_lengths(problems, lengths, model_max, "the model's context", what)
-        longest = max(longest, *lengths)
-    if longest + cfg.rollout.max_new_tokens > model_max:
-        log.warning("rollout.max_new_tokens=%d with the longest prompt (%d tokens) exceeds the model's context "
-                    "of %d positions; responses stop when prompt + response reach %d tokens",
-                    cfg.rollout.max_new_tokens, longest, model_max, model_max)
+    longest = max(longest_prompt(formatter, problems, model_max, "the model's context", what)
+                  for what, problems in ((train_name, source.train or source.batch(0, 64)),
+                                         (eval_name, source.eval_problems(cfg.data.eval_size))))
+    warning = overrun_warning(longest, cfg.rollout.max_new_tokens,
+                              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", model_max,
+                              "the model's context")
+    if warning:
+        log.warning(warning)
     headroom = 2 * longest if source.train_embedded else longest
     return min(model_max, headroom + cfg.rollout.max_new_tokens + 1)
 

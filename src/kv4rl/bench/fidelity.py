@@ -230,7 +230,7 @@ def kl_order(results: list[dict]) -> str:
 
 
 def fidelity_prompts(model_dir: Path, data: Path | None, n: int, template: str | None, seed: int,
-             model_len: int) -> tuple[list[list[int]], str]:
+                     model_len: int) -> tuple[list[list[int]], str]:
     """Token ids of the first `n` problems and the template used; a file gets the boxed-answer
     instruction, and a prompt that fills the model's context is refused by name."""
     from transformers import AutoTokenizer

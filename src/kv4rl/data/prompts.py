@@ -75,3 +75,22 @@ def check_prompt_lengths(problems: list[Problem], lengths: list[int], limit: int
         f"{limit} positions, which leaves no room for a response; {len(too_long)} of {len(problems)} prompts "
         "are that long (use a model with a longer context, or shorter problems)"
     )
+
+
+def longest_prompt(formatter: PromptFormatter, problems: list[Problem], limit: int, limit_name: str,
+                   what: str) -> int:
+    """Token length of the longest prompt of `problems`, after refusing any that fills `limit`
+    (`check_prompt_lengths`)."""
+    lengths = [len(formatter.ids(p)) for p in problems]
+    check_prompt_lengths(problems, lengths, limit, limit_name, what)
+    return max(lengths)
+
+
+def overrun_warning(longest: int, max_new_tokens: int, setting: str, limit: int, limit_name: str) -> str | None:
+    """The one-line warning for a response limit that runs past `limit` (None when it fits): such
+    responses stop at the limit, as inference engines clamp them, instead of failing. `setting` names
+    the limit as the user gave it (e.g. "--max-new-tokens 100")."""
+    if longest + max_new_tokens <= limit:
+        return None
+    return (f"the longest prompt ({longest} tokens) + {setting} exceed {limit_name} of {limit} "
+            f"positions; responses stop when prompt + response reach {limit} tokens")
