@@ -43,6 +43,13 @@ def describe_fp8_paths(num_scaled_mm: int, num_linears: int) -> str:
 
 
 @functools.cache
+def scaled_mm_fits(in_features: int, out_features: int, dtype: torch.dtype, fp8_matmul: bool) -> bool:
+    """Whether ``torch._scaled_mm`` can run an FP8 linear: FP8 tensor cores (`fp8_matmul`), bf16
+    compute, and the in/out features multiples of 16 (its layout rule for the operands). The engine's
+    plan asks it from the model's shape before any linear exists."""
+    return fp8_matmul and dtype == torch.bfloat16 and in_features % 16 == 0 and out_features % 16 == 0
+
+
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -105,14 +112,8 @@ class FP8Linear(nn.Module):
         return dequantize_fp8(self.qweight, self.weight_scale, dtype)
 
     def scaled_mm_ok(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether ``torch._scaled_mm`` can run here: FP8 tensor cores, bf16 compute, and the
-        in/out features multiples of 16 (its layout rule for the operands)."""
-        return (
-            dtype == torch.bfloat16
-            and self.in_features % 16 == 0
-            and self.out_features % 16 == 0
-            and fp8_matmul_device(device)
-        )
+        """Whether ``torch._scaled_mm`` can run this linear here (`scaled_mm_fits`)."""
+        return scaled_mm_fits(self.in_features, self.out_features, dtype, fp8_matmul_device(device))
 
     def path(self, dtype: torch.dtype, device: torch.device) -> str:
         """Which forward path an input of ``dtype`` on ``device`` takes."""

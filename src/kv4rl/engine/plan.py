@@ -16,7 +16,7 @@ import torch
 
 from kv4rl.engine.block_manager import blocks_needed
 from kv4rl.engine.config import EngineConfig
-from kv4rl.engine.fp8_linear import describe_fp8_paths
+from kv4rl.engine.fp8_linear import describe_fp8_paths, scaled_mm_fits
 from kv4rl.engine.kv_formats import KVFormat, kv_format_from_config
 from kv4rl.kernels.decode_common import DecodeKind
 from kv4rl.kernels.int4_decode_cuda import body_kernel
@@ -206,8 +206,7 @@ def _weights(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: Ca
     hidden, inter = args.hidden_size, args.intermediate_size
     per_layer = [(hidden, q_out), (hidden, kv_out), (hidden, kv_out), (q_out, hidden),  # q, k, v, o
                  (hidden, inter), (hidden, inter), (inter, hidden)]  # gate, up, down
-    fast = sum(dtype == torch.bfloat16 and caps.fp8_matmul and n_in % 16 == 0 and n_out % 16 == 0
-               for n_in, n_out in per_layer) * args.num_layers
+    fast = sum(scaled_mm_fits(n_in, n_out, dtype, caps.fp8_matmul) for n_in, n_out in per_layer) * args.num_layers
     return Choice("fp8", describe_fp8_paths(fast, len(per_layer) * args.num_layers))
 
 
