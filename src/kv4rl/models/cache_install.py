@@ -1,4 +1,4 @@
-"""Atomic install of a model folder built into a staging folder of the kv4rl cache.
+"""Atomic install of a model folder, built in a staging folder of the kv4rl cache, into place.
 
 Several processes may build the same cached model at once (parallel runs, tests); each builds in
 its own staging folder and renames it into place. The first complete folder wins; an incomplete or
@@ -27,3 +27,22 @@ def move_into_place(staging: Path, final: Path, is_complete: Callable[[Path], bo
     except OSError:
         if not is_complete(final):  # lost a race to a concurrent build only if that build is complete
             raise
+
+
+def cached_build(parent: Path, tag: str, build: Callable[[Path], None], is_complete: Callable[[Path], bool],
+                 what: str) -> Path:
+    """`parent/tag`, first built by `build(staging_folder)` and moved into place when not complete."""
+    final = parent / tag
+    if is_complete(final):
+        return final
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable like any other
+    try:
+        build(staging)
+        move_into_place(staging, final, is_complete, tag)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if not is_complete(final):
+        raise RuntimeError(f"{what} did not leave a complete folder at {final}")
+    return final

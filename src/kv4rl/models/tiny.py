@@ -18,8 +18,6 @@ import json
 import os
 import random
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +34,7 @@ from transformers.utils import logging as hf_logging
 from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask, target_text, verify
 from kv4rl.data.types import Problem
-from kv4rl.models.cache_install import move_into_place
+from kv4rl.models.cache_install import cached_build
 
 VERSION_TAG = "tiny-arith-v2"
 METADATA_FILE = "kv4rl_tiny.json"
@@ -125,20 +123,8 @@ def is_complete(model_dir: str | Path) -> bool:
 def tiny_model_dir(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
     """Folder of the cached tiny model, building it first if needed (~20 s on 2 cores)."""
     parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = parent / VERSION_TAG
-    if is_complete(final):
-        return final
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{VERSION_TAG}.tmp-", dir=parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable like any other
-    try:
-        _write_model(staging, progress)
-        move_into_place(staging, final, is_complete, VERSION_TAG)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    if not is_complete(final):
-        raise RuntimeError(f"building the tiny model did not leave a complete folder at {final}")
-    return final
+    return cached_build(parent, VERSION_TAG, lambda staging: _write_model(staging, progress), is_complete,
+                        "building the tiny model")
 
 
 def tiny_config(tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
