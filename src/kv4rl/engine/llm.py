@@ -142,10 +142,6 @@ class Engine:
         return self.plan.attention_desc
 
     @property
-    def weights_desc(self) -> str:
-        return self.plan.weights_desc
-
-    @property
     def pool_sizing(self) -> str:
         return self.runner.pool_sizing
 
