@@ -352,8 +352,6 @@ def bench_rollout_cmd(
         "--validate-only", help="check the options and print each pool, then stop before any work")] = False,
 ) -> None:
     """Seconds per learner batch for each KV format x rollout mode at one KV memory budget."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from kv4rl.bench.rollout import RolloutBench, Workload, bench_rollout, prepare
     from kv4rl.config_loader import parse_override
 
@@ -372,15 +370,12 @@ def bench_rollout_cmd(
         check_output_path(json_out, "--json")
         check_output_path(png, "--png")
     for fmt in bench.formats:
-        console.print(f"[dim]{plan.pool_line(fmt)}[/]", highlight=False)
+        console.print(f"[dim]{plan.pool_line(fmt)}[/]", highlight=False, soft_wrap=True)
     if validate_only:
         console.print("options valid; stopping before any work (--validate-only)")
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("rollout", total=len(bench.formats) * len(bench.modes) * repeats)
-        res, traces = bench_rollout(plan, progress=lambda what, done: bar.update(task, description=what,
-                                                                                 advance=done))
+    with StageProgress(console, "rollout") as stages:  # a stage per warm-up and timed repeat of each corner
+        res, traces = bench_rollout(plan, progress=lambda what, done: stages(what, done, 1))
     print_table(console, rollout_table(res))
     write_json(res, json_out)
     if png is not None:
