@@ -298,6 +298,9 @@ def decode_forward(
     fused_ops: Annotated[bool, Option(
         "--fused-ops/--no-fused-ops", help="fused norms/RoPE/SwiGLU kernels, as the engine runs on CUDA "
                                            "(engine.fused_ops=auto)")] = True,
+    tensor_parallel: Annotated[int, Option(
+        "--tensor-parallel", help="shard the model over N GPUs (run under torchrun --nproc-per-node N); "
+                                  "rank 0 also times one GPU for the ratio")] = 1,
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
 ) -> None:
     """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""
@@ -307,10 +310,14 @@ def decode_forward(
     try:
         shape_list = option_list(shapes, "--shapes", known=list(QWEN3_SHAPES))
         work = option_list(workloads, "--workloads", known=list(WORKLOADS))
+        check_at_least(1, ("--tensor-parallel", tensor_parallel))
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out)
     _need_cuda()
+    if tensor_parallel > 1:
+        _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out)
+        return
     cases = len(shape_list) * len(VARIANTS) * len(work)
     with StageProgress(console, "decode-forward") as stages:
         stages(f"timing {cases} decode steps", 0, cases)
@@ -318,6 +325,33 @@ def decode_forward(
             f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
     print_table(console, decode_forward_table(res, fused_ops))
     write_json(res, json_out)
+
+
+def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out) -> None:
+    """The tensor-parallel decode step on every rank; rank 0 prints, times one GPU and writes the JSON."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from kv4rl.bench.decode_forward import add_tp1_ratio, run_decode_forward
+    from kv4rl.models.tensor_parallel import tensor_parallel_group
+
+    if int(os.environ.get("WORLD_SIZE", "1")) != size:
+        fail(f"--tensor-parallel {size} runs under torchrun: torchrun --nproc-per-node {size} -m kv4rl.cli "
+             f"bench decode-forward --tensor-parallel {size} ...")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    tp = tensor_parallel_group(size)
+    res = run_decode_forward(shape_list, work, fused_ops=fused_ops, tp=tp)
+    dist.barrier()
+    if tp.rank == 0:
+        add_tp1_ratio(res, run_decode_forward(shape_list, work, fused_ops=fused_ops))
+        print_table(console, decode_forward_table(res, fused_ops))
+        write_json(res, json_out)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @bench_app.command("rollout")

@@ -5,6 +5,10 @@ The model is random-init on the device (no download), every sequence of the batc
 context with its cache filled with random codes, and the step is the engine's own CUDA-graph decode
 step (`DecodeGraphs`: embeddings, projections, fused KV write, split-KV attention, LM head; sampling
 excluded, as it is the same for every variant). Times are medians of graph replays.
+
+With `tp` (under torchrun) every rank builds its tensor-parallel shard (`kv4rl.models.tensor_parallel`)
+and its share of the KV heads; the graphs hold the two all-reduces per layer, and the replays of all
+ranks are started together (a barrier before each), so a step's time includes waiting for the slowest.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ VARIANTS = (("bf16", "bf16"), ("fp8", "bf16"), ("bf16", "kv4"), ("fp8", "kv4"))
 
 
 def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, reps: int = 20,
-              seed: int = 0) -> dict:
+              seed: int = 0, barrier=None) -> dict:
     """Build a full cache for `batch` sequences at `context` tokens and time one graph-replayed step."""
     from kv4rl.bench.decode_attn import fill_random
     from kv4rl.engine.cuda_graphs import DecodeGraphs
@@ -60,6 +64,8 @@ def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, re
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if barrier is not None:
+            barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graphs.graphs[batch].replay()
@@ -74,15 +80,15 @@ def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, re
 
 
 def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANTS, device="cuda",
-                       progress=None, fused_ops: bool = False) -> dict:
+                       progress=None, fused_ops: bool = False, tp=None) -> dict:
     """`fused_ops` runs the step as `engine.fused_ops=true` would (fused norms/RoPE/SwiGLU, one-launch
-    FP8 activation quantization)."""
+    FP8 activation quantization). `tp`: this rank's `TensorParallel` (every rank calls this)."""
     from kv4rl.bench.random_model import random_decoder
     from kv4rl.engine.fp8_weights import apply_fp8_weights, set_fused_quant
 
     results = []
     for shape in shapes:
-        model = random_decoder(shape, device)
+        model = random_decoder(shape, device, tp=tp)
         if fused_ops:
             model.enable_fused_ops()
         weights_now = "bf16"
@@ -97,8 +103,10 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                     weights_now = "fp8"
                 for name in workloads:
                     batch, context = WORKLOADS[name]
+                    barrier = None if tp is None or tp.size == 1 else _barrier(tp)
                     row = {"shape": shape, "workload": name, "batch": batch, "context": context, "weights": w,
-                           "kv": kv, "fused_ops": fused_ops, **time_step(model, kv, batch, context)}
+                           "kv": kv, "fused_ops": fused_ops, "tensor_parallel": 1 if tp is None else tp.size,
+                           **time_step(model, kv, batch, context, barrier=barrier)}
                     results.append(row)
                     if progress:
                         progress(row)
@@ -109,3 +117,18 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                     and r["weights"] == "bf16" and r["kv"] == "bf16")
         row["speedup_vs_bf16"] = base["ms"] / row["ms"]
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
+
+
+def _barrier(tp):
+    import torch.distributed as dist
+
+    return lambda: dist.barrier(group=tp.group, device_ids=[torch.cuda.current_device()])
+
+
+def add_tp1_ratio(tp_result: dict, tp1_result: dict) -> None:
+    """`speedup_vs_tp1` per row of a tensor-parallel run, from one-GPU rows of the same job."""
+    for row in tp_result["results"]:
+        base = next(r for r in tp1_result["results"] if all(
+            r[k] == row[k] for k in ("shape", "workload", "weights", "kv")))
+        row["tp1_ms"] = base["ms"]
+        row["speedup_vs_tp1"] = base["ms"] / row["ms"]

@@ -71,10 +71,10 @@ def qwen3_args(shape: str, num_layers: int | None = None) -> ModelArgs:
     return ModelArgs.from_hf_config(config)
 
 
-def _empty_decoder(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Decoder:
+def _empty_decoder(args: ModelArgs, device: torch.device, dtype: torch.dtype, tp=None) -> Decoder:
     """Parameters allocated on `device` but not initialised (built on meta: no init cost)."""
     with torch.device("meta"):
-        model = Decoder(args, dtype=dtype)
+        model = Decoder(args, dtype=dtype, tp=tp)
     model.to_empty(device=device)
     model.tie_weights()
     model.rotary.build_cache(device)
@@ -83,15 +83,16 @@ def _empty_decoder(args: ModelArgs, device: torch.device, dtype: torch.dtype) ->
 
 @torch.no_grad()
 def random_decoder(shape: str, device: str | torch.device, *, dtype: torch.dtype = torch.bfloat16,
-                   seed: int = 0, num_layers: int | None = None) -> Decoder:
+                   seed: int = 0, num_layers: int | None = None, tp=None) -> Decoder:
     """The engine's decoder with `shape`, random-init in place on `device` (no disk, no transformers).
 
     Initialised as transformers initialises Qwen3 (normal std 0.02 for linears and embeddings, RMSNorm
     weights one), from a generator on the device, so an 8B model builds in seconds on a GPU; the same
-    seed on the same device type gives the same weights.
+    seed on the same device type gives the same weights. With `tp` it is this rank's shard, drawn
+    independently (a speed benchmark needs the shapes, not one consistent model).
     """
     device = torch.device(device)
-    model = _empty_decoder(qwen3_args(shape, num_layers), device, dtype)
+    model = _empty_decoder(qwen3_args(shape, num_layers), device, dtype, tp)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     for module in model.modules():

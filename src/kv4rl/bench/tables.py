@@ -92,11 +92,14 @@ def rollout_table(res: dict) -> ResultTable:
 
 
 def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
+    tp = max(r.get("tensor_parallel", 1) for r in res["results"]) if res["results"] else 1
+    extra = ["TP1 ms", f"TP{tp} vs TP1"] if tp > 1 else []
     table = ResultTable(f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
-                        f"{', fused ops' if fused_ops else ''})",
+                        f"{', fused ops' if fused_ops else ''}{f', tensor parallel {tp}' if tp > 1 else ''})",
                         ["shape", "workload", "weights", "kv", "batch x context", "ms/step", "tokens/s",
-                         "vs bf16/bf16"], labels=4)
+                         "vs bf16/bf16", *extra], labels=4)
     for r in res["results"]:
+        cells = [f"{r['tp1_ms']:.2f}", f"{r['speedup_vs_tp1']:.2f}x"] if tp > 1 else []
         table.add_row(r["shape"], r["workload"], r["weights"], r["kv"], f"{r['batch']} x {r['context']}",
-                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x")
+                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x", *cells)
     return table

@@ -62,6 +62,9 @@ class EngineConfig:
     FP8 linear's input (scaled_mm path) in one Triton kernel (`kv4rl.kernels.fp8_quant`) instead of
     ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit. `true` fails at start off CUDA;
     `auto` (default) is on on CUDA and off elsewhere (bench/RESULTS.md has the speed-ups).
+    `tensor_parallel: N` shards the model over N ranks of torch.distributed (started by torchrun):
+    each holds 1/N of the heads, KV heads (and so of the KV pool, in any format) and MLP
+    (`kv4rl.models.tensor_parallel`); consecutive blocks of N ranks form one engine.
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -75,9 +78,12 @@ class EngineConfig:
     sampler: Literal["auto", "torch", "triton"] = "auto"
     fused_ops: Literal["auto"] | bool = "auto"
     prefix_sharing: bool = True
+    tensor_parallel: int = 1
 
     def validate(self) -> None:
         self.kv.validate()
+        if self.tensor_parallel < 1:
+            raise ValueError(f"engine.tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"engine.max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv.format != "auto" and self.max_model_len is not None:

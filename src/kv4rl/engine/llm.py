@@ -10,6 +10,7 @@ returns full-vocabulary logits (the fidelity bench compares KV formats with it).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
 from kv4rl.models.decoder import Decoder
+from kv4rl.models.tensor_parallel import TensorParallel, tensor_parallel_group
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +40,16 @@ def request_seed(seed: int, index: int) -> int:
 
 
 def resolve_device(name: str) -> torch.device:
+    """`auto`: CUDA when present, else the CPU. Plain `cuda` under torchrun is this process's GPU
+    (`LOCAL_RANK`), so every rank of a job says the same `device: cuda`."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        name = "cuda"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device '{name}' requested but CUDA is not available")
+    if name == "cuda" and "LOCAL_RANK" in os.environ:
+        name = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     return torch.device(name)
 
 
@@ -54,20 +62,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
-def _place_model(model_dir, model: Decoder | None, device, dtype) -> tuple[Decoder, torch.device, torch.dtype]:
-    """The engine's model with its device and dtype: loaded from `model_dir` or taken as it is placed."""
+def _place_model(model_dir, model: Decoder | None, device, dtype,
+                 tp: TensorParallel) -> tuple[Decoder, torch.device, torch.dtype]:
+    """The engine's model with its device and dtype: loaded from `model_dir` (this rank's shard) or taken
+    as it is placed."""
     if (model is None) == (model_dir is None):
         raise ValueError("Engine needs exactly one of a model folder and an in-memory model")
     if model is not None:  # it is already placed: its device and dtype are the engine's
         if (device, dtype) != ("auto", "auto"):
             raise ValueError("an in-memory model fixes the engine's device and dtype; leave them 'auto'")
+        built = 1 if model.tp is None else model.tp.size
+        if built != tp.size:
+            raise ValueError(f"the in-memory model is sharded over {built} ranks, engine.tensor_parallel={tp.size}")
         param = next(model.parameters())
         return model, param.device, param.dtype
     from kv4rl.models.hf_weights import load_model
 
     device = device if isinstance(device, torch.device) else resolve_device(device)
     dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
-    return load_model(model_dir, device, dtype)[0], device, dtype
+    return load_model(model_dir, device, dtype, tp=tp)[0], device, dtype
 
 
 class Engine:
@@ -88,11 +101,14 @@ class Engine:
         config = config or EngineConfig()
         config.validate()
         self.config = config
-        self.model, self.device, self.dtype = _place_model(model_dir, model, device, dtype)
+        self.tp = tensor_parallel_group(config.tensor_parallel)
+        self.model, self.device, self.dtype = _place_model(model_dir, model, device, dtype, self.tp)
         self.args = self.model.args
         self.tokenizer = tokenizer
         self.plan = make_plan(config, self.args, self.dtype, probe_capabilities(self.device), max_num_seqs)
         self.kv_format = self.plan.kv_format
+        if self.tp.size > 1:
+            self.kv_format.tensor_parallel = self.tp
         self.max_model_len = self.plan.max_model_len.value
         self.runner = ModelRunner.build(self.model, self.plan, config, self.device)
         self.scheduler = Scheduler(
@@ -126,6 +142,8 @@ class Engine:
             f"({self.runner.num_blocks} blocks x {block_size}) for up to {max_num_seqs} sequences, "
             f"{memory.format_bytes(self.pool_bytes)} (sized by {self.pool_sizing}), {plan.weights_desc}, "
             f"{plan.attention_desc}, sampler {self.sampler}{', fused ops' if self.fused_ops else ''}"
+            + (f", tensor parallel {self.tp.size} (rank {self.tp.rank}: {self.args.num_heads} heads, "
+               f"{self.args.num_kv_heads} KV heads; pool and bytes/token are per rank)" if self.tp.size > 1 else "")
         )
 
     # ---- what the plan decided ----------------------------------------------------------------

@@ -3,7 +3,8 @@
 `ModelRunner.build` does the start-up's device work: the weight format and fused ops applied to the
 model, the KV pool sized (on CUDA by profiling the largest step) and allocated, decode CUDA graphs set
 up. Each step then goes sequences -> metadata -> model -> last-token logits -> sampled tokens. Tensor
-parallelism will run one runner per GPU behind the same engine loop.
+parallelism runs one runner per rank, each over its shard of the model and of the KV pool, behind the
+same engine loop on every rank (`kv4rl.models.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class ModelRunner:
         num_blocks, sizing = plan.pool_blocks.value, plan.pool_blocks.reason
         if num_blocks is None:
             num_blocks, sizing = profile.pool_blocks()
+            if model.tp is not None:  # every shard's scheduler must see the same pool
+                num_blocks, sizing = _smallest_over(model.tp, num_blocks, device), sizing + ", smallest over the TP ranks"
         runner = cls(model, plan.kv_format, num_blocks, block_size, device, max_num_seqs=plan.max_num_seqs,
                      fast=fast, graph_max_batch=plan.max_num_seqs if plan.cuda_graphs.value else 0,
                      max_model_len=plan.max_model_len.value, sampler=plan.sampler.value, pool_sizing=sizing)
@@ -203,6 +206,14 @@ def prepare_model(model, plan: EnginePlan) -> None:
         from kv4rl.engine.fp8_weights import set_fused_quant
 
         set_fused_quant(model)
+
+
+def _smallest_over(tp, num_blocks: int, device: torch.device) -> int:
+    import torch.distributed as dist
+
+    count = torch.tensor([num_blocks], dtype=torch.long, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(count.item())
 
 
 class _Profile:

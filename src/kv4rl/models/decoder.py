@@ -24,6 +24,7 @@ from torch import nn
 
 from kv4rl.models.args import ModelArgs
 from kv4rl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from kv4rl.models.tensor_parallel import TensorParallel, shard_args, shard_targets
 
 # (layer_idx, q[N, Hq, D], k[N, Hkv, D], v[N, Hkv, D]) -> out[N, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,6 +71,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.head_dim = args.head_dim
+        self.reduce = None  # tensor parallel: sums the ranks' partial o_proj outputs
 
     def forward(
         self,
@@ -89,7 +91,8 @@ class Attention(nn.Module):
         q_NHD = rotary.apply_rotary(q_NHD, positions_N)
         k_NHD = rotary.apply_rotary(k_NHD, positions_N)
         out_NHD = attention(layer_idx, q_NHD, k_NHD, v_NHD)
-        return self.o_proj(out_NHD.reshape(num_tokens, -1))
+        out_NC = self.o_proj(out_NHD.reshape(num_tokens, -1))
+        return out_NC if self.reduce is None else self.reduce(out_NC)
 
 
 class DecoderLayer(nn.Module):
@@ -121,10 +124,20 @@ class DecoderBody(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None, device=None) -> None:
+    def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None, device=None,
+                 tp: TensorParallel | None = None) -> None:
+        """`tp`: build this rank's shard (`kv4rl.models.tensor_parallel`); `args` stays the full model's
+        in `full_args`, and `args` becomes the shard's shape (its heads, its MLP width)."""
         super().__init__()
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.full_args = args
+        if self.tp is not None:
+            args = shard_args(args, self.tp.size)
         self.args = args
         self.model = DecoderBody(args, dtype=dtype, device=device)
+        if self.tp is not None:
+            for layer in self.model.layers:
+                layer.self_attn.reduce = layer.mlp.reduce = self.tp.all_reduce
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(
             args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, device=device
@@ -181,7 +194,7 @@ class Decoder(nn.Module):
                 targets.update({owned + name: t for name, t in slots().items()})
         if self.args.tie_word_embeddings:
             del targets[TIED_HEAD_NAME]
-        return targets
+        return targets if self.tp is None else shard_targets(targets, self.tp)
 
     def check_hf_shapes(self, shapes: Mapping[str, Sequence[int]], strict: bool = True) -> list[str]:
         """Validate checkpoint names and shapes; return the names that will be copied.

@@ -38,7 +38,8 @@ def _layer(layer, x_NC, residual_NC, positions_N, rotary, attention, layer_idx):
     h_NC = _attention(layer.self_attn, h_NC, positions_N, rotary, attention, layer_idx)
     h_NC, residual_NC = _norm(layer.post_attention_layernorm, h_NC, residual_NC)
     mlp = layer.mlp
-    return mlp.down_proj(silu_mul(mlp.gate_proj(h_NC), mlp.up_proj(h_NC))), residual_NC
+    out_NC = mlp.down_proj(silu_mul(mlp.gate_proj(h_NC), mlp.up_proj(h_NC)))
+    return (out_NC if mlp.reduce is None else mlp.reduce(out_NC)), residual_NC
 
 
 def _attention(attn, x_NC, positions_N, rotary, attention, layer_idx):
@@ -53,4 +54,5 @@ def _attention(attn, x_NC, positions_N, rotary, attention, layer_idx):
         weights, eps = (None, None), 0.0
     q_NHD, k_NHD = qk_norm_rope(q_NHD, k_NHD, *weights, eps, rotary.cos, rotary.sin, positions_N)
     out_NHD = attention(layer_idx, q_NHD, k_NHD, v_NHD)
-    return attn.o_proj(out_NHD.reshape(num_tokens, -1))
+    out_NC = attn.o_proj(out_NHD.reshape(num_tokens, -1))
+    return out_NC if attn.reduce is None else attn.reduce(out_NC)

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from kv4rl.models.args import ModelArgs
 from kv4rl.models.decoder import Decoder, store
+from kv4rl.models.tensor_parallel import TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -99,16 +100,18 @@ def check_model_folder(model_dir: str | Path) -> ModelArgs:
 
 
 def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+    tp: TensorParallel | None = None,
 ) -> tuple[Decoder, ModelArgs]:
-    """Build the decoder on ``device`` in ``dtype`` and fill it from the folder's safetensors."""
+    """Build the decoder (this rank's shard with `tp`) on ``device`` in ``dtype`` and fill it from the
+    folder's safetensors; a shard reads only its slices' source tensors, whole, then keeps its slice."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     args = read_model_args(model_dir)
     shapes = tensor_shapes(weight_files(model_dir))
     # Built on meta and then materialised, so no time is spent on random initialisation.
     with torch.device("meta"):
-        model = Decoder(args, dtype=dtype)
+        model = Decoder(args, dtype=dtype, tp=tp)
     names = _validated_names(model, model_dir, shapes)
     model.to_empty(device=device)
     model.tie_weights()

@@ -38,9 +38,11 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+        self.reduce = None  # tensor parallel: sums the ranks' partial down_proj outputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.reduce is None else self.reduce(out)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -51,6 +51,9 @@ class KVFormat:
     per_sequence_keys: tuple[str, ...] = ()  # cache tensors indexed by running slot, not by cache slot
     decode_kind: DecodeKind | None = None  # the GPU decode kernels' kind for its pages; None: reference only
     has_side_rows = False  # per-sequence rows the kernels read besides the pages (KV4's INT8 copies)
+    # Set by a tensor-parallel engine: each rank stores some KV heads, so a statistic over all heads
+    # (NVFP4's per-tensor scale) must be reduced over the ranks to equal the unsharded engine's.
+    tensor_parallel = None
 
     def __init__(self, *, rotate: str = "auto"):
         rotate = self.default_rotate if rotate == "auto" else rotate

@@ -66,6 +66,11 @@ class NVFP4Format(KVFormat):
         """The layer's per-tensor scale for K or V, calibrated from `x` on first use."""
         stored = cache[f"{prefix}_tensor_scale"]
         if x is not None and float(stored) == 0.0:
+            if self.tensor_parallel is not None:  # the amax over every rank's KV heads
+                import torch.distributed as dist
+
+                x = x.detach().abs().amax().float().reshape(1)
+                dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.tensor_parallel.group)
             stored.fill_(nvfp4_tensor_scale(x) * NVFP4_HEADROOM)
         return float(stored)
 

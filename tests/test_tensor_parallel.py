@@ -1,0 +1,108 @@
+"""Tensor-parallel engine on the CPU (gloo, two processes): a TP2 engine equals the TP1 engine.
+
+The reference is the unsharded engine in this process, on the same checkpoint: teacher-forced logits
+agree to float32 rounding (the sharded o_proj/down_proj sum their halves in another order), and
+sampled tokens are equal, for every KV format (each rank holds half the KV heads in that format).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kv4rl.engine.config import EngineConfig, KVConfig
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.sequence import SamplingParams
+from kv4rl.models.args import ModelArgs
+from kv4rl.models.tensor_parallel import check_shardable, shard_args, split_rule
+from tests.conftest import make_checkpoint
+
+FORMATS = ["fp32", "bf16", "fp8", "int4", "kv4", "nvfp4", "mxfp4"]
+PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+FORCED = [[4, 8, 15, 16, 23, 42], [7, 7, 7], [60, 61, 62, 63]]
+
+
+def _engine(path, fmt: str, tp: int) -> Engine:
+    kv = KVConfig(format=fmt, group_size=32, n_sink=2, n_recent=4)
+    return Engine(path, EngineConfig(kv=kv, max_model_len=64, tensor_parallel=tp), device="cpu",
+                  dtype="float32", max_num_seqs=4)
+
+
+def _results(path, tp: int) -> dict:
+    out = {}
+    for fmt in FORMATS:
+        engine = _engine(path, fmt, tp)
+        logits = engine.score_tokens(PROMPTS, FORCED)
+        params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+        tokens = [c.token_ids for c in engine.generate(PROMPTS, params)]
+        out[fmt] = {"logits": logits, "tokens": tokens, "kv_heads": engine.args.num_kv_heads}
+    return out
+
+
+def _worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.save(_results(path, tp=world), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-qwen3")
+    make_checkpoint(path, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    return path
+
+
+def test_tp2_engine_equals_tp1_for_every_kv_format(checkpoint, tmp_path):
+    expected = _results(checkpoint, tp=1)
+    mp.start_processes(_worker, args=(2, _free_port(), str(checkpoint), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for fmt in FORMATS:
+            assert got[fmt]["kv_heads"] == 1, "each rank holds half of the 2 KV heads"
+            for want, have in zip(expected[fmt]["logits"], got[fmt]["logits"]):
+                torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-4, msg=f"{fmt} rank {rank}")
+            assert got[fmt]["tokens"] == expected[fmt]["tokens"], f"{fmt} rank {rank}"
+
+
+def _args(**over) -> ModelArgs:
+    base = {"model_type": "qwen3", "vocab_size": 32, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+            "max_position_embeddings": 32, "eos_token_id": None}
+    return ModelArgs.from_hf_config({**base, **over})
+
+
+def test_shard_shapes_and_split_rules():
+    local = shard_args(_args(), 2)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (4, 1, 48)
+    assert split_rule("model.layers.3.self_attn.q_proj.weight") == ("column", 0)
+    assert split_rule("model.layers.0.mlp.down_proj.weight") == ("row", 1)
+    assert split_rule("model.layers.0.self_attn.o_proj.bias") == ("row", -1)
+    assert split_rule("model.layers.0.self_attn.q_norm.weight") is None
+    assert split_rule("lm_head.weight") is None and split_rule("model.embed_tokens.weight") is None
+
+
+@pytest.mark.parametrize("size, what", [(4, "KV heads"), (3, "attention heads"), (0, ">= 1")])
+def test_unshardable_sizes_are_refused_by_name(size, what):
+    with pytest.raises(ValueError, match=what):
+        check_shardable(_args(), size)
+
+
+def test_tensor_parallel_without_torchrun_says_how_to_start(checkpoint):
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        _engine(checkpoint, "fp32", tp=2)
