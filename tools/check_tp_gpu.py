@@ -4,9 +4,10 @@
 
 Every rank builds the TP-N engine on the same random checkpoint (head_dim 128, 32/8 heads) and rank 0
 also builds the one-GPU engine. float32 + fp32 KV (reference path) must give the same greedy tokens and
-logits to float32 rounding; bf16 with bf16/fp8/kv4 KV (Triton decode kernels, CUDA graphs with the
-all-reduces inside) must agree to bf16 tolerance, token by token until a near-tie first differs.
-Exits non-zero on a mismatch.
+teacher-forced logits to float32 rounding. bf16 with bf16/fp8/kv4 KV (Triton decode kernels, CUDA
+graphs with the all-reduces inside) rounds differently when sharded, so its yardstick is the one-GPU
+engine in float32 with the same KV format: the TP-N bf16 logits must be no further from it than the
+one-GPU bf16 logits are (x1.25, RMS over all scored positions). Exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def _run(path: str, dtype: str, fmt: str, tp: int) -> dict:
     return {"logits": logits, "tokens": tokens, "summary": engine.summary}
 
 
+def _rms(logits: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
+    sq = sum(float(((a - b) ** 2).sum()) for a, b in zip(logits, exact))
+    return (sq / sum(a.numel() for a in exact)) ** 0.5
+
+
 def main() -> int:
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -59,21 +65,23 @@ def main() -> int:
         dist.barrier()
         if rank == 0:
             ref = _run(folder[0], dtype, fmt, 1)
-            diff = max(float((a - b).abs().max()) for a, b in zip(got["logits"], ref["logits"]))
             same = sum(x == y for a, b in zip(got["tokens"], ref["tokens"]) for x, y in zip(a, b))
             total = sum(len(a) for a in ref["tokens"])
-            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                     for a, b in zip(got["tokens"], ref["tokens"])]
-            tol = 1e-3 if dtype == "float32" else 0.25
-            ok = diff <= tol and (dtype != "float32" or same == total) and min(first) >= 8
+            if dtype == "float32":
+                diff = max(float((a - b).abs().max()) for a, b in zip(got["logits"], ref["logits"]))
+                ok, yardstick = diff <= 1e-3 and same == total, "TP1 fp32: max |d| <= 1e-3, same tokens"
+            else:
+                exact = _run(folder[0], "float32", fmt, 1)["logits"]
+                diff, floor = _rms(got["logits"], exact), _rms(ref["logits"], exact)
+                ok, yardstick = diff <= 1.25 * floor, f"RMS vs fp32 model <= 1.25 x TP1's {floor:.3f}"
             failures += not ok
-            rows.append((dtype, fmt, f"{diff:.2e}", f"{same}/{total}", min(first), "ok" if ok else "MISMATCH"))
+            rows.append((dtype, fmt, f"{diff:.3g}", f"{same}/{total}", yardstick, "ok" if ok else "MISMATCH"))
         dist.barrier()
     if rank == 0:
         print(got["summary"])
-        print(f"{'dtype':9} {'kv':5} {'max |dlogit|':>12} {'same tokens':>12} {'first diff':>10}  result")
+        print(f"{'dtype':9} {'kv':5} {'logit error':>11} {'same greedy':>12}  yardstick  result")
         for r in rows:
-            print(f"{r[0]:9} {r[1]:5} {r[2]:>12} {r[3]:>12} {r[4]:>10}  {r[5]}")
+            print(f"{r[0]:9} {r[1]:5} {r[2]:>11} {r[3]:>12}  {r[4]}  {r[5]}")
     flag = torch.tensor([failures], device="cuda")
     dist.broadcast(flag, src=0)
     dist.destroy_process_group()
