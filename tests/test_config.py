@@ -41,6 +41,8 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("data.prompt_template=hello", "data.prompt_template"),
     ("trainer=3", "trainer"),
     ("engine.prefix_sharing=3", "engine.prefix_sharing"),
+    ("engine.tensor_parallel=0", "engine.tensor_parallel"),
+    ("engine.tensor_parallel=2", "engine.tensor_parallel"),
 ])
 def test_bad_keys_values_and_combinations_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
