@@ -1,11 +1,14 @@
-"""The engine's GPU fast path for decode rows: fused quantize-on-write, then split-KV paged attention.
+"""The engine's GPU fast path: fused quantize-on-write, then paged attention straight from the cache.
 
 A step's rows with one new token (decodes, and prefix-sharing forks that compute a prompt's last
-token) go through the Triton kernels; longer rows (prefills, re-prefills after preemption) keep the
-reference path, which dequantizes the context once and runs SDPA. Both write the same cache, so a
-sequence may move between them from step to step. Which path runs is decided once, when the engine
-starts (`kv4rl.engine.plan`), and logged. The format says which kernels it binds to and hands them its
-tensors; the kernels' launch settings are this object's own (`DecodeKernels`).
+token) go through the split-KV decode kernels; longer rows (prefills, prompt chunks, re-prefills after
+preemption) through the varlen prefill kernel (`kernels.prefill_triton`), or, with the fast prefill
+off, the reference path, which dequantizes the context once and runs SDPA. A mixed step runs both
+kernels on their own rows: the decode kernel splits a long context over many programs, which a single
+query needs, while the prefill kernel shares each key tile among a tile of queries. All paths write the
+same cache, so a sequence may move between them from step to step. Which path runs is decided once,
+when the engine starts (`kv4rl.engine.plan`), and logged. The format says which kernels it binds to
+and hands them its tensors; the kernels' launch settings are this object's own (`DecodeKernels`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from kv4rl.kernels.decode_common import DecodeBatch, DecodeKind
 
 if TYPE_CHECKING:  # the kernels import Triton, which a CPU-only install may lack
     from kv4rl.kernels.decode_attention import DecodeKernels
+    from kv4rl.kernels.prefill_triton import PrefillBatch
 
 DEFAULT_MAX_SPLITS = 32
 
@@ -33,6 +37,17 @@ class DecodeInputs:
     slots: torch.Tensor  # [B] long: cache slot of each row's new token (-1: padding)
     protect_rows: torch.Tensor | None  # [B] long: KV4 side row of the new token (-1: none)
     batch: DecodeBatch
+
+
+@dataclass
+class PrefillInputs:
+    """What the prefill kernel needs for one step's multi-token rows (the tokens packed row by row)."""
+
+    slots: torch.Tensor  # [N] long: cache slot of each new token
+    fresh_rows: torch.Tensor | None  # KV4: [N] long 0..N-1, each token's row of the step's INT8 copies
+    keep_tokens: torch.Tensor | None  # KV4: packed index of the tokens protected at the step's end ...
+    keep_rows: torch.Tensor | None  # ... and the side row each is stored to after the attention
+    batch: PrefillBatch
 
 
 class FastAttention:
@@ -147,3 +162,89 @@ class FastAttention:
         """Write the rows' new K/V, then attend each row's query over its sequence's whole context."""
         self.write(cache, k, v, inputs)
         return self.attend(cache, q, inputs)
+
+    # ---- multi-token rows (prefill kernel) --------------------------------------------------------
+    def prefill_host(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                     seq_slots: list[int], num_q_heads: int) -> dict[str, np.ndarray]:
+        """Per-step arrays for rows computing `query_lens` new tokens that end at `context_lens`."""
+        from kv4rl.kernels.prefill_triton import DEFAULT_PREFILL_LAUNCH, prefill_tiles, queries_per_tile
+
+        bs, n_rows = self.block_size, len(query_lens)
+        qlens = np.asarray(query_lens, dtype=np.int64)
+        lens = np.asarray(context_lens, dtype=np.int64)
+        width = max(1, max(len(t) for t in block_tables))
+        tables = np.zeros((n_rows, width), dtype=np.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        row = np.repeat(np.arange(n_rows), qlens)
+        starts = np.concatenate(([0], np.cumsum(qlens)))
+        pos = (lens - qlens)[row] + np.arange(len(row)) - starts[:-1][row]
+        per_tile = queries_per_tile(DEFAULT_PREFILL_LAUNCH[self.kind]["BLOCK_M"], num_q_heads // self.num_kv_heads)
+        tile_seq, tile_query = prefill_tiles(query_lens, per_tile)
+        out = {
+            "positions": pos,
+            "slots": tables[row, pos // bs].astype(np.int64) * bs + pos % bs,
+            "block_tables": tables,
+            "context_lens": lens.astype(np.int32),
+            "query_start": starts.astype(np.int32),
+            "seq_slots": np.asarray(seq_slots, dtype=np.int32),
+            "tile_seq": np.asarray(tile_seq, dtype=np.int32),
+            "tile_query": np.asarray(tile_query, dtype=np.int32),
+            "queries_per_tile": np.asarray(per_tile),
+        }
+        if self.side:
+            p, last = torch.from_numpy(pos), torch.from_numpy(lens[row] - 1)
+            keep = self.fmt.is_protected(p, last).numpy()
+            rows = self.fmt.side_rows(torch.from_numpy(out["seq_slots"][row].astype(np.int64)), p).numpy()
+            out["keep_tokens"] = np.nonzero(keep)[0].astype(np.int64)
+            out["keep_rows"] = rows[keep].astype(np.int64)
+        return out
+
+    def prefill_inputs(self, host: dict[str, np.ndarray]) -> PrefillInputs:
+        from kv4rl.kernels.prefill_triton import PrefillBatch
+
+        to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)
+        batch = PrefillBatch(block_tables=to(host["block_tables"]), context_lens=to(host["context_lens"]),
+                             query_start=to(host["query_start"]), seq_slots=to(host["seq_slots"]),
+                             tile_seq=to(host["tile_seq"]), tile_query=to(host["tile_query"]),
+                             queries_per_tile=int(host["queries_per_tile"]), block_size=self.block_size)
+        n = len(host["slots"])
+        side = {}
+        if self.side:
+            side = {"fresh_rows": torch.arange(n, device=self.device), "keep_tokens": to(host["keep_tokens"]),
+                    "keep_rows": to(host["keep_rows"])}
+        return PrefillInputs(slots=to(host["slots"]), fresh_rows=side.get("fresh_rows"),
+                             keep_tokens=side.get("keep_tokens"), keep_rows=side.get("keep_rows"), batch=batch)
+
+    def prefill(self, cache: dict, q, k, v, inputs: PrefillInputs) -> torch.Tensor:
+        """Write the rows' new K/V (KV4: their INT8 copies to a step buffer), attend each query causally over
+        its sequence's cache, then (KV4) store the copies protected at the step's end in the side rows."""
+        from kv4rl.kernels.kv_write import write_kv
+        from kv4rl.kernels.prefill_triton import paged_prefill_attention
+
+        num_tokens = k.shape[0]
+        fresh = None
+        if self.side:
+            fresh = {p: (torch.empty(num_tokens, self.num_kv_heads, self.head_dim, dtype=torch.int8, device=k.device),
+                         torch.empty(num_tokens, self.num_kv_heads, dtype=torch.float32, device=k.device))
+                     for p in ("k", "v")}
+        rotate = self.fmt.rotate
+        for prefix, x in (("k", k), ("v", v)):
+            rot = rotate == "kv" or (prefix == "k" and rotate == "k")
+            out, scale, zero = self.fmt.paged_tensors(cache, prefix)
+            kw = {}
+            if fresh is not None:
+                kw = {"protect_rows": inputs.fresh_rows, "prot_codes": fresh[prefix][0], "prot_scale": fresh[prefix][1]}
+            write_kv(x, inputs.slots, store=self.kind, out=out, scale=scale, zero=zero, group_size=self.head_dim,
+                     rotate=rot, **kw)
+        kc, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
+        vc, v_scale, v_zero = self.fmt.paged_tensors(cache, "v")
+        out = paged_prefill_attention(self.fmt.prepare_query(q), kc, vc, inputs.batch, kind=self.kind,
+                                      k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+                                      side=self.fmt.side_tensors(cache), fresh=fresh)
+        if fresh is not None:
+            for prefix in ("k", "v"):
+                codes, scale = fresh[prefix]
+                cache[f"{prefix}_prot_codes"][inputs.keep_rows] = codes[inputs.keep_tokens]
+                cache[f"{prefix}_prot_scale"][inputs.keep_rows] = scale[inputs.keep_tokens]
+        return self.fmt.finish_output(out)

@@ -1,0 +1,90 @@
+"""The varlen paged prefill kernel against the float64 reference of what the format hands a prefill.
+
+Ragged query lengths, rows with a cached prefix (later chunks of a prompt, recomputes), GQA, every KV
+format with kernels; KV4 with windows shorter and longer than the rows, so queries see their own
+recent window in INT8 (fresh copies and the previous step's side rows) and the rest in INT4. The
+final cache must be the reference's: pages and side rows. On CPU in Triton's interpreter at small
+shapes (exact float32 dots); tests/gpu/test_prefill_kernel_gpu.py runs the real shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+pytest.importorskip("triton")
+
+from tests.kernel_cases import (  # noqa: E402
+    clone_cache,
+    fast_prefill,
+    make_format,
+    random_prefill_case,
+    reference_prefill,
+    rel_err,
+)
+
+DEVICE = torch.device("cpu")
+HEAD_DIM, HKV, HQ, BLOCK = 32, 2, 4, 4
+# (prefix, new tokens) per row: fresh prompts, one-token rows, chunks after a cached prefix
+PREFIX = [0, 0, 5, 0, 11, 2]
+QUERY = [1, 3, 17, 20, 6, 1]
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def _check(fmt, gen, prefix=PREFIX, query=QUERY, hq=HQ, fused_write=False, tol=1e-5):
+    cache, meta, q, k, v = random_prefill_case(fmt, prefix, query, HKV, hq, HEAD_DIM, BLOCK, DEVICE, gen)
+    ref_cache, fast_cache = clone_cache(cache), clone_cache(cache)
+    ref = reference_prefill(fmt, ref_cache, meta, q, k, v)
+    out = fast_prefill(fmt, fast_cache, meta, q, k, v, fused_write=fused_write)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    starts = torch.cumsum(torch.tensor([0] + query), 0).tolist()
+    for i in range(len(query)):  # every row, not just the batch on average
+        assert rel_err(out[starts[i]:starts[i + 1]], ref[starts[i]:starts[i + 1]]) < 3 * tol, i
+    return ref_cache, fast_cache
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "int4", "kv4"])
+def test_prefill_kernel_matches_reference(name, gen):
+    """The step stored by the reference format, so the kernel and the side-row bookkeeping are what is
+    compared: the outputs to float32 rounding, the final caches bit for bit."""
+    fmt = make_format(name, HEAD_DIM, n_sink=2, n_recent=5)
+    ref_cache, fast_cache = _check(fmt, gen)
+    for key in ref_cache:
+        a, b = ref_cache[key], fast_cache[key]
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), key
+
+
+@pytest.mark.parametrize("n_sink,n_recent", [(0, 4), (3, 0), (4, 30)])
+def test_kv4_windows(gen, n_sink, n_recent):
+    """No sinks, no recent window, and a window longer than every row (all INT8)."""
+    fmt = make_format("kv4", HEAD_DIM, n_sink=n_sink, n_recent=n_recent)
+    _check(fmt, gen, prefix=[0, 9, 3], query=[13, 7, 1])
+
+
+@pytest.mark.parametrize("hq", [2, 6])
+def test_gqa_groups(gen, hq):
+    """One query head per KV head, and a group (3) that does not divide the tile's rows."""
+    _check(make_format("kv4", HEAD_DIM, n_sink=2, n_recent=5), gen, prefix=[4, 0], query=[9, 22], hq=hq)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4", "kv4"])
+def test_fused_write_path(name, gen):
+    """The engine's whole prefill (fused writer, kernel, side rows) without rotation, where the fused
+    writer's codes are the reference's bit for bit (FP8's e4m3 cast is off in the interpreter). The
+    output comes back in the activation dtype: bf16 rounding (2^-8) bounds the tolerance."""
+    fmt = make_format(name, HEAD_DIM, n_sink=2, n_recent=5, rotate="none")
+    ref_cache, fast_cache = _check(fmt, gen, fused_write=True, tol=5e-3)
+    for key in ref_cache:
+        assert torch.equal(ref_cache[key].nan_to_num(7.0), fast_cache[key].nan_to_num(7.0)), key
