@@ -38,7 +38,7 @@ def test_auto_settings_on_cuda_take_the_compiled_kernels():
     assert plan.int4_kernel.value == "cuda"
     assert plan.cuda_graphs.value is True
     assert plan.pool_blocks.value is None and "gpu_memory_fraction=0.9" in plan.pool_blocks.reason
-    assert plan.attention_desc == "attention: CUDA INT4 + Triton decode kernels (CUDA graphs) + reference prefill"
+    assert plan.attention_desc == "attention: CUDA INT4 + Triton decode kernels (CUDA graphs) + fast prefill"
     assert plan.kv_format_name.value == "kv4" and plan.kv_format.name == "kv4"
     assert plan.max_model_len.value == 4096 and "max_position_embeddings" in plan.max_model_len.reason
 
@@ -62,7 +62,7 @@ def test_the_interpreter_runs_the_decode_kernels_but_never_the_auto_ones():
     assert plan.attention.value == "triton"
     assert plan.int4_kernel.value == "triton" and "Triton interpreter" in plan.int4_kernel.reason
     assert plan.cuda_graphs.value is False and "cpu" in plan.cuda_graphs.reason
-    assert plan.attention_desc == "attention: Triton decode kernels (eager) + reference prefill"
+    assert plan.attention_desc == "attention: Triton decode kernels (eager) + fast prefill"
     # explicit kernel settings may run in the interpreter
     explicit = _plan(INTERPRETER, fused_ops=True, sampler="triton")
     assert explicit.fused_ops.value is True and explicit.fused_ops.reason == "engine.fused_ops=true"
@@ -93,6 +93,7 @@ def test_attention_falls_back_to_torch_and_says_why(caps, kv, dtype, args, reaso
     plan = _plan(caps, dtype=dtype, kv=kv, args=_args(**(args or {})))
     assert plan.attention.value == "torch" and reason in plan.attention.reason
     assert plan.cuda_graphs.value is False and plan.int4_kernel.value is None
+    assert plan.prefill.value == "torch" and plan.prefill.reason == f"no kernels: {plan.attention.reason}"
     with pytest.raises(ValueError) as refused:
         _plan(caps, dtype=dtype, kv=kv, args=_args(**(args or {})), attention_backend="triton")
     assert str(refused.value) == f"engine.attention_backend=triton cannot run here: {plan.attention.reason}"
@@ -104,7 +105,7 @@ def test_explicit_backend_and_graph_settings_are_kept_with_their_reason():
     assert plan.cuda_graphs.value is False and plan.int4_kernel.value is None
     plan = _plan(CUDA, kv={"format": "bf16"}, cuda_graphs=False, num_kv_blocks=7)
     assert plan.cuda_graphs.value is False and plan.cuda_graphs.reason == "engine.cuda_graphs=false"
-    assert plan.attention_desc == "attention: Triton decode kernels (eager) + reference prefill"
+    assert plan.attention_desc == "attention: Triton decode kernels (eager) + fast prefill"
     assert (plan.pool_blocks.value, plan.pool_blocks.reason) == (7, "engine.num_kv_blocks")
 
 
@@ -162,4 +163,18 @@ def test_explain_lists_every_decision_with_its_reason():
     text = plan.explain()
     for name, choice in plan.choices().items():
         assert f"{name}={choice.value} ({choice.reason})" in text
-    assert len(plan.choices()) == 9
+    assert len(plan.choices()) == 10
+
+
+def test_prefill_backend_follows_the_decode_kernels_unless_set():
+    """auto: the prefill kernel wherever decode rows run the kernels; torch keeps the reference prefill;
+    triton fails where the decode kernels cannot run, naming why."""
+    plan = _plan(CUDA, kv={"format": "kv4"})
+    assert plan.prefill.value == "triton" and plan.prefill.reason.startswith("engine.prefill_backend=auto")
+    plan = _plan(CUDA, kv={"format": "kv4"}, prefill_backend="torch")
+    assert plan.prefill.value == "torch" and plan.attention.value == "triton"
+    assert plan.attention_desc == "attention: CUDA INT4 + Triton decode kernels (CUDA graphs) + reference prefill"
+    assert _plan(CUDA, attention_backend="torch").prefill.value == "torch"
+    with pytest.raises(ValueError, match="engine.prefill_backend=triton cannot run here: .*no CUDA device"):
+        _plan(CPU, dtype=torch.float32, prefill_backend="triton")
+    assert "prefill=triton" in _plan(INTERPRETER, kv={"format": "bf16"}).explain()

@@ -51,6 +51,14 @@ class EngineConfig:
     them (bf16, fp8, int4 and kv4 with group_size = head_dim) and the torch reference path otherwise;
     `torch` forces the reference path, `triton` fails at start when the kernels cannot run.
     `cuda_graphs` replays decode steps as CUDA graphs (fast path only).
+    `prefill_backend: auto` runs the rows with several new tokens (prompts, prompt chunks, recomputes)
+    through the Triton varlen prefill kernel whenever decode rows use the kernels, reading the cache as
+    stored like the reference path; `torch` keeps the reference prefill (gather, dequantize, SDPA);
+    `triton` fails at start when the kernels cannot run.
+    `max_num_batched_tokens` caps the new tokens of one step. With `chunked_prefill` (default) a prompt
+    that does not fit what is left after the step's decodes is split over several steps, its later chunks
+    attending to the earlier ones through the cache; off, such a prompt waits, and one longer than the
+    whole cap runs alone in a step.
     `sampler: triton` draws the tokens of untruncated batches (top-k off, top-p = 1) with a fused Triton
     Gumbel-max kernel, the same tokens as `torch` without its [B, V] noise tensors; truncated batches
     keep the torch path, and it fails at start off CUDA. `auto` (default): triton on CUDA, torch
@@ -74,6 +82,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 16384
     gpu_memory_fraction: float = 0.9
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    prefill_backend: Literal["auto", "torch", "triton"] = "auto"
+    chunked_prefill: bool = True
     cuda_graphs: bool = True
     sampler: Literal["auto", "torch", "triton"] = "auto"
     fused_ops: Literal["auto"] | bool = "auto"

@@ -113,7 +113,7 @@ class Engine:
         self.runner = ModelRunner.build(self.model, self.plan, config, self.device)
         self.scheduler = Scheduler(
             BlockManager(self.runner.num_blocks, config.kv.block_size), max_num_seqs, config.max_num_batched_tokens,
-            self.max_model_len, prefix_sharing=config.prefix_sharing,
+            self.max_model_len, prefix_sharing=config.prefix_sharing, chunked_prefill=config.chunked_prefill,
         )
         self.eos_ids = frozenset(self.args.eos_token_ids)
         self.generator = torch.Generator()  # only draws per-request seeds; sampling noise is counter-based
@@ -204,10 +204,11 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """Advance every scheduled sequence by one token; return the ones that finished.
+        """Advance every scheduled sequence by one token (or one prompt chunk); return the ones that finished.
 
         `last_step` afterwards describes the step for rollout traces: batch size, prefill or decode,
-        new (prefill + decode) tokens, mean context length, nominal resident KV bytes, KV blocks in
+        new (prefill + decode) tokens and of them those of multi-token rows (`prefill_tokens`: prompts,
+        chunks, recomputes), mean context length, nominal resident KV bytes, KV blocks in
         use and how many of them are shared, prompt tokens whose prefill sharing saved, and latency.
         """
         t0 = time.perf_counter()
@@ -217,11 +218,16 @@ class Engine:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
         blocks = self.scheduler.blocks
         kv_blocks, shared_blocks = blocks.num_blocks - blocks.num_free_blocks, blocks.num_shared_blocks
-        new_tokens = sum(s.num_new_tokens for s in seqs)
+        new_tokens = sum(s.num_step_tokens for s in seqs)
+        prefill_tokens = sum(s.num_step_tokens for s in seqs if s.num_new_tokens > 1)
+        rows = [i for i, s in enumerate(seqs) if s.samples_this_step]  # not a prompt chunk short of its end
         logits = self.runner.forward(seqs)
-        tokens, logprobs = self.runner.sample(seqs, logits)
+        sampled = [seqs[i] for i in rows]
         finished = []
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        if len(rows) < len(seqs):
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        tokens, logprobs = self.runner.sample(sampled, logits) if sampled else (torch.empty(0), torch.empty(0))
+        for seq, tok, lp in zip(sampled, tokens.tolist(), logprobs.tolist()):
             seq.append(tok, lp, self.version)
             stop_ids = self.eos_ids if seq.params.stop_token_ids is None else frozenset(seq.params.stop_token_ids)
             reason = self.scheduler.stop_reason(seq, stop_ids)
@@ -233,6 +239,7 @@ class Engine:
         self.last_step = {
             "batch_size": len(seqs),
             "new_tokens": new_tokens,
+            "prefill_tokens": prefill_tokens,
             "context_mean": sum(len(s) for s in seqs) / len(seqs),
             "kv_bytes": resident * self.bytes_per_token,
             "kv_blocks": kv_blocks,
@@ -296,9 +303,12 @@ class Engine:
         rows: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
         while self.has_unfinished():
             batch = self.scheduler.schedule()
+            sampling = [s.samples_this_step for s in batch]
             logits = self.runner.forward(batch)
             logprobs = logits.log_softmax(-1)
             for i, seq in enumerate(batch):
+                if not sampling[i]:
+                    continue  # a prompt chunk: its logits score nothing
                 t = len(seq.output_ids)
                 assert len(rows[seq.seq_id]) == t, "a forced position was scored twice or skipped"
                 rows[seq.seq_id].append(logits[i].clone())  # graph outputs are reused

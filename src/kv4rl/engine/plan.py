@@ -68,6 +68,7 @@ class Choice(Generic[T]):
 @dataclass(frozen=True, slots=True)
 class EnginePlan:
     """What the engine runs. `attention` is "triton" (decode rows through the kernels) or "torch";
+    `prefill` the same for rows with several new tokens (the prefill kernel needs the decode kernels);
     `int4_kernel` the INT4 body's kernel on the Triton path ("cuda"/"triton", None for other formats);
     `pool_blocks` None means measured on the device by the runner."""
 
@@ -77,6 +78,7 @@ class EnginePlan:
     fused_ops: Choice[bool]
     sampler: Choice[str]
     attention: Choice[str]
+    prefill: Choice[str]
     int4_kernel: Choice[str | None]
     cuda_graphs: Choice[bool]
     weights: Choice[str]
@@ -94,7 +96,8 @@ class EnginePlan:
             return f"attention: torch reference ({self.attention.reason})"
         graphs = "CUDA graphs" if self.cuda_graphs.value else "eager"
         kernels = "CUDA INT4 + Triton decode kernels" if self.int4_kernel.value == "cuda" else "Triton decode kernels"
-        return f"attention: {kernels} ({graphs}) + reference prefill"
+        prefill = "fast prefill" if self.prefill.value == "triton" else "reference prefill"
+        return f"attention: {kernels} ({graphs}) + {prefill}"
 
     @property
     def weights_desc(self) -> str:
@@ -102,7 +105,7 @@ class EnginePlan:
 
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in ("kv_format_name", "max_model_len", "fused_ops", "sampler",
-                                                       "attention", "int4_kernel", "cuda_graphs", "weights",
+                                                       "attention", "prefill", "int4_kernel", "cuda_graphs", "weights",
                                                        "pool_blocks")}
 
     def explain(self) -> str:
@@ -125,7 +128,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: C
     on_kernels = attention.value == "triton"
     return EnginePlan(
         kv_format=kv_format, kv_format_name=kv_name, max_model_len=max_model_len, fused_ops=fused_ops,
-        sampler=sampler, attention=attention, int4_kernel=_int4_kernel(on_kernels, kv_format, args, config, caps),
+        sampler=sampler, attention=attention, prefill=_prefill(config, attention), int4_kernel=_int4_kernel(on_kernels, kv_format, args, config, caps),
         cuda_graphs=_cuda_graphs(config, on_kernels, caps), weights=_weights(config, args, dtype, caps),
         pool_blocks=_pool_blocks(config, caps, max_num_seqs, max_model_len.value), max_num_seqs=max_num_seqs,
     )
@@ -177,6 +180,18 @@ def _attention(config: EngineConfig, kv_format: KVFormat, dtype: torch.dtype, he
     if backend == "triton":
         raise ValueError(f"engine.attention_backend=triton cannot run here: {problem}")
     return Choice("torch", problem)
+
+
+def _prefill(config: EngineConfig, attention: Choice[str]) -> Choice[str]:
+    """The prefill kernel serves exactly the formats and devices the decode kernels serve."""
+    backend = config.prefill_backend
+    if backend == "torch":
+        return Choice("torch", "engine.prefill_backend=torch")
+    if attention.value == "triton":
+        return Choice("triton", f"engine.prefill_backend={backend}: the varlen prefill kernel reads the cache as stored")
+    if backend == "triton":
+        raise ValueError(f"engine.prefill_backend=triton cannot run here: the decode kernels do not ({attention.reason})")
+    return Choice("torch", f"no kernels: {attention.reason}")
 
 
 def _int4_kernel(on_kernels: bool, kv_format: KVFormat, args: ModelArgs, config: EngineConfig,

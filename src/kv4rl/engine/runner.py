@@ -29,8 +29,9 @@ class ModelRunner:
 
     def __init__(self, model, kv_format: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  max_num_seqs: int = 1, fast: FastAttention | None = None, graph_max_batch: int = 0,
-                 max_model_len: int = 0, sampler: str = "torch", pool_sizing: str = ""):
-        """`fast`: the Triton decode path (None: reference path only). `graph_max_batch` > 0 replays
+                 max_model_len: int = 0, sampler: str = "torch", pool_sizing: str = "", fast_prefill: bool = False):
+        """`fast`: the Triton decode path (None: reference path only); `fast_prefill`: rows with several new
+        tokens through its prefill kernel too (else the reference path). `graph_max_batch` > 0 replays
         decode steps of up to that many sequences as CUDA graphs (needs `fast` on CUDA). `sampler`:
         "triton" draws untruncated rows with the fused kernel. `pool_sizing`: how `num_blocks` was chosen."""
         self.model = model
@@ -45,6 +46,7 @@ class ModelRunner:
             for _ in range(args.num_layers)
         ]
         self.fast = fast
+        self.fast_prefill = fast is not None and fast_prefill
         self.graphs = None
         self.sampler = sampler
         self.pool_sizing = pool_sizing
@@ -72,7 +74,8 @@ class ModelRunner:
                 num_blocks, sizing = _smallest_over(model.tp, num_blocks, device), sizing + ", smallest over the TP ranks"
         runner = cls(model, plan.kv_format, num_blocks, block_size, device, max_num_seqs=plan.max_num_seqs,
                      fast=fast, graph_max_batch=plan.max_num_seqs if plan.cuda_graphs.value else 0,
-                     max_model_len=plan.max_model_len.value, sampler=plan.sampler.value, pool_sizing=sizing)
+                     max_model_len=plan.max_model_len.value, sampler=plan.sampler.value, pool_sizing=sizing,
+                     fast_prefill=plan.prefill.value == "triton")
         runner.profile = profile
         return runner
 
@@ -122,10 +125,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Compute KV for every sequence's uncached tokens; return logits[B, V] of each last token.
+        """Compute KV for each sequence's step tokens (its uncached tokens, or the scheduler's chunk of
+        them); return logits[B, V] of each row's last computed token.
 
         With the fast path, rows with one new token run the Triton decode kernels (as a CUDA graph
-        when every row is one), the others the reference path; the model runs once over all tokens.
+        when every row is one), the others the prefill kernel (or the reference path); the model runs
+        once over all tokens.
         The logits may be a view of a CUDA graph's output buffer: valid until the next forward.
         """
         self.apply_forks(seqs)
@@ -141,7 +146,7 @@ class ModelRunner:
         else:
             logits = self._forward_eager(host, rest)
         for s in seqs:
-            s.num_cached_tokens = len(s)
+            s.num_cached_tokens += s.num_step_tokens
         order = decode + rest
         if all(a is b for a, b in zip(order, seqs)):
             return logits
@@ -149,24 +154,25 @@ class ModelRunner:
         return logits[torch.tensor([where[id(s)] for s in seqs], device=logits.device)]
 
     def _forward_eager(self, host, rest: list[Sequence]) -> torch.Tensor:
-        """Decode rows (`host`, fast path) first, then the `rest` (reference path)."""
+        """Decode rows (`host`, fast path) first, then the `rest` (prefill kernel or reference path)."""
         num_decode = 0 if host is None else len(host["slots"])
         inputs = self.fast.device_inputs(host) if num_decode else None
-        meta = None
-        query_lens = [s.num_new_tokens for s in rest]
+        meta = prefill = None
+        query_lens = [s.num_step_tokens for s in rest]
         ids = [] if host is None else host["ids"].tolist()
         positions = [] if host is None else host["positions"].tolist()
         if rest:
-            meta = AttnMetadata.build(
-                query_lens=query_lens,
-                context_lens=[len(s) for s in rest],
-                block_tables=[s.block_table for s in rest],
-                block_size=self.block_size,
-                seq_ids=[s.seq_id for s in rest],
-                device=self.device,
-                seq_slots=[s.seq_slot for s in rest],
-            )
-            ids += [t for s in rest for t in s.token_ids[s.num_cached_tokens:]]
+            context_lens = [s.num_cached_tokens + n for s, n in zip(rest, query_lens)]
+            tables, seq_slots = [s.block_table for s in rest], [s.seq_slot for s in rest]
+            if self.fast_prefill:
+                phost = self.fast.prefill_host(query_lens, context_lens, tables, seq_slots, self.model.args.num_heads)
+                prefill = self.fast.prefill_inputs(phost)
+                positions += phost["positions"].tolist()
+            else:
+                meta = AttnMetadata.build(query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+                                          block_size=self.block_size, seq_ids=[s.seq_id for s in rest],
+                                          device=self.device, seq_slots=seq_slots)
+            ids += [t for s, n in zip(rest, query_lens) for t in s.token_ids[s.num_cached_tokens:s.num_cached_tokens + n]]
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         if meta is not None:
@@ -174,14 +180,15 @@ class ModelRunner:
 
         def attention(layer: int, q, k, v):
             cache = self.caches[layer]
-            if meta is None:
-                return self.fast.decode(cache, q, k, v, inputs)
-            ref = reference_paged_attention(q[num_decode:], k[num_decode:], v[num_decode:], cache,
-                                            self.kv_format, meta)
-            if not num_decode:
-                return ref
-            fast = self.fast.decode(cache, q[:num_decode], k[:num_decode], v[:num_decode], inputs)
-            return torch.cat((fast, ref))
+            parts = []
+            if num_decode:
+                parts.append(self.fast.decode(cache, q[:num_decode], k[:num_decode], v[:num_decode], inputs))
+            if prefill is not None:
+                parts.append(self.fast.prefill(cache, q[num_decode:], k[num_decode:], v[num_decode:], prefill))
+            elif meta is not None:
+                parts.append(reference_paged_attention(q[num_decode:], k[num_decode:], v[num_decode:], cache,
+                                                       self.kv_format, meta))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         hidden = self.model(ids_t, pos_t, attention)
         last = torch.arange(num_decode, device=self.device)
@@ -248,7 +255,7 @@ class _Profile:
         block_size, max_model_len = self.config.kv.block_size, self.plan.max_model_len.value
         seqs = memory.profile_batch(self.config.max_num_batched_tokens, max_model_len, max_num_seqs, block_size)
         ModelRunner(self.model, self.plan.kv_format, 1, block_size, self.device, fast=self.fast,
-                    max_model_len=max_model_len).forward(seqs)
+                    max_model_len=max_model_len, fast_prefill=self.plan.prefill.value == "triton").forward(seqs)
         rows = {"size": (max_num_seqs,), "device": self.device}
         sample(torch.zeros(max_num_seqs, self.model.args.vocab_size, device=self.device),
                torch.ones(**rows), torch.ones(**rows, dtype=torch.long), torch.full(fill_value=0.5, **rows),

@@ -1,9 +1,14 @@
 """Continuous batching: admit waiting requests as slots and KV blocks free up; preempt on OOM.
 
-Every step advances every running sequence by exactly one token and, in the same batch, prefills
-newly admitted (or re-admitted) sequences within a token budget. Because a sequence's progress never
-waits on other sequences' prefills, a resumed or recomputed sequence keeps the same step-by-step
-timeline as an uninterrupted one. When a running sequence needs a block and the pool is empty, the
+Every step advances every running sequence by one token (decodes) or by its next prompt chunk, and in
+the same batch prefills newly admitted (or re-admitted) sequences within the token budget
+`max_num_batched_tokens`. Decodes come first, so admissions never starve them. With chunked prefill a
+prompt that does not fit the rest of the budget is admitted with a chunk of it; its later chunks come
+in the next steps (at least one token each, so a running sequence always advances) and attend to the
+earlier ones through the cache, and only the step that reaches its last token samples. Without
+chunking such a prompt waits, and one longer than the whole budget runs alone. Because a sequence's
+progress never waits on other sequences' prefills, a resumed or recomputed sequence keeps the same
+step-by-step timeline as an uninterrupted one. When a running sequence needs a block and the pool is empty, the
 most recently admitted sequence is preempted: its blocks are freed, its sampled tokens kept, and it
 is re-queued at the front to be recomputed (its whole prefix is prefilled again). Nothing is ever
 dropped. Each running sequence also holds one of `max_num_seqs` running slots, which indexes
@@ -17,7 +22,8 @@ last prompt position P-1 (reference-counted), gets a private block for P-1 into 
 copies the shared positions of that block (copy-on-write), inherits the parent's per-sequence rows,
 and computes only position P-1, whose logits give its first token. A request whose prompt is being
 prefilled in the current batch waits one step for that KV instead of prefilling a second copy; the
-requests behind it are still admitted. Recomputed and resumed requests prefill as before. Because
+requests behind it are still admitted; so does one whose prompt a running sequence is still prefilling in
+chunks, until the step that completes it. Recomputed and resumed requests prefill as before. Because
 every sequence samples from counter-based noise, forked and prefilled requests draw the same tokens.
 """
 
@@ -37,6 +43,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         prefix_sharing: bool = False,
+        chunked_prefill: bool = False,
     ):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
@@ -47,7 +54,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._free_seq_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest
         self.prefix_sharing = prefix_sharing
+        self.chunked_prefill = chunked_prefill
         self._prefix_parents: dict[tuple[int, ...], Sequence] = {}  # prompt -> who computed it last step
+        self._chunking: dict[tuple[int, ...], Sequence] = {}  # prompt -> who is prefilling it in chunks
         self.num_forks = 0
         self.prefill_tokens_saved = 0  # prompt tokens forked requests did not compute
 
@@ -71,13 +80,44 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Sequence]:
-        """The next batch: one decode token for each running sequence, then new admissions."""
-        decode = self._decode_batch()
-        return decode + self._admit(self.max_num_batched_tokens - len(decode))
-
-    def _admit(self, budget: int) -> list[Sequence]:
-        batch: list[Sequence] = []
+        """The next batch: one decode token for each running sequence, the next chunk of each running
+        prefill, then new admissions. Each sequence's `chunk` says how many new tokens it computes."""
         parents, self._prefix_parents = self._prefix_parents, {}
+        running = self._decode_batch()
+        budget = self.max_num_batched_tokens - sum(s.num_new_tokens == 1 for s in running)
+        for seq in running:
+            seq.chunk = 0
+            if seq.num_new_tokens > 1:  # a prompt still prefilling in chunks
+                take = max(1, min(seq.num_new_tokens, budget))
+                budget -= take
+                self._set_chunk(seq, take, seq.num_new_tokens)
+        return running + self._admit(budget, parents)
+
+    def _set_chunk(self, seq: Sequence, take: int, new_tokens: int) -> None:
+        """Schedule `take` of `seq`'s `new_tokens`; a shareable prompt completed by this step becomes a
+        parent for the next one, one left unfinished keeps requests with the same prompt waiting."""
+        seq.chunk = take if take < new_tokens else 0
+        key = self._share_key(seq)
+        if key is None:
+            return
+        if take < new_tokens:
+            self._chunking[key] = seq
+            return
+        if self._chunking.get(key) is seq:
+            del self._chunking[key]
+        if seq.params.max_tokens > 1 and len(seq) + 1 < self.max_model_len:
+            self._prefix_parents.setdefault(key, seq)  # a parent next step, unless it stops at EOS
+
+    def _prefilling(self, key: tuple[int, ...]) -> bool:
+        """A running sequence is computing this prompt in chunks (entries of preempted ones are stale)."""
+        seq = self._chunking.get(key)
+        if seq is not None and seq.status is Status.RUNNING and seq.num_cached_tokens < len(seq.prompt_ids):
+            return True
+        self._chunking.pop(key, None)
+        return False
+
+    def _admit(self, budget: int, parents: dict[tuple[int, ...], Sequence]) -> list[Sequence]:
+        batch: list[Sequence] = []
         deferred: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -85,8 +125,8 @@ class Scheduler:
             parent = parents.get(key) if key is not None else None
             if parent is not None and not self._holds_prompt(parent):
                 parent = None
-            if parent is None and key is not None and key in self._prefix_parents:
-                deferred.append(self.waiting.popleft())  # its prompt's KV exists after this step
+            if parent is None and key is not None and (key in self._prefix_parents or self._prefilling(key)):
+                deferred.append(self.waiting.popleft())  # its prompt's KV exists after this (or a later) step
                 continue
             # one token of headroom: the prefill samples a token whose KV the next step writes
             if parent is not None:
@@ -98,8 +138,14 @@ class Scheduler:
                 if not self.blocks.can_grow(seq, len(seq) + 1):
                     break
                 new_tokens = seq.num_new_tokens
-            if new_tokens > budget and (batch or len(self.running) > 0):
+            if self.chunked_prefill:
+                if budget < 1:
+                    break
+                take = min(new_tokens, budget)
+            elif new_tokens > budget and (batch or len(self.running) > 0):
                 break  # a prompt longer than the whole budget still runs, alone
+            else:
+                take = new_tokens
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.seq_slot = self._free_seq_slots.pop()
@@ -107,11 +153,10 @@ class Scheduler:
                 self._fork(seq, parent, shared)
             else:
                 self.blocks.grow(seq, len(seq))
-            budget -= seq.num_new_tokens
+            budget -= take
             self.running.append(seq)
             batch.append(seq)
-            if key is not None and seq.params.max_tokens > 1 and len(seq) + 1 < self.max_model_len:
-                self._prefix_parents.setdefault(key, seq)  # a parent next step, unless it stops at EOS
+            self._set_chunk(seq, take, seq.num_new_tokens)
         self.waiting.extendleft(reversed(deferred))
         return batch
 

@@ -78,6 +78,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     fork: PrefixFork | None = None  # set by the scheduler, applied and cleared by the runner
+    chunk: int = 0  # chunked prefill: new tokens the next forward computes (0: all of them), set per step
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
@@ -90,6 +91,17 @@ class Sequence:
     def num_new_tokens(self) -> int:
         """Tokens whose KV the next forward must compute."""
         return len(self) - self.num_cached_tokens
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Tokens the next forward computes: all new tokens, or the scheduler's chunk of a long prefill."""
+        new = self.num_new_tokens
+        return min(new, self.chunk) if self.chunk else new
+
+    @property
+    def samples_this_step(self) -> bool:
+        """The next forward reaches the newest token, so its logits give the next token to sample."""
+        return self.num_step_tokens == self.num_new_tokens
 
     def append(self, token_id: int, logprob: float, version: int) -> None:
         self.output_ids.append(token_id)
