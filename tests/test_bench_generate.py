@@ -21,6 +21,7 @@ def test_bench_generate_engine_and_transformers_generate_exact_token_counts(tmp_
         assert x["engine_tokens"] == x["hf_tokens"] == x["batch_size"] * 7
         # one prefill step, then one decode step per further token; no pool pressure
         assert x["engine_steps"] == 7 and x["decode_steps"] == 6 and x["preemptions"] == 0
+        assert x["prefill_steps"] == 1 and x["prefill_tokens"] == x["batch_size"] * 5 and 0 < x["prefill_s"] < x["engine_s"]
         assert x["engine_tokens_per_s"] > 0 and x["hf_tokens_per_s"] > 0
         assert abs(x["speedup"] - x["engine_tokens_per_s"] / x["hf_tokens_per_s"]) < 1e-9
     assert set(r["engine_summaries"]) == {"bf16", "kv4"}

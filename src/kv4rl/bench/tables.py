@@ -52,13 +52,13 @@ def generate_table(res: dict) -> ResultTable:
         f"generate: {res['shape']} ({s['layers']} layers, hidden {s['hidden']}) {res['dtype']} on "
         f"{res['gpu'] or res['device']}, prompt {res['prompt_len']} + {res['new_tokens']} new tokens, "
         f"weights {res['weight_format']}",
-        ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "decode step ms", "engine peak GiB",
-         "HF peak GiB"], labels=2)
+        ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "prefill s", "decode step ms",
+         "engine peak GiB", "HF peak GiB"], labels=2)
     for r in res["results"]:
         table.add_row(r["kv_format"], str(r["batch_size"]), f"{r['engine_tokens_per_s']:,.0f}",
                       f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
                       f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
-                      num(r["decode_step_ms"]), num(r["engine_peak_gib"]), num(r.get("hf_peak_gib")))
+                      num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r["engine_peak_gib"]), num(r.get("hf_peak_gib")))
     return table
 
 
