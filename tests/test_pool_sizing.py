@@ -65,6 +65,16 @@ def test_profile_batch_is_the_largest_schedulable_step(budget, max_len, seqs, le
         assert s.block_table == [0] * -(-len(s) // 16)
 
 
+def test_chunked_profile_batch_caps_the_new_tokens_at_the_budget():
+    """With chunked prefill no step computes more than the budget; each row is a prompt's last chunk over
+    a cached prefix as long as allowed."""
+    batch = profile_batch(1000, 40960, 256, block_size=16, chunked=True)
+    assert [(len(s), s.num_new_tokens) for s in batch] == [(40959, 1000)]
+    batch = profile_batch(100, 64, 4, block_size=16, chunked=True)
+    assert [(len(s), s.num_new_tokens) for s in batch] == [(63, 63), (63, 37)]
+    assert all(s.block_table == [0] * 4 for s in batch)
+
+
 def test_gpu_memory_fraction_is_validated():
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="engine.gpu_memory_fraction"):

@@ -91,22 +91,27 @@ def pool_blocks(*, total_bytes: int, fraction: float, used_bytes: int, activatio
 
 
 def profile_batch(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
-                  block_size: int) -> list[Sequence]:
+                  block_size: int, chunked: bool = False) -> list[Sequence]:
     """Dummy running sequences forming the largest step the scheduler can schedule.
 
     That is `max_num_batched_tokens` prompt tokens, or one prompt of `max_model_len - 1` tokens when
     longer (the scheduler runs an over-budget prompt alone), in sequences as long as allowed (the
-    padded attention costs most for long ones). Every block-table entry is block 0 and every sequence
+    padded attention costs most for long ones). `chunked`: prompts are split at the budget, so the step
+    has at most `max_num_batched_tokens` new tokens, each row the last chunk of a `max_model_len - 1`
+    token prompt (the rest cached). Every block-table entry is block 0 and every sequence
     uses running slot 0, so a one-block cache of one sequence slot serves them: the writes overlap, the
     shapes and memory traffic are the real step's.
     """
     longest = max_model_len - 1
-    remaining = min(max(max_num_batched_tokens, longest), max_num_seqs * longest)
+    cap = max_num_batched_tokens if chunked else max(max_num_batched_tokens, longest)
+    remaining = min(cap, max_num_seqs * longest)
     seqs = []
     while remaining > 0:
         n = min(remaining, longest)
-        seq = Sequence([0] * n, SamplingParams(max_tokens=1))
-        seq.block_table = [0] * blocks_needed(n, block_size)
+        length = longest if chunked else n
+        seq = Sequence([0] * length, SamplingParams(max_tokens=1))
+        seq.num_cached_tokens = length - n
+        seq.block_table = [0] * blocks_needed(length, block_size)
         seq.seq_slot = 0
         seqs.append(seq)
         remaining -= n

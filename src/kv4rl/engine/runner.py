@@ -253,7 +253,8 @@ class _Profile:
         """The largest step's work on dummy tokens and a one-block cache: its prefill, then sampling
         for `max_num_seqs` rows with top-k and top-p on (their sorts are the sampler's peak)."""
         block_size, max_model_len = self.config.kv.block_size, self.plan.max_model_len.value
-        seqs = memory.profile_batch(self.config.max_num_batched_tokens, max_model_len, max_num_seqs, block_size)
+        seqs = memory.profile_batch(self.config.max_num_batched_tokens, max_model_len, max_num_seqs, block_size,
+                                    chunked=self.config.chunked_prefill)
         ModelRunner(self.model, self.plan.kv_format, 1, block_size, self.device, fast=self.fast,
                     max_model_len=max_model_len, fast_prefill=self.plan.prefill.value == "triton").forward(seqs)
         rows = {"size": (max_num_seqs,), "device": self.device}
