@@ -103,6 +103,18 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TelemetryConfig:
+    """Diagnostics beyond the per-iteration metrics. `attribution_every: N` splits the learner-vs-engine
+    log-ratio of `attribution_samples` responses of the batch by source (staleness, KV cache, FP8
+    weights, kernels...) every N iterations and logs `mismatch/<source>_*` (0: off). It re-scores
+    those responses through the engine's reference path and keeps CPU copies of the learner's weights
+    for the versions still within the staleness horizon (docs/method.md, "Mismatch attribution")."""
+
+    attribution_every: int = 0
+    attribution_samples: int = 4
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     name: str = "tiny-arith"
     out_dir: str = "runs"
@@ -120,6 +132,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -148,6 +161,8 @@ class RunConfig:
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
             (self.eval.every >= 0, "eval.every must be >= 0"),
             (self.eval.k >= 1, "eval.k must be >= 1"),
+            (self.telemetry.attribution_every >= 0, "telemetry.attribution_every must be >= 0 (0: off)"),
+            (self.telemetry.attribution_samples >= 1, "telemetry.attribution_samples must be >= 1"),
             (self.data.eval_size >= 1, "data.eval_size must be >= 1"),
             (self.data.pool_size >= 0, "data.pool_size must be >= 0"),
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),

@@ -33,6 +33,7 @@ from kv4rl.rewards import get_reward
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_folder import RunFolder, RunFolderError, check_new_run
+from kv4rl.telemetry.attribution import MismatchAttribution
 from kv4rl.telemetry.metrics import read_lines
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.sinks import MetricsSink
@@ -63,6 +64,7 @@ class Setup:
     collector: Collector
     pipeline: RolloutPipeline
     start_iteration: int
+    attribution: MismatchAttribution | None = None
 
 
 def _max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter, model_max: int) -> int:
@@ -132,7 +134,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     learner = build_learner(cfg, policy_dir, base_dir, device)
     collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed)
     s = Setup(cfg, device, source, formatter, reward_fn, engine, learner, collector,
-              RolloutPipeline(collector, cfg.staleness), 0)
+              RolloutPipeline(collector, cfg.staleness), 0, MismatchAttribution.from_config(cfg, engine, learner))
     if restore is not None:
         restore_state(s, restore.state)
     log.info("device %s, model %s, start iteration %d", device, base_dir, s.start_iteration)
@@ -182,6 +184,8 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     pad_id = pad_id if pad_id is not None else 0
     batch = build_batch(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
                         [c.versions for c in completions], advantages.tolist(), pad_id)
+    mismatch = s.attribution.observe(it, batch) if s.attribution is not None else {}
+    t2 += mismatch.get("mismatch/time_s", 0.0)  # a diagnostic, not update time
     learn = s.learner.step(batch, lr=learning_rate(cfg.trainer, it))
     times["time_update"] = time.perf_counter() - t2
 
@@ -209,6 +213,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         **{f"reward_{k}": float(v) for k, v in reward.stats.items()},
         **adv_metrics,
         **learn,
+        **mismatch,
         **times,
     }
     return row, [dict(t, iteration=it) for t in trace]

@@ -39,7 +39,7 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return (bits.double() + 0.5) * 2.0**-53
 
 
-def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask logits outside top-k / top-p with -inf (rows with k <= 0 / p == 1 are unchanged)."""
     vocab = scaled.shape[-1]
     if bool((top_k > 0).any()):
@@ -86,10 +86,10 @@ def sample(
     if fused and _fused_usable(logits.device, top_k, top_p):
         from kv4rl.kernels.sampling import gumbel_argmax
 
-        logprobs_all = scaled.log_softmax(-1)  # no row truncates, so _truncate would return `scaled`
+        logprobs_all = scaled.log_softmax(-1)  # no row truncates, so truncate_logits would return `scaled`
         sampled = gumbel_argmax(logprobs_all, seeds, steps)
     else:
-        logprobs_all = _truncate(scaled, top_k, top_p).log_softmax(-1)
+        logprobs_all = truncate_logits(scaled, top_k, top_p).log_softmax(-1)
         gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
         sampled = (logprobs_all.double() + gumbel).argmax(-1)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)

@@ -71,6 +71,11 @@ class Learner:
                for i in range(0, len(batch), self.micro_batch_size)]
         return torch.cat(out)
 
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token log-probs [B, L-1] of `batch` under the current weights, as the first update sees
+        them (no grad; used by mismatch attribution)."""
+        return self._logprobs(self.model, batch.to(self.device))
+
     def _before_update_inputs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """The loss inputs that cost a forward pass over the whole batch before its first update."""
         out = {}

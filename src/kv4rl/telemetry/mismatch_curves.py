@@ -1,0 +1,42 @@
+"""The numbers behind `kv4rl plot mismatch`: per run and logged iteration, each source's share of the
+learner-vs-engine log-ratio (see `kv4rl.telemetry.attribution` and docs/method.md).
+
+Pure computation over metrics.jsonl (no torch, no matplotlib), so the CSV can be checked by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kv4rl.telemetry.metrics import read_jsonl
+
+# The chain's terms in order, from the learner's side to the engine's recorded log-prob.
+SOURCES = ("learner", "staleness", "kv_cache", "weights", "truncation", "kernels")
+STATS = ("abs_mean", "k3", "mean")  # per source: mean |d|, mean (e^d - 1 - d), mean d over tokens
+TOKENS_KEY = "mismatch/attributed_tokens"
+
+
+def metric_key(source: str, stat: str) -> str:
+    return f"mismatch/{source}_{stat}"
+
+
+def mismatch_rows(runs: list[Path]) -> list[dict]:
+    """One row per (run, iteration with attributed tokens, source or `total`): abs_mean, k3, mean, tokens.
+    A run folder without metrics.jsonl or without any attribution raises ValueError naming it."""
+    if not runs:
+        raise ValueError("no runs given: name one or more run folders")
+    out = []
+    for run in runs:
+        path = Path(run) / "metrics.jsonl"
+        if not path.is_file():
+            raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
+        logged = sorted((r for r in read_jsonl(path) if r.get(TOKENS_KEY)), key=lambda r: r["iteration"])
+        if not logged:
+            raise ValueError(f"{run}: no mismatch attribution in metrics.jsonl "
+                             "(train with telemetry.attribution_every=N to log it)")
+        for row in logged:
+            for source in (*SOURCES, "total"):
+                out.append({"run": Path(run).name, "iteration": row["iteration"], "source": source,
+                            **{stat: row[metric_key(source, stat)] for stat in STATS},
+                            "tokens": row[TOKENS_KEY]})
+    return out
