@@ -43,6 +43,8 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("engine.prefix_sharing=3", "engine.prefix_sharing"),
     ("engine.tensor_parallel=0", "engine.tensor_parallel"),
     ("engine.tensor_parallel=2", "engine.tensor_parallel"),
+    ("telemetry.attribution_every=-1", "telemetry.attribution_every"),
+    ("telemetry.attribution_samples=0", "telemetry.attribution_samples"),
 ])
 def test_bad_keys_values_and_combinations_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

@@ -261,6 +261,25 @@ def plot_iteration_time_cmd(
     console.print(f"wrote {png} and {csv_path}")
 
 
+@plot_app.command("mismatch")
+def plot_mismatch_cmd(
+    runs: list[Path] = typer.Argument(..., help="run folders trained with telemetry.attribution_every=N"),
+    out: Path = typer.Option(Path("mismatch.png"), "--out", "-o", help="PNG path; the CSV goes beside it"),
+) -> None:
+    """Mismatch by source: each source's mean |Δ log p| per token over iterations, one panel per run."""
+    from kv4rl.telemetry.mismatch_curves import mismatch_rows
+    from kv4rl.telemetry.plots import plot_mismatch, write_csv
+
+    try:
+        rows = mismatch_rows(runs)
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(out, "--out")
+    png = plot_mismatch(rows, out)
+    csv_path = write_csv(rows, out.with_suffix(".csv"))
+    console.print(f"wrote {png} and {csv_path}")
+
+
 def main() -> None:  # pragma: no cover
     try:
         app()

@@ -134,3 +134,31 @@ def plot_rollout_corners(traces: dict[str, list[dict]], pool_bytes: dict[str, in
         bottom.set_xlabel("engine time in one timed repeat (s)")
         bottom.legend(loc="lower right")
     return _save(fig, out_png)
+
+
+def plot_mismatch(rows: list[dict], out_png: Path) -> Path:
+    """`kv4rl plot mismatch`: per run (columns), each source's mean |Δ log p| over the iterations that
+    logged attribution, and the total dashed; log scale, so a term that is exactly 0 leaves no line
+    (rows from `mismatch_curves.mismatch_rows`)."""
+    plt = _pyplot()
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False, sharey=True)
+    for ax, run in zip(axes[0], runs):
+        mine = [r for r in rows if r["run"] == run]
+        drawn = 0
+        for source in dict.fromkeys(r["source"] for r in mine):
+            points = [(r["iteration"], r["abs_mean"]) for r in mine if r["source"] == source and r["abs_mean"] > 0]
+            if points:
+                style = {"color": "black", "ls": "--"} if source == "total" else {"marker": "."}
+                ax.plot(*zip(*points), label=source, **style)
+                drawn += 1
+        ax.set_yscale("log")
+        ax.set_title(run)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "every term exactly 0", ha="center", transform=ax.transAxes)
+    axes[0][0].set_ylabel("mean |Δ log p| per token")
+    return _save(fig, out_png)

@@ -1,0 +1,62 @@
+"""`kv4rl plot mismatch`: the CSV against metrics rows written by hand, and errors that name the run."""
+
+import csv
+import json
+
+from typer.testing import CliRunner
+
+from kv4rl.cli import app
+from kv4rl.telemetry.mismatch_curves import SOURCES
+
+runner = CliRunner()
+
+
+def attribution_row(iteration, tokens, scale):
+    """Source i logs abs_mean scale*(i+1), k3 scale*(i+1)/10, mean -scale*(i+1); total their sums."""
+    row = {"iteration": iteration, "loss": 0.5, "mismatch/attributed_tokens": tokens}
+    for i, source in enumerate(SOURCES):
+        row |= {f"mismatch/{source}_abs_mean": scale * (i + 1), f"mismatch/{source}_k3": scale * (i + 1) / 10,
+                f"mismatch/{source}_mean": -scale * (i + 1)}
+    row |= {"mismatch/total_abs_mean": 21 * scale, "mismatch/total_k3": 2.0 * scale, "mismatch/total_mean": -21 * scale}
+    return row
+
+
+def write_run(folder, rows):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_csv_holds_one_row_per_run_iteration_and_source(tmp_path):
+    write_run(tmp_path / "kv4", [
+        {"iteration": 0, "loss": 1.0},  # attribution not due
+        attribution_row(3, 40, 0.5),
+        {"iteration": 4, "loss": 1.0, "mismatch/attributed_tokens": 0, "mismatch/skipped_responses": 8},
+        attribution_row(1, 20, 0.25),  # out of order in the file: sorted by iteration
+    ])
+    write_run(tmp_path / "bf16", [attribution_row(1, 10, 0.0)])  # every term exactly 0: no line, still CSV
+    out = tmp_path / "fig" / "mismatch.png"
+    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "kv4"), str(tmp_path / "bf16"), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with out.with_suffix(".csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["run", "iteration", "source", "abs_mean", "k3", "mean", "tokens"]
+    got = [(r["run"], int(r["iteration"]), r["source"], float(r["abs_mean"]), float(r["k3"]), float(r["mean"]),
+            int(r["tokens"])) for r in rows]
+    names = [*SOURCES, "total"]
+    expected = [("kv4", 1, "learner", 0.25, 0.025, -0.25, 20), ("kv4", 1, "staleness", 0.5, 0.05, -0.5, 20)]
+    assert got[:2] == expected
+    assert [g[2] for g in got] == names * 3
+    assert [(g[0], g[1]) for g in got] == [("kv4", 1)] * 7 + [("kv4", 3)] * 7 + [("bf16", 1)] * 7
+    assert got[6] == ("kv4", 1, "total", 5.25, 0.5, -5.25, 20)
+    assert got[12] == ("kv4", 3, "kernels", 3.0, 0.3, -3.0, 40)
+    assert all(g[3] == 0.0 for g in got[14:])
+
+
+def test_runs_without_attribution_are_named(tmp_path):
+    write_run(tmp_path / "plain", [{"iteration": 0, "loss": 1.0}])
+    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "plain"), "-o", str(tmp_path / "m.png")])
+    assert res.exit_code != 0 and "telemetry.attribution_every" in res.output and "plain" in res.output
+    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "nothing"), "-o", str(tmp_path / "m.png")])
+    assert res.exit_code != 0 and "no metrics.jsonl" in res.output
+    assert not (tmp_path / "m.png").exists()
