@@ -1,6 +1,7 @@
 """Mismatch attribution: one source switched on at a time moves only its own term; the terms always add
 up to learner - recorded log-prob, which a float64 forward of the HF model checks independently."""
 
+import json
 import math
 
 import pytest
@@ -187,3 +188,38 @@ def test_mixed_version_and_unkept_responses_are_skipped(checkpoint, learner):
     assert out["mismatch/staleness_abs_mean"] == 0.0
     one = MismatchAttribution(engine, learner, every=1, samples=1, sampling=Sampling(TEMPERATURE), horizon=1)
     assert one.attribute(0, batch)["mismatch/attributed_tokens"] == 10  # one response of the two left
+
+
+def test_training_loop_logs_attribution_that_matches_the_learners_mismatch(tmp_path):
+    """Lag 1: iteration 0 sees no staleness, later ones a batch of the previous version (whose weights
+    the loop kept). Every response is attributed, so the total equals the learner's own mismatch."""
+    from kv4rl.config import load_config
+    from kv4rl.data.char_tokenizer import build_char_tokenizer
+    from kv4rl.loop import train
+    from tests.conftest import make_checkpoint
+
+    model_dir = tmp_path / "model"
+    tokenizer = build_char_tokenizer(model_dir)
+    make_checkpoint(model_dir, vocab=len(tokenizer), eos_token_id=tokenizer.eos_token_id, head_dim=32,
+                    pad_token_id=tokenizer.pad_token_id)
+    cfg = load_config(overrides=[
+        f"model.path={model_dir}", f"out_dir={tmp_path}", "name=att", "device=cpu", "trainer.iterations=3",
+        "rollout.quota_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "staleness.lag=1",
+        "trainer.lr=0.01", "trainer.warmup_iters=0", "advantage.baseline_noise=1",
+        "telemetry.attribution_every=1",
+        "telemetry.attribution_samples=4", "logging.tensorboard=false", "checkpoint.save_every=100"])
+    train(cfg, show_progress=False)
+    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["mismatch/skipped_responses"] == 0
+        assert r["mismatch/attributed_tokens"] == r["num_tokens"]
+        assert r["mismatch/total_abs_mean"] == pytest.approx(r["mismatch_abs_mean"], abs=1e-6)
+        assert r["mismatch/total_k3"] == pytest.approx(r["mismatch_k3"], abs=1e-6)
+        assert sum(r[f"mismatch/{s}_mean"] for s in SOURCES) == pytest.approx(r["mismatch/total_mean"], abs=1e-12)
+        for s in ("kv_cache", "weights", "truncation"):
+            assert r[f"mismatch/{s}_abs_mean"] == 0.0
+    assert rows[0]["mismatch/staleness_abs_mean"] == 0.0 and rows[0]["staleness_mean"] == 0
+    for r in rows[1:]:
+        assert r["staleness_mean"] == 1 and r["mismatch/staleness_abs_mean"] > 1e-3
+        assert r["mismatch/staleness_abs_mean"] == pytest.approx(r["mismatch/total_abs_mean"], rel=1e-3)
