@@ -3,6 +3,7 @@ up to learner - recorded log-prob, which a float64 forward of the HF model check
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,9 +29,9 @@ def learner_for(path):
                    micro_batch_size=8, updates_per_batch=1, temperature=TEMPERATURE, device=torch.device("cpu"))
 
 
-def rollout(path, config: EngineConfig, top_k: int = 0):
+def rollout(path, config: EngineConfig, top_k: int = 0, dtype: str = "auto"):
     """An engine of `config` and a batch of its responses (version 0, 10 tokens each)."""
-    engine = Engine(path, config, max_num_seqs=4, device="cpu")
+    engine = Engine(path, config, max_num_seqs=4, device="cpu", dtype=dtype)
     params = SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_tokens=10, ignore_eos=True, seed=3)
     done = engine.generate(PROMPTS, params)
     batch = build_batch(PROMPTS, [c.token_ids for c in done], [c.logprobs for c in done],
@@ -126,6 +127,19 @@ def test_fp8_weights_only_move_the_weights_term(checkpoint, learner):
     moved(attribute(engine, learner, batch), "weights")
 
 
+def test_a_bf16_engine_with_fp8_weights_is_scored_with_its_own_codes(checkpoint, learner):
+    """The engine quantized its start-up weights from the checkpoint cast to bf16, not from the learner's
+    fp32 tensors; re-quantizing those would put a spurious weights difference into the kernels term."""
+    kernels = {}
+    for fmt in ("auto", "fp8"):
+        engine, batch = rollout(checkpoint, EngineConfig(weight_format=fmt), dtype="bfloat16")
+        att = MismatchAttribution(engine, learner, every=1, samples=4, sampling=Sampling(TEMPERATURE), horizon=1)
+        terms, _ = att.token_terms(0, batch)
+        kernels[fmt] = float(terms["kernels"].abs().mean())
+        torch.testing.assert_close(sum(terms[s] for s in SOURCES), terms["total"], rtol=0, atol=1e-12)
+    assert kernels["fp8"] < 3 * kernels["auto"], kernels  # bf16 decode-vs-prefill rounding only
+
+
 def test_top_k_only_moves_the_truncation_term(checkpoint, learner):
     path = checkpoint
     engine, batch = rollout(path, EngineConfig(), top_k=5)
@@ -151,6 +165,7 @@ def test_summary_by_hand():
 
 class FakeEngine:
     version = 0
+    plan = SimpleNamespace(weights=SimpleNamespace(value="auto"))
 
 
 class FakeLearner:

@@ -23,6 +23,8 @@ CASES = {
     "bf16 torch reference": (EngineConfig(attention_backend="torch", fused_ops=False, cuda_graphs=False), set()),
     "bf16 fast path": (EngineConfig(), set()),
     "kv4 fast path": (EngineConfig(kv=KV4), {"kv_cache"}),
+    "fp8 torch reference": (EngineConfig(weight_format="fp8", attention_backend="torch", fused_ops=False,
+                                         cuda_graphs=False), {"weights"}),
     "fp8 fast path": (EngineConfig(weight_format="fp8"), {"weights"}),
     "kv4 + fp8 fast path": (EngineConfig(kv=KV4, weight_format="fp8"), {"kv_cache", "weights"}),
 }

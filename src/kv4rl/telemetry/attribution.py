@@ -8,7 +8,7 @@ log-prob under its current weights down to the log-prob the engine recorded when
     E0   engine reference path, θ_now, linears in the compute dtype, KV in the compute dtype
     E1   ... weights θ_v of the version that sampled the response
     E2   ... KV cache in the run's format (engine.kv)
-    E3   ... linears in the run's weight format (engine.weight_format)
+    E3   ... linears in the run's weight format (engine.weight_format: the engine's own FP8 codes of θ_v)
     E4   ... under the sampler's top-k / top-p truncation
     r    the recorded behaviour log-prob (fast path: kernels, fused ops, CUDA graphs, decode steps)
 
@@ -24,6 +24,9 @@ when the engine holds the learner's current weights (it was refreshed to version
 if an attribution iteration falls within the staleness horizon after v (`staleness.max_versions`,
 else lag + refresh_every - 1), and dropped once they are older than that horizon. Tokens older than
 the horizon (partial rollout without max_versions) and versions from before a resume are skipped.
+With FP8 weights the engine's own state of that version is copied too: its codes were quantized
+from what the engine was given (the checkpoint cast to the compute dtype at start, the learner's
+fp32 tensors at a refresh), and re-quantizing the learner's weights would not reproduce them.
 """
 
 from __future__ import annotations
@@ -96,7 +99,9 @@ class MismatchAttribution:
                              f"{samples}, {horizon}")
         self.engine, self.learner = engine, learner
         self.every, self.samples, self.sampling, self.horizon, self.seed = every, samples, sampling, horizon, seed
+        self.fp8 = engine.plan.weights.value == "fp8"
         self.weights: dict[int, dict[str, torch.Tensor]] = {}  # version -> learner weights on CPU
+        self.engine_weights: dict[int, dict[str, torch.Tensor]] = {}  # version -> the engine's FP8 state
 
     @classmethod
     def from_config(cls, cfg, engine, learner) -> MismatchAttribution | None:
@@ -123,11 +128,17 @@ class MismatchAttribution:
         return out
 
     def keep_weights(self, iteration: int) -> None:
+        """Copy the weights of version `iteration` if a coming attribution may need them; drop old ones.
+        With FP8 weights the engine's own codes are kept too: they were quantized from whatever the
+        engine was given (the checkpoint cast to its dtype at start, the learner's tensors at a refresh)."""
         self.weights = {v: w for v, w in self.weights.items() if v >= iteration - self.horizon}
+        self.engine_weights = {v: w for v, w in self.engine_weights.items() if v in self.weights}
         needed = any(self.due(a) for a in range(iteration + 1, iteration + self.horizon + 1))
         if needed and self.engine.version == iteration:  # the engine holds exactly these weights
             self.weights[iteration] = {k: v.detach().to("cpu", copy=True)
                                        for k, v in self.learner.state_dict().items()}
+            if self.fp8:
+                self.engine_weights[iteration] = self.engine.weights_state()
 
     def attribute(self, iteration: int, batch) -> dict[str, float]:
         """The `mismatch/*` metrics of the chain over up to `samples` eligible responses of `batch`."""
@@ -171,13 +182,9 @@ class MismatchAttribution:
         compute_kv = get_kv_format("bf16" if engine.dtype == torch.bfloat16 else "fp32")  # kv.format auto
         run_kv, block_size = engine.kv_format, engine.config.kv.block_size
         same_kv = run_kv.name == compute_kv.name and run_kv.rotate == "none"
-        fp8 = engine.plan.weights.value == "fp8"
 
         def score(model, kv, r):
             return reference_logprobs(model, kv, r.prompt, r.tokens, self.sampling, block_size)
-
-        def weights_of(version: int):
-            return self.learner.state_dict() if version == iteration else self.weights[version]
 
         versions = sorted({r.version for r in responses}, key=lambda v: v != iteration)  # current first
         model = scoring_model(engine.args, engine.dtype, engine.device)
@@ -191,16 +198,16 @@ class MismatchAttribution:
                 r.levels["E1"] = r.levels["E0"] if v == iteration else score(model, compute_kv, r)[0]
                 e2, truncated = (r.levels["E1"], None) if same_kv else score(model, run_kv, r)
                 r.levels["E2"] = e2
-                if not fp8:
+                if not self.fp8:
                     r.levels["E3"] = e2
                     if self.sampling.truncates and truncated is None:  # E2 was reused: score it truncated
                         truncated = score(model, run_kv, r)[1]
                     r.levels["E4"] = truncated if truncated is not None else e2
         del model
-        if fp8:
+        if self.fp8:  # the engine's own codes and scales: version `iteration` is the one it holds now
             model = scoring_model(engine.args, engine.dtype, engine.device, fp8=True)
             for v in versions:
-                model.load_hf_state_dict(weights_of(v))  # quantized on copy, as a refresh does
+                model.load_state_dict(engine.model.state_dict() if v == iteration else self.engine_weights[v])
                 for r in (r for r in responses if r.version == v):
                     r.levels["E3"], truncated = score(model, run_kv, r)
                     r.levels["E4"] = truncated if truncated is not None else r.levels["E3"]
