@@ -76,6 +76,15 @@ def moved(terms, *sources):
             assert size < NOISE, (s, size)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops: a second OpenMP thread buys nothing and stalls when other processes share the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A random tiny Qwen3 with head_dim 32 (the smallest INT4 group)."""
