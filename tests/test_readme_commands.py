@@ -102,6 +102,10 @@ CASES: dict[str, Case] = {
         Case(replace={"runs/a/*": "runs/lag4", "runs/b/*": "runs/refresh8", "eval/mean@1": "accuracy"}),
     "kv4rl plot iteration-time runs/sync-s0 runs/partial-s0 --skip 1 --out figs/time.png": Case(
         replace={"runs/sync-s0": "runs/sync-run", "runs/partial-s0": "runs/partial-run"}),
+    # mismatch attribution
+    "kv4rl train name=attributed staleness.lag=1 telemetry.attribution_every=10 telemetry.attribution_samples=8":
+        Case(TINY_TRAIN + " telemetry.attribution_every=1 telemetry.attribution_samples=2"),
+    "kv4rl plot mismatch runs/attributed -o mismatch.png": Case(),
 }
 
 
