@@ -1,0 +1,333 @@
+"""Testbed models: a task and a size, warmed up by supervised steps, then cached (`kv4rl build-model`).
+
+Why: the default tiny model answers in ~5 tokens, so KV quantization behind the protected positions
+and a finite future-KL window never matter on it. A testbed pairs a synthetic task with exact answers
+(`arith`: the tiny model's task; `longmul`: worked long multiplication, hundreds of tokens) with a
+model size (`tiny`: the default demo model, `test`: a CPU model built in seconds for tests, `gpu`: a
+~25M-parameter Qwen3 with head_dim 128, as on real models, built in minutes on one GPU). The warm-up
+is stopped early, where sampled accuracy leaves room for RL to learn.
+
+The folder is an ordinary HF checkpoint plus `kv4rl_testbed.json`, which records the testbed (task,
+size, task settings), the recipe and the accuracies measured after the build through the rollout
+engine itself (the starting point RL sees). `kv4rl.data.source` reads the task back from that file,
+so `model.path=<folder>` or `model.testbed=<name>` trains on the task's own problems and verifier.
+The build is atomic (`cache_install`): a second call reloads the finished folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+
+from kv4rl.data.char_tokenizer import build_char_tokenizer
+from kv4rl.data.longmul import LongMulTask
+from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask
+from kv4rl.data.types import Problem
+from kv4rl.models.cache_install import cached_build
+from kv4rl.models.tiny import _progress_bar, _torch_threads, _transformers_progress_off, default_cache_dir
+
+VERSION_TAG = "testbed-v1"
+METADATA_FILE = "kv4rl_testbed.json"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", METADATA_FILE)
+TASK_TYPES = {"arith": ArithmeticTask, "longmul": LongMulTask}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TestbedSpec:
+    """Everything that shapes one testbed's model; its JSON form keys the cache."""
+
+    task: str
+    size: str
+    task_settings: dict
+    model_shape: dict
+    steps: int
+    batch_size: int
+    learning_rate: float
+    lr_warmup_steps: int
+    eval_problems: int
+    seed: int = 0
+    eval_seed: int = 10_001  # held out: training problems come from random.Random(seed)
+    cpu_threads: int | None = 1  # see tiny.BUILD_THREADS; None: leave torch's setting
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}-{self.size}"
+
+    def make_task(self) -> ArithmeticTask | LongMulTask:
+        return TASK_TYPES[self.task](**self.task_settings)
+
+    def recipe(self) -> dict:
+        return json.loads(json.dumps({k: v for k, v in asdict(self).items() if k != "cpu_threads"}))
+
+
+_GPU_SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 128, "intermediate_size": 1536, "max_position_embeddings": 4096}
+_TEST_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "head_dim": 32, "intermediate_size": 128, "max_position_embeddings": 512}
+
+SPECS = {
+    spec.name: spec
+    for spec in (
+        TestbedSpec(task="longmul", size="test",
+                    task_settings={"min_digits_a": 2, "max_digits_a": 2, "min_digits_b": 1, "max_digits_b": 2},
+                    model_shape=_TEST_SHAPE, steps=40, batch_size=16, learning_rate=3e-3, lr_warmup_steps=5,
+                    eval_problems=16),
+        TestbedSpec(task="longmul", size="gpu",
+                    task_settings={"min_digits_a": 3, "max_digits_a": 6, "min_digits_b": 2, "max_digits_b": 5},
+                    model_shape=_GPU_SHAPE, steps=1200, batch_size=64, learning_rate=1e-3, lr_warmup_steps=100,
+                    eval_problems=512, cpu_threads=None),
+        TestbedSpec(task="arith", size="test", task_settings=asdict(ArithmeticTask()), model_shape=_TEST_SHAPE,
+                    steps=40, batch_size=32, learning_rate=3e-3, lr_warmup_steps=5, eval_problems=32),
+    )
+}
+# `arith-tiny` is the default demo model, built by `kv4rl.models.tiny` (its own cache folder and tests).
+TESTBEDS = sorted([*SPECS, "arith-tiny"])
+
+
+def check_testbed(name: str, option: str = "model.testbed") -> None:
+    """Refuse an unknown testbed name, listing the known ones."""
+    if name not in TESTBEDS:
+        raise ValueError(f"{option}: unknown testbed '{name}' (known: {', '.join(TESTBEDS)})")
+
+
+def testbed_model_dir(name: str, cache_dir: str | Path | None = None, progress: bool = True,
+                      device: str = "auto") -> Path:
+    """Folder of the cached testbed `name` (`<task>-<size>`), building it on `device` first if needed."""
+    check_testbed(name, "testbed")
+    if name == "arith-tiny":
+        from kv4rl.models.tiny import tiny_model_dir
+
+        return tiny_model_dir(cache_dir, progress)
+    spec = SPECS[name]
+    parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cached_build(parent, f"{VERSION_TAG}-{name}", lambda staging: _write_model(spec, staging, progress, device),
+                        lambda path: is_complete(path, spec), f"building the {name} testbed")
+
+
+def is_complete(model_dir: str | Path, spec: TestbedSpec) -> bool:
+    """True when `model_dir` holds every file of a finished build of `spec` at this version."""
+    model_dir = Path(model_dir)
+    if not all((model_dir / name).is_file() for name in REQUIRED_FILES):
+        return False
+    metadata = read_metadata(model_dir)
+    return metadata is not None and metadata.get("version") == VERSION_TAG and metadata.get("recipe") == spec.recipe()
+
+
+def read_metadata(model_dir: str | Path) -> dict | None:
+    """The testbed record of a model folder (None when it has none or it does not parse)."""
+    try:
+        metadata = json.loads((Path(model_dir) / METADATA_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return metadata if isinstance(metadata, dict) else None
+
+
+def task_of(model_dir: str | Path) -> ArithmeticTask | LongMulTask | None:
+    """The task a testbed folder was built for (None for a folder that is not a testbed)."""
+    metadata = read_metadata(model_dir)
+    if metadata is None or metadata.get("task") not in TASK_TYPES:
+        return None
+    return TASK_TYPES[metadata["task"]](**metadata["task_settings"])
+
+
+def model_config(spec: TestbedSpec, tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
+    return Qwen3Config(vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **spec.model_shape)
+
+
+def target_text(task, problem: Problem) -> str:
+    """The response the warm-up teaches: the task's worked solution (arith: the boxed answer)."""
+    if isinstance(task, LongMulTask):
+        return task.target(problem)
+    from kv4rl.data.synthetic import target_text as boxed
+
+    return boxed(problem.answer)
+
+
+def solution_lengths(spec: TestbedSpec, n: int, seed: int) -> list[int]:
+    """Token lengths (EOS included) of the worked solutions of `n` problems: the generator's own lengths."""
+    tokenizer = build_char_tokenizer()
+    task = spec.make_task()
+    return [len(tokenizer.encode(target_text(task, p))) + 1 for p in task.problems(n, seed=seed)]
+
+
+def _resolve_device(device: str) -> torch.device:
+    from kv4rl.engine.llm import resolve_device
+
+    return resolve_device(device)
+
+
+def _write_model(spec: TestbedSpec, out_dir: Path, progress: bool, device: str) -> None:
+    started = time.perf_counter()
+    target = _resolve_device(device)
+    tokenizer = build_char_tokenizer()
+    console = Console(stderr=True)
+    threads = _torch_threads(spec.cpu_threads) if spec.cpu_threads and target.type == "cpu" else _no_change()
+    with _progress_bar(progress) as bar, torch.random.fork_rng(devices=_rng_devices(target)), threads:
+        torch.manual_seed(spec.seed)
+        model = Qwen3ForCausalLM(model_config(spec, tokenizer)).to(device=target, dtype=torch.float32)
+        losses = _warm_up(spec, model, tokenizer, bar, target)
+    train_seconds = time.perf_counter() - started
+    model.eval()
+    with _transformers_progress_off():
+        model.cpu().save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    del model
+    measured = measure(out_dir, spec, target)
+    metadata = {
+        "version": VERSION_TAG,
+        "testbed": spec.name,
+        "task": spec.task,
+        "size": spec.size,
+        "task_settings": spec.task_settings,
+        "recipe": spec.recipe(),
+        "parameters": _parameter_count(out_dir),
+        "final_loss": losses[-1],
+        "device": str(target),
+        "warmup_seconds": round(train_seconds, 1),
+        **measured,
+        "build_seconds": round(time.perf_counter() - started, 1),
+    }
+    # Written last: its presence is what marks the folder complete.
+    (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    if progress:
+        console.print(f"{spec.name} built in {metadata['build_seconds']} s on {target}: accuracy "
+                      f"{measured['sampled_accuracy']:.3f} sampled at temperature 1, {measured['greedy_accuracy']:.3f} "
+                      f"greedy; mean response {measured['sampled_response_len']:.0f} tokens (worked solutions: "
+                      f"{measured['solution_len_mean']:.0f})", highlight=False)
+
+
+class _no_change:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+def _parameter_count(out_dir: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(out_dir / "model.safetensors", "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def _learning_rate_factor(spec: TestbedSpec):
+    def factor(step: int) -> float:
+        # linear ramp, then cosine down to 10%: the end point moves little from step to step
+        ramp = min(1.0, (step + 1) / spec.lr_warmup_steps)
+        progress = min(1.0, step / max(spec.steps, 1))
+        return ramp * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    return factor
+
+
+@dataclass
+class _Encoder:
+    """Char -> id without the tokenizer's per-call overhead (the warm-up encodes ~100k solutions)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    table: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        vocab = self.tokenizer.get_vocab()
+        self.table = {token: index for token, index in vocab.items() if len(token) == 1}
+        self.boxed = vocab["\\boxed{"]
+
+    def __call__(self, text: str) -> list[int]:
+        head, sep, tail = text.rpartition("\\boxed{")
+        if not sep:
+            return [self.table[ch] for ch in text]
+        return self(head) + [self.boxed] + self(tail)
+
+
+def supervised_batch(encode, task, problems: list[Problem], pad_id: int, eos_id: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `prompt + worked solution + EOS` ids, and labels that mask out prompt and padding."""
+    rows = [(encode(PROMPT_TEMPLATE.format(problem=p.problem)), encode(target_text(task, p)) + [eos_id])
+            for p in problems]
+    width = max(len(p) + len(r) for p, r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for row, (prompt, response) in enumerate(rows):
+        end = len(prompt) + len(response)
+        input_ids[row, :end] = torch.tensor(prompt + response)
+        labels[row, len(prompt):end] = torch.tensor(response)
+    return input_ids, labels  # padding sits after every real token, so causal attention needs no mask
+
+
+def _warm_up(spec: TestbedSpec, model: Qwen3ForCausalLM, tokenizer, bar, device: torch.device) -> list[float]:
+    """Supervised steps on freshly drawn problems; loss on the response tokens only. Returns the losses."""
+    rng = random.Random(spec.seed)
+    task = spec.make_task()
+    encode = _Encoder(tokenizer)
+    cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01,
+                                  betas=(0.9, 0.95), fused=cuda)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _learning_rate_factor(spec))
+    task_id = bar.add_task(f"building {spec.name}: warm-up", total=spec.steps)
+    losses: list[float] = []
+    started = time.perf_counter()
+    model.train()
+    for step in range(spec.steps):
+        batch = [task.sample(rng) for _ in range(spec.batch_size)]
+        input_ids, labels = supervised_batch(encode, task, batch, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        input_ids, labels = input_ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=input_ids, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step + 1 == spec.steps:
+            losses.append(round(float(loss), 4))
+            bar.update(task_id, description=f"building {spec.name}: warm-up, loss {losses[-1]:.3f}")
+            if not bar.console.is_terminal and not bar.disable:  # piped: one line per report instead
+                bar.console.print(f"warm-up step {step + 1}/{spec.steps}: loss {losses[-1]:.4f}, "
+                                  f"{time.perf_counter() - started:.0f} s", highlight=False)
+        bar.advance(task_id)
+    return losses
+
+
+def measure(model_dir: Path, spec: TestbedSpec, device: torch.device) -> dict:
+    """Accuracy (sampled at temperature 1 and greedy) and mean response length on held-out problems, through
+    the rollout engine with the exact reward: what the first RL iteration will see."""
+    from transformers import AutoTokenizer
+
+    from kv4rl.data.prompts import PromptFormatter
+    from kv4rl.engine.config import EngineConfig
+    from kv4rl.engine.llm import Engine
+    from kv4rl.eval.runner import evaluate
+    from kv4rl.rewards import get_reward
+
+    task = spec.make_task()
+    problems = task.problems(spec.eval_problems, seed=spec.eval_seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    formatter = PromptFormatter(tokenizer, PROMPT_TEMPLATE)
+    lengths = solution_lengths(spec, spec.eval_problems, spec.eval_seed)
+    max_new_tokens = min(2 * max(lengths), spec.model_shape["max_position_embeddings"] // 2)
+    longest_prompt = max(len(formatter.ids(p)) for p in problems)
+    engine = Engine(model_dir, EngineConfig(max_model_len=longest_prompt + max_new_tokens), device=device,
+                    max_num_seqs=min(256, len(problems)), seed=spec.eval_seed, tokenizer=tokenizer)
+    out = {"solution_len_mean": sum(lengths) / len(lengths), "eval_problems": len(problems),
+           "eval_max_new_tokens": max_new_tokens}
+    with get_reward("exact") as reward:
+        for label, temperature in (("sampled", 1.0), ("greedy", 0.0)):
+            res = evaluate(engine, formatter, problems, reward, k=1, temperature=temperature,
+                           max_new_tokens=max_new_tokens, seed=spec.eval_seed)
+            out[f"{label}_accuracy"] = res["mean@1"]
+            out[f"{label}_response_len"] = res["response_len_mean"]
+    return out
