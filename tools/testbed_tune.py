@@ -15,10 +15,12 @@ p.add_argument("--lr", type=float)
 p.add_argument("--task", type=json.loads)
 p.add_argument("--shape", type=json.loads)
 p.add_argument("--eval", type=int)
+p.add_argument("--target", type=float)
 a = p.parse_args()
 spec = testbed.SPECS[a.name]
 changes = {k: v for k, v in {"steps": a.steps, "batch_size": a.batch, "learning_rate": a.lr,
-                             "task_settings": a.task, "eval_problems": a.eval}.items() if v is not None}
+                             "task_settings": a.task, "eval_problems": a.eval,
+                             "target_accuracy": a.target}.items() if v is not None}
 if a.shape:
     changes["model_shape"] = {**spec.model_shape, **a.shape}
 spec = dataclasses.replace(spec, **changes)

@@ -6,7 +6,9 @@ Any config key can be overridden as `section.key=value` after the options.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 
 import typer
@@ -19,6 +21,7 @@ from kv4rl.cli_common import (
     console,
     engine_config,
     fail,
+    option_list,
     warn,
     write_json,
 )
@@ -52,6 +55,11 @@ def train(
                                    help="start over in a folder that holds a run (the old run is moved aside)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
+    seeds: str | None = typer.Option(
+        None, "--seeds", help="comma-separated seeds: one run per seed into <out_dir>/<name>-s<seed>, in parallel "
+                              "processes (with --resume runs/<name>: continue each runs/<name>-s<seed>)"),
+    parallel: int | None = typer.Option(
+        None, "--parallel", help="with --seeds: runs at once (default: all on CUDA, 1 on the CPU)"),
 ) -> None:
     """Train a policy with RL (defaults: the embedded tiny model on the embedded arithmetic task).
 
@@ -63,6 +71,9 @@ def train(
     from kv4rl.run_folder import config_for_resume
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if seeds is not None or parallel is not None:
+        _train_seeds(seeds, parallel, config, overrides or [], resume, overwrite, verbose)
+        return
     try:
         if resume is not None:
             if overwrite or config is not None:
@@ -78,6 +89,79 @@ def train(
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
         console.print(f"stopped by {summary['stopped_by']}; continue with: kv4rl train --resume "
                       f"{summary['run_dir']}", highlight=False)
+
+
+def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | None, overrides: list[str],
+                 resume: Path | None, overwrite: bool, verbose: bool) -> None:
+    """`train --seeds`: check every seed's config and folder, then run them (`kv4rl.multi_seed`)."""
+    from kv4rl import multi_seed
+
+    try:
+        if seeds_text is None:
+            raise ValueError("--parallel applies to --seeds runs; give --seeds too")
+        seeds = option_list(seeds_text, "--seeds", int, minimum=0)
+        check_at_least(1, ("--parallel", parallel))
+        if resume is not None and (overwrite or config is not None):
+            raise ValueError("--resume continues each seed's run in its folder with its config.yaml; "
+                             "--overwrite and --config do not apply")
+        runs = multi_seed.plan_runs(seeds, config, overrides, resume, overwrite,
+                                    ["--no-progress"] + (["--verbose"] if verbose else []))
+        at_once = min(parallel or multi_seed.default_parallel(runs), len(runs))
+        multi_seed.share_device(runs, at_once)
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
+    console.print(f"{len(runs)} seeds, {at_once} at a time", highlight=False)
+    multi_seed.launch(runs, at_once, announce=lambda line: console.print(line, highlight=False, soft_wrap=True))
+    table = ResultTable("seeds", ["seed", "run folder", "status", "iterations", "last accuracy", "seconds", "log"])
+    for row in multi_seed.summary_rows(runs):
+        table.add_row(*row)
+    print_table(console, table)
+    failed = [r.seed for r in runs if r.returncode != 0]
+    if failed:
+        console.print(f"[bold red]error:[/] seeds {', '.join(map(str, failed))} failed; see their logs",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+@app.command("build-model")
+def build_model_cmd(
+    task: str = typer.Option("longmul", "--task", help="arith (the tiny model's task) or longmul (worked long "
+                                                       "multiplication, responses of hundreds of tokens)"),
+    size: str = typer.Option("gpu", "--size", help="tiny (arith only: the default demo model), test (CPU, "
+                                                   "seconds) or gpu (~25M params, head_dim 128, minutes)"),
+    device: str = typer.Option("auto", "--device", help="where to build (the folder is the same either way)"),
+    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="default: $KV4RL_CACHE or ~/.cache/kv4rl"),
+    json_out: Path | None = typer.Option(None, "--json", help="also write the build record here"),
+) -> None:
+    """Build (or reload from the cache) a testbed model: a task's supervised warm-up stopped where RL has
+    room to learn. Train on it with `kv4rl train model.testbed=<task>-<size>` (or model.path=<folder>)."""
+    from kv4rl.models.testbed import TESTBEDS, check_testbed, read_metadata, testbed_model_dir
+
+    name = f"{task}-{size}"
+    try:
+        known_tasks = sorted({t.split("-")[0] for t in TESTBEDS})
+        if task not in known_tasks:
+            raise ValueError(f"--task: unknown task '{task}' (known: {', '.join(known_tasks)})")
+        check_testbed(name, "--task/--size")
+        check_device(device)
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out)
+    started = time.perf_counter()
+    path = testbed_model_dir(name, cache_dir, progress=True, device=device)
+    record = read_metadata(path) or {}
+    built = record.get("build_seconds") if time.perf_counter() - started > 1.0 else None
+    shown = {"testbed": name, "path": str(path), "built now": built is not None,
+             **{k: record[k] for k in ("parameters", "build_seconds", "warmup_steps_taken", "sampled_accuracy",
+                                        "greedy_accuracy", "sampled_response_len", "solution_len_mean")
+                if record.get(k) is not None}}
+    if name == "arith-tiny":
+        from kv4rl.models.tiny import METADATA_FILE
+
+        tiny = json.loads((path / METADATA_FILE).read_text())
+        shown.update({k: tiny[k] for k in ("sampled_accuracy", "greedy_accuracy", "build_seconds")})
+    _print_table("testbed model", shown)
+    write_json({**record, **shown}, json_out)
 
 
 def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int | None, reward: str,

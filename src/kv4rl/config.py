@@ -29,9 +29,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """`path: null` uses the embedded tiny model (built and cached on first use)."""
+    """`path: null` uses the embedded tiny model (built and cached on first use), or with `testbed` set
+    (e.g. `longmul-gpu`, see `kv4rl build-model`) that testbed's model, built and cached likewise; with
+    `data.train: null` a testbed model (by name or by path) trains on its own task."""
 
     path: str | None = None
+    testbed: str | None = None
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
@@ -176,6 +179,15 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.model.testbed is not None:
+            from kv4rl.models.testbed import check_testbed
+
+            if self.model.path is not None:
+                raise ConfigError("model.path and model.testbed both name the model; give one of them")
+            try:
+                check_testbed(self.model.testbed)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.data.prompt_template is not None:
             try:
                 check_template(self.data.prompt_template, "data.prompt_template")

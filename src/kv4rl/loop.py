@@ -29,6 +29,7 @@ from kv4rl.engine.llm import Engine, resolve_device
 from kv4rl.eval.runner import evaluate
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.hf_weights import check_model_folder
+from kv4rl.models.testbed import task_of
 from kv4rl.rewards import get_reward
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 
 
 def resolve_model_dir(cfg: RunConfig, progress: bool = True) -> Path:
+    if cfg.model.testbed is not None:
+        from kv4rl.models.testbed import testbed_model_dir
+
+        return testbed_model_dir(cfg.model.testbed, progress=progress, device=cfg.device)
     if cfg.model.path is None:
         from kv4rl.models.tiny import tiny_model_dir
 
@@ -112,8 +117,13 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     """Everything a run needs, built and checked before its folder is touched."""
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size)
+    # a training file is read (and checked) before any model is built; without one, the model's task is used
+    source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
+        if cfg.data.train is not None else None
     base_dir = resolve_model_dir(cfg, progress=show_progress)
+    if source is None:
+        source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
+                               task=task_of(base_dir))
     model_max = check_model_folder(base_dir).max_position_embeddings
     policy_dir = base_dir if restore is None else restore.path
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)

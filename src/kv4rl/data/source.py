@@ -7,7 +7,9 @@ not strings. Only a run with no file at all uses the embedded task's own templat
 
 The training stream is indexed: problem `i` is a pure function of (seed, i), so a resumed run sees
 exactly the prompts an uninterrupted run would have, with no sampler state to checkpoint.
-The embedded task trains on a fixed pool of distinct problems (like a dataset's train split,
+The embedded task is the arithmetic task, or the task a testbed model was built for
+(`kv4rl.models.testbed`: the loop passes it in), with the same template and exact reward.
+It trains on a fixed pool of distinct problems (like a dataset's train split,
 revisited each epoch), or on fresh problems forever with `pool_size = 0`; its evaluation problems
 never overlap the pool.
 """
@@ -17,10 +19,12 @@ from __future__ import annotations
 import random
 
 from kv4rl.data.datasets import load_jsonl
+from kv4rl.data.longmul import LongMulTask
 from kv4rl.data.synthetic import PROMPT_TEMPLATE as ARITH_TEMPLATE
 from kv4rl.data.synthetic import ArithmeticTask
 from kv4rl.data.types import Problem
 
+EmbeddedTask = ArithmeticTask | LongMulTask  # both prompt with `{problem}=` and answer one boxed integer
 BOXED_INSTRUCTION = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 _CHUNK = 1024
 DEFAULT_POOL_SIZE = 512
@@ -29,14 +33,16 @@ EVAL_SEED_OFFSET = 7_919_000  # keeps embedded eval problems disjoint in seed sp
 
 class ProblemSource:
     def __init__(self, train_path: str | None, eval_path: str | None, seed: int, shuffle: bool = True,
-                 pool_size: int = DEFAULT_POOL_SIZE):
-        self.train_embedded = train_path is None  # the training stream is the embedded arithmetic task
+                 pool_size: int = DEFAULT_POOL_SIZE, task: EmbeddedTask | None = None):
+        """`task`: the embedded task (default: the arithmetic task), used when there is no training file."""
+        self.train_embedded = train_path is None  # the training stream is the embedded task
         self.embedded = train_path is None and eval_path is None  # no dataset file at all
         self.seed = seed
         self.shuffle = shuffle
-        self.task = ArithmeticTask() if self.train_embedded and pool_size == 0 else None
+        self.embedded_task = task if task is not None else ArithmeticTask()
+        self.task = self.embedded_task if self.train_embedded and pool_size == 0 else None
         if self.train_embedded:
-            self.train = _distinct(ArithmeticTask(), pool_size, seed) if pool_size else None
+            self.train = _distinct(self.embedded_task, pool_size, seed) if pool_size else None
         else:
             self.train = load_jsonl(train_path)
         self.eval_file = None if eval_path is None else load_jsonl(eval_path)
@@ -81,14 +87,14 @@ class ProblemSource:
             return self.eval_file[:n]
         if self.train_embedded:
             seen = {p.problem for p in self.train or []}
-            fresh = (p for p in ArithmeticTask().problems(n + len(seen), seed=EVAL_SEED_OFFSET + self.seed)
+            fresh = (p for p in self.embedded_task.problems(n + len(seen), seed=EVAL_SEED_OFFSET + self.seed)
                      if p.problem not in seen)
             return [p for _, p in zip(range(n), fresh)]
         assert self.train is not None
         return self.train[:n]
 
 
-def _distinct(task: ArithmeticTask, n: int, seed: int) -> list[Problem]:
+def _distinct(task: EmbeddedTask, n: int, seed: int) -> list[Problem]:
     """`n` problems with distinct expressions, deterministic in `seed`."""
     out: dict[str, Problem] = {}
     draw = 0

@@ -53,6 +53,12 @@ class TestbedSpec:
     learning_rate: float
     lr_warmup_steps: int
     eval_problems: int
+    # Stop the warm-up once the held-out probability of sampling the exact worked solution (a lower bound
+    # on sampled accuracy, `solution_probability`) reaches this, checked every `check_every` steps; None:
+    # run all `steps`. Stopping on the measured value keeps the starting accuracy in RL's useful band on
+    # any hardware, where a fixed step count would land anywhere from 0 to 100% (the task is learnable).
+    target_accuracy: float | None = None
+    check_every: int = 25
     seed: int = 0
     eval_seed: int = 10_001  # held out: training problems come from random.Random(seed)
     cpu_threads: int | None = 1  # see tiny.BUILD_THREADS; None: leave torch's setting
@@ -81,9 +87,9 @@ SPECS = {
                     model_shape=_TEST_SHAPE, steps=40, batch_size=16, learning_rate=3e-3, lr_warmup_steps=5,
                     eval_problems=16),
         TestbedSpec(task="longmul", size="gpu",
-                    task_settings={"min_digits_a": 3, "max_digits_a": 6, "min_digits_b": 2, "max_digits_b": 5},
+                    task_settings={"min_digits_a": 4, "max_digits_a": 7, "min_digits_b": 3, "max_digits_b": 6},
                     model_shape=_GPU_SHAPE, steps=1200, batch_size=64, learning_rate=1e-3, lr_warmup_steps=100,
-                    eval_problems=512, cpu_threads=None),
+                    eval_problems=512, target_accuracy=0.25, cpu_threads=None),
         TestbedSpec(task="arith", size="test", task_settings=asdict(ArithmeticTask()), model_shape=_TEST_SHAPE,
                     steps=40, batch_size=32, learning_rate=3e-3, lr_warmup_steps=5, eval_problems=32),
     )
@@ -154,9 +160,9 @@ def target_text(task, problem: Problem) -> str:
 
 def solution_lengths(spec: TestbedSpec, n: int, seed: int) -> list[int]:
     """Token lengths (EOS included) of the worked solutions of `n` problems: the generator's own lengths."""
-    tokenizer = build_char_tokenizer()
+    encode = _Encoder(build_char_tokenizer())
     task = spec.make_task()
-    return [len(tokenizer.encode(target_text(task, p))) + 1 for p in task.problems(n, seed=seed)]
+    return [len(encode(target_text(task, p))) + 1 for p in task.problems(n, seed=seed)]
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -174,11 +180,12 @@ def _write_model(spec: TestbedSpec, out_dir: Path, progress: bool, device: str) 
     with _progress_bar(progress) as bar, torch.random.fork_rng(devices=_rng_devices(target)), threads:
         torch.manual_seed(spec.seed)
         model = Qwen3ForCausalLM(model_config(spec, tokenizer)).to(device=target, dtype=torch.float32)
-        losses = _warm_up(spec, model, tokenizer, bar, target)
+        warm = _warm_up(spec, model, tokenizer, bar, target)
     train_seconds = time.perf_counter() - started
     model.eval()
     with _transformers_progress_off():
         model.cpu().save_pretrained(out_dir)
+    tokenizer.model_max_length = spec.model_shape["max_position_embeddings"]
     tokenizer.save_pretrained(out_dir)
     del model
     measured = measure(out_dir, spec, target)
@@ -190,7 +197,9 @@ def _write_model(spec: TestbedSpec, out_dir: Path, progress: bool, device: str) 
         "task_settings": spec.task_settings,
         "recipe": spec.recipe(),
         "parameters": _parameter_count(out_dir),
-        "final_loss": losses[-1],
+        "final_loss": warm["losses"][-1],
+        "warmup_steps_taken": warm["steps"],
+        "exact_solution_probability": warm["estimate"],
         "device": str(target),
         "warmup_seconds": round(train_seconds, 1),
         **measured,
@@ -268,11 +277,36 @@ def supervised_batch(encode, task, problems: list[Problem], pad_id: int, eos_id:
     return input_ids, labels  # padding sits after every real token, so causal attention needs no mask
 
 
-def _warm_up(spec: TestbedSpec, model: Qwen3ForCausalLM, tokenizer, bar, device: torch.device) -> list[float]:
-    """Supervised steps on freshly drawn problems; loss on the response tokens only. Returns the losses."""
+@torch.no_grad()
+def solution_probability(model, encode, task, problems: list[Problem], pad_id: int, eos_id: int,
+                         device: torch.device, batch_size: int = 64) -> float:
+    """Mean over `problems` of the probability that sampling at temperature 1 writes exactly the worked
+    solution and EOS: exp(-sequence NLL), from one teacher-forced pass (no generation). Any such sample
+    is correct, so this bounds sampled accuracy from below (it misses only lucky wrong-path answers)."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for start in range(0, len(problems), batch_size):
+        input_ids, labels = supervised_batch(encode, task, problems[start:start + batch_size], pad_id, eos_id)
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=input_ids).logits
+        targets, mask = labels[:, 1:], labels[:, 1:] != -100
+        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        total += float(torch.exp((picked * mask).sum(dim=1)).sum())
+    model.train(was_training)
+    return total / len(problems)
+
+
+def _warm_up(spec: TestbedSpec, model: Qwen3ForCausalLM, tokenizer, bar, device: torch.device) -> dict:
+    """Supervised steps on freshly drawn problems (loss on the response tokens only), until `spec.steps` or
+    `spec.target_accuracy`. Returns the losses, the steps taken and the last accuracy estimate."""
     rng = random.Random(spec.seed)
     task = spec.make_task()
     encode = _Encoder(tokenizer)
+    held_out = task.problems(256, seed=spec.eval_seed + 1) if spec.target_accuracy is not None else []
+    estimate = None
     cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01,
                                   betas=(0.9, 0.95), fused=cuda)
@@ -292,14 +326,21 @@ def _warm_up(spec: TestbedSpec, model: Qwen3ForCausalLM, tokenizer, bar, device:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if step % 50 == 0 or step + 1 == spec.steps:
-            losses.append(round(float(loss), 4))
-            bar.update(task_id, description=f"building {spec.name}: warm-up, loss {losses[-1]:.3f}")
-            if not bar.console.is_terminal and not bar.disable:  # piped: one line per report instead
-                bar.console.print(f"warm-up step {step + 1}/{spec.steps}: loss {losses[-1]:.4f}, "
-                                  f"{time.perf_counter() - started:.0f} s", highlight=False)
         bar.advance(task_id)
-    return losses
+        checking = held_out and (step + 1) % spec.check_every == 0
+        if checking:
+            estimate = solution_probability(model, encode, task, held_out, tokenizer.pad_token_id,
+                                            tokenizer.eos_token_id, device)
+        if checking or step % 50 == 0 or step + 1 == spec.steps:
+            losses.append(round(float(loss.detach()), 5))
+            shown = "" if estimate is None else f", exact-solution probability {estimate:.3f}"
+            bar.update(task_id, description=f"building {spec.name}: warm-up, loss {losses[-1]:.4f}{shown}")
+            if not bar.console.is_terminal and not bar.disable:  # piped: one line per report instead
+                bar.console.print(f"warm-up step {step + 1}/{spec.steps}: loss {losses[-1]:.4f}{shown}, "
+                                  f"{time.perf_counter() - started:.0f} s", highlight=False)
+        if estimate is not None and estimate >= spec.target_accuracy:
+            return {"losses": losses, "steps": step + 1, "estimate": estimate}
+    return {"losses": losses, "steps": spec.steps, "estimate": estimate}
 
 
 def measure(model_dir: Path, spec: TestbedSpec, device: torch.device) -> dict:

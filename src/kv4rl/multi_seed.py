@@ -1,0 +1,172 @@
+"""`kv4rl train --seeds 0,1,2,3`: one run per seed, in parallel processes, into `runs/<name>-s<seed>`.
+
+Why processes: each run owns an engine and a learner, and several small runs share one GPU far better
+side by side than one after the other; a crash in one seed must not take the others down. Why every
+check first: the run-folder rules (`kv4rl.run_folder`) hold for each seed folder, and a set of seeds
+that half starts (two running, one refused) is worse than none, so every config is loaded and every
+folder checked (fresh: holds no run unless --overwrite; resume: has a checkpoint) before any starts.
+
+Each child is `kv4rl train` itself with `seed=<s> name=<name>-s<s>` appended to the overrides (they
+win over the config file), writing its output to `<out_dir>/<name>-s<seed>.log` while it runs. When it
+ends, the log moves into its run folder as `train.log` (appended on resume); a seed that failed before
+its first iteration has no folder (or its old one untouched), so its log stays beside it. On CUDA the
+children share the device: each gets `engine.gpu_memory_fraction` divided by the number running at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kv4rl.config import RunConfig, load_config
+from kv4rl.engine.config import EngineConfig
+from kv4rl.run_folder import check_new_run, config_for_resume
+
+LOG_NAME = "train.log"
+
+
+@dataclass
+class SeedRun:
+    seed: int
+    cfg: RunConfig
+    args: list[str]  # `kv4rl train` arguments of the child
+    log: Path  # where the child writes while it runs
+    returncode: int | None = None
+    seconds: float = 0.0
+    final_log: Path | None = None
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+
+def seed_name(name: str, seed: int) -> str:
+    return f"{name}-s{seed}"
+
+
+def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resume: Path | None,
+              overwrite: bool, extra_args: list[str]) -> list[SeedRun]:
+    """Every seed's config and child arguments, after checking every seed folder (errors before any work).
+
+    Fresh: the folders are `<out_dir>/<name>-s<seed>` of the config (name from the file or `name=`).
+    Resume: `--resume runs/<name>` continues `runs/<name>-s<seed>` for each seed.
+    """
+    from kv4rl.loop import find_restore
+
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: {seeds} repeats a seed; each seed is one run folder")
+    runs = []
+    if resume is not None:
+        for seed in seeds:
+            folder = resume.with_name(seed_name(resume.name, seed))
+            cfg = config_for_resume(folder, overrides)
+            find_restore(cfg)  # refuses a folder with no checkpoint
+            runs.append(SeedRun(seed, cfg, ["--resume", str(folder), *overrides], _log_path(cfg)))
+        return runs
+    base = load_config(config, overrides)
+    for seed in seeds:
+        mine = [*overrides, f"seed={seed}", f"name={seed_name(base.name, seed)}"]
+        cfg = load_config(config, mine)
+        check_new_run(cfg.run_dir, overwrite)
+        args = (["--config", str(config)] if config is not None else []) + mine
+        runs.append(SeedRun(seed, cfg, args + (["--overwrite"] if overwrite else []) + extra_args, _log_path(cfg)))
+    return runs
+
+
+def _log_path(cfg: RunConfig) -> Path:
+    return Path(cfg.out_dir) / f"{cfg.name}.log"
+
+
+def default_parallel(runs: list[SeedRun]) -> int:
+    """All seeds at once on CUDA, one at a time on the CPU (the cores are already shared by torch)."""
+    from kv4rl.engine.llm import resolve_device
+
+    return len(runs) if resolve_device(runs[0].cfg.device).type == "cuda" else 1
+
+
+def share_device(runs: list[SeedRun], parallel: int) -> None:
+    """Give each of `parallel` concurrent CUDA runs its part of the device's memory (engine pool sizing)."""
+    from kv4rl.engine.llm import resolve_device
+
+    if parallel < 2 or resolve_device(runs[0].cfg.device).type != "cuda":
+        return
+    for run in runs:
+        resumed = run.args[0] == "--resume"
+        # a resumed run's saved fraction may already be a share; never hand it more than a fresh share
+        full = EngineConfig().gpu_memory_fraction if resumed else run.cfg.engine.gpu_memory_fraction
+        share = min(run.cfg.engine.gpu_memory_fraction, full / parallel) if resumed else full / parallel
+        run.args.append(f"engine.gpu_memory_fraction={share:.4f}")
+
+
+def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:
+    """Run every seed's child, at most `parallel` at a time; SIGINT/SIGTERM are passed on to the children
+    (each then stops after its iteration with a checkpoint, as a single run does)."""
+    pending, active = list(runs), []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def forward(signum, frame) -> None:
+        for run in active:
+            if run.process is not None and run.process.poll() is None:
+                run.process.send_signal(signum)
+
+    for s in previous:
+        signal.signal(s, forward)
+    try:
+        while pending or active:
+            while pending and len(active) < parallel:
+                run = pending.pop(0)
+                _start(run)
+                active.append(run)
+                announce(f"seed {run.seed}: started, log {run.log}")
+            time.sleep(0.2)
+            for run in [r for r in active if r.process.poll() is not None]:
+                active.remove(run)
+                _finish(run)
+                state = "finished" if run.returncode == 0 else f"failed (exit {run.returncode})"
+                announce(f"seed {run.seed}: {state} in {run.seconds:.0f} s, log {run.final_log}")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _start(run: SeedRun) -> None:
+    run.log.parent.mkdir(parents=True, exist_ok=True)
+    handle = run.log.open("a")  # never truncate: a log left by an earlier failed start stays
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # its own session: a Ctrl-C in the terminal reaches the parent only, which passes it on once
+    run.process = subprocess.Popen([sys.executable, "-m", "kv4rl.cli", "train", *run.args], stdout=handle,
+                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    handle.close()
+    run.seconds = time.perf_counter()
+
+
+def _finish(run: SeedRun) -> None:
+    run.returncode = run.process.returncode
+    run.seconds = time.perf_counter() - run.seconds
+    folder = run.cfg.run_dir
+    if not (folder / "config.yaml").is_file():  # never started: its log stays beside the (absent) folder
+        run.final_log = run.log
+        return
+    target = folder / LOG_NAME
+    with target.open("a") as out:
+        out.write(run.log.read_text())
+    run.log.unlink()
+    run.final_log = target
+
+
+def summary_rows(runs: list[SeedRun]) -> list[list[str]]:
+    """One row per seed: seed, folder, status, iterations logged, last accuracy, seconds, log."""
+    from kv4rl.telemetry.metrics import read_jsonl
+
+    rows = []
+    for run in runs:
+        metrics = run.cfg.run_dir / "metrics.jsonl"
+        lines = read_jsonl(metrics) if metrics.is_file() and run.returncode is not None else []
+        last = lines[-1] if lines else {}
+        status = "finished" if run.returncode == 0 else f"failed (exit {run.returncode})"
+        accuracy = last.get("accuracy")
+        rows.append([str(run.seed), str(run.cfg.run_dir), status, str(len(lines)),
+                     "-" if accuracy is None else f"{accuracy:.3f}", f"{run.seconds:.0f}", str(run.final_log)])
+    return rows
