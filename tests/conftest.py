@@ -32,3 +32,12 @@ def tiny_qwen3(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3")
     model = make_checkpoint(path)
     return path, model
+
+
+@pytest.fixture(scope="session")
+def testbed_cache(tmp_path_factory):
+    """A kv4rl cache holding the `longmul-test` testbed, built once per session (a few seconds)."""
+    from kv4rl.models.testbed import testbed_model_dir
+
+    cache = tmp_path_factory.mktemp("kv4rl_testbed_cache")
+    return cache, testbed_model_dir("longmul-test", cache, progress=False)

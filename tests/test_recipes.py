@@ -46,10 +46,23 @@ def flat(mapping: dict, prefix: str = "") -> dict:
     return out
 
 
+# testbed recipes: RL on a testbed model (`kv4rl build-model`) -> the testbed it names
+TESTBEDS = {"testbed_longmul_gpu": "longmul-gpu", "testbed_longmul_test": "longmul-test"}
+
+
 def test_recipes_exist_and_are_all_accounted_for():
     stems = {f.stem for f in FILES}
-    expected = {s for files, _ in ABLATIONS.values() for s in files}
+    expected = {s for files, _ in ABLATIONS.values() for s in files} | set(TESTBEDS)
     assert stems == expected
+
+
+@pytest.mark.parametrize("stem", sorted(TESTBEDS))
+def test_testbed_recipes_train_on_their_testbed(stem):
+    cfg = load_or_skip(stem)
+    assert cfg.model.testbed == TESTBEDS[stem] and cfg.model.path is None and cfg.data.train is None
+    assert cfg.device == ("cuda" if TESTBEDS[stem].endswith("gpu") else "cpu")
+    if stem == "testbed_longmul_gpu":
+        assert cfg.rollout.max_new_tokens == 2048  # never cuts a worked solution (tests/test_longmul.py)
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])

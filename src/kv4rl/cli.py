@@ -206,7 +206,8 @@ def eval_cmd(
     n: int = typer.Option(0, "--n", help="evaluate the first n problems (0: all; embedded task: 256)"),
     temperature: float = typer.Option(1.0, "--temperature"),
     max_new_tokens: int | None = typer.Option(
-        None, "--max-new-tokens", help="response limit (default: 1024, embedded task: 16; capped by the context)"),
+        None, "--max-new-tokens",
+        help="response limit (default: 1024, embedded task: 16, longmul testbed: 2048; capped by the context)"),
     reward: str = typer.Option(
         "auto", "--reward", help="reward function (auto: exact for the embedded task, math_verify for --data)"),
     template: str | None = typer.Option(
@@ -219,11 +220,13 @@ def eval_cmd(
     """Report mean@k and pass@k of a model on a dataset."""
     from transformers import AutoTokenizer
 
+    from kv4rl.data.longmul import LongMulTask
     from kv4rl.data.prompts import PromptFormatter
     from kv4rl.data.source import ProblemSource
     from kv4rl.engine.llm import Engine
     from kv4rl.eval.runner import evaluate
     from kv4rl.models.hf_weights import check_model_folder
+    from kv4rl.models.testbed import task_of
     from kv4rl.rewards import get_reward
 
     try:
@@ -239,11 +242,13 @@ def eval_cmd(
             model = tiny_model_dir()
         model_len = check_model_folder(model).max_position_embeddings
         engine_cfg = engine_config(engine_overrides)
-        source = ProblemSource(None, str(data) if data else None, seed)
+        task = task_of(model) if data is None else None  # a testbed folder is evaluated on its own task
+        source = ProblemSource(None, str(data) if data else None, seed, task=task)
         problems = source.eval_problems(n or (256 if data is None else 10**9))
         tokenizer = AutoTokenizer.from_pretrained(model)
         formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
-        max_new_tokens = max_new_tokens or (16 if source.embedded else 1024)
+        max_new_tokens = max_new_tokens or (1024 if not source.embedded else 2048 if isinstance(task, LongMulTask)
+                                            else 16)
         engine_cfg.max_model_len = _eval_context(formatter, problems, f"--data {data}" if data else "embedded task",
                                                  engine_cfg.max_model_len, model_len, max_new_tokens)
         engine = Engine(model, engine_cfg, device=device, seed=seed, tokenizer=tokenizer)

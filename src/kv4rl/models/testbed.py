@@ -359,7 +359,8 @@ def measure(model_dir: Path, spec: TestbedSpec, device: torch.device) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     formatter = PromptFormatter(tokenizer, PROMPT_TEMPLATE)
     lengths = solution_lengths(spec, spec.eval_problems, spec.eval_seed)
-    max_new_tokens = min(2 * max(lengths), spec.model_shape["max_position_embeddings"] // 2)
+    # room for every worked solution with a margin; a response longer than its solution is never it
+    max_new_tokens = min(max(lengths) * 5 // 4, spec.model_shape["max_position_embeddings"] // 2)
     longest_prompt = max(len(formatter.ids(p)) for p in problems)
     engine = Engine(model_dir, EngineConfig(max_model_len=longest_prompt + max_new_tokens), device=device,
                     max_num_seqs=min(256, len(problems)), seed=spec.eval_seed, tokenizer=tokenizer)

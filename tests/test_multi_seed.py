@@ -1,0 +1,71 @@
+"""`kv4rl train --seeds`: one folder per seed with its own seed and log, every folder checked before any
+seed starts, and a non-zero exit with a table when a seed fails."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from kv4rl.cli import app
+from tests.small_runs import tree_state
+
+pytestmark = pytest.mark.slow  # the seeds are child processes (~10 s each to start on 2 cores)
+runner = CliRunner()
+TINY = ["--config", "recipes/testbed_longmul_test.yaml", "trainer.iterations=1", "rollout.max_new_tokens=32",
+        "data.eval_size=2", "name=ms"]
+
+
+def seeds_cli(out_dir, *args: str):
+    return runner.invoke(app, ["train", *TINY, f"out_dir={out_dir}", *args])
+
+
+def test_two_seeds_run_into_their_own_folders(testbed_cache, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KV4RL_CACHE", str(testbed_cache[0]))
+    res = seeds_cli(tmp_path, "--seeds", "0,1", "--parallel", "2")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ms-s0", "ms-s1"]  # logs moved into the folders
+    seeds = [yaml.safe_load((tmp_path / f"ms-s{s}" / "config.yaml").read_text())["seed"] for s in (0, 1)]
+    assert seeds == [0, 1]
+    for s in (0, 1):
+        assert (tmp_path / f"ms-s{s}" / "metrics.jsonl").read_text().count("\n") == 1
+        assert "run " in (tmp_path / f"ms-s{s}" / "train.log").read_text()  # the child's own summary table
+    text = " ".join(res.output.split())
+    assert text.count("finished") >= 2 and "2 seeds, 2 at a time" in text
+
+
+def test_an_existing_run_for_one_seed_stops_every_seed_before_any_work(tmp_path) -> None:
+    held = tmp_path / "ms-s1"
+    held.mkdir()
+    (held / "config.yaml").write_text("seed: 1\n")
+    (held / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    before = tree_state(tmp_path)
+    res = seeds_cli(tmp_path, "--seeds", "0,1")
+    assert res.exit_code == 2
+    assert f"{held} already holds a run" in " ".join(res.output.split())
+    assert tree_state(tmp_path) == before  # seed 0 did not start either
+
+
+def test_a_failing_seed_fails_the_command_with_a_table(testbed_cache, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KV4RL_CACHE", str(testbed_cache[0]))
+    res = seeds_cli(tmp_path, "--seeds", "3,4", "--parallel", "2", "engine.num_kv_blocks=1", "engine.kv.block_size=4")
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert text.count("failed (exit 2)") >= 2 and "seeds 3, 4 failed" in text
+    # neither started, so no folder; each log stays beside and says why
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ms-s3.log", "ms-s4.log"]
+    assert "num_kv_blocks" in (tmp_path / "ms-s3.log").read_text()
+
+
+def test_bad_seed_options_are_refused_before_any_work(tmp_path) -> None:
+    for args, needle in [(["--seeds", "0,x"], "--seeds: 'x' is not an integer"),
+                         (["--seeds", "1,1"], "repeats a seed"),
+                         (["--seeds", "-1"], "--seeds: every value must be >= 0"),
+                         (["--seeds", "0,1", "--parallel", "0"], "--parallel must be >= 1"),
+                         (["--parallel", "2"], "give --seeds too"),
+                         (["--seeds", "0", "--resume", str(tmp_path / "ms")], "no config.yaml")]:
+        res = seeds_cli(tmp_path, *args) if "--resume" not in args else \
+            runner.invoke(app, ["train", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert needle in " ".join(res.output.split()), (args, res.output)
+    assert list(tmp_path.iterdir()) == []

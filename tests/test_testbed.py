@@ -1,0 +1,154 @@
+"""Testbed models: the test size builds in seconds, is cached atomically and reloads without rebuilding;
+its folder names its task, which training and evaluation then use; the exact-solution probability that
+stops the GPU warm-up matches a per-problem float64 computation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from kv4rl.cli import app
+from kv4rl.config import ConfigError, load_config
+from kv4rl.data.longmul import LongMulTask, solution
+from kv4rl.data.source import ProblemSource
+from kv4rl.data.synthetic import ArithmeticTask
+from kv4rl.models import testbed
+
+runner = CliRunner()
+
+
+def test_build_writes_a_complete_folder_that_records_task_and_size(testbed_cache) -> None:
+    cache, path = testbed_cache
+    assert path == cache / f"{testbed.VERSION_TAG}-longmul-test"
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no staging folder left
+    assert testbed.is_complete(path, testbed.SPECS["longmul-test"])
+    record = testbed.read_metadata(path)
+    assert (record["task"], record["size"], record["testbed"]) == ("longmul", "test", "longmul-test")
+    spec = testbed.SPECS["longmul-test"]
+    assert record["recipe"] == spec.recipe() and record["warmup_steps_taken"] == spec.steps
+    assert testbed.task_of(path) == LongMulTask(**spec.task_settings)
+    assert 0.0 <= record["sampled_accuracy"] <= 1.0 and record["solution_len_mean"] > 20
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.head_dim == spec.model_shape["head_dim"]
+    assert sum(p.numel() for p in model.parameters()) == record["parameters"]
+
+
+def test_second_call_reloads_without_building(testbed_cache, monkeypatch) -> None:
+    cache, path = testbed_cache
+    stamps = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    monkeypatch.setattr(testbed, "_write_model", _must_not_build)
+    assert testbed.testbed_model_dir("longmul-test", cache, progress=False) == path
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == stamps
+
+
+def _must_not_build(*args, **kwargs) -> None:
+    raise AssertionError("rebuilt a testbed that was already cached")
+
+
+def test_a_failing_build_leaves_nothing_behind_and_a_stale_recipe_rebuilds(testbed_cache, tmp_path,
+                                                                           monkeypatch) -> None:
+    _, built = testbed_cache
+
+    def crash(spec, out_dir, progress, device) -> None:
+        shutil.copy2(built / "config.json", out_dir / "config.json")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(testbed, "_write_model", crash)
+    with pytest.raises(KeyboardInterrupt):
+        testbed.testbed_model_dir("longmul-test", tmp_path, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+    # a finished folder of another recipe is not served: it is rebuilt
+    final = tmp_path / built.name
+    shutil.copytree(built, final)
+    record = json.loads((final / testbed.METADATA_FILE).read_text())
+    record["recipe"]["steps"] += 1
+    (final / testbed.METADATA_FILE).write_text(json.dumps(record))
+    calls = []
+
+    def copy(spec, out_dir, progress, device) -> None:
+        calls.append(out_dir)
+        for item in built.iterdir():
+            shutil.copy2(item, out_dir / item.name)
+
+    monkeypatch.setattr(testbed, "_write_model", copy)
+    assert testbed.testbed_model_dir("longmul-test", tmp_path, progress=False) == final
+    assert len(calls) == 1 and testbed.is_complete(final, testbed.SPECS["longmul-test"])
+
+
+def test_solution_probability_matches_a_float64_sum_per_problem(testbed_cache) -> None:
+    _, path = testbed_cache
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    task = testbed.SPECS["longmul-test"].make_task()
+    problems = task.problems(6, seed=4)
+    encode = testbed._Encoder(tokenizer)
+    got = testbed.solution_probability(model, encode, task, problems, tokenizer.pad_token_id,
+                                       tokenizer.eos_token_id, torch.device("cpu"), batch_size=4)
+    expected = []
+    for p in problems:
+        prompt = tokenizer.encode(f"{p.problem}=")
+        response = tokenizer.encode(solution(*map(int, p.problem.split("*")))) + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0].double()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        total = sum(logprobs[len(prompt) - 1 + i, t] for i, t in enumerate(response))
+        expected.append(float(torch.exp(total)))
+    assert got == pytest.approx(sum(expected) / len(expected), rel=1e-4, abs=1e-12)
+
+
+def test_a_testbed_folder_gives_training_its_task(testbed_cache) -> None:
+    _, path = testbed_cache
+    source = ProblemSource(None, None, seed=0, pool_size=0, task=testbed.task_of(path))
+    problems = source.batch(0, 8) + source.eval_problems(8)
+    assert all(p.id.startswith("longmul") and "*" in p.problem for p in problems)
+    assert source.default_template == "{problem}=" and source.default_reward == "exact"
+    pooled = ProblemSource(None, None, seed=0, pool_size=16, task=testbed.task_of(path))
+    assert not {p.problem for p in pooled.train} & {p.problem for p in pooled.eval_problems(16)}
+    assert ProblemSource(None, None, seed=0).embedded_task == ArithmeticTask()
+
+
+def test_config_names_a_testbed_or_a_path_not_both() -> None:
+    assert load_config(None, ["model.testbed=longmul-gpu"]).model.testbed == "longmul-gpu"
+    with pytest.raises(ConfigError, match="unknown testbed 'longmul-huge'.*longmul-gpu"):
+        load_config(None, ["model.testbed=longmul-huge"])
+    with pytest.raises(ConfigError, match="model.path and model.testbed"):
+        load_config(None, ["model.testbed=longmul-test", "model.path=/x"])
+
+
+@pytest.mark.slow
+def test_train_on_the_test_testbed_recipe(testbed_cache, tmp_path, monkeypatch) -> None:
+    cache, _ = testbed_cache
+    monkeypatch.setenv("KV4RL_CACHE", str(cache))
+    res = runner.invoke(app, ["train", "--config", "recipes/testbed_longmul_test.yaml", f"out_dir={tmp_path}",
+                              "trainer.iterations=1", "rollout.max_new_tokens=96", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "testbed-longmul-test" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["response_len_mean"] > 16  # longer than the arithmetic task allows
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--task", "sudoku", "--size", "test"], "--task: unknown task 'sudoku'"),
+    (["--task", "longmul", "--size", "huge"], "unknown testbed 'longmul-huge'"),
+    (["--task", "longmul", "--size", "tiny"], "unknown testbed 'longmul-tiny'"),
+    (["--task", "longmul", "--size", "test", "--device", "tpu"], "--device"),
+])
+def test_build_model_refuses_bad_options_before_any_work(args, needle, tmp_path) -> None:
+    res = runner.invoke(app, ["build-model", *args, "--cache-dir", str(tmp_path / "cache")])
+    assert res.exit_code == 2 and needle in " ".join(res.output.split())
+    assert not (tmp_path / "cache").exists()
+
+
+def test_build_model_reports_a_cached_build(testbed_cache, tmp_path) -> None:
+    cache, path = testbed_cache
+    out = tmp_path / "build.json"
+    res = runner.invoke(app, ["build-model", "--task", "longmul", "--size", "test", "--cache-dir", str(cache),
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    record = json.loads(out.read_text())
+    assert record["path"] == str(path) and record["built now"] is False and record["testbed"] == "longmul-test"
