@@ -188,6 +188,11 @@ class RunConfig:
                 check_testbed(self.model.testbed)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+        if self.engine.sleep_between_rollouts and self.rollout.mode == "partial" and self.rollout.carry == "keep_kv":
+            raise ConfigError(
+                "engine.sleep_between_rollouts frees the KV cache during every update, so the responses that "
+                "partial rollout carries over are recomputed; set rollout.carry=recompute with it "
+                "(rollout.carry=keep_kv would need their KV kept)")
         if self.data.prompt_template is not None:
             try:
                 check_template(self.data.prompt_template, "data.prompt_template")

@@ -4,7 +4,8 @@ This is the only module that holds both the engine and the learner. One iteratio
 batch of `quota_groups` prompt groups x `group_size` responses from the rollout pipeline (sync or
 partial collection, with the configured staleness), scores them, computes GRPO advantages, runs the
 learner's update(s) and, when the refresh schedule says so, pushes the new weights into the engine
-as version `iteration + 1`. Every phase is timed; metrics go to `runs/<name>/metrics.jsonl` and the
+as version `iteration + 1`. With `engine.sleep_between_rollouts` the engine frees its KV pool before
+the update and allocates it again after the refresh (`time_sleep` holds both). Every phase is timed; metrics go to `runs/<name>/metrics.jsonl` and the
 engine's per-step trace to `runs/<name>/rollout_trace.jsonl`. The run folder is written only once the
 first iteration has succeeded (`kv4rl.run_folder`), and a SIGTERM/SIGINT ends the run after the
 current iteration with a checkpoint (`kv4rl.graceful_stop`).
@@ -189,6 +190,13 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, generator=gen)
     times["time_reward"] = time.perf_counter() - t1
 
+    sleep = s.engine.config.sleep_between_rollouts
+    times["time_sleep"] = 0.0
+    if sleep:  # the learner gets the KV pool's memory for its update
+        t = time.perf_counter()
+        s.engine.sleep()
+        times["time_sleep"] += time.perf_counter() - t
+
     t2 = time.perf_counter()
     pad_id = s.formatter.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else 0
@@ -205,6 +213,10 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         s.engine.load_weights(s.learner.state_dict(), version=it + 1)
     s.pipeline.after_update(it, refreshed)
     times["time_sync"] = time.perf_counter() - t3
+    if sleep:  # after the refresh: a re-sized pool sees the learner's memory as it stays between updates
+        t = time.perf_counter()
+        s.engine.wake()
+        times["time_sleep"] += time.perf_counter() - t
     times["time_total"] = time.perf_counter() - t0
 
     num_gen = sum(len(c.token_ids) for c in completions)

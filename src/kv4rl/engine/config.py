@@ -73,6 +73,11 @@ class EngineConfig:
     `tensor_parallel: N` shards the model over N ranks of torch.distributed (started by torchrun):
     each holds 1/N of the heads, KV heads (and so of the KV pool, in any format) and MLP
     (`kv4rl.models.tensor_parallel`); consecutive blocks of N ranks form one engine.
+    `sleep_between_rollouts` frees the KV pool and the decode CUDA graphs while the learner updates
+    (engine and learner on one device) and allocates them again after the weight refresh
+    (`Engine.sleep`/`Engine.wake`): a pool sized from memory is re-sized then, from what the learner
+    leaves free. Unfinished responses lose their KV and are re-prefilled, so partial rollout needs
+    `rollout.carry: recompute` with it.
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -89,6 +94,7 @@ class EngineConfig:
     fused_ops: Literal["auto"] | bool = "auto"
     prefix_sharing: bool = True
     tensor_parallel: int = 1
+    sleep_between_rollouts: bool = False
 
     def validate(self) -> None:
         self.kv.validate()

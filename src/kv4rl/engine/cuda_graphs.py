@@ -6,7 +6,8 @@ static buffers sized for the largest bucket; a step copies its rows in, pads the
 that write nothing and attend to nothing (slot -1, context 0), replays, and reads the first B rows of
 the logits. The attention grid is fixed per bucket (`max_splits` splits per sequence and head) and the
 tokens per split are a device value, so one graph serves any context lengths. Weights are updated in
-place, so graphs stay valid across weight refreshes.
+place, so graphs stay valid across weight refreshes; they hold the cache tensors, so a sleeping engine
+drops them with its pool and captures new ones over the new pool when it wakes.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ class DecodeGraphs:
 
         hidden = self.model(self.ids[:bs], self.positions[:bs], attention)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self, buckets) -> None:
+        """Capture these buckets now (a woken engine re-captures those it used before sleeping)."""
+        for bs in buckets:
+            if bs not in self.graphs:
+                self._capture(bs)
 
     def _capture(self, bs: int) -> None:
         self._clear_rows(0)

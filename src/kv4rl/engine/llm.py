@@ -3,6 +3,8 @@
 `Engine.generate(prompts, params)` runs to completion; `add_request` / `step` expose the
 continuous-batching loop for orchestration that keeps requests alive across weight updates.
 `load_weights(state_dict, version)` copies learner weights in place and tags later tokens.
+`sleep()` / `wake()` free and re-allocate the KV pool and decode graphs around a learner update on
+the same device; unfinished requests survive by recomputation (see `Engine.sleep`).
 `score_tokens(prompts, forced)` teacher-forces given responses through the same cache path and
 returns full-vocabulary logits (the fidelity bench compares KV formats with it).
 """
@@ -124,6 +126,7 @@ class Engine:
         self.bytes_per_token = self.kv_bytes_per_token(self.max_model_len)
         self.pool_tokens = self.runner.num_blocks * config.kv.block_size
         self.pool_bytes = self.runner.cache_bytes
+        self.asleep = False
         self.summary = self._summary(max_num_seqs)
         log.info(self.summary)
         log.info("engine plan: %s", self.plan.explain())
@@ -144,6 +147,8 @@ class Engine:
             f"{plan.attention_desc}, sampler {self.sampler}{', fused ops' if self.fused_ops else ''}"
             + (f", tensor parallel {self.tp.size} (rank {self.tp.rank}: {self.args.num_heads} heads, "
                f"{self.args.num_kv_heads} KV heads; pool and bytes/token are per rank)" if self.tp.size > 1 else "")
+            + (f"; sleeps between rollouts: KV pool {memory.format_bytes(self.pool_bytes)} awake, 0 asleep"
+               if self.config.sleep_between_rollouts else "")
         )
 
     # ---- what the plan decided ----------------------------------------------------------------
@@ -211,6 +216,8 @@ class Engine:
         chunks, recomputes), mean context length, nominal resident KV bytes, KV blocks in
         use and how many of them are shared, prompt tokens whose prefill sharing saved, and latency.
         """
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
         t0 = time.perf_counter()
         saved_before = self.scheduler.prefill_tokens_saved
         seqs = self.scheduler.schedule()
@@ -285,6 +292,8 @@ class Engine:
         """
         if self.has_unfinished():
             raise RuntimeError("score_tokens needs an idle engine (finish or abort pending requests first)")
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before scoring")
         if len(prompts) != len(forced):
             raise ValueError(f"score_tokens: {len(prompts)} prompts but {len(forced)} forced sequences")
         for prompt, tokens in zip(prompts, forced):
@@ -324,6 +333,41 @@ class Engine:
                 raise ValueError("string prompts need an Engine built with a tokenizer")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
+
+    # ---- sleep / wake -------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the KV pool and the decode CUDA graphs, so a learner on the same device can use that
+        memory during its update. The weights stay (`load_weights` works while asleep).
+
+        Unfinished requests survive by recomputation, not by a host copy of their KV: every running
+        sequence is preempted (the scheduler's own path: blocks freed, sampled tokens, log-probs and
+        versions kept, re-queued in order) and re-prefilled after `wake`, under the weights loaded by
+        then, exactly as `rollout.carry: recompute` does. Queued requests may still be added or aborted.
+        """
+        if self.asleep:
+            raise RuntimeError("the engine is already asleep")
+        self.scheduler.preempt_all()
+        self.scheduler.forget_prefixes()  # parents lose their KV
+        self.runner.sleep()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed pages back to the device, not only to torch's cache
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Allocate the pool and graphs again (after the weight refresh). A pool that the start-up sized
+        from device memory (CUDA, `num_kv_blocks: null`) is re-sized from what is free now, with the
+        same `gpu_memory_fraction` and the activation peak measured at start-up; it never holds less
+        than one `max_model_len` sequence, which covers every queued request (else a ValueError naming
+        `engine.gpu_memory_fraction`). Other pools keep their size. The graph buckets used before
+        `sleep` are captured again here, so the capture time counts as wake time, not rollout time."""
+        if not self.asleep:
+            raise RuntimeError("the engine is awake; wake() follows sleep()")
+        self.runner.wake()
+        if self.runner.num_blocks != self.scheduler.blocks.num_blocks:  # every block is free after sleep
+            self.scheduler.blocks = BlockManager(self.runner.num_blocks, self.config.kv.block_size)
+        self.pool_tokens = self.runner.num_blocks * self.config.kv.block_size
+        self.pool_bytes = self.runner.cache_bytes
+        self.asleep = False
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

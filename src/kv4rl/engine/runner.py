@@ -36,26 +36,64 @@ class ModelRunner:
         "triton" draws untruncated rows with the fused kernel. `pool_sizing`: how `num_blocks` was chosen."""
         self.model = model
         self.kv_format = kv_format
-        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
-        num_slots = num_blocks * block_size
-        args = model.args
-        self.caches = [
-            kv_format.allocate(num_slots, args.num_kv_heads, args.head_dim, device, num_seq_slots=max_num_seqs)
-            for _ in range(args.num_layers)
-        ]
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.fast = fast
         self.fast_prefill = fast is not None and fast_prefill
-        self.graphs = None
+        self.use_graphs = fast is not None and graph_max_batch > 0 and device.type == "cuda"
+        self.graph_max_batch = graph_max_batch
         self.sampler = sampler
         self.pool_sizing = pool_sizing
         self.profile: _Profile | None = None  # the start-up's profiling step, kept for tests
-        if fast is not None and graph_max_batch > 0 and device.type == "cuda":
+        self.caches: list[dict] | None = None
+        self.graphs = None
+        self._recapture: tuple[int, ...] = ()
+        self.allocate(num_blocks)
+
+    def allocate(self, num_blocks: int, capture: tuple[int, ...] = ()) -> None:
+        """Allocate a pool of `num_blocks` blocks per layer and fresh decode graphs over it, capturing
+        the `capture` buckets now (others are captured on first use)."""
+        assert self.caches is None, "the pool is allocated; release it first"
+        args = self.model.args
+        self.num_blocks = num_blocks
+        self.caches = [
+            self.kv_format.allocate(num_blocks * self.block_size, args.num_kv_heads, args.head_dim, self.device,
+                                    num_seq_slots=self.max_num_seqs)
+            for _ in range(args.num_layers)
+        ]
+        if self.use_graphs:
             from kv4rl.engine.cuda_graphs import DecodeGraphs
 
-            max_blocks = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(model, self.caches, fast, graph_max_batch, max_blocks)
+            max_blocks = -(-self.max_model_len // self.block_size)
+            self.graphs = DecodeGraphs(self.model, self.caches, self.fast, self.graph_max_batch, max_blocks)
+            self.graphs.capture(capture)
+
+    def release(self) -> tuple[int, ...]:
+        """Drop the pool and the decode graphs (their static buffers and private memory pool); returns
+        the graph buckets that had been captured, so `allocate` can capture them again."""
+        captured = tuple(sorted(self.graphs.graphs)) if self.graphs is not None else ()
+        self.caches = None
+        self.graphs = None
+        return captured
+
+    @property
+    def allocated(self) -> bool:
+        return self.caches is not None
+
+    def sleep(self) -> None:
+        """Free the pool and graphs until `wake` (the engine preempts every sequence first)."""
+        self._recapture = self.release()
+
+    def wake(self) -> None:
+        """Allocate the pool again: re-sized from free device memory when the start-up sized it so
+        (`_Profile`: memory held by others now, e.g. the learner's optimizer state, counts as in use),
+        else with the same blocks; the graph buckets captured before `sleep` are captured again."""
+        num_blocks = self.num_blocks
+        if self.profile is not None and self.profile.plan.pool_blocks.value is None:
+            num_blocks, self.pool_sizing = _memory_sized(self.profile, self.model, self.device)
+        self.allocate(num_blocks, self._recapture)
 
     @classmethod
     def build(cls, model, plan: EnginePlan, config: EngineConfig, device: torch.device) -> ModelRunner:
@@ -69,9 +107,7 @@ class ModelRunner:
         profile = _Profile(model, plan, config, device, fast)
         num_blocks, sizing = plan.pool_blocks.value, plan.pool_blocks.reason
         if num_blocks is None:
-            num_blocks, sizing = profile.pool_blocks()
-            if model.tp is not None:  # every shard's scheduler must see the same pool
-                num_blocks, sizing = _smallest_over(model.tp, num_blocks, device), sizing + ", smallest over the TP ranks"
+            num_blocks, sizing = _memory_sized(profile, model, device)
         runner = cls(model, plan.kv_format, num_blocks, block_size, device, max_num_seqs=plan.max_num_seqs,
                      fast=fast, graph_max_batch=plan.max_num_seqs if plan.cuda_graphs.value else 0,
                      max_model_len=plan.max_model_len.value, sampler=plan.sampler.value, pool_sizing=sizing,
@@ -81,8 +117,8 @@ class ModelRunner:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes held by every layer's cache tensors (pages, scales, per-sequence rows)."""
-        return sum(t.numel() * t.element_size() for cache in self.caches for t in cache.values())
+        """Bytes held by every layer's cache tensors (pages, scales, per-sequence rows); 0 when released."""
+        return sum(t.numel() * t.element_size() for cache in self.caches or () for t in cache.values())
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy learner weights (HF names) in place; FP8 linears re-quantize as they copy."""
@@ -215,6 +251,15 @@ def prepare_model(model, plan: EnginePlan) -> None:
         set_fused_quant(model)
 
 
+def _memory_sized(profile: _Profile, model, device: torch.device) -> tuple[int, str]:
+    """The profiled pool's blocks and how they were chosen; under tensor parallelism the smallest over
+    the ranks, since every shard's scheduler must see the same pool."""
+    num_blocks, sizing = profile.pool_blocks()
+    if model.tp is not None:
+        num_blocks, sizing = _smallest_over(model.tp, num_blocks, device), sizing + ", smallest over the TP ranks"
+    return num_blocks, sizing
+
+
 def _smallest_over(tp, num_blocks: int, device: torch.device) -> int:
     import torch.distributed as dist
 
@@ -229,14 +274,18 @@ class _Profile:
     def __init__(self, model, plan: EnginePlan, config: EngineConfig, device: torch.device,
                  fast: FastAttention | None):
         self.model, self.plan, self.config, self.device, self.fast = model, plan, config, device, fast
+        self.activation: int | None = None  # the largest step's peak, measured once
 
     def pool_blocks(self) -> tuple[int, str]:
         """The pool's blocks and how they were chosen: what is left of `engine.gpu_memory_fraction`
-        after the memory in use and the largest step's peak (see `kv4rl.engine.memory`)."""
+        after the memory in use and the largest step's peak (see `kv4rl.engine.memory`). Called again
+        at each wake of a sleeping engine; the peak is measured only the first time."""
         cfg, plan, args = self.config, self.plan, self.model.args
         max_num_seqs, max_model_len, block_size = plan.max_num_seqs, plan.max_model_len.value, cfg.kv.block_size
         footprint = memory.kv_footprint(plan.kv_format, args.num_layers, args.num_kv_heads, args.head_dim, block_size)
-        activation = memory.measure_step_peak(lambda: self.step(max_num_seqs), self.device)
+        if self.activation is None:
+            self.activation = memory.measure_step_peak(lambda: self.step(max_num_seqs), self.device)
+        activation = self.activation
         total, used = memory.in_use_bytes(self.device)
         blocks = memory.pool_blocks(
             total_bytes=total, fraction=cfg.gpu_memory_fraction, used_bytes=used, activation_bytes=activation,

@@ -1,8 +1,9 @@
 """Where an iteration's time goes: mean seconds per phase of the training loop, per run.
 
-The loop times rollout, reward (with advantages), update and weight sync inside `time_total`;
-whatever `time_total` holds beyond those four (batch hand-off, bookkeeping) is shown as `other`, so
-the stacked bar's height is the mean `time_total`. Evaluation runs outside `time_total`.
+The loop times rollout, reward (with advantages), update, weight sync and the engine's sleep/wake
+inside `time_total`; whatever `time_total` holds beyond those (batch hand-off, bookkeeping) is shown
+as `other`, so the stacked bar's height is the mean `time_total`. Evaluation runs outside
+`time_total`. Runs recorded before the loop timed sleep/wake count it as 0 (they did not sleep).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from pathlib import Path
 
 from kv4rl.telemetry.metrics import read_jsonl
 
-PHASES = ("time_rollout", "time_reward", "time_update", "time_sync")
+PHASES = ("time_rollout", "time_reward", "time_update", "time_sync", "time_sleep")
+OPTIONAL = {"time_sleep": 0.0}  # phases older metrics files lack, and their value there
 
 
 def phase_means(run: Path, skip: int = 0) -> dict[str, float]:
@@ -20,7 +22,7 @@ def phase_means(run: Path, skip: int = 0) -> dict[str, float]:
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
-    rows = [r for r in read_jsonl(path) if r["iteration"] >= skip]
+    rows = [{**OPTIONAL, **r} for r in read_jsonl(path) if r["iteration"] >= skip]
     if not rows:
         raise ValueError(f"{run}: no iterations at or after {skip}")
     for key in (*PHASES, "time_total"):
