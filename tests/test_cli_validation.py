@@ -42,6 +42,7 @@ def no_work(monkeypatch):
                          ("kv4rl.bench.pool", "bench_pool"), ("kv4rl.bench.fidelity", "run_fidelity"),
                          ("kv4rl.bench.decode_attn", "run_decode_attn"),
                          ("kv4rl.bench.decode_forward", "run_decode_forward"), ("kv4rl.sim.clip_bias", "clip_bias"),
+                         ("kv4rl.bench.iteration", "bench_iteration"),
                          ("kv4rl.sim.correction_variance", "measure")]:
         monkeypatch.setattr(importlib.import_module(module), name, _work_started)
 
@@ -92,6 +93,23 @@ def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, arg
     (["bench", "decode-attn", "--contexts", "2k"], ["--contexts", "'2k'"]),
     (["bench", "decode-attn", "--formats", "bf16,fp4"], ["--formats", "'fp4'"]),
     (["bench", "decode-forward", "--shapes", "qwen9"], ["--shapes", "'qwen9'"]),
+    (["bench", "iteration", "--arms", "bf16+sync,kv9+partial"], ["--arms 'kv9+partial'", "unknown: kv9"]),
+    (["bench", "iteration", "--arms", "bf16+sync+partial"], ["--arms 'bf16+sync+partial'", "KV format + mode"]),
+    (["bench", "iteration", "--arms", "fp8w+fp8w+kv4+sync"], ["--arms 'fp8w+fp8w+kv4+sync'"]),
+    (["bench", "iteration", "--arms", "kv4+sync,kv4+sync"], ["--arms", "names one arm twice"]),
+    (["bench", "iteration", "--arms", ","], ["--arms is empty"]),
+    (["bench", "iteration", "--shape", "qwen9"], ["--shape", "qwen9"]),
+    (["bench", "iteration", "--shape", "qwen3-tiny"], ["--prompt-len + --max-len = 8320", "512 tokens"]),
+    (["bench", "iteration", "--iterations", "0"], ["--iterations must be >= 1"]),
+    (["bench", "iteration", "--micro-batch-size", "0"], ["--micro-batch-size must be >= 1"]),
+    (["bench", "iteration", "--max-slots", "0"], ["--max-slots must be >= 1"]),
+    (["bench", "iteration", "--median-len", "9000"], ["--median-len 9000 exceeds --max-len 8192"]),
+    (["bench", "iteration", "--group-size", "1"], ["--group-size must be >= 2"]),
+    (["bench", "iteration", "--lr", "0"], ["--lr must be > 0"]),
+    (["bench", "iteration", "--device", "gpu"], ["--device", "'gpu'"]),
+    (["bench", "iteration", "engine.kv.format=fp8"], ["engine.kv.format is set by --arms"]),
+    (["bench", "iteration", "engine.sleep_between_rollouts=false"], ["--sleep/--no-sleep"]),
+    (["bench", "iteration", "engine.kv.group_size=48"], ["--arms kv4+partial", "group_size"]),
     (["sim", "clip-bias", "--sweep-rho", "1,-1"], ["--sweep-rho"]),
     (["sim", "correction-variance", "--template", "hello"], ["--template"]),
 ])
@@ -100,7 +118,7 @@ def test_bench_and_sim_refuse_a_bad_option_before_any_work(no_work, args, needle
 
 
 JSON_COMMANDS = [["eval"], ["bench", "fidelity"], ["bench", "generate"], ["bench", "pool"], ["bench", "decode-attn"],
-                 ["bench", "decode-forward"], ["sim", "clip-bias"], ["sim", "correction-variance"]]
+                 ["bench", "decode-forward"], ["bench", "iteration"], ["sim", "clip-bias"], ["sim", "correction-variance"]]
 
 
 @pytest.mark.parametrize("command", JSON_COMMANDS, ids=" ".join)

@@ -110,7 +110,7 @@ def test_training_that_sleeps_every_iteration_equals_training_that_does_not(tmp_
         rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
         runs[name] = (rows, load_file(cfg.run_dir / "checkpoints" / "iter_000003" / "model.safetensors"))
     (awake, w_awake), (slept, w_slept) = runs["awake"], runs["sleeps"]
-    assert [r["time_sleep"] for r in awake] == [0.0] * 3 and all(r["time_sleep"] > 0 for r in slept)
+    assert [r["time_sleep_wake"] for r in awake] == [0.0] * 3 and all(r["time_sleep_wake"] > 0 for r in slept)
     assert any(r["staleness_max"] > 1 for r in awake), "no response was carried across an update"
     untimed = lambda r: {k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"}
     assert [untimed(r) for r in awake] == [untimed(r) for r in slept]

@@ -121,7 +121,7 @@ def test_iteration_time_csv_matches_hand_computation(tmp_path):
                                         "time_sync": s, "time_total": t}
     write_run(tmp_path / "a", [phases(0, 9.0, 9.0, 9.0, 9.0, 99.0),  # warm-up, left out by --skip 1
                                phases(1, 1.0, 0.5, 2.0, 0.25, 4.0), phases(2, 3.0, 0.5, 4.0, 0.75, 9.0)])
-    write_run(tmp_path / "b", [dict(phases(i, 2.0, 0.0, 1.0, 0.0, 4.0), time_sleep=0.5) for i in (0, 1)])
+    write_run(tmp_path / "b", [dict(phases(i, 2.0, 0.0, 1.0, 0.0, 4.0), time_sleep_wake=0.5) for i in (0, 1)])
     out = tmp_path / "t.png"
     res = runner.invoke(app, ["plot", "iteration-time", str(tmp_path / "a"), str(tmp_path / "b"), "--skip", "1",
                               "--out", str(out)])
@@ -134,9 +134,9 @@ def test_iteration_time_csv_matches_hand_computation(tmp_path):
     # b, iteration 1: rollout 2, update 1, sleep .5, total 4 -> other .5
     assert got == [("a", "rollout", 2.0, 2 / 6.5, 2), ("a", "reward", 0.5, 0.5 / 6.5, 2),
                    ("a", "update", 3.0, 3 / 6.5, 2), ("a", "sync", 0.5, 0.5 / 6.5, 2),
-                   ("a", "sleep", 0.0, 0.0, 2), ("a", "other", 0.5, 0.5 / 6.5, 2),
+                   ("a", "sleep_wake", 0.0, 0.0, 2), ("a", "other", 0.5, 0.5 / 6.5, 2),
                    ("b", "rollout", 2.0, 0.5, 1), ("b", "reward", 0.0, 0.0, 1), ("b", "update", 1.0, 0.25, 1),
-                   ("b", "sync", 0.0, 0.0, 1), ("b", "sleep", 0.5, 0.125, 1), ("b", "other", 0.5, 0.125, 1)]
+                   ("b", "sync", 0.0, 0.0, 1), ("b", "sleep_wake", 0.5, 0.125, 1), ("b", "other", 0.5, 0.125, 1)]
 
 
 def test_iteration_time_names_a_missing_phase(tmp_path):

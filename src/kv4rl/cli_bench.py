@@ -5,6 +5,8 @@
 - `pool`: tokens the KV pool holds in a memory budget per format (`kv4rl.bench.pool`).
 - `generate`: engine tokens/s against transformers' `generate` on one random-init model
   (`kv4rl.bench.generate`).
+- `iteration`: seconds per RL iteration split by phase, per KV format x rollout mode x weight format,
+  engine and learner on one device (`kv4rl.bench.iteration`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kv4rl.bench.tables import (
     decode_forward_table,
     fidelity_table,
     generate_table,
+    iteration_table,
     pool_table,
     rollout_table,
 )
@@ -417,3 +420,76 @@ def bench_rollout_cmd(
 
         pools = {r["format"]: r["pool_bytes"] for r in res["results"]}
         console.print(f"wrote {plot_rollout_corners(traces, pools, png)}")
+
+
+@bench_app.command("iteration")
+def bench_iteration_cmd(
+    engine_overrides: Annotated[list[str] | None, typer.Argument(
+        help="engine settings, e.g. engine.gpu_memory_fraction=0.8 engine.max_num_batched_tokens=32768")] = None,
+    shape: Annotated[str, Option(
+        "--shape", help="random-init model of this shape (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, "
+                        "qwen3-tiny for tests)")] = "qwen3-1.7b",
+    arms: Annotated[str, Option(
+        "--arms", help="comma-separated arms, each KV format + rollout mode [+ fp8w for FP8 engine weights], "
+                       "e.g. bf16+sync,kv4+partial,fp8w+kv4+partial; speedups are against the first")]
+    = "bf16+sync,kv4+partial",
+    iterations: Annotated[int, Option("--iterations", help="timed iterations per arm, after one warm-up")] = 2,
+    quota: Annotated[int, Option("--quota-groups", help="prompt groups per learner batch")] = 16,
+    group: Annotated[int, Option("--group-size", help="responses per prompt")] = 8,
+    slots: Annotated[int | None, Option(
+        "--max-slots", help="decode slots (default: quota-groups x group-size)")] = None,
+    prompt_len: Annotated[int, Option("--prompt-len")] = 128,
+    median_len: Annotated[int, Option("--median-len", help="median response length")] = 1024,
+    sigma: Annotated[float, Option("--sigma", help="log-normal tail of response lengths")] = 1.0,
+    max_len: Annotated[int, Option("--max-len", help="longest response")] = 8192,
+    micro_batch_size: Annotated[int, Option(
+        "--micro-batch-size", help="learner sequences per forward/backward")] = 1,
+    grad_checkpointing: Annotated[bool, Option("--grad-checkpointing/--no-grad-checkpointing")] = False,
+    lr: Annotated[float, Option("--lr", help="learner learning rate")] = 1e-6,
+    sleep: Annotated[bool, Option(
+        "--sleep/--no-sleep", help="engine frees its KV pool during the update (engine.sleep_between_rollouts)")]
+    = True,
+    device: Annotated[str, Option("--device")] = "auto",
+    seed: Annotated[int, Option("--seed")] = 0,
+    json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
+    png: Annotated[Path | None, Option(
+        "--png", help="stacked bars of the phases per arm; the CSV behind it goes beside it")] = None,
+    validate_only: Annotated[bool, Option(
+        "--validate-only", help="check the options, then stop before any work")] = False,
+) -> None:
+    """Seconds per RL iteration (rollout / reward / update / weight sync / sleep-wake) for each arm."""
+    from kv4rl.bench.iteration import IterationBench, bench_iteration, parse_arms, prepare
+    from kv4rl.bench.rollout import Workload
+    from kv4rl.config_loader import parse_override
+
+    try:
+        overrides = engine_overrides or []
+        check_at_least(1, ("--max-slots", slots))
+        check_device(device)
+        bench = IterationBench(
+            arms=tuple(parse_arms(arms)), shape=shape, iterations=iterations,
+            workload=Workload(quota_groups=quota, group_size=group, max_slots=slots or quota * group,
+                              prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
+            micro_batch_size=micro_batch_size, grad_checkpointing=grad_checkpointing, lr=lr, sleep=sleep,
+            device=device, engine=engine_config(overrides),
+            engine_keys=frozenset(".".join(parse_override(o)[0]) for o in overrides))
+        configs = prepare(bench)
+    except ValueError as exc:
+        fail(str(exc))
+    if validate_only:
+        console.print("options valid; stopping before any work (--validate-only)")
+        return
+    check_output_path(json_out, "--json")
+    check_output_path(png, "--png")
+    with StageProgress(console, "iteration") as stages:  # the model folder, then each arm's iterations
+        res = bench_iteration(bench, configs, progress=stages.counted(1 + len(bench.arms) * (1 + bench.iterations)))
+    for r in res["results"]:
+        console.print(f"[dim]{r['arm']}: {r['engine_summary']}[/]", highlight=False, soft_wrap=True)
+    print_table(console, iteration_table(res))
+    write_json(res, json_out)
+    if png is not None:
+        from kv4rl.bench.iteration import figure_rows
+        from kv4rl.telemetry.plots import plot_iteration_time, write_csv
+
+        rows = figure_rows(res)
+        console.print(f"wrote {plot_iteration_time(rows, png)} and {write_csv(rows, png.with_suffix('.csv'))}")

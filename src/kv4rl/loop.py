@@ -5,8 +5,9 @@ batch of `quota_groups` prompt groups x `group_size` responses from the rollout 
 partial collection, with the configured staleness), scores them, computes GRPO advantages, runs the
 learner's update(s) and, when the refresh schedule says so, pushes the new weights into the engine
 as version `iteration + 1`. With `engine.sleep_between_rollouts` the engine frees its KV pool before
-the update and allocates it again after the refresh (`time_sleep` holds both). Every phase is timed; metrics go to `runs/<name>/metrics.jsonl` and the
-engine's per-step trace to `runs/<name>/rollout_trace.jsonl`. The run folder is written only once the
+the update and allocates it again after the refresh (`time_sleep_wake` holds both). Every phase is
+timed; metrics go to `runs/<name>/metrics.jsonl` and the engine's per-step trace to
+`runs/<name>/rollout_trace.jsonl`. The run folder is written only once the
 first iteration has succeeded (`kv4rl.run_folder`), and a SIGTERM/SIGINT ends the run after the
 current iteration with a checkpoint (`kv4rl.graceful_stop`).
 """
@@ -191,11 +192,11 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     times["time_reward"] = time.perf_counter() - t1
 
     sleep = s.engine.config.sleep_between_rollouts
-    times["time_sleep"] = 0.0
+    times["time_sleep_wake"] = 0.0
     if sleep:  # the learner gets the KV pool's memory for its update
         t = time.perf_counter()
         s.engine.sleep()
-        times["time_sleep"] += time.perf_counter() - t
+        times["time_sleep_wake"] += time.perf_counter() - t
 
     t2 = time.perf_counter()
     pad_id = s.formatter.tokenizer.pad_token_id
@@ -216,7 +217,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     if sleep:  # after the refresh: a re-sized pool sees the learner's memory as it stays between updates
         t = time.perf_counter()
         s.engine.wake()
-        times["time_sleep"] += time.perf_counter() - t
+        times["time_sleep_wake"] += time.perf_counter() - t
     times["time_total"] = time.perf_counter() - t0
 
     num_gen = sum(len(c.token_ids) for c in completions)

@@ -91,6 +91,22 @@ def rollout_table(res: dict) -> ResultTable:
     return table
 
 
+def iteration_table(res: dict) -> ResultTable:
+    w = res["workload"]
+    gib = lambda n: "-" if n is None else f"{n / 2**30:.1f}"
+    table = ResultTable(
+        f"RL iteration: {res['model']} (random init) on {res['gpu'] or res['device']}, engine + learner on one "
+        f"device, {'sleep/wake' if res['sleep'] else 'no sleep'} — {w['quota_groups']} groups x {w['group_size']}, "
+        f"{w['max_slots']} slots, prompt {w['prompt_len']}, lengths log-normal median {w['median_len']} sigma "
+        f"{w['sigma']:g} max {w['max_len']}; mean seconds of {res['iterations']} iterations after a warm-up",
+        ["arm", "s / iter", *res["phases"], "speedup", "tokens / iter", "peak GiB", "pool GiB"], labels=1)
+    for r in res["results"]:
+        table.add_row(r["arm"], f"{r['seconds_per_iteration']:.3f}", *[f"{r['phases'][p]:.3f}" for p in res["phases"]],
+                      f"{r['speedup_vs_first']:.2f}x", f"{r['tokens_per_iteration']:,.0f}",
+                      gib(r["peak_memory_bytes"]), gib(r["pool_bytes_awake"]))
+    return table
+
+
 def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
     tp = max(r.get("tensor_parallel", 1) for r in res["results"]) if res["results"] else 1
     extra = ["TP1 ms", f"TP{tp} vs TP1"] if tp > 1 else []

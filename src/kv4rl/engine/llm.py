@@ -372,8 +372,10 @@ class Engine:
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy learner weights (HF names) in place; tokens sampled afterwards carry `version`.
-        FP8 linears re-quantize from the incoming tensors as they are copied."""
+        FP8 linears re-quantize from the incoming tensors as they are copied. Returns once the copies
+        are done on the device, so the loop's `time_sync` holds the whole refresh."""
         self.runner.load_weights(state_dict)
+        self.runner.synchronize()
         self.version = version
         self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
 

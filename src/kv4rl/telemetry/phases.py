@@ -13,8 +13,8 @@ from pathlib import Path
 
 from kv4rl.telemetry.metrics import read_jsonl
 
-PHASES = ("time_rollout", "time_reward", "time_update", "time_sync", "time_sleep")
-OPTIONAL = {"time_sleep": 0.0}  # phases older metrics files lack, and their value there
+PHASES = ("time_rollout", "time_reward", "time_update", "time_sync", "time_sleep_wake")
+OPTIONAL = {"time_sleep_wake": 0.0}  # phases older metrics files lack, and their value there
 
 
 def phase_means(run: Path, skip: int = 0) -> dict[str, float]:
@@ -22,29 +22,36 @@ def phase_means(run: Path, skip: int = 0) -> dict[str, float]:
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
-    rows = [{**OPTIONAL, **r} for r in read_jsonl(path) if r["iteration"] >= skip]
+    rows = [r for r in read_jsonl(path) if r["iteration"] >= skip]
     if not rows:
         raise ValueError(f"{run}: no iterations at or after {skip}")
+    return means_of(rows, str(run))
+
+
+def means_of(rows: list[dict], where: str) -> dict[str, float]:
+    """Mean seconds per phase (and `other`, `time_total`, `iterations`) of metrics rows of the loop."""
+    rows = [{**OPTIONAL, **r} for r in rows]
     for key in (*PHASES, "time_total"):
         missing = [r["iteration"] for r in rows if not isinstance(r.get(key), (int, float))]
         if missing:
-            raise ValueError(f"{run}: '{key}' missing at iteration {missing[0]}")
+            raise ValueError(f"{where}: '{key}' missing at iteration {missing[0]}")
     means = {k: math.fsum(r[k] for r in rows) / len(rows) for k in (*PHASES, "time_total")}
     means["other"] = means["time_total"] - sum(means[k] for k in PHASES)
     means["iterations"] = len(rows)
     return means
 
 
+def rows_of(label: str, means: dict[str, float]) -> list[dict]:
+    """The CSV rows of one run or arm: one per phase, `share` = the phase's part of the mean `time_total`."""
+    total = means["time_total"]
+    return [{"run": label, "phase": phase.removeprefix("time_"), "mean_s": means[phase],
+             "share": means[phase] / total if total else 0.0, "iterations": means["iterations"]}
+            for phase in (*PHASES, "other")]
+
+
 def phase_rows(runs: list[Path], skip: int = 0) -> list[dict]:
-    """The CSV rows: one per (run, phase), `share` = the phase's part of the mean `time_total`."""
+    """The CSV rows: one per (run, phase) (see `rows_of`)."""
     labels = [Path(r).name for r in runs]
     if len(set(labels)) < len(labels):
         labels = [str(r) for r in runs]
-    rows = []
-    for label, run in zip(labels, runs):
-        m = phase_means(run, skip)
-        for phase in (*PHASES, "other"):
-            rows.append({"run": label, "phase": phase.removeprefix("time_"), "mean_s": m[phase],
-                         "share": m[phase] / m["time_total"] if m["time_total"] else 0.0,
-                         "iterations": m["iterations"]})
-    return rows
+    return [row for label, run in zip(labels, runs) for row in rows_of(label, phase_means(run, skip))]

@@ -53,8 +53,8 @@ def plot_curves(curves, metric: str, decay: float, band: str, out_png: Path) -> 
     return _save(fig, out_png)
 
 
-def plot_iteration_time(rows: list[dict], out_png: Path) -> Path:
-    """Stacked bars: mean seconds per phase, one bar per run (rows from `phases.phase_rows`)."""
+def plot_iteration_time(rows: list[dict], out_png: Path, title: str = "time per iteration by phase") -> Path:
+    """Stacked bars: mean seconds per phase, one bar per run or arm (rows from `phases.rows_of`)."""
     plt = _pyplot()
     runs = list(dict.fromkeys(r["run"] for r in rows))
     phases = list(dict.fromkeys(r["phase"] for r in rows))
@@ -67,9 +67,9 @@ def plot_iteration_time(rows: list[dict], out_png: Path) -> Path:
         bottom = [b + h for b, h in zip(bottom, heights)]
     for x, total in enumerate(bottom):
         ax.annotate(f"{total:.3g} s", (x, total), ha="center", va="bottom", fontsize="small")
-    ax.margins(y=0.08)
+    ax.set_ylim(0, 1.1 * max(bottom, default=0.0) or 1.0)  # room for the totals above the bars
     ax.set_ylabel("mean seconds per iteration")
-    ax.set_title("time per iteration by phase")
+    ax.set_title(title, fontsize="medium")
     ax.legend(fontsize="small")
     ax.tick_params(axis="x", labelrotation=20)
     return _save(fig, out_png)

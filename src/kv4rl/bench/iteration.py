@@ -1,0 +1,270 @@
+"""`kv4rl bench iteration`: where a whole RL iteration's time goes, per arm (KV format x rollout mode x
+weight format), with the engine and the learner on one device.
+
+Each arm drives the training loop's own `loop.run_iteration` (the loop's phase timers, its learner
+built by `loop.build_learner`, the weight refresh and, by default, the engine's sleep/wake around the
+update) on random-init weights of a model shape, so the phases are the ones a `kv4rl train` run logs:
+rollout, reward (with advantages), update, weight sync (FP8 re-quantization included for fp8
+weights), sleep/wake (pool freed and re-allocated, graphs re-captured), and `other` (what
+`time_total` holds beyond them). Nothing is a real task: prompt group g is a fixed random token
+sequence and response (g, j) runs to a log-normal length seeded by (g, j), EOS ignored (the
+`bench rollout` workload), and the reward is a deterministic function of the response's token ids
+(the fraction of odd ids), so GRPO advantages and the update are real work on real shapes.
+
+Every arm starts from the same weights (the cached random-init folder of the shape), builds its
+learner first, then its engine (so a pool sized from device memory sees the learner's weights, and at
+each wake also its optimizer state), runs one untimed warm-up iteration (CUDA graphs, allocator,
+and in partial mode the carried responses) and then times `iterations` iterations; the reported
+seconds are means over those. Peak memory is torch's peak allocated bytes over the timed iterations
+(CUDA only). Partial arms carry unfinished responses with `rollout.carry: recompute` (what sleeping
+needs; see `EngineConfig`).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kv4rl.bench.fidelity import default_allocation
+from kv4rl.bench.random_model import qwen3_args, random_model_dir
+from kv4rl.bench.rollout import MODES, Workload, _Prompts
+from kv4rl.config import RunConfig
+from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
+from kv4rl.engine.llm import Engine, resolve_device, resolve_dtype
+from kv4rl.rewards.base import RewardResult
+from kv4rl.rollout.collector import Collector
+from kv4rl.rollout.pipeline import RolloutPipeline
+from kv4rl.telemetry.phases import PHASES, means_of, rows_of
+
+WEIGHT_FORMATS = {"fp8w": "fp8"}  # arm part -> engine.weight_format (default: the model dtype)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One bar of the figure: `kv` format, rollout `mode`, engine `weights` ("auto" or "fp8")."""
+
+    label: str
+    kv: str
+    mode: str
+    weights: str = "auto"
+
+
+def parse_arms(text: str) -> list[Arm]:
+    """`bf16+sync,kv4+partial,fp8w+kv4+partial` -> arms; each names one KV format and one mode, and
+    may name a weight format (fp8w). Raises ValueError naming the bad arm."""
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    if not arms:
+        raise ValueError("--arms is empty")
+    out = []
+    for label in arms:
+        parts = label.split("+")
+        kv = [p for p in parts if p in KV_FORMATS]
+        mode = [p for p in parts if p in MODES]
+        weights = [p for p in parts if p in WEIGHT_FORMATS]
+        unknown = [p for p in parts if p not in KV_FORMATS and p not in MODES and p not in WEIGHT_FORMATS]
+        if unknown or len(kv) != 1 or len(mode) != 1 or len(weights) > 1:
+            raise ValueError(
+                f"--arms {label!r}: an arm is KV format + mode [+ weight format], e.g. kv4+partial or "
+                f"fp8w+kv4+partial (KV formats: {', '.join(sorted(KV_FORMATS))}; modes: {', '.join(MODES)}; "
+                f"weight formats: {', '.join(WEIGHT_FORMATS)})" + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+        out.append(Arm(label, kv[0], mode[0], WEIGHT_FORMATS[weights[0]] if weights else "auto"))
+    if len({a.label for a in out}) < len(out):
+        raise ValueError(f"--arms {text}: names one arm twice")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class IterationBench:
+    """The options of one benchmark, as given (see the module docstring)."""
+
+    arms: tuple[Arm, ...]
+    shape: str = "qwen3-tiny"
+    workload: Workload = Workload()
+    iterations: int = 2
+    micro_batch_size: int = 1
+    grad_checkpointing: bool = False
+    lr: float = 1e-6
+    sleep: bool = True
+    device: str = "auto"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine_keys: frozenset[str] = frozenset()
+
+
+def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
+    """The training config of one arm, validated as `kv4rl train` validates it (ValueError). KV options
+    not given explicitly are fitted to the model as `bench rollout` fits them; `model.path` is set when
+    the random-init folder exists."""
+    work, head_dim = bench.workload, qwen3_args(bench.shape).head_dim
+    cfg = RunConfig(name=f"bench-{arm.label}", seed=work.seed, device=bench.device,
+                    engine=copy.deepcopy(bench.engine))
+    e = cfg.engine
+    e.kv.format, e.weight_format, e.sleep_between_rollouts = arm.kv, arm.weights, bench.sleep
+    e.max_model_len = work.max_model_len
+    if "engine.kv.group_size" not in bench.engine_keys:
+        e.kv.group_size = min(e.kv.group_size, head_dim)
+    if not {"engine.kv.n_sink", "engine.kv.n_recent"} & bench.engine_keys:
+        e.kv.n_sink, e.kv.n_recent = default_allocation(work.max_model_len)
+    r = cfg.rollout
+    r.mode, r.quota_groups, r.group_size, r.max_slots = arm.mode, work.quota_groups, work.group_size, work.max_slots
+    r.max_new_tokens, r.carry = work.max_len, "recompute"
+    t = cfg.trainer
+    t.iterations, t.micro_batch_size, t.grad_checkpointing, t.lr, t.warmup_iters = (
+        bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
+    try:
+        cfg.validate()
+        kv_format_from_config(e.kv).check(head_dim, work.max_model_len)
+    except ValueError as exc:
+        raise ValueError(f"--arms {arm.label}: {exc}") from None
+    return cfg
+
+
+def prepare(bench: IterationBench) -> dict[str, RunConfig]:
+    """Check every option against the shape and device before anything is built; per arm its config.
+    Raises ValueError naming the option."""
+    work = bench.workload
+    work.validate()
+    if not bench.arms:
+        raise ValueError("--arms is empty")
+    if bench.iterations < 1:
+        raise ValueError(f"--iterations must be >= 1, got {bench.iterations}")
+    if bench.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {bench.micro_batch_size}")
+    if not bench.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {bench.lr}")
+    for key, owner in (("engine.kv.format", "--arms"), ("engine.weight_format", "--arms"),
+                       ("engine.max_model_len", "--prompt-len + --max-len"),
+                       ("engine.sleep_between_rollouts", "--sleep/--no-sleep")):
+        if key in bench.engine_keys:
+            raise ValueError(f"{key} is set by {owner} here")
+    try:
+        args = qwen3_args(bench.shape)
+    except ValueError as exc:
+        raise ValueError(f"--shape: {exc}") from None
+    if work.max_model_len > args.max_position_embeddings:
+        raise ValueError(f"--prompt-len + --max-len = {work.max_model_len} exceeds the {bench.shape} context of "
+                         f"{args.max_position_embeddings} tokens")
+    resolve_device(bench.device)
+    return {arm.label: run_config(bench, arm) for arm in bench.arms}
+
+
+class _IdTokenizer:
+    """Decodes token ids to their decimal text (the reward reads them back); pads with id 0."""
+
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+class _Formatter(_Prompts):
+    """The `bench rollout` prompts (problem g -> fixed random ids), with the id tokenizer."""
+
+    tokenizer = _IdTokenizer()
+
+
+def odd_token_reward(texts: list[str], answers: list[str]) -> RewardResult:
+    """The fraction of odd token ids in each response: deterministic, varies within a group."""
+    scores = []
+    for text in texts:
+        ids = [int(t) for t in text.split()]
+        scores.append(sum(i % 2 for i in ids) / max(len(ids), 1))
+    return RewardResult(scores)
+
+
+ProgressFn = Callable[[str], None]
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: ProgressFn) -> dict:
+    """Build the arm's learner and engine, warm up one iteration, time the rest; one result row."""
+    from kv4rl.loop import Setup, build_learner, run_iteration
+
+    work, device = bench.workload, resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    learner = build_learner(cfg, model_dir, model_dir, device)
+    engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
+    engine = Engine(model_dir, engine_cfg, max_num_seqs=work.max_slots, device=device, dtype=cfg.model.dtype,
+                    seed=cfg.seed)
+    prompts = _Formatter(engine.args.vocab_size, work.prompt_len, work.seed)
+    collector = Collector(engine, prompts, prompts, cfg.rollout, cfg.seed, max_tokens_fn=work.length)
+    s = Setup(cfg, device, prompts, prompts, odd_token_reward, engine, learner, collector,
+              RolloutPipeline(collector, cfg.staleness), 0)
+    label = cfg.name.removeprefix("bench-")
+    progress(f"{label}: warm-up iteration")
+    run_iteration(s, 0)
+    preempted = engine.num_preemptions
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = []
+    for it in range(1, bench.iterations + 1):
+        progress(f"{label}: iteration {it}/{bench.iterations}")
+        rows.append(run_iteration(s, it)[0])
+    means = means_of(rows, label)
+    row = {
+        "arm": label, "kv_format": cfg.engine.kv.format, "mode": cfg.rollout.mode,
+        "weights": "fp8" if cfg.engine.weight_format == "fp8" else str(engine.dtype).removeprefix("torch."),
+        "seconds_per_iteration": means["time_total"],
+        "phases": {p["phase"]: p["mean_s"] for p in rows_of(label, means)},
+        "iteration_seconds": [r["time_total"] for r in rows],
+        "iteration_seconds_stdev": statistics.stdev(r["time_total"] for r in rows) if len(rows) > 1 else 0.0,
+        "tokens_per_iteration": statistics.fmean(r["response_len_mean"] * len(r["groups"]) * work.group_size
+                                                 for r in rows),
+        "rollout_tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rows),
+        "preemptions": engine.num_preemptions - preempted,  # a sleep's or a refresh's recompute included
+        "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
+        "peak_memory_bytes": _peak(device),
+        "pool_bytes_awake": engine.pool_bytes, "pool_tokens_awake": engine.pool_tokens,
+        "pool_sizing": engine.pool_sizing, "engine_summary": engine.summary,
+    }
+    del s, engine, learner, collector
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
+                    progress: ProgressFn | None = None) -> dict:
+    """Run every arm of a prepared benchmark; the JSON-ready result (speedups against the first arm)."""
+    progress = progress or (lambda what: None)
+    progress(f"random-init {bench.shape} folder (built once, then cached)")
+    model_dir = random_model_dir(bench.shape, seed=bench.workload.seed)
+    rows = []
+    for arm in bench.arms:
+        cfg = configs[arm.label]
+        cfg.model.path = str(model_dir)
+        rows.append(run_arm(cfg, bench, model_dir, progress))
+    first = rows[0]["seconds_per_iteration"]
+    for r in rows:
+        r["speedup_vs_first"] = first / r["seconds_per_iteration"]
+    args = qwen3_args(bench.shape)
+    device = resolve_device(bench.device)
+    return {
+        "model": bench.shape,
+        "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "kv_heads": args.num_kv_heads,
+                        "head_dim": args.head_dim, "vocab": args.vocab_size},
+        "device": str(device), "engine_dtype": str(resolve_dtype("auto", device)).removeprefix("torch."),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
+        "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
+        "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
+        "results": rows,
+    }
+
+
+def figure_rows(res: dict) -> list[dict]:
+    """The CSV rows behind the figure, in `plot iteration-time`'s form: one per (arm, phase)."""
+    return [{"run": r["arm"], "phase": phase, "mean_s": r["phases"][phase],
+             "share": r["phases"][phase] / r["seconds_per_iteration"] if r["seconds_per_iteration"] else 0.0,
+             "iterations": res["iterations"]}
+            for r in res["results"] for phase in res["phases"]]

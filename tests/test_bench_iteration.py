@@ -1,0 +1,79 @@
+"""`kv4rl bench iteration` on CPU with the test shape: the loop's own phases per arm, JSON, CSV and figure."""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kv4rl.bench.iteration import Arm, odd_token_reward, parse_arms
+from kv4rl.cli import app
+
+runner = CliRunner()
+TINY = ["--shape", "qwen3-tiny", "--device", "cpu", "--quota-groups", "2", "--group-size", "2", "--max-slots", "3",
+        "--prompt-len", "4", "--median-len", "6", "--max-len", "24", "--iterations", "2"]
+
+
+@pytest.fixture
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
+    out, png = tmp_path / "it.json", tmp_path / "figs" / "it.png"
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync,kv4+partial,fp8w+kv4+partial",
+                              "--json", str(out), "--png", str(png)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["phases"] == ["rollout", "reward", "update", "sync", "sleep_wake", "other"]
+    rows = r["results"]
+    assert [(x["arm"], x["kv_format"], x["mode"], x["weights"]) for x in rows] == [
+        ("bf16+sync", "bf16", "sync", "float32"), ("kv4+partial", "kv4", "partial", "float32"),
+        ("fp8w+kv4+partial", "kv4", "partial", "fp8")]
+    for x in rows:
+        phases = x["phases"]
+        # the loop's timers: each phase measured, `other` what the total holds beyond them
+        assert math.isclose(sum(phases.values()), x["seconds_per_iteration"], rel_tol=1e-9)
+        assert math.isclose(sum(x["iteration_seconds"]) / 2, x["seconds_per_iteration"], rel_tol=1e-9)
+        assert all(phases[p] > 0 for p in ("rollout", "reward", "update", "sync", "sleep_wake"))
+        assert -1e-6 < phases["other"] < 0.1 * x["seconds_per_iteration"]
+        assert x["speedup_vs_first"] == pytest.approx(rows[0]["seconds_per_iteration"] / x["seconds_per_iteration"])
+        assert x["peak_memory_bytes"] is None  # CPU
+        assert "KV pool" in x["engine_summary"] and "0 asleep" in x["engine_summary"]
+        assert x["tokens_per_iteration"] >= 2 * 2  # every response has at least one token
+    assert rows[0]["speedup_vs_first"] == 1.0
+    assert "fp8 weights" in rows[2]["engine_summary"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with png.with_suffix(".csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [(t["run"], t["phase"]) for t in table] == [(x["arm"], p) for x in rows for p in r["phases"]]
+    for t in table:
+        arm = next(x for x in rows if x["arm"] == t["run"])
+        assert float(t["mean_s"]) == pytest.approx(arm["phases"][t["phase"]])
+
+
+def test_without_sleep_the_sleep_phase_is_zero(tmp_path, one_thread):
+    out = tmp_path / "it.json"
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+partial", "--no-sleep", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (x,) = json.loads(out.read_text())["results"]
+    assert x["phases"]["sleep_wake"] == 0.0 and "asleep" not in x["engine_summary"]
+
+
+def test_parse_arms():
+    assert parse_arms("bf16+sync, kv4+partial,fp8w+kv4+partial") == [
+        Arm("bf16+sync", "bf16", "sync"), Arm("kv4+partial", "kv4", "partial"),
+        Arm("fp8w+kv4+partial", "kv4", "partial", "fp8")]
+    assert parse_arms("partial+fp8") == [Arm("partial+fp8", "fp8", "partial")]  # fp8 alone is the KV format
+    for bad in ("bf16", "sync", "bf16+kv4+sync", "fp8w+sync", "bf16+sync+x"):
+        with pytest.raises(ValueError, match="--arms"):
+            parse_arms(bad)
+
+
+def test_reward_is_the_fraction_of_odd_token_ids():
+    assert odd_token_reward(["1 2 3 4", "7", ""], ["", "", ""]).scores == [0.5, 1.0, 0.0]
