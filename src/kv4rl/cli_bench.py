@@ -491,5 +491,8 @@ def bench_iteration_cmd(
         from kv4rl.bench.iteration import figure_rows
         from kv4rl.telemetry.plots import plot_iteration_time, write_csv
 
-        rows = figure_rows(res)
-        console.print(f"wrote {plot_iteration_time(rows, png)} and {write_csv(rows, png.with_suffix('.csv'))}")
+        rows, w = figure_rows(res), res["workload"]
+        title = (f"{res['model']} on {res['gpu'] or res['device']}: seconds per RL iteration by phase\n"
+                 f"{w['quota_groups']}x{w['group_size']} responses, lengths median {w['median_len']} max "
+                 f"{w['max_len']}, {'sleep/wake' if res['sleep'] else 'no sleep'}")
+        console.print(f"wrote {plot_iteration_time(rows, png, title)} and {write_csv(rows, png.with_suffix('.csv'))}")
