@@ -75,6 +75,10 @@ class TrainerConfig:
     micro_batch_size: int = 64
     updates_per_batch: int = 1
     grad_checkpointing: bool = False
+    fsdp: bool = True  # FSDP2-wrapped policy (world size 1 unless launched by torchrun)
+    offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW state on the CPU (CUDA only)
+    max_tokens_per_micro_batch: int | None = None  # pack rows without padding up to this many tokens; null: padded
+    ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,6 +164,12 @@ class RunConfig:
             (self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
             (self.trainer.updates_per_batch >= 1, "trainer.updates_per_batch must be >= 1"),
             (self.trainer.grad_clip > 0, "trainer.grad_clip must be > 0"),
+            (self.trainer.max_tokens_per_micro_batch is None or self.trainer.max_tokens_per_micro_batch >= 1,
+             "trainer.max_tokens_per_micro_batch must be >= 1 (or null: padded micro-batches)"),
+            (self.trainer.ref_kl_every >= 0, "trainer.ref_kl_every must be >= 0 (0: only when algo.kl_ref_coef > 0)"),
+            (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
+            (self.device != "cpu" or not self.trainer.offload,
+             "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),
             (self.checkpoint.save_every >= 1, "checkpoint.save_every must be >= 1"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
             (self.eval.every >= 0, "eval.every must be >= 0"),

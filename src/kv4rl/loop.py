@@ -23,7 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from kv4rl.algo.advantages import compute_advantages
-from kv4rl.config import RunConfig
+from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
 from kv4rl.data.source import ProblemSource
 from kv4rl.engine.config import EngineConfig
@@ -42,7 +42,7 @@ from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of, save_checkpoint
-from kv4rl.trainer.learner import Learner
+from kv4rl.trainer.learner import Learner, check_learner_options
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,10 @@ def find_restore(cfg: RunConfig) -> Restore:
 def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup:
     """Everything a run needs, built and checked before its folder is touched."""
     device = resolve_device(cfg.device)
+    try:
+        check_learner_options(device, fsdp=cfg.trainer.fsdp, offload=cfg.trainer.offload)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     torch.manual_seed(cfg.seed)
     # a training file is read (and checked) before any model is built; without one, the model's task is used
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
@@ -158,7 +162,8 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
     return Learner(policy_dir, base_dir, algo=cfg.algo, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                    grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
                    updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
-                   device=device, grad_checkpointing=t.grad_checkpointing)
+                   device=device, grad_checkpointing=t.grad_checkpointing, fsdp=t.fsdp, offload=t.offload,
+                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every)
 
 
 def restore_state(s: Setup, state: dict) -> None:
@@ -205,7 +210,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
                         [c.versions for c in completions], advantages.tolist(), pad_id)
     mismatch = s.attribution.observe(it, batch) if s.attribution is not None else {}
     t2 += mismatch.get("mismatch/time_s", 0.0)  # a diagnostic, not update time
-    learn = s.learner.step(batch, lr=learning_rate(cfg.trainer, it))
+    learn = s.learner.step(batch, lr=learning_rate(cfg.trainer, it), iteration=it)
     times["time_update"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()

@@ -1,19 +1,33 @@
 """The BF16 learner: policy log-probs, the registered policy loss, backward, clip, AdamW.
 
-Master weights and AdamW state are fp32; on CUDA the forward runs under bf16 autocast, so the
-compute is BF16 while optimizer arithmetic keeps full precision. The engine receives the weights
-through `state_dict()` after every update. The loss says which optional inputs it reads
-(`LossSpec.inputs`); the learner computes only those: a frozen copy of the initial policy is loaded
-only for `ref_logprobs` (the built-in losses log the k3 reference KL and add it when
-`algo.kl_ref_coef > 0`), and the policy's own pre-update log-probs only for `old_logprobs`.
+The policy is wrapped with FSDP2 (`fully_shard` per decoder layer, then the root) even on one
+device, so more GPUs add ranks to the same code path. Master weights and AdamW state are fp32; on
+CUDA FSDP2's mixed precision runs the forward/backward with bf16 parameters and reduces gradients
+in fp32 (on CPU parameters stay fp32, so CPU tests are exact). `trainer.fsdp: false` keeps a plain
+module under bf16 autocast. A process group of world size 1 is created when none exists (an
+in-process store: no port, so concurrent runs cannot clash); one set up by the caller (torchrun) is
+used as it is.
+
+Micro-batches are either `micro_batch_size` padded rows, or, with `max_tokens_per_micro_batch`,
+rows packed without padding (`trainer.packing`); either way the loss sees padded `[b, L-1]` tensors
+and the mini-batch's token and sequence counts, so the update is the same.
+
+The engine receives full, plain weights through `state_dict()` after every update. The loss says
+which optional inputs it reads (`LossSpec.inputs`); the learner computes only those. The frozen
+reference policy (bf16 on CUDA, fp32 on CPU) is loaded only if its log-probs are ever used: every
+step when `algo.kl_ref_coef > 0`, else every `ref_kl_every` iterations for the logged `kl_ref`
+(0: never). The policy's own pre-update log-probs are computed only for `old_logprobs`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from kv4rl.algo.config import AlgoConfig
@@ -21,24 +35,90 @@ from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.batch import TrainBatch
+from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
 
 
-def load_hf_model(path: str | Path, device: torch.device, grad_checkpointing: bool = False):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool) -> None:
+    """Refuse option combinations that cannot run, before any model is loaded."""
+    if offload and not fsdp:
+        raise ValueError("trainer.offload=true needs trainer.fsdp=true (offloading is FSDP2's CPUOffloadPolicy)")
+    if offload and device.type != "cuda":
+        raise ValueError(f"trainer.offload=true moves parameters, gradients and AdamW state from the GPU to "
+                         f"the CPU; on device {device} they already are there: set trainer.offload=false")
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A world-size-1 process group unless the caller (e.g. torchrun) already made one.
+
+    The store lives in this process (no TCP port or file), so parallel runs and tests never clash.
+    """
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def load_hf_model(path: str | Path, device: torch.device, grad_checkpointing: bool = False,
+                  dtype: torch.dtype = torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return prepare_policy(model, grad_checkpointing)
+
+
+def prepare_policy(model, grad_checkpointing: bool = False):
     if grad_checkpointing:  # transformers renamed the switch; 5.17 has only the old name
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable()  # non-reentrant by default
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model.train()  # from_pretrained returns eval mode, which also turns checkpointing off
 
 
+def _decoder_layers(model) -> nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layer list to shard (model.get_decoder().layers)")
+    return layers
+
+
+def shard_policy(model, device: torch.device, offload: bool = False):
+    """FSDP2: each decoder layer is a unit, then the root (embeddings, final norm, LM head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    ensure_process_group(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    if device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _scalar(value) -> float:
+    full = getattr(value, "full_tensor", None)  # a DTensor (FSDP2's clipped grad norm)
+    return float(full() if full is not None else value)
+
+
 class Learner:
-    def __init__(self, policy_path: str | Path, ref_path: str | Path | None, *, algo: AlgoConfig,
-                 lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float,
+    def __init__(self, policy_path: str | Path | nn.Module, ref_path: str | Path | nn.Module | None, *,
+                 algo: AlgoConfig, lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float,
                  micro_batch_size: int, updates_per_batch: int, temperature: float,
-                 device: torch.device, grad_checkpointing: bool = False):
+                 device: torch.device, grad_checkpointing: bool = False, fsdp: bool = True,
+                 offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1):
+        """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
+        policy in fp32 on `device`, the reference in the dtype it should run in."""
+        check_learner_options(device, fsdp=fsdp, offload=offload)
+        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+            raise ValueError(f"trainer.max_tokens_per_micro_batch must be >= 1 (or null), "
+                             f"got {max_tokens_per_micro_batch}")
+        if ref_kl_every < 0:
+            raise ValueError(f"trainer.ref_kl_every must be >= 0, got {ref_kl_every}")
         self.device = device
         self.algo = algo
         self.loss_fn = get_loss(algo.loss)
@@ -46,60 +126,106 @@ class Learner:
         self.temperature = temperature
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens_per_micro_batch
         self.updates_per_batch = updates_per_batch
-        self.model = load_hf_model(policy_path, device, grad_checkpointing)
+        self.ref_kl_every = ref_kl_every
+        self.fsdp = fsdp
+        self.num_steps = 0  # steps taken; the reference schedule's clock when no iteration is given
+        if isinstance(policy_path, nn.Module):
+            self.model = prepare_policy(policy_path, grad_checkpointing)
+        else:
+            self.model = load_hf_model(policy_path, device, grad_checkpointing)
+        if fsdp:
+            shard_policy(self.model, device, offload)
         self.ref_model = None
-        if ref_path is not None and "ref_logprobs" in self.loss_inputs:
-            self.ref_model = load_hf_model(ref_path, device).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        if ref_path is not None and "ref_logprobs" in self.loss_inputs and (algo.kl_ref_coef > 0 or ref_kl_every):
+            if isinstance(ref_path, nn.Module):
+                self.ref_model = ref_path
+            else:
+                dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+                self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dtype).to(device)
+            self.ref_model.config.use_cache = False
+            self.ref_model.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
+                                           fused=device.type == "cuda")
 
     def _autocast(self):
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.fsdp:  # FSDP2 casts the parameters itself
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _forward(self, model, mb: TrainBatch, with_entropy: bool = False):
-        with self._autocast():
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-        logp = token_logprobs(logits, mb.input_ids[:, 1:], self.temperature)
-        ent = entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None
+        """Per-token log-probs (and entropy) `[b, L-1]` of micro-batch `mb`, padded or packed."""
+        if self.max_tokens is None:
+            with self._autocast():
+                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+            logp = token_logprobs(logits, mb.input_ids[:, 1:], self.temperature)
+            ent = entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None
+            return logp, ent
+        packed = pack_rows(mb.input_ids, mb.attention_mask)
+        with self._autocast():  # attention_mask=None: transformers masks the packed sequences apart
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits[:, :-1]
+        logp = packed.unpack(token_logprobs(logits, packed.input_ids[:, 1:], self.temperature))
+        ent = packed.unpack(entropy_from_logits(logits.detach(), self.temperature)) if with_entropy else None
         return logp, ent
+
+    def micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The micro-batches (row indices of `batch`) that `rows` is processed in.
+
+        Padded: consecutive runs of `micro_batch_size` rows. Packed: rows grouped by
+        `plan_micro_batches` into at most `max_tokens_per_micro_batch` real tokens each; a single row
+        longer than that budget still goes alone.
+        """
+        if self.max_tokens is None:
+            return list(rows.split(self.micro_batch_size))
+        lengths = batch.attention_mask[rows].sum(1).tolist()
+        return [rows[torch.tensor(group, device=rows.device)] for group in plan_micro_batches(lengths, self.max_tokens)]
 
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
-        out = [self._forward(model, batch.select(slice(i, i + self.micro_batch_size)))[0]
-               for i in range(0, len(batch), self.micro_batch_size)]
-        return torch.cat(out)
+        out = torch.zeros_like(batch.response_mask)
+        for rows in self.micro_batches(batch, torch.arange(len(batch), device=batch.input_ids.device)):
+            out[rows] = self._forward(model, batch.select(rows))[0].float()
+        return out
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token log-probs [B, L-1] of `batch` under the current weights, as the first update sees
         them (no grad; used by mismatch attribution)."""
         return self._logprobs(self.model, batch.to(self.device))
 
-    def _before_update_inputs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    def ref_due(self, iteration: int) -> bool:
+        """Whether this iteration computes reference log-probs (loss term or logged `kl_ref`)."""
+        if self.ref_model is None:
+            return False
+        return self.algo.kl_ref_coef > 0 or (self.ref_kl_every > 0 and iteration % self.ref_kl_every == 0)
+
+    def _before_update_inputs(self, batch: TrainBatch, iteration: int) -> dict[str, torch.Tensor]:
         """The loss inputs that cost a forward pass over the whole batch before its first update."""
         out = {}
-        if "ref_logprobs" in self.loss_inputs and self.ref_model is not None:
+        if "ref_logprobs" in self.loss_inputs and self.ref_due(iteration):
             out["ref_logprobs"] = self._logprobs(self.ref_model, batch)
         if "old_logprobs" in self.loss_inputs:
             out["old_logprobs"] = self._logprobs(self.model, batch)
         return out
 
-    def step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
-        """One learner batch: `updates_per_batch` optimizer steps over contiguous mini-batches."""
+    def step(self, batch: TrainBatch, lr: float | None = None, iteration: int | None = None) -> dict[str, float]:
+        """One learner batch: `updates_per_batch` optimizer steps over contiguous mini-batches.
+
+        `iteration` clocks the `ref_kl_every` schedule (default: the number of steps taken so far).
+        """
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         batch = batch.to(self.device)
         mask = batch.response_mask
-        before_update = self._before_update_inputs(batch)
+        before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration)
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
         rows = torch.arange(len(batch), device=self.device).chunk(self.updates_per_batch)
         for update, mini_rows in enumerate(rows):
             mini = batch.select(mini_rows)
             num_tokens, num_seqs = mini.num_tokens, float((mini.response_mask.sum(1) > 0).sum())
             self.optimizer.zero_grad(set_to_none=True)
-            for mb_rows in mini_rows.split(self.micro_batch_size):
+            for mb_rows in self.micro_batches(batch, mini_rows):
                 mb = batch.select(mb_rows)
                 logp, ent = self._forward(self.model, mb, with_entropy=True)
                 optional = {name: getattr(mb, name) for name in FROM_BATCH & self.loss_inputs}
@@ -112,8 +238,9 @@ class Learner:
                 metrics.update(self._token_stats(logp.detach(), ent, mb, first=update == 0))
                 parts.append((metrics, mb.num_tokens))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            parts.append(({"grad_norm": float(grad_norm)}, 1.0))
+            parts.append(({"grad_norm": _scalar(grad_norm)}, 1.0))
             self.optimizer.step()
+        self.num_steps += 1
         out = combine_metrics(parts)
         out["num_tokens"] = float(mask.sum())
         out["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -132,16 +259,54 @@ class Learner:
         return stats
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        """Full, plain (non-sharded) fp32 weights under Hugging Face names, for the engine refresh."""
+        if not self.fsdp:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """Each parameter's gradient as a full plain tensor (None-free: parameters without one are left out)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                full = getattr(p.grad, "full_tensor", None)
+                out[name] = full() if full is not None else p.grad
+        return out
 
     # ---- checkpointing ----------------------------------------------------------------------
     def save_pretrained(self, path: Path) -> None:
         """The policy as a Hugging Face folder (safetensors), loadable by transformers."""
-        self.model.save_pretrained(path, safe_serialization=True)
+        state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        config = Path(path) / "config.json"  # FSDP2 renames the class; older transformers kept the prefix
+        data = json.loads(config.read_text())
+        names = [a.removeprefix("FSDP") for a in data.get("architectures") or []]
+        if names != data.get("architectures"):
+            data["architectures"] = names
+            config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
     def checkpoint_state(self) -> dict:
-        """What a resume needs beyond the weights: the AdamW moments and step counts."""
-        return {"optimizer": self.optimizer.state_dict()}
+        """What a resume needs beyond the weights: the AdamW moments and step counts, full plain tensors
+        on CPU keyed by parameter name (the same with or without FSDP, at any world size)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options)}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        optim = _by_name(state["optimizer"], [name for name, _ in self.model.named_parameters()])
+        set_optimizer_state_dict(self.model, self.optimizer, optim, options=StateDictOptions(full_state_dict=True))
+
+
+def _by_name(optim: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by parameter index (`optimizer.state_dict()`, older checkpoints) re-keyed
+    by parameter name, as `set_optimizer_state_dict` expects; a name-keyed one is returned as it is."""
+    groups = optim["param_groups"]
+    if not any(isinstance(p, int) for g in groups for p in g["params"]):
+        return optim
+    return {"state": {names[i]: v for i, v in optim["state"].items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups]}

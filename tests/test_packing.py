@@ -1,0 +1,86 @@
+"""Packed micro-batches: same log-probs, gradients and update as padded ones; no cross-sequence attention."""
+
+import pytest
+import torch
+
+from kv4rl.algo.config import AlgoConfig
+from kv4rl.trainer.batch import build_batch
+from kv4rl.trainer.learner import Learner
+from kv4rl.trainer.packing import pack_rows, plan_micro_batches
+
+PROMPTS = (3, 5, 2, 4, 6)
+RESPONSES = (4, 2, 9, 3, 1)  # rows of 7, 7, 11, 7, 7 tokens
+
+
+def ragged_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in PROMPTS]
+    responses = [torch.randint(0, 96, (n,), generator=g).tolist() for n in RESPONSES]
+    logps = [[-1.0] * len(r) for r in responses]
+    return build_batch(prompts, responses, logps, [[0] * len(r) for r in responses],
+                       [1.0, -0.5, 0.3, -0.8, 0.6], pad_id=0)
+
+
+def make_learner(path, max_tokens, micro=8, updates=1, agg="token_mean"):
+    return Learner(path, None, algo=AlgoConfig(loss_agg=agg), lr=1e-3, weight_decay=0.0,
+                   betas=(0.9, 0.999), grad_clip=1e9, micro_batch_size=micro, updates_per_batch=updates,
+                   temperature=1.0, device=torch.device("cpu"), max_tokens_per_micro_batch=max_tokens)
+
+
+def test_plan_is_longest_first_first_fit_and_a_long_row_goes_alone():
+    # sorted: 9 (row 2), 6 (row 0), 5 (row 3), 4 (row 1), 3 (row 4), 12 is over budget (row 5) and first
+    assert plan_micro_batches([6, 4, 9, 5, 3, 12], 10) == [[5], [2], [0, 1], [3, 4]]
+    assert plan_micro_batches([2, 2, 2], 100) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be >= 1"):
+        plan_micro_batches([1], 0)
+
+
+def test_pack_rows_lays_real_tokens_end_to_end_with_restarting_positions():
+    b = ragged_batch()
+    packed = pack_rows(b.input_ids[:2], b.attention_mask[:2])
+    assert packed.input_ids.tolist() == [b.input_ids[0, :7].tolist() + b.input_ids[1, :7].tolist()]
+    assert packed.position_ids.tolist() == [list(range(7)) * 2]
+    # row 1's column j predicts its token j+1 from packed position 7 + j
+    assert packed.gather[1, :6].tolist() == list(range(7, 13)) and not packed.valid[1, 6:].any()
+
+
+@pytest.mark.parametrize("agg, updates", [("token_mean", 1), ("seq_mean", 2)])
+def test_packed_and_padded_give_the_same_logprobs_gradients_and_update(tiny_qwen3, agg, updates):
+    """The loss gets the mini-batch's token and sequence counts either way; with two updates the
+    mini-batches are rows 0-2 and 3-4 in both paths."""
+    path, _ = tiny_qwen3
+    b = ragged_batch()
+    padded = make_learner(path, None, micro=2, updates=updates, agg=agg)
+    packed = make_learner(path, 14, updates=updates, agg=agg)  # 14 tokens: rows {2}, {0, 1}, {3, 4}
+    assert [r.tolist() for r in packed.micro_batches(b, torch.arange(len(b)))] == [[2], [0, 1], [3, 4]]
+    lp_padded, lp_packed = padded._logprobs(padded.model, b), packed._logprobs(packed.model, b)
+    torch.testing.assert_close(lp_packed * b.response_mask, lp_padded * b.response_mask, rtol=0, atol=1e-5)
+    m_padded, m_packed = padded.step(b), packed.step(b)
+    g_padded, g_packed = padded.named_grads(), packed.named_grads()
+    assert g_padded.keys() == g_packed.keys() and sum(float(g.abs().sum()) for g in g_padded.values()) > 0
+    for name, grad in g_padded.items():
+        torch.testing.assert_close(g_packed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    w_padded, w_packed = padded.state_dict(), packed.state_dict()
+    for name, w in w_padded.items():
+        torch.testing.assert_close(w_packed[name], w, rtol=0, atol=1e-5, msg=name)
+    for key in ("loss", "grad_norm", "entropy", "num_tokens"):
+        assert m_packed[key] == pytest.approx(m_padded[key], rel=1e-5), key
+
+
+def test_packed_sequences_never_attend_to_each_other(tiny_qwen3):
+    """Changing one sequence's tokens leaves the other's log-probs in the same packed row unchanged,
+    and both equal a forward of each sequence alone."""
+    path, _ = tiny_qwen3
+    learner = make_learner(path, 1000)
+    b = ragged_batch()
+    pair = b.select(slice(0, 2))
+    assert len(learner.micro_batches(pair, torch.arange(2))) == 1  # one packed row
+    base = learner._logprobs(learner.model, pair)
+    changed = pair.select(slice(0, 2))
+    changed.input_ids = pair.input_ids.clone()
+    changed.input_ids[0, :7] = (pair.input_ids[0, :7] + 11) % 96
+    after = learner._logprobs(learner.model, changed)
+    assert not torch.allclose(after[0, :6], base[0, :6], atol=1e-3)  # the perturbed row did change
+    torch.testing.assert_close(after[1], base[1], rtol=0, atol=1e-6)
+    alone = learner._logprobs(learner.model, pair.select(slice(1, 2)))
+    torch.testing.assert_close(base[1:], alone, rtol=0, atol=1e-5)
