@@ -39,6 +39,7 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr(kv4rl.engine.llm.Engine, "__init__", _work_started)
     for module, name in [("kv4rl.models.hf_weights", "check_model_folder"), ("kv4rl.bench.generate", "bench_generate"),
+                         ("kv4rl.bench.learner", "bench_learner"),
                          ("kv4rl.bench.pool", "bench_pool"), ("kv4rl.bench.fidelity", "run_fidelity"),
                          ("kv4rl.bench.decode_attn", "run_decode_attn"),
                          ("kv4rl.bench.decode_forward", "run_decode_forward"), ("kv4rl.sim.clip_bias", "clip_bias"),
@@ -82,6 +83,13 @@ def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, arg
     (["bench", "generate", "--shape", "qwen9"], ["--shape", "qwen9"]),
     (["bench", "generate", "--device", "gpu"], ["--device", "'gpu'"]),
     (["bench", "pool", "--formats", "bf16,kv9"], ["--formats", "'kv9'"]),
+    (["bench", "learner", "--workload", "zipf"], ["--workload", "'zipf'"]),
+    (["bench", "learner", "--max-tokens", "0"], ["--max-tokens must be >= 1"]),
+    (["bench", "learner", "--layouts", "padded,ragged"], ["--layouts", "'ragged'"]),
+    (["bench", "learner", "--checkpointing", "maybe"], ["--checkpointing", "'maybe'"]),
+    (["bench", "learner", "--shape", "qwen3-tiny", "--seq-len", "1000"], ["1000 tokens", "512 positions"]),
+    (["bench", "learner", "--workload", "lognormal", "--median-len", "9000"], ["--median-len 9000"]),
+    (["bench", "learner", "--shape", "qwen9"], ["--shape", "qwen9"]),
     (["bench", "pool", "--shape", "qwen9"], ["--shape", "qwen9"]),
     (["bench", "fidelity", "--formats", "bf16,kv9"], ["--formats", "'kv9'"]),
     (["bench", "fidelity", "--reference", "kv9"], ["--reference", "'kv9'"]),

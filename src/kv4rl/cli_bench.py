@@ -7,6 +7,8 @@
   (`kv4rl.bench.generate`).
 - `iteration`: seconds per RL iteration split by phase, per KV format x rollout mode x weight format,
   engine and learner on one device (`kv4rl.bench.iteration`).
+- `learner`: learner step tokens/s, MFU and peak memory, padded vs packed, with/without activation
+  checkpointing and the reference forward (`kv4rl.bench.learner`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kv4rl.bench.tables import (
     fidelity_table,
     generate_table,
     iteration_table,
+    learner_table,
     pool_table,
     rollout_table,
 )
@@ -496,3 +499,58 @@ def bench_iteration_cmd(
                  f"{w['quota_groups']}x{w['group_size']} responses, lengths median {w['median_len']} max "
                  f"{w['max_len']}, {'sleep/wake' if res['sleep'] else 'no sleep'}")
         console.print(f"wrote {plot_iteration_time(rows, png, title)} and {write_csv(rows, png.with_suffix('.csv'))}")
+
+
+@bench_app.command("learner")
+def bench_learner_cmd(
+    shape: Annotated[str, Option(
+        "--shape", help="model shape (qwen3-1.7b, qwen3-4b, qwen3-8b; qwen3-tiny for tests)")] = "qwen3-1.7b",
+    workload: Annotated[str, Option("--workload", help="uniform (N x L) or lognormal response lengths")]
+    = "uniform",
+    num_seqs: Annotated[int | None, Option(
+        "--num-seqs", help="sequences per step (default: 16 uniform, 32 lognormal)")] = None,
+    prompt_len: Annotated[int, Option("--prompt-len", help="prompt tokens of every row")] = 256,
+    seq_len: Annotated[int, Option("--seq-len", help="uniform: tokens of every row, prompt included")] = 4096,
+    median_len: Annotated[int, Option("--median-len", help="lognormal: median response length")] = 1024,
+    sigma: Annotated[float, Option("--sigma", help="lognormal: shape of the length tail")] = 1.0,
+    max_len: Annotated[int, Option("--max-len", help="lognormal: longest response")] = 8192,
+    micro_batch_size: Annotated[int, Option("--micro-batch-size", help="rows per padded micro-batch")] = 4,
+    max_tokens: Annotated[int, Option("--max-tokens", help="tokens per packed micro-batch")] = 16384,
+    layouts: Annotated[str, Option("--layouts", help="comma-separated: padded, packed")] = "padded,packed",
+    checkpointing: Annotated[str, Option(
+        "--checkpointing", help="comma-separated activation checkpointing settings: off, on")] = "off,on",
+    reference: Annotated[str, Option(
+        "--reference", help="comma-separated reference-forward settings: off, on")] = "off,on",
+    steps: Annotated[int, Option("--steps", help="timed steps per variant, after one warm-up step")] = 2,
+    device: Annotated[str, Option("--device")] = "auto",
+    seed: Annotated[int, Option("--seed")] = 0,
+    json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Learner step throughput (real tokens/s, MFU, peak memory) on a random-init model."""
+    from kv4rl.bench.learner import LearnerWorkload, bench_learner
+    from kv4rl.bench.random_model import qwen3_args
+    from kv4rl.engine.llm import resolve_device
+
+    switch = {"off": False, "on": True}
+    try:
+        _shape_args(shape, qwen3_args)
+        work = LearnerWorkload(kind=workload, num_seqs=num_seqs or (32 if workload == "lognormal" else 16),
+                               prompt_len=prompt_len, seq_len=seq_len, median_len=median_len, sigma=sigma,
+                               max_len=max_len, seed=seed)
+        work.validate(_shape_args(shape, qwen3_args).max_position_embeddings)
+        check_at_least(1, ("--micro-batch-size", micro_batch_size), ("--max-tokens", max_tokens), ("--steps", steps))
+        layout_list = option_list(layouts, "--layouts", known=["padded", "packed"])
+        ckpt_list = [switch[v] for v in option_list(checkpointing, "--checkpointing", known=list(switch))]
+        ref_list = [switch[v] for v in option_list(reference, "--reference", known=list(switch))]
+        check_device(device)
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out)
+    variants = len(layout_list) * len(ckpt_list) * len(ref_list)
+    with StageProgress(console, "learner") as stages:
+        res = bench_learner(shape, work, device=resolve_device(device), steps=steps,
+                            micro_batch_size=micro_batch_size, max_tokens=max_tokens, layouts=layout_list,
+                            checkpointing=ckpt_list, reference=ref_list,
+                            progress=lambda what: stages(f"{shape} {workload}: {what} ({variants} variants)"))
+    print_table(console, learner_table(res))
+    write_json(res, json_out)

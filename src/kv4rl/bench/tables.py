@@ -119,3 +119,25 @@ def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
         table.add_row(r["shape"], r["workload"], r["weights"], r["kv"], f"{r['batch']} x {r['context']}",
                       f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x", *cells)
     return table
+
+
+def learner_table(res: dict) -> ResultTable:
+    w = res["workload"]
+    work = (f"{res['num_seqs']} x {w['seq_len']} tokens" if w["kind"] == "uniform" else
+            f"{res['num_seqs']} responses after {w['prompt_len']}-token prompts, log-normal median "
+            f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}")
+    table = ResultTable(
+        f"learner step: {res['shape']} on {res['gpu'] or res['device']} — {work}; {res['tokens']:,} real tokens, "
+        f"padded width {res['padded_width']}; micro-batches of {res['micro_batch_size']} rows (padded) or "
+        f"<= {res['max_tokens_per_micro_batch']:,} tokens (packed); mean of {res['steps']} steps after a warm-up",
+        ["layout", "ckpt", "ref", "micro-batches", "padding", "s / step", "tokens/s", "MFU", "MFU vs 780T",
+         "peak GiB"], labels=3)
+    for r in res["results"]:
+        timed = "step_s" in r
+        table.add_row(
+            r["layout"], "on" if r["checkpointing"] else "off", "on" if r["reference"] else "off",
+            str(r["micro_batches"]), f"{r['padding_fraction']:.1%}",
+            f"{r['step_s']:.3f}" if timed else r["error"], f"{r['tokens_per_s']:,.0f}" if timed else "-",
+            f"{r['mfu']:.1%}" if timed else "-", f"{r['mfu_780']:.1%}" if timed else "-",
+            "n/a" if not timed or r["peak_gib"] is None else num(r["peak_gib"]))
+    return table

@@ -1,0 +1,47 @@
+"""`kv4rl bench learner` on CPU with the test shape: token counts, padding and FLOPs against a hand count."""
+
+import json
+
+from typer.testing import CliRunner
+
+from kv4rl.cli import app
+
+# qwen3-tiny: hidden 64, 4 query heads and 2 KV heads of 32, MLP 128, 2 layers, vocabulary 1024 (tied head)
+LINEAR_PARAMS = 2 * (64 * 128 + 64 * 64 + 64 * 64 + 128 * 64 + 3 * 64 * 128) + 1024 * 64
+
+
+def run(tmp_path, *args):
+    out = tmp_path / "learner.json"
+    res = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--steps", "1",
+                                   "--json", str(out), *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(out.read_text())
+
+
+def test_uniform_workload_counts_and_flops(tmp_path):
+    res = run(tmp_path, "--num-seqs", "3", "--prompt-len", "4", "--seq-len", "12", "--micro-batch-size", "2",
+              "--max-tokens", "24", "--checkpointing", "off,on", "--reference", "on")
+    assert res["matmul_params"] == LINEAR_PARAMS == 163_840
+    assert (res["tokens"], res["response_tokens"], res["padded_width"]) == (36, 24, 12)
+    assert [(r["layout"], r["checkpointing"], r["reference"]) for r in res["results"]] == [
+        ("padded", False, True), ("packed", False, True), ("padded", True, True), ("packed", True, True)]
+    # update 6·N·36 + ref forward 2·N·36; causal attention per layer and row 2·12²·4·32, 3 passes + 1
+    flops = 8 * LINEAR_PARAMS * 36 + 4 * 2 * 3 * (2 * 12**2 * 4 * 32)
+    for r in res["results"]:
+        assert r["computed_tokens"] == 36 and r["padding_fraction"] == 0.0
+        assert r["micro_batches"] == 2  # rows {0, 1}, {2}: 2 rows of 12, or 24 tokens
+        assert r["flops_per_step"] == flops
+        assert r["tokens_per_s"] == 36 / r["step_s"] and r["peak_gib"] is None
+        assert r["mfu"] == flops / r["step_s"] / 989e12
+
+
+def test_lognormal_workload_padding(tmp_path):
+    res = run(tmp_path, "--workload", "lognormal", "--num-seqs", "5", "--prompt-len", "3", "--median-len", "6",
+              "--max-len", "40", "--max-tokens", "64", "--checkpointing", "off", "--reference", "off")
+    lengths = res["sequence_lengths"]
+    assert len(lengths) == 5 and all(4 <= n <= 43 for n in lengths) and len(set(lengths)) > 1
+    assert res["tokens"] == sum(lengths) and res["response_tokens"] == sum(lengths) - 5 * 3
+    assert res["padded_width"] == max(lengths)
+    padded, packed = res["results"]
+    assert padded["computed_tokens"] == 5 * max(lengths) and packed["computed_tokens"] == sum(lengths)
+    assert padded["padding_fraction"] == 1 - sum(lengths) / (5 * max(lengths)) > 0 == packed["padding_fraction"]
