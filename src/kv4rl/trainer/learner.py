@@ -90,6 +90,8 @@ def shard_policy(model, device: torch.device, offload: bool = False):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     ensure_process_group(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the mesh places each rank on the current device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     if device.type == "cuda":
