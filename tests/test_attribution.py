@@ -85,6 +85,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def reference_kernels_only(monkeypatch):
+    """The engines here run the torch reference path on the CPU, whatever another test module set up:
+    `tests/test_fast_path_cpu.py` turns on Triton's interpreter at import, which would move the CPU
+    engines onto the kernels (whose interpreter rounding is not the GPU's) and change the `kernels` term.
+    The GPU test (`tests/gpu/test_attribution_gpu.py`) covers attribution on the real kernels."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A random tiny Qwen3 with head_dim 32 (the smallest INT4 group)."""

@@ -31,7 +31,6 @@ from kv4rl.engine.llm import Engine, resolve_device
 from kv4rl.eval.runner import evaluate
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.hf_weights import check_model_folder
-from kv4rl.models.testbed import task_of
 from kv4rl.rewards import get_reward
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
@@ -45,6 +44,14 @@ from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of, save_checkp
 from kv4rl.trainer.learner import Learner, check_learner_options
 
 log = logging.getLogger(__name__)
+
+
+def _task_of(model_dir: Path):
+    # imported here: kv4rl.models.testbed loads transformers' modeling code (and with it triton.language),
+    # which `import kv4rl.loop` should not do (the CPU kernel tests switch Triton to its interpreter first)
+    from kv4rl.models.testbed import task_of
+
+    return task_of(model_dir)
 
 
 def resolve_model_dir(cfg: RunConfig, progress: bool = True) -> Path:
@@ -129,7 +136,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     base_dir = resolve_model_dir(cfg, progress=show_progress)
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
-                               task=task_of(base_dir))
+                               task=_task_of(base_dir))
     model_max = check_model_folder(base_dir).max_position_embeddings
     policy_dir = base_dir if restore is None else restore.path
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)

@@ -104,10 +104,11 @@ def tensor_parallel_group(size: int) -> TensorParallel:
     """
     if size == 1:
         return TensorParallel(0, 1, None)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"engine.tensor_parallel={size} needs torch.distributed: start with "
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:  # no process group, or the learner's own one-process group
+        raise ValueError(f"engine.tensor_parallel={size} needs {size} processes of torch.distributed: start with "
                          f"`torchrun --nproc-per-node {size} -m kv4rl.cli ...`")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     if world % size:
         raise ValueError(f"engine.tensor_parallel={size} does not divide the world size {world}")
     key = ("tp", size)

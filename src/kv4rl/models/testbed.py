@@ -23,9 +23,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
 from rich.console import Console
-from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.longmul import LongMulTask
@@ -33,6 +34,10 @@ from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask
 from kv4rl.data.types import Problem
 from kv4rl.models.cache_install import cached_build
 from kv4rl.models.tiny import _progress_bar, _torch_threads, _transformers_progress_off, default_cache_dir
+
+if TYPE_CHECKING:  # the modeling module loads triton.language at import: kept out of `import kv4rl.loop`,
+    # so kernel tests can still switch Triton to its interpreter before it loads (tests/conftest.py)
+    from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 VERSION_TAG = "testbed-v1"
 METADATA_FILE = "kv4rl_testbed.json"
@@ -145,6 +150,8 @@ def task_of(model_dir: str | Path) -> ArithmeticTask | LongMulTask | None:
 
 
 def model_config(spec: TestbedSpec, tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
+    from transformers import Qwen3Config
+
     return Qwen3Config(vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
                        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **spec.model_shape)
 
@@ -179,6 +186,8 @@ def _write_model(spec: TestbedSpec, out_dir: Path, progress: bool, device: str) 
     threads = _torch_threads(spec.cpu_threads) if spec.cpu_threads and target.type == "cpu" else _no_change()
     with _progress_bar(progress) as bar, torch.random.fork_rng(devices=_rng_devices(target)), threads:
         torch.manual_seed(spec.seed)
+        from transformers import Qwen3ForCausalLM
+
         model = Qwen3ForCausalLM(model_config(spec, tokenizer)).to(device=target, dtype=torch.float32)
         warm = _warm_up(spec, model, tokenizer, bar, target)
     train_seconds = time.perf_counter() - started
