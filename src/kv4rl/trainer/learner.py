@@ -116,6 +116,9 @@ class Learner:
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in."""
         check_learner_options(device, fsdp=fsdp, offload=offload)
+        if not fsdp and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(f"{dist.get_world_size()} ranks need trainer.fsdp=true: the data-parallel learner "
+                             "is FSDP2's (one shard per rank, gradients reduced across ranks)")
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
             raise ValueError(f"trainer.max_tokens_per_micro_batch must be >= 1 (or null), "
                              f"got {max_tokens_per_micro_batch}")
@@ -139,6 +142,9 @@ class Learner:
             self.model = load_hf_model(policy_path, device, grad_checkpointing)
         if fsdp:
             shard_policy(self.model, device, offload)
+        # Each rank's loss is divided by the global token (or sequence) count, and FSDP2 averages the
+        # ranks' gradients: the backward pass scales by the world size so the average is the sum.
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.ref_model = None
         if ref_path is not None and "ref_logprobs" in self.loss_inputs and (algo.kl_ref_coef > 0 or ref_kl_every):
             if isinstance(ref_path, nn.Module):
@@ -225,9 +231,12 @@ class Learner:
         rows = torch.arange(len(batch), device=self.device).chunk(self.updates_per_batch)
         for update, mini_rows in enumerate(rows):
             mini = batch.select(mini_rows)
-            num_tokens, num_seqs = mini.num_tokens, float((mini.response_mask.sum(1) > 0).sum())
+            num_tokens, num_seqs = self._global_counts(mini.num_tokens, float((mini.response_mask.sum(1) > 0).sum()))
             self.optimizer.zero_grad(set_to_none=True)
-            for mb_rows in self.micro_batches(batch, mini_rows):
+            micro = self.micro_batches(batch, mini_rows)
+            for i in range(self._same_count_on_every_rank(len(micro))):
+                dummy = i >= len(micro)  # this rank has fewer micro-batches: a zero-weight pass keeps FSDP in step
+                mb_rows = mini_rows[:1] if dummy else micro[i]
                 mb = batch.select(mb_rows)
                 logp, ent = self._forward(self.model, mb, with_entropy=True)
                 optional = {name: getattr(mb, name) for name in FROM_BATCH & self.loss_inputs}
@@ -235,18 +244,47 @@ class Learner:
                 inp = LossInputs(logprobs=logp, advantages=mb.advantages, mask=mb.response_mask,
                                  num_tokens=num_tokens, num_seqs=num_seqs, **optional)
                 loss, metrics = self.loss_fn(inp, self.algo)
-                loss.backward()
+                if dummy:
+                    (loss * 0.0).backward()
+                    continue
+                (loss * self.world_size if self.world_size > 1 else loss).backward()
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
                 metrics.update(self._token_stats(logp.detach(), ent, mb, first=update == 0))
                 parts.append((metrics, mb.num_tokens))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            parts.append(({"grad_norm": _scalar(grad_norm)}, 1.0))
+            parts.append(({"grad_norm": _scalar(grad_norm)}, 1.0))  # the global norm, the same on every rank
             self.optimizer.step()
         self.num_steps += 1
-        out = combine_metrics(parts)
-        out["num_tokens"] = float(mask.sum())
+        out = combine_metrics(self._all_ranks(parts))
+        out["num_tokens"] = self._global_counts(float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
+
+    # ---- data parallelism: each rank holds its own rows of the learner batch -----------------------
+    def _global_counts(self, num_tokens: float, num_seqs: float) -> tuple[float, float]:
+        """Tokens and sequences over every rank's share: the loss's normalisers (the padded mini-batch's
+        own counts at world size 1)."""
+        if self.world_size == 1:
+            return num_tokens, num_seqs
+        counts = torch.tensor([num_tokens, num_seqs], dtype=torch.float64)
+        dist.all_reduce(counts)
+        return float(counts[0]), float(counts[1])
+
+    def _same_count_on_every_rank(self, count: int) -> int:
+        """The most micro-batches any rank has (FSDP2's collectives need every rank in every pass)."""
+        if self.world_size == 1:
+            return count
+        most = torch.tensor([count], dtype=torch.long)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most)
+
+    def _all_ranks(self, parts: list) -> list:
+        """Every rank's (metrics, weight) parts, so the logged metrics describe the whole batch."""
+        if self.world_size == 1:
+            return parts
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, parts)
+        return [part for rank_parts in gathered for part in rank_parts]
 
     def _token_stats(self, logp, ent, mb: TrainBatch, first: bool) -> dict[str, float]:
         """Entropy and engine-vs-learner mismatch (measured before any update of this batch)."""
