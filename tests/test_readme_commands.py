@@ -102,6 +102,16 @@ CASES: dict[str, Case] = {
         Case(replace={"runs/a/*": "runs/lag4", "runs/b/*": "runs/refresh8", "eval/mean@1": "accuracy"}),
     "kv4rl plot iteration-time runs/sync-s0 runs/partial-s0 --skip 1 --out figs/time.png": Case(
         replace={"runs/sync-s0": "runs/sync-run", "runs/partial-s0": "runs/partial-run"}),
+    # one GPU for engine and learner, testbeds
+    "kv4rl bench learner --shape qwen3-1.7b --workload lognormal --json learner.json": Case(
+        "--shape qwen3-tiny --device cpu --steps 1 --num-seqs 3 --prompt-len 3 --median-len 6 --max-len 40 "
+        "--max-tokens 64 --checkpointing off --reference off"),
+    "kv4rl bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial,fp8w+kv4+partial --json it.json "
+    "--png it.png": Case("--shape qwen3-tiny --device cpu --quota-groups 2 --group-size 2 --max-slots 3 "
+                         "--prompt-len 4 --median-len 6 --max-len 24 --iterations 1"),
+    "kv4rl build-model --task longmul --size gpu": Case(replace={"gpu": "test"}),
+    "kv4rl train --config recipes/testbed_longmul_gpu.yaml --seeds 0,1,2,3": Case(
+        skip="several training processes; tests/test_multi_seed.py runs two seeds of a tiny config"),
     # mismatch attribution
     "kv4rl train name=attributed staleness.lag=1 telemetry.attribution_every=10 telemetry.attribution_samples=8":
         Case(TINY_TRAIN + " telemetry.attribution_every=1 telemetry.attribution_samples=2"),
