@@ -70,8 +70,12 @@ def train(
     from kv4rl.loop import train as run_train
     from kv4rl.run_folder import config_for_resume
 
+    from kv4rl import distributed
+
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     if seeds is not None or parallel is not None:
+        if distributed.launched_ranks() > 1:
+            fail("--seeds starts its own processes; run it without torchrun")
         _train_seeds(seeds, parallel, config, overrides or [], resume, overwrite, verbose)
         return
     try:
@@ -82,9 +86,16 @@ def train(
             cfg = config_for_resume(resume, overrides or [])
         else:
             cfg = load_config(config, overrides or [])
-        summary = run_train(cfg, resume=resume is not None, show_progress=progress, overwrite=overwrite)
+        ranks = distributed.init_from_torchrun(cfg.device)  # torchrun: one engine + learner shard per rank
+        try:
+            summary = run_train(cfg, resume=resume is not None, show_progress=progress and ranks.main,
+                                overwrite=overwrite)
+        finally:
+            distributed.shutdown()
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
+    if not ranks.main:
+        return
     _print_table(f"run {summary['run_dir']}", summary)
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
         console.print(f"stopped by {summary['stopped_by']}; continue with: kv4rl train --resume "

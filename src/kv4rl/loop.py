@@ -26,6 +26,7 @@ from kv4rl.algo.advantages import compute_advantages
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
 from kv4rl.data.source import ProblemSource
+from kv4rl.distributed import any_rank, barrier, current, gather_objects, merge_rank_rows
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine, resolve_device
 from kv4rl.eval.runner import evaluate
@@ -133,7 +134,12 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     # a training file is read (and checked) before any model is built; without one, the model's task is used
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
         if cfg.data.train is not None else None
+    ranks = current()
+    if not ranks.main:  # rank 0 builds a missing embedded model or testbed into the cache first
+        barrier()
     base_dir = resolve_model_dir(cfg, progress=show_progress)
+    if ranks.main:
+        barrier()
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=_task_of(base_dir))
@@ -155,7 +161,12 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
 
         Console(stderr=True).print(engine.summary, highlight=False)
     learner = build_learner(cfg, policy_dir, base_dir, device)
-    collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed)
+    try:
+        collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=ranks)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if ranks.world > 1 and cfg.telemetry.attribution_every:
+        raise ConfigError("telemetry.attribution_every runs in one process for now; set it to 0 under torchrun")
     s = Setup(cfg, device, source, formatter, reward_fn, engine, learner, collector,
               RolloutPipeline(collector, cfg.staleness), 0, MismatchAttribution.from_config(cfg, engine, learner))
     if restore is not None:
@@ -180,7 +191,12 @@ def restore_state(s: Setup, state: dict) -> None:
     if state.get("engine_weights") is not None:  # the engine was behind the learner (refresh_every)
         s.engine.load_weights_state(state["engine_weights"], state["engine_version"])
     s.engine.version = state["engine_version"]
-    s.pipeline.load_state_dict(state["pipeline"])
+    ranks, written_by = current(), state.get("world", 1)
+    if written_by != ranks.world:
+        raise ConfigError(f"the checkpoint was written by {written_by} data-parallel rank(s) and holds each one's "
+                          f"in-flight rollouts; resume it with the same number (torchrun --nproc-per-node "
+                          f"{written_by}), not {ranks.world}")
+    s.pipeline.load_state_dict(state["pipeline_ranks"][ranks.rank] if written_by > 1 else state["pipeline"])
 
 
 def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
@@ -292,25 +308,30 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
     Every start-up check runs before the run folder is touched (see `kv4rl.run_folder`): a fresh run
     refuses a folder that holds a run unless `overwrite`; a resume takes the newest intact checkpoint.
     """
-    sink = MetricsSink(cfg)  # checks the optional viewers before the run folder is touched
+    main = current().main  # under torchrun, rank 0 alone writes the run folder and the viewers
+    sink = MetricsSink(cfg) if main else None  # checks the optional viewers before the folder is touched
     if resume:
         restore = find_restore(cfg)
     else:
         check_new_run(cfg.run_dir, overwrite)
         restore = None
     with GracefulStop() as stop:
-        s = build(cfg, restore, show_progress)
+        s = build(cfg, restore, show_progress and main)
         folder = RunFolder(cfg, restore.run_id if restore else None,
-                           s.start_iteration if restore else None, overwrite)
+                           s.start_iteration if restore else None, overwrite) if main else None
         try:
-            last = run_loop(s, folder, stop, show_progress, sink)
+            last = run_loop(s, folder, stop, show_progress and main, sink)
         finally:
-            folder.close()
-            sink.close()
+            if folder is not None:
+                folder.close()
+            if sink is not None:
+                sink.close()
             close = getattr(s.reward_fn, "close", None)
             if close is not None:
                 close()
     summary = summarize_run(cfg.run_dir, s.start_iteration if resume else None)
+    if folder is None:
+        return summary
     if folder.moved_to is not None:
         summary["previous_run_moved_to"] = str(folder.moved_to)
     if stop.requested:
@@ -320,44 +341,67 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
     return summary
 
 
-def run_loop(s: Setup, folder: RunFolder, stop: GracefulStop, show_progress: bool, sink: MetricsSink) -> int:
-    """Iterate from the start iteration to the end (or a stop signal); returns iterations done."""
+def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progress: bool,
+             sink: MetricsSink | None) -> int:
+    """Iterate from the start iteration to the end (or a stop signal); returns iterations done.
+
+    Under torchrun every rank runs this loop; rank 0 (the one with a `folder`) merges the ranks' rows
+    and writes them, and a stop signal seen by any rank stops all after the same iteration."""
     cfg = s.cfg
     end, done = cfg.trainer.iterations, s.start_iteration
     with TrainProgress(end, s.start_iteration, enabled=show_progress) as bar:
         for it in range(s.start_iteration, end):
-            if stop.requested:
+            if any_rank(bool(stop.requested)):
                 break
             row, trace = run_iteration(s, it)
-            if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
-                row.update(run_eval(s, it))
-            folder.write(row, trace)  # the first write opens the folder: every start-up check has passed
-            sink.log(row)
-            bar.update(row)
+            if folder is not None and cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
+                row.update(run_eval(s, it))  # rank 0's engine evaluates; the others go on to the next batch
+            rows, traces = zip(*gather_objects((row, trace)))
+            if folder is not None:
+                row = merge_rank_rows(list(rows))
+                trace = traces[0] if len(traces) == 1 else \
+                    [dict(t, rank=rank) for rank, steps in enumerate(traces) for t in steps]
+                folder.write(row, trace)  # the first write opens the folder: every start-up check has passed
+                sink.log(row)
+                bar.update(row)
             done = it + 1
-            if done % cfg.checkpoint.save_every == 0 or done == end or stop.requested:
+            if done % cfg.checkpoint.save_every == 0 or done == end or any_rank(bool(stop.requested)):
                 save(s, folder, done)
     return done
 
 
-def save(s: Setup, folder: RunFolder, done: int) -> Path:
+def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
+    """A checkpoint of iteration `done`. Every rank takes part (the learner's full weights and optimizer
+    state are gathered from its FSDP2 shards, each rank's in-flight rollouts collected); rank 0 writes."""
+    weights = {k: v.detach().cpu() for k, v in s.learner.state_dict().items()}
+    learner_state = s.learner.checkpoint_state()
+    state = {"learner": learner_state, **resume_state(s, done)}
+    if folder is None:
+        barrier()  # rank 0 is writing
+        return None
+
     def write_files(path: Path) -> None:
-        s.learner.save_pretrained(path)
+        s.learner.save_pretrained(path, state=weights)
         s.formatter.tokenizer.save_pretrained(path)
 
-    state = {"learner": s.learner.checkpoint_state(), **resume_state(s, done)}
-    return save_checkpoint(folder.path, done, write_files, state, folder.run_id, s.cfg.checkpoint.keep_last)
+    path = save_checkpoint(folder.path, done, write_files, state, folder.run_id, s.cfg.checkpoint.keep_last)
+    barrier()
+    return path
 
 
 def resume_state(s: Setup, done: int) -> dict:
     """What a checkpoint needs beyond the learner: the engine's version (and weights if it lags the
     learner) and every in-flight rollout, so a resumed run hands the learner the same batches."""
     behind = s.engine.version != done
-    return {
+    pipelines = gather_objects(s.pipeline.state_dict())
+    out = {
         "engine_version": s.engine.version,
         "engine_weights": s.engine.weights_state() if behind else None,
-        "pipeline": s.pipeline.state_dict(),
+        "pipeline": pipelines[0],
     }
+    if len(pipelines) > 1:  # each rank's own collector: restored by the rank of the same number
+        out.update(world=len(pipelines), pipeline_ranks=pipelines)
+    return out
 
 
 def summarize_run(run_dir: Path, resumed_from: int | None) -> dict:

@@ -7,6 +7,10 @@ as soon as `quota_groups` groups are complete, exactly those leave in completion
 unfinished response stays resident (its tokens, behaviour log-probs and versions kept) to continue
 after the weight update. `max_versions` drops responses that would be too stale when consumed and
 re-samples them; nothing is lost or delivered twice.
+
+With several data-parallel ranks (`kv4rl.distributed`) each rank's collector takes every
+`world`-th group of the stream (group g goes to rank g mod world) and `quota_groups / world` of
+each learner batch, so the ranks' groups never overlap and their union is the single-process stream.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.source import ProblemSource
 from kv4rl.data.types import Problem
+from kv4rl.distributed import Ranks
 from kv4rl.engine.llm import Engine, request_seed
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
 from kv4rl.rollout.config import RolloutConfig
@@ -48,9 +53,15 @@ class _Group:
 
 class Collector:
     def __init__(self, engine: Engine, source: ProblemSource, formatter: PromptFormatter, cfg: RolloutConfig,
-                 seed: int, max_tokens_fn: Callable[[int, int], int] | None = None):
-        """`max_tokens_fn(group, j)` overrides the response length limit (benchmarks script lengths)."""
+                 seed: int, max_tokens_fn: Callable[[int, int], int] | None = None, ranks: Ranks = Ranks()):
+        """`max_tokens_fn(group, j)` overrides the response length limit (benchmarks script lengths).
+        `ranks`: this data-parallel rank's place (its share of the groups)."""
+        if cfg.quota_groups % ranks.world:
+            raise ValueError(f"rollout.quota_groups={cfg.quota_groups} must split evenly over {ranks.world} ranks "
+                             "(a prompt group is never split across engines)")
         self.engine, self.source, self.formatter, self.cfg, self.seed = engine, source, formatter, cfg, seed
+        self.ranks = ranks
+        self.quota = cfg.quota_groups // ranks.world
         self.max_tokens_fn = max_tokens_fn
         self.next_group = 0
         self.groups: dict[int, _Group] = {}
@@ -61,7 +72,7 @@ class Collector:
     # ---- collection -------------------------------------------------------------------------
     def collect(self) -> list[GroupResult]:
         """Run the engine until a learner batch of `quota_groups` complete groups is ready."""
-        quota = self.cfg.quota_groups
+        quota = self.quota
         if self.cfg.mode == "sync":
             while len(self.groups) < quota:
                 self._start_group()
@@ -84,7 +95,7 @@ class Collector:
             self._start_group()
 
     def _start_group(self) -> None:
-        index = self.next_group
+        index = self.next_group * self.ranks.world + self.ranks.rank
         self.next_group += 1
         problem = self.source.problem_at(index)
         group = _Group(index, problem, self.formatter.ids(problem), [None] * self.cfg.group_size,

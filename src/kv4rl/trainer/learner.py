@@ -316,9 +316,11 @@ class Learner:
         return out
 
     # ---- checkpointing ----------------------------------------------------------------------
-    def save_pretrained(self, path: Path) -> None:
-        """The policy as a Hugging Face folder (safetensors), loadable by transformers."""
-        state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+    def save_pretrained(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """The policy as a Hugging Face folder (safetensors), loadable by transformers. `state`: the full
+        weights already gathered (under FSDP2 every rank takes part in gathering; one rank writes)."""
+        if state is None:
+            state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
         self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
         config = Path(path) / "config.json"  # FSDP2 renames the class; older transformers kept the prefix
         data = json.loads(config.read_text())

@@ -1,0 +1,120 @@
+"""Several processes of one job (torchrun): who is who, and the few collectives the RL loop needs.
+
+`kv4rl train` under `torchrun --nproc-per-node N` runs the colocated layout: every rank holds an
+engine replica and an FSDP2 shard of the learner (`kv4rl.trainer.learner`), collects its share of
+each learner batch's prompt groups (a group never split: `kv4rl.rollout.collector`), scores them and
+computes their advantages itself; the learner batch is the union. Rank 0 alone writes the run folder.
+Without torchrun (or with one process) every function here is the identity of one process.
+
+A rank that raises ends its process with a non-zero exit code, and torchrun then stops the others;
+collectives carry a timeout (`COLLECTIVE_TIMEOUT`) so a rank that hangs cannot keep the job waiting
+forever.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("KV4RL_COLLECTIVE_TIMEOUT_S", "900")))
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_ranks() -> int:
+    """The world size torchrun asked for (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_from_torchrun(device: str) -> Ranks:
+    """Join the job torchrun started (NCCL for CUDA tensors and gloo for CPU ones; gloo alone on the
+    CPU). One process: no group is made (the learner makes its own one-process group)."""
+    if launched_ranks() <= 1:
+        return Ranks()
+    if not dist.is_initialized():
+        cuda = device != "cpu" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    return current()
+
+
+def current() -> Ranks:
+    if not dist.is_available() or not dist.is_initialized():
+        return Ranks()
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    ranks = current()
+    if ranks.world == 1:
+        return [obj]
+    out: list = [None] * ranks.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any (a stop signal seen by one rank stops all together)."""
+    if current().world == 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.long)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def barrier() -> None:
+    if current().world > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_SUMMED = frozenset({"preemptions", "dropped_stale", "tokens_per_s"})
+
+
+def merge_rank_rows(rows: list[dict]) -> dict:
+    """One metrics row from each rank's row of the same iteration (every rank holds an equal share of
+    the groups): counts and throughput add up, wall times and maxima take the slowest or largest, the
+    staleness histograms add, the groups join, and the rest (means over responses, or learner
+    metrics that are already global) average."""
+    if len(rows) == 1:
+        return rows[0]
+    out: dict = {}
+    for key, first in rows[0].items():
+        values = [row.get(key) for row in rows]
+        if key == "groups":
+            out[key] = sorted(g for v in values for g in v)
+        elif key == "staleness_hist":
+            hist: dict[str, int] = {}
+            for v in values:
+                for age, count in v.items():
+                    hist[age] = hist.get(age, 0) + count
+            out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+        elif isinstance(first, bool) or not isinstance(first, int | float) or any(v is None for v in values):
+            out[key] = first
+        elif key in _SUMMED:
+            out[key] = sum(values)
+        elif key.startswith("time_") or key.endswith(("_max", "absmax")):
+            out[key] = max(values)
+        elif key == "iteration":
+            out[key] = first
+        else:
+            out[key] = sum(values) / len(values)
+    return out
