@@ -50,10 +50,47 @@ def flat(mapping: dict, prefix: str = "") -> dict:
 TESTBEDS = {"testbed_longmul_gpu": "longmul-gpu", "testbed_longmul_test": "longmul-test"}
 
 
+# the source papers' real-model settings (weights and data paths named in the file, not shipped)
+PAPERS = {"paper_b_qwen3_4b_base_math_kv4_partial", "paper_a_qwen3_8b_refresh64_fp8_future_kl",
+          "paper_a_qwen3_1p7b_staleness16_future_kl"}
+# what each paper recipe must keep: (dotted key, value)
+PAPER_SETTINGS = {
+    "paper_b_qwen3_4b_base_math_kv4_partial": {"engine.kv.format": "kv4", "engine.kv.n_sink": 16,
+                                               "engine.kv.n_recent": 128, "rollout.mode": "partial"},
+    "paper_a_qwen3_8b_refresh64_fp8_future_kl": {"engine.weight_format": "fp8", "staleness.refresh_every": 64,
+                                                 "algo.loss": "future_kl", "algo.beta": 0.3},
+    "paper_a_qwen3_1p7b_staleness16_future_kl": {"staleness.lag": 16, "algo.loss": "future_kl"},
+}
+
+
 def test_recipes_exist_and_are_all_accounted_for():
     stems = {f.stem for f in FILES}
-    expected = {s for files, _ in ABLATIONS.values() for s in files} | set(TESTBEDS)
+    expected = {s for files, _ in ABLATIONS.values() for s in files} | set(TESTBEDS) | PAPERS
     assert stems == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem", sorted(PAPERS))
+def test_paper_recipes_run_a_few_iterations_at_a_test_shape(stem, tmp_path, monkeypatch):
+    """Each paper recipe keeps its settings and trains (2 iterations) with its model and data swapped for a
+    random-init Qwen3 of the test shape and a few MATH-style rows, on the CPU."""
+    from kv4rl.bench.random_model import make_random_qwen3
+    from kv4rl.loop import train
+
+    cfg = flat(to_dict(load_config(RECIPES / f"{stem}.yaml")))
+    for key, value in PAPER_SETTINGS[stem].items():
+        assert cfg[key] == value, key
+    model = make_random_qwen3(tmp_path / "model", "qwen3-tiny")
+    rows = tmp_path / "math.jsonl"
+    rows.write_text("".join(f'{{"problem": "What is {a}+{a}?", "answer": "{2 * a}"}}\n' for a in range(6)))
+    monkeypatch.chdir(tmp_path)
+    small = [f"model.path={model}", f"data.train={rows}", f"data.eval={rows}", "data.eval_size=2", "device=cpu",
+             "rollout.quota_groups=2", "rollout.group_size=2", "rollout.max_slots=4", "rollout.max_new_tokens=6",
+             "trainer.iterations=2", "trainer.offload=false", "trainer.max_tokens_per_micro_batch=256",
+             "engine.kv.group_size=32", "engine.kv.n_sink=2", "engine.kv.n_recent=4", "eval.every=0",
+             "checkpoint.save_every=1", "logging.tensorboard=false"]
+    summary = train(load_config(RECIPES / f"{stem}.yaml", small), show_progress=False)
+    assert summary["iterations"] == 2
 
 
 @pytest.mark.parametrize("stem", sorted(TESTBEDS))
