@@ -3,7 +3,8 @@
 Each rank runs an engine replica on its share of every learner batch's prompt groups and an FSDP2
 shard of the learner; rank 0 writes the run. Checked: every group of the stream is delivered exactly
 once (sync and partial rollout), the run resumes under torchrun with the same number of ranks and
-continues the stream, and a resume with another number of ranks is refused by name before any work.
+continues the stream, a resume with another number of ranks is refused by name before any work, and
+one rank failing ends the whole job with that rank's error instead of a hang.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ SMALL = ["device=cpu", "rollout.quota_groups=4", "rollout.group_size=2", "rollou
          "checkpoint.save_every=2", "--no-progress"]
 
 
-def torchrun(cwd, *args: str, ranks: int = 2) -> subprocess.CompletedProcess:
+def torchrun(cwd, *args: str, ranks: int = 2, pythonpath: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_ERROR_FILE="")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                            "--standalone", "-m", "kv4rl.cli", "train", *args], cwd=cwd, env=env,
@@ -64,3 +67,24 @@ def test_partial_rollout_over_two_ranks_never_loses_or_repeats_a_group(tmp_path)
     # each rank draws every second group of the stream: rank 0 even, rank 1 odd, 2 of each per batch
     for r in rows(tmp_path / "runs" / "partial"):
         assert sorted(g % 2 for g in r["groups"]) == [0, 0, 1, 1]
+
+
+def test_one_failing_rank_ends_the_job_with_its_error(tmp_path):
+    """Rank 1 raises in iteration 1 while rank 0 waits in a collective: torchrun ends the whole job,
+    non-zero, with rank 1's error (no hang)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('LOCAL_RANK') == '1':\n"
+        "    import kv4rl.loop as loop\n"
+        "    run = loop.run_iteration\n"
+        "    def failing(s, it):\n"
+        "        if it == 1:\n"
+        "            raise RuntimeError('rank 1 fails on purpose in iteration 1')\n"
+        "        return run(s, it)\n"
+        "    loop.run_iteration = failing\n")
+    failed = torchrun(tmp_path, "name=fail", "trainer.iterations=3", *SMALL, pythonpath=str(hook))
+    assert failed.returncode != 0
+    assert "rank 1 fails on purpose in iteration 1" in failed.stderr + failed.stdout
+    assert [r["iteration"] for r in rows(tmp_path / "runs" / "fail")] == [0]
