@@ -239,7 +239,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     t3 = time.perf_counter()
     refreshed = s.pipeline.refresh_due(it)
     if refreshed:
-        s.engine.load_weights(s.learner.state_dict(), version=it + 1)
+        s.engine.load_weights(s.learner.full_weights(), version=it + 1)  # streamed: one tensor at a time
     s.pipeline.after_update(it, refreshed)
     times["time_sync"] = time.perf_counter() - t3
     if sleep:  # after the refresh: a re-sized pool sees the learner's memory as it stays between updates

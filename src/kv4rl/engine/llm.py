@@ -370,11 +370,13 @@ class Engine:
         self.asleep = False
 
     # ---- weights ----------------------------------------------------------------------------
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy learner weights (HF names) in place; tokens sampled afterwards carry `version`.
-        FP8 linears re-quantize from the incoming tensors as they are copied. Returns once the copies
-        are done on the device, so the loop's `time_sync` holds the whole refresh."""
-        self.runner.load_weights(state_dict)
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
+        """Copy learner weights (HF names: a state dict, or a stream of (name, tensor) such as
+        `Learner.full_weights()`) in place; tokens sampled afterwards carry `version`. FP8 linears
+        re-quantize from the incoming tensors as they are copied. Returns once the copies are done on
+        the device, so the loop's `time_sync` holds the whole refresh."""
+        self.runner.load_weights(weights)
         self.runner.synchronize()
         self.version = version
         self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights

@@ -9,7 +9,7 @@ same engine loop on every rank (`kv4rl.models.tensor_parallel`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -120,9 +120,13 @@ class ModelRunner:
         """Bytes held by every layer's cache tensors (pages, scales, per-sequence rows); 0 when released."""
         return sum(t.numel() * t.element_size() for cache in self.caches or () for t in cache.values())
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy learner weights (HF names) in place; FP8 linears re-quantize as they copy."""
-        self.model.load_hf_state_dict(state_dict)
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy learner weights (HF names) in place, from a state dict or a stream of (name, tensor);
+        FP8 linears re-quantize as they copy."""
+        if isinstance(weights, Mapping):
+            self.model.load_hf_state_dict(weights)
+        else:
+            self.model.load_hf_tensors(weights)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token and its log-prob under the row's sampling parameters."""

@@ -16,7 +16,7 @@ C hidden size, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -237,6 +237,25 @@ class Decoder(nn.Module):
         for name in names:
             store(targets[name], state_dict[name])
         return len(names)
+
+
+    @torch.no_grad()
+    def load_hf_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """`load_hf_state_dict` for a stream of (name, tensor): each is checked and copied as it comes and
+        may be freed at once, so a sharded learner can hand over its weights one gathered tensor at a
+        time. Raises ValueError if the stream missed a parameter (those it held are already copied)."""
+        targets = self.hf_targets()
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            if self._ignorable(name):
+                continue
+            self.check_hf_shapes({name: tensor.shape}, strict=False)
+            store(targets[name], tensor)
+            seen.add(name)
+        missing = [name for name in targets if name not in seen]
+        if missing:
+            raise ValueError(f"weight stream ended without: {_preview(missing)}")
+        return len(seen)
 
 
 def _preview(names: list[str], limit: int = 5) -> str:

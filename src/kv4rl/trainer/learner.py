@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -305,6 +306,15 @@ class Learner:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights one parameter at a time (each FSDP2 shard gathered when it is reached), for a
+        weight refresh that never holds a second whole copy of the model: the engine copies each tensor
+        and drops it before the next is gathered. Every rank must consume the stream (the gathers are
+        collectives). A tied output head appears once, under the embedding's name."""
+        for name, param in self.model.named_parameters():
+            full = getattr(param, "full_tensor", None)
+            yield name, (full() if full is not None else param).detach()
 
     def named_grads(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient as a full plain tensor (None-free: parameters without one are left out)."""
