@@ -42,7 +42,6 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("trainer=3", "trainer"),
     ("engine.prefix_sharing=3", "engine.prefix_sharing"),
     ("engine.tensor_parallel=0", "engine.tensor_parallel"),
-    ("engine.tensor_parallel=2", "engine.tensor_parallel"),
     ("telemetry.attribution_every=-1", "telemetry.attribution_every"),
     ("telemetry.attribution_samples=0", "telemetry.attribution_samples"),
 ])

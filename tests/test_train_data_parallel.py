@@ -88,3 +88,22 @@ def test_one_failing_rank_ends_the_job_with_its_error(tmp_path):
     assert failed.returncode != 0
     assert "rank 1 fails on purpose in iteration 1" in failed.stderr + failed.stdout
     assert [r["iteration"] for r in rows(tmp_path / "runs" / "fail")] == [0]
+
+
+def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_samples(tmp_path, monkeypatch):
+    """DP2 x TP2 (four ranks, paper B's layout): every group once per batch, and the first batch's
+    responses (token counts, rewards) equal a single-process run's: sampling is seeded per request and
+    the sharded engines compute the unsharded logits to float32 rounding."""
+    from kv4rl.config import load_config
+    from kv4rl.loop import train
+
+    done = torchrun(tmp_path, "name=dptp", "trainer.iterations=2", "engine.tensor_parallel=2", *SMALL, ranks=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    four = rows(tmp_path / "runs" / "dptp")
+    assert [r["groups"] for r in four] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, ["name=one", "trainer.iterations=1", *SMALL[:-1]]), show_progress=False)
+    one = rows(tmp_path / "runs" / "one")[0]
+    assert four[0]["num_tokens"] == one["num_tokens"]
+    assert four[0]["reward_mean"] == pytest.approx(one["reward_mean"], abs=1e-9)
+    assert four[0]["response_len_mean"] == pytest.approx(one["response_len_mean"], abs=1e-9)

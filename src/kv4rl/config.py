@@ -181,10 +181,6 @@ class RunConfig:
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
             (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
             (bool(self.name) and "/" not in self.name, "name must be a non-empty folder name"),
-            (self.engine.tensor_parallel == 1,
-             f"engine.tensor_parallel={self.engine.tensor_parallel}: `kv4rl train` runs one whole engine per rank "
-             "(data parallel under torchrun) for now; the tensor-parallel engine runs in `kv4rl bench "
-             "decode-forward --tensor-parallel N` and the Engine API"),
         ]
         for ok, message in checks:
             if not ok:

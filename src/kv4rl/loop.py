@@ -26,7 +26,7 @@ from kv4rl.algo.advantages import compute_advantages
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
 from kv4rl.data.source import ProblemSource
-from kv4rl.distributed import any_rank, barrier, current, gather_objects, merge_rank_rows
+from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine, resolve_device
 from kv4rl.eval.runner import evaluate
@@ -135,6 +135,13 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
         if cfg.data.train is not None else None
     ranks = current()
+    if ranks.world % cfg.engine.tensor_parallel:
+        raise ConfigError(f"engine.tensor_parallel={cfg.engine.tensor_parallel} does not divide the "
+                          f"{ranks.world} ranks torchrun started")
+    if cfg.rollout.quota_groups % ranks.world:
+        raise ConfigError(f"rollout.quota_groups={cfg.rollout.quota_groups} must split evenly over the {ranks.world} "
+                          "ranks (each engine's groups are shared out among its tensor-parallel ranks for the learner)")
+    engine_ranks = Ranks(ranks.rank // cfg.engine.tensor_parallel, ranks.world // cfg.engine.tensor_parallel)
     if not ranks.main:  # rank 0 builds a missing embedded model or testbed into the cache first
         barrier()
     base_dir = resolve_model_dir(cfg, progress=show_progress)
@@ -162,7 +169,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         Console(stderr=True).print(engine.summary, highlight=False)
     learner = build_learner(cfg, policy_dir, base_dir, device)
     try:
-        collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=ranks)
+        collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=engine_ranks)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if ranks.world > 1 and cfg.telemetry.attribution_every:
@@ -207,6 +214,9 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     groups = s.pipeline.next_batch()
     trace = s.collector.take_trace()
     times["time_rollout"] = time.perf_counter() - t0
+    tp = s.engine.tp
+    if tp.size > 1:  # the ranks of one tensor-parallel engine share its groups out for the learner
+        groups = groups[tp.rank::tp.size]
 
     t1 = time.perf_counter()
     completions = [c for g in groups for c in g.completions]
@@ -258,8 +268,9 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         "tokens_per_s": num_gen / max(times["time_rollout"], 1e-9),
         **staleness_stats(it, completions),
         **collection_stats(trace, r.max_slots),
-        "preemptions": s.engine.num_preemptions,
-        "dropped_stale": s.collector.num_dropped,
+        # engine counts, once per engine (its tensor-parallel ranks all see the same)
+        "preemptions": s.engine.num_preemptions if tp.rank == 0 else 0,
+        "dropped_stale": s.collector.num_dropped if tp.rank == 0 else 0,
         "groups": [g.index for g in groups],
         **{f"reward_{k}": float(v) for k, v in reward.stats.items()},
         **adv_metrics,
@@ -354,8 +365,10 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
             if any_rank(bool(stop.requested)):
                 break
             row, trace = run_iteration(s, it)
-            if folder is not None and cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
-                row.update(run_eval(s, it))  # rank 0's engine evaluates; the others go on to the next batch
+            if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
+                evaluation = run_eval(s, it)  # every engine evaluates (a tensor-parallel one needs all its ranks)
+                if folder is not None:
+                    row.update(evaluation)  # rank 0's
             rows, traces = zip(*gather_objects((row, trace)))
             if folder is not None:
                 row = merge_rank_rows(list(rows))
