@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kv4rl.models.decoder import CheckpointSlot
+from kv4rl.models.checkpoint_slots import CheckpointSlot
 from kv4rl.quant.fp8 import dequantize_fp8, quantize_fp8
 
 SCALED_MM_PATH = "scaled_mm (Hopper)"

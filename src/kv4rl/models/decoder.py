@@ -17,37 +17,16 @@ C hidden size, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
 from kv4rl.models.args import ModelArgs
+from kv4rl.models.checkpoint_slots import LoadTarget, store
 from kv4rl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from kv4rl.models.tensor_parallel import TensorParallel, shard_args, shard_targets
 
 # (layer_idx, q[N, Hq, D], k[N, Hkv, D], v[N, Hkv, D]) -> out[N, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class CheckpointSlot(NamedTuple):
-    """A checkpoint tensor that a module stores in its own form (quantized, say): ``load`` converts
-    the incoming tensor and writes it in place. Modules opt in with a ``checkpoint_slots()`` method
-    returning ``{local name: CheckpointSlot | tensor}``, which then stands for all their state."""
-
-    shape: tuple[int, ...]
-    load: Callable[[torch.Tensor], None]
-
-
-LoadTarget = torch.Tensor | CheckpointSlot
-
-
-def store(target: LoadTarget, tensor: torch.Tensor) -> None:
-    """Write a checkpoint tensor into its target: an in-place cast copy, or the slot's own loader."""
-    if isinstance(target, CheckpointSlot):
-        target.load(tensor)
-    else:
-        target.copy_(tensor)
 
 
 TIED_HEAD_NAME = "lm_head.weight"

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 
 from kv4rl.models.args import ModelArgs
-from kv4rl.models.decoder import Decoder, store
+from kv4rl.models.checkpoint_slots import store
+from kv4rl.models.decoder import Decoder
 from kv4rl.models.tensor_parallel import TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"

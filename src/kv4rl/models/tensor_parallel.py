@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kv4rl.models.args import ModelArgs
+from kv4rl.models.checkpoint_slots import CheckpointSlot, store
 
 # Split by output rows (dim 0 of weight and bias) and by input columns (dim 1 of the weight).
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -75,8 +76,6 @@ def split_rule(name: str) -> tuple[str, int] | None:
 
 def shard_targets(targets: dict, tp: TensorParallel) -> dict:
     """Wrap each sharded local target in a slot of the full checkpoint shape that stores its slice."""
-    from kv4rl.models.decoder import CheckpointSlot, store
-
     def slot(local, kind: str, dim: int):
         shape = list(local.shape)
         if dim >= 0:
