@@ -7,17 +7,14 @@ whole batch (fp32), also when packing gives the ranks different numbers of micro
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.learner import Learner
 from tests.conftest import make_checkpoint
+from tests.gloo_ranks import run_on_gloo_ranks
 
 LENGTHS = [(5, 9), (5, 3), (7, 14), (7, 2), (4, 6), (4, 11), (6, 1), (6, 8)]  # (prompt, response) per row
 
@@ -47,22 +44,9 @@ def _step(path, rows, packed: bool) -> dict:
             "micro_batches": len(lrn.micro_batches(full.select(torch.tensor(rows)), torch.arange(len(rows))))}
 
 
-def _worker(rank: int, port: int, path: str, out: str, packed: bool) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        half = len(LENGTHS) // 2
-        torch.save(_step(path, list(range(rank * half, (rank + 1) * half)), packed), os.path.join(out, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _half_batch_step(rank: int, path: str, packed: bool) -> dict:
+    half = len(LENGTHS) // 2
+    return _step(path, list(range(rank * half, (rank + 1) * half)), packed)
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +59,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_two_ranks_equal_one_process_on_the_whole_batch(checkpoint, tmp_path, packed):
     single = _step(checkpoint, list(range(len(LENGTHS))), packed)
-    mp.start_processes(_worker, args=(_free_port(), str(checkpoint), str(tmp_path), packed), nprocs=2,
-                       start_method="spawn")
-    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    ranks = run_on_gloo_ranks(_half_batch_step, 2, tmp_path, str(checkpoint), packed)
     if packed:  # the ranks' halves pack into different numbers of micro-batches: the dummy pass is exercised
         assert ranks[0]["micro_batches"] != ranks[1]["micro_batches"]
     for got in ranks:

@@ -7,12 +7,8 @@ sampled tokens are equal, for every KV format (each rank holds half the KV heads
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from kv4rl.engine.config import EngineConfig, KVConfig
 from kv4rl.engine.llm import Engine
@@ -20,6 +16,7 @@ from kv4rl.engine.sequence import SamplingParams
 from kv4rl.models.args import ModelArgs
 from kv4rl.models.tensor_parallel import check_shardable, shard_args, split_rule
 from tests.conftest import make_checkpoint
+from tests.gloo_ranks import run_on_gloo_ranks
 
 FORMATS = ["fp32", "bf16", "fp8", "int4", "kv4", "nvfp4", "mxfp4"]
 PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -43,21 +40,8 @@ def _results(path, tp: int) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(_results(path, tp=world), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _tp2_results(rank: int, path: str) -> dict:
+    return _results(path, tp=2)
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +53,7 @@ def checkpoint(tmp_path_factory):
 
 def test_tp2_engine_equals_tp1_for_every_kv_format(checkpoint, tmp_path):
     expected = _results(checkpoint, tp=1)
-    mp.start_processes(_worker, args=(2, _free_port(), str(checkpoint), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, got in enumerate(run_on_gloo_ranks(_tp2_results, 2, tmp_path, str(checkpoint))):
         for fmt in FORMATS:
             assert got[fmt]["kv_heads"] == 1, "each rank holds half of the 2 KV heads"
             for want, have in zip(expected[fmt]["logits"], got[fmt]["logits"]):

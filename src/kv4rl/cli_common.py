@@ -55,7 +55,7 @@ def write_json(res: dict, json_out: Path | None) -> None:
 
 def check_device(device: str, option: str = "--device") -> None:
     """Refuse a device that torch would reject only after the model has loaded, or CUDA where there is none."""
-    from kv4rl.engine.llm import resolve_device
+    from kv4rl.engine.placement import resolve_device
 
     if device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", device):
         raise ValueError(f"{option}: '{device}' is not auto, cpu, cuda or cuda:N")
@@ -129,3 +129,11 @@ def check_kv_formats(names: list[str], option: str, engine=None, *, head_dim: in
                 kv_format_from_config(cfg.kv).check(head_dim, cfg.max_model_len)
         except ValueError as exc:
             raise ValueError(f"{option} {name}: {exc}") from None
+
+
+def shape_args(shape: str, args_of):
+    """`args_of(shape)`, with an unknown shape named as the --shape option's fault."""
+    try:
+        return args_of(shape)
+    except ValueError as exc:
+        raise ValueError(f"--shape: {exc}") from None

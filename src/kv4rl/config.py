@@ -80,6 +80,12 @@ class TrainerConfig:
     max_tokens_per_micro_batch: int | None = None  # pack rows without padding up to this many tokens; null: padded
     ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
 
+    def learning_rate(self, iteration: int) -> float:
+        """Linear warm-up over `warmup_iters`, then constant (a pure function of the iteration)."""
+        if self.warmup_iters and iteration < self.warmup_iters:
+            return self.lr * (iteration + 1) / self.warmup_iters
+        return self.lr
+
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:

@@ -28,7 +28,8 @@ from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
 from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
 from kv4rl.engine.config import EngineConfig
-from kv4rl.engine.llm import Engine, resolve_device
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.placement import resolve_device
 from kv4rl.eval.runner import evaluate
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.hf_weights import check_model_folder
@@ -37,8 +38,8 @@ from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_folder import RunFolder, RunFolderError, check_new_run
 from kv4rl.telemetry.attribution import MismatchAttribution
-from kv4rl.telemetry.metrics import read_lines
 from kv4rl.telemetry.progress import TrainProgress
+from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, summarize_run
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of, save_checkpoint
@@ -243,7 +244,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
                         [c.versions for c in completions], advantages.tolist(), pad_id)
     mismatch = s.attribution.observe(it, batch) if s.attribution is not None else {}
     t2 += mismatch.get("mismatch/time_s", 0.0)  # a diagnostic, not update time
-    learn = s.learner.step(batch, lr=learning_rate(cfg.trainer, it), iteration=it)
+    learn = s.learner.step(batch, lr=cfg.trainer.learning_rate(it), iteration=it)
     times["time_update"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
@@ -279,30 +280,6 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         **times,
     }
     return row, [dict(t, iteration=it) for t in trace]
-
-
-def learning_rate(t, iteration: int) -> float:
-    """Linear warm-up over `warmup_iters`, then constant (a pure function of the iteration)."""
-    if t.warmup_iters and iteration < t.warmup_iters:
-        return t.lr * (iteration + 1) / t.warmup_iters
-    return t.lr
-
-
-def staleness_stats(update: int, completions) -> dict:
-    """Per-token staleness (update - version that sampled it): mean, max and histogram."""
-    ages = [update - v for c in completions for v in c.versions]
-    hist: dict[str, int] = {}
-    for a in ages:
-        hist[str(a)] = hist.get(str(a), 0) + 1
-    return {"staleness_mean": sum(ages) / max(len(ages), 1), "staleness_max": max(ages, default=0),
-            "staleness_hist": hist}
-
-
-def collection_stats(trace: list[dict], max_slots: int) -> dict:
-    if not trace:
-        return {"decode_steps": 0, "slot_util": 0.0}
-    return {"decode_steps": len(trace),
-            "slot_util": sum(t["batch_size"] for t in trace) / (len(trace) * max_slots)}
 
 
 def run_eval(s: Setup, it: int) -> dict:
@@ -414,25 +391,4 @@ def resume_state(s: Setup, done: int) -> dict:
     }
     if len(pipelines) > 1:  # each rank's own collector: restored by the rank of the same number
         out.update(world=len(pipelines), pipeline_ranks=pipelines)
-    return out
-
-
-def summarize_run(run_dir: Path, resumed_from: int | None) -> dict:
-    """The whole run as recorded in metrics.jsonl (a resumed run included from iteration 0)."""
-    path = run_dir / "metrics.jsonl"
-    rows = [row for _, row in read_lines(path)] if path.is_file() else []
-    out: dict = {"iterations": len(rows)}
-    if resumed_from is not None:
-        out["resumed_from"] = resumed_from
-    if rows:
-        head, tail = rows[:5], rows[-5:]
-        acc = lambda rs: sum(r["accuracy"] for r in rs) / len(rs)
-        out.update({
-            "iteration_seconds": sum(r.get("time_total") or 0.0 for r in rows),
-            "accuracy_first5": acc(head),
-            "accuracy_last5": acc(tail),
-            "reward_first": rows[0]["reward_mean"],
-            "reward_last": rows[-1]["reward_mean"],
-        })
-    out["run_dir"] = str(run_dir)
     return out

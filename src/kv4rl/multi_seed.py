@@ -81,14 +81,14 @@ def _log_path(cfg: RunConfig) -> Path:
 
 def default_parallel(runs: list[SeedRun]) -> int:
     """All seeds at once on CUDA, one at a time on the CPU (the cores are already shared by torch)."""
-    from kv4rl.engine.llm import resolve_device
+    from kv4rl.engine.placement import resolve_device
 
     return len(runs) if resolve_device(runs[0].cfg.device).type == "cuda" else 1
 
 
 def share_device(runs: list[SeedRun], parallel: int) -> None:
     """Give each of `parallel` concurrent CUDA runs its part of the device's memory (engine pool sizing)."""
-    from kv4rl.engine.llm import resolve_device
+    from kv4rl.engine.placement import resolve_device
 
     if parallel < 2 or resolve_device(runs[0].cfg.device).type != "cuda":
         return

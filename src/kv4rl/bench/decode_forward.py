@@ -119,6 +119,22 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
 
 
+def run_decode_forward_tp(shapes: list[str], workloads: list[str], size: int, fused_ops: bool) -> dict | None:
+    """Under torchrun: every rank times its shard's step; rank 0 then times one GPU in the same job and
+    returns the rows with `speedup_vs_tp1` (the other ranks return None)."""
+    from kv4rl import distributed
+    from kv4rl.models.tensor_parallel import tensor_parallel_group
+
+    distributed.init_from_torchrun("cuda")
+    tp = tensor_parallel_group(size)
+    res = run_decode_forward(shapes, workloads, fused_ops=fused_ops, tp=tp)
+    distributed.barrier()
+    if tp.rank != 0:
+        return None
+    add_tp1_ratio(res, run_decode_forward(shapes, workloads, fused_ops=fused_ops))
+    return res
+
+
 def _barrier(tp):
     import torch.distributed as dist
 

@@ -23,7 +23,8 @@ import torch
 
 from kv4rl.engine.config import EngineConfig, KVConfig
 from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
-from kv4rl.engine.llm import Engine, resolve_device
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.placement import resolve_device
 from kv4rl.engine.sequence import SamplingParams
 from kv4rl.models.hf_weights import read_model_args
 

@@ -22,7 +22,8 @@ import torch
 
 from kv4rl.bench.random_model import decoder_from_hf, qwen3_args, random_decoder, random_hf_qwen3
 from kv4rl.engine.config import EngineConfig
-from kv4rl.engine.llm import Engine, resolve_device
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.placement import resolve_device
 from kv4rl.engine.sequence import SamplingParams
 
 WARMUP_TOKENS = 4

@@ -37,7 +37,8 @@ from kv4rl.bench.rollout import MODES, Workload, _Prompts
 from kv4rl.config import RunConfig
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
-from kv4rl.engine.llm import Engine, resolve_device, resolve_dtype
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.placement import resolve_device, resolve_dtype
 from kv4rl.rewards.base import RewardResult
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline

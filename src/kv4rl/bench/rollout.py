@@ -35,7 +35,8 @@ from kv4rl.data.types import Problem
 from kv4rl.engine.block_manager import blocks_needed
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
-from kv4rl.engine.llm import Engine, resolve_device, resolve_dtype
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.placement import resolve_device, resolve_dtype
 from kv4rl.engine.memory import GIB, KVFootprint, format_bytes, kv_footprint
 from kv4rl.models.args import ModelArgs
 from kv4rl.rollout.collector import Collector

@@ -12,7 +12,6 @@ returns full-vocabulary logits (the fidelity bench compares KV formats with it).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from kv4rl.engine import memory
 from kv4rl.engine.block_manager import BlockManager
 from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.placement import resolve_device, resolve_dtype
 from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.scheduler import Scheduler
@@ -39,29 +39,6 @@ def request_seed(seed: int, index: int) -> int:
 
     mixed = splitmix64(torch.tensor([seed * 1_000_003 + index], dtype=torch.long))
     return int(mixed) & (2**62 - 1)
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto`: CUDA when present, else the CPU. Plain `cuda` under torchrun is this process's GPU
-    (`LOCAL_RANK`), so every rank of a job says the same `device: cuda`."""
-    if name == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        name = "cuda"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device '{name}' requested but CUDA is not available")
-    if name == "cuda" and "LOCAL_RANK" in os.environ:
-        name = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"model.dtype: unknown dtype '{name}' (known: auto, {', '.join(table)})")
-    return table[name]
 
 
 def _place_model(model_dir, model: Decoder | None, device, dtype,

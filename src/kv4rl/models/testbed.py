@@ -173,7 +173,7 @@ def solution_lengths(spec: TestbedSpec, n: int, seed: int) -> list[int]:
 
 
 def _resolve_device(device: str) -> torch.device:
-    from kv4rl.engine.llm import resolve_device
+    from kv4rl.engine.placement import resolve_device
 
     return resolve_device(device)
 

@@ -285,7 +285,8 @@ def measure(settings: Settings, progress: StageReport | None = None) -> Measurem
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kv4rl.data.source import ProblemSource
-    from kv4rl.engine.llm import Engine, resolve_device
+    from kv4rl.engine.llm import Engine
+    from kv4rl.engine.placement import resolve_device
     from kv4rl.engine.sequence import SamplingParams
     from kv4rl.models.hf_weights import check_model_folder
 

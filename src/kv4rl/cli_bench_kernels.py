@@ -1,0 +1,110 @@
+"""`kv4rl bench decode-attn` and `kv4rl bench decode-forward`: the GPU decode kernels and one whole decode
+step (optionally tensor-parallel under torchrun), timed on CUDA only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from typer import Option
+
+from kv4rl.bench.tables import decode_attn_table, decode_forward_table
+from kv4rl.cli_common import check_at_least, check_output_path, console, fail, option_list, write_json
+from kv4rl.telemetry.progress import StageProgress
+from kv4rl.telemetry.tables import print_table
+
+
+def _need_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        fail("this benchmark times GPU kernels and needs a CUDA device")
+
+
+def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out) -> None:
+    """The tensor-parallel decode step on every rank; rank 0 prints, times one GPU and writes the JSON."""
+    from kv4rl import distributed
+    from kv4rl.bench.decode_forward import run_decode_forward_tp
+
+    if distributed.launched_ranks() != size:
+        fail(f"--tensor-parallel {size} runs under torchrun: torchrun --nproc-per-node {size} -m kv4rl.cli "
+             f"bench decode-forward --tensor-parallel {size} ...")
+    res = run_decode_forward_tp(shape_list, work, size, fused_ops)
+    if res is not None:
+        print_table(console, decode_forward_table(res, fused_ops))
+        write_json(res, json_out)
+    distributed.barrier()
+    distributed.shutdown()
+
+
+def register_kernel_benches(app: typer.Typer) -> None:
+    """Add the two commands to `kv4rl bench`."""
+
+    @app.command("decode-attn")
+    def decode_attn(
+        shapes: Annotated[str, Option("--shapes", help="head shapes: qwen3-1.7b, qwen3-4b, qwen3-8b")] = "qwen3-8b",
+        batches: Annotated[str, Option("--batches", help="comma-separated batch sizes")] = "64",
+        contexts: Annotated[str, Option("--contexts", help="comma-separated context lengths")] = "2048,4096,8192,16384",
+        formats: Annotated[str, Option(
+            "--formats", help="KV formats: bf16, fp8, int4, kv4; int4-triton / kv4-triton run the INT4 body in the "
+                              "Triton kernel instead of the CUDA one")] = "bf16,fp8,int4,kv4",
+        seed: Annotated[int, Option("--seed")] = 0,
+        json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
+    ) -> None:
+        """One layer's paged decode attention per KV format vs torch SDPA (cuDNN) on contiguous BF16."""
+        from kv4rl.bench.decode_attn import FORMATS, HEAD_SHAPES, run_decode_attn
+
+        try:
+            shape_list = option_list(shapes, "--shapes", known=list(HEAD_SHAPES))
+            fmt_list = option_list(formats, "--formats", known=FORMATS)
+            batch_list = option_list(batches, "--batches", int, minimum=1)
+            context_list = option_list(contexts, "--contexts", int, minimum=1)
+        except ValueError as exc:
+            fail(str(exc))
+        check_output_path(json_out)
+        _need_cuda()
+        cases = len(shape_list) * len(batch_list) * len(context_list) * len(fmt_list)
+        with StageProgress(console, "decode-attn") as stages:
+            stages(f"timing {cases} kernel cases (each also against SDPA)", 0, cases)
+            res = run_decode_attn(shape_list, batch_list, context_list, fmt_list, seed=seed, progress=lambda r: stages.advance(
+                f"{r['shape']} {r['format']} B{r['batch']} L{r['context']}: {r['ms']:.4f} ms"))
+        print_table(console, decode_attn_table(res))
+        write_json(res, json_out)
+
+
+    @app.command("decode-forward")
+    def decode_forward(
+        shapes: Annotated[str, Option("--shapes", help="model shapes: qwen3-4b, qwen3-8b, ...")] = "qwen3-8b",
+        workloads: Annotated[str, Option(
+            "--workloads", help="early (B256 x 1024), mid (B128 x 4096), late (B64 x 8192)")] = "early,mid,late",
+        fused_ops: Annotated[bool, Option(
+            "--fused-ops/--no-fused-ops", help="fused norms/RoPE/SwiGLU kernels, as the engine runs on CUDA "
+                                               "(engine.fused_ops=auto)")] = True,
+        tensor_parallel: Annotated[int, Option(
+            "--tensor-parallel", help="shard the model over N GPUs (run under torchrun --nproc-per-node N); "
+                                      "rank 0 also times one GPU for the ratio")] = 1,
+        json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
+    ) -> None:
+        """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""
+        from kv4rl.bench.decode_forward import VARIANTS, WORKLOADS, run_decode_forward
+        from kv4rl.bench.random_model import QWEN3_SHAPES
+
+        try:
+            shape_list = option_list(shapes, "--shapes", known=list(QWEN3_SHAPES))
+            work = option_list(workloads, "--workloads", known=list(WORKLOADS))
+            check_at_least(1, ("--tensor-parallel", tensor_parallel))
+        except ValueError as exc:
+            fail(str(exc))
+        check_output_path(json_out)
+        _need_cuda()
+        if tensor_parallel > 1:
+            _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out)
+            return
+        cases = len(shape_list) * len(VARIANTS) * len(work)
+        with StageProgress(console, "decode-forward") as stages:
+            stages(f"timing {cases} decode steps", 0, cases)
+            res = run_decode_forward(shape_list, work, fused_ops=fused_ops, progress=lambda r: stages.advance(
+                f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
+        print_table(console, decode_forward_table(res, fused_ops))
+        write_json(res, json_out)

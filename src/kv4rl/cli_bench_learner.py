@@ -1,0 +1,159 @@
+"""`kv4rl bench iteration` and `kv4rl bench learner`: the training side of the system, measured the way
+the rollout benches measure the engine (a table, `--json`, options checked before any work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from typer import Option
+
+from kv4rl.bench.tables import iteration_table, learner_table
+from kv4rl.cli_common import (
+    check_at_least,
+    check_device,
+    check_output_path,
+    console,
+    engine_config,
+    fail,
+    option_list,
+    shape_args,
+    write_json,
+)
+from kv4rl.telemetry.progress import StageProgress
+from kv4rl.telemetry.tables import print_table
+
+
+def register_learner_benches(app: typer.Typer) -> None:
+    """Add the two commands to `kv4rl bench`."""
+
+    @app.command("iteration")
+    def bench_iteration_cmd(
+        engine_overrides: Annotated[list[str] | None, typer.Argument(
+            help="engine settings, e.g. engine.gpu_memory_fraction=0.8 engine.max_num_batched_tokens=32768")] = None,
+        shape: Annotated[str, Option(
+            "--shape", help="random-init model of this shape (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, "
+                            "qwen3-tiny for tests)")] = "qwen3-1.7b",
+        arms: Annotated[str, Option(
+            "--arms", help="comma-separated arms, each KV format + rollout mode [+ fp8w for FP8 engine weights], "
+                           "e.g. bf16+sync,kv4+partial,fp8w+kv4+partial; speedups are against the first")]
+        = "bf16+sync,kv4+partial",
+        iterations: Annotated[int, Option("--iterations", help="timed iterations per arm, after one warm-up")] = 2,
+        quota: Annotated[int, Option("--quota-groups", help="prompt groups per learner batch")] = 16,
+        group: Annotated[int, Option("--group-size", help="responses per prompt")] = 8,
+        slots: Annotated[int | None, Option(
+            "--max-slots", help="decode slots (default: quota-groups x group-size)")] = None,
+        prompt_len: Annotated[int, Option("--prompt-len")] = 128,
+        median_len: Annotated[int, Option("--median-len", help="median response length")] = 1024,
+        sigma: Annotated[float, Option("--sigma", help="log-normal tail of response lengths")] = 1.0,
+        max_len: Annotated[int, Option("--max-len", help="longest response")] = 8192,
+        micro_batch_size: Annotated[int, Option(
+            "--micro-batch-size", help="learner sequences per forward/backward")] = 1,
+        grad_checkpointing: Annotated[bool, Option("--grad-checkpointing/--no-grad-checkpointing")] = False,
+        lr: Annotated[float, Option("--lr", help="learner learning rate")] = 1e-6,
+        sleep: Annotated[bool, Option(
+            "--sleep/--no-sleep", help="engine frees its KV pool during the update (engine.sleep_between_rollouts)")]
+        = True,
+        device: Annotated[str, Option("--device")] = "auto",
+        seed: Annotated[int, Option("--seed")] = 0,
+        json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
+        png: Annotated[Path | None, Option(
+            "--png", help="stacked bars of the phases per arm; the CSV behind it goes beside it")] = None,
+        validate_only: Annotated[bool, Option(
+            "--validate-only", help="check the options, then stop before any work")] = False,
+    ) -> None:
+        """Seconds per RL iteration (rollout / reward / update / weight sync / sleep-wake) for each arm."""
+        from kv4rl.bench.iteration import IterationBench, bench_iteration, parse_arms, prepare
+        from kv4rl.bench.rollout import Workload
+        from kv4rl.config_loader import parse_override
+
+        try:
+            overrides = engine_overrides or []
+            check_at_least(1, ("--max-slots", slots))
+            check_device(device)
+            bench = IterationBench(
+                arms=tuple(parse_arms(arms)), shape=shape, iterations=iterations,
+                workload=Workload(quota_groups=quota, group_size=group, max_slots=slots or quota * group,
+                                  prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
+                micro_batch_size=micro_batch_size, grad_checkpointing=grad_checkpointing, lr=lr, sleep=sleep,
+                device=device, engine=engine_config(overrides),
+                engine_keys=frozenset(".".join(parse_override(o)[0]) for o in overrides))
+            configs = prepare(bench)
+        except ValueError as exc:
+            fail(str(exc))
+        if validate_only:
+            console.print("options valid; stopping before any work (--validate-only)")
+            return
+        check_output_path(json_out, "--json")
+        check_output_path(png, "--png")
+        with StageProgress(console, "iteration") as stages:  # the model folder, then each arm's iterations
+            res = bench_iteration(bench, configs, progress=stages.counted(1 + len(bench.arms) * (1 + bench.iterations)))
+        for r in res["results"]:
+            console.print(f"[dim]{r['arm']}: {r['engine_summary']}[/]", highlight=False, soft_wrap=True)
+        print_table(console, iteration_table(res))
+        write_json(res, json_out)
+        if png is not None:
+            from kv4rl.bench.iteration import figure_rows
+            from kv4rl.telemetry.plots import plot_iteration_time, write_csv
+
+            rows, w = figure_rows(res), res["workload"]
+            title = (f"{res['model']} on {res['gpu'] or res['device']}: seconds per RL iteration by phase\n"
+                     f"{w['quota_groups']}x{w['group_size']} responses, lengths median {w['median_len']} max "
+                     f"{w['max_len']}, {'sleep/wake' if res['sleep'] else 'no sleep'}")
+            console.print(f"wrote {plot_iteration_time(rows, png, title)} and {write_csv(rows, png.with_suffix('.csv'))}")
+
+
+    @app.command("learner")
+    def bench_learner_cmd(
+        shape: Annotated[str, Option(
+            "--shape", help="model shape (qwen3-1.7b, qwen3-4b, qwen3-8b; qwen3-tiny for tests)")] = "qwen3-1.7b",
+        workload: Annotated[str, Option("--workload", help="uniform (N x L) or lognormal response lengths")]
+        = "uniform",
+        num_seqs: Annotated[int | None, Option(
+            "--num-seqs", help="sequences per step (default: 16 uniform, 32 lognormal)")] = None,
+        prompt_len: Annotated[int, Option("--prompt-len", help="prompt tokens of every row")] = 256,
+        seq_len: Annotated[int, Option("--seq-len", help="uniform: tokens of every row, prompt included")] = 4096,
+        median_len: Annotated[int, Option("--median-len", help="lognormal: median response length")] = 1024,
+        sigma: Annotated[float, Option("--sigma", help="lognormal: shape of the length tail")] = 1.0,
+        max_len: Annotated[int, Option("--max-len", help="lognormal: longest response")] = 8192,
+        micro_batch_size: Annotated[int, Option("--micro-batch-size", help="rows per padded micro-batch")] = 4,
+        max_tokens: Annotated[int, Option("--max-tokens", help="tokens per packed micro-batch")] = 16384,
+        layouts: Annotated[str, Option("--layouts", help="comma-separated: padded, packed")] = "padded,packed",
+        checkpointing: Annotated[str, Option(
+            "--checkpointing", help="comma-separated activation checkpointing settings: off, on")] = "off,on",
+        reference: Annotated[str, Option(
+            "--reference", help="comma-separated reference-forward settings: off, on")] = "off,on",
+        steps: Annotated[int, Option("--steps", help="timed steps per variant, after one warm-up step")] = 2,
+        device: Annotated[str, Option("--device")] = "auto",
+        seed: Annotated[int, Option("--seed")] = 0,
+        json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
+    ) -> None:
+        """Learner step throughput (real tokens/s, MFU, peak memory) on a random-init model."""
+        from kv4rl.bench.learner import LearnerWorkload, bench_learner
+        from kv4rl.bench.random_model import qwen3_args
+        from kv4rl.engine.placement import resolve_device
+
+        switch = {"off": False, "on": True}
+        try:
+            shape_args(shape, qwen3_args)
+            work = LearnerWorkload(kind=workload, num_seqs=num_seqs or (32 if workload == "lognormal" else 16),
+                                   prompt_len=prompt_len, seq_len=seq_len, median_len=median_len, sigma=sigma,
+                                   max_len=max_len, seed=seed)
+            work.validate(shape_args(shape, qwen3_args).max_position_embeddings)
+            check_at_least(1, ("--micro-batch-size", micro_batch_size), ("--max-tokens", max_tokens), ("--steps", steps))
+            layout_list = option_list(layouts, "--layouts", known=["padded", "packed"])
+            ckpt_list = [switch[v] for v in option_list(checkpointing, "--checkpointing", known=list(switch))]
+            ref_list = [switch[v] for v in option_list(reference, "--reference", known=list(switch))]
+            check_device(device)
+        except ValueError as exc:
+            fail(str(exc))
+        check_output_path(json_out)
+        variants = len(layout_list) * len(ckpt_list) * len(ref_list)
+        with StageProgress(console, "learner") as stages:
+            res = bench_learner(shape, work, device=resolve_device(device), steps=steps,
+                                micro_batch_size=micro_batch_size, max_tokens=max_tokens, layouts=layout_list,
+                                checkpointing=ckpt_list, reference=ref_list,
+                                progress=lambda what: stages(f"{shape} {workload}: {what} ({variants} variants)"))
+        print_table(console, learner_table(res))
+        write_json(res, json_out)

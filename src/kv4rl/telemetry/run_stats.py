@@ -1,0 +1,45 @@
+"""What the loop logs about a batch's collection, and the summary of a whole run from its metrics file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kv4rl.telemetry.metrics import read_lines
+
+
+def staleness_stats(update: int, completions) -> dict:
+    """Per-token staleness (update - version that sampled it): mean, max and histogram."""
+    ages = [update - v for c in completions for v in c.versions]
+    hist: dict[str, int] = {}
+    for a in ages:
+        hist[str(a)] = hist.get(str(a), 0) + 1
+    return {"staleness_mean": sum(ages) / max(len(ages), 1), "staleness_max": max(ages, default=0),
+            "staleness_hist": hist}
+
+
+def collection_stats(trace: list[dict], max_slots: int) -> dict:
+    if not trace:
+        return {"decode_steps": 0, "slot_util": 0.0}
+    return {"decode_steps": len(trace),
+            "slot_util": sum(t["batch_size"] for t in trace) / (len(trace) * max_slots)}
+
+
+def summarize_run(run_dir: Path, resumed_from: int | None) -> dict:
+    """The whole run as recorded in metrics.jsonl (a resumed run included from iteration 0)."""
+    path = run_dir / "metrics.jsonl"
+    rows = [row for _, row in read_lines(path)] if path.is_file() else []
+    out: dict = {"iterations": len(rows)}
+    if resumed_from is not None:
+        out["resumed_from"] = resumed_from
+    if rows:
+        head, tail = rows[:5], rows[-5:]
+        acc = lambda rs: sum(r["accuracy"] for r in rs) / len(rs)
+        out.update({
+            "iteration_seconds": sum(r.get("time_total") or 0.0 for r in rows),
+            "accuracy_first5": acc(head),
+            "accuracy_last5": acc(tail),
+            "reward_first": rows[0]["reward_mean"],
+            "reward_last": rows[-1]["reward_mean"],
+        })
+    out["run_dir"] = str(run_dir)
+    return out
