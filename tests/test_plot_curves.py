@@ -81,6 +81,25 @@ def test_csv_and_summary_match_hand_computation(runs):
     assert "0.5625±0.4419" in squash(res.output)
 
 
+def test_until_compares_runs_at_the_same_iteration(runs):
+    """Runs stopped at different iterations: `--until common` cuts every run at the last iteration all
+    of them logged (ppo-s0's rows end at 7, ppo-s1's at 9), an explicit `--until 3` at iteration 3."""
+    common = runs / "common.json"
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--metric", EVAL, "--ema", "0.5",
+                              "--until", "common", "--out", str(runs / "c.png"), "--json", str(common)])
+    assert res.exit_code == 0, res.output
+    ppo = json.loads(common.read_text())["arms"]["ppo"]
+    # By hand (see above), at iteration 7: seed 0's EMA .25, seed 1's .75
+    assert json.loads(common.read_text())["until"] == 7
+    assert ppo["final_per_seed"] == [0.25, 0.75] and ppo["last_iteration"] == 7
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--metric", EVAL, "--ema", "0.5",
+                              "--until", "3", "--out", str(runs / "t.png"), "--json", str(common)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(common.read_text())["arms"]["ppo"]["final_per_seed"] == [0.5, 1.0]
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--until", "soon", "--out", str(runs / "x.png")])
+    assert res.exit_code != 0 and "--until" in res.output
+
+
 def test_ema_and_worst_drop_definitions():
     assert ema([4.0, 0.0, 2.0], 0.75) == [4.0, 3.0, 2.75]
     assert ema([4.0, 0.0], 0.0) == [4.0, 0.0]

@@ -326,13 +326,16 @@ def plot_curves_cmd(
     arm: list[str] | None = typer.Option(None, "--arm", help="NAME=GLOB: the runs of one arm, named (repeatable)"),
     out: Path = typer.Option(Path("curves.png"), "--out", "-o", help="PNG path; the CSV goes beside it"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the per-arm summary here"),
+    until: str | None = typer.Option(
+        None, "--until", help="leave out iterations after this one ('common': the last one every run has)"),
 ) -> None:
     """Learning curves: per arm, the mean over seeds of each seed's EMA curve, with a min-max band."""
     from kv4rl.telemetry.curves import curve_rows, learning_curves
     from kv4rl.telemetry.plots import plot_curves, write_csv
 
     try:
-        curves, summary = learning_curves(runs or [], arm or [], metric, ema)
+        last = until if until in (None, "common") else option_list(until, "--until", int, minimum=0)[0]
+        curves, summary = learning_curves(runs or [], arm or [], metric, ema, last)
     except ValueError as exc:
         fail(str(exc))
     png = plot_curves(curves, metric, ema, summary["band"], out)

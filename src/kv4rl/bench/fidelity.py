@@ -233,13 +233,15 @@ def kl_order(results: list[dict]) -> str:
 def fidelity_prompts(model_dir: Path, data: Path | None, n: int, template: str | None, seed: int,
                      model_len: int) -> tuple[list[list[int]], str]:
     """Token ids of the first `n` problems and the template used; a file gets the boxed-answer
-    instruction, and a prompt that fills the model's context is refused by name."""
+    instruction, a testbed folder its own task, and a prompt that fills the model's context is refused
+    by name."""
     from transformers import AutoTokenizer
 
     from kv4rl.data.prompts import PromptFormatter, check_prompt_lengths
     from kv4rl.data.source import ProblemSource
+    from kv4rl.models.testbed import task_of
 
-    source = ProblemSource(None, str(data) if data else None, seed)
+    source = ProblemSource(None, str(data) if data else None, seed, task=None if data else task_of(model_dir))
     problems = source.eval_problems(n)
     formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), template or source.default_template)
     prompts = [formatter.ids(p) for p in problems]

@@ -130,8 +130,8 @@ def _numeric_keys(rows: list[dict]) -> list[str]:
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"})
 
 
-def load_seed(run: Path, metric: str, decay: float) -> SeedCurve:
-    rows = read_jsonl(run / "metrics.jsonl")
+def load_seed(run: Path, metric: str, decay: float, until: int | None = None) -> SeedCurve:
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if until is None or r["iteration"] <= until]
     logged = [r for r in rows if metric in r]
     if not logged:
         raise ValueError(f"{run}: metric '{metric}' not in metrics.jsonl; numeric keys there: "
@@ -150,8 +150,8 @@ def load_seed(run: Path, metric: str, decay: float) -> SeedCurve:
                      len(logged) - len(present))
 
 
-def arm_curve(arm: Arm, metric: str, decay: float) -> ArmCurve:
-    seeds = [load_seed(run, metric, decay) for run in arm.runs]
+def arm_curve(arm: Arm, metric: str, decay: float, until: int | None = None) -> ArmCurve:
+    seeds = [load_seed(run, metric, decay, until) for run in arm.runs]
     by_iter: dict[int, list[float]] = {}
     for s in seeds:
         for it, v in zip(s.iterations, s.smoothed):
@@ -187,13 +187,25 @@ def curve_rows(curves: list[ArmCurve]) -> list[dict]:
             for c in curves for it, m, lo, hi, n in zip(c.iterations, c.mean, c.low, c.high, c.n_seeds)]
 
 
+def last_common_iteration(arms: list[Arm]) -> int:
+    """The last iteration that every run of every arm has logged."""
+    return min(max((r["iteration"] for r in read_jsonl(run / "metrics.jsonl")), default=-1)
+               for a in arms for run in a.runs)
+
+
 def learning_curves(patterns: list[str], named: list[str], metric: str,
-                    decay: float) -> tuple[list[ArmCurve], dict]:
-    """Everything the `plot curves` command shows: the arm curves and the summary (JSON-ready)."""
+                    decay: float, until: int | str | None = None) -> tuple[list[ArmCurve], dict]:
+    """Everything the `plot curves` command shows: the arm curves and the summary (JSON-ready).
+    `until` leaves out the iterations after it, so runs stopped at different points (a deadline, a
+    preemption) are compared at the same iteration; `"common"` means the last one every run has."""
     if not 0 <= decay < 1:
         raise ValueError(f"--ema {decay}: must be in [0, 1)")
     arms = group_arms(patterns, named)
-    curves = [arm_curve(a, metric, decay) for a in arms]
-    summary = {"metric": metric, "ema": decay, "band": BAND,
+    if until == "common":
+        until = last_common_iteration(arms)
+    if until is not None and (not isinstance(until, int) or until < 0):
+        raise ValueError(f"--until {until}: must be an iteration >= 0 or 'common'")
+    curves = [arm_curve(a, metric, decay, until) for a in arms]
+    summary = {"metric": metric, "ema": decay, "band": BAND, "until": until,
                "arms": {c.name: summarize(c) for c in curves}}
     return curves, summary
