@@ -23,8 +23,9 @@ def test_uniform_workload_counts_and_flops(tmp_path):
               "--max-tokens", "24", "--checkpointing", "off,on", "--reference", "on")
     assert res["matmul_params"] == LINEAR_PARAMS == 163_840
     assert (res["tokens"], res["response_tokens"], res["padded_width"]) == (36, 24, 12)
-    assert [(r["layout"], r["checkpointing"], r["reference"]) for r in res["results"]] == [
-        ("padded", False, True), ("packed", False, True), ("padded", True, True), ("packed", True, True)]
+    assert [(r["layout"], r["attention"], r["checkpointing"], r["reference"]) for r in res["results"]] == [
+        ("padded", "sdpa", False, True), ("packed", "sdpa", False, True),
+        ("padded", "sdpa", True, True), ("packed", "sdpa", True, True)]
     # update 6·N·36 + ref forward 2·N·36; causal attention per layer and row 2·12²·4·32, 3 passes + 1
     flops = 8 * LINEAR_PARAMS * 36 + 4 * 2 * 3 * (2 * 12**2 * 4 * 32)
     for r in res["results"]:
@@ -45,3 +46,14 @@ def test_lognormal_workload_padding(tmp_path):
     padded, packed = res["results"]
     assert padded["computed_tokens"] == 5 * max(lengths) and packed["computed_tokens"] == sum(lengths)
     assert padded["padding_fraction"] == 1 - sum(lengths) / (5 * max(lengths)) > 0 == packed["padding_fraction"]
+
+
+def test_flex_attention_is_refused_on_the_cpu_before_any_work(tmp_path):
+    out = tmp_path / "learner.json"
+    res = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--attention",
+                                   "sdpa,flex", "--seq-len", "12", "--prompt-len", "4", "--json", str(out)])
+    assert res.exit_code != 0 and "--attention flex needs a CUDA device" in res.output
+    assert not out.exists()
+    res = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--attention",
+                                   "flash", "--seq-len", "12", "--prompt-len", "4"])
+    assert res.exit_code != 0 and "--attention" in res.output and "flash" in res.output

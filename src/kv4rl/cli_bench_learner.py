@@ -120,6 +120,10 @@ def register_learner_benches(app: typer.Typer) -> None:
         micro_batch_size: Annotated[int, Option("--micro-batch-size", help="rows per padded micro-batch")] = 4,
         max_tokens: Annotated[int, Option("--max-tokens", help="tokens per packed micro-batch")] = 16384,
         layouts: Annotated[str, Option("--layouts", help="comma-separated: padded, packed")] = "padded,packed",
+        attention: Annotated[str | None, Option(
+            "--attention", help="comma-separated attention kernels for the packed layout: sdpa (dense block-diagonal "
+                                "mask), flex (FlexAttention block mask, CUDA only); padded rows run sdpa "
+                                "(default: sdpa,flex on CUDA, sdpa on the CPU)")] = None,
         checkpointing: Annotated[str, Option(
             "--checkpointing", help="comma-separated activation checkpointing settings: off, on")] = "off,on",
         reference: Annotated[str, Option(
@@ -146,14 +150,21 @@ def register_learner_benches(app: typer.Typer) -> None:
             ckpt_list = [switch[v] for v in option_list(checkpointing, "--checkpointing", known=list(switch))]
             ref_list = [switch[v] for v in option_list(reference, "--reference", known=list(switch))]
             check_device(device)
+            dev = resolve_device(device)
+            attention_list = option_list(attention or ("sdpa,flex" if dev.type == "cuda" else "sdpa"), "--attention",
+                                         known=["sdpa", "flex"])
+            if "flex" in attention_list and dev.type != "cuda":
+                raise ValueError(f"--attention flex needs a CUDA device (FlexAttention has no backward pass on "
+                                 f"{dev}); use --attention sdpa")
         except ValueError as exc:
             fail(str(exc))
         check_output_path(json_out)
-        variants = len(layout_list) * len(ckpt_list) * len(ref_list)
+        rows = sum(len(attention_list) if lay == "packed" else 1 for lay in layout_list)
+        variants = rows * len(ckpt_list) * len(ref_list)
         with StageProgress(console, "learner") as stages:
-            res = bench_learner(shape, work, device=resolve_device(device), steps=steps,
+            res = bench_learner(shape, work, device=dev, steps=steps,
                                 micro_batch_size=micro_batch_size, max_tokens=max_tokens, layouts=layout_list,
-                                checkpointing=ckpt_list, reference=ref_list,
+                                attentions=attention_list, checkpointing=ckpt_list, reference=ref_list,
                                 progress=lambda what: stages(f"{shape} {workload}: {what} ({variants} variants)"))
         print_table(console, learner_table(res))
         write_json(res, json_out)

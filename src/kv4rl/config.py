@@ -78,6 +78,7 @@ class TrainerConfig:
     fsdp: bool = True  # FSDP2-wrapped policy (world size 1 unless launched by torchrun)
     offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW state on the CPU (CUDA only)
     max_tokens_per_micro_batch: int | None = None  # pack rows without padding up to this many tokens; null: padded
+    attention: str = "auto"  # auto (flex on CUDA when packing, else sdpa), sdpa or flex (CUDA only)
     ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
 
     def learning_rate(self, iteration: int) -> float:
@@ -172,10 +173,14 @@ class RunConfig:
             (self.trainer.grad_clip > 0, "trainer.grad_clip must be > 0"),
             (self.trainer.max_tokens_per_micro_batch is None or self.trainer.max_tokens_per_micro_batch >= 1,
              "trainer.max_tokens_per_micro_batch must be >= 1 (or null: padded micro-batches)"),
+            (self.trainer.attention in ("auto", "sdpa", "flex"),
+             f"trainer.attention must be auto, sdpa or flex, got '{self.trainer.attention}'"),
             (self.trainer.ref_kl_every >= 0, "trainer.ref_kl_every must be >= 0 (0: only when algo.kl_ref_coef > 0)"),
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),
+            (self.device != "cpu" or self.trainer.attention != "flex",
+             "trainer.attention=flex needs a CUDA device (FlexAttention has no backward pass on the CPU)"),
             (self.checkpoint.save_every >= 1, "checkpoint.save_every must be >= 1"),
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
             (self.eval.every >= 0, "eval.every must be >= 0"),

@@ -128,7 +128,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     """Everything a run needs, built and checked before its folder is touched."""
     device = resolve_device(cfg.device)
     try:
-        check_learner_options(device, fsdp=cfg.trainer.fsdp, offload=cfg.trainer.offload)
+        check_learner_options(device, fsdp=cfg.trainer.fsdp, offload=cfg.trainer.offload,
+                              attention=cfg.trainer.attention)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     torch.manual_seed(cfg.seed)
@@ -179,7 +180,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
               RolloutPipeline(collector, cfg.staleness), 0, MismatchAttribution.from_config(cfg, engine, learner))
     if restore is not None:
         restore_state(s, restore.state)
-    log.info("device %s, model %s, start iteration %d", device, base_dir, s.start_iteration)
+    log.info("device %s, model %s, start iteration %d, learner attention %s (%s micro-batches)", device, base_dir,
+             s.start_iteration, learner.attention, "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded")
     return s
 
 
@@ -189,7 +191,8 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
                    grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
                    updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
                    device=device, grad_checkpointing=t.grad_checkpointing, fsdp=t.fsdp, offload=t.offload,
-                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every)
+                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every,
+                   attention=t.attention)
 
 
 def restore_state(s: Setup, state: dict) -> None:

@@ -1,5 +1,6 @@
-"""`kv4rl bench learner`: one learner step's throughput, padded vs packed, with/without activation
-checkpointing and the reference forward, on a random-init model of a real shape.
+"""`kv4rl bench learner`: one learner step's throughput, padded vs packed (packed with each attention
+kernel asked for: SDPA's dense block-diagonal mask or FlexAttention's block mask), with/without
+activation checkpointing and the reference forward, on a random-init model of a real shape.
 
 Every variant runs the same synthetic batch through `Learner.step` (FSDP2 at world size 1, bf16
 mixed precision on CUDA): a warm-up step, then `steps` timed steps between CUDA synchronisations.
@@ -9,7 +10,8 @@ it runs; `N` counts the weights of every linear layer (the LM head included, the
 not), attention is causal (`6·s²·heads·head_dim` per layer and sequence for forward + backward, a
 third of that for a forward). Activation checkpointing's recomputation is not counted (model FLOPs,
 not hardware FLOPs). MFU is against 989 TFLOP/s (H100/H200 dense BF16) and also given against
-780 TFLOP/s. A variant that runs out of GPU memory is reported as such and the others still run.
+780 TFLOP/s. A variant that runs out of GPU memory is reported as such and the others still run. Padded rows always
+run SDPA; FlexAttention's one-off compilation falls in the warm-up step.
 """
 
 from __future__ import annotations
@@ -105,9 +107,9 @@ def _sync(device: torch.device) -> None:
 
 def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, steps: int = 2,
                   micro_batch_size: int = 4, max_tokens: int = 16384, layouts=("padded", "packed"),
-                  checkpointing=(False, True), reference=(False, True),
+                  attentions=("sdpa",), checkpointing=(False, True), reference=(False, True),
                   progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Time `Learner.step` for every layout x checkpointing x reference variant (see module doc)."""
+    """Time `Learner.step` for every layout (x attention, packed) x checkpointing x reference variant."""
     config = _shape(shape)
     batch = synthetic_batch(work, config["vocab_size"])
     lengths = batch.attention_mask.sum(1).tolist()
@@ -122,17 +124,18 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
         n_params = matmul_params(policy)
         learner = Learner(policy, None, algo=AlgoConfig(), lr=1e-7, weight_decay=0.0, betas=(0.9, 0.999),
                           grad_clip=1.0, micro_batch_size=micro_batch_size, updates_per_batch=1, temperature=1.0,
-                          device=device, grad_checkpointing=ckpt, ref_kl_every=1)
-        for layout in layouts:
+                          device=device, grad_checkpointing=ckpt, ref_kl_every=1, attention="sdpa")
+        for layout, attention in [(lay, a) for lay in layouts for a in (attentions if lay == "packed" else ["sdpa"])]:
             learner.max_tokens = max_tokens if layout == "packed" else None
             computed = tokens if layout == "packed" else len(batch) * batch.input_ids.shape[1]
             for with_ref in reference:
                 if ref is not None:  # off the GPU when not used, so it does not count in the peak memory
                     ref.to(device if with_ref else "cpu")
                 learner.ref_model = ref if with_ref else None
-                name = f"{layout} ckpt={'on' if ckpt else 'off'} ref={'on' if with_ref else 'off'}"
+                learner.set_attention(attention)  # the policy's and the reference's kernel
+                name = f"{layout} {attention} ckpt={'on' if ckpt else 'off'} ref={'on' if with_ref else 'off'}"
                 progress(name)
-                row = {"layout": layout, "checkpointing": ckpt, "reference": with_ref,
+                row = {"layout": layout, "attention": attention, "checkpointing": ckpt, "reference": with_ref,
                        "micro_batches": len(learner.micro_batches(batch, torch.arange(len(batch)))),
                        "computed_tokens": computed, "padding_fraction": 1.0 - tokens / computed}
                 row.update(_time_steps(learner, batch, device, steps))

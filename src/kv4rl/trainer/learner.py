@@ -10,7 +10,8 @@ used as it is.
 
 Micro-batches are either `micro_batch_size` padded rows, or, with `max_tokens_per_micro_batch`,
 rows packed without padding (`trainer.packing`); either way the loss sees padded `[b, L-1]` tensors
-and the mini-batch's token and sequence counts, so the update is the same.
+and the mini-batch's token and sequence counts, so the update is the same. Packed rows run FlexAttention
+on CUDA by default (`trainer.attention`), whose block mask skips the attention across sequences.
 
 The engine receives full, plain weights through `state_dict()` after every update. The loss says
 which optional inputs it reads (`LossSpec.inputs`); the learner computes only those. The frozen
@@ -35,14 +36,16 @@ from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
+from kv4rl.trainer.attention import check_attention, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
 
 
-def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool) -> None:
+def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool, attention: str = "auto") -> None:
     """Refuse option combinations that cannot run, before any model is loaded."""
+    check_attention(attention, device)
     if offload and not fsdp:
         raise ValueError("trainer.offload=true needs trainer.fsdp=true (offloading is FSDP2's CPUOffloadPolicy)")
     if offload and device.type != "cuda":
@@ -113,10 +116,12 @@ class Learner:
                  algo: AlgoConfig, lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float,
                  micro_batch_size: int, updates_per_batch: int, temperature: float,
                  device: torch.device, grad_checkpointing: bool = False, fsdp: bool = True,
-                 offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1):
+                 offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
+                 attention: str = "auto"):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
-        policy in fp32 on `device`, the reference in the dtype it should run in."""
-        check_learner_options(device, fsdp=fsdp, offload=offload)
+        policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
+        `trainer.attention` (kv4rl.trainer.attention)."""
+        check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention)
         if not fsdp and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(f"{dist.get_world_size()} ranks need trainer.fsdp=true: the data-parallel learner "
                              "is FSDP2's (one shard per rank, gradients reduced across ranks)")
@@ -155,8 +160,19 @@ class Learner:
                 self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dtype).to(device)
             self.ref_model.config.use_cache = False
             self.ref_model.eval().requires_grad_(False)
+        self.attention = ""  # the kernel in use, `sdpa` or `flex` (set_attention)
+        self.set_attention(attention)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
                                            fused=device.type == "cuda")
+
+    def set_attention(self, choice: str) -> str:
+        """Run the policy and the reference with `choice` (auto, sdpa, flex) for the current micro-batch
+        layout (`max_tokens`); returns the kernel chosen."""
+        self.attention = resolve_attention(choice, self.device, packed=self.max_tokens is not None)
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                set_attention(model, self.attention)
+        return self.attention
 
     def _autocast(self):
         if self.device.type == "cuda" and not self.fsdp:  # FSDP2 casts the parameters itself

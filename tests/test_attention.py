@@ -1,0 +1,79 @@
+"""`trainer.attention`: the setting's checks, `auto`'s choice, and packed rows through FlexAttention.
+
+FlexAttention has no backward pass on the CPU (torch raises), so here the packed flex forward is
+checked against the padded SDPA forward in fp32 (the log-probs every loss term is built from);
+tests/gpu/test_learner_flex_gpu.py compares gradients and a whole update on CUDA.
+"""
+
+import pytest
+import torch
+
+from kv4rl.algo.config import AlgoConfig
+from kv4rl.config import ConfigError, RunConfig, TrainerConfig
+from kv4rl.trainer.attention import check_attention, resolve_attention, set_attention
+from kv4rl.trainer.batch import build_batch
+from kv4rl.trainer.learner import Learner
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def make(path, **kw):
+    return Learner(path, None, algo=AlgoConfig(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9,
+                   micro_batch_size=2, updates_per_batch=1, temperature=1.0, device=CPU, **kw)
+
+
+def ragged_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [(7, 30), (3, 5), (12, 21), (5, 1)]  # (prompt, response): 37, 8, 33, 6 tokens
+    prompts = [torch.randint(0, 96, (p,), generator=g).tolist() for p, _ in sizes]
+    responses = [torch.randint(0, 96, (r,), generator=g).tolist() for _, r in sizes]
+    return build_batch(prompts, responses, [[-4.0] * len(r) for r in responses], [[0] * len(r) for r in responses],
+                       torch.randn(len(sizes), generator=g).tolist(), pad_id=0)
+
+
+def test_choices_are_checked_before_any_model_is_loaded(tmp_path):
+    with pytest.raises(ValueError, match="trainer.attention must be one of auto, sdpa, flex, got 'flash'"):
+        check_attention("flash", CUDA)
+    with pytest.raises(ValueError, match="trainer.attention=flex needs a CUDA device"):
+        make(tmp_path / "no-model-here", attention="flex")  # refused before the (missing) folder is read
+    with pytest.raises(ConfigError, match="trainer.attention must be auto, sdpa or flex"):
+        RunConfig(trainer=TrainerConfig(attention="flash")).validate()
+    with pytest.raises(ConfigError, match="trainer.attention=flex needs a CUDA device"):
+        RunConfig(device="cpu", trainer=TrainerConfig(attention="flex")).validate()
+
+
+@pytest.mark.parametrize(("choice", "device", "packed", "expected"), [
+    ("auto", CUDA, True, "flex"), ("auto", CUDA, False, "sdpa"), ("auto", CPU, True, "sdpa"),
+    ("sdpa", CUDA, True, "sdpa"), ("flex", CUDA, False, "flex")])
+def test_auto_picks_flex_only_for_packed_rows_on_cuda(choice, device, packed, expected):
+    assert resolve_attention(choice, device, packed) == expected
+
+
+def test_learner_reports_the_kernel_it_runs(tiny_qwen3):
+    path, _ = tiny_qwen3
+    for kw, expected in (({}, "sdpa"), ({"max_tokens_per_micro_batch": 64}, "sdpa")):
+        learner = make(path, **kw)
+        assert learner.attention == expected
+        assert learner.model.config._attn_implementation == "sdpa"
+
+
+@torch.no_grad()
+def test_packed_flex_forward_equals_padded_sdpa_and_keeps_sequences_apart(tiny_qwen3):
+    path, _ = tiny_qwen3
+    batch = ragged_batch()
+    padded = make(path)
+    packed = make(path, max_tokens_per_micro_batch=1024)
+    assert len(packed.micro_batches(batch, torch.arange(len(batch)))) == 1  # all four rows share one packed row
+    set_attention(packed.model, "flex")  # the learner itself refuses flex on the CPU: no backward pass here
+    assert packed.model.config._attn_implementation == "flex_attention"
+    real = batch.attention_mask[:, 1:].bool()  # every next-token position, prompt ones included
+    reference, flex = padded.logprobs(batch), packed.logprobs(batch)
+    assert (flex[~real] == 0).all()
+    torch.testing.assert_close(flex[real], reference[real], rtol=0, atol=2e-5)
+
+    changed = batch.select(torch.arange(len(batch)))
+    changed.input_ids = batch.input_ids.clone()
+    changed.input_ids[0, :37] = (batch.input_ids[0, :37] + 11) % 96  # every token of row 0, packed first
+    after = packed.logprobs(changed)
+    assert float((after[0] - flex[0]).abs().max()) > 0.1
+    torch.testing.assert_close(after[1:][real[1:]], flex[1:][real[1:]], rtol=0, atol=1e-6)
