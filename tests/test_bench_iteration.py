@@ -77,3 +77,18 @@ def test_parse_arms():
 
 def test_reward_is_the_fraction_of_odd_token_ids():
     assert odd_token_reward(["1 2 3 4", "7", ""], ["", "", ""]).scores == [0.5, 1.0, 0.0]
+
+
+def test_packed_learner_option_reaches_the_run_and_flex_is_refused_on_cpu(tmp_path, one_thread):
+    out = tmp_path / "it.json"
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "32",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["max_tokens_per_micro_batch"] == 32 and r["attention"] == "auto"
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "32",
+                              "--attention", "flex", "--json", str(tmp_path / "no.json")])
+    assert res.exit_code != 0 and "trainer.attention=flex needs a CUDA device" in " ".join(res.output.split())
+    assert not (tmp_path / "no.json").exists()
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "0"])
+    assert res.exit_code != 0 and "max_tokens_per_micro_batch" in " ".join(res.output.split())

@@ -50,6 +50,11 @@ def register_learner_benches(app: typer.Typer) -> None:
         max_len: Annotated[int, Option("--max-len", help="longest response")] = 8192,
         micro_batch_size: Annotated[int, Option(
             "--micro-batch-size", help="learner sequences per forward/backward")] = 1,
+        max_tokens: Annotated[int | None, Option(
+            "--max-tokens-per-micro-batch", help="pack responses into micro-batches of this many tokens "
+                                                 "(trainer.max_tokens_per_micro_batch; default: padded)")] = None,
+        attention: Annotated[str, Option(
+            "--attention", help="learner attention: auto (flex on CUDA when packing), sdpa, flex")] = "auto",
         grad_checkpointing: Annotated[bool, Option("--grad-checkpointing/--no-grad-checkpointing")] = False,
         lr: Annotated[float, Option("--lr", help="learner learning rate")] = 1e-6,
         sleep: Annotated[bool, Option(
@@ -76,7 +81,8 @@ def register_learner_benches(app: typer.Typer) -> None:
                 arms=tuple(parse_arms(arms)), shape=shape, iterations=iterations,
                 workload=Workload(quota_groups=quota, group_size=group, max_slots=slots or quota * group,
                                   prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
-                micro_batch_size=micro_batch_size, grad_checkpointing=grad_checkpointing, lr=lr, sleep=sleep,
+                micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens, attention=attention,
+                grad_checkpointing=grad_checkpointing, lr=lr, sleep=sleep,
                 device=device, engine=engine_config(overrides),
                 engine_keys=frozenset(".".join(parse_override(o)[0]) for o in overrides))
             configs = prepare(bench)

@@ -90,6 +90,8 @@ class IterationBench:
     workload: Workload = Workload()
     iterations: int = 2
     micro_batch_size: int = 1
+    max_tokens_per_micro_batch: int | None = None  # packed micro-batches of this many tokens; None: padded
+    attention: str = "auto"
     grad_checkpointing: bool = False
     lr: float = 1e-6
     sleep: bool = True
@@ -118,6 +120,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
     t = cfg.trainer
     t.iterations, t.micro_batch_size, t.grad_checkpointing, t.lr, t.warmup_iters = (
         bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
+    t.max_tokens_per_micro_batch, t.attention = bench.max_tokens_per_micro_batch, bench.attention
     try:
         cfg.validate()
         kv_format_from_config(e.kv).check(head_dim, work.max_model_len)
@@ -258,6 +261,7 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
         "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
+        "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
         "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
         "results": rows,
     }
