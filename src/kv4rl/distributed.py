@@ -67,6 +67,15 @@ def gather_objects(obj) -> list:
     return out
 
 
+def from_main(obj):
+    """Rank 0's `obj` on every rank (e.g. a path only rank 0 knows)."""
+    if current().world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any (a stop signal seen by one rank stops all together)."""
     if current().world == 1:

@@ -42,7 +42,7 @@ from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, summarize_run
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
-from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of, save_checkpoint
+from kv4rl.trainer.checkpoint import check_resume_world, find_resume_checkpoint, run_of, save_checkpoint
 from kv4rl.trainer.learner import Learner, check_learner_options
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
         if cfg.data.train is not None else None
     ranks = current()
+    if restore is not None:
+        check_resume_world(restore.path, restore.state, ranks.world)
     if ranks.world % cfg.engine.tensor_parallel:
         raise ConfigError(f"engine.tensor_parallel={cfg.engine.tensor_parallel} does not divide the "
                           f"{ranks.world} ranks torchrun started")
@@ -179,7 +181,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     s = Setup(cfg, device, source, formatter, reward_fn, engine, learner, collector,
               RolloutPipeline(collector, cfg.staleness), 0, MismatchAttribution.from_config(cfg, engine, learner))
     if restore is not None:
-        restore_state(s, restore.state)
+        restore_state(s, restore.state, restore.path)
     log.info("device %s, model %s, start iteration %d, learner attention %s (%s micro-batches)", device, base_dir,
              s.start_iteration, learner.attention, "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded")
     return s
@@ -195,19 +197,16 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
                    attention=t.attention)
 
 
-def restore_state(s: Setup, state: dict) -> None:
-    """Put the learner, engine and pipeline back where the checkpoint left them."""
+def restore_state(s: Setup, state: dict, path: Path) -> None:
+    """Put the learner, engine and pipeline back where the checkpoint `path` left them (written by as
+    many ranks as this job has: `check_resume_world`)."""
     s.start_iteration = state["iteration"]
-    s.learner.load_checkpoint_state(state.get("learner") or {"optimizer": state["optimizer"]})
+    s.learner.load_checkpoint_state(state.get("learner") or {"optimizer": state["optimizer"]}, path)
     if state.get("engine_weights") is not None:  # the engine was behind the learner (refresh_every)
         s.engine.load_weights_state(state["engine_weights"], state["engine_version"])
     s.engine.version = state["engine_version"]
-    ranks, written_by = current(), state.get("world", 1)
-    if written_by != ranks.world:
-        raise ConfigError(f"the checkpoint was written by {written_by} data-parallel rank(s) and holds each one's "
-                          f"in-flight rollouts; resume it with the same number (torchrun --nproc-per-node "
-                          f"{written_by}), not {ranks.world}")
-    s.pipeline.load_state_dict(state["pipeline_ranks"][ranks.rank] if written_by > 1 else state["pipeline"])
+    s.pipeline.load_state_dict(state["pipeline_ranks"][current().rank] if state.get("world", 1) > 1
+                               else state["pipeline"])
 
 
 def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
@@ -364,22 +363,18 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
 
 
 def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
-    """A checkpoint of iteration `done`. Every rank takes part (the learner's full weights and optimizer
-    state are gathered from its FSDP2 shards, each rank's in-flight rollouts collected); rank 0 writes."""
+    """A checkpoint of iteration `done`. Every rank takes part (the learner's full weights gathered from
+    its FSDP2 shards, each rank's in-flight rollouts collected, each rank's optimizer shard written);
+    rank 0 writes the rest."""
     weights = {k: v.detach().cpu() for k, v in s.learner.state_dict().items()}
-    learner_state = s.learner.checkpoint_state()
-    state = {"learner": learner_state, **resume_state(s, done)}
-    if folder is None:
-        barrier()  # rank 0 is writing
-        return None
+    state = {"learner": s.learner.checkpoint_state(), **resume_state(s, done)}
 
     def write_files(path: Path) -> None:
         s.learner.save_pretrained(path, state=weights)
         s.formatter.tokenizer.save_pretrained(path)
 
-    path = save_checkpoint(folder.path, done, write_files, state, folder.run_id, s.cfg.checkpoint.keep_last)
-    barrier()
-    return path
+    return save_checkpoint(folder.path if folder else None, done, write_files, state,
+                           folder.run_id if folder else None, s.cfg.checkpoint.keep_last, s.learner.write_shards)
 
 
 def resume_state(s: Setup, done: int) -> dict:

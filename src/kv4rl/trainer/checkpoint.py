@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from kv4rl.distributed import barrier, from_main
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder, weight_files
+from kv4rl.trainer.optimizer_shards import SHARDED, optimizer_format, shards_problem
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +58,32 @@ def run_of(path: Path) -> str | None:
         return None
 
 
-def save_checkpoint(run_dir: Path, iteration: int, write_files: Callable[[Path], None], state: dict,
-                    run_id: str, keep_last: int) -> Path:
+def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[[Path], None], state: dict,
+                    run_id: str | None, keep_last: int,
+                    write_shards: Callable[[Path], None] | None = None) -> Path | None:
     """Write `write_files(folder)` (the HF model and tokenizer) plus `state` as `iter_<iteration>`,
-    point `latest` at it and drop this run's checkpoints beyond the newest `keep_last`."""
-    root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"iter_{iteration:06d}"
-    tmp = root / f"{TMP_PREFIX}{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    point `latest` at it and drop this run's checkpoints beyond the newest `keep_last`.
+
+    Under torchrun every rank calls this; rank 0 passes the `run_dir` (the others None). Rank 0 makes
+    the temporary folder, every rank writes its shards into it with `write_shards(folder)` (a
+    collective: DCP returns on every rank once all shards and the metadata are written), then rank 0
+    alone writes the rest and renames the folder into place while the others wait; they get None. A
+    rank that fails leaves only the temporary folder, never an `iter_N` a resume would pick up.
+    """
+    tmp = None
+    if run_dir is not None:
+        root = checkpoint_root(run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f"{TMP_PREFIX}iter_{iteration:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    tmp = from_main(tmp)
+    if write_shards is not None:
+        write_shards(tmp)
+    if run_dir is None:
+        barrier()  # rank 0 writes the rest and renames the folder
+        return None
+    final = tmp.with_name(tmp.name.removeprefix(TMP_PREFIX))
     write_files(tmp)
     torch.save({"iteration": iteration, **state}, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": iteration}) + "\n")
@@ -73,10 +91,11 @@ def save_checkpoint(run_dir: Path, iteration: int, write_files: Callable[[Path],
     os.replace(tmp, final)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
-    pointer = root / "latest.tmp"
+    pointer = final.parent / "latest.tmp"
     pointer.write_text(final.name)
-    os.replace(pointer, root / "latest")
+    os.replace(pointer, final.parent / "latest")
     _prune(run_dir, run_id, iteration, keep_last)
+    barrier()
     return final
 
 
@@ -168,6 +187,8 @@ def find_resume_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
             else:
                 if state.get("iteration") != iteration:
                     problem = f"{path / STATE_FILE} holds iteration {state.get('iteration')}, not {iteration}"
+                elif optimizer_format(state.get("learner") or {}) == SHARDED:
+                    problem = shards_problem(path)
         if problem is None:
             if problems:
                 log.warning("resuming from %s, the newest intact checkpoint", path)
@@ -177,3 +198,20 @@ def find_resume_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
     if found:
         raise CheckpointError(f"{checkpoint_root(run_dir)}: no intact checkpoint ({'; '.join(problems)})")
     return None
+
+
+def check_resume_world(path: Path, state: dict, world: int) -> None:
+    """Refuse a checkpoint written by another number of data-parallel ranks than this job has, saying
+    what could follow (the weights; the optimizer state, which DCP can reshard) and what cannot (each
+    rank's in-flight rollouts and place in the prompt stream), and what to do instead."""
+    written_by = state.get("world", 1)
+    if written_by == world:
+        return
+    sharded = optimizer_format(state.get("learner") or {}) == SHARDED
+    optim = "its optimizer shards could be resharded" if sharded else "its full optimizer state could be loaded"
+    same = f"torchrun --nproc-per-node {written_by}" if written_by > 1 else "one process, without torchrun"
+    raise CheckpointError(
+        f"{path} was written by {written_by} data-parallel rank(s) and this job has {world}: {optim}, but "
+        f"each rank's in-flight rollouts and place in the prompt stream belong to that rank and cannot be "
+        f"shared out anew. Resume it with the same number ({same}), or start a new run from its policy "
+        f"with model.path={path} (a fresh optimizer and prompt stream, that policy as the KL reference)")

@@ -38,6 +38,7 @@ from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import check_attention, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
+from kv4rl.trainer.optimizer_shards import FULL, SHARDED, load_shards, optimizer_format, save_shards
 from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
@@ -355,15 +356,37 @@ class Learner:
             data["architectures"] = names
             config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
+    @property
+    def optimizer_format(self) -> str:
+        """How checkpoints hold the optimizer state: full in the trainer state at world size 1 (older
+        checkpoints' format), one DCP shard per rank beyond (`kv4rl.trainer.optimizer_shards`)."""
+        return SHARDED if self.world_size > 1 else FULL
+
     def checkpoint_state(self) -> dict:
-        """What a resume needs beyond the weights: the AdamW moments and step counts, full plain tensors
-        on CPU keyed by parameter name (the same with or without FSDP, at any world size)."""
+        """What a resume needs beyond the weights, with the optimizer format and the world size. One rank:
+        the AdamW moments and step counts, full plain tensors on CPU keyed by parameter name. Several
+        ranks: the shards are written by `write_shards`, never gathered."""
+        if self.optimizer_format == SHARDED:
+            return {"optimizer_format": SHARDED, "world": self.world_size}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options)}
+        return {"optimizer_format": FULL, "world": 1,
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options)}
 
-    def load_checkpoint_state(self, state: dict) -> None:
+    def write_shards(self, folder: Path) -> None:
+        """Every rank writes its optimizer shard into checkpoint `folder` (a collective); nothing at world
+        size 1, whose state is all in `checkpoint_state()`."""
+        if self.optimizer_format == SHARDED:
+            save_shards(self.model, self.optimizer, folder)
+
+    def load_checkpoint_state(self, state: dict, folder: Path | None = None) -> None:
+        """Restore `checkpoint_state()`; a sharded one reads its shards from checkpoint `folder`."""
+        if optimizer_format(state) == SHARDED:
+            if folder is None:
+                raise ValueError("a checkpoint with sharded optimizer state loads from its folder: pass `folder`")
+            load_shards(self.model, self.optimizer, folder)
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         optim = _by_name(state["optimizer"], [name for name, _ in self.model.named_parameters()])

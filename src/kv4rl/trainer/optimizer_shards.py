@@ -1,0 +1,102 @@
+"""The AdamW state of a multi-rank learner as a distributed checkpoint (torch.distributed.checkpoint).
+
+With N > 1 ranks every rank writes its own FSDP2 shard of the optimizer state into the checkpoint's
+`optimizer/` folder (DCP's `__<rank>_0.distcp` files and its `.metadata`), so no rank ever gathers
+the whole state; a resume reads each rank's shard back with `dcp.load`. With one rank the state
+stays a full, name-keyed dict inside `trainer_state.pt` (`FULL`, the format of older checkpoints).
+The trainer state records which of the two a checkpoint holds and the world size that wrote it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+from torch.optim import Optimizer
+
+FULL = "full"  # the whole optimizer state in trainer_state.pt
+SHARDED = "dcp"  # one DCP shard per rank under OPTIMIZER_DIR
+OPTIMIZER_DIR = "optimizer"
+METADATA_FILE = ".metadata"  # DCP's index of the shards
+
+
+class OptimizerShardError(ValueError):
+    """Optimizer shards that are missing or damaged, or could not be written (the message names the
+    file, or the folder and the ranks that failed)."""
+
+
+def optimizer_format(state: dict) -> str:
+    """The optimizer format of a checkpoint's learner state (older checkpoints: `FULL`)."""
+    return state.get("optimizer_format", FULL)
+
+
+def save_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
+    """Every rank writes its shard of the optimizer state to `folder/optimizer` (a collective: it
+    returns on every rank once DCP's coordinator has written the metadata after all shards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    target = Path(folder) / OPTIMIZER_DIR
+    try:
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=target)
+    except CheckpointException as error:  # a BaseException: `except Exception` handlers would miss it
+        raise OptimizerShardError(f"{target}: writing the optimizer shards failed ({_failures(error)})") from None
+
+
+def load_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
+    """Load `folder/optimizer` into this rank's shard of the optimizer state (a collective).
+
+    The files are checked first (`shards_problem`); a load that still fails is reported with the folder.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    problem = shards_problem(folder)
+    if problem is not None:
+        raise OptimizerShardError(problem)
+    state = get_optimizer_state_dict(model, optimizer)  # this rank's shard layout, filled in place
+    try:
+        dcp.load(state, checkpoint_id=Path(folder) / OPTIMIZER_DIR)
+    except CheckpointException as error:
+        raise OptimizerShardError(f"{Path(folder) / OPTIMIZER_DIR}: the optimizer shards do not load "
+                                  f"({_failures(error)})") from None
+    set_optimizer_state_dict(model, optimizer, state)
+
+
+def shards_problem(folder: Path) -> str | None:
+    """Why the optimizer shards of checkpoint `folder` cannot be loaded, naming the file, or None:
+    DCP's metadata is missing or unreadable, or a shard file it lists is missing or shorter than the
+    bytes the metadata places in it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shards = Path(folder) / OPTIMIZER_DIR
+    metadata_file = shards / METADATA_FILE
+    if not metadata_file.is_file():
+        return f"{metadata_file} is missing"
+    try:
+        metadata = FileSystemReader(shards).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any failure to unpickle means the file is damaged
+        return f"{metadata_file} does not load ({_first_line(error)})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = shards / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size < size:
+            return f"{file} is truncated ({file.stat().st_size} bytes, the metadata needs {size})"
+    return None
+
+
+def _failures(error) -> str:
+    """Each failed rank's exception in one line (DCP's CheckpointException carries them by rank)."""
+    return "; ".join(f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
+                     for rank, (exc, _) in sorted(error.failures.items()))
+
+
+def _first_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
