@@ -2,8 +2,9 @@
 
 Each rank runs an engine replica on its share of every learner batch's prompt groups and an FSDP2
 shard of the learner; rank 0 writes the run. Checked: every group of the stream is delivered exactly
-once (sync and partial rollout), the run resumes under torchrun with the same number of ranks and
-continues the stream, a resume with another number of ranks is refused by name before any work, and
+once (sync and partial rollout), the run resumes under torchrun with the same number of ranks from
+its checkpoint (HF folder plus one DCP optimizer shard per rank) and continues exactly as an
+uninterrupted run, a resume with another number of ranks is refused by name before any work, and
 one rank failing ends the whole job with that rank's error instead of a hang.
 """
 
@@ -15,6 +16,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from kv4rl.cli import app
@@ -38,17 +41,25 @@ def rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_ranks_deliver_every_group_once_and_resume(tmp_path, monkeypatch):
+def test_two_ranks_deliver_every_group_once_and_resume_as_if_uninterrupted(tmp_path, monkeypatch):
     done = torchrun(tmp_path, "name=dp", "trainer.iterations=3", *SMALL)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "dp"
     assert [r["groups"] for r in rows(run)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert all(r["num_tokens"] == sum(r["staleness_hist"].values()) for r in rows(run))
     assert (run / "checkpoints" / "iter_000003" / "model.safetensors").is_file()
+    assert (run / "checkpoints" / "iter_000003" / "optimizer" / ".metadata").is_file()
 
     resumed = torchrun(tmp_path, "--resume", "runs/dp", "trainer.iterations=5", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["groups"] for r in rows(run)][3:] == [[12, 13, 14, 15], [16, 17, 18, 19]]
+    straight = torchrun(tmp_path, "name=straight", "trainer.iterations=5", *SMALL)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    ref = tmp_path / "runs" / "straight"
+    for key in ("loss", "grad_norm", "reward_mean", "num_tokens"):
+        assert [r[key] for r in rows(run)] == [r[key] for r in rows(ref)], key
+    a, b = (load_file(r / "checkpoints" / "iter_000005" / "model.safetensors") for r in (run, ref))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
     monkeypatch.chdir(tmp_path)
