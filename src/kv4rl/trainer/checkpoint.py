@@ -5,8 +5,10 @@ and the pointer file `latest` is replaced atomically afterwards, so a crash at a
 previous checkpoint intact and never a half-written one that looks complete; temporary folders a
 kill left behind are cleared when the run folder is next used. `checkpoint.json` records the run
 that wrote a checkpoint: retention deletes only that run's own checkpoints, never another's.
-A resume takes the newest intact checkpoint (its JSON files parse, its safetensors headers match
-the file sizes, its trainer state loads) and names every damaged one it passes over.
+Under torchrun every rank writes its optimizer shard (`kv4rl.trainer.optimizer_shards`) into the
+temporary folder before rank 0 renames it. A resume takes the newest intact checkpoint (its JSON
+files parse, its safetensors headers match the file sizes, its trainer state loads, its optimizer
+shards are all there) and names every damaged one it passes over.
 """
 
 from __future__ import annotations
