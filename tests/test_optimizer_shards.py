@@ -48,11 +48,13 @@ def learner(path) -> Learner:
 
 
 def full_state(lrn: Learner) -> dict:
-    """Weights and AdamW state as full plain tensors (a collective)."""
+    """Weights and AdamW state as full plain tensors (a collective), copied: the step counts come back
+    as the optimizer's own tensors, which later steps would advance."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     optim = get_optimizer_state_dict(lrn.model, lrn.optimizer, options=StateDictOptions(full_state_dict=True))
-    return {"weights": {k: v.clone() for k, v in lrn.state_dict().items()}, "optimizer": optim["state"]}
+    return {"weights": {k: v.clone() for k, v in lrn.state_dict().items()},
+            "optimizer": {name: {k: v.clone() for k, v in moments.items()} for name, moments in optim["state"].items()}}
 
 
 def save(lrn: Learner, run_dir, rank: int, iteration: int):
@@ -183,3 +185,28 @@ def test_another_number_of_ranks_is_refused_with_what_to_do(two_ranks):
     assert "torchrun --nproc-per-node 2" in text and f"model.path={path}" in text
     with pytest.raises(CheckpointError, match="one process, without torchrun"):
         check_resume_world(path, {"learner": {"optimizer": {}}}, 2)
+
+
+def test_one_process_reshards_the_two_ranks_optimizer_state(two_ranks):
+    """DCP reshards: one process loads the two ranks' shards into the full state the ranks held (the
+    loop still refuses another number of ranks, for the per-rank rollouts)."""
+    run_dir, ranks = two_ranks
+    path = checkpoint_root(run_dir) / "iter_000001"
+    one = learner(path)
+    one.load_checkpoint_state(load_trainer_state(path)["learner"], path)
+    got, expected = full_state(one)["optimizer"], ranks[0]["after_first"]["optimizer"]
+    assert got.keys() == expected.keys() and expected
+    for name, moments in expected.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[name][key], moments[key]), (name, key)
+
+
+def test_a_shard_whose_bytes_do_not_load_is_named(two_ranks, tmp_path):
+    run_dir, _ = two_ranks
+    path = shutil.copytree(checkpoint_root(run_dir) / "iter_000001", tmp_path / "iter_000001")
+    file = path / OPTIMIZER_DIR / "__0_0.distcp"
+    file.write_bytes(bytes(file.stat().st_size))  # the right size, every byte zero
+    assert shards_problem(path) is None  # sizes match the metadata: only reading finds it
+    with pytest.raises(OptimizerShardError, match="does not load") as error:
+        learner(path).load_checkpoint_state(load_trainer_state(path)["learner"], path)
+    assert f"{file} does not load" in str(error.value) and "\n" not in str(error.value)

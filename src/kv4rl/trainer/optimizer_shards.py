@@ -58,11 +58,37 @@ def load_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
         raise OptimizerShardError(problem)
     state = get_optimizer_state_dict(model, optimizer)  # this rank's shard layout, filled in place
     try:
-        dcp.load(state, checkpoint_id=Path(folder) / OPTIMIZER_DIR)
+        dcp.load(state, storage_reader=_file_naming_reader(Path(folder) / OPTIMIZER_DIR))
     except CheckpointException as error:
         raise OptimizerShardError(f"{Path(folder) / OPTIMIZER_DIR}: the optimizer shards do not load "
                                   f"({_failures(error)})") from None
     set_optimizer_state_dict(model, optimizer, state)
+
+
+def _file_naming_reader(path: Path):
+    """DCP's file-system reader, reading one shard file at a time so that a file whose bytes do not
+    load (sizes right, contents damaged) is named in the error."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.futures import Future
+
+    class Reader(FileSystemReader):
+        def read_data(self, plan, planner):
+            by_file: dict[str, list] = {}
+            for item in plan.items:
+                by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for name, items in sorted(by_file.items()):
+                try:
+                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                except Exception as error:  # noqa: BLE001 - whatever the damage, name the file
+                    raise OSError(f"{path / name} does not load ({type(error).__name__}: "
+                                  f"{_first_line(error)})") from error
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    return Reader(path)
 
 
 def shards_problem(folder: Path) -> str | None:
