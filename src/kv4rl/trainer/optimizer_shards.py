@@ -47,7 +47,9 @@ def save_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
 def load_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
     """Load `folder/optimizer` into this rank's shard of the optimizer state (a collective).
 
-    The files are checked first (`shards_problem`); a load that still fails is reported with the folder.
+    The files are checked first (`shards_problem`); a load that still fails is reported with the
+    folder, each failed rank and, where a file's bytes do not load, that file. DCP reshards, so the
+    shards of any number of ranks load.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
