@@ -5,7 +5,7 @@ and the pointer file `latest` is replaced atomically afterwards, so a crash at a
 previous checkpoint intact and never a half-written one that looks complete; temporary folders a
 kill left behind are cleared when the run folder is next used. `checkpoint.json` records the run
 that wrote a checkpoint: retention deletes only that run's own checkpoints, never another's.
-Under torchrun every rank writes its optimizer shard (`kv4rl.trainer.optimizer_shards`) into the
+Under torchrun every rank writes its optimizer shard (`kv4rl.trainer.optimizer_checkpoint`) into the
 temporary folder before rank 0 renames it. A resume takes the newest intact checkpoint (its JSON
 files parse, its safetensors headers match the file sizes, its trainer state loads, its optimizer
 shards are all there) and names every damaged one it passes over.
@@ -25,7 +25,7 @@ import torch
 
 from kv4rl.distributed import barrier, from_main
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder, weight_files
-from kv4rl.trainer.optimizer_shards import SHARDED, optimizer_format, shards_problem
+from kv4rl.trainer.optimizer_checkpoint import SHARDED, optimizer_format, shards_problem
 
 log = logging.getLogger(__name__)
 

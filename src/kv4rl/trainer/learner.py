@@ -38,7 +38,15 @@ from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import check_attention, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
-from kv4rl.trainer.optimizer_shards import FULL, SHARDED, load_shards, optimizer_format, save_shards
+from kv4rl.trainer.optimizer_checkpoint import (
+    FULL,
+    SHARDED,
+    full_state,
+    load_full_state,
+    load_shards,
+    optimizer_format,
+    save_shards,
+)
 from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
@@ -359,7 +367,7 @@ class Learner:
     @property
     def optimizer_format(self) -> str:
         """How checkpoints hold the optimizer state: full in the trainer state at world size 1 (older
-        checkpoints' format), one DCP shard per rank beyond (`kv4rl.trainer.optimizer_shards`)."""
+        checkpoints' format), one DCP shard per rank beyond (`kv4rl.trainer.optimizer_checkpoint`)."""
         return SHARDED if self.world_size > 1 else FULL
 
     def checkpoint_state(self) -> dict:
@@ -368,11 +376,7 @@ class Learner:
         ranks: the shards are written by `write_shards`, never gathered."""
         if self.optimizer_format == SHARDED:
             return {"optimizer_format": SHARDED, "world": self.world_size}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"optimizer_format": FULL, "world": 1,
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options)}
+        return {"optimizer_format": FULL, "world": 1, "optimizer": full_state(self.model, self.optimizer)}
 
     def write_shards(self, folder: Path) -> None:
         """Every rank writes its optimizer shard into checkpoint `folder` (a collective); nothing at world
@@ -381,23 +385,10 @@ class Learner:
             save_shards(self.model, self.optimizer, folder)
 
     def load_checkpoint_state(self, state: dict, folder: Path | None = None) -> None:
-        """Restore `checkpoint_state()`; a sharded one reads its shards from checkpoint `folder`."""
-        if optimizer_format(state) == SHARDED:
-            if folder is None:
-                raise ValueError("a checkpoint with sharded optimizer state loads from its folder: pass `folder`")
+        """Restore `checkpoint_state()` (or an older one); a sharded one reads its shards from `folder`."""
+        if optimizer_format(state) != SHARDED:
+            load_full_state(self.model, self.optimizer, state["optimizer"])
+        elif folder is None:
+            raise ValueError("a checkpoint with sharded optimizer state loads from its folder: pass `folder`")
+        else:
             load_shards(self.model, self.optimizer, folder)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        optim = _by_name(state["optimizer"], [name for name, _ in self.model.named_parameters()])
-        set_optimizer_state_dict(self.model, self.optimizer, optim, options=StateDictOptions(full_state_dict=True))
-
-
-def _by_name(optim: dict, names: list[str]) -> dict:
-    """An optimizer state keyed by parameter index (`optimizer.state_dict()`, older checkpoints) re-keyed
-    by parameter name, as `set_optimizer_state_dict` expects; a name-keyed one is returned as it is."""
-    groups = optim["param_groups"]
-    if not any(isinstance(p, int) for g in groups for p in g["params"]):
-        return optim
-    return {"state": {names[i]: v for i, v in optim["state"].items()},
-            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups]}

@@ -23,7 +23,7 @@ from kv4rl.trainer.checkpoint import (
     save_checkpoint,
 )
 from kv4rl.trainer.learner import Learner
-from kv4rl.trainer.optimizer_shards import OPTIMIZER_DIR, SHARDED, OptimizerShardError, shards_problem
+from kv4rl.trainer.optimizer_checkpoint import OPTIMIZER_DIR, SHARDED, OptimizerShardError, shards_problem
 from tests.conftest import make_checkpoint
 from tests.gloo_ranks import run_on_gloo_ranks
 

@@ -1,4 +1,4 @@
-"""The AdamW state of a multi-rank learner as a distributed checkpoint (torch.distributed.checkpoint).
+"""The learner's AdamW state in a checkpoint: full, or one distributed-checkpoint shard per rank.
 
 With N > 1 ranks every rank writes its own FSDP2 shard of the optimizer state into the checkpoint's
 `optimizer/` folder (DCP's `__<rank>_0.distcp` files and its `.metadata`), so no rank ever gathers
@@ -28,6 +28,33 @@ class OptimizerShardError(ValueError):
 def optimizer_format(state: dict) -> str:
     """The optimizer format of a checkpoint's learner state (older checkpoints: `FULL`)."""
     return state.get("optimizer_format", FULL)
+
+
+def full_state(model: nn.Module, optimizer: Optimizer) -> dict:
+    """The whole optimizer state as plain CPU tensors keyed by parameter name (gathered from the FSDP2
+    shards: a collective), the same with or without FSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model: nn.Module, optimizer: Optimizer, state: dict) -> None:
+    """Load a `full_state` (or an older checkpoint's index-keyed `optimizer.state_dict()`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = _by_name(state, [name for name, _ in model.named_parameters()])
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _by_name(optim: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by parameter index (`optimizer.state_dict()`, older checkpoints) re-keyed
+    by parameter name, as `set_optimizer_state_dict` expects; a name-keyed one is returned as it is."""
+    groups = optim["param_groups"]
+    if not any(isinstance(p, int) for g in groups for p in g["params"]):
+        return optim
+    return {"state": {names[i]: v for i, v in optim["state"].items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups]}
 
 
 def save_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
