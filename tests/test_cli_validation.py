@@ -190,28 +190,28 @@ def tiny_setup(overrides):
 
 
 def test_train_names_a_prompt_longer_than_the_models_context(gsm8k_file):
-    from kv4rl.loop import _max_model_len
+    from kv4rl.rollout.build import max_model_len
 
     cfg, source, formatter = tiny_setup([f"data.train={gsm8k_file}"])
     with pytest.raises(ValueError) as info:
-        _max_model_len(cfg, source, formatter, 64)
+        max_model_len(cfg, source, formatter, 64)
     message = str(info.value)
     assert f"data.train {gsm8k_file}: prompt 0 (id gsm8k-test-0" in message
     assert f"is {boxed_prompt_length(GSM8K_ROWS[0])} tokens" in message and "64 positions" in message
 
 
 def test_train_warns_once_when_max_new_tokens_runs_past_the_context(caplog):
-    from kv4rl.loop import _max_model_len
+    from kv4rl.rollout.build import max_model_len
 
     cfg, source, formatter = tiny_setup(["rollout.max_new_tokens=100000"])
     with caplog.at_level(logging.WARNING, logger="kv4rl.loop"):
-        assert _max_model_len(cfg, source, formatter, 64) == 64
+        assert max_model_len(cfg, source, formatter, 64) == 64
     (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "rollout.max_new_tokens=100000" in record.getMessage() and "64 positions" in record.getMessage()
     caplog.clear()
     cfg, source, formatter = tiny_setup(["rollout.max_new_tokens=16"])
     with caplog.at_level(logging.WARNING, logger="kv4rl.loop"):
-        assert _max_model_len(cfg, source, formatter, 64) < 64
+        assert max_model_len(cfg, source, formatter, 64) < 64
     assert not caplog.records
 
 

@@ -20,20 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from kv4rl.algo.advantages import compute_advantages
 from kv4rl.config import ConfigError, RunConfig
-from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
+from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
-from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.placement import resolve_device
 from kv4rl.eval.runner import evaluate
 from kv4rl.graceful_stop import GracefulStop
-from kv4rl.models.hf_weights import check_model_folder
-from kv4rl.rewards import get_reward
+from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_folder import RunFolder, RunFolderError, check_new_run
@@ -83,26 +80,6 @@ class Setup:
     attribution: MismatchAttribution | None = None
 
 
-def _max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter, model_max: int) -> int:
-    """Longest prompt of the data (embedded task: a sample, with headroom) plus the response limit.
-
-    A prompt that fills the model's context is refused here, by name, before any generation; a response
-    limit that runs past the context is cut to it with one warning line, as inference engines do.
-    """
-    train_name = f"data.train {cfg.data.train}" if cfg.data.train else "the embedded task"
-    eval_name = f"data.eval {cfg.data.eval}" if cfg.data.eval else train_name
-    longest = max(longest_prompt(formatter, problems, model_max, "the model's context", what)
-                  for what, problems in ((train_name, source.train or source.batch(0, 64)),
-                                         (eval_name, source.eval_problems(cfg.data.eval_size))))
-    warning = overrun_warning(longest, cfg.rollout.max_new_tokens,
-                              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", model_max,
-                              "the model's context")
-    if warning:
-        log.warning(warning)
-    headroom = 2 * longest if source.train_embedded else longest
-    return min(model_max, headroom + cfg.rollout.max_new_tokens + 1)
-
-
 @dataclass
 class Restore:
     """What a resume starts from: the checkpoint folder, its trainer state and the run it belongs to."""
@@ -121,6 +98,10 @@ def find_restore(cfg: RunConfig) -> Restore:
             f"checkpoint.save_every={cfg.checkpoint.save_every} iterations); to start it over, run "
             f"`kv4rl train -c {cfg.run_dir / 'config.yaml'} --overwrite`")
     path, state = found
+    if state.get("placement") == "split":
+        raise ConfigError(f"--resume {cfg.run_dir}: {path.name} was written by a split run (rollout.placement=split), "
+                          "whose checkpoints hold the policy's weights only; start a new run from them with "
+                          f"model.path={path}")
     return Restore(path, state, run_of(path))
 
 
@@ -154,28 +135,10 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=_task_of(base_dir))
-    model_max = check_model_folder(base_dir).max_position_embeddings
     policy_dir = base_dir if restore is None else restore.path
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    formatter = PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template,
-                                cfg.data.chat_template)
-    reward_name = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
-    reward_fn = get_reward(reward_name, timeout_s=cfg.reward.timeout_s) if reward_name == "math_verify" \
-        else get_reward(reward_name)
-    engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
-    if engine_cfg.max_model_len is None:
-        engine_cfg.max_model_len = _max_model_len(cfg, source, formatter, model_max)
-    engine = Engine(policy_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device,
-                    dtype=cfg.model.dtype, seed=cfg.seed, tokenizer=tokenizer)
-    if show_progress:
-        from rich.console import Console
-
-        Console(stderr=True).print(engine.summary, highlight=False)
+    formatter, reward_fn, engine, collector = build_rollout(cfg, source, base_dir, policy_dir, device, engine_ranks,
+                                                            show_progress)
     learner = build_learner(cfg, policy_dir, base_dir, device)
-    try:
-        collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=engine_ranks)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
     if ranks.world > 1 and cfg.telemetry.attribution_every:
         raise ConfigError("telemetry.attribution_every runs in one process for now; set it to 0 under torchrun")
     s = Setup(cfg, device, source, formatter, reward_fn, engine, learner, collector,
@@ -187,14 +150,15 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     return s
 
 
-def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torch.device) -> Learner:
+def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torch.device, group=None) -> Learner:
+    """The learner; `group`: its ranks when they are not the whole job (split placement)."""
     t = cfg.trainer
     return Learner(policy_dir, base_dir, algo=cfg.algo, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                    grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
                    updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
                    device=device, grad_checkpointing=t.grad_checkpointing, fsdp=t.fsdp, offload=t.offload,
                    max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every,
-                   attention=t.attention)
+                   attention=t.attention, group=group)
 
 
 def restore_state(s: Setup, state: dict, path: Path) -> None:
@@ -298,6 +262,10 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
     Every start-up check runs before the run folder is touched (see `kv4rl.run_folder`): a fresh run
     refuses a folder that holds a run unless `overwrite`; a resume takes the newest intact checkpoint.
     """
+    if cfg.rollout.placement == "split":  # engines and learner on different ranks
+        from kv4rl.split.run import train_split
+
+        return train_split(cfg, resume, show_progress, overwrite)
     main = current().main  # under torchrun, rank 0 alone writes the run folder and the viewers
     sink = MetricsSink(cfg) if main else None  # checks the optional viewers before the folder is touched
     if resume:

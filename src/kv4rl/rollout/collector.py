@@ -68,6 +68,8 @@ class Collector:
         self.ready: deque[int] = deque()  # complete groups not yet delivered, completion order
         self.trace: list[dict] = []
         self.num_dropped = 0
+        # called before every engine step: a split run's engine takes new weights here (`kv4rl.split`)
+        self.before_step: Callable[[], None] | None = None
 
     # ---- collection -------------------------------------------------------------------------
     def collect(self) -> list[GroupResult]:
@@ -116,6 +118,8 @@ class Collector:
                                        sample_seed=seed, resume_from=resume_from)
 
     def _step(self) -> None:
+        if self.before_step is not None:
+            self.before_step()
         finished = self.engine.step()
         self.trace.append(dict(self.engine.last_step))
         for seq in sorted(finished, key=lambda s: s.tag):

@@ -13,6 +13,10 @@ class RolloutConfig:
     `mode: sync` admits the batch's responses together and waits for the longest; `mode: partial`
     keeps `max_slots` decode slots full and hands over the first `quota_groups` groups to complete,
     carrying unfinished responses across the weight update (`carry`).
+
+    `placement: colocated` runs an engine and a learner shard on every rank (one process, or
+    torchrun's data-parallel layout); `placement: split` (torchrun, `kv4rl.split`) gives the last
+    `engine_ranks` ranks to engines that generate without waiting for training, the others to the learner.
     """
 
     mode: Literal["sync", "partial"] = "sync"
@@ -24,6 +28,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    placement: Literal["colocated", "split"] = "colocated"
+    engine_ranks: int = 1
 
     def validate(self) -> None:
         checks = [
@@ -33,6 +39,7 @@ class RolloutConfig:
             (self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
             (self.temperature > 0, "rollout.temperature must be > 0 for RL (greedy has no behaviour log-probs)"),
             (0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+            (self.engine_ranks >= 1, f"rollout.engine_ranks must be >= 1, got {self.engine_ranks}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -97,15 +97,17 @@ def _decoder_layers(model) -> nn.ModuleList:
     return layers
 
 
-def shard_policy(model, device: torch.device, offload: bool = False):
-    """FSDP2: each decoder layer is a unit, then the root (embeddings, final norm, LM head)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def shard_policy(model, device: torch.device, offload: bool = False, group: dist.ProcessGroup | None = None):
+    """FSDP2: each decoder layer is a unit, then the root (embeddings, final norm, LM head). `group`: the
+    ranks that shard the learner (default: the whole job; a split run's learner ranks otherwise)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     ensure_process_group(device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the mesh places each rank on the current device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),)) if group is None \
+        else DeviceMesh.from_group(group, device.type)
     kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     if device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -126,13 +128,16 @@ class Learner:
                  micro_batch_size: int, updates_per_batch: int, temperature: float,
                  device: torch.device, grad_checkpointing: bool = False, fsdp: bool = True,
                  offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
-                 attention: str = "auto"):
+                 attention: str = "auto", group: dist.ProcessGroup | None = None):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
-        `trainer.attention` (kv4rl.trainer.attention)."""
+        `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
+        the whole job (split placement: `kv4rl.split`)."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention)
-        if not fsdp and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError(f"{dist.get_world_size()} ranks need trainer.fsdp=true: the data-parallel learner "
+        self.group = group
+        ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+        if not fsdp and ranks > 1:
+            raise ValueError(f"{ranks} ranks need trainer.fsdp=true: the data-parallel learner "
                              "is FSDP2's (one shard per rank, gradients reduced across ranks)")
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
             raise ValueError(f"trainer.max_tokens_per_micro_batch must be >= 1 (or null), "
@@ -156,10 +161,10 @@ class Learner:
         else:
             self.model = load_hf_model(policy_path, device, grad_checkpointing)
         if fsdp:
-            shard_policy(self.model, device, offload)
+            shard_policy(self.model, device, offload, group)
         # Each rank's loss is divided by the global token (or sequence) count, and FSDP2 averages the
         # ranks' gradients: the backward pass scales by the world size so the average is the sum.
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.ref_model = None
         if ref_path is not None and "ref_logprobs" in self.loss_inputs and (algo.kl_ref_coef > 0 or ref_kl_every):
             if isinstance(ref_path, nn.Module):
@@ -293,7 +298,7 @@ class Learner:
         if self.world_size == 1:
             return num_tokens, num_seqs
         counts = torch.tensor([num_tokens, num_seqs], dtype=torch.float64)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self.group)
         return float(counts[0]), float(counts[1])
 
     def _same_count_on_every_rank(self, count: int) -> int:
@@ -301,7 +306,7 @@ class Learner:
         if self.world_size == 1:
             return count
         most = torch.tensor([count], dtype=torch.long)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         return int(most)
 
     def _all_ranks(self, parts: list) -> list:
@@ -309,7 +314,7 @@ class Learner:
         if self.world_size == 1:
             return parts
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, parts)
+        dist.all_gather_object(gathered, parts, group=self.group)
         return [part for rank_parts in gathered for part in rank_parts]
 
     def _token_stats(self, logp, ent, mb: TrainBatch, first: bool) -> dict[str, float]:

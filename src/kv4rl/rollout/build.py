@@ -1,0 +1,70 @@
+"""The rollout side of a run, built before its folder is touched: prompt formatter, reward function,
+engine (its context sized from the data) and the collector of this engine's share of the groups.
+Shared by the colocated loop (`kv4rl.loop`) and a split run's engine ranks (`kv4rl.split`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from kv4rl.config import ConfigError, RunConfig
+from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
+from kv4rl.data.source import ProblemSource
+from kv4rl.distributed import Ranks
+from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.llm import Engine
+from kv4rl.models.hf_weights import check_model_folder
+from kv4rl.rewards import get_reward
+from kv4rl.rollout.collector import Collector
+
+log = logging.getLogger(__name__)
+
+
+def max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter, model_max: int) -> int:
+    """Longest prompt of the data (embedded task: a sample, with headroom) plus the response limit.
+
+    A prompt that fills the model's context is refused here, by name, before any generation; a response
+    limit that runs past the context is cut to it with one warning line, as inference engines do.
+    """
+    train_name = f"data.train {cfg.data.train}" if cfg.data.train else "the embedded task"
+    eval_name = f"data.eval {cfg.data.eval}" if cfg.data.eval else train_name
+    longest = max(longest_prompt(formatter, problems, model_max, "the model's context", what)
+                  for what, problems in ((train_name, source.train or source.batch(0, 64)),
+                                         (eval_name, source.eval_problems(cfg.data.eval_size))))
+    warning = overrun_warning(longest, cfg.rollout.max_new_tokens,
+                              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", model_max,
+                              "the model's context")
+    if warning:
+        log.warning(warning)
+    headroom = 2 * longest if source.train_embedded else longest
+    return min(model_max, headroom + cfg.rollout.max_new_tokens + 1)
+
+
+def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,
+                  engine_ranks: Ranks, show_progress: bool) -> tuple[PromptFormatter, object, Engine, Collector]:
+    """The rollout side of a run: prompt formatter, reward function, engine, and the collector of this
+    engine's share (`engine_ranks`) of the prompt groups."""
+    model_max = check_model_folder(base_dir).max_position_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    formatter = PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template,
+                                cfg.data.chat_template)
+    reward_name = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
+    reward_fn = get_reward(reward_name, timeout_s=cfg.reward.timeout_s) if reward_name == "math_verify" \
+        else get_reward(reward_name)
+    engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
+    if engine_cfg.max_model_len is None:
+        engine_cfg.max_model_len = max_model_len(cfg, source, formatter, model_max)
+    engine = Engine(policy_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device,
+                    dtype=cfg.model.dtype, seed=cfg.seed, tokenizer=tokenizer)
+    if show_progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(engine.summary, highlight=False)
+    try:
+        collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=engine_ranks)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return formatter, reward_fn, engine, collector

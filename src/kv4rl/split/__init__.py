@@ -1,0 +1,1 @@
+"""Disaggregated asynchronous training (`rollout.placement: split`): engines on some ranks, the learner on the others."""

@@ -1,0 +1,177 @@
+"""The learner ranks of a split run: consume one batch per engine per update, train, send weights.
+
+The head (rank 0, the learner's first rank) receives each engine's next batch (`time_learner_wait` is how
+long it waited for them), checks every token against the staleness bound, computes the advantages
+over the whole learner batch as one process does, and hands each learner rank its share of the
+groups; all learner ranks run the FSDP2 update; every `staleness.refresh_every` updates the head
+broadcasts the new weights to the engines, the other learner ranks taking part in the gathers. The
+head writes the metrics row of every update and the checkpoints (model weights only: see
+`kv4rl.split.run` on resume).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kv4rl.algo.advantages import compute_advantages
+from kv4rl.graceful_stop import GracefulStop
+from kv4rl.run_folder import RunFolder
+from kv4rl.split.channel import HeadLink, SplitGroups
+from kv4rl.telemetry.progress import TrainProgress
+from kv4rl.telemetry.run_stats import collection_stats, staleness_stats
+from kv4rl.telemetry.sinks import MetricsSink
+from kv4rl.trainer.batch import build_batch
+from kv4rl.trainer.checkpoint import save_checkpoint
+from kv4rl.trainer.learner import Learner
+
+
+class StalenessViolation(RuntimeError):
+    """A token reached the learner older than `staleness.max_versions` (or from a future version)."""
+
+
+@dataclass
+class LearnerSide:
+    cfg: object  # RunConfig
+    learner: Learner
+    tokenizer: object
+    groups: SplitGroups
+    link: HeadLink | None  # the head's only
+
+    @property
+    def head(self) -> bool:
+        return self.link is not None
+
+
+def check_versions(update: int, groups, max_versions: int | None) -> None:
+    """Every token of the batch for `update`: sampled by a version in [update - max_versions, update],
+    versions never decreasing along a response."""
+    for g in groups:
+        for j, c in enumerate(g.completions):
+            where = f"update {update}, group {g.index}, response {j}"
+            if any(b < a for a, b in zip(c.versions, c.versions[1:], strict=False)):
+                raise StalenessViolation(f"{where}: token versions go down ({c.versions})")
+            if c.versions and max(c.versions) > update:
+                raise StalenessViolation(f"{where}: a token of version {max(c.versions)} (the learner is at {update})")
+            if c.versions and max_versions is not None and update - min(c.versions) > max_versions:
+                raise StalenessViolation(f"{where}: a token of version {min(c.versions)} is {update - min(c.versions)} "
+                                         f"versions old, over staleness.max_versions={max_versions}")
+
+
+def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, dict]:
+    """The head's part: check the batch, compute advantages, split it into the learner ranks' shares."""
+    cfg = s.cfg
+    groups = [g for m in messages for g in m["groups"]]
+    check_versions(it, groups, cfg.staleness.max_versions)
+    completions = [c for g in groups for c in g.completions]
+    rewards = torch.tensor([x for m in messages for x in m["scores"]], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(cfg.seed * 7_654_321 + it)
+    advantages, adv_metrics = compute_advantages(rewards, cfg.rollout.group_size, cfg.advantage, generator=gen)
+    rows = [(g.prompt_ids, c.token_ids, c.logprobs, c.versions) for g in groups for c in g.completions]
+    adv = advantages.tolist()
+    ranks = dist.get_world_size(s.groups.learner)
+    per = len(rows) // ranks  # whole groups: quota_groups splits evenly over the learner ranks
+    shares = [(rows[r * per:(r + 1) * per], adv[r * per:(r + 1) * per]) for r in range(ranks)]
+    num_gen = sum(len(c.token_ids) for c in completions)
+    engines = len(messages)
+    row = {
+        "reward_mean": float(rewards.mean()),
+        "accuracy": float((rewards > 0.5).float().mean()),
+        "response_len_mean": num_gen / len(completions),
+        "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "tokens_per_s": sum(sum(len(c.token_ids) for g in m["groups"] for c in g.completions)
+                            / max(m["time_rollout"], 1e-9) for m in messages),
+        **staleness_stats(it, completions),
+        "decode_steps": sum(len(m["trace"]) for m in messages) / engines,
+        "slot_util": sum(collection_stats(m["trace"], cfg.rollout.max_slots)["slot_util"] for m in messages) / engines,
+        "preemptions": sum(m["preemptions"] for m in messages),
+        "dropped_stale": sum(m["dropped_stale"] for m in messages),
+        "engine_version_min": min(m["version"] for m in messages),
+        "groups": sorted(g.index for g in groups),
+        **{f"reward_{k}": sum(m["reward_stats"][k] for m in messages) / engines for k in messages[0]["reward_stats"]},
+        **adv_metrics,
+        **{k: max(m[k] for m in messages) for k in ("time_rollout", "time_reward", "time_engine_wait",
+                                                    "time_engine_sync")},
+    }
+    return shares, row
+
+
+def update(s: LearnerSide, it: int, stop: GracefulStop) -> tuple[dict | None, list[dict], bool]:
+    """One learner update on every learner rank; the head's metrics row and engine trace, and whether
+    the run stops after it (a stop signal on any learner rank or engine)."""
+    cfg, t0 = s.cfg, time.perf_counter()
+    stopping, row, trace, share = bool(stop.requested), None, [], [None]
+    if s.head:
+        messages = s.link.receive()
+        wait = time.perf_counter() - t0
+        stopping = stopping or any(m["stop"] for m in messages)
+        shares, row = _head_batch(s, it, messages)
+        row = {"iteration": it, **row, "time_learner_wait": wait}
+        trace = [dict(t, engine=m["engine"], iteration=it) for m in messages for t in m["trace"]]
+    dist.scatter_object_list(share, shares if s.head else None, group=s.groups.learner, group_src=0)
+    rows, adv = share[0]
+    t1 = time.perf_counter()
+    pad_id = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else 0
+    batch = build_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+                        adv, pad_id)
+    learn = s.learner.step(batch, lr=cfg.trainer.learning_rate(it), iteration=it)
+    t2 = time.perf_counter()
+    flag = torch.tensor([int(stopping)], dtype=torch.long)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=s.groups.learner)
+    stopping = bool(flag.item())
+    last = stopping or it + 1 == cfg.trainer.iterations
+    if (it + 1) % cfg.staleness.refresh_every == 0 and not last:  # nobody would sample with the last weights
+        if s.head:
+            s.link.broadcast(s.learner.full_weights(), version=it + 1)
+        else:
+            for _ in s.learner.full_weights():  # the gathers are collectives of the learner ranks
+                pass
+    if row is not None:
+        row.update(learn, time_update=t2 - t1, time_sync=time.perf_counter() - t2,
+                   time_total=time.perf_counter() - t0)
+    return row, trace, stopping
+
+
+def run_learner(s: LearnerSide, folder: RunFolder | None, stop: GracefulStop, show_progress: bool,
+                sink: MetricsSink | None) -> tuple[int, dict | None]:
+    """Updates until `trainer.iterations` (or a stop signal); returns the updates done and, on the head,
+    what the engines reported at the end (batches sent but never consumed, groups still in flight)."""
+    cfg, done = s.cfg, 0
+    end = cfg.trainer.iterations
+    with TrainProgress(end, 0, enabled=show_progress) as bar:
+        for it in range(end):
+            row, trace, stopping = update(s, it, stop)
+            if folder is not None:
+                folder.write(row, trace)
+                sink.log(row)
+                bar.update(row)
+            done = it + 1
+            if done % cfg.checkpoint.save_every == 0 or done == end or stopping:
+                save(s, folder, done)
+            if stopping:
+                break
+    if not s.head:
+        return done, None
+    unused, reports = s.link.stop()
+    return done, {"unconsumed_batches": [[g.index for g in m["groups"]] for m in unused], "engines": reports}
+
+
+def save(s: LearnerSide, folder: RunFolder | None, done: int) -> Path | None:
+    """The policy after update `done` as a Hugging Face folder (the learner ranks gather it; the head
+    writes). The rollouts in flight live on the engine ranks and are not saved: a split run does not
+    resume (`kv4rl.split.run`)."""
+    weights = {k: v.detach().cpu() for k, v in s.learner.state_dict().items()}
+    path = None
+    if folder is not None:
+        def write_files(to: Path) -> None:
+            s.learner.save_pretrained(to, state=weights)
+            s.tokenizer.save_pretrained(to)
+
+        path = save_checkpoint(folder.path, done, write_files, {"placement": "split"}, folder.run_id,
+                               s.cfg.checkpoint.keep_last)
+    dist.barrier(group=s.groups.learner)
+    return path

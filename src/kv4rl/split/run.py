@@ -1,0 +1,150 @@
+"""`kv4rl train` with `rollout.placement: split`: engines and the learner on different ranks.
+
+Under torchrun, ranks 0..W-K-1 hold the learner's FSDP2 shards (`kv4rl.split.learner_side`) and
+the last K ranks (`rollout.engine_ranks`) each run an engine that generates without waiting for
+training (`kv4rl.split.engine_side`). Rank 0 writes the run folder, as in every other layout (it is
+also the rank that Hugging Face's `save_pretrained` writes from). Every setting is
+checked on every rank before any model is built or the folder is touched.
+
+A split run does not resume: its checkpoints hold the policy's weights (a Hugging Face folder, so
+`model.path=<checkpoint>` starts a new run from them, and `kv4rl eval --model` evaluates them), but
+not the optimizer state or the rollouts in flight on the engine ranks, so `--resume` is refused
+rather than continued inexactly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoTokenizer
+
+from kv4rl.config import ConfigError, RunConfig
+from kv4rl.data.source import ProblemSource
+from kv4rl.distributed import Ranks, barrier, current
+from kv4rl.engine.placement import resolve_device
+from kv4rl.graceful_stop import GracefulStop
+from kv4rl.loop import _task_of, build_learner, resolve_model_dir
+from kv4rl.rollout.build import build_rollout
+from kv4rl.run_folder import RunFolder, check_new_run
+from kv4rl.split.channel import EngineLink, HeadLink, SplitGroups, make_groups, weight_manifest
+from kv4rl.split.engine_side import EngineSide, run_engine
+from kv4rl.split.learner_side import LearnerSide, run_learner
+from kv4rl.telemetry.run_stats import summarize_run
+from kv4rl.telemetry.sinks import MetricsSink
+from kv4rl.trainer.learner import check_learner_options
+
+log = logging.getLogger(__name__)
+
+
+def check_split(cfg: RunConfig, world: int) -> None:
+    """Refuse a split run that cannot work, naming the setting (before any work)."""
+    k, q = cfg.rollout.engine_ranks, cfg.rollout.quota_groups
+    if world < 2:
+        raise ConfigError("rollout.placement=split runs engines and the learner on different ranks: start it under "
+                          "torchrun with at least 2 processes (torchrun --nproc-per-node 2 -m kv4rl.cli train ...)")
+    if not 1 <= k < world:
+        raise ConfigError(f"rollout.engine_ranks={k} must leave the learner at least one of the {world} ranks "
+                          f"torchrun started (1 <= rollout.engine_ranks <= {world - 1})")
+    checks = [
+        (q % k == 0, f"rollout.quota_groups={q} must split evenly over the {k} engine ranks "
+                     "(each engine sends its share of every learner batch; a group is never split)"),
+        (q % (world - k) == 0, f"rollout.quota_groups={q} must split evenly over the {world - k} learner ranks"),
+        (cfg.engine.tensor_parallel == 1, "engine.tensor_parallel > 1 runs only with rollout.placement=colocated"),
+        (not cfg.engine.sleep_between_rollouts, "engine.sleep_between_rollouts frees an engine's memory for a "
+                                                "learner on the same device; with rollout.placement=split they are "
+                                                "on different ranks: set it to false"),
+        (cfg.eval.every == 0, "eval.every > 0 runs only with rollout.placement=colocated; evaluate a split run's "
+                              "checkpoints with `kv4rl eval --model <checkpoint>`"),
+        (cfg.telemetry.attribution_every == 0, "telemetry.attribution_every runs in one process; set it to 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def train_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool) -> dict | None:
+    """Run a split training job; the summary on the rank that writes the run, None on the others."""
+    summary, _ = run_split(cfg, resume, show_progress, overwrite)
+    return summary
+
+
+def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool) -> tuple[dict | None, dict | None]:
+    """`train_split`, plus what this rank saw at the end: on rank 0 (the learner's head), the engines'
+    final reports and the batches sent but never consumed; on an engine, its own report; None on the
+    other learner ranks."""
+    if resume:
+        raise ConfigError(f"--resume {cfg.run_dir}: a split run (rollout.placement=split) does not resume: the "
+                          "rollouts in flight live on the engine ranks and are not checkpointed; start a new run "
+                          "from a checkpoint's weights with model.path=<run>/checkpoints/iter_N")
+    ranks = current()
+    check_split(cfg, ranks.world)
+    k = cfg.rollout.engine_ranks
+    learners = ranks.world - k
+    device = resolve_device(cfg.device)
+    if ranks.rank < learners:
+        try:
+            check_learner_options(device, fsdp=cfg.trainer.fsdp, offload=cfg.trainer.offload,
+                                  attention=cfg.trainer.attention)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    head = ranks.main
+    sink = MetricsSink(cfg) if head else None  # checks the optional viewers before the folder is touched
+    check_new_run(cfg.run_dir, overwrite)
+    torch.manual_seed(cfg.seed)
+    source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
+        if cfg.data.train is not None and ranks.rank >= learners else None
+    groups = make_groups(k, ranks.world)
+    if not ranks.main:  # rank 0 builds a missing embedded model or testbed into the cache first
+        barrier()
+    base_dir = resolve_model_dir(cfg, progress=show_progress and head)
+    if ranks.main:
+        barrier()
+    with GracefulStop() as stop:
+        if ranks.rank >= learners:
+            return None, _engine(cfg, groups, ranks.rank - learners, device, source, base_dir, stop)
+        return _learner(cfg, groups, head, device, base_dir, stop, show_progress and head, sink, overwrite)
+
+
+def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.device, source: ProblemSource | None,
+            base_dir, stop: GracefulStop) -> dict:
+    if source is None:
+        source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
+                               task=_task_of(base_dir))
+    formatter, reward_fn, llm, collector = build_rollout(
+        cfg, source, base_dir, base_dir, device, Ranks(engine, cfg.rollout.engine_ranks), show_progress=False)
+    side = EngineSide(cfg, engine, llm, collector, formatter, reward_fn, EngineLink(groups, device), stop)
+    try:
+        return run_engine(side)
+    finally:
+        close = getattr(reward_fn, "close", None)
+        if close is not None:
+            close()
+
+
+def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.device, base_dir, stop: GracefulStop,
+             show_progress: bool, sink: MetricsSink | None, overwrite: bool) -> tuple[dict | None, dict | None]:
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    learner = build_learner(cfg, base_dir, base_dir, device, group=groups.learner)
+    link = HeadLink(groups, weight_manifest(learner.model.named_parameters())) if head else None
+    side = LearnerSide(cfg, learner, tokenizer, groups, link)
+    folder = RunFolder(cfg, None, None, overwrite) if head else None
+    try:
+        done, end = run_learner(side, folder, stop, show_progress, sink)
+    finally:
+        if folder is not None:
+            folder.close()
+        if sink is not None:
+            sink.close()
+    if not head:
+        return None, None
+    summary = summarize_run(cfg.run_dir, None)
+    unconsumed = [g for batch in end["unconsumed_batches"] for g in batch]
+    held = [g for report in end["engines"] for g in report["held"]]
+    summary.update(engine_ranks=cfg.rollout.engine_ranks, groups_sent_unconsumed=len(unconsumed),
+                   groups_in_flight_at_end=len(held))
+    if folder.moved_to is not None:
+        summary["previous_run_moved_to"] = str(folder.moved_to)
+    if stop.requested or done < cfg.trainer.iterations:
+        summary["stopped_by"] = f"{stop.requested or 'a stop signal on another rank'} after iteration {done}"
+    return summary, end

@@ -1,0 +1,186 @@
+"""`rollout.placement: split` on the CPU (gloo): engines on some ranks, the learner on the others.
+
+Checked against references that do not come from the split code: the groups each engine started
+(its stream share: e, e + K, ...) are each consumed once, sent but left unconsumed, or still held at
+the end, never two of these and never lost; every consumed response's token versions, recorded as
+the learner received them, never go down and are never older than `staleness.max_versions` nor newer
+than the update; with lag 0 and refresh every update (the engine waits for each refresh) the split
+run's updates equal a single-process run's; bad settings are refused by name before any work.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kv4rl.config import ConfigError, load_config
+from kv4rl.split.learner_side import StalenessViolation, check_versions
+from kv4rl.split.run import check_split
+from tests.gloo_ranks import run_on_gloo_ranks
+
+SMALL = ["device=cpu", "rollout.quota_groups=4", "rollout.group_size=2", "rollout.max_slots=4"]
+ASYNC = ["rollout.placement=split", "rollout.engine_ranks=2", "rollout.mode=partial", "rollout.carry=recompute",
+         "rollout.max_new_tokens=24", "staleness.lag=1", "staleness.max_versions=1", "trainer.iterations=8",
+         "checkpoint.save_every=8"]
+MAX_VERSIONS = 1
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _split_rank(rank: int, out_dir: str, overrides: list[str]) -> dict:
+    """One rank of a split run; rank 0 also records every batch exactly as the learner received it."""
+    from kv4rl.split import learner_side
+    from kv4rl.split.run import run_split
+
+    seen = []
+    check = learner_side.check_versions
+
+    def recording(update, groups, max_versions):
+        seen.append((update, [(g.index, [list(c.versions) for c in g.completions]) for g in groups]))
+        check(update, groups, max_versions)
+
+    learner_side.check_versions = recording
+    cfg = load_config(None, [f"out_dir={out_dir}", *SMALL, *overrides])
+    summary, end = run_split(cfg, resume=False, show_progress=False, overwrite=False)
+    return {"summary": summary, "end": end, "seen": seen}
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    """One learner rank and two engines, partial rollout running one update ahead, max_versions 1."""
+    out = tmp_path_factory.mktemp("split")
+    (out / "ranks").mkdir()
+    ranks = run_on_gloo_ranks(_split_rank, 3, out / "ranks", str(out), ["name=async", *ASYNC])
+    return out / "async", ranks
+
+
+@pytest.mark.slow
+def test_split_run_never_loses_or_repeats_a_group_and_keeps_the_staleness_bound(async_run):
+    run_dir, ranks = async_run
+    head = ranks[0]
+    reports = {r["engine"]: r for r in head["end"]["engines"]}
+    assert reports == {e: ranks[1 + e]["end"] for e in (0, 1)}  # what each engine reported is what the head got
+    rows = _rows(run_dir)
+    assert [r["iteration"] for r in rows] == list(range(8))
+    consumed = [g for r in rows for g in r["groups"]]
+    unconsumed = [g for batch in head["end"]["unconsumed_batches"] for g in batch]
+    for update, row in enumerate(rows):  # update u consumes each engine's u-th batch
+        assert row["groups"] == sorted(g for r in reports.values() for g in r["sent"][update])
+    for e, report in reports.items():
+        started = {e + 2 * n for n in range(report["next_group"])}  # engine e's share of the prompt stream
+        mine = [g for g in consumed if g % 2 == e]
+        left = [g for g in unconsumed if g % 2 == e]
+        assert len(mine) == 8 * 2 and sorted(left) == sorted(g for batch in report["sent"][8:] for g in batch)
+        every = mine + left + report["held"]
+        assert len(every) == len(set(every)) and set(every) == started
+    assert len(consumed) == len(set(consumed)) == 32
+    assert head["summary"]["groups_sent_unconsumed"] == len(unconsumed)
+
+    # every token as the learner received it: versions never down, never newer than the update, at
+    # most max_versions old; and the engines really ran ahead of the learner (some tokens 1+ old)
+    assert [u for u, _ in head["seen"]] == list(range(8))
+    ages = []
+    for update, groups in head["seen"]:
+        for _, responses in groups:
+            for versions in responses:
+                assert versions == sorted(versions)
+                assert all(0 <= update - v <= MAX_VERSIONS for v in versions)
+                ages += [update - v for v in versions]
+    assert max(ages) == 1
+    assert sorted(g for _, groups in head["seen"] for g, _ in groups) == sorted(consumed)
+    for row, (update, groups) in zip(rows, head["seen"], strict=True):
+        hist = {str(a): n for a in range(2) if (n := sum(update - v == a for _, rs in groups for vs in rs for v in vs))}
+        assert row["staleness_hist"] == hist and row["staleness_max"] <= MAX_VERSIONS
+        assert row["num_tokens"] == sum(hist.values())
+        assert {"time_learner_wait", "time_engine_wait", "time_engine_sync", "time_update", "time_sync"} <= row.keys()
+    assert rows[-1]["dropped_stale"] > 0  # responses carried past the bound were re-sampled, not consumed
+    assert (run_dir / "checkpoints" / "iter_000008" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_split_run_is_refused_on_resume_before_touching_it(async_run, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+
+    run_dir, _ = async_run
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    monkeypatch.chdir(run_dir.parent)
+    again = CliRunner().invoke(app, ["train", "--resume", "async", "--no-progress"])
+    assert again.exit_code != 0 and "does not resume" in again.output
+    colocated = CliRunner().invoke(app, ["train", "--resume", "async", "rollout.placement=colocated", "--no-progress"])
+    assert colocated.exit_code != 0 and "written by a split run" in colocated.output
+    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+
+
+def _train_rank(rank: int, out_dir: str, overrides: list[str]) -> None:
+    from kv4rl.loop import train
+
+    train(load_config(None, [f"out_dir={out_dir}", *SMALL, *overrides]), show_progress=False)
+
+
+@pytest.mark.slow
+def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path):
+    """lag 0, refresh every update: the engine starts batch b only with the weights of update b - 1, so
+    the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step."""
+    from kv4rl.loop import train
+
+    common = ["trainer.iterations=2", "rollout.mode=sync", "staleness.lag=0", "staleness.refresh_every=1"]
+    run_on_gloo_ranks(_train_rank, 3, tmp_path, str(tmp_path),
+                      ["name=split", "rollout.placement=split", "rollout.engine_ranks=1", *common])
+    train(load_config(None, [f"out_dir={tmp_path}", "name=one", *SMALL, *common]), show_progress=False)
+    split, one = _rows(tmp_path / "split"), _rows(tmp_path / "one")
+    for a, b in zip(split, one, strict=True):
+        assert a["groups"] == b["groups"]
+        assert a["staleness_hist"] == b["staleness_hist"] == {"0": b["num_tokens"]}
+        for key in ("num_tokens", "reward_mean", "response_len_mean", "adv_std"):
+            assert a[key] == b[key], key
+        for key in ("loss", "grad_norm", "entropy", "mismatch_abs_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def _cfg(*overrides: str):
+    return load_config(None, [*SMALL, "rollout.placement=split", *overrides])
+
+
+@pytest.mark.parametrize(("overrides", "world", "message"), [
+    ([], 1, "under torchrun with at least 2 processes"),
+    (["rollout.engine_ranks=2"], 2, "1 <= rollout.engine_ranks <= 1"),
+    (["rollout.engine_ranks=3"], 4, "over the 3 engine ranks"),
+    (["rollout.engine_ranks=1"], 4, "over the 3 learner ranks"),
+    (["engine.tensor_parallel=2", "rollout.engine_ranks=2"], 4, "engine.tensor_parallel"),
+    (["eval.every=2"], 2, "kv4rl eval --model"),
+    (["engine.sleep_between_rollouts=true", "rollout.carry=recompute"], 2, "engine.sleep_between_rollouts"),
+])
+def test_split_settings_that_cannot_work_are_refused_by_name(overrides, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_split(_cfg(*overrides), world)
+
+
+def test_split_without_torchrun_and_zero_engine_ranks_are_refused(tmp_path):
+    from kv4rl.loop import train
+
+    with pytest.raises(ConfigError, match="rollout.engine_ranks must be >= 1"):
+        _cfg("rollout.engine_ranks=0")
+    with pytest.raises(ConfigError, match="torchrun"):
+        train(_cfg(f"out_dir={tmp_path}"), show_progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def _group(index: int, *versions: list[int]):
+    return SimpleNamespace(index=index, completions=[SimpleNamespace(versions=v) for v in versions])
+
+
+def test_the_learner_refuses_tokens_outside_the_staleness_bound():
+    check_versions(5, [_group(0, [3, 4, 5], [5]), _group(1, [], [4])], max_versions=2)  # all within 5 - 2 .. 5
+    check_versions(9, [_group(0, [0, 9])], max_versions=None)  # no bound set
+    with pytest.raises(StalenessViolation, match="group 1, response 0: a token of version 2 is 3 versions old"):
+        check_versions(5, [_group(0, [4]), _group(1, [2, 5])], max_versions=2)
+    with pytest.raises(StalenessViolation, match="versions go down"):
+        check_versions(5, [_group(3, [5, 4])], max_versions=2)
+    with pytest.raises(StalenessViolation, match="a token of version 6"):
+        check_versions(5, [_group(3, [6])], max_versions=None)
