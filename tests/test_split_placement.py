@@ -184,3 +184,29 @@ def test_the_learner_refuses_tokens_outside_the_staleness_bound():
         check_versions(5, [_group(3, [5, 4])], max_versions=2)
     with pytest.raises(StalenessViolation, match="a token of version 6"):
         check_versions(5, [_group(3, [6])], max_versions=None)
+
+
+@pytest.mark.slow
+def test_a_failing_engine_ends_the_split_job_with_its_error(tmp_path):
+    """The engine (rank 1) raises while scoring its third batch, with the learner waiting for it:
+    torchrun ends the whole job, non-zero, with the engine's error (no hang)."""
+    from tests.test_train_data_parallel import torchrun
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('LOCAL_RANK') == '1':\n"
+        "    import kv4rl.split.engine_side as side\n"
+        "    score, calls = side.score, []\n"
+        "    def failing(s, groups):\n"
+        "        calls.append(1)\n"
+        "        if len(calls) == 3:\n"
+        "            raise RuntimeError('the engine fails on purpose in its third batch')\n"
+        "        return score(s, groups)\n"
+        "    side.score = failing\n")
+    failed = torchrun(tmp_path, "name=fail", "trainer.iterations=4", "rollout.placement=split", *SMALL,
+                      "--no-progress", pythonpath=str(hook))
+    assert failed.returncode != 0
+    assert "the engine fails on purpose in its third batch" in failed.stderr + failed.stdout
+    assert [r["iteration"] for r in _rows(tmp_path / "runs" / "fail")] == [0, 1]
