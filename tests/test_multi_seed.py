@@ -4,6 +4,7 @@ seed starts, and a non-zero exit with a table when a seed fails."""
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -69,3 +70,23 @@ def test_bad_seed_options_are_refused_before_any_work(tmp_path) -> None:
         assert res.exit_code == 2, (args, res.output)
         assert needle in " ".join(res.output.split()), (args, res.output)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_seeds_sharing_a_gpu_each_get_a_share_counted_against_their_own_memory(monkeypatch) -> None:
+    """On CUDA, N seeds at once: each gets gpu_memory_fraction / N with gpu_memory_scope=process, so the
+    ones that start last do not count the others' memory as their own; on the CPU nothing is added."""
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+
+    def runs(device):
+        return [multi_seed.SeedRun(s, load_config(None, [f"device={device}", "engine.gpu_memory_fraction=0.6"]),
+                                   [f"seed={s}"], None) for s in range(3)]
+
+    monkeypatch.setattr("kv4rl.engine.placement.resolve_device", lambda name: torch.device(name))
+    cuda = runs("cuda")
+    multi_seed.share_device(cuda, 3)
+    assert all(r.args == [f"seed={r.seed}", "engine.gpu_memory_fraction=0.2000", "engine.gpu_memory_scope=process"]
+               for r in cuda)
+    cpu = runs("cpu")
+    multi_seed.share_device(cpu, 3)
+    assert all(r.args == [f"seed={r.seed}"] for r in cpu)

@@ -90,3 +90,20 @@ def test_profile_step_runs_on_a_one_block_cache(name):
     engine = Engine.from_model(model, cfg, max_num_seqs=3)
     assert engine.pool_tokens == 3 * 48 and "max_num_seqs x max_model_len" in engine.summary
     engine.runner.profile.step(3)  # 39 + 39 + 22 tokens, all on cache block 0 and sequence slot 0
+
+
+def test_memory_scope_counts_the_device_or_only_this_process(monkeypatch):
+    """`device`: total - free (other processes' memory included); `process`: torch's reserved bytes plus
+    the context allowance, whatever other processes hold (hand-worked numbers, CUDA calls stubbed)."""
+    from kv4rl.engine import memory
+
+    gib = memory.GIB
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 140 * gib))  # 100 GiB in use
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)  # this process: 3 GiB
+    assert memory.in_use_bytes(torch.device("cuda")) == (140 * gib, 100 * gib)
+    assert memory.in_use_bytes(torch.device("cuda"), "process") == (140 * gib, 3 * gib + memory.CONTEXT_ALLOWANCE)
+    with pytest.raises(ValueError, match="gpu_memory_scope"):
+        from kv4rl.config import load_config
+
+        load_config(None, ["engine.gpu_memory_scope=node"])

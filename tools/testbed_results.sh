@@ -80,7 +80,7 @@ done
 if [[ "+$sets+" == *+attribution+* ]]; then
     timeout --foreground -s TERM -k "$kill_after" "$left" python -m kv4rl.cli train "${common[@]}" name=attribution-fp8-kv4-stale4 \
         engine.weight_format=fp8 engine.kv.format=kv4 staleness.lag=4 "${fkl[@]}" telemetry.attribution_every=2 \
-        telemetry.attribution_samples=8 "engine.gpu_memory_fraction=$mem" --no-progress --overwrite \
+        telemetry.attribution_samples=8 "engine.gpu_memory_fraction=$mem" engine.gpu_memory_scope=process --no-progress --overwrite \
         >"$out/attribution.out" 2>&1 &
     pids+=($!)
 fi

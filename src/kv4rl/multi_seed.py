@@ -10,7 +10,8 @@ Each child is `kv4rl train` itself with `seed=<s> name=<name>-s<s>` appended to 
 win over the config file), writing its output to `<out_dir>/<name>-s<seed>.log` while it runs. When it
 ends, the log moves into its run folder as `train.log` (appended on resume); a seed that failed before
 its first iteration has no folder (or its old one untouched), so its log stays beside it. On CUDA the
-children share the device: each gets `engine.gpu_memory_fraction` divided by the number running at once.
+children share the device: each gets `engine.gpu_memory_fraction` divided by the number running at once,
+counted against its own memory only (`engine.gpu_memory_scope=process`), since they all start together.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def share_device(runs: list[SeedRun], parallel: int) -> None:
         # a resumed run's saved fraction may already be a share; never hand it more than a fresh share
         full = EngineConfig().gpu_memory_fraction if resumed else run.cfg.engine.gpu_memory_fraction
         share = min(run.cfg.engine.gpu_memory_fraction, full / parallel) if resumed else full / parallel
-        run.args.append(f"engine.gpu_memory_fraction={share:.4f}")
+        run.args += [f"engine.gpu_memory_fraction={share:.4f}", "engine.gpu_memory_scope=process"]
 
 
 def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:

@@ -78,6 +78,12 @@ class EngineConfig:
     (`Engine.sleep`/`Engine.wake`): a pool sized from memory is re-sized then, from what the learner
     leaves free. Unfinished responses lose their KV and are re-prefilled, so partial rollout needs
     `rollout.carry: recompute` with it.
+    `gpu_memory_scope` says whose memory counts as in use when the pool is sized: `device` (default)
+    everything on the device, other processes included, so a pool never takes memory that is gone;
+    `process` only this process's (torch's reserved bytes plus `memory.CONTEXT_ALLOWANCE` for its CUDA
+    context and libraries), for several runs that share one device, each in its own
+    `gpu_memory_fraction`, started together (`kv4rl train --seeds` sets it): with `device` the ones
+    that start last see the others' memory as theirs and get no pool.
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -86,6 +92,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 16384
     gpu_memory_fraction: float = 0.9
+    gpu_memory_scope: Literal["device", "process"] = "device"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     prefill_backend: Literal["auto", "torch", "triton"] = "auto"
     chunked_prefill: bool = True

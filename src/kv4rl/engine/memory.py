@@ -128,8 +128,17 @@ def measure_step_peak(run_step, device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def in_use_bytes(device: torch.device) -> tuple[int, int]:
-    """(total, in use) device bytes, the CUDA context and other processes included, cached blocks not."""
+# What one process holds beyond torch's allocator: its CUDA context, cuBLAS/cuDNN workspaces and Triton
+# modules (about 0.5-0.8 GiB on an H200 with torch 2.11); counted whole so a shared device is not overfilled.
+CONTEXT_ALLOWANCE = GIB
+
+
+def in_use_bytes(device: torch.device, scope: str = "device") -> tuple[int, int]:
+    """(total, in use) device bytes, cached blocks not counted. `device`: everything on the device, the
+    CUDA context and other processes included; `process`: this process's torch memory plus
+    `CONTEXT_ALLOWANCE` (see `EngineConfig.gpu_memory_scope`)."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
+    if scope == "process":
+        return total, torch.cuda.memory_reserved(device) + CONTEXT_ALLOWANCE
     return total, total - free

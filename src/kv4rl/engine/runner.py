@@ -290,7 +290,7 @@ class _Profile:
         if self.activation is None:
             self.activation = memory.measure_step_peak(lambda: self.step(max_num_seqs), self.device)
         activation = self.activation
-        total, used = memory.in_use_bytes(self.device)
+        total, used = memory.in_use_bytes(self.device, cfg.gpu_memory_scope)
         blocks = memory.pool_blocks(
             total_bytes=total, fraction=cfg.gpu_memory_fraction, used_bytes=used, activation_bytes=activation,
             footprint=footprint, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
@@ -298,7 +298,8 @@ class _Profile:
             max_model_len, block_size) else ""
         return blocks, (
             f"engine.gpu_memory_fraction={cfg.gpu_memory_fraction:g} of {memory.format_bytes(total)}: "
-            f"{memory.format_bytes(used)} in use, {memory.format_bytes(activation)} step peak{capped}"
+            f"{memory.format_bytes(used)} in use{' by this process' if cfg.gpu_memory_scope == 'process' else ''}, "
+            f"{memory.format_bytes(activation)} step peak{capped}"
         )
 
     @torch.inference_mode()
