@@ -67,12 +67,12 @@ def gather_objects(obj) -> list:
     return out
 
 
-def from_main(obj):
-    """Rank 0's `obj` on every rank (e.g. a path only rank 0 knows)."""
+def from_main(obj, group: dist.ProcessGroup | None = None):
+    """Rank 0's `obj` on every rank of `group` (default: the job), e.g. a path only rank 0 knows."""
     if current().world == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -85,9 +85,10 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def barrier() -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank of `group` (default: the job)."""
     if current().world > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def shutdown() -> None:

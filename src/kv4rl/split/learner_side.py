@@ -165,13 +165,11 @@ def save(s: LearnerSide, folder: RunFolder | None, done: int) -> Path | None:
     writes). The rollouts in flight live on the engine ranks and are not saved: a split run does not
     resume (`kv4rl.split.run`)."""
     weights = {k: v.detach().cpu() for k, v in s.learner.state_dict().items()}
-    path = None
-    if folder is not None:
-        def write_files(to: Path) -> None:
-            s.learner.save_pretrained(to, state=weights)
-            s.tokenizer.save_pretrained(to)
+    def write_files(to: Path) -> None:
+        s.learner.save_pretrained(to, state=weights)
+        s.tokenizer.save_pretrained(to)
 
-        path = save_checkpoint(folder.path, done, write_files, {"placement": "split"}, folder.run_id,
-                               s.cfg.checkpoint.keep_last)
-    dist.barrier(group=s.groups.learner)
-    return path
+    # every learner rank joins the save (its collectives run on the learner group); rank 0 writes
+    return save_checkpoint(folder.path if folder is not None else None, done, write_files, {"placement": "split"},
+                           folder.run_id if folder is not None else None, s.cfg.checkpoint.keep_last,
+                           group=s.groups.learner)

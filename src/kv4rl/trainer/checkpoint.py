@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from kv4rl.distributed import barrier, from_main
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder, weight_files
@@ -62,7 +63,8 @@ def run_of(path: Path) -> str | None:
 
 def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[[Path], None], state: dict,
                     run_id: str | None, keep_last: int,
-                    write_shards: Callable[[Path], None] | None = None) -> Path | None:
+                    write_shards: Callable[[Path], None] | None = None,
+                    group: dist.ProcessGroup | None = None) -> Path | None:
     """Write `write_files(folder)` (the HF model and tokenizer) plus `state` as `iter_<iteration>`,
     point `latest` at it and drop this run's checkpoints beyond the newest `keep_last`.
 
@@ -71,6 +73,8 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
     collective: DCP returns on every rank once all shards and the metadata are written), then rank 0
     alone writes the rest and renames the folder into place while the others wait; they get None. A
     rank that fails leaves only the temporary folder, never an `iter_N` a resume would pick up.
+    `group`: the ranks that save when they are not the whole job (a split run's learner ranks, rank 0
+    among them); the others never call this.
     """
     tmp = None
     if run_dir is not None:
@@ -79,11 +83,11 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
         tmp = root / f"{TMP_PREFIX}iter_{iteration:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    tmp = from_main(tmp)
+    tmp = from_main(tmp, group)
     if write_shards is not None:
         write_shards(tmp)
     if run_dir is None:
-        barrier()  # rank 0 writes the rest and renames the folder
+        barrier(group)  # rank 0 writes the rest and renames the folder
         return None
     final = tmp.with_name(tmp.name.removeprefix(TMP_PREFIX))
     write_files(tmp)
@@ -97,7 +101,7 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
     pointer.write_text(final.name)
     os.replace(pointer, final.parent / "latest")
     _prune(run_dir, run_id, iteration, keep_last)
-    barrier()
+    barrier(group)
     return final
 
 
