@@ -19,15 +19,13 @@ from kv4rl.cli_common import (
     check_device,
     check_output_path,
     console,
-    engine_config,
     fail,
     option_list,
-    warn,
     write_json,
 )
+from kv4rl.cli_eval import eval_cmd
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
-from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import ResultTable, metric_table, print_table
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="kv4rl: RL post-training with cheap rollouts.")
@@ -175,107 +173,7 @@ def build_model_cmd(
     write_json({**record, **shown}, json_out)
 
 
-def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int | None, reward: str,
-                        template: str | None) -> None:
-    """Refuse bad options before the model loads (ValueError naming the option)."""
-    from kv4rl.data.prompts import check_template
-    from kv4rl.rewards import registered_rewards
-
-    check_at_least(1, ("--k", k), ("--max-new-tokens", max_new_tokens))
-    check_at_least(0, ("--n", n), ("--temperature", temperature))
-    if reward != "auto" and reward not in registered_rewards():
-        raise ValueError(f"--reward: unknown reward '{reward}' (known: auto, {', '.join(registered_rewards())})")
-    if template is not None:
-        check_template(template, "--template")
-
-
-def _eval_context(formatter, problems, what: str, engine_len: int | None, model_len: int,
-                  max_new_tokens: int) -> int:
-    """The engine's `max_model_len`: every prompt must leave room for a response (else an error naming
-    it); responses that would run past the context are cut there, with one warning line."""
-    from kv4rl.data.prompts import longest_prompt, overrun_warning
-
-    if engine_len is not None and engine_len > model_len:
-        raise ValueError(f"engine.max_model_len={engine_len} exceeds the model's context of {model_len} positions")
-    limit = engine_len or model_len
-    limit_name = f"engine.max_model_len={engine_len}" if engine_len else "the model's context"
-    longest = longest_prompt(formatter, problems, limit, limit_name, what)
-    warning = overrun_warning(longest, max_new_tokens, f"--max-new-tokens {max_new_tokens}", limit, limit_name)
-    if warning:
-        warn(warning)
-    need = longest + max_new_tokens
-    return engine_len or min(need, model_len)
-
-
-@app.command("eval")
-def eval_cmd(
-    engine_overrides: list[str] | None = typer.Argument(
-        None, help="engine settings as in the run config, e.g. engine.kv.format=kv4 engine.kv.group_size=32"),
-    model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
-    data: Path | None = typer.Option(None, "--data", help="JSONL with problem/answer rows (default: embedded task)"),
-    k: int = typer.Option(8, "--k", help="samples per problem"),
-    n: int = typer.Option(0, "--n", help="evaluate the first n problems (0: all; embedded task: 256)"),
-    temperature: float = typer.Option(1.0, "--temperature"),
-    max_new_tokens: int | None = typer.Option(
-        None, "--max-new-tokens",
-        help="response limit (default: 1024, embedded task: 16, longmul testbed: 2048; capped by the context)"),
-    reward: str = typer.Option(
-        "auto", "--reward", help="reward function (auto: exact for the embedded task, math_verify for --data)"),
-    template: str | None = typer.Option(
-        None, "--template", help="prompt template with {problem} (default: the boxed-answer instruction for --data)"),
-    chat: bool = typer.Option(False, "--chat/--no-chat", help="apply the tokenizer's chat template"),
-    device: str = typer.Option("auto", "--device"),
-    seed: int = typer.Option(0, "--seed"),
-    json_out: Path | None = typer.Option(None, "--json", help="also write the results and settings here"),
-) -> None:
-    """Report mean@k and pass@k of a model on a dataset."""
-    from transformers import AutoTokenizer
-
-    from kv4rl.data.longmul import LongMulTask
-    from kv4rl.data.prompts import PromptFormatter
-    from kv4rl.data.source import ProblemSource
-    from kv4rl.engine.llm import Engine
-    from kv4rl.eval.runner import evaluate
-    from kv4rl.models.hf_weights import check_model_folder
-    from kv4rl.models.testbed import task_of
-    from kv4rl.rewards import get_reward
-
-    try:
-        _check_eval_options(k, n, temperature, max_new_tokens, reward, template)
-        check_device(device)
-    except ValueError as exc:
-        fail(str(exc))
-    check_output_path(json_out)
-    try:
-        if model is None:
-            from kv4rl.models.tiny import tiny_model_dir
-
-            model = tiny_model_dir()
-        model_len = check_model_folder(model).max_position_embeddings
-        engine_cfg = engine_config(engine_overrides)
-        task = task_of(model) if data is None else None  # a testbed folder is evaluated on its own task
-        source = ProblemSource(None, str(data) if data else None, seed, task=task)
-        problems = source.eval_problems(n or (256 if data is None else 10**9))
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
-        max_new_tokens = max_new_tokens or (1024 if not source.embedded else 2048 if isinstance(task, LongMulTask)
-                                            else 16)
-        engine_cfg.max_model_len = _eval_context(formatter, problems, f"--data {data}" if data else "embedded task",
-                                                 engine_cfg.max_model_len, model_len, max_new_tokens)
-        engine = Engine(model, engine_cfg, device=device, seed=seed, tokenizer=tokenizer)
-        reward_name = source.default_reward if reward == "auto" else reward
-        with get_reward(reward_name) as reward_fn, StageProgress(console, "eval") as stages:
-            res = evaluate(engine, formatter, problems, reward_fn, k=k, temperature=temperature,
-                           max_new_tokens=max_new_tokens, seed=seed, progress=stages)
-    except ValueError as exc:
-        fail(str(exc))
-    res = {"model": str(model), "data": str(data) if data else "embedded", **res}
-    _print_table("evaluation", res)
-    settings = {"reward": reward_name, "template": formatter.template, "chat_template": chat,
-                "temperature": temperature, "max_new_tokens": max_new_tokens,
-                "max_model_len": engine.max_model_len, "seed": seed, "engine": list(engine_overrides or [])}
-    write_json({**res, **settings}, json_out)
-
+app.command("eval")(eval_cmd)
 
 plot_app = typer.Typer(help="Plots from run folders.")
 app.add_typer(plot_app, name="plot")

@@ -239,13 +239,24 @@ class Engine:
         params: SamplingParams | None = None,
         tags: Iterable[Any] | None = None,
         progress: Any = None,
+        sample_seeds: list[int] | None = None,
     ) -> list[Completion]:
-        """Run prompts to completion; results in input order. `progress(n_done)` is called per finish."""
+        """Run prompts to completion; results in input order. `progress(n_done)` is called per finish.
+
+        `sample_seeds` (one per prompt) fixes each request's random stream and takes precedence over
+        `params.seed`, so a prompt samples the same tokens whatever else is in the call (a sharded eval
+        seeds by the problem's place in the whole set)."""
         params = params or SamplingParams()
         prompts = list(prompts)
         tags = list(tags) if tags is not None else [None] * len(prompts)
-        seeds = [None] * len(prompts) if params.seed is None else [request_seed(params.seed, i)
-                                                                   for i in range(len(prompts))]
+        if sample_seeds is not None:
+            seeds = list(sample_seeds)
+            if len(seeds) != len(prompts):
+                raise ValueError(f"generate got {len(seeds)} sample seeds for {len(prompts)} prompts")
+        elif params.seed is None:
+            seeds = [None] * len(prompts)
+        else:
+            seeds = [request_seed(params.seed, i) for i in range(len(prompts))]
         seqs = [self.add_request(self._encode(p), params, t, s) for p, t, s in zip(prompts, tags, seeds)]
         done = 0
         while self.has_unfinished():

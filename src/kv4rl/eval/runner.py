@@ -1,35 +1,82 @@
-"""Evaluate a policy: k samples per problem through the engine, scored by a reward, summarised."""
+"""Evaluate a policy: k samples per problem through the engine, scored by a reward, summarised.
+
+Sampling and summarising are apart so that several engines can each sample a share of the problems
+(`kv4rl.eval.data_parallel`) and one process summarise the union. Request j of problem i is seeded
+with `request_seed(seed, i * k + j)`, i its place in the whole problem list: a problem's samples do
+not depend on which engine draws them or what else is in its batch (the sampler's noise is
+counter-based per request), and one engine drawing every problem samples what it always did.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.types import Problem
-from kv4rl.engine.llm import Engine
+from kv4rl.engine.llm import Engine, request_seed
 from kv4rl.engine.sequence import SamplingParams
 from kv4rl.eval.metrics import summarize
 from kv4rl.telemetry.progress import StageReport
 
 
-def evaluate(engine: Engine, formatter: PromptFormatter, problems: list[Problem], reward_fn, *, k: int,
-             temperature: float, max_new_tokens: int, seed: int, progress: StageReport | None = None) -> dict:
-    """Returns mean@k, pass@j for j in 1,2,4..k, mean response length and reward diagnostics.
+@dataclass(frozen=True)
+class ProblemResult:
+    """One problem's k samples: its place in the whole list, their scores, token counts and texts."""
+
+    index: int
+    scores: tuple[float, ...]
+    lengths: tuple[int, ...]
+    texts: tuple[str, ...]
+
+
+def sample_problems(engine: Engine, formatter: PromptFormatter, problems: list[Problem], indices: list[int],
+                    reward_fn, *, k: int, temperature: float, max_new_tokens: int, seed: int,
+                    progress: StageReport | None = None) -> tuple[list[ProblemResult], dict[str, float]]:
+    """Sample and score `problems[i]` for every i in `indices`; returns their results and the reward's
+    diagnostic counts over them (counts, so shares add up).
 
     `progress(stage, done, total)` hears of every finished response, then of the scoring.
     """
     report = progress or (lambda stage, done=0, total=None: None)
-    prompts = [formatter.ids(p) for p in problems for _ in range(k)]
-    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
+    if not indices:
+        return [], {}
+    prompts = [formatter.ids(problems[i]) for i in indices for _ in range(k)]
+    seeds = [request_seed(seed, i * k + j) for i in indices for j in range(k)]
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
     sampling = f"sampling {len(prompts)} responses"
     report(sampling, 0, len(prompts))
-    completions = engine.generate(prompts, params, progress=lambda done: report(sampling, done, len(prompts)))
+    completions = engine.generate(prompts, params, progress=lambda done: report(sampling, done, len(prompts)),
+                                  sample_seeds=seeds)
     texts = [formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     report(f"scoring {len(texts)} responses", 0, None)
-    result = reward_fn(texts, [p.answer for p in problems for _ in range(k)])
-    correct = [[s > 0.5 for s in result.scores[i * k:(i + 1) * k]] for i in range(len(problems))]
+    result = reward_fn(texts, [problems[i].answer for i in indices for _ in range(k)])
+    out = []
+    for n, i in enumerate(indices):
+        rows = slice(n * k, (n + 1) * k)
+        out.append(ProblemResult(i, tuple(float(s) for s in result.scores[rows]),
+                                 tuple(len(c.token_ids) for c in completions[rows]), tuple(texts[rows])))
+    return out, dict(result.stats)
+
+
+def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[str, float]) -> dict:
+    """mean@k, pass@j for j in 1,2,4..k, mean response length and the reward's counts, over `results`
+    taken in problem order (a sample is correct when its score exceeds 0.5)."""
+    results = sorted(results, key=lambda r: r.index)
+    correct = [[s > 0.5 for s in r.scores] for r in results]
     ks = sorted({1, k} | {2**j for j in range(1, k.bit_length()) if 2**j <= k})
     out = summarize(correct, ks)
-    out["num_problems"] = len(problems)
+    out["num_problems"] = len(results)
     out["k"] = k
-    out["response_len_mean"] = sum(len(c.token_ids) for c in completions) / max(len(completions), 1)
-    out.update({f"reward_{key}": v for key, v in result.stats.items()})
+    lengths = [n for r in results for n in r.lengths]
+    out["response_len_mean"] = sum(lengths) / max(len(lengths), 1)
+    out.update({f"reward_{key}": v for key, v in reward_stats.items()})
     return out
+
+
+def evaluate(engine: Engine, formatter: PromptFormatter, problems: list[Problem], reward_fn, *, k: int,
+             temperature: float, max_new_tokens: int, seed: int, progress: StageReport | None = None) -> dict:
+    """Every problem on this one engine: `summarize_results` of `sample_problems` over all of them."""
+    results, stats = sample_problems(engine, formatter, problems, list(range(len(problems))), reward_fn, k=k,
+                                     temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                                     progress=progress)
+    return summarize_results(results, k, stats)

@@ -1,0 +1,187 @@
+"""`kv4rl eval`: mean@k and pass@k of a model on a dataset, on one process or under torchrun.
+
+Under `torchrun --nproc-per-node N` every rank builds its own engine (cuda:LOCAL_RANK with NCCL, or
+the CPU with gloo), engines of `engine.tensor_parallel` consecutive ranks as in `kv4rl train`, and
+samples its share of the problems (`kv4rl.eval.data_parallel`); rank 0 alone summarises, prints and
+writes. Options are checked on every rank before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+
+import typer
+
+from kv4rl.cli_common import (
+    check_at_least,
+    check_device,
+    check_output_path,
+    console,
+    engine_config,
+    fail,
+    warn,
+    write_json,
+)
+from kv4rl.telemetry.progress import StageProgress
+from kv4rl.telemetry.tables import metric_table, print_table
+
+
+def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int | None, reward: str,
+                        template: str | None, device: str) -> None:
+    """Refuse bad options before the model loads (ValueError naming the option)."""
+    from kv4rl.data.prompts import check_template
+    from kv4rl.distributed import launched_ranks
+    from kv4rl.rewards import registered_rewards
+
+    check_at_least(1, ("--k", k), ("--max-new-tokens", max_new_tokens))
+    check_at_least(0, ("--n", n), ("--temperature", temperature))
+    if reward != "auto" and reward not in registered_rewards():
+        raise ValueError(f"--reward: unknown reward '{reward}' (known: auto, {', '.join(registered_rewards())})")
+    if template is not None:
+        check_template(template, "--template")
+    check_device(device)
+    if launched_ranks() > 1 and re.fullmatch(r"cuda:\d+", device):
+        raise ValueError(f"--device {device}: under torchrun each rank takes its own GPU (cuda:LOCAL_RANK); "
+                         "give --device cuda (or auto, or cpu)")
+
+
+def _eval_context(formatter, problems, what: str, engine_len: int | None, model_len: int,
+                  max_new_tokens: int, say_warning: bool = True) -> int:
+    """The engine's `max_model_len`: every prompt must leave room for a response (else an error naming
+    it); responses that would run past the context are cut there, with one warning line."""
+    from kv4rl.data.prompts import longest_prompt, overrun_warning
+
+    if engine_len is not None and engine_len > model_len:
+        raise ValueError(f"engine.max_model_len={engine_len} exceeds the model's context of {model_len} positions")
+    limit = engine_len or model_len
+    limit_name = f"engine.max_model_len={engine_len}" if engine_len else "the model's context"
+    longest = longest_prompt(formatter, problems, limit, limit_name, what)
+    warning = overrun_warning(longest, max_new_tokens, f"--max-new-tokens {max_new_tokens}", limit, limit_name)
+    if warning and say_warning:
+        warn(warning)
+    need = longest + max_new_tokens
+    return engine_len or min(need, model_len)
+
+
+def _default_model(main: bool) -> Path:
+    """The embedded tiny model's folder; under torchrun rank 0 builds a missing one while the others wait."""
+    from kv4rl.distributed import barrier
+    from kv4rl.models.tiny import tiny_model_dir
+
+    if not main:
+        barrier()
+    path = tiny_model_dir()
+    if main:
+        barrier()
+    return path
+
+
+def _write_samples(path: Path | None, problems, results) -> None:
+    """One JSON line per problem, in problem order: its id, gold answer, and each sample's score, token
+    count and text."""
+    if path is None:
+        return
+    with path.open("w") as out:
+        for r in results:
+            p = problems[r.index]
+            out.write(json.dumps({"index": r.index, "id": p.id, "answer": p.answer, "scores": list(r.scores),
+                                  "response_lens": list(r.lengths), "responses": list(r.texts)}) + "\n")
+
+
+def eval_cmd(
+    engine_overrides: list[str] | None = typer.Argument(
+        None, help="engine settings as in the run config, e.g. engine.kv.format=kv4 engine.kv.group_size=32"),
+    model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
+    data: Path | None = typer.Option(None, "--data", help="JSONL with problem/answer rows (default: embedded task)"),
+    k: int = typer.Option(8, "--k", help="samples per problem"),
+    n: int = typer.Option(0, "--n", help="evaluate the first n problems (0: all; embedded task: 256)"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens",
+        help="response limit (default: 1024, embedded task: 16, longmul testbed: 2048; capped by the context)"),
+    reward: str = typer.Option(
+        "auto", "--reward", help="reward function (auto: exact for the embedded task, math_verify for --data)"),
+    template: str | None = typer.Option(
+        None, "--template", help="prompt template with {problem} (default: the boxed-answer instruction for --data)"),
+    chat: bool = typer.Option(False, "--chat/--no-chat", help="apply the tokenizer's chat template"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: Path | None = typer.Option(None, "--json", help="also write the results and settings here"),
+    samples_out: Path | None = typer.Option(
+        None, "--samples", help="also write one JSON line per problem: its samples' scores, lengths and texts"),
+) -> None:
+    """Report mean@k and pass@k of a model on a dataset (under torchrun: the problems shared out over
+    the ranks' engines, one table and file from rank 0)."""
+    from kv4rl import distributed
+    from kv4rl.config_loader import ConfigError
+
+    try:
+        _check_eval_options(k, n, temperature, max_new_tokens, reward, template, device)
+        engine_cfg = engine_config(engine_overrides)
+        world = distributed.launched_ranks()
+        if world % engine_cfg.tensor_parallel:
+            raise ValueError(f"engine.tensor_parallel={engine_cfg.tensor_parallel} does not divide the {world} "
+                             "ranks torchrun started" if world > 1 else
+                             f"engine.tensor_parallel={engine_cfg.tensor_parallel} needs that many processes: "
+                             f"start with `torchrun --nproc-per-node {engine_cfg.tensor_parallel} -m kv4rl.cli eval ...`")
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
+    check_output_path(json_out)
+    check_output_path(samples_out, "--samples")
+    ranks = distributed.init_from_torchrun(device)
+    try:
+        res, settings, results, problems = _run(engine_cfg, list(engine_overrides or []), ranks, model, data, k, n,
+                                                temperature, max_new_tokens, reward, template, chat, device, seed)
+    except ValueError as exc:
+        fail(str(exc))
+    finally:
+        distributed.shutdown()
+    if not ranks.main:
+        return
+    print_table(console, metric_table("evaluation", res))
+    write_json({**res, **settings}, json_out)
+    _write_samples(samples_out, problems, results)
+
+
+def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_tokens, reward, template, chat,
+         device, seed):
+    """Load the model and data, sample this rank's share, gather: (metrics, settings, per-problem results,
+    problems) on rank 0; the metrics and results are None on the other ranks."""
+    from transformers import AutoTokenizer
+
+    from kv4rl.data.longmul import LongMulTask
+    from kv4rl.data.prompts import PromptFormatter
+    from kv4rl.data.source import ProblemSource
+    from kv4rl.engine.llm import Engine
+    from kv4rl.eval.data_parallel import evaluate_ranks
+    from kv4rl.models.hf_weights import check_model_folder
+    from kv4rl.models.testbed import task_of
+    from kv4rl.rewards import get_reward
+
+    model = model if model is not None else _default_model(ranks.main)
+    model_len = check_model_folder(model).max_position_embeddings
+    task = task_of(model) if data is None else None  # a testbed folder is evaluated on its own task
+    source = ProblemSource(None, str(data) if data else None, seed, task=task)
+    problems = source.eval_problems(n or (256 if data is None else 10**9))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
+    max_new_tokens = max_new_tokens or (1024 if not source.embedded else 2048 if isinstance(task, LongMulTask)
+                                        else 16)
+    engine_cfg.max_model_len = _eval_context(formatter, problems, f"--data {data}" if data else "embedded task",
+                                             engine_cfg.max_model_len, model_len, max_new_tokens, ranks.main)
+    engine = Engine(model, engine_cfg, device=device, seed=seed, tokenizer=tokenizer)
+    reward_name = source.default_reward if reward == "auto" else reward
+    stages = StageProgress(console, "eval") if ranks.main else contextlib.nullcontext()
+    with get_reward(reward_name) as reward_fn, stages:
+        res, results = evaluate_ranks(engine, formatter, problems, reward_fn, ranks, k=k, temperature=temperature,
+                                      max_new_tokens=max_new_tokens, seed=seed, progress=stages if ranks.main else None)
+    if res is not None:
+        res = {"model": str(model), "data": str(data) if data else "embedded", **res}
+    settings = {"reward": reward_name, "template": formatter.template, "chat_template": chat,
+                "temperature": temperature, "max_new_tokens": max_new_tokens,
+                "max_model_len": engine.max_model_len, "seed": seed, "engine": overrides,
+                "engines": ranks.world // engine.tp.size}
+    return res, settings, results, problems
