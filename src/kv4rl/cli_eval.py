@@ -97,7 +97,9 @@ def eval_cmd(
     model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
     data: Path | None = typer.Option(None, "--data", help="JSONL with problem/answer rows (default: embedded task)"),
     k: int = typer.Option(8, "--k", help="samples per problem"),
-    n: int = typer.Option(0, "--n", help="evaluate the first n problems (0: all; embedded task: 256)"),
+    n: int = typer.Option(0, "--n", "--num-problems",
+                          help="evaluate the first n problems (0: all; embedded task: 256); under torchrun give "
+                               "--num-problems, since torchrun takes --n for an abbreviation of its own options"),
     temperature: float = typer.Option(1.0, "--temperature"),
     max_new_tokens: int | None = typer.Option(
         None, "--max-new-tokens",
