@@ -25,6 +25,7 @@ from kv4rl.cli import app
 pytestmark = pytest.mark.slow
 SMALL = ["device=cpu", "rollout.quota_groups=4", "rollout.group_size=2", "rollout.max_slots=4",
          "checkpoint.save_every=2", "--no-progress"]
+EVAL = ["eval.every=3", "data.eval_size=5"]
 
 
 def torchrun(cwd, *args: str, ranks: int = 2, pythonpath: str | None = None) -> subprocess.CompletedProcess:
@@ -42,18 +43,20 @@ def rows(run_dir) -> list[dict]:
 
 
 def test_two_ranks_deliver_every_group_once_and_resume_as_if_uninterrupted(tmp_path, monkeypatch):
-    done = torchrun(tmp_path, "name=dp", "trainer.iterations=3", *SMALL)
+    done = torchrun(tmp_path, "name=dp", "trainer.iterations=3", *EVAL, *SMALL)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "dp"
     assert [r["groups"] for r in rows(run)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert all(r["num_tokens"] == sum(r["staleness_hist"].values()) for r in rows(run))
     assert (run / "checkpoints" / "iter_000003" / "model.safetensors").is_file()
     assert (run / "checkpoints" / "iter_000003" / "optimizer" / ".metadata").is_file()
+    # the engines share the 5 eval problems out (3 + 2); rank 0 reports all 5 once
+    assert rows(run)[2]["eval/num_problems"] == 5 and "eval/mean@1" in rows(run)[2]
 
     resumed = torchrun(tmp_path, "--resume", "runs/dp", "trainer.iterations=5", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["groups"] for r in rows(run)][3:] == [[12, 13, 14, 15], [16, 17, 18, 19]]
-    straight = torchrun(tmp_path, "name=straight", "trainer.iterations=5", *SMALL)
+    straight = torchrun(tmp_path, "name=straight", "trainer.iterations=5", *EVAL, *SMALL)
     assert straight.returncode == 0, straight.stderr[-3000:]
     ref = tmp_path / "runs" / "straight"
     for key in ("loss", "grad_norm", "reward_mean", "num_tokens"):

@@ -28,7 +28,7 @@ from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.placement import resolve_device
-from kv4rl.eval.runner import evaluate
+from kv4rl.eval.data_parallel import evaluate_ranks
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
@@ -249,11 +249,14 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
 
 
 def run_eval(s: Setup, it: int) -> dict:
+    """The periodic evaluation: each engine samples its share of the problems (`kv4rl.eval.data_parallel`,
+    as `kv4rl eval` under torchrun does), rank 0 gets the metrics over all of them; {} on other ranks."""
     cfg = s.cfg
     problems = s.source.eval_problems(cfg.data.eval_size)
-    res = evaluate(s.engine, s.formatter, problems, s.reward_fn, k=cfg.eval.k, temperature=cfg.eval.temperature,
-                   max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed + 1_000 + it)
-    return {f"eval/{k}": v for k, v in res.items()}
+    res, _ = evaluate_ranks(s.engine, s.formatter, problems, s.reward_fn, current(), k=cfg.eval.k,
+                            temperature=cfg.eval.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
+                            seed=cfg.seed + 1_000 + it)
+    return {} if res is None else {f"eval/{k}": v for k, v in res.items()}
 
 
 def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, overwrite: bool = False) -> dict:
@@ -313,7 +316,7 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
                 break
             row, trace = run_iteration(s, it)
             if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
-                evaluation = run_eval(s, it)  # every engine evaluates (a tensor-parallel one needs all its ranks)
+                evaluation = run_eval(s, it)  # every rank takes part (engines share the problems out)
                 if folder is not None:
                     row.update(evaluation)  # rank 0's
             rows, traces = zip(*gather_objects((row, trace)))
