@@ -5,6 +5,7 @@
 # machine; stages run in the order given, each with its own time limit, so one slow stage cannot take
 # the others' results with it:
 #   bash tools/device_benches.sh tests attn generate forward 2>&1 | tee $OUT/log.txt
+#   bash tools/device_benches.sh learner iteration 2>&1 | tee $OUT/log.txt     # the learner (~10 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -26,6 +27,21 @@ generate() {
 forward() {
     timeout 130 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --json $OUT/decode_forward.json 2>&1 \
         | grep "│" | tail -14
+}
+
+learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense mask vs padding, 1.7B shape
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_learner_flex_gpu.py tests/gpu/test_learner_gpu.py \
+        > $OUT/learner_tests.txt 2>&1; tail -4 $OUT/learner_tests.txt
+    for w in uniform lognormal; do
+        timeout 200 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload $w --attention sdpa,flex \
+            --checkpointing off --reference off --steps 2 --json $OUT/learner_$w.json 2>&1 | grep "│" | tail -6
+    done
+}
+
+iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed learner, the issue's length mix
+    timeout 420 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial \
+        --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
+        --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep "│" | tail -6
 }
 
 date
