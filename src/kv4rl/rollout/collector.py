@@ -68,6 +68,7 @@ class Collector:
         self.ready: deque[int] = deque()  # complete groups not yet delivered, completion order
         self.trace: list[dict] = []
         self.num_dropped = 0
+        self.skip: set[int] = set()  # positions of this rank's share already consumed before a resume
         # called before every engine step: a split run's engine takes new weights here (`kv4rl.split`)
         self.before_step: Callable[[], None] | None = None
 
@@ -96,7 +97,15 @@ class Collector:
         while len(self.engine.unfinished()) < self.cfg.max_slots:
             self._start_group()
 
+    def start_at(self, next_group: int, consumed: list[int]) -> None:
+        """Continue this rank's share of the stream at position `next_group`, passing over the later
+        positions in `consumed` (a resumed split run: groups the learner already took, `kv4rl.split`)."""
+        self.next_group, self.skip = next_group, set(consumed)
+
     def _start_group(self) -> None:
+        while self.next_group in self.skip:
+            self.skip.discard(self.next_group)
+            self.next_group += 1
         index = self.next_group * self.ranks.world + self.ranks.rank
         self.next_group += 1
         problem = self.source.problem_at(index)

@@ -387,7 +387,7 @@ class Learner:
         """Every rank writes its optimizer shard into checkpoint `folder` (a collective); nothing at world
         size 1, whose state is all in `checkpoint_state()`."""
         if self.optimizer_format == SHARDED:
-            save_shards(self.model, self.optimizer, folder)
+            save_shards(self.model, self.optimizer, folder, self.group)
 
     def load_checkpoint_state(self, state: dict, folder: Path | None = None) -> None:
         """Restore `checkpoint_state()` (or an older one); a sharded one reads its shards from `folder`."""
@@ -396,4 +396,4 @@ class Learner:
         elif folder is None:
             raise ValueError("a checkpoint with sharded optimizer state loads from its folder: pass `folder`")
         else:
-            load_shards(self.model, self.optimizer, folder)
+            load_shards(self.model, self.optimizer, folder, self.group)

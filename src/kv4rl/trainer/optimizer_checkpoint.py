@@ -57,22 +57,24 @@ def _by_name(optim: dict, names: list[str]) -> dict:
             "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups]}
 
 
-def save_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
+def save_shards(model: nn.Module, optimizer: Optimizer, folder: Path, group=None) -> None:
     """Every rank writes its shard of the optimizer state to `folder/optimizer` (a collective: it
-    returns on every rank once DCP's coordinator has written the metadata after all shards)."""
+    returns on every rank once DCP's coordinator has written the metadata after all shards).
+    `group`: the learner's ranks when they are not the whole job (a split run)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     target = Path(folder) / OPTIMIZER_DIR
     try:
-        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=target)
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=target, process_group=group)
     except CheckpointException as error:  # a BaseException: `except Exception` handlers would miss it
         raise OptimizerShardError(f"{target}: writing the optimizer shards failed ({_failures(error)})") from None
 
 
-def load_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
-    """Load `folder/optimizer` into this rank's shard of the optimizer state (a collective).
+def load_shards(model: nn.Module, optimizer: Optimizer, folder: Path, group=None) -> None:
+    """Load `folder/optimizer` into this rank's shard of the optimizer state (a collective over
+    `group`, the learner's ranks; default: the whole job).
 
     The files are checked first (`shards_problem`); a load that still fails is reported with the
     folder, each failed rank and, where a file's bytes do not load, that file. DCP reshards, so the
@@ -87,7 +89,7 @@ def load_shards(model: nn.Module, optimizer: Optimizer, folder: Path) -> None:
         raise OptimizerShardError(problem)
     state = get_optimizer_state_dict(model, optimizer)  # this rank's shard layout, filled in place
     try:
-        dcp.load(state, storage_reader=_file_naming_reader(Path(folder) / OPTIMIZER_DIR))
+        dcp.load(state, storage_reader=_file_naming_reader(Path(folder) / OPTIMIZER_DIR), process_group=group)
     except CheckpointException as error:
         raise OptimizerShardError(f"{Path(folder) / OPTIMIZER_DIR}: the optimizer shards do not load "
                                   f"({_failures(error)})") from None
