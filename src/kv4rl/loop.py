@@ -98,10 +98,11 @@ def find_restore(cfg: RunConfig) -> Restore:
             f"checkpoint.save_every={cfg.checkpoint.save_every} iterations); to start it over, run "
             f"`kv4rl train -c {cfg.run_dir / 'config.yaml'} --overwrite`")
     path, state = found
-    if state.get("placement") == "split":
-        raise ConfigError(f"--resume {cfg.run_dir}: {path.name} was written by a split run (rollout.placement=split), "
-                          "whose checkpoints hold the policy's weights only; start a new run from them with "
-                          f"model.path={path}")
+    written = state.get("placement", "colocated")
+    if written != cfg.rollout.placement:  # the two keep different state (in-flight rollouts vs stream place)
+        raise ConfigError(f"--resume {cfg.run_dir}: {path.name} was written by a {written} run (rollout.placement="
+                          f"{written}) and this one is rollout.placement={cfg.rollout.placement}; resume it as it "
+                          f"was written, or start a new run from its policy with model.path={path}")
     return Restore(path, state, run_of(path))
 
 

@@ -41,6 +41,7 @@ class EngineSide:
     stop: GracefulStop
     waited: float = 0.0  # seconds blocked on weights since the last batch was sent
     synced: float = 0.0  # seconds spent receiving and loading weights since the last batch was sent
+    first_batch: int = 0  # a resumed run's engine starts at the checkpoint's update (`kv4rl.split.resume`)
 
     def take_weights(self, block: bool) -> None:
         """Load the weights the head announces (if any, or wait for them with `block`)."""
@@ -70,8 +71,8 @@ def run_engine(side: EngineSide) -> dict:
     st = side.cfg.staleness
     ahead = st.lag + st.refresh_every - 1
     side.collector.before_step = lambda: side.take_weights(block=False)
-    sent: list[list[int]] = []
-    batch = 0
+    sent: list[list[int]] = []  # from batch `first_batch` on
+    batch = side.first_batch
     try:
         while True:
             while side.engine.version < batch - ahead:
@@ -96,7 +97,7 @@ def run_engine(side: EngineSide) -> dict:
             batch += 1
     except Stopped:
         pass
-    report = {"end": True, "engine": side.rank, "sent": sent, "held": sorted(side.collector.groups),
+    report = {"end": True, "engine": side.rank, "first_batch": side.first_batch, "sent": sent, "held": sorted(side.collector.groups),
               "next_group": side.collector.next_group}
     side.link.send(report)
     side.link.close()

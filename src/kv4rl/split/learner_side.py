@@ -5,8 +5,8 @@ long it waited for them), checks every token against the staleness bound, comput
 over the whole learner batch as one process does, and hands each learner rank its share of the
 groups; all learner ranks run the FSDP2 update; every `staleness.refresh_every` updates the head
 broadcasts the new weights to the engines, the other learner ranks taking part in the gathers. The
-head writes the metrics row of every update and the checkpoints (model weights only: see
-`kv4rl.split.run` on resume).
+head writes the metrics row of every update and keeps which groups it consumed; every checkpoint
+holds what a resume needs (`kv4rl.split.resume`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kv4rl.algo.advantages import compute_advantages
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.run_folder import RunFolder
 from kv4rl.split.channel import HeadLink, SplitGroups
+from kv4rl.split.resume import Consumed, checkpoint_state
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats
 from kv4rl.telemetry.sinks import MetricsSink
@@ -41,6 +42,7 @@ class LearnerSide:
     tokenizer: object
     groups: SplitGroups
     link: HeadLink | None  # the head's only
+    consumed: Consumed | None = None  # the head's only: the stream positions taken, for checkpoints
 
     @property
     def head(self) -> bool:
@@ -110,6 +112,7 @@ def update(s: LearnerSide, it: int, stop: GracefulStop) -> tuple[dict | None, li
         wait = time.perf_counter() - t0
         stopping = stopping or any(m["stop"] for m in messages)
         shares, row = _head_batch(s, it, messages)
+        s.consumed.take([g.index for m in messages for g in m["groups"]])
         row = {"iteration": it, **row, "time_learner_wait": wait}
         trace = [dict(t, engine=m["engine"], iteration=it) for m in messages for t in m["trace"]]
     dist.scatter_object_list(share, shares if s.head else None, group=s.groups.learner, group_src=0)
@@ -137,13 +140,14 @@ def update(s: LearnerSide, it: int, stop: GracefulStop) -> tuple[dict | None, li
 
 
 def run_learner(s: LearnerSide, folder: RunFolder | None, stop: GracefulStop, show_progress: bool,
-                sink: MetricsSink | None) -> tuple[int, dict | None]:
-    """Updates until `trainer.iterations` (or a stop signal); returns the updates done and, on the head,
-    what the engines reported at the end (batches sent but never consumed, groups still in flight)."""
-    cfg, done = s.cfg, 0
+                sink: MetricsSink | None, start: int = 0) -> tuple[int, dict | None]:
+    """Updates `start`.. until `trainer.iterations` (or a stop signal); returns the updates done and, on
+    the head, what the engines reported at the end (batches sent but never consumed, groups still in
+    flight)."""
+    cfg, done = s.cfg, start
     end = cfg.trainer.iterations
-    with TrainProgress(end, 0, enabled=show_progress) as bar:
-        for it in range(end):
+    with TrainProgress(end, start, enabled=show_progress) as bar:
+        for it in range(start, end):
             row, trace, stopping = update(s, it, stop)
             if folder is not None:
                 folder.write(row, trace)
@@ -161,15 +165,17 @@ def run_learner(s: LearnerSide, folder: RunFolder | None, stop: GracefulStop, sh
 
 
 def save(s: LearnerSide, folder: RunFolder | None, done: int) -> Path | None:
-    """The policy after update `done` as a Hugging Face folder (the learner ranks gather it; the head
-    writes). The rollouts in flight live on the engine ranks and are not saved: a split run does not
-    resume (`kv4rl.split.run`)."""
+    """Checkpoint update `done`: the policy as a Hugging Face folder (the learner ranks gather it; the
+    head writes), the optimizer state (each learner rank's DCP shard, or the full state with one
+    learner rank) and the head's stream place (`kv4rl.split.resume`)."""
     weights = {k: v.detach().cpu() for k, v in s.learner.state_dict().items()}
+    state = checkpoint_state(dist.get_world_size(), s.groups.engines, s.learner.checkpoint_state(), s.consumed)
+
     def write_files(to: Path) -> None:
         s.learner.save_pretrained(to, state=weights)
         s.tokenizer.save_pretrained(to)
 
     # every learner rank joins the save (its collectives run on the learner group); rank 0 writes
-    return save_checkpoint(folder.path if folder is not None else None, done, write_files, {"placement": "split"},
+    return save_checkpoint(folder.path if folder is not None else None, done, write_files, state,
                            folder.run_id if folder is not None else None, s.cfg.checkpoint.keep_last,
-                           group=s.groups.learner)
+                           write_shards=s.learner.write_shards, group=s.groups.learner)

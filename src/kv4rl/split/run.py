@@ -6,10 +6,8 @@ training (`kv4rl.split.engine_side`). Rank 0 writes the run folder, as in every 
 also the rank that Hugging Face's `save_pretrained` writes from). Every setting is
 checked on every rank before any model is built or the folder is touched.
 
-A split run does not resume: its checkpoints hold the policy's weights (a Hugging Face folder, so
-`model.path=<checkpoint>` starts a new run from them, and `kv4rl eval --model` evaluates them), but
-not the optimizer state or the rollouts in flight on the engine ranks, so `--resume` is refused
-rather than continued inexactly.
+`--resume` continues a split run from its newest checkpoint with the same world size and
+`rollout.engine_ranks` (`kv4rl.split.resume` says what it keeps and what it samples afresh).
 """
 
 from __future__ import annotations
@@ -24,12 +22,13 @@ from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, barrier, current
 from kv4rl.engine.placement import resolve_device
 from kv4rl.graceful_stop import GracefulStop
-from kv4rl.loop import _task_of, build_learner, resolve_model_dir
+from kv4rl.loop import Restore, _task_of, build_learner, find_restore, resolve_model_dir
 from kv4rl.rollout.build import build_rollout
 from kv4rl.run_folder import RunFolder, check_new_run
 from kv4rl.split.channel import EngineLink, HeadLink, SplitGroups, make_groups, weight_manifest
 from kv4rl.split.engine_side import EngineSide, run_engine
 from kv4rl.split.learner_side import LearnerSide, run_learner
+from kv4rl.split.resume import Consumed, check_split_resume
 from kv4rl.telemetry.run_stats import summarize_run
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.learner import check_learner_options
@@ -73,12 +72,11 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     """`train_split`, plus what this rank saw at the end: on rank 0 (the learner's head), the engines'
     final reports and the batches sent but never consumed; on an engine, its own report; None on the
     other learner ranks."""
-    if resume:
-        raise ConfigError(f"--resume {cfg.run_dir}: a split run (rollout.placement=split) does not resume: the "
-                          "rollouts in flight live on the engine ranks and are not checkpointed; start a new run "
-                          "from a checkpoint's weights with model.path=<run>/checkpoints/iter_N")
     ranks = current()
     check_split(cfg, ranks.world)
+    restore = find_restore(cfg) if resume else None
+    if restore is not None:
+        check_split_resume(cfg, restore.path, restore.state, ranks.world)
     k = cfg.rollout.engine_ranks
     learners = ranks.world - k
     device = resolve_device(cfg.device)
@@ -90,7 +88,8 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
             raise ConfigError(str(exc)) from None
     head = ranks.main
     sink = MetricsSink(cfg) if head else None  # checks the optional viewers before the folder is touched
-    check_new_run(cfg.run_dir, overwrite)
+    if restore is None:
+        check_new_run(cfg.run_dir, overwrite)
     torch.manual_seed(cfg.seed)
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
         if cfg.data.train is not None and ranks.rank >= learners else None
@@ -102,18 +101,25 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
         barrier()
     with GracefulStop() as stop:
         if ranks.rank >= learners:
-            return None, _engine(cfg, groups, ranks.rank - learners, device, source, base_dir, stop)
-        return _learner(cfg, groups, head, device, base_dir, stop, show_progress and head, sink, overwrite)
+            return None, _engine(cfg, groups, ranks.rank - learners, device, source, base_dir, restore, stop)
+        return _learner(cfg, groups, head, device, base_dir, restore, stop, show_progress and head, sink, overwrite)
 
 
 def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.device, source: ProblemSource | None,
-            base_dir, stop: GracefulStop) -> dict:
+            base_dir, restore: Restore | None, stop: GracefulStop) -> dict:
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=_task_of(base_dir))
+    policy_dir = base_dir if restore is None else restore.path
     formatter, reward_fn, llm, collector = build_rollout(
-        cfg, source, base_dir, base_dir, device, Ranks(engine, cfg.rollout.engine_ranks), show_progress=False)
-    side = EngineSide(cfg, engine, llm, collector, formatter, reward_fn, EngineLink(groups, device), stop)
+        cfg, source, base_dir, policy_dir, device, Ranks(engine, cfg.rollout.engine_ranks), show_progress=False)
+    first = 0
+    if restore is not None:  # the checkpoint's weights as version u; its batch u onwards, consumed groups skipped
+        first = llm.version = restore.state["iteration"]
+        place = restore.state["stream"][engine]
+        collector.start_at(place["next"], place["beyond"])
+    side = EngineSide(cfg, engine, llm, collector, formatter, reward_fn, EngineLink(groups, device), stop,
+                      first_batch=first)
     try:
         return run_engine(side)
     finally:
@@ -122,15 +128,23 @@ def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.devi
             close()
 
 
-def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.device, base_dir, stop: GracefulStop,
-             show_progress: bool, sink: MetricsSink | None, overwrite: bool) -> tuple[dict | None, dict | None]:
+def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.device, base_dir,
+             restore: Restore | None, stop: GracefulStop, show_progress: bool, sink: MetricsSink | None,
+             overwrite: bool) -> tuple[dict | None, dict | None]:
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    learner = build_learner(cfg, base_dir, base_dir, device, group=groups.learner)
+    policy_dir = base_dir if restore is None else restore.path
+    learner = build_learner(cfg, policy_dir, base_dir, device, group=groups.learner)
+    start = 0
+    if restore is not None:
+        start = restore.state["iteration"]
+        learner.load_checkpoint_state(restore.state["learner"], restore.path)
     link = HeadLink(groups, weight_manifest(learner.model.named_parameters())) if head else None
-    side = LearnerSide(cfg, learner, tokenizer, groups, link)
-    folder = RunFolder(cfg, None, None, overwrite) if head else None
+    consumed = Consumed(cfg.rollout.engine_ranks, restore.state["stream"] if restore else None) if head else None
+    side = LearnerSide(cfg, learner, tokenizer, groups, link, consumed)
+    folder = RunFolder(cfg, restore.run_id if restore else None, start if restore else None, overwrite) \
+        if head else None
     try:
-        done, end = run_learner(side, folder, stop, show_progress, sink)
+        done, end = run_learner(side, folder, stop, show_progress, sink, start)
     finally:
         if folder is not None:
             folder.close()
@@ -138,7 +152,7 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
             sink.close()
     if not head:
         return None, None
-    summary = summarize_run(cfg.run_dir, None)
+    summary = summarize_run(cfg.run_dir, start if restore else None)
     unconsumed = [g for batch in end["unconsumed_batches"] for g in batch]
     held = [g for report in end["engines"] for g in report["held"]]
     summary.update(engine_ranks=cfg.rollout.engine_ranks, groups_sent_unconsumed=len(unconsumed),
