@@ -27,9 +27,10 @@ def one_thread():
 def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
     out, png = tmp_path / "it.json", tmp_path / "figs" / "it.png"
     res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync,kv4+partial,fp8w+kv4+partial",
-                              "--json", str(out), "--png", str(png)])
+                              "--max-tokens-per-micro-batch", "64", "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
+    assert r["max_tokens_per_micro_batch"] == 64 and r["attention"] == "auto"  # the learner packs, as train does
     assert r["phases"] == ["rollout", "reward", "update", "sync", "sleep_wake", "other"]
     rows = r["results"]
     assert [(x["arm"], x["kv_format"], x["mode"], x["weights"]) for x in rows] == [
@@ -79,13 +80,7 @@ def test_reward_is_the_fraction_of_odd_token_ids():
     assert odd_token_reward(["1 2 3 4", "7", ""], ["", "", ""]).scores == [0.5, 1.0, 0.0]
 
 
-def test_packed_learner_option_reaches_the_run_and_flex_is_refused_on_cpu(tmp_path, one_thread):
-    out = tmp_path / "it.json"
-    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "32",
-                              "--json", str(out)])
-    assert res.exit_code == 0, res.output
-    r = json.loads(out.read_text())
-    assert r["max_tokens_per_micro_batch"] == 32 and r["attention"] == "auto"
+def test_packed_learner_options_are_checked_before_any_work(tmp_path):
     res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "32",
                               "--attention", "flex", "--json", str(tmp_path / "no.json")])
     assert res.exit_code != 0 and "trainer.attention=flex needs a CUDA device" in " ".join(res.output.split())
