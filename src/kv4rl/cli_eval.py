@@ -137,6 +137,7 @@ def eval_cmd(
     try:
         res, settings, results, problems = _run(engine_cfg, list(engine_overrides or []), ranks, model, data, k, n,
                                                 temperature, max_new_tokens, reward, template, chat, device, seed)
+        distributed.barrier()  # every rank past its last collective before any rank takes the groups down
     except ValueError as exc:
         fail(str(exc))
     finally:
