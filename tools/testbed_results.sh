@@ -12,10 +12,12 @@
 #   DEADLINE_S: seconds after which every run is asked to stop (SIGTERM: it ends its iteration and
 #     writes a checkpoint); curves are compared at the last iteration every run of a figure reached.
 #
-# Environment: SEEDS (default 0,1,2), SIZE (gpu; `test` runs the CPU test size with short settings, as
-# tests/test_testbed_results.py does), ITERATIONS (cap per run, default 200), MEM (GPU memory fraction
-# per run, default 0.035), KILL_AFTER (seconds a run may take to stop after the deadline before it is
-# killed, default 120), KV4RL_CACHE (where the testbed is built).
+# Environment: SEEDS (default 0,1,2), SIZE (gpu; `test` runs the CPU test size, a check of the wiring
+# that takes minutes on 2 cores, e.g. SIZE=test SEEDS=0 ITERATIONS=3), ITERATIONS (cap per run, default
+# 200), MEM (GPU memory fraction per run, default 0.035), KILL_AFTER (seconds a run may take to stop
+# after the deadline before it is killed, default 120), ONLY (comma-separated arm names: run just
+# these arms of the sets), EXTRA (overrides for every run, e.g. "engine.num_kv_blocks=17000"),
+# KV4RL_CACHE (where the testbed is built).
 set -uo pipefail
 sets=${1:?usage: tools/testbed_results.sh SET[+SET...] [DEADLINE_S]}
 deadline=${2:-400}
