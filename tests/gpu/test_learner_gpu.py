@@ -41,6 +41,17 @@ def ragged_batch(seed=0):
                        adv, pad_id=0)
 
 
+def on_policy(batch, logp):
+    """`batch` with the behaviour log-probs set to `logp` on the response tokens: the importance ratio
+    starts at 1, as in an on-policy step, so no token sits near PPO's clip boundary. With the fixed
+    behaviour log-prob of `ragged_batch`, many do, and bf16 rounding of the log-probs (~0.05) flips
+    tokens in and out of the clipped set: on this model that alone moved every gradient by ~15%
+    (FSDP2 with bf16 parameters, reproduced on the CPU), which says nothing about the learner."""
+    out = batch.select(slice(None))
+    out.behavior_logprobs = (logp.to(batch.behavior_logprobs) * batch.response_mask).detach()
+    return out
+
+
 def make(path, device, **kw):
     return Learner(path, None, algo=AlgoConfig(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9,
                    micro_batch_size=3, updates_per_batch=1, temperature=1.0, device=device, **kw)
@@ -90,14 +101,14 @@ def fp32_reference(bf16_weights):
     ref = make(bf16_weights, torch.device("cpu"), fsdp=False)
     before = {k: v.clone() for k, v in ref.state_dict().items()}
     logp = ref._logprobs(ref.model, ragged_batch())
-    ref.step(ragged_batch())
+    ref.step(on_policy(ragged_batch(), logp))
     grads = ref.named_grads()
     emulated = AutoModelForCausalLM.from_pretrained(bf16_weights, dtype=torch.float64)
     for module in emulated.modules():
         if module is not emulated and not isinstance(module, nn.ModuleList):
             module.register_forward_hook(_round_output)
     emu = make(emulated, torch.device("cpu"), fsdp=False)
-    emu.step(ragged_batch())
+    emu.step(on_policy(ragged_batch(), logp))
     bounds = {name: max(0.05, 4 * _rel(g, grads[name])) for name, g in emu.named_grads().items()}
     return before, grads, ref.state_dict(), logp, bounds
 
@@ -108,7 +119,7 @@ def test_bf16_update_matches_fp32_to_bf16_accuracy(bf16_weights, fp32_reference,
     before, grads32, after32, logp32, bounds = fp32_reference
     assert bounds.keys() == grads32.keys() and max(bounds.values()) < 0.6  # the emulation itself is bf16-close
     learner = make(bf16_weights, CUDA, **kw)
-    b = ragged_batch()
+    b = on_policy(ragged_batch(), logp32)
     mask = b.response_mask.bool()
     logp = learner._logprobs(learner.model, b.to(CUDA)).cpu()
     assert float((logp - logp32)[mask].abs().max()) < 0.1
@@ -133,6 +144,7 @@ def test_packed_equals_padded_on_cuda_and_never_crosses_sequences(tiny_qwen3):
     padded, packed = make(path, CUDA), make(path, CUDA, max_tokens_per_micro_batch=512)
     assert len(packed.micro_batches(b, torch.arange(len(b), device=CUDA))) < len(b)  # some rows share a row
     lp_padded, lp_packed = padded._logprobs(padded.model, b), packed._logprobs(packed.model, b)
+    b = on_policy(b, lp_padded)
     assert float((lp_packed - lp_padded)[mask].abs().max()) < 0.1
     m_padded, m_packed = padded.step(b), packed.step(b)
     assert m_packed["grad_norm"] == pytest.approx(m_padded["grad_norm"], rel=0.05)
