@@ -57,3 +57,20 @@ def test_flex_attention_is_refused_on_the_cpu_before_any_work(tmp_path):
     res = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--attention",
                                    "flash", "--seq-len", "12", "--prompt-len", "4"])
     assert res.exit_code != 0 and "--attention" in res.output and "flash" in res.output
+
+
+def test_each_variant_is_handed_over_as_soon_as_it_is_timed():
+    """A bench stopped by a time limit keeps what it measured: `on_result` gets the variants timed so far."""
+    import torch
+
+    from kv4rl.bench.learner import LearnerWorkload, bench_learner
+
+    seen = []
+    work = LearnerWorkload(num_seqs=2, prompt_len=4, seq_len=10)
+    res = bench_learner("qwen3-tiny", work, device=torch.device("cpu"), steps=1, micro_batch_size=1, max_tokens=20,
+                        checkpointing=(False, True), reference=(False,),
+                        on_result=lambda partial: seen.append((partial["complete"], list(partial["results"]))))
+    assert [len(rows) for _, rows in seen] == [1, 2, 3, 4] and not any(done for done, _ in seen)
+    assert res["complete"] and seen[-1][1] == res["results"]
+    for (_, earlier), (_, later) in zip(seen, seen[1:]):
+        assert later[:len(earlier)] == earlier  # rows are only ever added

@@ -167,10 +167,20 @@ def register_learner_benches(app: typer.Typer) -> None:
         check_output_path(json_out)
         rows = sum(len(attention_list) if lay == "packed" else 1 for lay in layout_list)
         variants = rows * len(ckpt_list) * len(ref_list)
+        def finished(partial: dict) -> None:  # each variant as it is timed: a time limit keeps what ran
+            r = partial["results"][-1]
+            timed = (f"{r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}"
+                     if "step_s" in r else r["error"])
+            console.print(f"[dim]{len(partial['results'])}/{variants} {r['layout']} {r['attention']} ckpt="
+                          f"{'on' if r['checkpointing'] else 'off'} ref={'on' if r['reference'] else 'off'}: "
+                          f"{timed}[/]", highlight=False)
+            write_json(partial, json_out)
+
         with StageProgress(console, "learner") as stages:
             res = bench_learner(shape, work, device=dev, steps=steps,
                                 micro_batch_size=micro_batch_size, max_tokens=max_tokens, layouts=layout_list,
                                 attentions=attention_list, checkpointing=ckpt_list, reference=ref_list,
-                                progress=lambda what: stages(f"{shape} {workload}: {what} ({variants} variants)"))
+                                progress=lambda what: stages(f"{shape} {workload}: {what} ({variants} variants)"),
+                                on_result=finished)
         print_table(console, learner_table(res))
         write_json(res, json_out)

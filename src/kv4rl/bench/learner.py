@@ -11,7 +11,8 @@ not), attention is causal (`6·s²·heads·head_dim` per layer and sequence for 
 third of that for a forward). Activation checkpointing's recomputation is not counted (model FLOPs,
 not hardware FLOPs). MFU is against 989 TFLOP/s (H100/H200 dense BF16) and also given against
 780 TFLOP/s. A variant that runs out of GPU memory is reported as such and the others still run. Padded rows always
-run SDPA; FlexAttention's one-off compilation falls in the warm-up step.
+run SDPA; FlexAttention's one-off compilation falls in the warm-up step. Each variant is handed to
+`on_result` as soon as it is timed, so a run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -108,8 +109,10 @@ def _sync(device: torch.device) -> None:
 def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, steps: int = 2,
                   micro_batch_size: int = 4, max_tokens: int = 16384, layouts=("padded", "packed"),
                   attentions=("sdpa",), checkpointing=(False, True), reference=(False, True),
-                  progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Time `Learner.step` for every layout (x attention, packed) x checkpointing x reference variant."""
+                  progress: Callable[[str], None] = lambda _: None,
+                  on_result: Callable[[dict], None] = lambda _: None) -> dict:
+    """Time `Learner.step` for every layout (x attention, packed) x checkpointing x reference variant;
+    `on_result(summary)` after each variant, with the variants timed so far."""
     config = _shape(shape)
     batch = synthetic_batch(work, config["vocab_size"])
     lengths = batch.attention_mask.sum(1).tolist()
@@ -119,6 +122,18 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
     ref = random_hf_qwen3(shape, device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                           seed=work.seed) if any(reference) else None
     results = []
+
+    def summary(n_params: int, complete: bool) -> dict:
+        return {
+            "shape": shape, "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "workload": asdict(work), "steps": steps, "micro_batch_size": micro_batch_size,
+            "max_tokens_per_micro_batch": max_tokens, "matmul_params": n_params,
+            "num_seqs": len(batch), "tokens": tokens, "response_tokens": response_tokens,
+            "sequence_lengths": lengths, "padded_width": int(batch.input_ids.shape[1]),
+            "peak_flops": PEAK_FLOPS, "alt_peak_flops": ALT_PEAK_FLOPS, "complete": complete, "results": results,
+        }
+
     for ckpt in checkpointing:
         policy = random_hf_qwen3(shape, device, dtype=torch.float32, seed=work.seed)
         n_params = matmul_params(policy)
@@ -147,19 +162,12 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
                                mfu=flops / row["step_s"] / PEAK_FLOPS,
                                mfu_780=flops / row["step_s"] / ALT_PEAK_FLOPS)
                 results.append(row)
+                on_result(summary(n_params, complete=False))
         del learner, policy
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {
-        "shape": shape, "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "workload": asdict(work), "steps": steps, "micro_batch_size": micro_batch_size,
-        "max_tokens_per_micro_batch": max_tokens, "matmul_params": n_params,
-        "num_seqs": len(batch), "tokens": tokens, "response_tokens": response_tokens,
-        "sequence_lengths": lengths, "padded_width": int(batch.input_ids.shape[1]),
-        "peak_flops": PEAK_FLOPS, "alt_peak_flops": ALT_PEAK_FLOPS, "results": results,
-    }
+    return summary(n_params, complete=True)
 
 
 def _time_steps(learner: Learner, batch: TrainBatch, device: torch.device, steps: int) -> dict:
