@@ -30,6 +30,9 @@ def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
                               "--max-tokens-per-micro-batch", "64", "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
+    assert r["complete"] is True  # rewritten with complete=false after each arm, so a time limit keeps what ran
+    assert [line.split(":")[0].strip() for line in res.output.splitlines() if "s per iteration" in line] == [
+        "1/3 bf16+sync", "2/3 kv4+partial", "3/3 fp8w+kv4+partial"]
     assert r["max_tokens_per_micro_batch"] == 64 and r["attention"] == "auto"  # the learner packs, as train does
     assert r["phases"] == ["rollout", "reward", "update", "sync", "sleep_wake", "other"]
     rows = r["results"]

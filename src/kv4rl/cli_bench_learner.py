@@ -93,8 +93,15 @@ def register_learner_benches(app: typer.Typer) -> None:
             return
         check_output_path(json_out, "--json")
         check_output_path(png, "--png")
+        def finished(partial: dict) -> None:  # each arm as it ends: a time limit keeps what ran
+            r = partial["results"][-1]
+            console.print(f"[dim]{len(partial['results'])}/{len(bench.arms)} {r['arm']}: "
+                          f"{r['seconds_per_iteration']:.2f} s per iteration[/]", highlight=False)
+            write_json(partial, json_out)
+
         with StageProgress(console, "iteration") as stages:  # the model folder, then each arm's iterations
-            res = bench_iteration(bench, configs, progress=stages.counted(1 + len(bench.arms) * (1 + bench.iterations)))
+            res = bench_iteration(bench, configs, progress=stages.counted(1 + len(bench.arms) * (1 + bench.iterations)),
+                                  on_result=finished)
         for r in res["results"]:
             console.print(f"[dim]{r['arm']}: {r['engine_summary']}[/]", highlight=False, soft_wrap=True)
         print_table(console, iteration_table(res))

@@ -238,33 +238,40 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
 
 
 def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
-                    progress: ProgressFn | None = None) -> dict:
-    """Run every arm of a prepared benchmark; the JSON-ready result (speedups against the first arm)."""
+                    progress: ProgressFn | None = None, on_result: Callable[[dict], None] | None = None) -> dict:
+    """Run every arm of a prepared benchmark; the JSON-ready result (speedups against the first arm).
+    `on_result(summary)` after each arm, with the arms run so far (a time limit keeps what ran)."""
     progress = progress or (lambda what: None)
     progress(f"random-init {bench.shape} folder (built once, then cached)")
     model_dir = random_model_dir(bench.shape, seed=bench.workload.seed)
+    args = qwen3_args(bench.shape)
+    device = resolve_device(bench.device)
     rows = []
+
+    def summary(complete: bool) -> dict:
+        first = rows[0]["seconds_per_iteration"]
+        for r in rows:
+            r["speedup_vs_first"] = first / r["seconds_per_iteration"]
+        return {
+            "model": bench.shape,
+            "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "kv_heads": args.num_kv_heads,
+                            "head_dim": args.head_dim, "vocab": args.vocab_size},
+            "device": str(device), "engine_dtype": str(resolve_dtype("auto", device)).removeprefix("torch."),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
+            "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
+            "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
+            "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
+            "complete": complete, "results": rows,
+        }
+
     for arm in bench.arms:
         cfg = configs[arm.label]
         cfg.model.path = str(model_dir)
         rows.append(run_arm(cfg, bench, model_dir, progress))
-    first = rows[0]["seconds_per_iteration"]
-    for r in rows:
-        r["speedup_vs_first"] = first / r["seconds_per_iteration"]
-    args = qwen3_args(bench.shape)
-    device = resolve_device(bench.device)
-    return {
-        "model": bench.shape,
-        "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "kv_heads": args.num_kv_heads,
-                        "head_dim": args.head_dim, "vocab": args.vocab_size},
-        "device": str(device), "engine_dtype": str(resolve_dtype("auto", device)).removeprefix("torch."),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
-        "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
-        "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
-        "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
-        "results": rows,
-    }
+        if on_result is not None:
+            on_result(summary(complete=False))
+    return summary(complete=True)
 
 
 def figure_rows(res: dict) -> list[dict]:
