@@ -4,6 +4,7 @@ stops the GPU warm-up matches a per-problem float64 computation."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -36,6 +37,12 @@ def test_build_writes_a_complete_folder_that_records_task_and_size(testbed_cache
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.head_dim == spec.model_shape["head_dim"]
     assert sum(p.numel() for p in model.parameters()) == record["parameters"]
+    assert [p.name for p in path.glob("*.safetensors")] == ["model.safetensors"]
+    assert record["weights_sha256"] == _sha256(b"model.safetensors" + (path / "model.safetensors").read_bytes())
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def test_second_call_reloads_without_building(testbed_cache, monkeypatch) -> None:
@@ -152,3 +159,4 @@ def test_build_model_reports_a_cached_build(testbed_cache, tmp_path) -> None:
     assert res.exit_code == 0, res.output
     record = json.loads(out.read_text())
     assert record["path"] == str(path) and record["built now"] is False and record["testbed"] == "longmul-test"
+    assert record["weights_sha256"] == _sha256(b"model.safetensors" + (path / "model.safetensors").read_bytes())

@@ -3,6 +3,7 @@ band, the sampling loop against `model.generate`, and the cache's atomicity with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -52,6 +53,9 @@ def test_build_writes_a_complete_folder_in_place(built) -> None:
     assert metadata["warmup"]["steps"] == tiny.WARMUP_STEPS
     assert metadata["seed"] == tiny.SEED
     assert metadata["model_shape"] == tiny.MODEL_SHAPE
+    weights = b"model.safetensors" + (path / "model.safetensors").read_bytes()  # its only weight file
+    assert [p.name for p in path.glob("*.safetensors")] == ["model.safetensors"]
+    assert metadata["weights_sha256"] == hashlib.sha256(weights).hexdigest()
 
 
 def test_recorded_accuracies_leave_room_for_rl(built) -> None:

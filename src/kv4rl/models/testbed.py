@@ -33,6 +33,7 @@ from kv4rl.data.longmul import LongMulTask
 from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask
 from kv4rl.data.types import Problem
 from kv4rl.models.cache_install import cached_build
+from kv4rl.models.fingerprint import weights_sha256
 from kv4rl.models.tiny import _progress_bar, _torch_threads, _transformers_progress_off, default_cache_dir
 
 if TYPE_CHECKING:  # the modeling module loads triton.language at import: kept out of `import kv4rl.loop`,
@@ -206,6 +207,7 @@ def _write_model(spec: TestbedSpec, out_dir: Path, progress: bool, device: str) 
         "task_settings": spec.task_settings,
         "recipe": spec.recipe(),
         "parameters": _parameter_count(out_dir),
+        "weights_sha256": weights_sha256(out_dir),  # which build a run starts from (builds differ by machine)
         "final_loss": warm["losses"][-1],
         "warmup_steps_taken": warm["steps"],
         "exact_solution_probability": warm["estimate"],

@@ -35,6 +35,7 @@ from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask, target_text, verify
 from kv4rl.data.types import Problem
 from kv4rl.models.cache_install import cached_build
+from kv4rl.models.fingerprint import weights_sha256
 
 VERSION_TAG = "tiny-arith-v2"
 METADATA_FILE = "kv4rl_tiny.json"
@@ -158,6 +159,7 @@ def _write_model(out_dir: Path, progress: bool) -> None:
     metadata = {
         "version": VERSION_TAG,
         **build_recipe(),
+        "weights_sha256": weights_sha256(out_dir),  # which build a run starts from (`kv4rl.models.fingerprint`)
         "sampled_accuracy": sampled["accuracy"],
         "greedy_accuracy": greedy["accuracy"],
         "sampled_format_error_rate": sampled["format_error_rate"],
