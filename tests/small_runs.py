@@ -33,3 +33,12 @@ def tree_state(root: Path) -> dict[str, str]:
         rel = str(path.relative_to(root))
         out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
     return out
+
+
+def tiny_weights_sha256() -> str:
+    """The embedded model's weights fingerprint, by hashlib: name then bytes of its one weight file."""
+    from kv4rl.models.tiny import tiny_model_dir
+
+    files = list(tiny_model_dir(progress=False).glob("*.safetensors"))
+    assert [f.name for f in files] == ["model.safetensors"]
+    return hashlib.sha256(b"model.safetensors" + files[0].read_bytes()).hexdigest()

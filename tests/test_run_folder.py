@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from kv4rl.telemetry.metrics import read_jsonl
-from tests.small_runs import SMALL, new_run, train_cli, tree_state
+from tests.small_runs import SMALL, new_run, tiny_weights_sha256, train_cli, tree_state
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,11 @@ def run(copied):
     saved.write_text(yaml.safe_dump({**yaml.safe_load(saved.read_text()), "name": "run",
                                      "out_dir": str(copied.parent)}, sort_keys=False))
     return copied
+
+
+def test_every_row_records_the_starting_models_fingerprint(finished):
+    rows = read_jsonl(finished / "metrics.jsonl")
+    assert len(rows) == 2 and {r["model_sha256"] for r in rows} == {tiny_weights_sha256()[:16]}
 
 
 def test_train_into_a_folder_holding_a_run_refuses_before_any_work(run):
@@ -134,6 +139,7 @@ def test_summary_after_resume_covers_the_whole_run(run):
                                                       "trainer.iterations=4"]), resume=True, show_progress=False)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    assert {r["model_sha256"] for r in rows} == {tiny_weights_sha256()[:16]}  # the config's model, also on resume
     assert summary["iterations"] == 4 and summary["resumed_from"] == 2
     assert summary["reward_first"] == rows[0]["reward_mean"] and summary["reward_last"] == rows[3]["reward_mean"]
     assert summary["accuracy_first5"] == pytest.approx(sum(r["accuracy"] for r in rows) / 4, abs=1e-12)

@@ -19,6 +19,7 @@ from kv4rl.config import ConfigError, load_config
 from kv4rl.split.learner_side import StalenessViolation, check_versions
 from kv4rl.split.run import check_split
 from tests.gloo_ranks import run_on_gloo_ranks
+from tests.small_runs import tiny_weights_sha256
 
 SMALL = ["device=cpu", "rollout.quota_groups=4", "rollout.group_size=2", "rollout.max_slots=4"]
 ASYNC = ["rollout.placement=split", "rollout.engine_ranks=2", "rollout.mode=partial", "rollout.carry=recompute",
@@ -104,6 +105,7 @@ def test_split_run_never_loses_or_repeats_a_group_and_keeps_the_staleness_bound(
         assert row["num_tokens"] == sum(hist.values())
         assert {"time_learner_wait", "time_engine_wait", "time_engine_sync", "time_update", "time_sync"} <= row.keys()
     assert rows[-1]["dropped_stale"] > 0  # responses carried past the bound were re-sampled, not consumed
+    assert {r["model_sha256"] for r in rows} == {tiny_weights_sha256()[:16]}  # the rows name the starting model
     assert (run_dir / "checkpoints" / "iter_000008" / "model.safetensors").is_file()
 
 

@@ -30,6 +30,7 @@ from kv4rl.engine.llm import Engine
 from kv4rl.engine.placement import resolve_device
 from kv4rl.eval.data_parallel import evaluate_ranks
 from kv4rl.graceful_stop import GracefulStop
+from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
@@ -78,6 +79,7 @@ class Setup:
     pipeline: RolloutPipeline
     start_iteration: int
     attribution: MismatchAttribution | None = None
+    model_sha256: str | None = None  # the starting model's fingerprint (rank 0 only), in every metrics row
 
 
 @dataclass
@@ -146,6 +148,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
               RolloutPipeline(collector, cfg.staleness), 0, MismatchAttribution.from_config(cfg, engine, learner))
     if restore is not None:
         restore_state(s, restore.state, restore.path)
+    if ranks.main:  # the config's model, also on resume: a resume onto another build shows in the rows
+        s.model_sha256 = row_fingerprint(base_dir)
     log.info("device %s, model %s, start iteration %d, learner attention %s (%s micro-batches)", device, base_dir,
              s.start_iteration, learner.attention, "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded")
     return s
@@ -279,8 +283,8 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
         restore = None
     with GracefulStop() as stop:
         s = build(cfg, restore, show_progress and main)
-        folder = RunFolder(cfg, restore.run_id if restore else None,
-                           s.start_iteration if restore else None, overwrite) if main else None
+        folder = RunFolder(cfg, restore.run_id if restore else None, s.start_iteration if restore else None,
+                           overwrite, s.model_sha256) if main else None
         try:
             last = run_loop(s, folder, stop, show_progress and main, sink)
         finally:

@@ -80,9 +80,12 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
 class RunFolder:
     """Writes one run's files; the first write creates (fresh) or reopens (resume) the folder."""
 
-    def __init__(self, cfg: RunConfig, run_id: str | None, resume_from: int | None, overwrite: bool):
-        """`run_id` None starts a new run; `resume_from` is the checkpoint's iteration on resume."""
+    def __init__(self, cfg: RunConfig, run_id: str | None, resume_from: int | None, overwrite: bool,
+                 model_sha256: str | None = None):
+        """`run_id` None starts a new run; `resume_from` is the checkpoint's iteration on resume;
+        `model_sha256`: the starting model's fingerprint (`kv4rl.models.fingerprint`), in every row."""
         self.cfg = cfg
+        self.model_sha256 = model_sha256
         self.path = cfg.run_dir
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.resume_from = resume_from
@@ -111,10 +114,11 @@ class RunFolder:
         self.opened = True
 
     def write(self, row: dict, trace: list[dict]) -> None:
-        """One iteration's engine trace and metrics row."""
+        """One iteration's engine trace and metrics row (stamped with the starting model's fingerprint, so
+        `kv4rl plot curves` can tell runs of different model builds apart)."""
         self.open()
         self.trace.write_many(trace)
-        self.metrics.write(row)
+        self.metrics.write({**row, "model_sha256": self.model_sha256})
 
     def close(self) -> None:
         self.metrics.close()

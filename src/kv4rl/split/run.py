@@ -23,6 +23,7 @@ from kv4rl.distributed import Ranks, barrier, current
 from kv4rl.engine.placement import resolve_device
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.loop import Restore, _task_of, build_learner, find_restore, resolve_model_dir
+from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.rollout.build import build_rollout
 from kv4rl.run_folder import RunFolder, check_new_run
 from kv4rl.split.channel import EngineLink, HeadLink, SplitGroups, make_groups, weight_manifest
@@ -99,10 +100,12 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     base_dir = resolve_model_dir(cfg, progress=show_progress and head)
     if ranks.main:
         barrier()
+    model_sha256 = row_fingerprint(base_dir) if head else None  # the config's model, also on resume
     with GracefulStop() as stop:
         if ranks.rank >= learners:
             return None, _engine(cfg, groups, ranks.rank - learners, device, source, base_dir, restore, stop)
-        return _learner(cfg, groups, head, device, base_dir, restore, stop, show_progress and head, sink, overwrite)
+        return _learner(cfg, groups, head, device, base_dir, restore, stop, show_progress and head, sink, overwrite,
+                        model_sha256)
 
 
 def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.device, source: ProblemSource | None,
@@ -130,7 +133,7 @@ def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.devi
 
 def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.device, base_dir,
              restore: Restore | None, stop: GracefulStop, show_progress: bool, sink: MetricsSink | None,
-             overwrite: bool) -> tuple[dict | None, dict | None]:
+             overwrite: bool, model_sha256: str | None) -> tuple[dict | None, dict | None]:
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     policy_dir = base_dir if restore is None else restore.path
     learner = build_learner(cfg, policy_dir, base_dir, device, group=groups.learner)
@@ -141,8 +144,8 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
     link = HeadLink(groups, weight_manifest(learner.model.named_parameters())) if head else None
     consumed = Consumed(cfg.rollout.engine_ranks, restore.state["stream"] if restore else None) if head else None
     side = LearnerSide(cfg, learner, tokenizer, groups, link, consumed)
-    folder = RunFolder(cfg, restore.run_id if restore else None, start if restore else None, overwrite) \
-        if head else None
+    folder = RunFolder(cfg, restore.run_id if restore else None, start if restore else None, overwrite,
+                       model_sha256) if head else None
     try:
         done, end = run_learner(side, folder, stop, show_progress, sink, start)
     finally:
