@@ -162,3 +162,60 @@ def test_iteration_time_names_a_missing_phase(tmp_path):
     write_run(tmp_path / "a", [{"iteration": 0, "time_rollout": 1.0, "time_total": 2.0}])
     res = runner.invoke(app, ["plot", "iteration-time", str(tmp_path / "a"), "--out", str(tmp_path / "t.png")])
     assert res.exit_code == 2 and "'time_reward' missing at iteration 0" in res.output
+
+
+A, B = "a1" * 8, "b2" * 8  # two starting models' fingerprints, as metrics rows record them
+
+
+def model_rows(*models):
+    """One row per iteration, recording `models[i]` as its starting model (None: the field left out)."""
+    return [{"iteration": i, "accuracy": 0.5, **({"model_sha256": m} if m is not None else {})}
+            for i, m in enumerate(models)]
+
+
+def test_runs_from_different_models_are_flagged_and_can_be_refused(tmp_path):
+    write_run(tmp_path / "kv-s0", model_rows(None, A, A))  # the first recorded value counts
+    write_run(tmp_path / "kv-s1", model_rows(B, B))
+    write_run(tmp_path / "base-s0", model_rows(None, None))  # written before rows carried it
+    runs = [str(tmp_path / "kv-s*"), str(tmp_path / "base-s0")]
+    res = runner.invoke(app, ["plot", "curves", *runs, "--out", str(tmp_path / "c.png"),
+                              "--json", str(tmp_path / "c.json")])
+    assert res.exit_code == 0, res.output
+    text = squash(res.output)
+    assert "warning:" in text and squash("started from 2 different models") in text
+    assert f"{A}->{tmp_path / 'kv-s0'}" in text and f"{B}->{tmp_path / 'kv-s1'}" in text
+    summary = json.loads((tmp_path / "c.json").read_text())
+    assert summary["starting_models"] == {A: [str(tmp_path / "kv-s0")], B: [str(tmp_path / "kv-s1")],
+                                          "unknown": [str(tmp_path / "base-s0")]}
+    assert summary["model_changes"] == {}
+
+    out = tmp_path / "refused"
+    res = runner.invoke(app, ["plot", "curves", *runs, "--require-same-model", "--out", str(out / "c.png"),
+                              "--json", str(out / "c.json")])
+    assert res.exit_code == 2 and "--require-same-model" in res.output and B in squash(res.output)
+    assert not out.exists()
+
+
+def test_runs_from_one_model_give_one_group_and_no_warning(tmp_path):
+    write_run(tmp_path / "kv-s0", model_rows(A, A))
+    write_run(tmp_path / "kv-s1", model_rows(A))
+    res = runner.invoke(app, ["plot", "curves", str(tmp_path / "kv-s*"), "--require-same-model",
+                              "--out", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json")])
+    assert res.exit_code == 0, res.output
+    assert "warning" not in res.output
+    summary = json.loads((tmp_path / "c.json").read_text())
+    assert summary["starting_models"] == {A: [str(tmp_path / "kv-s0"), str(tmp_path / "kv-s1")]}
+
+
+def test_a_run_resumed_onto_another_build_is_flagged(tmp_path):
+    write_run(tmp_path / "kv-s0", model_rows(A, A, B, B))
+    res = runner.invoke(app, ["plot", "curves", str(tmp_path / "kv-s0"), "--out", str(tmp_path / "c.png"),
+                              "--json", str(tmp_path / "c.json")])
+    assert res.exit_code == 0, res.output
+    assert squash(f"{tmp_path / 'kv-s0'}: its rows record 2 starting models ({A} then {B})") in squash(res.output)
+    summary = json.loads((tmp_path / "c.json").read_text())
+    assert summary["starting_models"] == {A: [str(tmp_path / "kv-s0")]}
+    assert summary["model_changes"] == {str(tmp_path / "kv-s0"): [A, B]}
+    res = runner.invoke(app, ["plot", "curves", str(tmp_path / "kv-s0"), "--require-same-model",
+                              "--out", str(tmp_path / "d.png")])
+    assert res.exit_code == 2 and not (tmp_path / "d.png").exists()

@@ -21,6 +21,7 @@ from kv4rl.cli_common import (
     console,
     fail,
     option_list,
+    warn,
     write_json,
 )
 from kv4rl.cli_eval import eval_cmd
@@ -169,6 +170,9 @@ def build_model_cmd(
 
         tiny = json.loads((path / METADATA_FILE).read_text())
         shown.update({k: tiny[k] for k in ("sampled_accuracy", "greedy_accuracy", "build_seconds")})
+    from kv4rl.models.fingerprint import model_fingerprint
+
+    shown["weights_sha256"] = model_fingerprint(path)  # a build of an older version: computed now
     _print_table("testbed model", shown)
     write_json({**record, **shown}, json_out)
 
@@ -226,9 +230,12 @@ def plot_curves_cmd(
     json_out: Path | None = typer.Option(None, "--json", help="also write the per-arm summary here"),
     until: str | None = typer.Option(
         None, "--until", help="leave out iterations after this one ('common': the last one every run has)"),
+    require_same_model: bool = typer.Option(
+        False, "--require-same-model", help="fail (writing nothing) when the runs did not all start from the "
+                                            "same model weights (their metrics rows' model_sha256)"),
 ) -> None:
     """Learning curves: per arm, the mean over seeds of each seed's EMA curve, with a min-max band."""
-    from kv4rl.telemetry.curves import curve_rows, learning_curves
+    from kv4rl.telemetry.curves import curve_rows, learning_curves, model_warnings
     from kv4rl.telemetry.plots import plot_curves, write_csv
 
     try:
@@ -236,9 +243,14 @@ def plot_curves_cmd(
         curves, summary = learning_curves(runs or [], arm or [], metric, ema, last)
     except ValueError as exc:
         fail(str(exc))
+    mixed = model_warnings(summary)
+    if mixed and require_same_model:
+        fail(f"--require-same-model: {' | '.join(mixed)}")
     png = plot_curves(curves, metric, ema, summary["band"], out)
     csv_path = write_csv(curve_rows(curves), out.with_suffix(".csv"))
     print_table(console, _curves_table(metric, ema, summary))
+    for line in mixed:  # under the table, where it is read
+        warn(line)
     write_json(summary, json_out)
     console.print(f"wrote {png} and {csv_path}" + (f" and {json_out}" if json_out else ""))
 

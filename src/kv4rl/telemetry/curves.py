@@ -13,6 +13,10 @@ Definitions (the figure, CSV and JSON all use these):
 - Final value: each seed's EMA at its last logged iteration; mean and sample std (ddof=1) over seeds.
 - Worst drop of a curve: max over t of (max_{u<=t} s_u) - s_t, for metrics where higher is better;
   reported for the arm's mean curve and for its worst seed.
+- Starting model of a run: the first `model_sha256` its rows record (`kv4rl.models.fingerprint`;
+  "unknown" for runs written before rows carried it, or of a model too large to hash). Runs of
+  different builds of one testbed are not comparable (GPU builds differ between machines), so a figure
+  whose runs started from more than one known model is flagged (`model_warnings`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from kv4rl.telemetry.metrics import read_jsonl
 
 SEED_SUFFIX = re.compile(r"-s\d+$")
 BAND = "min-max over seeds"
+MODEL_KEY = "model_sha256"
+UNKNOWN_MODEL = "unknown"
 
 
 @dataclass
@@ -42,6 +48,7 @@ class SeedCurve:
     values: list[float]  # raw metric
     smoothed: list[float]  # EMA
     null_values: int  # rows where the metric was logged as null (non-finite)
+    models: list[str] = field(default_factory=list)  # the distinct `model_sha256` of its rows, first one first
 
 
 @dataclass
@@ -146,8 +153,9 @@ def load_seed(run: Path, metric: str, decay: float, until: int | None = None) ->
                              f"{type(v).__name__})")
     present.sort(key=lambda r: r["iteration"])
     values = [float(r[metric]) for r in present]
+    models = [r[MODEL_KEY] for r in sorted(rows, key=lambda r: r["iteration"]) if r.get(MODEL_KEY) is not None]
     return SeedCurve(run, [r["iteration"] for r in present], values, ema(values, decay),
-                     len(logged) - len(present))
+                     len(logged) - len(present), list(dict.fromkeys(models)))
 
 
 def arm_curve(arm: Arm, metric: str, decay: float, until: int | None = None) -> ArmCurve:
@@ -181,6 +189,29 @@ def summarize(curve: ArmCurve) -> dict:
     }
 
 
+def starting_models(curves: list[ArmCurve]) -> dict[str, list[str]]:
+    """Starting model fingerprint (or "unknown") -> the runs that started from it, in figure order."""
+    out: dict[str, list[str]] = {}
+    for s in (s for c in curves for s in c.seeds):
+        out.setdefault(s.models[0] if s.models else UNKNOWN_MODEL, []).append(str(s.run))
+    return out
+
+
+def model_warnings(summary: dict) -> list[str]:
+    """What makes a figure's runs not comparable: runs started from different known models, or a run
+    whose rows carry several (resumed onto another build). Empty when the figure is consistent."""
+    out = []
+    known = {m: runs for m, runs in summary["starting_models"].items() if m != UNKNOWN_MODEL}
+    if len(known) > 1:
+        groups = "; ".join(f"{m} -> {', '.join(runs)}" for m, runs in summary["starting_models"].items())
+        out.append(f"the runs started from {len(known)} different models (different builds are not comparable; "
+                   f"train every arm from one build): {groups}")
+    for run, models in summary["model_changes"].items():
+        out.append(f"{run}: its rows record {len(models)} starting models ({' then '.join(models)}): resumed "
+                   f"onto another build of the model")
+    return out
+
+
 def curve_rows(curves: list[ArmCurve]) -> list[dict]:
     """The CSV rows: one per (arm, iteration)."""
     return [{"iteration": it, "arm": c.name, "mean": m, "low": lo, "high": hi, "n_seeds": n}
@@ -207,5 +238,6 @@ def learning_curves(patterns: list[str], named: list[str], metric: str,
         raise ValueError(f"--until {until}: must be an iteration >= 0 or 'common'")
     curves = [arm_curve(a, metric, decay, until) for a in arms]
     summary = {"metric": metric, "ema": decay, "band": BAND, "until": until,
-               "arms": {c.name: summarize(c) for c in curves}}
+               "arms": {c.name: summarize(c) for c in curves}, "starting_models": starting_models(curves),
+               "model_changes": {str(s.run): s.models for c in curves for s in c.seeds if len(s.models) > 1}}
     return curves, summary
