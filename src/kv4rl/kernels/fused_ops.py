@@ -198,28 +198,32 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, LIBDEVICE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < n_cols
     DT = o_ptr.dtype.element_ty
-    g = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=live, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=live, other=0.0).to(tl.float32)
     if LIBDEVICE:
         e = libdevice.exp(-g)
     else:  # the interpreter's libdevice may be missing
         e = tl.exp(-g)
     silu = _round(tl.div_rn(g, 1.0 + e), DT)
-    tl.store(o_ptr + offs, (silu * u).to(DT), mask=live)
+    tl.store(o_ptr + row * n_cols + cols, (silu * u).to(DT), mask=live)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`F.silu(gate) * up` in one launch (SwiGLU's elementwise part), a new tensor of their shape."""
+    """`F.silu(gate) * up` in one launch (SwiGLU's elementwise part), a new contiguous tensor of their
+    shape. Rows are read by their stride, so the halves of a merged gate|up product need no copies."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype}")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, _SILU_BLOCK),)](
-            gate, up, out, n, LIBDEVICE=not interpreting(), BLOCK=_SILU_BLOCK, num_warps=4, **_EAGER_MATH)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if gate.numel():
+        gate2, up2 = _rows(gate), _rows(up)
+        rows, cols = gate2.shape
+        _silu_mul_kernel[(rows, triton.cdiv(cols, _SILU_BLOCK))](
+            gate2, up2, out, cols, gate2.stride(0), up2.stride(0), LIBDEVICE=not interpreting(),
+            BLOCK=_SILU_BLOCK, num_warps=4, **_EAGER_MATH)
     return out
