@@ -125,20 +125,28 @@ def test_int4_body_leaves_the_cuda_kernel_for_shapes_it_cannot_take(args, why):
     assert reason == "not CUDA: needs sm_80 or newer (mma.sync m16n8k16)"
 
 
-def test_fp8_weight_path_matches_the_built_model(monkeypatch):
+@pytest.mark.parametrize("merge", [False, True])
+def test_fp8_weight_path_matches_the_built_model(monkeypatch, merge):
     """Two layers of q/k/v/o (multiples of 16) and gate/up/down (intermediate 40 is not): 8 of 14 linears
-    take scaled_mm on an FP8 GPU in bf16; the plan, from the shapes alone, says what the swapped model does."""
+    take scaled_mm on an FP8 GPU in bf16; merged, gate|up (80 outputs) does too: 6 of 8. The plan, from
+    the shapes alone, says what the swapped (and merged) model does."""
     from kv4rl.engine import fp8_linear
     from kv4rl.engine.fp8_weights import apply_fp8_weights, fp8_path
+    from kv4rl.engine.merged_linears import merge_projections
     from kv4rl.models.decoder import Decoder
 
     args = _args(hidden_size=64, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    expected = "scaled_mm (Hopper) for 8 of 14 linears, dequantized fallback for the rest"
-    plan = _plan(CUDA, args=args, weight_format="fp8")
+    expected = (f"scaled_mm (Hopper) for {'6 of 8' if merge else '8 of 14'} linears, "
+                "dequantized fallback for the rest")
+    plan = _plan(CUDA, args=args, weight_format="fp8", merge_projections=merge)
     assert plan.weights.value == "fp8" and plan.weights.reason == expected
     assert plan.weights_desc == f"fp8 weights: {expected}"
+    assert plan.merge_projections.value is merge
+    assert plan.merge_projections.reason.startswith(f"engine.merge_projections={str(merge).lower()}")
     model = Decoder(args, dtype=torch.bfloat16)
     apply_fp8_weights(model)
+    if merge:
+        merge_projections(model)
     monkeypatch.setattr(fp8_linear, "fp8_matmul_device", lambda device: True)  # as on an H200
     assert fp8_path(model, torch.bfloat16, torch.device("cpu")) == expected
     assert _plan(CUDA, args=args, weight_format="fp8", dtype=torch.float32).weights.reason == "dequantized fallback"
@@ -163,7 +171,7 @@ def test_explain_lists_every_decision_with_its_reason():
     text = plan.explain()
     for name, choice in plan.choices().items():
         assert f"{name}={choice.value} ({choice.reason})" in text
-    assert len(plan.choices()) == 10
+    assert len(plan.choices()) == 11
 
 
 def test_prefill_backend_follows_the_decode_kernels_unless_set():

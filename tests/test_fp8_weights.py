@@ -42,8 +42,10 @@ def ref_quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(scaled) * round_e4m3(scaled.abs()) * scale.double()
 
 
-def engine(path, fmt):
-    cfg = EngineConfig(kv=KVConfig(format="fp32"), weight_format=fmt, max_model_len=64)
+def engine(path, fmt, merge: bool = False):
+    """Unmerged by default: these tests look at each projection's own FP8Linear (merged:
+    tests/test_merged_projections.py)."""
+    cfg = EngineConfig(kv=KVConfig(format="fp32"), weight_format=fmt, max_model_len=64, merge_projections=merge)
     return Engine(path, cfg, device="cpu", dtype="float32")
 
 

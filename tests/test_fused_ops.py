@@ -107,6 +107,17 @@ def test_silu_mul_matches_eager(gen):
     torch.testing.assert_close(out.double(), F.silu(gate.double()) * up.double(), **TOL)
 
 
+def test_silu_mul_reads_the_halves_of_a_merged_gate_up_in_place(gen):
+    """Strided row views (the split of one gate|up product, 2-D and 3-D) give the contiguous inputs' result."""
+    gate_up = _randn(2, 5, 600, gen=gen, scale=3.0)
+    gate, up = gate_up.split(300, dim=-1)
+    assert not gate.is_contiguous()
+    for g, u in ((gate, up), (gate[0], up[0])):
+        out = fo.silu_mul(g, u)
+        assert out.is_contiguous() and torch.equal(out, fo.silu_mul(g.contiguous(), u.contiguous()))
+        torch.testing.assert_close(out.double(), F.silu(g.double()) * u.double(), **TOL)
+
+
 def test_wrappers_reject_mismatched_inputs():
     x = torch.zeros(2, 8, 32, device=DEVICE)
     table = torch.zeros(4, 16, device=DEVICE)
@@ -250,6 +261,30 @@ def test_fused_decoder_matches_eager(model_type):
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
     model.enable_fused_ops(False)
     assert torch.equal(model(ids, positions, attention), eager)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+@torch.inference_mode()
+def test_merged_projections_fused_and_eager_match_the_separate_ones(model_type):
+    """The engine's merged q|k|v and gate|up (split views, no copies) through the fused kernels and the
+    eager layers, against the unmerged eager decoder."""
+    from kv4rl.engine.merged_linears import merge_projections
+
+    model = _decoder(model_type)
+    ids = torch.randint(0, 101, (11,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    positions = torch.cat([torch.arange(5), torch.arange(1500, 1506)]).to(DEVICE)
+    attention = _varlen_attention([5, 6])
+    reference = model(ids, positions, attention)
+    assert merge_projections(model) == 2 * model.args.num_layers
+    assert merge_projections(model) == 0  # a merged model stays as it is (an engine built on it again)
+    torch.testing.assert_close(model(ids, positions, attention), reference, rtol=1e-5, atol=1e-5)
+    model.enable_fused_ops()
+    torch.testing.assert_close(model(ids, positions, attention), reference, rtol=1e-5, atol=1e-5)
+    with _OpCounter() as counter:
+        model(ids, positions, lambda layer_idx, q, k, v: q)
+    assert counter.ops["linear"] == 4 * model.args.num_layers  # q|k|v, o, gate|up, down
+    assert counter.ops["split_with_sizes"] == 2 * model.args.num_layers
+    assert "clone" not in counter.ops, "a split view was copied (.contiguous())"
 
 
 class _OpCounter(TorchDispatchMode):

@@ -1,6 +1,7 @@
 """Tensor-parallel engine on the CPU (gloo, two processes): a TP2 engine equals the TP1 engine.
 
-The reference is the unsharded engine in this process, on the same checkpoint: teacher-forced logits
+The reference is the unsharded engine in this process, on the same checkpoint, with seven separate
+projections per layer (the shards merge q|k|v and gate|up, the default): teacher-forced logits
 agree to float32 rounding (the sharded o_proj/down_proj sum their halves in another order), and
 sampled tokens are equal, for every KV format (each rank holds half the KV heads in that format).
 """
@@ -23,16 +24,17 @@ PROMPTS = [[5, 9, 13, 2, 7], [11, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 FORCED = [[4, 8, 15, 16, 23, 42], [7, 7, 7], [60, 61, 62, 63]]
 
 
-def _engine(path, fmt: str, tp: int) -> Engine:
+def _engine(path, fmt: str, tp: int, merge: bool = True) -> Engine:
     kv = KVConfig(format=fmt, group_size=32, n_sink=2, n_recent=4)
-    return Engine(path, EngineConfig(kv=kv, max_model_len=64, tensor_parallel=tp), device="cpu",
-                  dtype="float32", max_num_seqs=4)
+    return Engine(path, EngineConfig(kv=kv, max_model_len=64, tensor_parallel=tp, merge_projections=merge),
+                  device="cpu", dtype="float32", max_num_seqs=4)
 
 
-def _results(path, tp: int) -> dict:
+def _results(path, tp: int, merge: bool = True) -> dict:
     out = {}
     for fmt in FORMATS:
-        engine = _engine(path, fmt, tp)
+        engine = _engine(path, fmt, tp, merge)
+        assert engine.plan.merge_projections.value is merge
         logits = engine.score_tokens(PROMPTS, FORCED)
         params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
         tokens = [c.token_ids for c in engine.generate(PROMPTS, params)]
@@ -52,7 +54,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_tp2_engine_equals_tp1_for_every_kv_format(checkpoint, tmp_path):
-    expected = _results(checkpoint, tp=1)
+    expected = _results(checkpoint, tp=1, merge=False)
     for rank, got in enumerate(run_on_gloo_ranks(_tp2_results, 2, tmp_path, str(checkpoint))):
         for fmt in FORMATS:
             assert got[fmt]["kv_heads"] == 1, "each rank holds half of the 2 KV heads"

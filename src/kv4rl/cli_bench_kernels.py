@@ -22,7 +22,7 @@ def _need_cuda() -> None:
         fail("this benchmark times GPU kernels and needs a CUDA device")
 
 
-def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out) -> None:
+def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out, merge_projections: bool) -> None:
     """The tensor-parallel decode step on every rank; rank 0 prints, times one GPU and writes the JSON."""
     from kv4rl import distributed
     from kv4rl.bench.decode_forward import run_decode_forward_tp
@@ -30,7 +30,7 @@ def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out) -
     if distributed.launched_ranks() != size:
         fail(f"--tensor-parallel {size} runs under torchrun: torchrun --nproc-per-node {size} -m kv4rl.cli "
              f"bench decode-forward --tensor-parallel {size} ...")
-    res = run_decode_forward_tp(shape_list, work, size, fused_ops)
+    res = run_decode_forward_tp(shape_list, work, size, fused_ops, merge_projections)
     if res is not None:
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)
@@ -81,6 +81,9 @@ def register_kernel_benches(app: typer.Typer) -> None:
         fused_ops: Annotated[bool, Option(
             "--fused-ops/--no-fused-ops", help="fused norms/RoPE/SwiGLU kernels, as the engine runs on CUDA "
                                                "(engine.fused_ops=auto)")] = True,
+        merge_projections: Annotated[bool, Option(
+            "--merge-projections/--no-merge-projections", help="one GEMM for q|k|v and one for gate|up, as the "
+                                                               "engine runs (engine.merge_projections=true)")] = True,
         tensor_parallel: Annotated[int, Option(
             "--tensor-parallel", help="shard the model over N GPUs (run under torchrun --nproc-per-node N); "
                                       "rank 0 also times one GPU for the ratio")] = 1,
@@ -99,12 +102,13 @@ def register_kernel_benches(app: typer.Typer) -> None:
         check_output_path(json_out)
         _need_cuda()
         if tensor_parallel > 1:
-            _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out)
+            _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out, merge_projections)
             return
         cases = len(shape_list) * len(VARIANTS) * len(work)
         with StageProgress(console, "decode-forward") as stages:
             stages(f"timing {cases} decode steps", 0, cases)
-            res = run_decode_forward(shape_list, work, fused_ops=fused_ops, progress=lambda r: stages.advance(
+            res = run_decode_forward(shape_list, work, fused_ops=fused_ops, merge_projections=merge_projections,
+                                     progress=lambda r: stages.advance(
                 f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)

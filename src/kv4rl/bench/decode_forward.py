@@ -80,17 +80,21 @@ def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, re
 
 
 def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANTS, device="cuda",
-                       progress=None, fused_ops: bool = False, tp=None) -> dict:
+                       progress=None, fused_ops: bool = False, tp=None, merge_projections: bool = True) -> dict:
     """`fused_ops` runs the step as `engine.fused_ops=true` would (fused norms/RoPE/SwiGLU, one-launch
-    FP8 activation quantization). `tp`: this rank's `TensorParallel` (every rank calls this)."""
+    FP8 activation quantization), `merge_projections` as `engine.merge_projections=true` (one GEMM for
+    q|k|v, one for gate|up). `tp`: this rank's `TensorParallel` (every rank calls this)."""
     from kv4rl.bench.random_model import random_decoder
     from kv4rl.engine.fp8_weights import apply_fp8_weights, set_fused_quant
+    from kv4rl.engine.merged_linears import merge_projections as merge
 
     results = []
     for shape in shapes:
         model = random_decoder(shape, device, tp=tp)
         if fused_ops:
             model.enable_fused_ops()
+        if merge_projections:  # FP8 later swaps the merged linears themselves: the same codes per row
+            merge(model)
         weights_now = "bf16"
         for weights in ("bf16", "fp8"):
             for w, kv in variants:
@@ -105,7 +109,8 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                     batch, context = WORKLOADS[name]
                     barrier = None if tp is None or tp.size == 1 else _barrier(tp)
                     row = {"shape": shape, "workload": name, "batch": batch, "context": context, "weights": w,
-                           "kv": kv, "fused_ops": fused_ops, "tensor_parallel": 1 if tp is None else tp.size,
+                           "kv": kv, "fused_ops": fused_ops, "merge_projections": merge_projections,
+                           "tensor_parallel": 1 if tp is None else tp.size,
                            **time_step(model, kv, batch, context, barrier=barrier)}
                     results.append(row)
                     if progress:
@@ -119,7 +124,8 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
 
 
-def run_decode_forward_tp(shapes: list[str], workloads: list[str], size: int, fused_ops: bool) -> dict | None:
+def run_decode_forward_tp(shapes: list[str], workloads: list[str], size: int, fused_ops: bool,
+                          merge_projections: bool = True) -> dict | None:
     """Under torchrun: every rank times its shard's step; rank 0 then times one GPU in the same job and
     returns the rows with `speedup_vs_tp1` (the other ranks return None)."""
     from kv4rl import distributed
@@ -127,11 +133,11 @@ def run_decode_forward_tp(shapes: list[str], workloads: list[str], size: int, fu
 
     distributed.init_from_torchrun("cuda")
     tp = tensor_parallel_group(size)
-    res = run_decode_forward(shapes, workloads, fused_ops=fused_ops, tp=tp)
+    res = run_decode_forward(shapes, workloads, fused_ops=fused_ops, tp=tp, merge_projections=merge_projections)
     distributed.barrier()
     if tp.rank != 0:
         return None
-    add_tp1_ratio(res, run_decode_forward(shapes, workloads, fused_ops=fused_ops))
+    add_tp1_ratio(res, run_decode_forward(shapes, workloads, fused_ops=fused_ops, merge_projections=merge_projections))
     return res
 
 

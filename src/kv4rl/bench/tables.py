@@ -110,8 +110,10 @@ def iteration_table(res: dict) -> ResultTable:
 def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
     tp = max(r.get("tensor_parallel", 1) for r in res["results"]) if res["results"] else 1
     extra = ["TP1 ms", f"TP{tp} vs TP1"] if tp > 1 else []
+    merged = any(r.get("merge_projections") for r in res["results"])
     table = ResultTable(f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
-                        f"{', fused ops' if fused_ops else ''}{f', tensor parallel {tp}' if tp > 1 else ''})",
+                        f"{', fused ops' if fused_ops else ''}{', merged projections' if merged else ''}"
+                        f"{f', tensor parallel {tp}' if tp > 1 else ''})",
                         ["shape", "workload", "weights", "kv", "batch x context", "ms/step", "tokens/s",
                          "vs bf16/bf16", *extra], labels=4)
     for r in res["results"]:

@@ -70,6 +70,10 @@ class EngineConfig:
     FP8 linear's input (scaled_mm path) in one Triton kernel (`kv4rl.kernels.fp8_quant`) instead of
     ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit. `true` fails at start off CUDA;
     `auto` (default) is on on CUDA and off elsewhere (bench/RESULTS.md has the speed-ups).
+    `merge_projections` (default on) runs each layer's q, k, v projections as one GEMM and gate, up as
+    one, split after (`kv4rl.engine.merged_linears`, as vLLM does): fewer, larger products at decode
+    sizes. The weights still load under their Hugging Face names (the merged rows are written in
+    place, FP8 ones quantized per output channel as before); off, seven GEMMs per layer.
     `tensor_parallel: N` shards the model over N ranks of torch.distributed (started by torchrun):
     each holds 1/N of the heads, KV heads (and so of the KV pool, in any format) and MLP
     (`kv4rl.models.tensor_parallel`); consecutive blocks of N ranks form one engine.
@@ -99,6 +103,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     sampler: Literal["auto", "torch", "triton"] = "auto"
     fused_ops: Literal["auto"] | bool = "auto"
+    merge_projections: bool = True
     prefix_sharing: bool = True
     tensor_parallel: int = 1
     sleep_between_rollouts: bool = False

@@ -93,13 +93,15 @@ class FP8Linear(nn.Module):
         return fp8
 
     @torch.no_grad()
-    def load_weight_(self, weight: torch.Tensor) -> None:
-        """Quantize a full-precision ``[out, in]`` weight into the codes and scales, in place."""
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"weight shape {tuple(weight.shape)}, expected {(self.out_features, self.in_features)}")
+    def load_weight_(self, weight: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Quantize a full-precision ``[out, in]`` weight into the codes and scales, in place; ``rows``
+        fills only those output channels (one part of a merged q|k|v, say: scales are per row)."""
+        expected = (len(range(self.out_features)[rows]), self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"weight shape {tuple(weight.shape)}, expected {expected}")
         codes, scale = quantize_fp8(weight.to(self.qweight.device))
-        self.qweight.copy_(codes)
-        self.weight_scale.copy_(scale)
+        self.qweight[rows].copy_(codes)
+        self.weight_scale[rows].copy_(scale)
 
     def checkpoint_slots(self) -> dict:
         """HF names for the decoder's loader: ``weight`` is quantized on copy, ``bias`` copied."""

@@ -22,6 +22,7 @@ import torch
 from kv4rl.engine import memory
 from kv4rl.engine.block_manager import BlockManager
 from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.merged_linears import merged_state_dict, unmerged_state_dict
 from kv4rl.engine.placement import resolve_device, resolve_dtype
 from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
@@ -122,6 +123,7 @@ class Engine:
             f"({self.runner.num_blocks} blocks x {block_size}) for up to {max_num_seqs} sequences, "
             f"{memory.format_bytes(self.pool_bytes)} (sized by {self.pool_sizing}), {plan.weights_desc}, "
             f"{plan.attention_desc}, sampler {self.sampler}{', fused ops' if self.fused_ops else ''}"
+            f"{', merged q|k|v and gate|up projections' if plan.merge_projections.value else ''}"
             + (f", tensor parallel {self.tp.size} (rank {self.tp.rank}: {self.args.num_heads} heads, "
                f"{self.args.num_kv_heads} KV heads; pool and bytes/token are per rank)" if self.tp.size > 1 else "")
             + (f"; sleeps between rollouts: KV pool {memory.format_bytes(self.pool_bytes)} awake, 0 asleep"
@@ -370,12 +372,13 @@ class Engine:
         self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
 
     def weights_state(self) -> dict[str, torch.Tensor]:
-        """The engine's weights under its own names, on CPU (FP8 codes and scales stay exact)."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        """The engine's weights under its own names, those of unmerged projections whether merged or not
+        (`merged_linears.unmerged_state_dict`), on CPU (FP8 codes and scales stay exact)."""
+        return {k: v.detach().cpu().clone() for k, v in unmerged_state_dict(self.model).items()}
 
     def load_weights_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Restore weights saved by `weights_state`; tokens sampled afterwards carry `version`."""
-        self.model.load_state_dict(state)
+        self.model.load_state_dict(merged_state_dict(self.model, state))
         self.version = version
         self.scheduler.forget_prefixes()
 

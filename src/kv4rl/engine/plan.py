@@ -82,6 +82,7 @@ class EnginePlan:
     int4_kernel: Choice[str | None]
     cuda_graphs: Choice[bool]
     weights: Choice[str]
+    merge_projections: Choice[bool]
     pool_blocks: Choice[int | None]
     max_num_seqs: int
 
@@ -106,7 +107,7 @@ class EnginePlan:
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in ("kv_format_name", "max_model_len", "fused_ops", "sampler",
                                                        "attention", "prefill", "int4_kernel", "cuda_graphs", "weights",
-                                                       "pool_blocks")}
+                                                       "merge_projections", "pool_blocks")}
 
     def explain(self) -> str:
         """Every decision with its reason, one `name=value (reason)` item each."""
@@ -130,6 +131,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: C
         kv_format=kv_format, kv_format_name=kv_name, max_model_len=max_model_len, fused_ops=fused_ops,
         sampler=sampler, attention=attention, prefill=_prefill(config, attention), int4_kernel=_int4_kernel(on_kernels, kv_format, args, config, caps),
         cuda_graphs=_cuda_graphs(config, on_kernels, caps), weights=_weights(config, args, dtype, caps),
+        merge_projections=_merge_projections(config),
         pool_blocks=_pool_blocks(config, caps, max_num_seqs, max_model_len.value), max_num_seqs=max_num_seqs,
     )
 
@@ -219,10 +221,19 @@ def _weights(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: Ca
         return Choice(config.weight_format, f"engine.weight_format={config.weight_format}")
     q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     hidden, inter = args.hidden_size, args.intermediate_size
-    per_layer = [(hidden, q_out), (hidden, kv_out), (hidden, kv_out), (q_out, hidden),  # q, k, v, o
-                 (hidden, inter), (hidden, inter), (inter, hidden)]  # gate, up, down
+    if config.merge_projections:  # q|k|v, o, gate|up, down
+        per_layer = [(hidden, q_out + 2 * kv_out), (q_out, hidden), (hidden, 2 * inter), (inter, hidden)]
+    else:
+        per_layer = [(hidden, q_out), (hidden, kv_out), (hidden, kv_out), (q_out, hidden),  # q, k, v, o
+                     (hidden, inter), (hidden, inter), (inter, hidden)]  # gate, up, down
     fast = sum(scaled_mm_fits(n_in, n_out, dtype, caps.fp8_matmul) for n_in, n_out in per_layer) * args.num_layers
     return Choice("fp8", describe_fp8_paths(fast, len(per_layer) * args.num_layers))
+
+
+def _merge_projections(config: EngineConfig) -> Choice[bool]:
+    if config.merge_projections:
+        return Choice(True, "engine.merge_projections=true: one GEMM for q|k|v and one for gate|up per layer")
+    return Choice(False, "engine.merge_projections=false: seven GEMMs per layer")
 
 
 def _pool_blocks(config: EngineConfig, caps: Capabilities, max_num_seqs: int, max_model_len: int

@@ -239,12 +239,20 @@ class ModelRunner:
 
 
 def prepare_model(model, plan: EnginePlan) -> None:
-    """The plan's weight format and fused ops, applied in place before any profiling or graph capture."""
+    """The plan's weight format, merged projections and fused ops, applied in place before any profiling
+    or graph capture."""
     model.requires_grad_(False)  # the engine only samples; weights arrive via load_weights
     if plan.weights.value == "fp8":
-        from kv4rl.engine.fp8_weights import apply_fp8_weights, fp8_path
+        from kv4rl.engine.fp8_weights import apply_fp8_weights
 
         apply_fp8_weights(model)
+    if plan.merge_projections.value:  # after the FP8 swap: merges FP8 codes and scales as they are
+        from kv4rl.engine.merged_linears import merge_projections
+
+        merge_projections(model)
+    if plan.weights.value == "fp8":
+        from kv4rl.engine.fp8_weights import fp8_path
+
         param = next(model.parameters())
         assert fp8_path(model, param.dtype, param.device) == plan.weights.reason, "the plan mistook the FP8 path"
     if plan.fused_ops.value:

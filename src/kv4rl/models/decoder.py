@@ -51,6 +51,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.head_dim = args.head_dim
         self.reduce = None  # tensor parallel: sums the ranks' partial o_proj outputs
+        self.qkv_proj = None  # the engine's merged q|k|v projection (kv4rl.engine.merged_linears)
 
     def forward(
         self,
@@ -61,9 +62,7 @@ class Attention(nn.Module):
         layer_idx: int,
     ) -> torch.Tensor:
         num_tokens = x_NC.shape[0]
-        q_NHD = self.q_proj(x_NC).view(num_tokens, -1, self.head_dim)
-        k_NHD = self.k_proj(x_NC).view(num_tokens, -1, self.head_dim)
-        v_NHD = self.v_proj(x_NC).view(num_tokens, -1, self.head_dim)
+        q_NHD, k_NHD, v_NHD = (t.view(num_tokens, -1, self.head_dim) for t in self.project_qkv(x_NC))
         if self.q_norm is not None:
             q_NHD = self.q_norm(q_NHD)
             k_NHD = self.k_norm(k_NHD)
@@ -72,6 +71,12 @@ class Attention(nn.Module):
         out_NHD = attention(layer_idx, q_NHD, k_NHD, v_NHD)
         out_NC = self.o_proj(out_NHD.reshape(num_tokens, -1))
         return out_NC if self.reduce is None else self.reduce(out_NC)
+
+    def project_qkv(self, x_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [N, H*D]: one merged product split (views with the row stride of q|k|v), or three."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x_NC)
+        return self.q_proj(x_NC), self.k_proj(x_NC), self.v_proj(x_NC)
 
 
 class DecoderLayer(nn.Module):
@@ -163,14 +168,18 @@ class Decoder(nn.Module):
     def hf_targets(self) -> dict[str, LoadTarget]:
         """Checkpoint name -> parameter (or module slot) to fill. A tied ``lm_head.weight`` is
         omitted (it is the embedding). A module with ``checkpoint_slots()`` (an FP8 linear, say)
-        names its checkpoint tensors itself, so a transformed model still loads HF names."""
+        names its checkpoint tensors itself, so a transformed model still loads HF names; the modules
+        nested in it are its own state and name nothing."""
         targets: dict[str, LoadTarget] = dict(self.state_dict(keep_vars=True))
-        for prefix, module in self.named_modules():
+        owners: list[str] = []
+        for prefix, module in self.named_modules():  # parents before children
             slots = getattr(module, "checkpoint_slots", None)
-            if slots is not None:
-                owned = f"{prefix}."
-                targets = {name: t for name, t in targets.items() if not name.startswith(owned)}
-                targets.update({owned + name: t for name, t in slots().items()})
+            if slots is None or any(prefix.startswith(owner) for owner in owners):
+                continue  # a module nested in a slot owner (a merged linear's FP8Linear) is its owner's state
+            owned = f"{prefix}."
+            owners.append(owned)
+            targets = {name: t for name, t in targets.items() if not name.startswith(owned)}
+            targets.update({owned + name: t for name, t in slots().items()})
         if self.args.tie_word_embeddings:
             del targets[TIED_HEAD_NAME]
         return targets if self.tp is None else shard_targets(targets, self.tp)

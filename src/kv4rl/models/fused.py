@@ -5,7 +5,8 @@ Same modules, weights and attention callable as the eager `Decoder.forward`, whi
 each kernel repeats the eager operations of `kv4rl.models.layers` in the same dtypes
 (`kv4rl.kernels.fused_ops` says how exactly). Per layer that leaves the seven projections, the
 attention callable and four launches: the input norm, per-head q/k norm + RoPE, the post-attention
-norm and SiLU(gate) * up, instead of some sixty small torch kernels. Each residual add moves into
+norm and SiLU(gate) * up, instead of some sixty small torch kernels (with the engine's merged
+projections, `kv4rl.engine.merged_linears`, the seven projections are four GEMMs). Each residual add moves into
 the norm that reads its sum (so a layer returns its MLP output and the residual stream separately):
 the sums are the eager ones, computed one kernel later.
 """
@@ -38,15 +39,15 @@ def _layer(layer, x_NC, residual_NC, positions_N, rotary, attention, layer_idx):
     h_NC = _attention(layer.self_attn, h_NC, positions_N, rotary, attention, layer_idx)
     h_NC, residual_NC = _norm(layer.post_attention_layernorm, h_NC, residual_NC)
     mlp = layer.mlp
-    out_NC = mlp.down_proj(silu_mul(mlp.gate_proj(h_NC), mlp.up_proj(h_NC)))
+    out_NC = mlp.down_proj(silu_mul(*mlp.project_gate_up(h_NC)))  # strided views of a merged gate|up are read in place
     return (out_NC if mlp.reduce is None else mlp.reduce(out_NC)), residual_NC
 
 
 def _attention(attn, x_NC, positions_N, rotary, attention, layer_idx):
     num_tokens = x_NC.shape[0]
-    q_NHD = attn.q_proj(x_NC).view(num_tokens, -1, attn.head_dim)
-    k_NHD = attn.k_proj(x_NC).view(num_tokens, -1, attn.head_dim)
-    v_NHD = attn.v_proj(x_NC).view(num_tokens, -1, attn.head_dim)
+    # Merged q|k|v: views with its row stride, no copies; the kernel reads q and k by their strides and
+    # writes new contiguous tensors, v goes to the attention's KV write, which also takes any row stride.
+    q_NHD, k_NHD, v_NHD = (t.view(num_tokens, -1, attn.head_dim) for t in attn.project_qkv(x_NC))
     if attn.q_norm is not None:
         weights, eps = (attn.q_norm.weight, attn.k_norm.weight), attn.q_norm.eps
         assert attn.k_norm.eps == eps, "q_norm and k_norm share one eps in the fused kernel"

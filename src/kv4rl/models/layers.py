@@ -39,10 +39,18 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
         self.reduce = None  # tensor parallel: sums the ranks' partial down_proj outputs
+        self.gate_up_proj = None  # the engine's merged gate|up projection (kv4rl.engine.merged_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project_gate_up(x)
+        out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
+
+    def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate, up: one merged product split (views with the row stride of gate|up), or two."""
+        if self.gate_up_proj is not None:
+            return self.gate_up_proj(x)
+        return self.gate_proj(x), self.up_proj(x)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from kv4rl.engine.kv_formats import get_kv_format
+from kv4rl.engine.merged_linears import unmerged_state_dict
 from kv4rl.engine.scoring import Sampling, reference_logprobs, scoring_model
 from kv4rl.telemetry.mismatch_curves import SOURCES, TOKENS_KEY, metric_key
 
@@ -207,7 +208,7 @@ class MismatchAttribution:
         if self.fp8:  # the engine's own codes and scales: version `iteration` is the one it holds now
             model = scoring_model(engine.args, engine.dtype, engine.device, fp8=True)
             for v in versions:
-                model.load_state_dict(engine.model.state_dict() if v == iteration else self.engine_weights[v])
+                model.load_state_dict(unmerged_state_dict(engine.model) if v == iteration else self.engine_weights[v])
                 for r in (r for r in responses if r.version == v):
                     r.levels["E3"], truncated = score(model, run_kv, r)
                     r.levels["E4"] = truncated if truncated is not None else r.levels["E3"]
