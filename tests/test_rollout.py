@@ -83,7 +83,7 @@ def test_partial_property_every_group_once_complete_nothing_lost(tiny_qwen3, car
                 assert len(c.logprobs) == len(c.token_ids)
                 spanning += len(set(c.versions)) > 1
         delivered += [g.index for g in batch]
-        col.engine.load_weights(col.engine.model.state_dict(), version=update + 1)
+        col.engine.load_weights(col.engine.weights_state(), version=update + 1)
         col.on_refresh()
     assert len(delivered) == len(set(delivered)) == 300
     # every group ever started is either delivered (once) or still held, complete or in flight
@@ -101,7 +101,7 @@ def run_pipeline(path, staleness, updates, mode="sync", lengths=lambda g, j: 3):
         out.append([u - v for g in batch for c in g.completions for v in c.versions])
         refreshed = pipe.refresh_due(u)
         if refreshed:
-            col.engine.load_weights(col.engine.model.state_dict(), version=u + 1)
+            col.engine.load_weights(col.engine.weights_state(), version=u + 1)
         pipe.after_update(u, refreshed)
     return out, col
 
