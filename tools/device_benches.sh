@@ -6,6 +6,7 @@
 # the others' results with it:
 #   bash tools/device_benches.sh tests attn generate forward 2>&1 | tee $OUT/log.txt
 #   bash tools/device_benches.sh learner iteration 2>&1 | tee $OUT/log.txt     # the learner (~10 min)
+#   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -27,6 +28,17 @@ generate() {
 forward() {
     timeout 130 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --json $OUT/decode_forward.json 2>&1 \
         | grep "│" | tail -14
+}
+
+merged() {  # engine.merge_projections: one GEMM for q|k|v and one for gate|up, against the separate products
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fused_ops_gpu.py tests/gpu/test_fp8_linear_gpu.py \
+        > $OUT/merged_tests.txt 2>&1; tail -3 $OUT/merged_tests.txt
+    for m in merge-projections no-merge-projections; do
+        timeout 150 python -m kv4rl.cli bench decode-forward --shapes qwen3-1.7b,qwen3-8b --$m \
+            --json $OUT/decode_forward_$m.json 2>&1 | grep "│" | tail -14
+    done
+    timeout 130 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
+        --json $OUT/generate_merged.json 2>&1 | grep "│" | tail -6
 }
 
 learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense mask, 1.7B shape (each variant's
