@@ -14,10 +14,13 @@
 #
 # Environment: SEEDS (default 0,1,2), SIZE (gpu; `test` runs the CPU test size, a check of the wiring
 # that takes minutes on 2 cores, e.g. SIZE=test SEEDS=0 ITERATIONS=3), ITERATIONS (cap per run, default
-# 200), MEM (GPU memory fraction per run, default 0.035), KILL_AFTER (seconds a run may take to stop
+# 200), MEM (GPU memory fraction per run, default 0.035; the learner's peak comes on top: warned above 50% in
+# all), KILL_AFTER (seconds a run may take to stop
 # after the deadline before it is killed, default 120), ONLY (comma-separated arm names: run just
 # these arms of the sets), EXTRA (overrides for every run, e.g. "engine.num_kv_blocks=17000"),
-# KV4RL_CACHE (where the testbed is built).
+# KV4RL_CACHE (where the testbed is built). Start the CUDA MPS daemon first (`nvidia-cuda-mps-control -d`):
+# without it the runs time-slice the GPU and each decode step takes ~10x longer. Compare arms of one build
+# only (runs record model_sha256): chained calls on one machine reuse $KV4RL_CACHE.
 set -uo pipefail
 sets=${1:?usage: tools/testbed_results.sh SET[+SET...] [DEADLINE_S]}
 deadline=${2:-400}
@@ -63,6 +66,14 @@ read -ra extra_all <<<"${EXTRA:-}"  # EXTRA="key=value ...": overrides for every
 common+=("${extra_all[@]}")
 [ "$size" = test ] && [ "$(nproc)" -lt 8 ] && parallel=(--parallel 1) || parallel=()
 
+total_runs=$(( ${#arms[@]} * nseeds )); [[ "+$sets+" == *+attribution+* ]] && total_runs=$(( total_runs + 1 ))
+python - "$mem" "$total_runs" <<'PY'
+import sys
+mem, runs = float(sys.argv[1]), int(sys.argv[2])
+if mem * runs > 0.5:  # 12 runs at 0.05 (0.6) filled an H200: one ran out of memory at iteration 16
+    print(f"warning: {runs} runs x MEM={mem:g} = {mem * runs:.0%} of the GPU for the engines alone; each run's "
+          f"learner peak (~4.5 GiB at the GPU size) comes on top; MEM <= {0.5 / runs:.3f} leaves room", file=sys.stderr)
+PY
 mkdir -p "$runs"
 start=$(date +%s)
 kv4rl build-model --task longmul --size "$size" --json "$out/testbed_build.json" || exit 1
