@@ -62,4 +62,5 @@ class BlockManager:
             if self._refs[block] == 0:
                 self._free.append(block)
         seq.block_table = []
+        seq.table_epoch += 1  # the table starts again: host mirrors of it (`BlockTableMirror`) are stale
         seq.num_cached_tokens = 0

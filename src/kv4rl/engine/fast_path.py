@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kv4rl.engine.block_table_mirror import BlockTableMirror
 from kv4rl.engine.sequence import Sequence
 from kv4rl.kernels.decode_common import DecodeBatch, DecodeKind
 
@@ -71,6 +72,7 @@ class FastAttention:
         self.side = kv_format.has_side_rows
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
+        self.tables = BlockTableMirror()  # decode rows' block tables, extended by appends only
         self.int4_kernel = None  # 'cuda' or 'triton' for INT4 bodies (needs the query heads to decide)
         if self.kind == DecodeKind.INT4 and num_q_heads is not None:
             self.int4_kernel = self.kernels.int4_body(device, head_dim, num_q_heads // num_kv_heads, num_kv_heads,
@@ -97,17 +99,16 @@ class FastAttention:
         bs = self.block_size
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         pos = lens - 1
-        width = max(1, max(math.ceil(n / bs) for n in lens))
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+        width = max(1, int(-(-lens.max() // bs)))
+        seq_slots = np.fromiter((s.seq_slot for s in seqs), dtype=np.int32, count=len(seqs))
+        tables = self.tables.gather(seqs, seq_slots, width)  # O(new blocks) per step: see BlockTableMirror
         pages = tables[np.arange(len(seqs)), pos // bs].astype(np.int64)
         out = {
-            "ids": np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs)),
+            "ids": np.fromiter((s.last_token_id for s in seqs), dtype=np.int64, count=len(seqs)),
             "positions": pos,
             "slots": pages * bs + pos % bs,
             "context_lens": lens.astype(np.int32),
-            "seq_slots": np.fromiter((s.seq_slot for s in seqs), dtype=np.int32, count=len(seqs)),
+            "seq_slots": seq_slots,
             "block_tables": tables,
         }
         out["protect_rows"] = self.protect_rows(pos, out["seq_slots"].astype(np.int64))

@@ -212,7 +212,7 @@ class ModelRunner:
                 meta = AttnMetadata.build(query_lens=query_lens, context_lens=context_lens, block_tables=tables,
                                           block_size=self.block_size, seq_ids=[s.seq_id for s in rest],
                                           device=self.device, seq_slots=seq_slots)
-            ids += [t for s, n in zip(rest, query_lens) for t in s.token_ids[s.num_cached_tokens:s.num_cached_tokens + n]]
+            ids += [t for s, n in zip(rest, query_lens) for t in s.token_slice(s.num_cached_tokens, s.num_cached_tokens + n)]
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         if meta is not None:

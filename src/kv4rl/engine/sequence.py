@@ -77,6 +77,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    table_epoch: int = 0  # bumped when `block_table` is freed (it only grows by appends in between)
     fork: PrefixFork | None = None  # set by the scheduler, applied and cleared by the runner
     chunk: int = 0  # chunked prefill: new tokens the next forward computes (0: all of them), set per step
 
@@ -86,6 +87,20 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token, without building `token_ids` (a copy of the whole sequence)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`token_ids[start:stop]`, copying only that slice."""
+        prompt = len(self.prompt_ids)
+        if stop <= prompt:
+            return self.prompt_ids[start:stop]
+        if start >= prompt:
+            return self.output_ids[start - prompt:stop - prompt]
+        return self.prompt_ids[start:] + self.output_ids[:stop - prompt]
 
     @property
     def num_new_tokens(self) -> int:
