@@ -74,6 +74,11 @@ if mem * runs > 0.5:  # 12 runs at 0.05 (0.6) filled an H200: one ran out of mem
     print(f"warning: {runs} runs x MEM={mem:g} = {mem * runs:.0%} of the GPU for the engines alone; each run's "
           f"learner peak (~4.5 GiB at the GPU size) comes on top; MEM <= {0.5 / runs:.3f} leaves room", file=sys.stderr)
 PY
+# the daemon's own command line starts with its name (a plain `pgrep -f` would also match this shell's)
+if [ "$size" != test ] && [ "$total_runs" -gt 1 ] && ! pgrep -f '^nvidia-cuda-mps-control' >/dev/null; then
+    echo "warning: no CUDA MPS daemon: $total_runs runs will time-slice the GPU (~10x slower decode steps);" \
+         "start it with 'nvidia-cuda-mps-control -d'" >&2
+fi
 mkdir -p "$runs"
 start=$(date +%s)
 kv4rl build-model --task longmul --size "$size" --json "$out/testbed_build.json" || exit 1
