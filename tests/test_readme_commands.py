@@ -87,6 +87,7 @@ CASES: dict[str, Case] = {
     "--formats bf16,fp8,int4,kv4,kv4-triton --json attn.json": Case(skip=GPU),
     "kv4rl bench decode-forward --shapes qwen3-8b --workloads early,mid,late --json forward.json": Case(skip=GPU),
     "kv4rl bench decode-forward --shapes qwen3-8b --no-fused-ops": Case(skip=GPU),
+    "kv4rl bench decode-forward --shapes qwen3-8b --no-merge-projections": Case(skip=GPU),
     "kv4rl bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 --json generate.json": Case(
         TINY_GENERATE),
     # objectives and simulations
