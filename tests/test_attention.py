@@ -10,7 +10,7 @@ import torch
 
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.config import ConfigError, RunConfig, TrainerConfig
-from kv4rl.trainer.attention import check_attention, resolve_attention, set_attention
+from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.learner import Learner
 
@@ -65,6 +65,7 @@ def test_packed_flex_forward_equals_padded_sdpa_and_keeps_sequences_apart(tiny_q
     packed = make(path, max_tokens_per_micro_batch=1024)
     assert len(packed.micro_batches(batch, torch.arange(len(batch)))) == 1  # all four rows share one packed row
     set_attention(packed.model, "flex")  # the learner itself refuses flex on the CPU: no backward pass here
+    packed.attention = "flex"  # so the learner hands the model its own document block mask
     assert packed.model.config._attn_implementation == "flex_attention"
     real = batch.attention_mask[:, 1:].bool()  # every next-token position, prompt ones included
     reference, flex = padded.logprobs(batch), packed.logprobs(batch)
@@ -77,3 +78,36 @@ def test_packed_flex_forward_equals_padded_sdpa_and_keeps_sequences_apart(tiny_q
     after = packed.logprobs(changed)
     assert float((after[0] - flex[0]).abs().max()) > 0.1
     torch.testing.assert_close(after[1:][real[1:]], flex[1:][real[1:]], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("lengths", [[5, 300, 7, 1, 200], [128, 128], [1000], [129, 127, 3], [1], [64] * 9])
+def test_document_block_mask_equals_the_mask_mod_evaluated_everywhere(lengths):
+    """The block lists built from the lengths equal torch's own `create_block_mask` of the same
+    mask_mod (uncompiled), and the dense mask equals causal-within-sequence worked out element by element."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lens = torch.tensor(lengths)
+    total = int(lens.sum())
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+    ours = document_block_mask(lens)
+    ref = create_block_mask(lambda b, h, q, k: (doc[q] == doc[k]) & (k <= q), 1, 1, total, total, device="cpu",
+                            _compile=False)
+    assert ours.seq_lengths == (total, total)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        for row, n in enumerate(getattr(ours, num)[0, 0].tolist()):  # the listed blocks, as sets
+            assert set(getattr(ours, idx)[0, 0, row, :n].tolist()) == set(getattr(ref, idx)[0, 0, row, :n].tolist())
+    q, k = torch.arange(total)[:, None], torch.arange(total)[None, :]
+    expected = (doc[q] == doc[k]) & (k <= q)
+    qb, kb = q // 128, k // 128  # each element through the block lists: full blocks all True, partial via mask_mod
+    n_blocks = -(-total // 128)
+    full = torch.zeros(n_blocks, n_blocks, dtype=torch.bool)
+    for row, n in enumerate(ours.full_kv_num_blocks[0, 0].tolist()):
+        full[row, ours.full_kv_indices[0, 0, row, :n].long()] = True
+    partial = torch.zeros_like(full)
+    for row, n in enumerate(ours.kv_num_blocks[0, 0].tolist()):
+        partial[row, ours.kv_indices[0, 0, row, :n].long()] = True
+    assert not (full & partial).any()
+    dense = full[qb, kb] | (partial[qb, kb] & ours.mask_mod(0, 0, q, k))
+    assert torch.equal(dense, expected)

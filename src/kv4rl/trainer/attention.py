@@ -6,7 +6,11 @@ kernels and does the whole row's quadratic work. With `flex_attention`, transfor
 `masking_utils` reads the same restarting positions (`find_packed_sequence_indices`: a position
 step other than +1 starts a new document) and builds a `BlockMask` of causal-within-document
 blocks; `integrations/flex_attention.py` compiles `flex_attention` once (`torch.compile`), and the
-kernel skips every block that lies across documents. FlexAttention has no backward on the CPU
+kernel skips every block that lies across documents. transformers builds that mask with
+`create_block_mask(_compile=True)`, and on the H200 (torch 2.11) inductor's kernel for it did not
+finish compiling in 150 s at a 16,384-token row (ptxas on one reduction). `document_block_mask`
+builds the same `BlockMask` directly from the sequence lengths, a few small tensor operations per
+micro-batch, and the learner passes it as the 4-D mask, which transformers uses as given. FlexAttention has no backward on the CPU
 (torch raises), so `flex` needs CUDA; `auto` picks flex on CUDA when micro-batches are packed and
 SDPA otherwise (padded rows gain nothing from a block mask).
 """
@@ -14,6 +18,8 @@ SDPA otherwise (padded rows gain nothing from a block mask).
 from __future__ import annotations
 
 import torch
+
+BLOCK = 128  # FlexAttention's default block size
 
 CHOICES = ("auto", "sdpa", "flex")
 _HF_NAMES = {"sdpa": "sdpa", "flex": "flex_attention"}
@@ -45,3 +51,39 @@ def set_attention(model, attention: str) -> None:
         raise ValueError(f"trainer.attention={attention}: {name} cannot use it ({exc})") from exc
     if model.config._attn_implementation != _HF_NAMES[attention]:  # transformers only warns for some models
         raise ValueError(f"trainer.attention={attention}: {name} cannot switch its attention implementation")
+
+
+def document_block_mask(lengths: torch.Tensor, block: int = BLOCK):
+    """The `BlockMask` of causal attention within each of the sequences laid end to end with
+    `lengths` (a packed row of `T = sum(lengths)` tokens), built from the block structure itself.
+
+    With `doc[t]` the sequence of token t, key block j is needed by query block i when some key
+    k <= q shares q's sequence: j <= i and the last sequence in j reaches the first in i. It is
+    full (no element masked) when j < i and both blocks lie in one sequence; the diagonal block
+    and blocks cut by a boundary are partial, and `mask_mod` masks their elements.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = lengths.device
+    total = int(lengths.sum())
+    n_blocks = -(-total // block)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    doc = torch.cat([doc, doc.new_full((n_blocks * block - total,), len(lengths))])  # the tail: a sequence of its own
+    first, last = doc[::block], doc[block - 1::block]
+    i = torch.arange(n_blocks, device=device)
+    below = i[None, :] <= i[:, None]  # [query block, key block]
+    needed = below & (last[None, :] >= first[:, None])
+    full = (i[None, :] < i[:, None]) & (first[None, :] == last[:, None])
+    partial = needed & ~full
+
+    def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True)  # listed blocks first, in order
+        return blocks.sum(1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    kv_num, kv_idx = listed(partial)
+    full_num, full_idx = listed(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(total, total))

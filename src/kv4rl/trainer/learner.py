@@ -36,7 +36,7 @@ from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
-from kv4rl.trainer.attention import check_attention, resolve_attention, set_attention
+from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
@@ -202,8 +202,12 @@ class Learner:
             ent = entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None
             return logp, ent
         packed = pack_rows(mb.input_ids, mb.attention_mask)
-        with self._autocast():  # attention_mask=None: transformers masks the packed sequences apart
-            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids).logits[:, :-1]
+        # SDPA: attention_mask=None and transformers masks the packed sequences apart from the restarting
+        # positions; flex: the block mask of the sequences, built here (see trainer/attention.py)
+        mask = document_block_mask(mb.attention_mask.sum(1)) if self.attention == "flex" else None
+        with self._autocast():
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                           attention_mask=mask).logits[:, :-1]
         logp = packed.unpack(token_logprobs(logits, packed.input_ids[:, 1:], self.temperature))
         ent = packed.unpack(entropy_from_logits(logits.detach(), self.temperature)) if with_entropy else None
         return logp, ent
