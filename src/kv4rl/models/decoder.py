@@ -184,13 +184,15 @@ class Decoder(nn.Module):
             del targets[TIED_HEAD_NAME]
         return targets if self.tp is None else shard_targets(targets, self.tp)
 
-    def check_hf_shapes(self, shapes: Mapping[str, Sequence[int]], strict: bool = True) -> list[str]:
+    def check_hf_shapes(self, shapes: Mapping[str, Sequence[int]], strict: bool = True,
+                        targets: Mapping[str, LoadTarget] | None = None) -> list[str]:
         """Validate checkpoint names and shapes; return the names that will be copied.
 
         Raises ValueError naming unexpected tensors, wrong shapes and (when ``strict``) missing
-        parameters. A tied model accepts and skips ``lm_head.weight``.
+        parameters. A tied model accepts and skips ``lm_head.weight``. `targets`: `hf_targets()`
+        when the caller already has it.
         """
-        targets = self.hf_targets()
+        targets = self.hf_targets() if targets is None else targets
         unexpected = [name for name in shapes if name not in targets and not self._ignorable(name)]
         if unexpected:
             raise ValueError(f"unexpected tensors for {self.args.model_type}: {_preview(unexpected)}")
@@ -220,8 +222,8 @@ class Decoder(nn.Module):
         ``strict=False`` allows a partial update (e.g. one shard); unknown names and wrong shapes
         always raise. Returns the number of tensors copied.
         """
-        names = self.check_hf_shapes({name: tensor.shape for name, tensor in state_dict.items()}, strict)
         targets = self.hf_targets()
+        names = self.check_hf_shapes({name: tensor.shape for name, tensor in state_dict.items()}, strict, targets)
         for name in names:
             store(targets[name], state_dict[name])
         return len(names)
@@ -232,12 +234,12 @@ class Decoder(nn.Module):
         """`load_hf_state_dict` for a stream of (name, tensor): each is checked and copied as it comes and
         may be freed at once, so a sharded learner can hand over its weights one gathered tensor at a
         time. Raises ValueError if the stream missed a parameter (those it held are already copied)."""
-        targets = self.hf_targets()
+        targets = self.hf_targets()  # once: building it walks every module (per tensor it was O(n^2))
         seen: set[str] = set()
         for name, tensor in tensors:
             if self._ignorable(name):
                 continue
-            self.check_hf_shapes({name: tensor.shape}, strict=False)
+            self.check_hf_shapes({name: tensor.shape}, strict=False, targets=targets)
             store(targets[name], tensor)
             seen.add(name)
         missing = [name for name in targets if name not in seen]
