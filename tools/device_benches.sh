@@ -5,7 +5,8 @@
 # machine; stages run in the order given, each with its own time limit, so one slow stage cannot take
 # the others' results with it:
 #   bash tools/device_benches.sh tests attn generate forward 2>&1 | tee $OUT/log.txt
-#   bash tools/device_benches.sh learner iteration 2>&1 | tee $OUT/log.txt     # the learner (~10 min)
+#   bash tools/device_benches.sh learner 2>&1 | tee $OUT/log.txt               # the learner (~4 min)
+#   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~5.5 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -41,20 +42,21 @@ merged() {  # engine.merge_projections: one GEMM for q|k|v and one for gate|up, 
         --json $OUT/generate_merged.json 2>&1 | grep "│" | tail -6
 }
 
-learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense mask, 1.7B shape (each variant's
-    # row is printed and the JSON rewritten as soon as it is timed, so a stage cut by its limit keeps what ran)
+learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense mask, and vs padded rows, 1.7B
+    # shape (~4 min on 2026-12-01; each variant is printed and the JSON rewritten as soon as it is timed)
     timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_learner_flex_gpu.py tests/gpu/test_learner_gpu.py \
         > $OUT/learner_tests.txt 2>&1; tail -4 $OUT/learner_tests.txt
-    timeout 240 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload lognormal --layouts packed \
-        --attention flex,sdpa --checkpointing on --reference off --steps 2 --json $OUT/learner_lognormal.json 2>&1 \
-        | grep -E "│|/[0-9]+ packed"
-    timeout 200 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload uniform --layouts packed \
+    timeout 150 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload uniform --layouts packed \
         --attention flex,sdpa --checkpointing off --reference off --steps 2 --json $OUT/learner_uniform.json 2>&1 \
-        | grep -E "│|/[0-9]+ packed"
+        | grep -E "│|/[0-9]+ pa"
+    timeout 150 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload lognormal --layouts packed,padded \
+        --attention flex --checkpointing on --reference off --steps 1 --json $OUT/learner_lognormal.json 2>&1 \
+        | grep -E "│|/[0-9]+ pa"
 }
 
 iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed learner, the issue's length mix
-    timeout 420 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial \
+    # (311 s on 2026-12-01: a warm-up and one timed iteration per arm)
+    timeout 480 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep "│" | tail -6
 }
