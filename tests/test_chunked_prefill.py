@@ -113,3 +113,35 @@ def test_decodes_are_never_starved_by_a_long_prompt():
             if sampled:
                 seq.append(5, 0.0, 0)
     assert chunks == [6] * 8 + [2]
+
+
+
+def test_each_step_record_counts_the_tokens_it_computed_and_holds(ckpt):
+    """`last_step` (tallied in one pass before the forward) against a recount: each scheduled row's
+    new and step tokens read through `Sequence`'s own properties as the runner receives them, and
+    the tokens held by the sequences running or finished after the step (the pre-tally formula),
+    through chunks, prefix forks and preemptions (a pool of 14 blocks of 4 tokens)."""
+    engine = make_engine(ckpt, "fp32", torch.float32, chunked=True, budget=BUDGET, sharing=True, num_blocks=14)
+    for i, p in enumerate(prompts(repeat=2)):
+        engine.add_request(p, PARAMS, sample_seed=3 + i)
+    forward, rows = engine.runner.forward, []
+
+    def recording_forward(seqs):
+        rows[:] = [(s.num_new_tokens, s.num_step_tokens) for s in seqs]
+        return forward(seqs)
+
+    engine.runner.forward = recording_forward
+    chunks = forks = 0
+    while engine.has_unfinished():
+        forks_before = engine.scheduler.num_forks
+        finished = engine.step()
+        step = engine.last_step
+        resident = sum(len(s) for s in engine.scheduler.running) + sum(len(s) for s in finished)
+        assert step["batch_size"] == len(rows)
+        assert step["new_tokens"] == sum(n for _, n in rows)
+        assert step["prefill_tokens"] == sum(n for new, n in rows if new > 1)
+        assert step["kv_bytes"] == resident * engine.bytes_per_token
+        assert step["context_mean"] == pytest.approx(resident / len(rows))
+        chunks += sum(n < new for new, n in rows)
+        forks += engine.scheduler.num_forks - forks_before
+    assert chunks > 0 and forks > 0 and engine.num_preemptions > 0

@@ -204,9 +204,17 @@ class Engine:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
         blocks = self.scheduler.blocks
         kv_blocks, shared_blocks = blocks.num_blocks - blocks.num_free_blocks, blocks.num_shared_blocks
-        new_tokens = sum(s.num_step_tokens for s in seqs)
-        prefill_tokens = sum(s.num_step_tokens for s in seqs if s.num_new_tokens > 1)
-        rows = [i for i, s in enumerate(seqs) if s.samples_this_step]  # not a prompt chunk short of its end
+        new_tokens = prefill_tokens = context = 0
+        rows = []  # the rows that sample: not a prompt chunk short of its end
+        for i, s in enumerate(seqs):  # one pass, no properties: per-step host work at every batch size
+            length = len(s.prompt_ids) + len(s.output_ids)
+            new = length - s.num_cached_tokens
+            step = min(new, s.chunk) if s.chunk else new
+            new_tokens += step
+            prefill_tokens += step if new > 1 else 0
+            context += length
+            if step == new:
+                rows.append(i)
         logits = self.runner.forward(seqs)
         sampled = [seqs[i] for i in rows]
         finished = []
@@ -221,13 +229,15 @@ class Engine:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
         self.runner.synchronize()
-        resident = sum(len(s) for s in self.scheduler.running) + sum(len(s) for s in finished)
+        context += len(sampled)  # each sampling row grew by its token
+        # every running sequence was scheduled (`schedule` preempts those it cannot step), so the
+        # resident tokens are the batch's, the finished ones' included
         self.last_step = {
             "batch_size": len(seqs),
             "new_tokens": new_tokens,
             "prefill_tokens": prefill_tokens,
-            "context_mean": sum(len(s) for s in seqs) / len(seqs),
-            "kv_bytes": resident * self.bytes_per_token,
+            "context_mean": context / len(seqs),
+            "kv_bytes": context * self.bytes_per_token,
             "kv_blocks": kv_blocks,
             "shared_blocks": shared_blocks,
             "prefill_tokens_saved": self.scheduler.prefill_tokens_saved - saved_before,

@@ -174,19 +174,19 @@ class ModelRunner:
         The logits may be a view of a CUDA graph's output buffer: valid until the next forward.
         """
         self.apply_forks(seqs)
-        assert all(s.seq_slot >= 0 for s in seqs), "only running (scheduled) sequences can be forwarded"
-        if self.fast is None:
-            decode, rest = [], list(seqs)
-        else:
-            decode = [s for s in seqs if s.num_new_tokens == 1]
-            rest = [s for s in seqs if s.num_new_tokens != 1]
+        decode, rest, computed = [], [], []  # one pass over the batch (per-step host work)
+        for s in seqs:
+            assert s.seq_slot >= 0, "only running (scheduled) sequences can be forwarded"
+            new = len(s.prompt_ids) + len(s.output_ids) - s.num_cached_tokens  # s.num_new_tokens
+            computed.append(min(new, s.chunk) if s.chunk else new)  # s.num_step_tokens
+            (decode if new == 1 and self.fast is not None else rest).append(s)
         host = self.fast.host_inputs(decode) if decode else None
         if not rest and self.graphs is not None and self.graphs.bucket(len(decode)) is not None:
             logits = self.graphs.run(host)
         else:
             logits = self._forward_eager(host, rest)
-        for s in seqs:
-            s.num_cached_tokens += s.num_step_tokens
+        for s, n in zip(seqs, computed):
+            s.num_cached_tokens += n
         order = decode + rest
         if all(a is b for a, b in zip(order, seqs)):
             return logits

@@ -84,13 +84,17 @@ class Scheduler:
         prefill, then new admissions. Each sequence's `chunk` says how many new tokens it computes."""
         parents, self._prefix_parents = self._prefix_parents, {}
         running = self._decode_batch()
-        budget = self.max_num_batched_tokens - sum(s.num_new_tokens == 1 for s in running)
-        for seq in running:
+        prefilling = []  # (seq, its new tokens): prompts still prefilling in chunks
+        for seq in running:  # one pass, no properties: this is per-step host work at every batch size
             seq.chunk = 0
-            if seq.num_new_tokens > 1:  # a prompt still prefilling in chunks
-                take = max(1, min(seq.num_new_tokens, budget))
-                budget -= take
-                self._set_chunk(seq, take, seq.num_new_tokens)
+            new = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_cached_tokens
+            if new > 1:
+                prefilling.append((seq, new))
+        budget = self.max_num_batched_tokens - (len(running) - len(prefilling))
+        for seq, new in prefilling:
+            take = max(1, min(new, budget))
+            budget -= take
+            self._set_chunk(seq, take, new)
         return running + self._admit(budget, parents)
 
     def _set_chunk(self, seq: Sequence, take: int, new_tokens: int) -> None:
@@ -190,9 +194,14 @@ class Scheduler:
 
     def _decode_batch(self) -> list[Sequence]:
         batch: list[Sequence] = []
+        block_size = self.blocks.block_size
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if len(seq.block_table) * block_size >= len(seq.prompt_ids) + len(seq.output_ids):
+                batch.append(seq)  # its blocks already cover it: most sequences at most steps
+                i += 1
+                continue
             while not self.blocks.can_grow(seq, len(seq)):
                 victim = self.running[-1]
                 self._preempt(victim)
