@@ -26,19 +26,20 @@ def one_thread():
 
 def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
     out, png = tmp_path / "it.json", tmp_path / "figs" / "it.png"
-    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync,kv4+partial,fp8w+kv4+partial",
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync,kv4+partial@5,fp8w+kv4+partial",
                               "--max-tokens-per-micro-batch", "64", "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert r["complete"] is True  # rewritten with complete=false after each arm, so a time limit keeps what ran
     assert [line.split(":")[0].strip() for line in res.output.splitlines() if "s per iteration" in line] == [
-        "1/3 bf16+sync", "2/3 kv4+partial", "3/3 fp8w+kv4+partial"]
+        "1/3 bf16+sync", "2/3 kv4+partial@5", "3/3 fp8w+kv4+partial"]
     assert r["max_tokens_per_micro_batch"] == 64 and r["attention"] == "auto"  # the learner packs, as train does
     assert r["phases"] == ["rollout", "reward", "update", "sync", "sleep_wake", "other"]
     rows = r["results"]
-    assert [(x["arm"], x["kv_format"], x["mode"], x["weights"]) for x in rows] == [
-        ("bf16+sync", "bf16", "sync", "float32"), ("kv4+partial", "kv4", "partial", "float32"),
-        ("fp8w+kv4+partial", "kv4", "partial", "fp8")]
+    assert [(x["arm"], x["kv_format"], x["mode"], x["weights"], x["slots"]) for x in rows] == [
+        ("bf16+sync", "bf16", "sync", "float32", 3), ("kv4+partial@5", "kv4", "partial", "float32", 5),
+        ("fp8w+kv4+partial", "kv4", "partial", "fp8", 3)]  # @5: that arm's own decode slots, else --max-slots
+    assert [x["engine_summary"].count(f"for up to {x['slots']} sequences") for x in rows] == [1, 1, 1]
     for x in rows:
         phases = x["phases"]
         # the loop's timers: each phase measured, `other` what the total holds beyond them
@@ -74,6 +75,11 @@ def test_parse_arms():
         Arm("bf16+sync", "bf16", "sync"), Arm("kv4+partial", "kv4", "partial"),
         Arm("fp8w+kv4+partial", "kv4", "partial", "fp8")]
     assert parse_arms("partial+fp8") == [Arm("partial+fp8", "fp8", "partial")]  # fp8 alone is the KV format
+    assert parse_arms("bf16+sync,kv4+partial@256") == [
+        Arm("bf16+sync", "bf16", "sync"), Arm("kv4+partial@256", "kv4", "partial", slots=256)]
+    for bad in ("kv4+partial@", "kv4+partial@0", "kv4+partial@x", "kv4+partial@-2", "kv4@8+partial"):
+        with pytest.raises(ValueError, match="--arms .*(slots after '@'|an arm is)"):
+            parse_arms(bad)
     for bad in ("bf16", "sync", "bf16+kv4+sync", "fp8w+sync", "bf16+sync+x"):
         with pytest.raises(ValueError, match="--arms"):
             parse_arms(bad)

@@ -36,14 +36,16 @@ def register_learner_benches(app: typer.Typer) -> None:
             "--shape", help="random-init model of this shape (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, "
                             "qwen3-tiny for tests)")] = "qwen3-1.7b",
         arms: Annotated[str, Option(
-            "--arms", help="comma-separated arms, each KV format + rollout mode [+ fp8w for FP8 engine weights], "
-                           "e.g. bf16+sync,kv4+partial,fp8w+kv4+partial; speedups are against the first")]
+            "--arms", help="comma-separated arms, each KV format + rollout mode [+ fp8w for FP8 engine weights] "
+                           "[@slots: that arm's decode slots], e.g. bf16+sync,kv4+partial@256,fp8w+kv4+partial; "
+                           "speedups are against the first")]
         = "bf16+sync,kv4+partial",
         iterations: Annotated[int, Option("--iterations", help="timed iterations per arm, after one warm-up")] = 2,
         quota: Annotated[int, Option("--quota-groups", help="prompt groups per learner batch")] = 16,
         group: Annotated[int, Option("--group-size", help="responses per prompt")] = 8,
         slots: Annotated[int | None, Option(
-            "--max-slots", help="decode slots (default: quota-groups x group-size)")] = None,
+            "--max-slots", help="decode slots of every arm without its own @slots "
+                                "(default: quota-groups x group-size)")] = None,
         prompt_len: Annotated[int, Option("--prompt-len")] = 128,
         median_len: Annotated[int, Option("--median-len", help="median response length")] = 1024,
         sigma: Annotated[float, Option("--sigma", help="log-normal tail of response lengths")] = 1.0,

@@ -55,17 +55,27 @@ class Arm:
     kv: str
     mode: str
     weights: str = "auto"
+    slots: int | None = None  # decode slots of this arm (`@N`); None: --max-slots
 
 
 def parse_arms(text: str) -> list[Arm]:
-    """`bf16+sync,kv4+partial,fp8w+kv4+partial` -> arms; each names one KV format and one mode, and
-    may name a weight format (fp8w). Raises ValueError naming the bad arm."""
+    """`bf16+sync,kv4+partial@256,fp8w+kv4+partial` -> arms; each names one KV format and one mode,
+    may name a weight format (fp8w) and, after `@`, its own number of decode slots (partial rollout
+    keeps that many responses in flight, so a format whose cache holds more can run more at the same
+    memory). Raises ValueError naming the bad arm."""
     arms = [a.strip() for a in text.split(",") if a.strip()]
     if not arms:
         raise ValueError("--arms is empty")
     out = []
     for label in arms:
-        parts = label.split("+")
+        spec, at, slots_text = label.partition("@")
+        slots = None
+        if at:
+            if not slots_text.isdigit() or int(slots_text) < 1:
+                raise ValueError(f"--arms {label!r}: the slots after '@' must be a whole number >= 1, "
+                                 f"e.g. kv4+partial@256")
+            slots = int(slots_text)
+        parts = spec.split("+")
         kv = [p for p in parts if p in KV_FORMATS]
         mode = [p for p in parts if p in MODES]
         weights = [p for p in parts if p in WEIGHT_FORMATS]
@@ -75,7 +85,7 @@ def parse_arms(text: str) -> list[Arm]:
                 f"--arms {label!r}: an arm is KV format + mode [+ weight format], e.g. kv4+partial or "
                 f"fp8w+kv4+partial (KV formats: {', '.join(sorted(KV_FORMATS))}; modes: {', '.join(MODES)}; "
                 f"weight formats: {', '.join(WEIGHT_FORMATS)})" + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
-        out.append(Arm(label, kv[0], mode[0], WEIGHT_FORMATS[weights[0]] if weights else "auto"))
+        out.append(Arm(label, kv[0], mode[0], WEIGHT_FORMATS[weights[0]] if weights else "auto", slots))
     if len({a.label for a in out}) < len(out):
         raise ValueError(f"--arms {text}: names one arm twice")
     return out
@@ -115,7 +125,8 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
     if not {"engine.kv.n_sink", "engine.kv.n_recent"} & bench.engine_keys:
         e.kv.n_sink, e.kv.n_recent = default_allocation(work.max_model_len)
     r = cfg.rollout
-    r.mode, r.quota_groups, r.group_size, r.max_slots = arm.mode, work.quota_groups, work.group_size, work.max_slots
+    r.mode, r.quota_groups, r.group_size = arm.mode, work.quota_groups, work.group_size
+    r.max_slots = arm.slots or work.max_slots
     r.max_new_tokens, r.carry = work.max_len, "recompute"
     t = cfg.trainer
     t.iterations, t.micro_batch_size, t.grad_checkpointing, t.lr, t.warmup_iters = (
@@ -197,7 +208,7 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
     torch.manual_seed(cfg.seed)
     learner = build_learner(cfg, model_dir, model_dir, device)
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
-    engine = Engine(model_dir, engine_cfg, max_num_seqs=work.max_slots, device=device, dtype=cfg.model.dtype,
+    engine = Engine(model_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device, dtype=cfg.model.dtype,
                     seed=cfg.seed)
     prompts = _Formatter(engine.args.vocab_size, work.prompt_len, work.seed)
     collector = Collector(engine, prompts, prompts, cfg.rollout, cfg.seed, max_tokens_fn=work.length)
@@ -215,7 +226,7 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
         rows.append(run_iteration(s, it)[0])
     means = means_of(rows, label)
     row = {
-        "arm": label, "kv_format": cfg.engine.kv.format, "mode": cfg.rollout.mode,
+        "arm": label, "kv_format": cfg.engine.kv.format, "mode": cfg.rollout.mode, "slots": cfg.rollout.max_slots,
         "weights": "fp8" if cfg.engine.weight_format == "fp8" else str(engine.dtype).removeprefix("torch."),
         "seconds_per_iteration": means["time_total"],
         "phases": {p["phase"]: p["mean_s"] for p in rows_of(label, means)},
