@@ -6,7 +6,7 @@
 # the others' results with it:
 #   bash tools/device_benches.sh tests attn generate forward 2>&1 | tee $OUT/log.txt
 #   bash tools/device_benches.sh learner 2>&1 | tee $OUT/log.txt               # the learner (~4 min)
-#   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~5.5 min)
+#   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -55,10 +55,11 @@ learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense m
 }
 
 iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed learner, the issue's length mix
-    # (311 s on 2026-12-01: a warm-up and one timed iteration per arm)
-    timeout 480 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial \
+    # (311 s for the first two arms on 2026-12-01: a warm-up and one timed iteration per arm; each arm is
+    # printed and the JSON rewritten when it ends, so the limit keeps the arms that finished)
+    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial@256,kv4+partial \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
-        --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep "│" | tail -6
+        --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep -E "│|s per iteration" | tail -9
 }
 
 date
