@@ -163,3 +163,23 @@ def test_config_knows_the_sampler():
     assert load_config(overrides=["engine.sampler=torch"]).engine.sampler == "torch"
     with pytest.raises(ConfigError, match=r"engine\.sampler"):
         load_config(overrides=["engine.sampler=fast"])
+
+
+def test_engine_with_a_truncated_request_keeps_the_torch_path_every_step(ckpt, kernel_calls):
+    """The runner tells the sampler from the requests' own parameters that a row truncates (no read
+    of the device tensors): while a top-k request is in the batch the kernel never runs, and every
+    request samples the torch sampler's tokens."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    plain = SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True)
+    truncating = SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, top_k=4)
+    outs = {}
+    for sampler in ("torch", "triton"):
+        engine = Engine(ckpt, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64, sampler=sampler),
+                        max_num_seqs=4, device=DEVICE, dtype="float32")
+        seqs = [engine.add_request(p, truncating if i == 1 else plain, sample_seed=20 + i)
+                for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        outs[sampler] = [(s.output_ids, s.output_logprobs) for s in seqs]
+    assert kernel_calls == []  # the top-k request runs to the end alongside the others
+    assert outs["torch"] == outs["triton"]

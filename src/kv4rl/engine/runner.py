@@ -131,16 +131,15 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token and its log-prob under the row's sampling parameters."""
         params = [s.params for s in seqs]
-        to = {"device": self.device}
-        return sample(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, **to),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, **to),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, **to),
-            torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, **to),
-            torch.tensor([len(s.output_ids) for s in seqs], dtype=torch.long, **to),
-            fused=self.sampler == "triton",
-        )
+        # two host-to-device copies instead of five, and whether any row truncates known here: read from
+        # the device tensors it would make the host wait for the forward before launching the sampler
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
+                              dtype=torch.float32, device=self.device)
+        ints = torch.tensor([[p.top_k for p in params], [s.sample_seed for s in seqs],
+                             [len(s.output_ids) for s in seqs]], dtype=torch.long, device=self.device)
+        truncated = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        return sample(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
+                      fused=self.sampler == "triton", truncated=truncated)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

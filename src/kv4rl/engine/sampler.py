@@ -56,12 +56,14 @@ def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return scaled
 
 
-def _fused_usable(device: torch.device, top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
+def _fused_usable(device: torch.device, top_k: torch.Tensor, top_p: torch.Tensor, truncated: bool | None) -> bool:
     """The fused kernel covers untruncated rows (top-k off, top-p = 1) on CUDA or the interpreter;
     greedy rows are fine too, their token is the logits' argmax whatever the kernel draws."""
     from kv4rl.kernels import kernels_usable
 
-    return kernels_usable(device) and not bool(((top_k > 0) | (top_p < 1)).any())
+    if not kernels_usable(device):
+        return False
+    return not (bool(((top_k > 0) | (top_p < 1)).any()) if truncated is None else truncated)
 
 
 def sample(
@@ -72,18 +74,21 @@ def sample(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     fused: bool = False,
+    truncated: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p / seed / step.
 
     `fused` draws the Gumbel-max tokens with the Triton kernel (`kv4rl.kernels.sampling`: the same
     tokens without materialising the [B, V] noise) when no row is truncated and the kernels can run on
-    the logits' device; otherwise, and for truncated batches, the torch path below runs.
+    the logits' device; otherwise, and for truncated batches, the torch path below runs. `truncated`:
+    whether any row has top-k or top-p on, when the caller knows it from the host-side parameters;
+    None reads it from the tensors, a device-to-host wait before the sampling kernels are launched.
     """
     logits = logits.float()
     greedy = temperature <= 0
     safe_temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / safe_temp[:, None]
-    if fused and _fused_usable(logits.device, top_k, top_p):
+    if fused and _fused_usable(logits.device, top_k, top_p, truncated):
         from kv4rl.kernels.sampling import gumbel_argmax
 
         logprobs_all = scaled.log_softmax(-1)  # no row truncates, so truncate_logits would return `scaled`
