@@ -63,6 +63,13 @@ def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
         assert x["tokens_per_s"] > 0 and x["step_ms"] > 0
         assert x["slot_util"] == pytest.approx(x["mean_active"] / 8) and 0 < x["slot_util"] <= 1
         assert x["kv_peak_bytes"] <= x["pool_bytes"]
+        # steps split into pure decode and mixed (a prompt, chunk or recompute in the batch)
+        assert x["decode_steps_per_batch"] + x["mixed_steps_per_batch"] == pytest.approx(x["steps_per_batch"])
+        assert x["mixed_steps_per_batch"] > 0 and x["decode_steps_per_batch"] > 0
+        assert x["step_ms"] == pytest.approx((x["decode_step_ms"] * x["decode_steps_per_batch"] + x["mixed_step_ms"]
+                                              * x["mixed_steps_per_batch"]) / x["steps_per_batch"])
+        assert x["prefill_tokens_per_batch"] >= 4 * 4  # 4 groups a batch, each prompt computed once (followers fork)
+        assert 4 < x["context_mean"] < 4 + 60
     # the same budget: bf16 gets floor(budget / block bytes) blocks of 16; kv4 fits every slot at its
     # longest (8 slots x 4 blocks of 16 for 4 + 60 tokens), so it can never preempt
     assert ref["pool_tokens"] == int(BUDGET_GIB * 2**30) // (16 * TINY_BF16_BYTES_PER_TOKEN) * 16 == 304

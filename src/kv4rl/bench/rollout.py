@@ -270,6 +270,19 @@ def _timed_repeats(collector: Collector, bench: RolloutBench, label: str, progre
     return seconds, traces
 
 
+def _step_kinds(steps: list[dict], batches: int) -> dict:
+    """Pure decode steps (one token per row: a CUDA graph on the fast path) apart from mixed ones
+    (a prompt, chunk or recompute in the batch: eager), per learner batch, with their mean latency
+    and the batch's mean context: where a corner's steps cost more than a decode step of its size."""
+    out = {"context_mean": statistics.fmean(s["context_mean"] for s in steps),
+           "prefill_tokens_per_batch": sum(s["prefill_tokens"] for s in steps) / batches}
+    for kind, chosen in (("decode", [s for s in steps if s["prefill_tokens"] == 0]),
+                         ("mixed", [s for s in steps if s["prefill_tokens"] > 0])):
+        out[f"{kind}_steps_per_batch"] = len(chosen) / batches
+        out[f"{kind}_step_ms"] = 1e3 * statistics.fmean(s["latency_s"] for s in chosen) if chosen else None
+    return out
+
+
 def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: ProgressFn) -> tuple[dict, list[dict]]:
     """Warm up, time the repeats, and summarise one corner; also its last repeat's per-step trace."""
     bench, work = plan.bench, plan.bench.workload
@@ -296,6 +309,7 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
         "preemptions": engine.num_preemptions - preempted,
         "steps_per_batch": len(steps) / (bench.repeats * bench.batches),
         "step_ms": 1e3 * statistics.fmean(s["latency_s"] for s in steps),
+        **_step_kinds(steps, bench.repeats * bench.batches),
         "pool_tokens": engine.pool_tokens,
         "pool_bytes": fp.total_bytes(num_blocks, slots),
         "kv_peak_bytes": fp.total_bytes(max(s["kv_blocks"] for s in steps), slots),

@@ -79,7 +79,8 @@ def rollout_table(res: dict) -> ResultTable:
         f"{w['group_size']}, {w['max_slots']} slots, prompt {w['prompt_len']}, lengths log-normal median "
         f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}; median [min-max] of {res['repeats']} repeats",
         ["format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
-         "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step"], labels=2)
+         "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step",
+         "decode | mixed steps", "ms decode | mixed"], labels=2)
     for r in res["results"]:
         speedup = "-" if r["speedup_vs_bf16_sync"] is None else (
             f"{r['speedup_vs_bf16_sync']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]")
@@ -87,7 +88,9 @@ def rollout_table(res: dict) -> ResultTable:
             r["format"], r["mode"], f"{r['rollout_s']:.3f} [{r['rollout_s_min']:.3f}-{r['rollout_s_max']:.3f}]",
             speedup, f"{r['tokens_per_s']:,.0f}", f"{r['slot_util']:.3f}", f"{r['mean_active']:.1f}",
             str(r["preemptions"]), f"{r['pool_tokens']:,}", f"{r['kv_peak_bytes'] / r['pool_bytes']:.0%}",
-            f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}")
+            f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}",
+            f"{r['decode_steps_per_batch']:.1f} | {r['mixed_steps_per_batch']:.1f}",
+            " | ".join("-" if r[k] is None else f"{r[k]:.2f}" for k in ("decode_step_ms", "mixed_step_ms")))
     return table
 
 
