@@ -6,6 +6,7 @@
 # the others' results with it:
 #   bash tools/device_benches.sh tests attn generate forward 2>&1 | tee $OUT/log.txt
 #   bash tools/device_benches.sh learner 2>&1 | tee $OUT/log.txt               # the learner (~4 min)
+#   bash tools/device_benches.sh profile_learner 2>&1 | tee $OUT/log.txt       # its step by kernel family (~1.5 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -52,6 +53,11 @@ learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense m
     timeout 150 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload lognormal --layouts packed,padded \
         --attention flex --checkpointing on --reference off --steps 1 --json $OUT/learner_lognormal.json 2>&1 \
         | grep -E "│|/[0-9]+ pa"
+}
+
+profile_learner() {  # issue 12: the packed flex learner step kernel family by family (~1.5 min)
+    timeout 150 python tools/profile_learner.py --shape qwen3-1.7b --workload uniform --attention flex \
+        --json $OUT/profile_learner_uniform.json 2>&1 | grep -v "^USDT" | tail -36
 }
 
 iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed learner, the issue's length mix
