@@ -85,12 +85,14 @@ class Scheduler:
         parents, self._prefix_parents = self._prefix_parents, {}
         running = self._decode_batch()
         prefilling = []  # (seq, its new tokens): prompts still prefilling in chunks
+        decodes = 0
         for seq in running:  # one pass, no properties: this is per-step host work at every batch size
             seq.chunk = 0
             new = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_cached_tokens
             if new > 1:
                 prefilling.append((seq, new))
-        budget = self.max_num_batched_tokens - (len(running) - len(prefilling))
+            decodes += new == 1
+        budget = self.max_num_batched_tokens - decodes
         for seq, new in prefilling:
             take = max(1, min(new, budget))
             budget -= take
