@@ -103,7 +103,9 @@ def tables() -> dict:
                             "rollout_s_max": 19.243, "speedup_vs_bf16_sync": 0.74, "speedup_min": 0.66,
                             "speedup_max": 0.83, "tokens_per_s": 5298.5, "slot_util": 0.19, "mean_active": 24.3,
                             "preemptions": 0, "pool_tokens": 557056, "kv_peak_bytes": 5994455040,
-                            "pool_bytes": 18060148736, "steps_per_batch": 913.5, "step_ms": 27.898}
+                            "pool_bytes": 18060148736, "steps_per_batch": 913.5, "step_ms": 27.898,
+                            "decode_steps_per_batch": 897.5, "mixed_steps_per_batch": 16.0, "decode_step_ms": 27.015,
+                            "mixed_step_ms": 77.444}
                            for f in ("bf16", "kv4") for m in ("sync", "partial")]}
     return {"rollout": _rollout_table(rollout), "curves": _curves_table("eval/mean@1", 0.9, curves), "fidelity": _fidelity_table(fidelity_result()), "pool": _pool_table(pool, "qwen3-8b", 40.0, 256, 8192),
             "generate": _generate_table(generate), "decode-attn": _decode_attn_table(attn),

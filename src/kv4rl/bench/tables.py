@@ -89,8 +89,8 @@ def rollout_table(res: dict) -> ResultTable:
             speedup, f"{r['tokens_per_s']:,.0f}", f"{r['slot_util']:.3f}", f"{r['mean_active']:.1f}",
             str(r["preemptions"]), f"{r['pool_tokens']:,}", f"{r['kv_peak_bytes'] / r['pool_bytes']:.0%}",
             f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}",
-            f"{r['decode_steps_per_batch']:.1f} | {r['mixed_steps_per_batch']:.1f}",
-            " | ".join("-" if r[k] is None else f"{r[k]:.2f}" for k in ("decode_step_ms", "mixed_step_ms")))
+            " | ".join("-" if r.get(k) is None else f"{r[k]:.1f}" for k in ("decode_steps_per_batch", "mixed_steps_per_batch")),
+            " | ".join("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("decode_step_ms", "mixed_step_ms")))
     return table
 
 
@@ -135,12 +135,13 @@ def learner_table(res: dict) -> ResultTable:
         f"learner step: {res['shape']} on {res['gpu'] or res['device']} — {work}; {res['tokens']:,} real tokens, "
         f"padded width {res['padded_width']}; micro-batches of {res['micro_batch_size']} rows (padded) or "
         f"<= {res['max_tokens_per_micro_batch']:,} tokens (packed); mean of {res['steps']} steps after a warm-up",
-        ["layout", "attention", "ckpt", "ref", "micro-batches", "padding", "s / step", "tokens/s", "MFU",
-         "MFU vs 780T", "peak GiB"], labels=4)
+        ["layout", "attention", "ckpt", "ref", "fused", "micro-batches", "padding", "s / step", "tokens/s", "MFU",
+         "MFU vs 780T", "peak GiB"], labels=5)
     for r in res["results"]:
         timed = "step_s" in r
         table.add_row(
             r["layout"], r.get("attention", "sdpa"), "on" if r["checkpointing"] else "off", "on" if r["reference"] else "off",
+            "on" if r.get("fuse_elementwise") else "off",
             str(r["micro_batches"]), f"{r['padding_fraction']:.1%}",
             f"{r['step_s']:.3f}" if timed else r["error"], f"{r['tokens_per_s']:,.0f}" if timed else "-",
             f"{r['mfu']:.1%}" if timed else "-", f"{r['mfu_780']:.1%}" if timed else "-",
