@@ -39,6 +39,7 @@ def test_uniform_workload_counts_and_flops(tmp_path):
 def test_lognormal_workload_padding(tmp_path):
     res = run(tmp_path, "--workload", "lognormal", "--num-seqs", "5", "--prompt-len", "3", "--median-len", "6",
               "--max-len", "40", "--max-tokens", "64", "--checkpointing", "off", "--reference", "off")
+    assert [r["fuse_elementwise"] for r in res["results"]] == [False, False]  # off unless asked
     lengths = res["sequence_lengths"]
     assert len(lengths) == 5 and all(4 <= n <= 43 for n in lengths) and len(set(lengths)) > 1
     assert res["tokens"] == sum(lengths) and res["response_tokens"] == sum(lengths) - 5 * 3
@@ -74,3 +75,10 @@ def test_each_variant_is_handed_over_as_soon_as_it_is_timed():
     assert res["complete"] and seen[-1][1] == res["results"]
     for (_, earlier), (_, later) in zip(seen, seen[1:]):
         assert later[:len(earlier)] == earlier  # rows are only ever added
+
+
+def test_fused_elementwise_variants_are_timed_beside_the_eager_ones(tmp_path):
+    res = run(tmp_path, "--num-seqs", "2", "--prompt-len", "4", "--seq-len", "12", "--layouts", "packed",
+              "--checkpointing", "off", "--reference", "off", "--fuse-elementwise", "off,on")
+    assert [(r["layout"], r["fuse_elementwise"]) for r in res["results"]] == [("packed", False), ("packed", True)]
+    assert all(r["step_s"] > 0 for r in res["results"])

@@ -6,7 +6,7 @@
 # the others' results with it:
 #   bash tools/device_benches.sh tests attn generate forward 2>&1 | tee $OUT/log.txt
 #   bash tools/device_benches.sh learner 2>&1 | tee $OUT/log.txt               # the learner (~4 min)
-#   bash tools/device_benches.sh profile_learner 2>&1 | tee $OUT/log.txt       # its step by kernel family (~1.5 min)
+#   bash tools/device_benches.sh profile_learner 2>&1 | tee $OUT/log.txt       # its step by kernel family, eager and fused (~3 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -47,17 +47,19 @@ learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense m
     # shape (~4 min on 2026-12-01; each variant is printed and the JSON rewritten as soon as it is timed)
     timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_learner_flex_gpu.py tests/gpu/test_learner_gpu.py \
         > $OUT/learner_tests.txt 2>&1; tail -4 $OUT/learner_tests.txt
-    timeout 150 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload uniform --layouts packed \
-        --attention flex,sdpa --checkpointing off --reference off --steps 2 --json $OUT/learner_uniform.json 2>&1 \
-        | grep -E "│|/[0-9]+ pa"
+    timeout 180 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload uniform --layouts packed \
+        --attention flex --fuse-elementwise off,on --checkpointing off --reference off --steps 2 \
+        --json $OUT/learner_uniform.json 2>&1 | grep -E "│|/[0-9]+ pa"
     timeout 150 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload lognormal --layouts packed,padded \
         --attention flex --checkpointing on --reference off --steps 1 --json $OUT/learner_lognormal.json 2>&1 \
         | grep -E "│|/[0-9]+ pa"
 }
 
 profile_learner() {  # issue 12: the packed flex learner step kernel family by family (~1.5 min)
-    timeout 150 python tools/profile_learner.py --shape qwen3-1.7b --workload uniform --attention flex \
-        --json $OUT/profile_learner_uniform.json 2>&1 | grep -v "^USDT" | tail -36
+    for fused in "" --fuse-elementwise; do
+        timeout 150 python tools/profile_learner.py --shape qwen3-1.7b --workload uniform --attention flex $fused \
+            --json $OUT/profile_learner_uniform$fused.json 2>&1 | grep -v "^USDT" | tail -36
+    done
 }
 
 iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed learner, the issue's length mix

@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16384, help="packed micro-batch token budget")
     p.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--fuse-elementwise", action="store_true", help="trainer.fuse_elementwise")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
@@ -66,7 +67,7 @@ def main() -> None:
     learner = Learner(policy, None, algo=AlgoConfig(), lr=1e-7, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
                       micro_batch_size=4, updates_per_batch=1, temperature=1.0, device=dev,
                       grad_checkpointing=a.checkpointing, ref_kl_every=1, max_tokens_per_micro_batch=a.max_tokens,
-                      attention=a.attention)
+                      attention=a.attention, fuse_elementwise=a.fuse_elementwise)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     learner.step(batch)  # warm-up: FlexAttention's compilation falls here
     sync()
@@ -88,10 +89,12 @@ def main() -> None:
         families[k["family"]] = families.get(k["family"], 0.0) + k["ms"]
     tokens = int(batch.attention_mask.sum())
     out = {"shape": a.shape, "workload": a.workload, "attention": learner.attention, "checkpointing": a.checkpointing,
+           "fuse_elementwise": a.fuse_elementwise,
            "max_tokens_per_micro_batch": a.max_tokens, "tokens": tokens, "wall_s": wall,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "busy_ms": sum(families.values()), "ms_by_family": families, "kernels": kernels[:a.top]}
-    print(f"== {a.shape} {a.workload} ({tokens:,} tokens), {learner.attention}, checkpointing "
+    print(f"== {a.shape} {a.workload} ({tokens:,} tokens), {learner.attention}"
+          f"{', fused elementwise' if a.fuse_elementwise else ''}, checkpointing "
           f"{'on' if a.checkpointing else 'off'}: step {wall:.3f} s under the profiler, "
           f"{'GPU' if dev.type == 'cuda' else 'CPU op'} busy {out['busy_ms']:.0f} ms")
     for fam, ms in sorted(families.items(), key=lambda x: -x[1]):

@@ -143,6 +143,9 @@ def register_learner_benches(app: typer.Typer) -> None:
             "--checkpointing", help="comma-separated activation checkpointing settings: off, on")] = "off,on",
         reference: Annotated[str, Option(
             "--reference", help="comma-separated reference-forward settings: off, on")] = "off,on",
+        fuse: Annotated[str, Option(
+            "--fuse-elementwise", help="comma-separated trainer.fuse_elementwise settings: off, on (RMSNorms and "
+                                       "SwiGLU through compiled functions)")] = "off",
         steps: Annotated[int, Option("--steps", help="timed steps per variant, after one warm-up step")] = 2,
         device: Annotated[str, Option("--device")] = "auto",
         seed: Annotated[int, Option("--seed")] = 0,
@@ -164,6 +167,7 @@ def register_learner_benches(app: typer.Typer) -> None:
             layout_list = option_list(layouts, "--layouts", known=["padded", "packed"])
             ckpt_list = [switch[v] for v in option_list(checkpointing, "--checkpointing", known=list(switch))]
             ref_list = [switch[v] for v in option_list(reference, "--reference", known=list(switch))]
+            fuse_list = [switch[v] for v in option_list(fuse, "--fuse-elementwise", known=list(switch))]
             check_device(device)
             dev = resolve_device(device)
             attention_list = option_list(attention or ("sdpa,flex" if dev.type == "cuda" else "sdpa"), "--attention",
@@ -175,20 +179,21 @@ def register_learner_benches(app: typer.Typer) -> None:
             fail(str(exc))
         check_output_path(json_out)
         rows = sum(len(attention_list) if lay == "packed" else 1 for lay in layout_list)
-        variants = rows * len(ckpt_list) * len(ref_list)
+        variants = rows * len(ckpt_list) * len(ref_list) * len(fuse_list)
         def finished(partial: dict) -> None:  # each variant as it is timed: a time limit keeps what ran
             r = partial["results"][-1]
             timed = (f"{r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}"
                      if "step_s" in r else r["error"])
             console.print(f"[dim]{len(partial['results'])}/{variants} {r['layout']} {r['attention']} ckpt="
-                          f"{'on' if r['checkpointing'] else 'off'} ref={'on' if r['reference'] else 'off'}: "
+                          f"{'on' if r['checkpointing'] else 'off'} ref={'on' if r['reference'] else 'off'}"
+                          f"{' fused' if r['fuse_elementwise'] else ''}: "
                           f"{timed}[/]", highlight=False)
             write_json(partial, json_out)
 
         with StageProgress(console, "learner") as stages:
             res = bench_learner(shape, work, device=dev, steps=steps,
                                 micro_batch_size=micro_batch_size, max_tokens=max_tokens, layouts=layout_list,
-                                attentions=attention_list, checkpointing=ckpt_list, reference=ref_list,
+                                attentions=attention_list, checkpointing=ckpt_list, reference=ref_list, fuse=fuse_list,
                                 progress=lambda what: stages(f"{shape} {workload}: {what} ({variants} variants)"),
                                 on_result=finished)
         print_table(console, learner_table(res))

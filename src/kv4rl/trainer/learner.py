@@ -38,6 +38,7 @@ from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
+from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
     SHARDED,
@@ -128,11 +129,12 @@ class Learner:
                  micro_batch_size: int, updates_per_batch: int, temperature: float,
                  device: torch.device, grad_checkpointing: bool = False, fsdp: bool = True,
                  offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
-                 attention: str = "auto", group: dist.ProcessGroup | None = None):
+                 attention: str = "auto", group: dist.ProcessGroup | None = None, fuse_elementwise: bool = False):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
         `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
-        the whole job (split placement: `kv4rl.split`)."""
+        the whole job (split placement: `kv4rl.split`). `fuse_elementwise`: RMSNorms and SwiGLU through
+        compiled functions (`kv4rl.trainer.fused_elementwise`), policy and reference."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention)
         self.group = group
         ranks = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -160,6 +162,7 @@ class Learner:
             self.model = prepare_policy(policy_path, grad_checkpointing)
         else:
             self.model = load_hf_model(policy_path, device, grad_checkpointing)
+        self.fused_elementwise = fuse_elementwise_modules(self.model) if fuse_elementwise else None
         if fsdp:
             shard_policy(self.model, device, offload, group)
         # Each rank's loss is divided by the global token (or sequence) count, and FSDP2 averages the
@@ -174,6 +177,8 @@ class Learner:
                 self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dtype).to(device)
             self.ref_model.config.use_cache = False
             self.ref_model.eval().requires_grad_(False)
+            if fuse_elementwise:
+                fuse_elementwise_modules(self.ref_model)
         self.attention = ""  # the kernel in use, `sdpa` or `flex` (set_attention)
         self.set_attention(attention)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
