@@ -83,6 +83,26 @@ def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_format_may_run_its_own_number_of_slots(tmp_path, one_thread):
+    """`kv4@12` beside `--max-slots 8`: that corner's engine and collector get 12 decode slots, its budget
+    reserves 12 slots' rows, and partial rollout keeps more than 8 responses in flight."""
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["bench", "rollout", *TINY, "--formats", "bf16,kv4@12", "--modes", "partial",
+                              "--repeats", "1", "--kv-budget-gib", str(BUDGET_GIB), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    rows = {x["format"]: x for x in r["results"]}
+    assert [(x["format"], x["kv_format"], x["slots"]) for x in r["results"]] == [
+        ("bf16", "bf16", 8), ("kv4@12", "kv4", 12)]
+    assert "for up to 12 sequences" in r["engine_summaries"]["kv4@12"]
+    assert rows["kv4@12"]["mean_active"] > 8 and rows["kv4@12"]["slot_util"] == pytest.approx(
+        rows["kv4@12"]["mean_active"] / 12)
+    # more pool than kv4 at 8 slots (capped at 8 x 4 blocks of 16), at most 12 slots at their longest, and
+    # the budget holds the pages plus 12 slots' protected rows
+    assert 8 * 4 * 16 < rows["kv4@12"]["pool_tokens"] <= 12 * 4 * 16
+    assert rows["kv4@12"]["pool_bytes"] <= BUDGET_GIB * 2**30
+
+
 def test_model_folder_and_one_repeat(tiny_qwen3, tmp_path, one_thread):
     path, _ = tiny_qwen3
     out = tmp_path / "r.json"
@@ -139,6 +159,9 @@ def test_speedups_are_ratios_of_medians_with_extreme_range():
     (["engine.max_model_len=99"], "engine.max_model_len is set by --prompt-len + --max-len"),
     (["engine.kv.format=fp8"], "engine.kv.format is set by --formats"),
     (["--formats", ""], "--formats is empty"),
+    (["--formats", "bf16,kv4@0"], "--formats kv4@0: the slots after '@' must be a whole number >= 1"),
+    (["--formats", "kv4@x"], "--formats kv4@x: the slots after '@'"),
+    (["--formats", "kv5@16"], "--formats: unknown kv5@16"),
     pytest.param(["--device", "cuda"], "CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
 ])
@@ -169,7 +192,7 @@ def _script_commands() -> dict[str, list[str]]:
 
 def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
     commands = _script_commands()
-    assert set(commands) == {"qwen3_1p7b", "qwen3_8b"}
+    assert set(commands) == {"qwen3_1p7b", "qwen3_1p7b_256", "qwen3_8b"}
     for name, argv in commands.items():
         argv = [a.replace("$OUT", str(tmp_path / "out")) for a in argv]
         res = runner.invoke(app, [*argv, "--validate-only"])
@@ -179,6 +202,7 @@ def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
         commands["qwen3_1p7b"])
     assert {"--shape", "qwen3-8b", "--kv-budget-gib", "40", "--median-len", "1024", "--max-len", "8192"} <= set(
         commands["qwen3_8b"])
+    assert {"bf16,kv4@256", "--max-slots", "128"} <= set(commands["qwen3_1p7b_256"])
     # 40 GiB of bf16 pages for Qwen3-8B: 36 layers x 8 KV heads x 128 x K,V x 2 bytes per token, blocks of 16
     res = runner.invoke(app, [*commands["qwen3_8b"], "--validate-only"])
     blocks = 40 * 2**30 // (16 * 36 * 8 * 128 * 2 * 2)

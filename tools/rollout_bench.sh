@@ -24,6 +24,14 @@ qwen3_1p7b() {
         engine.gpu_memory_fraction=0.6 --json $OUT/rollout_qwen3_1p7b.json --png $OUT/rollout_qwen3_1p7b.png $ROLLOUT_ARGS
 }
 
+# The same workload with KV4 given 256 decode slots (its pool in 60% of the GPU holds them): partial
+# rollout keeps twice the responses in flight where BF16 has 128. bf16 sync is the reference again.
+qwen3_1p7b_256() {
+    timeout 590 python -m kv4rl.cli bench rollout --shape qwen3-1.7b --formats bf16,kv4@256 --modes sync,partial \
+        --quota-groups 16 --group-size 8 --prompt-len 256 --median-len 512 --max-len 4096 --max-slots 128 \
+        engine.gpu_memory_fraction=0.6 --json $OUT/rollout_qwen3_1p7b_256.json --png $OUT/rollout_qwen3_1p7b_256.png $ROLLOUT_ARGS
+}
+
 # Qwen3-8B shape, 40 GiB of KV for every format (bf16: 291,264 tokens, fewer than 128 slots at their
 # longest), median 1024 / max 8192 tokens.
 qwen3_8b() {

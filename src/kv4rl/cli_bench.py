@@ -256,7 +256,9 @@ def bench_rollout_cmd(
                         "qwen3-tiny for tests)")] = None,
     model: Annotated[Path | None, Option(
         "--model", help="HF checkpoint folder (default without --shape: embedded tiny model)")] = None,
-    formats: Annotated[str, Option("--formats", help="comma-separated KV formats")] = "bf16,kv4",
+    formats: Annotated[str, Option(
+        "--formats", help="comma-separated KV formats, each optionally with its own decode slots "
+                          "(kv4@256; default --max-slots)")] = "bf16,kv4",
     modes: Annotated[str, Option("--modes", help="comma-separated rollout modes: sync, partial")] = "sync,partial",
     repeats: Annotated[int, Option("--repeats", help="timed repeats per format and mode, after a warm-up")] = 3,
     batches: Annotated[int, Option("--batches", help="learner batches timed in each repeat")] = 1,

@@ -101,24 +101,38 @@ class RolloutBench:
     engine_keys: frozenset[str] = frozenset()
 
 
+def format_slots(label: str, default: int) -> tuple[str, int]:
+    """`kv4@256` -> ("kv4", 256): a format of `--formats` with its own decode slots (partial rollout keeps
+    that many responses in flight, so a format whose cache holds more can run more in the same budget);
+    `kv4` -> ("kv4", default). Raises ValueError naming the bad entry."""
+    fmt, at, slots = label.partition("@")
+    if not at:
+        return fmt, default
+    if not slots.isdigit() or int(slots) < 1:
+        raise ValueError(f"--formats {label}: the slots after '@' must be a whole number >= 1, e.g. kv4@256")
+    return fmt, int(slots)
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Validated options: the model's shape, the device, and per format its engine config and footprint."""
+    """Validated options: the model's shape, the device, and per format entry (`kv4` or `kv4@256`) its
+    engine config, footprint and decode slots."""
 
     bench: RolloutBench
     args: ModelArgs
     device: torch.device
     configs: dict[str, EngineConfig]
     footprints: dict[str, KVFootprint]
+    slots: dict[str, int]
 
-    def pool_line(self, fmt: str) -> str:
-        cfg, fp = self.configs[fmt], self.footprints[fmt]
+    def pool_line(self, label: str) -> str:
+        cfg, fp = self.configs[label], self.footprints[label]
         page = f"{fp.block_bytes / fp.block_size:,.0f} B/token in pages"
         if cfg.num_kv_blocks is None:
-            return f"{fmt}: {page}, pool sized by the engine ({_engine_sizing(self.device, cfg)})"
+            return f"{label}: {page}, pool sized by the engine ({_engine_sizing(self.device, cfg)})"
         tokens = cfg.num_kv_blocks * fp.block_size
-        total = fp.total_bytes(cfg.num_kv_blocks, self.bench.workload.max_slots)
-        return f"{fmt}: {page}, pool {tokens:,} tokens ({format_bytes(total)})"
+        total = fp.total_bytes(cfg.num_kv_blocks, self.slots[label])
+        return f"{label}: {page}, pool {tokens:,} tokens ({format_bytes(total)})"
 
 
 def _engine_sizing(device: torch.device, cfg: EngineConfig) -> str:
@@ -184,9 +198,14 @@ def _budget_blocks(fmt: str, fp: KVFootprint, gib: float, slots: int, max_model_
 def prepare(bench: RolloutBench) -> Plan:
     """Check every option against the model and device and size each pool; builds nothing, so a bad
     option fails in a moment instead of after minutes of benchmarking. Raises ValueError."""
-    _unique("formats", bench.formats, KV_FORMATS)
-    _unique("modes", bench.modes, MODES)
     work = bench.workload
+    _unique("formats", bench.formats, bench.formats)  # none, or one named twice
+    entries = {label: format_slots(label, work.max_slots) for label in bench.formats}
+    unknown = [label for label, (fmt, _) in entries.items() if fmt not in KV_FORMATS]
+    if unknown:
+        raise ValueError(f"--formats: unknown {', '.join(unknown)} (known: {', '.join(sorted(KV_FORMATS))}, "
+                         "each optionally with its own decode slots, e.g. kv4@256)")
+    _unique("modes", bench.modes, MODES)
     work.validate()
     if bench.repeats < 1 or bench.batches < 1:
         raise ValueError(f"--repeats and --batches must be >= 1, got {bench.repeats} and {bench.batches}")
@@ -203,15 +222,15 @@ def prepare(bench: RolloutBench) -> Plan:
         raise ValueError(f"--prompt-len + --max-len = {work.max_model_len} exceeds the model's context of "
                          f"{args.max_position_embeddings} tokens")
     device = resolve_device(bench.device)
-    configs, footprints = {}, {}
-    for fmt in bench.formats:
+    configs, footprints, slots = {}, {}, {}
+    for label, (fmt, n) in entries.items():
         cfg = _format_config(bench, fmt, args.head_dim)
         fp = kv_footprint(kv_format_from_config(cfg.kv), args.num_layers, args.num_kv_heads, args.head_dim,
                           cfg.kv.block_size)
         if bench.kv_budget_gib is not None:
-            cfg.num_kv_blocks = _budget_blocks(fmt, fp, bench.kv_budget_gib, work.max_slots, work.max_model_len)
-        configs[fmt], footprints[fmt] = cfg, fp
-    return Plan(bench, args, device, configs, footprints)
+            cfg.num_kv_blocks = _budget_blocks(label, fp, bench.kv_budget_gib, n, work.max_model_len)
+        configs[label], footprints[label], slots[label] = cfg, fp, n
+    return Plan(bench, args, device, configs, footprints, slots)
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -284,23 +303,24 @@ def _step_kinds(steps: list[dict], batches: int) -> dict:
 
 
 def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: ProgressFn) -> tuple[dict, list[dict]]:
-    """Warm up, time the repeats, and summarise one corner; also its last repeat's per-step trace."""
+    """Warm up, time the repeats, and summarise one corner; also its last repeat's per-step trace.
+    `fmt`: a `--formats` entry (`kv4`, or `kv4@256` with its own slots)."""
     bench, work = plan.bench, plan.bench.workload
     prompts = _Prompts(plan.args.vocab_size, work.prompt_len, work.seed)
     rcfg = RolloutConfig(mode=mode, quota_groups=work.quota_groups, group_size=work.group_size,
-                         max_slots=work.max_slots)
+                         max_slots=plan.slots[fmt])
     collector = Collector(engine, prompts, prompts, rcfg, seed=work.seed, max_tokens_fn=work.length)
     progress(f"{fmt} {mode}: warm-up", 0)
     collector.collect()
     preempted = engine.num_preemptions
     seconds, traces = _timed_repeats(collector, bench, f"{fmt} {mode}", progress)
     steps = [s for trace in traces for s in trace]
-    fp, slots = plan.footprints[fmt], work.max_slots
+    fp, slots = plan.footprints[fmt], plan.slots[fmt]
     num_blocks = engine.pool_tokens // fp.block_size
     active = [s["batch_size"] for s in steps]
     spread = summarize(seconds)
     row = {
-        "format": fmt, "mode": mode,
+        "format": fmt, "mode": mode, "kv_format": plan.configs[fmt].kv.format, "slots": slots,
         "rollout_s": spread["median"], "rollout_s_min": spread["min"], "rollout_s_max": spread["max"],
         "rollout_s_q1": spread["q1"], "rollout_s_q3": spread["q3"], "rollout_s_repeats": seconds,
         "tokens_per_s": sum(active) / (sum(seconds) * bench.batches),  # tokens sampled in the timed batches
@@ -346,7 +366,7 @@ def bench_rollout(plan: Plan, progress: ProgressFn | None = None) -> tuple[dict,
     rows, traces, summaries = [], {}, {}
     for fmt in bench.formats:
         for mode in bench.modes:
-            engine = Engine.from_model(decoder, copy.deepcopy(plan.configs[fmt]), max_num_seqs=bench.workload.max_slots,
+            engine = Engine.from_model(decoder, copy.deepcopy(plan.configs[fmt]), max_num_seqs=plan.slots[fmt],
                                        seed=bench.workload.seed)
             summaries[fmt] = engine.summary
             row, traces[f"{fmt} {mode}"] = _run_corner(engine, plan, fmt, mode, progress)
