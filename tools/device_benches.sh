@@ -45,7 +45,8 @@ merged() {  # engine.merge_projections: one GEMM for q|k|v and one for gate|up, 
 
 learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense mask, and vs padded rows, 1.7B
     # shape (~4 min on 2026-12-01; each variant is printed and the JSON rewritten as soon as it is timed)
-    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_learner_flex_gpu.py tests/gpu/test_learner_gpu.py \
+    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_learner_flex_gpu.py tests/gpu/test_learner_gpu.py \
+        tests/gpu/test_fused_elementwise_gpu.py \
         > $OUT/learner_tests.txt 2>&1; tail -4 $OUT/learner_tests.txt
     timeout 180 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload uniform --layouts packed \
         --attention flex --fuse-elementwise off,on --checkpointing off --reference off --steps 2 \
