@@ -34,6 +34,7 @@ def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
     assert [line.split(":")[0].strip() for line in res.output.splitlines() if "s per iteration" in line] == [
         "1/3 bf16+sync", "2/3 kv4+partial@5", "3/3 fp8w+kv4+partial"]
     assert r["max_tokens_per_micro_batch"] == 64 and r["attention"] == "auto"  # the learner packs, as train does
+    assert r["fuse_elementwise"] is False
     assert r["phases"] == ["rollout", "reward", "update", "sync", "sleep_wake", "other"]
     rows = r["results"]
     assert [(x["arm"], x["kv_format"], x["mode"], x["weights"], x["slots"]) for x in rows] == [
@@ -64,9 +65,12 @@ def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
 
 def test_without_sleep_the_sleep_phase_is_zero(tmp_path, one_thread):
     out = tmp_path / "it.json"
-    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+partial", "--no-sleep", "--json", str(out)])
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+partial", "--no-sleep", "--fuse-elementwise",
+                              "--json", str(out)])
     assert res.exit_code == 0, res.output
-    (x,) = json.loads(out.read_text())["results"]
+    r = json.loads(out.read_text())
+    assert r["fuse_elementwise"] is True  # the learner of every arm runs trainer.fuse_elementwise
+    (x,) = r["results"]
     assert x["phases"]["sleep_wake"] == 0.0 and "asleep" not in x["engine_summary"]
 
 

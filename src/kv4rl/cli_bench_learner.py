@@ -58,6 +58,9 @@ def register_learner_benches(app: typer.Typer) -> None:
         attention: Annotated[str, Option(
             "--attention", help="learner attention: auto (flex on CUDA when packing), sdpa, flex")] = "auto",
         grad_checkpointing: Annotated[bool, Option("--grad-checkpointing/--no-grad-checkpointing")] = False,
+        fuse_elementwise: Annotated[bool, Option(
+            "--fuse-elementwise/--no-fuse-elementwise", help="trainer.fuse_elementwise: the learner's RMSNorms "
+                                                             "and SwiGLU through compiled functions")] = False,
         lr: Annotated[float, Option("--lr", help="learner learning rate")] = 1e-6,
         sleep: Annotated[bool, Option(
             "--sleep/--no-sleep", help="engine frees its KV pool during the update (engine.sleep_between_rollouts)")]
@@ -84,7 +87,7 @@ def register_learner_benches(app: typer.Typer) -> None:
                 workload=Workload(quota_groups=quota, group_size=group, max_slots=slots or quota * group,
                                   prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
                 micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens, attention=attention,
-                grad_checkpointing=grad_checkpointing, lr=lr, sleep=sleep,
+                grad_checkpointing=grad_checkpointing, fuse_elementwise=fuse_elementwise, lr=lr, sleep=sleep,
                 device=device, engine=engine_config(overrides),
                 engine_keys=frozenset(".".join(parse_override(o)[0]) for o in overrides))
             configs = prepare(bench)

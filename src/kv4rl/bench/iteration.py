@@ -103,6 +103,7 @@ class IterationBench:
     max_tokens_per_micro_batch: int | None = None  # packed micro-batches of this many tokens; None: padded
     attention: str = "auto"
     grad_checkpointing: bool = False
+    fuse_elementwise: bool = False  # trainer.fuse_elementwise
     lr: float = 1e-6
     sleep: bool = True
     device: str = "auto"
@@ -132,6 +133,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
     t.iterations, t.micro_batch_size, t.grad_checkpointing, t.lr, t.warmup_iters = (
         bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
     t.max_tokens_per_micro_batch, t.attention = bench.max_tokens_per_micro_batch, bench.attention
+    t.fuse_elementwise = bench.fuse_elementwise
     try:
         cfg.validate()
         kv_format_from_config(e.kv).check(head_dim, work.max_model_len)
@@ -272,6 +274,7 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
             "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
             "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
+            "fuse_elementwise": bench.fuse_elementwise,
             "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
             "complete": complete, "results": rows,
         }
