@@ -33,7 +33,7 @@ import torch
 
 from kv4rl.bench.fidelity import default_allocation
 from kv4rl.bench.random_model import qwen3_args, random_model_dir
-from kv4rl.bench.rollout import MODES, Workload, _Prompts
+from kv4rl.bench.rollout import MODES, Workload, _Prompts, split_slots
 from kv4rl.config import RunConfig
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
@@ -68,13 +68,7 @@ def parse_arms(text: str) -> list[Arm]:
         raise ValueError("--arms is empty")
     out = []
     for label in arms:
-        spec, at, slots_text = label.partition("@")
-        slots = None
-        if at:
-            if not slots_text.isdigit() or int(slots_text) < 1:
-                raise ValueError(f"--arms {label!r}: the slots after '@' must be a whole number >= 1, "
-                                 f"e.g. kv4+partial@256")
-            slots = int(slots_text)
+        spec, slots = split_slots(label, "--arms", "kv4+partial@256")
         parts = spec.split("+")
         kv = [p for p in parts if p in KV_FORMATS]
         mode = [p for p in parts if p in MODES]

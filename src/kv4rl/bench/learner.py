@@ -10,8 +10,8 @@ it runs; `N` counts the weights of every linear layer (the LM head included, the
 not), attention is causal (`6·s²·heads·head_dim` per layer and sequence for forward + backward, a
 third of that for a forward). Activation checkpointing's recomputation is not counted (model FLOPs,
 not hardware FLOPs). `fuse` times the policy with and/or without `trainer.fuse_elementwise` (the
-reference forward, shared by the variants, stays unfused). MFU is against 989 TFLOP/s (H100/H200 dense BF16) and also given against
-780 TFLOP/s. A variant that runs out of GPU memory is reported as such and the others still run. Padded rows always
+reference forward, shared by the variants, stays unfused). MFU is against 989 TFLOP/s (H100/H200
+dense BF16) and also given against 780 TFLOP/s. A variant that runs out of GPU memory is reported as such and the others still run. Padded rows always
 run SDPA; FlexAttention's one-off compilation falls in the warm-up step. Each variant is handed to
 `on_result` as soon as it is timed, so a run stopped by a time limit keeps what it measured.
 """

@@ -101,16 +101,16 @@ class RolloutBench:
     engine_keys: frozenset[str] = frozenset()
 
 
-def format_slots(label: str, default: int) -> tuple[str, int]:
-    """`kv4@256` -> ("kv4", 256): a format of `--formats` with its own decode slots (partial rollout keeps
-    that many responses in flight, so a format whose cache holds more can run more in the same budget);
-    `kv4` -> ("kv4", default). Raises ValueError naming the bad entry."""
-    fmt, at, slots = label.partition("@")
+def split_slots(label: str, option: str, example: str) -> tuple[str, int | None]:
+    """`kv4@256` -> ("kv4", 256), `kv4` -> ("kv4", None): an entry of `--formats` (or an arm of `bench
+    iteration`) with its own decode slots; partial rollout keeps that many responses in flight, so a
+    format whose cache holds more can run more in the same memory. Raises ValueError naming the entry."""
+    spec, at, slots = label.partition("@")
     if not at:
-        return fmt, default
+        return spec, None
     if not slots.isdigit() or int(slots) < 1:
-        raise ValueError(f"--formats {label}: the slots after '@' must be a whole number >= 1, e.g. kv4@256")
-    return fmt, int(slots)
+        raise ValueError(f"{option} {label}: the slots after '@' must be a whole number >= 1, e.g. {example}")
+    return spec, int(slots)
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,8 @@ def prepare(bench: RolloutBench) -> Plan:
     option fails in a moment instead of after minutes of benchmarking. Raises ValueError."""
     work = bench.workload
     _unique("formats", bench.formats, bench.formats)  # none, or one named twice
-    entries = {label: format_slots(label, work.max_slots) for label in bench.formats}
+    entries = {label: split_slots(label, "--formats", "kv4@256") for label in bench.formats}
+    entries = {label: (fmt, n or work.max_slots) for label, (fmt, n) in entries.items()}
     unknown = [label for label, (fmt, _) in entries.items() if fmt not in KV_FORMATS]
     if unknown:
         raise ValueError(f"--formats: unknown {', '.join(unknown)} (known: {', '.join(sorted(KV_FORMATS))}, "

@@ -176,8 +176,8 @@ class ModelRunner:
         decode, rest, computed = [], [], []  # one pass over the batch (per-step host work)
         for s in seqs:
             assert s.seq_slot >= 0, "only running (scheduled) sequences can be forwarded"
-            new = len(s.prompt_ids) + len(s.output_ids) - s.num_cached_tokens  # s.num_new_tokens
-            computed.append(min(new, s.chunk) if s.chunk else new)  # s.num_step_tokens
+            _, new, step = s.step_counts()
+            computed.append(step)
             (decode if new == 1 and self.fast is not None else rest).append(s)
         host = self.fast.host_inputs(decode) if decode else None
         if not rest and self.graphs is not None and self.graphs.bucket(len(decode)) is not None:

@@ -86,9 +86,9 @@ class Scheduler:
         running = self._decode_batch()
         prefilling = []  # (seq, its new tokens): prompts still prefilling in chunks
         decodes = 0
-        for seq in running:  # one pass, no properties: this is per-step host work at every batch size
+        for seq in running:  # one pass: this is per-step host work at every batch size
             seq.chunk = 0
-            new = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_cached_tokens
+            _, new, _ = seq.step_counts()
             if new > 1:
                 prefilling.append((seq, new))
             decodes += new == 1
@@ -200,7 +200,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if len(seq.block_table) * block_size >= len(seq.prompt_ids) + len(seq.output_ids):
+            if len(seq.block_table) * block_size >= len(seq):
                 batch.append(seq)  # its blocks already cover it: most sequences at most steps
                 i += 1
                 continue

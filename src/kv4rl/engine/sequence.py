@@ -113,6 +113,13 @@ class Sequence:
         new = self.num_new_tokens
         return min(new, self.chunk) if self.chunk else new
 
+    def step_counts(self) -> tuple[int, int, int]:
+        """(`len(self)`, `num_new_tokens`, `num_step_tokens`) in one call: the scheduler, the runner and
+        the step's tally read them for every row of every step, where chained properties cost host time."""
+        length = len(self.prompt_ids) + len(self.output_ids)
+        new = length - self.num_cached_tokens
+        return length, new, (min(new, self.chunk) if self.chunk else new)
+
     @property
     def samples_this_step(self) -> bool:
         """The next forward reaches the newest token, so its logits give the next token to sample."""
