@@ -23,13 +23,13 @@ from kv4rl.engine import memory
 from kv4rl.engine.block_manager import BlockManager
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.merged_linears import merged_state_dict, unmerged_state_dict
-from kv4rl.engine.placement import resolve_device, resolve_dtype
+from kv4rl.engine.placement import place_model
 from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
 from kv4rl.models.decoder import Decoder
-from kv4rl.models.tensor_parallel import TensorParallel, tensor_parallel_group
+from kv4rl.models.tensor_parallel import tensor_parallel_group
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +40,6 @@ def request_seed(seed: int, index: int) -> int:
 
     mixed = splitmix64(torch.tensor([seed * 1_000_003 + index], dtype=torch.long))
     return int(mixed) & (2**62 - 1)
-
-
-def _place_model(model_dir, model: Decoder | None, device, dtype,
-                 tp: TensorParallel) -> tuple[Decoder, torch.device, torch.dtype]:
-    """The engine's model with its device and dtype: loaded from `model_dir` (this rank's shard) or taken
-    as it is placed."""
-    if (model is None) == (model_dir is None):
-        raise ValueError("Engine needs exactly one of a model folder and an in-memory model")
-    if model is not None:  # it is already placed: its device and dtype are the engine's
-        if (device, dtype) != ("auto", "auto"):
-            raise ValueError("an in-memory model fixes the engine's device and dtype; leave them 'auto'")
-        built = 1 if model.tp is None else model.tp.size
-        if built != tp.size:
-            raise ValueError(f"the in-memory model is sharded over {built} ranks, engine.tensor_parallel={tp.size}")
-        param = next(model.parameters())
-        return model, param.device, param.dtype
-    from kv4rl.models.hf_weights import load_model
-
-    device = device if isinstance(device, torch.device) else resolve_device(device)
-    dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
-    return load_model(model_dir, device, dtype, tp=tp)[0], device, dtype
 
 
 class Engine:
@@ -82,7 +61,7 @@ class Engine:
         config.validate()
         self.config = config
         self.tp = tensor_parallel_group(config.tensor_parallel)
-        self.model, self.device, self.dtype = _place_model(model_dir, model, device, dtype, self.tp)
+        self.model, self.device, self.dtype = place_model(model_dir, model, device, dtype, self.tp)
         self.args = self.model.args
         self.tokenizer = tokenizer
         self.plan = make_plan(config, self.args, self.dtype, probe_capabilities(self.device), max_num_seqs)
@@ -206,10 +185,8 @@ class Engine:
         kv_blocks, shared_blocks = blocks.num_blocks - blocks.num_free_blocks, blocks.num_shared_blocks
         new_tokens = prefill_tokens = context = 0
         rows = []  # the rows that sample: not a prompt chunk short of its end
-        for i, s in enumerate(seqs):  # one pass, no properties: per-step host work at every batch size
-            length = len(s.prompt_ids) + len(s.output_ids)
-            new = length - s.num_cached_tokens
-            step = min(new, s.chunk) if s.chunk else new
+        for i, s in enumerate(seqs):  # one pass: per-step host work at every batch size
+            length, new, step = s.step_counts()
             new_tokens += step
             prefill_tokens += step if new > 1 else 0
             context += length

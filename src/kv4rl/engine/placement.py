@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kv4rl.models.decoder import Decoder
+    from kv4rl.models.tensor_parallel import TensorParallel
 
 
 def resolve_device(name: str) -> torch.device:
@@ -28,3 +33,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in table:
         raise ValueError(f"model.dtype: unknown dtype '{name}' (known: auto, {', '.join(table)})")
     return table[name]
+
+
+def place_model(model_dir, model: Decoder | None, device, dtype,
+                tp: TensorParallel) -> tuple[Decoder, torch.device, torch.dtype]:
+    """The engine's model with its device and dtype: loaded from `model_dir` (this rank's shard) or taken
+    as it is placed."""
+    if (model is None) == (model_dir is None):
+        raise ValueError("Engine needs exactly one of a model folder and an in-memory model")
+    if model is not None:  # it is already placed: its device and dtype are the engine's
+        if (device, dtype) != ("auto", "auto"):
+            raise ValueError("an in-memory model fixes the engine's device and dtype; leave them 'auto'")
+        built = 1 if model.tp is None else model.tp.size
+        if built != tp.size:
+            raise ValueError(f"the in-memory model is sharded over {built} ranks, engine.tensor_parallel={tp.size}")
+        param = next(model.parameters())
+        return model, param.device, param.dtype
+    from kv4rl.models.hf_weights import load_model
+
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device)
+    return load_model(model_dir, device, dtype, tp=tp)[0], device, dtype
