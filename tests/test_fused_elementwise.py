@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kv4rl.config import RunConfig, TrainerConfig
-from kv4rl.trainer.fused_elementwise import fuse_elementwise, rms_norm, silu_mul
+from kv4rl.trainer.fused_elementwise import can_fuse, fuse_elementwise, rms_norm, silu_mul
 from tests.test_learner_fsdp import make, ragged_batch
 
 
@@ -60,6 +60,17 @@ def test_a_model_without_a_known_norm_is_refused_by_name():
         fuse_elementwise(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
 
 
+def test_by_default_only_a_cuda_learner_with_a_known_norm_fuses(tiny_qwen3):
+    path, _ = tiny_qwen3
+    assert make(path, False).fused_elementwise is None  # CPU: compiling costs more than it saves
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    assert can_fuse(AutoModelForCausalLM.from_pretrained(path))
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    assert not can_fuse(gpt2)  # LayerNorm: the CUDA default leaves such a model eager instead of refusing it
+
+
 def test_the_setting_is_a_trainer_option():
-    assert TrainerConfig().fuse_elementwise is False
+    assert TrainerConfig().fuse_elementwise is None  # on for CUDA
+    RunConfig(device="cpu", trainer=TrainerConfig(fuse_elementwise=False)).validate()
     RunConfig(device="cpu", trainer=TrainerConfig(fuse_elementwise=True)).validate()

@@ -58,9 +58,10 @@ def register_learner_benches(app: typer.Typer) -> None:
         attention: Annotated[str, Option(
             "--attention", help="learner attention: auto (flex on CUDA when packing), sdpa, flex")] = "auto",
         grad_checkpointing: Annotated[bool, Option("--grad-checkpointing/--no-grad-checkpointing")] = False,
-        fuse_elementwise: Annotated[bool, Option(
+        fuse_elementwise: Annotated[bool | None, Option(
             "--fuse-elementwise/--no-fuse-elementwise", help="trainer.fuse_elementwise: the learner's RMSNorms "
-                                                             "and SwiGLU through compiled functions")] = False,
+                                                             "and SwiGLU through compiled functions (default: on "
+                                                             "for CUDA)")] = None,
         lr: Annotated[float, Option("--lr", help="learner learning rate")] = 1e-6,
         sleep: Annotated[bool, Option(
             "--sleep/--no-sleep", help="engine frees its KV pool during the update (engine.sleep_between_rollouts)")]
@@ -148,7 +149,8 @@ def register_learner_benches(app: typer.Typer) -> None:
             "--reference", help="comma-separated reference-forward settings: off, on")] = "off,on",
         fuse: Annotated[str, Option(
             "--fuse-elementwise", help="comma-separated trainer.fuse_elementwise settings: off, on (RMSNorms and "
-                                       "SwiGLU through compiled functions)")] = "off",
+                                       "SwiGLU through compiled functions; default: on for CUDA, off on the "
+                                       "CPU, as trainer.fuse_elementwise)")] = "",
         steps: Annotated[int, Option("--steps", help="timed steps per variant, after one warm-up step")] = 2,
         device: Annotated[str, Option("--device")] = "auto",
         seed: Annotated[int, Option("--seed")] = 0,
@@ -170,9 +172,10 @@ def register_learner_benches(app: typer.Typer) -> None:
             layout_list = option_list(layouts, "--layouts", known=["padded", "packed"])
             ckpt_list = [switch[v] for v in option_list(checkpointing, "--checkpointing", known=list(switch))]
             ref_list = [switch[v] for v in option_list(reference, "--reference", known=list(switch))]
-            fuse_list = [switch[v] for v in option_list(fuse, "--fuse-elementwise", known=list(switch))]
             check_device(device)
             dev = resolve_device(device)
+            fuse_list = [switch[v] for v in option_list(fuse or ("on" if dev.type == "cuda" else "off"),
+                                                        "--fuse-elementwise", known=list(switch))]
             attention_list = option_list(attention or ("sdpa,flex" if dev.type == "cuda" else "sdpa"), "--attention",
                                          known=["sdpa", "flex"])
             if "flex" in attention_list and dev.type != "cuda":

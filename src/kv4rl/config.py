@@ -79,7 +79,8 @@ class TrainerConfig:
     offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW state on the CPU (CUDA only)
     max_tokens_per_micro_batch: int | None = None  # pack rows without padding up to this many tokens; null: padded
     attention: str = "auto"  # auto (flex on CUDA when packing, else sdpa), sdpa or flex (CUDA only)
-    fuse_elementwise: bool = False  # RMSNorms and SwiGLU through torch.compile'd functions (trainer/fused_elementwise.py)
+    # RMSNorms and SwiGLU through torch.compile'd functions (trainer/fused_elementwise.py); null: on for CUDA
+    fuse_elementwise: bool | None = None
     ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
 
     def learning_rate(self, iteration: int) -> float:

@@ -97,7 +97,7 @@ class IterationBench:
     max_tokens_per_micro_batch: int | None = None  # packed micro-batches of this many tokens; None: padded
     attention: str = "auto"
     grad_checkpointing: bool = False
-    fuse_elementwise: bool = False  # trainer.fuse_elementwise
+    fuse_elementwise: bool | None = None  # trainer.fuse_elementwise (None: on for CUDA)
     lr: float = 1e-6
     sleep: bool = True
     device: str = "auto"
@@ -268,7 +268,7 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
             "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
             "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
-            "fuse_elementwise": bench.fuse_elementwise,
+            "fuse_elementwise": device.type == "cuda" if bench.fuse_elementwise is None else bench.fuse_elementwise,
             "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
             "complete": complete, "results": rows,
         }

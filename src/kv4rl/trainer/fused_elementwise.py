@@ -80,6 +80,11 @@ def _is_swiglu(module: nn.Module) -> bool:
         getattr(module, "act_fn", None))
 
 
+def can_fuse(model: nn.Module) -> bool:
+    """Whether `model` has a norm `fuse_elementwise` recognises (the default on CUDA fuses only then)."""
+    return any(_is_norm(m) for m in model.modules())
+
+
 def fuse_elementwise(model: nn.Module) -> dict[str, int]:
     """Route every RMSNorm and SwiGLU MLP of `model` through the compiled functions (in place, before
     FSDP2 wraps it); returns how many of each were patched. Raises ValueError if it finds no norm."""
