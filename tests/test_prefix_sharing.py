@@ -26,9 +26,10 @@ def ckpt(tmp_path_factory):
     return path, make_checkpoint(path, head_dim=32, max_position_embeddings=128)
 
 
-def make_engine(path, fmt, sharing, num_blocks=None, max_num_seqs=16):
+def make_engine(path, fmt, sharing, num_blocks=None, max_num_seqs=16, together=True):
     kv = KVConfig(format=fmt, block_size=4, group_size=32, n_sink=2, n_recent=4)
-    cfg = EngineConfig(kv=kv, max_model_len=48, num_kv_blocks=num_blocks, prefix_sharing=sharing)
+    cfg = EngineConfig(kv=kv, max_model_len=48, num_kv_blocks=num_blocks, prefix_sharing=sharing,
+                       admit_siblings_together=together)
     return Engine(path, cfg, max_num_seqs=max_num_seqs, device="cpu", dtype=torch.float64)
 
 
@@ -137,6 +138,31 @@ def test_groups_sample_the_same_with_and_without_sharing(ckpt, reference, fmt):
             want = logits.log_softmax(-1).gather(1, torch.tensor(s.output_ids)[:, None]).squeeze(1)
             torch.testing.assert_close(torch.tensor(s.output_logprobs, dtype=torch.float64), want, atol=1e-4,
                                        rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "kv4"])
+def test_groups_admitted_as_slots_free_sample_the_same_and_fork_more_when_admitted_whole(ckpt, reference, fmt):
+    """Five slots for four groups of four whose responses end at staggered lengths, so slots free a
+    few at a time as in partial rollout: every response is the reference's (sharing off, all at once)
+    cut at its length, whether groups are admitted a slot at a time or whole; whole, every follower
+    forks (admitted a slot at a time, some prefill their prompt again)."""
+    path, _ = ckpt
+    prompts = group_prompts()
+    saved = {}
+    for together in (False, True):
+        engine = make_engine(path, fmt, sharing=True, max_num_seqs=5, together=together)
+        lengths = [3 + (5 * i) % 10 for i in range(G * len(prompts))]
+        seqs = [engine.add_request(prompts[g], SamplingParams(temperature=1.0, max_tokens=lengths[g * G + j],
+                                                              ignore_eos=True), sample_seed=100 * g + j)
+                for g in range(len(prompts)) for j in range(G)]
+        got = run(engine, seqs)
+        for (tokens, logprobs), (want_tokens, want_logprobs), n in zip(got, reference[fmt], lengths):
+            assert tokens == want_tokens[:n]
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs[:n]), atol=1e-5, rtol=0)
+        saved[together] = engine.num_prefill_tokens_saved
+        assert_all_free(engine)
+    assert saved[True] == (G - 1) * sum(n - 1 for n in PROMPT_LENS)  # every follower forked
+    assert saved[False] < saved[True]
 
 
 def test_peak_blocks_drop_by_the_shared_prompt_blocks(ckpt):

@@ -10,13 +10,14 @@ from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.sequence import SamplingParams, Sequence, Status
 
 
-def drive(num_requests, num_blocks, block_size, max_seqs, seed, prefix_sharing=False):
+def drive(num_requests, num_blocks, block_size, max_seqs, seed, prefix_sharing=False, together=False):
     """Simulate the engine loop with scripted lengths; the 'model' emits token 1, EOS is 0.
 
     Prompts are runs of one token, so with `prefix_sharing` many requests share them."""
     rng = random.Random(seed)
     blocks = BlockManager(num_blocks, block_size)
-    sched = Scheduler(blocks, max_seqs, max_num_batched_tokens=64, max_model_len=64, prefix_sharing=prefix_sharing)
+    sched = Scheduler(blocks, max_seqs, max_num_batched_tokens=64, max_model_len=64, prefix_sharing=prefix_sharing,
+                      admit_siblings_together=together)
     want = {}
     seqs = []
     for _ in range(num_requests):
@@ -70,11 +71,13 @@ def test_every_request_finishes_exactly_once_with_preemption(seed, prefix_sharin
     assert sched.blocks.num_free_blocks == 8
 
 
+@pytest.mark.parametrize("together", [False, True])
 @pytest.mark.parametrize("seed", range(10))
-def test_shared_prompts_with_preemption_keep_the_invariants(seed):
-    """Many equal prompts and a pool of 28 blocks: forks and preemptions both happen."""
+def test_shared_prompts_with_preemption_keep_the_invariants(seed, together):
+    """Many equal prompts and a pool of 28 blocks: forks and preemptions both happen (with the groups
+    admitted whole or a slot at a time)."""
     seqs, finished, sched, want = drive(num_requests=40, num_blocks=28, block_size=4, max_seqs=16, seed=seed,
-                                        prefix_sharing=True)
+                                        prefix_sharing=True, together=together)
     assert sched.num_forks > 0
     assert sorted(s.seq_id for s in finished) == sorted(s.seq_id for s in seqs)
     assert all(len(s.output_ids) == want[s.seq_id] for s in seqs)
@@ -202,3 +205,59 @@ def test_requests_that_stop_after_their_prefill_do_not_hold_back_their_group():
     for s in group:
         sched.add(s)
     assert sched.schedule() == group
+
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_group_queued_behind_busy_slots_forks_one_prefill_when_admitted_together(together):
+    """Partial rollout's pattern: 4 slots busy with other prompts, one of them finishing every other
+    step, a group of 3 queued behind. Admitted a slot at a time, each sibling comes a step after the
+    one before decoded past the prompt and prefills it again (hand-traced: steps 2, 4, 6; 18 tokens);
+    admitted together, the group waits for 3 free slots (step 6), prefills once and forks twice."""
+    sched = Scheduler(BlockManager(64, 4), 4, 64, 64, prefix_sharing=True, admit_siblings_together=together)
+    runners = [Sequence([10 + i] * 3, SamplingParams(max_tokens=50)) for i in range(4)]
+    group = [Sequence(list(range(6)), SamplingParams(max_tokens=50)) for _ in range(3)]
+    for s in [*runners, *group]:
+        sched.add(s)
+    prefilled, admitted_at = 0, {}
+    for step in range(9):
+        batch = sched.schedule()
+        for s in batch:
+            if s in group and s.seq_id not in admitted_at:
+                admitted_at[s.seq_id] = step
+                prefilled += 0 if s.fork is not None else s.num_new_tokens
+        run_batch(sched, batch)
+        if step in (1, 3, 5):
+            sched.finish(runners[step // 2], "stop")
+    if together:
+        assert [admitted_at[s.seq_id] for s in group] == [6, 7, 7] and prefilled == 6
+        assert sched.num_sibling_waits == 4  # steps 2-5 had 1 or 2 free slots for a group of 3
+        assert group[1].block_table[0] == group[2].block_table[0] == group[0].block_table[0]
+    else:
+        assert [admitted_at[s.seq_id] for s in group] == [2, 4, 6] and prefilled == 18
+        assert sched.num_sibling_waits == 0
+
+
+def test_a_group_larger_than_the_slots_is_not_held_back_forever():
+    """The run counted is capped at max_num_seqs, so a group of 6 for 4 slots is admitted once all 4
+    are free, and the rest follows as slots free."""
+    sched = Scheduler(BlockManager(64, 4), 4, 64, 64, prefix_sharing=True, admit_siblings_together=True)
+    runner = Sequence([9] * 3, SamplingParams(max_tokens=50))
+    group = [Sequence(list(range(6)), SamplingParams(max_tokens=2)) for _ in range(6)]
+    for s in [runner, *group]:
+        sched.add(s)
+    assert sched.schedule() == [runner]  # 3 free slots < 4: the group waits
+    run_batch(sched, [runner])
+    sched.finish(runner, "stop")
+    finished = 0
+    for _ in range(20):
+        if not sched.has_unfinished():
+            break
+        batch = sched.schedule()
+        assert batch
+        run_batch(sched, batch)
+        for s in batch:
+            if len(s.output_ids) >= 2:
+                sched.finish(s, "length")
+                finished += 1
+    assert finished == 6 and not sched.has_unfinished()

@@ -47,6 +47,9 @@ class EngineConfig:
     at most enough for every slot to hold `max_model_len` tokens (on CPU: exactly that).
     `prefix_sharing` lets requests with the same prompt (a GRPO group) hold one copy of its KV blocks
     and skip its prefill (see the scheduler); off, every request prefills and holds its own prompt.
+    `admit_siblings_together` (with prefix sharing) admits a queued group only when the free slots hold
+    all of it, so its requests fork one prefill even when slots free one at a time (partial rollout);
+    off, each is admitted as a slot frees and prefills the prompt again.
     `attention_backend: auto` runs decode rows through the Triton kernels on CUDA when the KV format has
     them (bf16, fp8, int4 and kv4 with group_size = head_dim) and the torch reference path otherwise;
     `torch` forces the reference path, `triton` fails at start when the kernels cannot run.
@@ -105,6 +108,7 @@ class EngineConfig:
     fused_ops: Literal["auto"] | bool = "auto"
     merge_projections: bool = True
     prefix_sharing: bool = True
+    admit_siblings_together: bool = True
     tensor_parallel: int = 1
     sleep_between_rollouts: bool = False
 

@@ -73,6 +73,7 @@ class Engine:
         self.scheduler = Scheduler(
             BlockManager(self.runner.num_blocks, config.kv.block_size), max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, prefix_sharing=config.prefix_sharing, chunked_prefill=config.chunked_prefill,
+            admit_siblings_together=config.admit_siblings_together,
         )
         self.eos_ids = frozenset(self.args.eos_token_ids)
         self.generator = torch.Generator()  # only draws per-request seeds; sampling noise is counter-based

@@ -25,6 +25,16 @@ prefilled in the current batch waits one step for that KV instead of prefilling 
 requests behind it are still admitted; so does one whose prompt a running sequence is still prefilling in
 chunks, until the step that completes it. Recomputed and resumed requests prefill as before. Because
 every sequence samples from counter-based noise, forked and prefilled requests draw the same tokens.
+
+With `admit_siblings_together` a fresh request whose prompt heads a run of waiting siblings (requests
+with the same prompt, as a GRPO group is queued) is admitted only when the free running slots hold the
+whole run (at most `max_num_seqs`), counting the slots its deferred siblings will take next step; it
+waits, and the queue behind it too, while other sequences run and can free slots. Otherwise, when
+slots free one at a time (partial rollout tops up the engine as responses finish), each sibling is
+admitted a step after the one before it decoded past the prompt, and every one prefills the whole
+prompt: at the Qwen3-1.7B shape 100 of 128 prompts were prefilled so, in steps that also run every
+decode row outside the CUDA graphs (bench/RESULTS.md). Waiting idles a few slots (about half a group
+on average) and turns those ~100 prefills into one prefill and one forking step per group.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ class Scheduler:
         max_model_len: int,
         prefix_sharing: bool = False,
         chunked_prefill: bool = False,
+        admit_siblings_together: bool = False,
     ):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
@@ -55,6 +66,8 @@ class Scheduler:
         self._free_seq_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest
         self.prefix_sharing = prefix_sharing
         self.chunked_prefill = chunked_prefill
+        self.admit_siblings_together = admit_siblings_together and prefix_sharing
+        self.num_sibling_waits = 0  # steps in which a group waited for slots to admit it whole
         self._prefix_parents: dict[tuple[int, ...], Sequence] = {}  # prompt -> who computed it last step
         self._chunking: dict[tuple[int, ...], Sequence] = {}  # prompt -> who is prefilling it in chunks
         self.num_forks = 0
@@ -134,6 +147,11 @@ class Scheduler:
             if parent is None and key is not None and (key in self._prefix_parents or self._prefilling(key)):
                 deferred.append(self.waiting.popleft())  # its prompt's KV exists after this (or a later) step
                 continue
+            if parent is None and key is not None and self.admit_siblings_together and self.running:
+                free = self.max_num_seqs - len(self.running) - len(deferred)
+                if free < self._sibling_run(seq):
+                    self.num_sibling_waits += 1
+                    break  # running sequences will free slots: admit the group whole then
             # one token of headroom: the prefill samples a token whose KV the next step writes
             if parent is not None:
                 shared = (len(seq.prompt_ids) - 1) // self.blocks.block_size
@@ -171,6 +189,16 @@ class Scheduler:
         if not self.prefix_sharing or seq.output_ids or len(seq.prompt_ids) < 2:
             return None
         return tuple(seq.prompt_ids)
+
+    def _sibling_run(self, seq: Sequence) -> int:
+        """How many fresh requests with `seq`'s prompt head the queue (`seq` first), at most max_num_seqs."""
+        n, prompt = 1, seq.prompt_ids
+        while n < min(len(self.waiting), self.max_num_seqs):
+            other = self.waiting[n]
+            if other.output_ids or (other.prompt_ids is not prompt and other.prompt_ids != prompt):
+                break
+            n += 1
+        return n
 
     @staticmethod
     def _holds_prompt(parent: Sequence) -> bool:
