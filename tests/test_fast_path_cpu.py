@@ -28,11 +28,12 @@ def ckpt(tmp_path_factory):
 
 
 def _scores(ckpt, backend: str, prompts, forced, max_num_seqs: int, reverse_batches: bool = False,
-            prefill: str = "torch", rotate: str = "auto", budget: int = 16384):
+            prefill: str = "torch", rotate: str = "auto", budget: int = 16384, split: bool | None = None):
     kv = KVConfig(format="kv4", group_size=32, n_sink=2, n_recent=3, block_size=4, rotate=rotate)
     engine = Engine(ckpt, EngineConfig(kv=kv, attention_backend=backend, prefill_backend=prefill, num_kv_blocks=64,
                                        max_model_len=64, max_num_batched_tokens=budget),
                     dtype="bfloat16", max_num_seqs=max_num_seqs)
+    engine.runner.split_mixed_steps = split
     engine.mixed_steps = 0
     eager = engine.runner._forward_eager
 
@@ -67,6 +68,24 @@ def test_fast_path_matches_the_reference_path(ckpt, case):
     for r, f in zip(ref, fast):
         assert torch.isfinite(f).all()
         assert float((f - r).norm() / r.norm()) < 3e-2  # bf16 model; see tests/gpu for real shapes
+    assert fast_engine.scheduler.blocks.num_free_blocks == fast_engine.scheduler.blocks.num_blocks
+
+
+@pytest.mark.parametrize("prefill", ["torch", "triton"])
+def test_mixed_steps_split_into_a_decode_forward_and_a_prefill_forward_match_the_reference(ckpt, prefill):
+    """On CUDA a step with prefill rows replays the decode graph for its decode rows and runs the
+    prefill rows in a second, eager forward; forced here without graphs, with the batch reversed so
+    the logits must be put back in the scheduler's order."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (5, 9, 6)]
+    forced = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (6, 3, 5)]
+    _, ref = _scores(ckpt, "torch", prompts, forced, 2, rotate="none")
+    fast_engine, fast = _scores(ckpt, "triton", prompts, forced, 2, prefill=prefill, rotate="none", split=True,
+                                reverse_batches=True)
+    assert fast_engine.runner.num_split_steps > 0 and fast_engine.mixed_steps == 0
+    for r, f in zip(ref, fast):
+        assert torch.isfinite(f).all()
+        assert float((f - r).norm() / r.norm()) < 5e-2
     assert fast_engine.scheduler.blocks.num_free_blocks == fast_engine.scheduler.blocks.num_blocks
 
 

@@ -49,6 +49,10 @@ class ModelRunner:
         self.profile: _Profile | None = None  # the start-up's profiling step, kept for tests
         self.caches: list[dict] | None = None
         self.graphs = None
+        # a step with prefill rows runs its decode rows as a graph step and its prefill rows eagerly after
+        # it (None: whenever a graph covers the decode rows; True also without graphs, for CPU tests)
+        self.split_mixed_steps: bool | None = None
+        self.num_split_steps = 0
         self._recapture: tuple[int, ...] = ()
         self.allocate(num_blocks)
 
@@ -167,9 +171,12 @@ class ModelRunner:
         """Compute KV for each sequence's step tokens (its uncached tokens, or the scheduler's chunk of
         them); return logits[B, V] of each row's last computed token.
 
-        With the fast path, rows with one new token run the Triton decode kernels (as a CUDA graph
-        when every row is one), the others the prefill kernel (or the reference path); the model runs
-        once over all tokens.
+        With the fast path, rows with one new token run the Triton decode kernels, the others the
+        prefill kernel (or the reference path). The decode rows replay a CUDA graph when one covers
+        them, also in a step that prefills (partial rollout admits prompts every few steps): the
+        prefill rows then run eagerly in a second forward, instead of one eager forward over all rows,
+        whose per-layer launches cost a KV4 step 52 ms against 12 ms for the graph at 256 rows
+        (bench/RESULTS.md). Without graphs the model runs once over all tokens.
         The logits may be a view of a CUDA graph's output buffer: valid until the next forward.
         """
         self.apply_forks(seqs)
@@ -180,8 +187,13 @@ class ModelRunner:
             computed.append(step)
             (decode if new == 1 and self.fast is not None else rest).append(s)
         host = self.fast.host_inputs(decode) if decode else None
-        if not rest and self.graphs is not None and self.graphs.bucket(len(decode)) is not None:
-            logits = self.graphs.run(host)
+        graph = bool(decode) and self.graphs is not None and self.graphs.bucket(len(decode)) is not None
+        if not rest:
+            logits = self.graphs.run(host) if graph else self._forward_eager(host, [])
+        elif decode and (graph if self.split_mixed_steps is None else self.split_mixed_steps):
+            decoded = self.graphs.run(host) if graph else self._forward_eager(host, [])
+            logits = torch.cat((decoded, self._forward_eager(None, rest)))  # a copy: the graph's buffer is reused
+            self.num_split_steps += 1
         else:
             logits = self._forward_eager(host, rest)
         for s, n in zip(seqs, computed):
