@@ -34,7 +34,7 @@ def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
     assert [line.split(":")[0].strip() for line in res.output.splitlines() if "s per iteration" in line] == [
         "1/3 bf16+sync", "2/3 kv4+partial@5", "3/3 fp8w+kv4+partial"]
     assert r["max_tokens_per_micro_batch"] == 64 and r["attention"] == "auto"  # the learner packs, as train does
-    assert r["fuse_elementwise"] is False
+    assert r["fuse_elementwise"] is False and r["offload"] is False  # CPU: both off
     assert r["phases"] == ["rollout", "reward", "update", "sync", "sleep_wake", "other"]
     rows = r["results"]
     assert [(x["arm"], x["kv_format"], x["mode"], x["weights"], x["slots"]) for x in rows] == [
@@ -100,3 +100,10 @@ def test_packed_learner_options_are_checked_before_any_work(tmp_path):
     assert not (tmp_path / "no.json").exists()
     res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "0"])
     assert res.exit_code != 0 and "max_tokens_per_micro_batch" in " ".join(res.output.split())
+
+
+def test_offload_is_refused_on_the_cpu_before_any_work(tmp_path):
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--offload",
+                              "--json", str(tmp_path / "no.json")])
+    assert res.exit_code != 0 and "--offload moves the learner's parameters" in " ".join(res.output.split())
+    assert not (tmp_path / "no.json").exists()

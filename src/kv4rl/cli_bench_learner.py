@@ -58,6 +58,10 @@ def register_learner_benches(app: typer.Typer) -> None:
         attention: Annotated[str, Option(
             "--attention", help="learner attention: auto (flex on CUDA when packing), sdpa, flex")] = "auto",
         grad_checkpointing: Annotated[bool, Option("--grad-checkpointing/--no-grad-checkpointing")] = False,
+        offload: Annotated[bool, Option(
+            "--offload/--no-offload", help="trainer.offload: the learner's parameters, gradients and AdamW state "
+                                           "in CPU memory (FSDP2 CPUOffloadPolicy; CUDA only), for shapes whose "
+                                           "learner does not fit beside the engine")] = False,
         fuse_elementwise: Annotated[bool | None, Option(
             "--fuse-elementwise/--no-fuse-elementwise", help="trainer.fuse_elementwise: the learner's RMSNorms "
                                                              "and SwiGLU through compiled functions (default: on "
@@ -88,7 +92,8 @@ def register_learner_benches(app: typer.Typer) -> None:
                 workload=Workload(quota_groups=quota, group_size=group, max_slots=slots or quota * group,
                                   prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
                 micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens, attention=attention,
-                grad_checkpointing=grad_checkpointing, fuse_elementwise=fuse_elementwise, lr=lr, sleep=sleep,
+                grad_checkpointing=grad_checkpointing, offload=offload, fuse_elementwise=fuse_elementwise, lr=lr,
+                sleep=sleep,
                 device=device, engine=engine_config(overrides),
                 engine_keys=frozenset(".".join(parse_override(o)[0]) for o in overrides))
             configs = prepare(bench)

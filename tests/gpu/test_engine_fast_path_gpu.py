@@ -20,10 +20,10 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _engine(ckpt, fmt, backend, graphs=True, sharing=True, **kv):
+def _engine(ckpt, fmt, backend, graphs=True, sharing=True, max_num_seqs=32, **kv):
     cfg = EngineConfig(kv=KVConfig(format=fmt, block_size=16, **kv), attention_backend=backend,
                        cuda_graphs=graphs, prefix_sharing=sharing, num_kv_blocks=512, max_model_len=2048)
-    return Engine(ckpt, cfg, device="cuda", dtype="bfloat16", max_num_seqs=32)
+    return Engine(ckpt, cfg, device="cuda", dtype="bfloat16", max_num_seqs=max_num_seqs)
 
 
 def _rel(a, b):
@@ -76,3 +76,20 @@ def test_fast_path_generate_with_prefix_sharing(ckpt):
             la, lb = torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n])
             assert (la - lb).abs().max() < 0.1
     assert same > 0.5 * sum(len(a.token_ids) for a in outs[True])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "kv4"])
+def test_mixed_steps_replay_the_decode_graph_and_score_like_reference(ckpt, fmt):
+    """Four slots for twelve requests: prompts are admitted while others decode, and those steps replay
+    the decode graph for their decode rows and run the prompts in a second forward."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prompts = _prompts(12, gen)
+    forced = [torch.randint(0, 500, (k,), generator=gen).tolist() for k in torch.randint(20, 200, (12,), generator=gen)]
+    kv = {"n_sink": 4, "n_recent": 32} if fmt == "kv4" else {}
+    ref = _engine(ckpt, fmt, "torch", max_num_seqs=4, **kv).score_tokens(prompts, forced)
+    fast_engine = _engine(ckpt, fmt, "triton", max_num_seqs=4, **kv)
+    fast = fast_engine.score_tokens(prompts, forced)
+    assert fast_engine.runner.num_split_steps > 0 and fast_engine.runner.graphs.num_replays > 0
+    for r, f in zip(ref, fast):
+        assert torch.isfinite(f).all()
+        assert _rel(f, r) < 3e-2, _rel(f, r)

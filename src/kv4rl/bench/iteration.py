@@ -97,6 +97,7 @@ class IterationBench:
     max_tokens_per_micro_batch: int | None = None  # packed micro-batches of this many tokens; None: padded
     attention: str = "auto"
     grad_checkpointing: bool = False
+    offload: bool = False  # trainer.offload (FSDP2 CPUOffloadPolicy)
     fuse_elementwise: bool | None = None  # trainer.fuse_elementwise (None: on for CUDA)
     lr: float = 1e-6
     sleep: bool = True
@@ -127,7 +128,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
     t.iterations, t.micro_batch_size, t.grad_checkpointing, t.lr, t.warmup_iters = (
         bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
     t.max_tokens_per_micro_batch, t.attention = bench.max_tokens_per_micro_batch, bench.attention
-    t.fuse_elementwise = bench.fuse_elementwise
+    t.fuse_elementwise, t.offload = bench.fuse_elementwise, bench.offload
     try:
         cfg.validate()
         kv_format_from_config(e.kv).check(head_dim, work.max_model_len)
@@ -161,7 +162,10 @@ def prepare(bench: IterationBench) -> dict[str, RunConfig]:
     if work.max_model_len > args.max_position_embeddings:
         raise ValueError(f"--prompt-len + --max-len = {work.max_model_len} exceeds the {bench.shape} context of "
                          f"{args.max_position_embeddings} tokens")
-    resolve_device(bench.device)
+    device = resolve_device(bench.device)
+    if bench.offload and device.type != "cuda":
+        raise ValueError(f"--offload moves the learner's parameters, gradients and AdamW state to the CPU; on "
+                         f"device {device} they already are there")
     return {arm.label: run_config(bench, arm) for arm in bench.arms}
 
 
@@ -267,6 +271,7 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
             "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
+            "offload": bench.offload,
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
             "fuse_elementwise": device.type == "cuda" if bench.fuse_elementwise is None else bench.fuse_elementwise,
             "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
