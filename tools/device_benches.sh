@@ -9,6 +9,9 @@
 #   bash tools/device_benches.sh profile_learner 2>&1 | tee $OUT/log.txt       # its step by kernel family, eager and fused (~3 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
+#   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~2 min)
+#   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated iteration (<10 min)
+#   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B with an offloaded learner (<10 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -69,6 +72,26 @@ iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed le
     timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial@256,kv4+partial \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep -E "│|s per iteration" | tail -9
+}
+
+engine_tests() {  # the engine on CUDA: fast path (mixed steps replaying the decode graph), prefill, sleep/wake
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_engine_fast_path_gpu.py \
+        tests/gpu/test_prefill_engine_gpu.py tests/gpu/test_engine_sleep_gpu.py > $OUT/engine_tests.txt 2>&1
+    tail -4 $OUT/engine_tests.txt
+}
+
+fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload
+    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-4b --arms bf16+sync,kv4+partial \
+        --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
+        --grad-checkpointing --iterations 1 --json $OUT/iteration_4b.json --png $OUT/iteration_4b.png 2>&1 \
+        | grep -E "│|s per iteration|Error|memory" | tail -9
+}
+
+fit_8b() {  # issue 12: Qwen3-8B shape with the learner's state in CPU memory (trainer.offload)
+    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-8b --arms kv4+partial --offload \
+        --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
+        --grad-checkpointing --iterations 1 --json $OUT/iteration_8b_offload.json 2>&1 \
+        | grep -E "│|s per iteration|Error|memory" | tail -9
 }
 
 date
