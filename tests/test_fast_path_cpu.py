@@ -71,8 +71,7 @@ def test_fast_path_matches_the_reference_path(ckpt, case):
     assert fast_engine.scheduler.blocks.num_free_blocks == fast_engine.scheduler.blocks.num_blocks
 
 
-@pytest.mark.parametrize("prefill", ["torch", "triton"])
-def test_mixed_steps_split_into_a_decode_forward_and_a_prefill_forward_match_the_reference(ckpt, prefill):
+def test_mixed_steps_split_into_a_decode_forward_and_a_prefill_forward_match_the_reference(ckpt):
     """On CUDA a step with prefill rows replays the decode graph for its decode rows and runs the
     prefill rows in a second, eager forward; forced here without graphs, with the batch reversed so
     the logits must be put back in the scheduler's order."""
@@ -80,7 +79,7 @@ def test_mixed_steps_split_into_a_decode_forward_and_a_prefill_forward_match_the
     prompts = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (5, 9, 6)]
     forced = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (6, 3, 5)]
     _, ref = _scores(ckpt, "torch", prompts, forced, 2, rotate="none")
-    fast_engine, fast = _scores(ckpt, "triton", prompts, forced, 2, prefill=prefill, rotate="none", split=True,
+    fast_engine, fast = _scores(ckpt, "triton", prompts, forced, 2, prefill="triton", rotate="none", split=True,
                                 reverse_batches=True)
     assert fast_engine.runner.num_split_steps > 0 and fast_engine.mixed_steps == 0
     for r, f in zip(ref, fast):
