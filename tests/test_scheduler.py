@@ -210,12 +210,13 @@ def test_requests_that_stop_after_their_prefill_do_not_hold_back_their_group():
 
 @pytest.mark.parametrize("together", [False, True])
 def test_a_group_queued_behind_busy_slots_forks_one_prefill_when_admitted_together(together):
-    """Partial rollout's pattern: 4 slots busy with other prompts, one of them finishing every other
-    step, a group of 3 queued behind. Admitted a slot at a time, each sibling comes a step after the
-    one before decoded past the prompt and prefills it again (hand-traced: steps 2, 4, 6; 18 tokens);
-    admitted together, the group waits for 3 free slots (step 6), prefills once and forks twice."""
-    sched = Scheduler(BlockManager(64, 4), 4, 64, 64, prefix_sharing=True, admit_siblings_together=together)
-    runners = [Sequence([10 + i] * 3, SamplingParams(max_tokens=50)) for i in range(4)]
+    """Partial rollout's pattern: 24 slots busy with other prompts, one of them finishing every other
+    step, a group of 3 queued behind (a run counts up to 24 / 8 = 3). Admitted a slot at a time, each
+    sibling comes a step after the one before decoded past the prompt and prefills it again
+    (hand-traced: steps 2, 4, 6; 18 tokens); admitted together, the group waits for 3 free slots
+    (step 6), prefills once and forks twice."""
+    sched = Scheduler(BlockManager(256, 4), 24, 64, 64, prefix_sharing=True, admit_siblings_together=together)
+    runners = [Sequence([10 + i] * 3, SamplingParams(max_tokens=50)) for i in range(24)]
     group = [Sequence(list(range(6)), SamplingParams(max_tokens=50)) for _ in range(3)]
     for s in [*runners, *group]:
         sched.add(s)
@@ -238,17 +239,22 @@ def test_a_group_queued_behind_busy_slots_forks_one_prefill_when_admitted_togeth
         assert sched.num_sibling_waits == 0
 
 
-def test_a_group_larger_than_the_slots_is_not_held_back_forever():
-    """The run counted is capped at max_num_seqs, so a group of 6 for 4 slots is admitted once all 4
-    are free, and the rest follows as slots free."""
-    sched = Scheduler(BlockManager(64, 4), 4, 64, 64, prefix_sharing=True, admit_siblings_together=True)
-    runner = Sequence([9] * 3, SamplingParams(max_tokens=50))
+def test_a_group_larger_than_an_eighth_of_the_slots_waits_only_for_that_many():
+    """16 slots: a run counts at most 16 / 8 = 2, so a group of 6 behind 15 runners enters as soon as
+    2 slots are free (not 6), its siblings fork as slots free, and nothing is held back."""
+    sched = Scheduler(BlockManager(256, 4), 16, 64, 64, prefix_sharing=True, admit_siblings_together=True)
+    runners = [Sequence([9 + i] * 3, SamplingParams(max_tokens=50)) for i in range(15)]
     group = [Sequence(list(range(6)), SamplingParams(max_tokens=2)) for _ in range(6)]
-    for s in [runner, *group]:
+    for s in [*runners, *group]:
         sched.add(s)
-    assert sched.schedule() == [runner]  # 3 free slots < 4: the group waits
-    run_batch(sched, [runner])
-    sched.finish(runner, "stop")
+    assert sched.schedule() == runners  # 1 free slot < 2: the group waits
+    run_batch(sched, runners)
+    sched.finish(runners[0], "stop")
+    batch = sched.schedule()
+    assert group[0] in batch and group[0].num_new_tokens == 6  # 2 free slots: it prefills
+    run_batch(sched, batch)
+    for r in runners[1:]:
+        sched.finish(r, "stop")
     finished = 0
     for _ in range(20):
         if not sched.has_unfinished():
@@ -261,3 +267,4 @@ def test_a_group_larger_than_the_slots_is_not_held_back_forever():
                 sched.finish(s, "length")
                 finished += 1
     assert finished == 6 and not sched.has_unfinished()
+    assert sched.num_forks == 5  # 16 free slots: the first prefills, its 5 siblings fork it

@@ -48,8 +48,9 @@ class EngineConfig:
     `prefix_sharing` lets requests with the same prompt (a GRPO group) hold one copy of its KV blocks
     and skip its prefill (see the scheduler); off, every request prefills and holds its own prompt.
     `admit_siblings_together` (with prefix sharing) admits a queued group only when the free slots hold
-    all of it, so its requests fork one prefill even when slots free one at a time (partial rollout);
-    off, each is admitted as a slot frees and prefills the prompt again.
+    all of it (up to an eighth of the slots; a larger group enters in parts that size), so its
+    requests fork one prefill even when slots free one at a time (partial rollout); off, each is
+    admitted as a slot frees and prefills the prompt again.
     `attention_backend: auto` runs decode rows through the Triton kernels on CUDA when the KV format has
     them (bf16, fp8, int4 and kv4 with group_size = head_dim) and the torch reference path otherwise;
     `torch` forces the reference path, `triton` fails at start when the kernels cannot run.

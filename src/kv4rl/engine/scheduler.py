@@ -28,8 +28,10 @@ every sequence samples from counter-based noise, forked and prefilled requests d
 
 With `admit_siblings_together` a fresh request whose prompt heads a run of waiting siblings (requests
 with the same prompt, as a GRPO group is queued) is admitted only when the free running slots hold the
-whole run (at most `max_num_seqs`), counting the slots its deferred siblings will take next step; it
-waits, and the queue behind it too, while other sequences run and can free slots. Otherwise, when
+whole run, counting the slots its deferred siblings will take next step; it waits, and the queue
+behind it too, while other sequences run and can free slots. A run counts at most an eighth of
+`max_num_seqs` (at least one), so a group much larger than that enters in parts of that size, each
+prefilling once, and waiting never idles more than an eighth of the slots. Otherwise, when
 slots free one at a time (partial rollout tops up the engine as responses finish), each sibling is
 admitted a step after the one before it decoded past the prompt, and every one prefills the whole
 prompt: at the Qwen3-1.7B shape 100 of 128 prompts were prefilled so, in steps that also run every
@@ -191,9 +193,10 @@ class Scheduler:
         return tuple(seq.prompt_ids)
 
     def _sibling_run(self, seq: Sequence) -> int:
-        """How many fresh requests with `seq`'s prompt head the queue (`seq` first), at most max_num_seqs."""
+        """How many fresh requests with `seq`'s prompt head the queue (`seq` first), at most an eighth of
+        the slots."""
         n, prompt = 1, seq.prompt_ids
-        while n < min(len(self.waiting), self.max_num_seqs):
+        while n < min(len(self.waiting), max(1, self.max_num_seqs // 8)):
             other = self.waiting[n]
             if other.output_ids or (other.prompt_ids is not prompt and other.prompt_ids != prompt):
                 break
