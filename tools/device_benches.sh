@@ -62,7 +62,7 @@ learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense m
 profile_learner() {  # issue 12: the packed flex learner step kernel family by family (~1.5 min)
     for fused in "" --fuse-elementwise; do
         timeout 150 python tools/profile_learner.py --shape qwen3-1.7b --workload uniform --attention flex $fused \
-            --json $OUT/profile_learner_uniform$fused.json 2>&1 | grep -v "^USDT" | tail -36
+            --ops 30 --json $OUT/profile_learner_uniform$fused.json 2>&1 | grep -v "^USDT" | tail -66
     done
 }
 

@@ -5,8 +5,9 @@ fast a step is, this says what it spends the time on.
 
 Builds the learner as `kv4rl bench learner` does (random-init shape, FSDP2 at world size 1, the same
 synthetic batch), runs one warm-up step (FlexAttention compiles there), then one step under the torch
-profiler. Prints wall time, GPU busy time and milliseconds by family, then the top kernels; writes
-the same as JSON:
+profiler. Prints wall time, GPU busy time and milliseconds by family, then the top kernels, and with
+`--ops N` the N aten ops (with their input shapes) whose own kernels took the most time, which names
+what a kernel family is spent on (which copies, which casts); writes the same as JSON:
 
     python tools/profile_learner.py --shape qwen3-1.7b --workload uniform --attention flex --json prof.json
 """
@@ -42,6 +43,15 @@ def family(name: str) -> str:
     return next((fam for fam, keys in FAMILIES if any(k in name for k in keys)), "other")
 
 
+def top_ops(prof, dev: torch.device, n: int) -> list[dict]:
+    """The aten ops whose own kernels (not their children's) took the most device time, by input shape."""
+    own = (lambda e: e.self_device_time_total) if dev.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    ops = [{"name": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count, "ms": own(e) / 1e3}
+           for e in prof.key_averages(group_by_input_shape=True)
+           if e.key.startswith("aten::") and e.device_type == DeviceType.CPU and own(e) > 0]
+    return sorted(ops, key=lambda o: -o["ms"])[:n]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-1.7b")
@@ -54,6 +64,8 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--fuse-elementwise", action="store_true", help="trainer.fuse_elementwise")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--ops", type=int, default=0, help="also list this many aten ops by their kernels' time, "
+                                                      "with input shapes (records shapes: a slower profile)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -73,7 +85,7 @@ def main() -> None:
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=a.ops > 0) as prof:
         learner.step(batch)
         sync()
     wall = time.perf_counter() - start
@@ -93,6 +105,8 @@ def main() -> None:
            "max_tokens_per_micro_batch": a.max_tokens, "tokens": tokens, "wall_s": wall,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "busy_ms": sum(families.values()), "ms_by_family": families, "kernels": kernels[:a.top]}
+    if a.ops:
+        out["ops"] = top_ops(prof, dev, a.ops)
     print(f"== {a.shape} {a.workload} ({tokens:,} tokens), {learner.attention}"
           f"{', fused elementwise' if a.fuse_elementwise else ''}, checkpointing "
           f"{'on' if a.checkpointing else 'off'}: step {wall:.3f} s under the profiler, "
@@ -101,6 +115,8 @@ def main() -> None:
         print(f"   {fam:14s} {ms:10.1f} ms  {ms / out['busy_ms']:6.1%}")
     for k in kernels[:a.top]:
         print(f"   {k['ms']:9.2f} ms {k['calls']:6d}x  [{k['family']}] {k['name']}")
+    for op in out.get("ops", []):
+        print(f"   {op['ms']:9.2f} ms {op['calls']:6d}x  {op['name']} {op['shapes']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
