@@ -165,6 +165,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         from kv4rl.bench.learner import LearnerWorkload, bench_learner
         from kv4rl.bench.random_model import qwen3_args
         from kv4rl.engine.placement import resolve_device
+        from kv4rl.trainer.fused_elementwise import fuses_by_default
 
         switch = {"off": False, "on": True}
         try:
@@ -179,7 +180,7 @@ def register_learner_benches(app: typer.Typer) -> None:
             ref_list = [switch[v] for v in option_list(reference, "--reference", known=list(switch))]
             check_device(device)
             dev = resolve_device(device)
-            fuse_list = [switch[v] for v in option_list(fuse or ("on" if dev.type == "cuda" else "off"),
+            fuse_list = [switch[v] for v in option_list(fuse or ("on" if fuses_by_default(dev) else "off"),
                                                         "--fuse-elementwise", known=list(switch))]
             attention_list = option_list(attention or ("sdpa,flex" if dev.type == "cuda" else "sdpa"), "--attention",
                                          known=["sdpa", "flex"])

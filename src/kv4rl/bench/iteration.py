@@ -43,6 +43,7 @@ from kv4rl.rewards.base import RewardResult
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.telemetry.phases import PHASES, means_of, rows_of
+from kv4rl.trainer.fused_elementwise import fuses_by_default
 
 WEIGHT_FORMATS = {"fp8w": "fp8"}  # arm part -> engine.weight_format (default: the model dtype)
 
@@ -273,7 +274,8 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
             "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
             "offload": bench.offload,
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
-            "fuse_elementwise": device.type == "cuda" if bench.fuse_elementwise is None else bench.fuse_elementwise,
+            "fuse_elementwise": (fuses_by_default(device) if bench.fuse_elementwise is None
+                                 else bench.fuse_elementwise),
             "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
             "complete": complete, "results": rows,
         }

@@ -188,14 +188,14 @@ class ModelRunner:
             (decode if new == 1 and self.fast is not None else rest).append(s)
         host = self.fast.host_inputs(decode) if decode else None
         graph = bool(decode) and self.graphs is not None and self.graphs.bucket(len(decode)) is not None
-        if not rest:
-            logits = self.graphs.run(host) if graph else self._forward_eager(host, [])
-        elif decode and (graph if self.split_mixed_steps is None else self.split_mixed_steps):
-            decoded = self.graphs.run(host) if graph else self._forward_eager(host, [])
-            logits = torch.cat((decoded, self._forward_eager(None, rest)))  # a copy: the graph's buffer is reused
-            self.num_split_steps += 1
-        else:
+        split = bool(decode) and (graph if self.split_mixed_steps is None else self.split_mixed_steps)
+        if rest and not split:
             logits = self._forward_eager(host, rest)
+        else:
+            logits = self.graphs.run(host) if graph else self._forward_eager(host, [])
+            if rest:  # the prefill rows after the decode rows; the cat copies the graph's reused buffer
+                logits = torch.cat((logits, self._forward_eager(None, rest)))
+                self.num_split_steps += 1
         for s, n in zip(seqs, computed):
             s.num_cached_tokens += n
         order = decode + rest

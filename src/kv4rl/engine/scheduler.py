@@ -198,7 +198,7 @@ class Scheduler:
         n, prompt = 1, seq.prompt_ids
         while n < min(len(self.waiting), max(1, self.max_num_seqs // 8)):
             other = self.waiting[n]
-            if other.output_ids or (other.prompt_ids is not prompt and other.prompt_ids != prompt):
+            if other.output_ids or other.prompt_ids != prompt:
                 break
             n += 1
         return n

@@ -38,7 +38,7 @@ from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
-from kv4rl.trainer.fused_elementwise import can_fuse
+from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
@@ -82,9 +82,8 @@ class Learner:
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
         `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
         the whole job (split placement: `kv4rl.split`). `fuse_elementwise`: RMSNorms and SwiGLU through
-        compiled functions (`kv4rl.trainer.fused_elementwise`), policy and reference; None: on CUDA when
-        the model has a norm it knows (1.21x per 1.7B step on an H200), never on the CPU (where
-        compiling costs more than it saves)."""
+        compiled functions (`kv4rl.trainer.fused_elementwise`), policy and reference; None: `fuses_by_default`
+        and only when the model has a norm it knows."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention)
         self.group = group
         ranks = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -113,7 +112,7 @@ class Learner:
         else:
             self.model = load_hf_model(policy_path, device, grad_checkpointing)
         if fuse_elementwise is None:
-            fuse_elementwise = device.type == "cuda" and can_fuse(self.model)
+            fuse_elementwise = fuses_by_default(device) and can_fuse(self.model)
         self.fused_elementwise = fuse_elementwise_modules(self.model) if fuse_elementwise else None
         if fsdp:
             shard_policy(self.model, device, offload, group)
