@@ -30,6 +30,13 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+# Relative L2 bound of a sequence's scores against the torch reference. The reference rounds the
+# dequantized KV to bf16 where the kernels keep it in fp32; plain INT4 (every row 4-bit, no rotation)
+# is where that differs most: fresh random prompts reached 0.0328 (decode) and 0.0311 (fast prefill)
+# on an H200 on 2026-12-01, where the other formats passed 3e-2. A wrong row or scale gives ~1.
+REF_REL_BOUND = {"bf16": 3e-2, "fp8": 3e-2, "int4": 5e-2, "kv4": 3e-2}
+
+
 def _prompts(n, gen, lo=5, hi=300):
     lens = torch.randint(lo, hi, (n,), generator=gen).tolist()
     return [torch.randint(0, 500, (k,), generator=gen).tolist() for k in lens]
@@ -49,7 +56,7 @@ def test_fast_path_scores_like_reference(ckpt, fmt):
     assert fast_engine.runner.graphs.num_replays > 0
     for r, f, e in zip(ref, fast, eager):
         assert torch.isfinite(f).all()
-        assert _rel(f, r) < 3e-2, _rel(f, r)  # bf16 model: reference rounds dequantized KV to bf16
+        assert _rel(f, r) < REF_REL_BOUND[fmt], _rel(f, r)
         # graph replay vs eager: same kernels, but other split grids and matmul shapes (padded bucket),
         # so bf16 roundings differ; measured up to 8e-3 (kv4) on an H200
         assert _rel(f, e) < 2e-2, _rel(f, e)
