@@ -72,6 +72,22 @@ def test_without_sleep_the_sleep_phase_is_zero(tmp_path, one_thread):
     assert r["fuse_elementwise"] is True  # the learner of every arm runs trainer.fuse_elementwise
     (x,) = r["results"]
     assert x["phases"]["sleep_wake"] == 0.0 and "asleep" not in x["engine_summary"]
+    assert (x["sleeps"], x["carry"]) == (False, "recompute")
+
+
+def test_awake_arm_keeps_carried_kv_where_a_sleeping_arm_recomputes_it(tmp_path, one_thread):
+    """Same workload, one arm sleeping through the update (carry: recompute), one awake (keep_kv): only the
+    sleeping one re-prefills the responses it carries, and only it spends time in sleep/wake."""
+    out = tmp_path / "it.json"
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+partial,bf16+partial+awake",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    asleep, awake = json.loads(out.read_text())["results"]
+    assert (asleep["sleeps"], asleep["carry"], awake["sleeps"], awake["carry"]) == (True, "recompute", False, "keep_kv")
+    assert asleep["staleness_mean"] > 0 and awake["staleness_mean"] > 0  # both carried responses over updates
+    assert asleep["preemptions"] > 0 and awake["preemptions"] == 0
+    assert asleep["phases"]["sleep_wake"] > 0 and awake["phases"]["sleep_wake"] == 0.0
+    assert "asleep" in asleep["engine_summary"] and "asleep" not in awake["engine_summary"]
 
 
 def test_parse_arms():
@@ -84,7 +100,10 @@ def test_parse_arms():
     for bad in ("kv4+partial@", "kv4+partial@0", "kv4+partial@x", "kv4+partial@-2", "kv4@8+partial"):
         with pytest.raises(ValueError, match="--arms .*(slots after '@'|an arm is)"):
             parse_arms(bad)
-    for bad in ("bf16", "sync", "bf16+kv4+sync", "fp8w+sync", "bf16+sync+x"):
+    assert parse_arms("kv4+partial+awake@256,awake+bf16+sync") == [
+        Arm("kv4+partial+awake@256", "kv4", "partial", slots=256, awake=True),
+        Arm("awake+bf16+sync", "bf16", "sync", awake=True)]
+    for bad in ("bf16", "sync", "bf16+kv4+sync", "fp8w+sync", "bf16+sync+x", "kv4+partial+awake+awake", "awake"):
         with pytest.raises(ValueError, match="--arms"):
             parse_arms(bad)
 

@@ -71,7 +71,9 @@ profile_learner() {  # issue 12: the packed flex learner step kernel family by f
 iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed learner, the issue's length mix
     # (311 s for the first two arms on 2026-12-01: a warm-up and one timed iteration per arm; each arm is
     # printed and the JSON rewritten when it ends, so the limit keeps the arms that finished)
-    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial@256,kv4+partial \
+    # kv4+partial+awake: no sleep, the carried responses keep their KV (352 s for the three arms of the
+    # fifth session, which had kv4+partial@256, 37 s per iteration, where this has the awake arm)
+    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial,kv4+partial+awake \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep -E "│|s per iteration" | tail -9
 }

@@ -17,7 +17,9 @@ each wake also its optimizer state), runs one untimed warm-up iteration (CUDA gr
 and in partial mode the carried responses) and then times `iterations` iterations; the reported
 seconds are means over those. Peak memory is torch's peak allocated bytes over the timed iterations
 (CUDA only). Partial arms carry unfinished responses with `rollout.carry: recompute` (what sleeping
-needs; see `EngineConfig`).
+needs; see `EngineConfig`), except `awake` arms: their engine does not sleep, and unfinished responses
+keep their KV across the update (`carry: keep_kv`, SPEC §5's default), which needs the KV pool and the
+learner's update to fit the device together (a small KV4 pool is what makes that possible).
 """
 
 from __future__ import annotations
@@ -46,24 +48,28 @@ from kv4rl.telemetry.phases import PHASES, means_of, rows_of
 from kv4rl.trainer.fused_elementwise import fuses_by_default
 
 WEIGHT_FORMATS = {"fp8w": "fp8"}  # arm part -> engine.weight_format (default: the model dtype)
+AWAKE = "awake"  # arm part: the engine stays awake through the update, carried responses keep their KV
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One bar of the figure: `kv` format, rollout `mode`, engine `weights` ("auto" or "fp8")."""
+    """One bar of the figure: `kv` format, rollout `mode`, engine `weights` ("auto" or "fp8"), and
+    whether the engine stays `awake` through the update (else it sleeps as --sleep says)."""
 
     label: str
     kv: str
     mode: str
     weights: str = "auto"
     slots: int | None = None  # decode slots of this arm (`@N`); None: --max-slots
+    awake: bool = False
 
 
 def parse_arms(text: str) -> list[Arm]:
-    """`bf16+sync,kv4+partial@256,fp8w+kv4+partial` -> arms; each names one KV format and one mode,
-    may name a weight format (fp8w) and, after `@`, its own number of decode slots (partial rollout
-    keeps that many responses in flight, so a format whose cache holds more can run more at the same
-    memory). Raises ValueError naming the bad arm."""
+    """`bf16+sync,kv4+partial@256,fp8w+kv4+partial,kv4+partial+awake` -> arms; each names one KV
+    format and one mode, may name a weight format (fp8w), `awake` (no sleep; carried responses keep
+    their KV) and, after `@`, its own number of decode slots (partial rollout keeps that many
+    responses in flight, so a format whose cache holds more can run more at the same memory).
+    Raises ValueError naming the bad arm."""
     arms = [a.strip() for a in text.split(",") if a.strip()]
     if not arms:
         raise ValueError("--arms is empty")
@@ -74,13 +80,17 @@ def parse_arms(text: str) -> list[Arm]:
         kv = [p for p in parts if p in KV_FORMATS]
         mode = [p for p in parts if p in MODES]
         weights = [p for p in parts if p in WEIGHT_FORMATS]
-        unknown = [p for p in parts if p not in KV_FORMATS and p not in MODES and p not in WEIGHT_FORMATS]
-        if unknown or len(kv) != 1 or len(mode) != 1 or len(weights) > 1:
+        awake = parts.count(AWAKE)
+        unknown = [p for p in parts
+                   if p not in KV_FORMATS and p not in MODES and p not in WEIGHT_FORMATS and p != AWAKE]
+        if unknown or len(kv) != 1 or len(mode) != 1 or len(weights) > 1 or awake > 1:
             raise ValueError(
-                f"--arms {label!r}: an arm is KV format + mode [+ weight format], e.g. kv4+partial or "
-                f"fp8w+kv4+partial (KV formats: {', '.join(sorted(KV_FORMATS))}; modes: {', '.join(MODES)}; "
-                f"weight formats: {', '.join(WEIGHT_FORMATS)})" + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
-        out.append(Arm(label, kv[0], mode[0], WEIGHT_FORMATS[weights[0]] if weights else "auto", slots))
+                f"--arms {label!r}: an arm is KV format + mode [+ weight format] [+ {AWAKE}], e.g. kv4+partial, "
+                f"fp8w+kv4+partial or kv4+partial+{AWAKE} (KV formats: {', '.join(sorted(KV_FORMATS))}; modes: "
+                f"{', '.join(MODES)}; weight formats: {', '.join(WEIGHT_FORMATS)})"
+                + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+        out.append(Arm(label, kv[0], mode[0], WEIGHT_FORMATS[weights[0]] if weights else "auto", slots,
+                       awake=bool(awake)))
     if len({a.label for a in out}) < len(out):
         raise ValueError(f"--arms {text}: names one arm twice")
     return out
@@ -115,7 +125,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
     cfg = RunConfig(name=f"bench-{arm.label}", seed=work.seed, device=bench.device,
                     engine=copy.deepcopy(bench.engine))
     e = cfg.engine
-    e.kv.format, e.weight_format, e.sleep_between_rollouts = arm.kv, arm.weights, bench.sleep
+    e.kv.format, e.weight_format, e.sleep_between_rollouts = arm.kv, arm.weights, bench.sleep and not arm.awake
     e.max_model_len = work.max_model_len
     if "engine.kv.group_size" not in bench.engine_keys:
         e.kv.group_size = min(e.kv.group_size, head_dim)
@@ -124,7 +134,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
     r = cfg.rollout
     r.mode, r.quota_groups, r.group_size = arm.mode, work.quota_groups, work.group_size
     r.max_slots = arm.slots or work.max_slots
-    r.max_new_tokens, r.carry = work.max_len, "recompute"
+    r.max_new_tokens, r.carry = work.max_len, "keep_kv" if arm.awake else "recompute"
     t = cfg.trainer
     t.iterations, t.micro_batch_size, t.grad_checkpointing, t.lr, t.warmup_iters = (
         bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
@@ -228,6 +238,7 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
     means = means_of(rows, label)
     row = {
         "arm": label, "kv_format": cfg.engine.kv.format, "mode": cfg.rollout.mode, "slots": cfg.rollout.max_slots,
+        "sleeps": cfg.engine.sleep_between_rollouts, "carry": cfg.rollout.carry,
         "weights": "fp8" if cfg.engine.weight_format == "fp8" else str(engine.dtype).removeprefix("torch."),
         "seconds_per_iteration": means["time_total"],
         "phases": {p["phase"]: p["mean_s"] for p in rows_of(label, means)},
