@@ -7,6 +7,7 @@
 #   bash tools/device_benches.sh tests attn generate forward 2>&1 | tee $OUT/log.txt
 #   bash tools/device_benches.sh learner 2>&1 | tee $OUT/log.txt               # the learner (~4 min)
 #   bash tools/device_benches.sh profile_learner 2>&1 | tee $OUT/log.txt       # its step by kernel family, eager and fused (~3 min)
+#   bash tools/device_benches.sh compiled 2>&1 | tee $OUT/log.txt              # trainer.compile_layers vs fused (~5 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~2 min)
@@ -44,6 +45,20 @@ merged() {  # engine.merge_projections: one GEMM for q|k|v and one for gate|up, 
     done
     timeout 130 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
         --json $OUT/generate_merged.json 2>&1 | grep "│" | tail -6
+}
+
+compiled() {  # issue 12: trainer.compile_layers (every decoder layer one compiled region) against the fused
+    # learner, uniform and log-normal, and its step by kernel family (~5 min, untimed so far)
+    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_compiled_layers_gpu.py \
+        > $OUT/compiled_tests.txt 2>&1; tail -4 $OUT/compiled_tests.txt
+    for w in uniform lognormal; do
+        timeout 240 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload $w --layouts packed \
+            --attention flex --fuse-elementwise on --compile-layers off,on --checkpointing off --reference off \
+            --steps 2 --json $OUT/learner_compiled_$w.json 2>&1 | grep -E "│|/[0-9]+ pa"
+    done
+    timeout 150 python tools/profile_learner.py --shape qwen3-1.7b --workload uniform --attention flex \
+        --fuse-elementwise --compile-layers --ops 30 --json $OUT/profile_learner_compiled.json 2>&1 \
+        | grep -v "^USDT" | tail -66
 }
 
 learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense mask, and vs padded rows, 1.7B

@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--fuse-elementwise", action="store_true", help="trainer.fuse_elementwise")
+    p.add_argument("--compile-layers", action="store_true", help="trainer.compile_layers")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--ops", type=int, default=0, help="also list this many aten ops by their kernels' time, "
                                                       "with input shapes (records shapes: a slower profile)")
@@ -79,7 +80,8 @@ def main() -> None:
     learner = Learner(policy, None, algo=AlgoConfig(), lr=1e-7, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0,
                       micro_batch_size=4, updates_per_batch=1, temperature=1.0, device=dev,
                       grad_checkpointing=a.checkpointing, ref_kl_every=1, max_tokens_per_micro_batch=a.max_tokens,
-                      attention=a.attention, fuse_elementwise=a.fuse_elementwise)
+                      attention=a.attention, fuse_elementwise=a.fuse_elementwise,
+                      compile_layers=a.compile_layers)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     learner.step(batch)  # warm-up: FlexAttention's compilation falls here
     sync()
@@ -101,14 +103,15 @@ def main() -> None:
         families[k["family"]] = families.get(k["family"], 0.0) + k["ms"]
     tokens = int(batch.attention_mask.sum())
     out = {"shape": a.shape, "workload": a.workload, "attention": learner.attention, "checkpointing": a.checkpointing,
-           "fuse_elementwise": a.fuse_elementwise,
+           "fuse_elementwise": a.fuse_elementwise, "compile_layers": a.compile_layers,
            "max_tokens_per_micro_batch": a.max_tokens, "tokens": tokens, "wall_s": wall,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "busy_ms": sum(families.values()), "ms_by_family": families, "kernels": kernels[:a.top]}
     if a.ops:
         out["ops"] = top_ops(prof, dev, a.ops)
     print(f"== {a.shape} {a.workload} ({tokens:,} tokens), {learner.attention}"
-          f"{', fused elementwise' if a.fuse_elementwise else ''}, checkpointing "
+          f"{', fused elementwise' if a.fuse_elementwise else ''}"
+          f"{', compiled layers' if a.compile_layers else ''}, checkpointing "
           f"{'on' if a.checkpointing else 'off'}: step {wall:.3f} s under the profiler, "
           f"{'GPU' if dev.type == 'cuda' else 'CPU op'} busy {out['busy_ms']:.0f} ms")
     for fam, ms in sorted(families.items(), key=lambda x: -x[1]):

@@ -81,6 +81,8 @@ class TrainerConfig:
     attention: str = "auto"  # auto (flex on CUDA when packing, else sdpa), sdpa or flex (CUDA only)
     # RMSNorms and SwiGLU through torch.compile'd functions (trainer/fused_elementwise.py); null: on for CUDA
     fuse_elementwise: bool | None = None
+    # each decoder layer as one torch.compile region (trainer/compiled_layers.py): fuses RoPE, residuals, casts too
+    compile_layers: bool = False
     ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
 
     def learning_rate(self, iteration: int) -> float:

@@ -163,7 +163,8 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
                    updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
                    device=device, grad_checkpointing=t.grad_checkpointing, fsdp=t.fsdp, offload=t.offload,
                    max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every,
-                   attention=t.attention, group=group, fuse_elementwise=t.fuse_elementwise)
+                   attention=t.attention, group=group, fuse_elementwise=t.fuse_elementwise,
+                   compile_layers=t.compile_layers)
 
 
 def restore_state(s: Setup, state: dict, path: Path) -> None:

@@ -9,8 +9,9 @@ Tokens are real tokens (prompt + response, never padding). Model FLOPs per step 
 it runs; `N` counts the weights of every linear layer (the LM head included, the embedding lookup
 not), attention is causal (`6·s²·heads·head_dim` per layer and sequence for forward + backward, a
 third of that for a forward). Activation checkpointing's recomputation is not counted (model FLOPs,
-not hardware FLOPs). `fuse` times the policy with and/or without `trainer.fuse_elementwise` (the
-reference forward, shared by the variants, stays unfused). MFU is against 989 TFLOP/s (H100/H200
+not hardware FLOPs). `fuse` times the policy with and/or without `trainer.fuse_elementwise`, `compile`
+with and/or without `trainer.compile_layers` (the reference forward, shared by the variants, stays
+eager). MFU is against 989 TFLOP/s (H100/H200
 dense BF16) and also given against 780 TFLOP/s. A variant that runs out of GPU memory is reported as such and the others still run. Padded rows always
 run SDPA; FlexAttention's one-off compilation falls in the warm-up step. Each variant is handed to
 `on_result` as soon as it is timed, so a run stopped by a time limit keeps what it measured.
@@ -110,6 +111,7 @@ def _sync(device: torch.device) -> None:
 def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, steps: int = 2,
                   micro_batch_size: int = 4, max_tokens: int = 16384, layouts=("padded", "packed"),
                   attentions=("sdpa",), checkpointing=(False, True), reference=(False, True), fuse=(False,),
+                  compile=(False,),
                   progress: Callable[[str], None] = lambda _: None,
                   on_result: Callable[[dict], None] = lambda _: None) -> dict:
     """Time `Learner.step` for every layout (x attention, packed) x checkpointing x reference variant;
@@ -135,13 +137,13 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
             "peak_flops": PEAK_FLOPS, "alt_peak_flops": ALT_PEAK_FLOPS, "complete": complete, "results": results,
         }
 
-    for ckpt, fused in [(c, f) for c in checkpointing for f in fuse]:
+    for ckpt, fused, compiled in [(c, f, k) for c in checkpointing for f in fuse for k in compile]:
         policy = random_hf_qwen3(shape, device, dtype=torch.float32, seed=work.seed)
         n_params = matmul_params(policy)
         learner = Learner(policy, None, algo=AlgoConfig(), lr=1e-7, weight_decay=0.0, betas=(0.9, 0.999),
                           grad_clip=1.0, micro_batch_size=micro_batch_size, updates_per_batch=1, temperature=1.0,
                           device=device, grad_checkpointing=ckpt, ref_kl_every=1, attention="sdpa",
-                          fuse_elementwise=fused)
+                          fuse_elementwise=fused, compile_layers=compiled)
         for layout, attention in [(lay, a) for lay in layouts for a in (attentions if lay == "packed" else ["sdpa"])]:
             learner.max_tokens = max_tokens if layout == "packed" else None
             computed = tokens if layout == "packed" else len(batch) * batch.input_ids.shape[1]
@@ -151,10 +153,10 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
                 learner.ref_model = ref if with_ref else None
                 learner.set_attention(attention)  # the policy's and the reference's kernel
                 name = (f"{layout} {attention} ckpt={'on' if ckpt else 'off'} ref={'on' if with_ref else 'off'}"
-                        + (" fused" if fused else ""))
+                        + (" fused" if fused else "") + (" compiled" if compiled else ""))
                 progress(name)
                 row = {"layout": layout, "attention": attention, "checkpointing": ckpt, "reference": with_ref,
-                       "fuse_elementwise": fused,
+                       "fuse_elementwise": fused, "compile_layers": compiled,
                        "micro_batches": len(learner.micro_batches(batch, torch.arange(len(batch)))),
                        "computed_tokens": computed, "padding_fraction": 1.0 - tokens / computed}
                 row.update(_time_steps(learner, batch, device, steps))

@@ -39,6 +39,7 @@ from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
+from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
@@ -77,13 +78,14 @@ class Learner:
                  device: torch.device, grad_checkpointing: bool = False, fsdp: bool = True,
                  offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
                  attention: str = "auto", group: dist.ProcessGroup | None = None,
-                 fuse_elementwise: bool | None = None):
+                 fuse_elementwise: bool | None = None, compile_layers: bool = False):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
         `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
         the whole job (split placement: `kv4rl.split`). `fuse_elementwise`: RMSNorms and SwiGLU through
         compiled functions (`kv4rl.trainer.fused_elementwise`), policy and reference; None: `fuses_by_default`
-        and only when the model has a norm it knows."""
+        and only when the model has a norm it knows. `compile_layers`: every decoder layer as one compiled
+        region (`kv4rl.trainer.compiled_layers`), policy and reference."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention)
         self.group = group
         ranks = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -114,6 +116,7 @@ class Learner:
         if fuse_elementwise is None:
             fuse_elementwise = fuses_by_default(device) and can_fuse(self.model)
         self.fused_elementwise = fuse_elementwise_modules(self.model) if fuse_elementwise else None
+        self.compiled_layers = compile_decoder_layers(self.model) if compile_layers else 0
         if fsdp:
             shard_policy(self.model, device, offload, group)
         # Each rank's loss is divided by the global token (or sequence) count, and FSDP2 averages the
@@ -130,6 +133,8 @@ class Learner:
             self.ref_model.eval().requires_grad_(False)
             if fuse_elementwise:
                 fuse_elementwise_modules(self.ref_model)
+            if compile_layers:
+                compile_decoder_layers(self.ref_model)
         self.attention = ""  # the kernel in use, `sdpa` or `flex` (set_attention)
         self.set_attention(attention)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,

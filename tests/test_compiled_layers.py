@@ -1,0 +1,60 @@
+"""`trainer.compile_layers`: the learner with every decoder layer compiled takes the same steps as the
+eager one (fp32, CPU, FSDP2 at world size 1, ragged batches with checkpointing), keeps its parameter
+names, and compiles graphs that every layer shares. The GPU path (inductor's Triton kernels, bf16,
+FlexAttention) is checked by tests/gpu/test_compiled_layers_gpu.py and timed by `kv4rl bench learner
+--compile-layers`."""
+
+import pytest
+import torch
+from torch import nn
+
+from kv4rl.config import RunConfig, TrainerConfig
+from kv4rl.trainer import compiled_layers
+from kv4rl.trainer.compiled_layers import compile_layers, decoder_layers
+from tests.test_learner_fsdp import make, ragged_batch
+
+
+def test_compiled_learner_takes_the_same_steps_as_the_eager_one(tiny_qwen3, monkeypatch):
+    """Dynamo's graphs through AOT autograd without inductor's code generation (its C++ kernels cost a
+    minute of CI on two cores and are not the path that matters; the GPU test runs inductor)."""
+    path, _ = tiny_qwen3
+    monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    eager = make(path, True, grad_checkpointing=True)
+    compiled = make(path, True, grad_checkpointing=True, compile_layers=True)
+    layers = compiled.model.config.num_hidden_layers
+    assert layers >= 2 and compiled.compiled_layers == layers and eager.compiled_layers == 0
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # compiled in place: same names
+    batch = ragged_batch(0)
+    torch.testing.assert_close(compiled.logprobs(batch), eager.logprobs(batch), rtol=0, atol=1e-5)
+    # a ragged batch: its micro-batches of other lengths reuse the dynamic-shape graphs
+    m_eager, m_compiled = eager.step(ragged_batch(1)), compiled.step(ragged_batch(1))
+    assert m_compiled["grad_norm"] == pytest.approx(m_eager["grad_norm"], rel=1e-4)
+    assert m_compiled["loss"] == pytest.approx(m_eager["loss"], rel=1e-4, abs=1e-6)
+    # AdamW divides each gradient by its own RMS, so an element whose gradient is rounding noise moves by
+    # up to lr (1e-3) either way: one such element of a down_proj differed by 1.2e-5, the rest by < 3e-6
+    w_eager, w_compiled = eager.state_dict(), compiled.state_dict()
+    for name, w in w_compiled.items():
+        torch.testing.assert_close(w, w_eager[name], rtol=0, atol=5e-5, msg=name)
+    # the layers share their graphs: a recompilation per layer would hit dynamo's cache limit at 8
+    # layers and leave the rest eager
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < frames < layers * 2
+
+
+def test_a_model_without_decoder_layers_is_refused_by_name():
+    with pytest.raises(ValueError, match="trainer.compile_layers: Sequential has no ...DecoderLayer"):
+        compile_layers(nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)])))
+
+
+def test_decoder_layers_are_found_in_a_transformers_model(tiny_qwen3):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3[0])
+    assert decoder_layers(model) == list(model.model.layers)
+    assert compiled_layers.BACKEND == "inductor"
+
+
+def test_the_setting_is_a_trainer_option():
+    assert TrainerConfig().compile_layers is False
+    RunConfig(device="cpu", trainer=TrainerConfig(compile_layers=True)).validate()
