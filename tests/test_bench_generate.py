@@ -23,6 +23,7 @@ def test_bench_generate_engine_and_transformers_generate_exact_token_counts(tmp_
         assert x["engine_steps"] == 7 and x["decode_steps"] == 6 and x["preemptions"] == 0
         assert x["prefill_steps"] == 1 and x["prefill_tokens"] == x["batch_size"] * 5 and 0 < x["prefill_s"] < x["engine_s"]
         assert x["engine_tokens_per_s"] > 0 and x["hf_tokens_per_s"] > 0
+        assert 0 < x["decode_host_ms"] <= x["decode_step_ms"]  # the step less its wait for the device
         assert abs(x["speedup"] - x["engine_tokens_per_s"] / x["hf_tokens_per_s"]) < 1e-9
     assert set(r["engine_summaries"]) == {"bf16", "kv4"}
     assert "max_num_seqs x max_model_len" in r["engine_summaries"]["kv4"]

@@ -68,6 +68,9 @@ def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
         assert x["mixed_steps_per_batch"] > 0 and x["decode_steps_per_batch"] > 0
         assert x["step_ms"] == pytest.approx((x["decode_step_ms"] * x["decode_steps_per_batch"] + x["mixed_step_ms"]
                                               * x["mixed_steps_per_batch"]) / x["steps_per_batch"])
+        # the host's part of a step: all of it but the wait for the device's tokens (~0 on the CPU)
+        for kind in ("decode", "mixed"):
+            assert 0 < x[f"{kind}_host_ms"] <= x[f"{kind}_step_ms"]
         # sync: 4 groups a batch, each prompt computed once (followers fork); partial: a group's prompt is
         # computed in the batch that admits it, which may be the one before (the warm-up) its consumer
         assert x["prefill_tokens_per_batch"] >= (4 * 4 if x["mode"] == "sync" else 1)

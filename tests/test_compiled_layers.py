@@ -20,6 +20,7 @@ def test_compiled_learner_takes_the_same_steps_as_the_eager_one(tiny_qwen3, monk
     path, _ = tiny_qwen3
     monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # other tests' compilations count there too
     eager = make(path, True, grad_checkpointing=True)
     compiled = make(path, True, grad_checkpointing=True, compile_layers=True)
     layers = compiled.model.config.num_hidden_layers
@@ -36,10 +37,10 @@ def test_compiled_learner_takes_the_same_steps_as_the_eager_one(tiny_qwen3, monk
     w_eager, w_compiled = eager.state_dict(), compiled.state_dict()
     for name, w in w_compiled.items():
         torch.testing.assert_close(w, w_eager[name], rtol=0, atol=5e-5, msg=name)
-    # the layers share their graphs: a recompilation per layer would hit dynamo's cache limit at 8
-    # layers and leave the rest eager
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert 0 < frames < layers * 2
+    # The layers share their graphs, one per mode: no grad (log-probs), grad, and the checkpointed
+    # recomputation (3, for 2 or 4 layers alike). A graph per layer would hit dynamo's cache limit at 8
+    # layers and leave the others eager, and here would make 2 x 3.
+    assert 0 < torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
 
 
 def test_a_model_without_decoder_layers_is_refused_by_name():

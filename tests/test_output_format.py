@@ -68,7 +68,7 @@ def tables() -> dict:
                 "weight_format": "fp8", "results": [
                     {"kv_format": kv, "batch_size": b, "engine_tokens_per_s": 12345.6 * b / 64,
                      "hf_tokens_per_s": 1234.5, "speedup": 10.0 * b / 64, "engine_steps": 257,
-                     "decode_step_ms": 11.234, "engine_peak_gib": 17.5, "hf_peak_gib": 21.25}
+                     "decode_step_ms": 11.234, "decode_host_ms": 3.125, "engine_peak_gib": 17.5, "hf_peak_gib": 21.25}
                     for kv in ("bf16", "kv4") for b in (64, 256)]}
     pool = {"model_shape": {"layers": 36, "kv_heads": 8, "head_dim": 128}, "kv": {"block_size": 16},
             "results": [{"format": f, "tokens": t, "tokens_vs_bf16": r, "bytes_per_token": bt,
@@ -105,7 +105,7 @@ def tables() -> dict:
                             "preemptions": 0, "pool_tokens": 557056, "kv_peak_bytes": 5994455040,
                             "pool_bytes": 18060148736, "steps_per_batch": 913.5, "step_ms": 27.898,
                             "decode_steps_per_batch": 897.5, "mixed_steps_per_batch": 16.0, "decode_step_ms": 27.015,
-                            "mixed_step_ms": 77.444}
+                            "mixed_step_ms": 77.444, "decode_host_ms": 2.875, "mixed_host_ms": 9.625}
                            for f in ("bf16", "kv4") for m in ("sync", "partial")]}
     return {"rollout": _rollout_table(rollout), "curves": _curves_table("eval/mean@1", 0.9, curves), "fidelity": _fidelity_table(fidelity_result()), "pool": _pool_table(pool, "qwen3-8b", 40.0, 256, 8192),
             "generate": _generate_table(generate), "decode-attn": _decode_attn_table(attn),

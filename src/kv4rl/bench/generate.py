@@ -86,8 +86,10 @@ def run_hf(model, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
 
 def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
                seed: int) -> dict:
-    """Engine generation per batch size: produced tokens, seconds, steps, decode step time, the time of
-    the steps that carry prompt tokens (`prefill_s`, `prefill_steps`, `prefill_tokens`), peak memory."""
+    """Engine generation per batch size: produced tokens, seconds, steps, decode step time and its host
+    part (latency minus the wait for the device: scheduling, inputs, launches, bookkeeping; the GPU
+    idles for at least part of it), the time of the steps that carry prompt tokens (`prefill_s`,
+    `prefill_steps`, `prefill_tokens`), peak memory."""
     largest = prompts_by_batch[max(prompts_by_batch)]
     engine.generate(largest, SamplingParams(max_tokens=min(new_tokens, WARMUP_TOKENS), ignore_eos=True, seed=seed))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
@@ -98,12 +100,15 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
         with _Timer(engine.device) as t:
             completions = engine.generate(prompts, params, progress=lambda _, steps=steps: steps.append(dict(engine.last_step)))
         tokens = sum(len(c.token_ids) for c in completions)
-        decode = [s["latency_s"] for s in steps if s["new_tokens"] == s["batch_size"]]  # no prompt token
+        decode_steps = [s for s in steps if s["new_tokens"] == s["batch_size"]]  # no prompt token
+        decode = [s["latency_s"] for s in decode_steps]
+        host = [s["latency_s"] - s["wait_s"] for s in decode_steps]
         prefill = [s for s in steps if s["prefill_tokens"]]  # steps carrying prompt tokens (with decodes or not)
         rows[batch] = {
             "engine_tokens": tokens, "engine_s": t.seconds, "engine_tokens_per_s": tokens / t.seconds,
             "engine_steps": len(steps), "decode_steps": len(decode),
             "decode_step_ms": 1e3 * sum(decode) / len(decode) if decode else None,
+            "decode_host_ms": 1e3 * sum(host) / len(host) if host else None,
             "prefill_steps": len(prefill), "prefill_tokens": sum(s["prefill_tokens"] for s in prefill),
             "prefill_s": sum(s["latency_s"] for s in prefill),
             "preemptions": engine.num_preemptions - preempted, "engine_peak_gib": t.peak_gib,

@@ -300,6 +300,9 @@ def _step_kinds(steps: list[dict], batches: int) -> dict:
                          ("mixed", [s for s in steps if s["prefill_tokens"] > 0])):
         out[f"{kind}_steps_per_batch"] = len(chosen) / batches
         out[f"{kind}_step_ms"] = 1e3 * statistics.fmean(s["latency_s"] for s in chosen) if chosen else None
+        # the host's part: the step's latency less its wait for the device (see Engine.step)
+        out[f"{kind}_host_ms"] = (1e3 * statistics.fmean(s["latency_s"] - s["wait_s"] for s in chosen)
+                                  if chosen else None)
     return out
 
 

@@ -53,12 +53,13 @@ def generate_table(res: dict) -> ResultTable:
         f"{res['gpu'] or res['device']}, prompt {res['prompt_len']} + {res['new_tokens']} new tokens, "
         f"weights {res['weight_format']}",
         ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "prefill s", "decode step ms",
-         "engine peak GiB", "HF peak GiB"], labels=2)
+         "of it host ms", "engine peak GiB", "HF peak GiB"], labels=2)
     for r in res["results"]:
         table.add_row(r["kv_format"], str(r["batch_size"]), f"{r['engine_tokens_per_s']:,.0f}",
                       f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
                       f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
-                      num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r["engine_peak_gib"]), num(r.get("hf_peak_gib")))
+                      num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r.get("decode_host_ms")),
+                      num(r["engine_peak_gib"]), num(r.get("hf_peak_gib")))
     return table
 
 
@@ -80,7 +81,7 @@ def rollout_table(res: dict) -> ResultTable:
         f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}; median [min-max] of {res['repeats']} repeats",
         ["format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
          "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step",
-         "decode | mixed steps", "ms decode | mixed"], labels=2)
+         "decode | mixed steps", "ms decode | mixed", "host ms decode | mixed"], labels=2)
     for r in res["results"]:
         speedup = "-" if r["speedup_vs_bf16_sync"] is None else (
             f"{r['speedup_vs_bf16_sync']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]")
@@ -90,7 +91,8 @@ def rollout_table(res: dict) -> ResultTable:
             str(r["preemptions"]), f"{r['pool_tokens']:,}", f"{r['kv_peak_bytes'] / r['pool_bytes']:.0%}",
             f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}",
             " | ".join("-" if r.get(k) is None else f"{r[k]:.1f}" for k in ("decode_steps_per_batch", "mixed_steps_per_batch")),
-            " | ".join("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("decode_step_ms", "mixed_step_ms")))
+            " | ".join("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("decode_step_ms", "mixed_step_ms")),
+            " | ".join("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("decode_host_ms", "mixed_host_ms")))
     return table
 
 

@@ -173,7 +173,9 @@ class Engine:
         `last_step` afterwards describes the step for rollout traces: batch size, prefill or decode,
         new (prefill + decode) tokens and of them those of multi-token rows (`prefill_tokens`: prompts,
         chunks, recomputes), mean context length, nominal resident KV bytes, KV blocks in
-        use and how many of them are shared, prompt tokens whose prefill sharing saved, and latency.
+        use and how many of them are shared, prompt tokens whose prefill sharing saved, latency, and
+        `wait_s`, the part of it the host spent waiting for the device's results (the rest, latency minus
+        wait, is host work: scheduling, inputs, launches, bookkeeping; on the CPU the wait is ~0).
         """
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
@@ -199,14 +201,19 @@ class Engine:
         if len(rows) < len(seqs):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         tokens, logprobs = self.runner.sample(sampled, logits) if sampled else (torch.empty(0), torch.empty(0))
-        for seq, tok, lp in zip(sampled, tokens.tolist(), logprobs.tolist()):
+        t_wait = time.perf_counter()
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # blocks until the device has sampled
+        wait = time.perf_counter() - t_wait
+        for seq, tok, lp in zip(sampled, tokens, logprobs):
             seq.append(tok, lp, self.version)
             stop_ids = self.eos_ids if seq.params.stop_token_ids is None else frozenset(seq.params.stop_token_ids)
             reason = self.scheduler.stop_reason(seq, stop_ids)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
+        t_wait = time.perf_counter()
         self.runner.synchronize()
+        wait += time.perf_counter() - t_wait
         context += len(sampled)  # each sampling row grew by its token
         # every running sequence was scheduled (`schedule` preempts those it cannot step), so the
         # resident tokens are the batch's, the finished ones' included
@@ -220,6 +227,7 @@ class Engine:
             "shared_blocks": shared_blocks,
             "prefill_tokens_saved": self.scheduler.prefill_tokens_saved - saved_before,
             "latency_s": time.perf_counter() - t0,
+            "wait_s": wait,
         }
         return finished
 
