@@ -107,10 +107,15 @@ fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on 
 }
 
 fit_8b() {  # issue 12: Qwen3-8B shape with the learner's state in CPU memory (trainer.offload)
+    # A lighter workload than fit_4b's (8 groups, max 4096) with the same 16k-token micro-batches, so the
+    # largest activations are the same: on 2026-12-01 a run with 4 groups had not finished its warm-up
+    # iteration after 235 s (random-init folder, two loads of 8B weights, AdamW on the CPU). Each
+    # progress line is printed with its time, to show where the minutes go.
     timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-8b --arms kv4+partial --offload \
-        --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
+        --quota-groups 8 --group-size 8 --median-len 1024 --max-len 4096 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_8b_offload.json 2>&1 \
-        | grep -E "│|s per iteration|Error|memory" | tail -9
+        | while IFS= read -r line; do echo "$(date +%T) $line"; done \
+        | grep -E "│|s per iteration|Error|memory|iteration|random-init" | tail -20
 }
 
 date
