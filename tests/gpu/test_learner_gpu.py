@@ -61,6 +61,20 @@ def _rel(a, b):
     return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm().clamp(min=1e-30))
 
 
+def assert_same_first_update(eager, other, batch):
+    """`other` (the same weights through other kernels) gives `eager`'s log-probs and first update to
+    bf16 rounding: log-probs within 0.1, grad norm and every gradient within 5%."""
+    mask = batch.response_mask.bool()
+    lp_eager, lp_other = eager._logprobs(eager.model, batch), other._logprobs(other.model, batch)
+    assert float((lp_other - lp_eager)[mask].abs().max()) < 0.1
+    batch = on_policy(batch, lp_eager)
+    m_eager, m_other = eager.step(batch), other.step(batch)
+    assert m_other["grad_norm"] == pytest.approx(m_eager["grad_norm"], rel=0.05)
+    grads = other.named_grads()
+    for name, g in eager.named_grads().items():
+        assert _rel(grads[name], g) < 0.05, name
+
+
 class _RoundBF16(torch.autograd.Function):
     """Identity up to bf16 rounding, forward and backward."""
 

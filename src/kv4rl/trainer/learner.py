@@ -38,8 +38,8 @@ from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
-from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
+from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
