@@ -11,6 +11,7 @@ from torch import nn
 from kv4rl.config import RunConfig, TrainerConfig
 from kv4rl.trainer import compiled_layers
 from kv4rl.trainer.compiled_layers import compile_layers, decoder_layers
+from kv4rl.trainer.batch import build_batch
 from tests.test_learner_fsdp import make, ragged_batch
 
 
@@ -35,9 +36,26 @@ def test_compiled_learner_takes_the_same_steps_as_the_eager_one(tiny_qwen3, monk
     w_eager, w_compiled = eager.state_dict(), compiled.state_dict()
     for name, w in w_compiled.items():
         torch.testing.assert_close(w, w_eager[name], rtol=0, atol=5e-5, msg=name)
-    # One graph serves every layer and every micro-batch length (so with 2 layers here as with 4). A
-    # graph per layer would hit dynamo's cache limit at 8 layers and leave the others eager.
+    # One graph serves every layer (so with 2 layers here as with 4): a graph per layer would hit dynamo's
+    # cache limit at 8 layers and leave the others eager.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # New micro-batch lengths recompile with the dimensions that changed made dynamic (the sequence, then
+    # the padded path's mask), after which every length reuses the graphs: no cache limit, no eager fallback
+    for width in (11, 14):
+        compiled.step(longer_batch(width))
+    settled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert settled <= 3
+    compiled.step(longer_batch(19))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == settled
+
+
+def longer_batch(width):
+    """Four rows padded to `width` tokens (ragged_batch's are 8 wide)."""
+    g = torch.Generator().manual_seed(width)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, width - 4, 2, 4)]
+    responses = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 4, 5, 3)]
+    return build_batch(prompts, responses, [[-1.0] * len(r) for r in responses], [[0] * len(r) for r in responses],
+                       [1.0, -0.5, 0.3, -0.8], pad_id=0)
 
 
 def test_a_model_without_decoder_layers_is_refused_by_name():

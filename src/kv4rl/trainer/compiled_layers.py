@@ -7,8 +7,12 @@ transposes around attention, dtype casts. Compiling each whole layer, as torchti
 transformer block, lets inductor fuse all of them, forward and backward, around the GEMMs and the
 attention kernel. The layers are compiled in place (`nn.Module.compile`), so parameter names, state
 dicts, checkpoints and the weight refresh see the same module tree, and before FSDP2 wraps them, whose
-hooks stay outside the compiled code. `dynamic=True`: one compilation serves every packed
-micro-batch length; the layers share one graph (torch inlines module parameters as inputs).
+hooks stay outside the compiled code. The layers share one graph (torch inlines module parameters as
+inputs). `dynamic=None`, dynamo's automatic dynamic shapes: a dimension turns symbolic once a new
+micro-batch length changes it, so after a recompile or two every length reuses the graphs. Not
+`dynamic=True`: with every dimension symbolic, inductor's FlexAttention lowering on CUDA could not decide
+the head ratio (`64 // s19`) and failed (H200, 2026-12-02). 1.18-1.19x per fused 1.7B learner step
+there (bench/RESULTS.md, sixth session).
 """
 
 from __future__ import annotations
@@ -32,5 +36,5 @@ def compile_layers(model: nn.Module) -> int:
         raise ValueError(f"trainer.compile_layers: {type(model).__name__} has no ...DecoderLayer modules in a "
                          "ModuleList to compile; set it to false")
     for layer in layers:
-        layer.compile(backend=BACKEND, dynamic=True)
+        layer.compile(backend=BACKEND, dynamic=None)
     return len(layers)
