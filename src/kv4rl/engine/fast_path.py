@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kv4rl.engine.block_table_mirror import BlockTableMirror
+from kv4rl.engine.host_copy import to_device
 from kv4rl.engine.sequence import Sequence
 from kv4rl.kernels.decode_common import DecodeBatch, DecodeKind
 
@@ -127,7 +128,7 @@ class FastAttention:
         split = self.split_size(int(host["context_lens"].max()), len(host["slots"]))
         batch = DecodeBatch(block_tables=to(host["block_tables"]), context_lens=to(host["context_lens"]),
                             seq_slots=to(host["seq_slots"]),
-                            split_size=torch.tensor([split], dtype=torch.int32, device=self.device),
+                            split_size=to_device([split], torch.int32, self.device),
                             max_splits=self.num_splits(len(host["slots"])), block_size=self.block_size)
         return DecodeInputs(slots=to(host["slots"]), protect_rows=to(host["protect_rows"]) if self.side else None,
                             batch=batch)

@@ -22,6 +22,7 @@ import torch
 from kv4rl.engine import memory
 from kv4rl.engine.block_manager import BlockManager
 from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.host_copy import to_device
 from kv4rl.engine.merged_linears import merged_state_dict, unmerged_state_dict
 from kv4rl.engine.placement import place_model
 from kv4rl.engine.plan import make_plan, probe_capabilities
@@ -175,7 +176,8 @@ class Engine:
         chunks, recomputes), mean context length, nominal resident KV bytes, KV blocks in
         use and how many of them are shared, prompt tokens whose prefill sharing saved, latency, and
         `wait_s`, the part of it the host spent waiting for the device's results (the rest, latency minus
-        wait, is host work: scheduling, inputs, launches, bookkeeping; on the CPU the wait is ~0).
+        wait, is host work: scheduling, inputs, launches, bookkeeping; on the CPU the wait is ~0). Only
+        the token read waits (`_launch`), so the wait is all there.
         """
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
@@ -195,12 +197,9 @@ class Engine:
             context += length
             if step == new:
                 rows.append(i)
-        logits = self.runner.forward(seqs)
         sampled = [seqs[i] for i in rows]
         finished = []
-        if len(rows) < len(seqs):
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        tokens, logprobs = self.runner.sample(sampled, logits) if sampled else (torch.empty(0), torch.empty(0))
+        tokens, logprobs = self._launch(seqs, rows, sampled)
         t_wait = time.perf_counter()
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # blocks until the device has sampled
         wait = time.perf_counter() - t_wait
@@ -230,6 +229,17 @@ class Engine:
             "wait_s": wait,
         }
         return finished
+
+    def _launch(self, seqs: list[Sequence], rows: list[int], sampled: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's device work, the forward and the sampling of `rows`, queued without the host waiting
+        for any of it (tests/gpu/test_engine_no_host_wait_gpu.py checks this under CUDA's sync debug
+        mode), so the step's one wait is the read of its tokens and `wait_s` measures it."""
+        logits = self.runner.forward(seqs)
+        if not sampled:
+            return torch.empty(0), torch.empty(0)
+        if len(rows) < len(seqs):
+            logits = logits[to_device(rows, torch.long, logits.device)]
+        return self.runner.sample(sampled, logits)
 
     def generate(
         self,

@@ -18,6 +18,7 @@ from kv4rl.engine.attention import AttnMetadata, reference_paged_attention
 from kv4rl.engine.block_manager import blocks_needed
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.fast_path import FastAttention
+from kv4rl.engine.host_copy import to_device
 from kv4rl.engine.kv_formats import KVFormat
 from kv4rl.engine.plan import EnginePlan
 from kv4rl.engine.sampler import sample
@@ -137,10 +138,9 @@ class ModelRunner:
         params = [s.params for s in seqs]
         # two host-to-device copies instead of five, and whether any row truncates known here: read from
         # the device tensors it would make the host wait for the forward before launching the sampler
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
-                              dtype=torch.float32, device=self.device)
-        ints = torch.tensor([[p.top_k for p in params], [s.sample_seed for s in seqs],
-                             [len(s.output_ids) for s in seqs]], dtype=torch.long, device=self.device)
+        floats = to_device([[p.temperature for p in params], [p.top_p for p in params]], torch.float32, self.device)
+        ints = to_device([[p.top_k for p in params], [s.sample_seed for s in seqs], [len(s.output_ids) for s in seqs]],
+                         torch.long, self.device)
         truncated = any(p.top_k > 0 or p.top_p < 1 for p in params)
         return sample(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
                       fused=self.sampler == "triton", truncated=truncated)
@@ -155,11 +155,10 @@ class ModelRunner:
         forks = [s.fork for s in seqs if s.fork is not None]
         if not forks:
             return
-        to = {"dtype": torch.long, "device": self.device}
-        src = torch.tensor([x for f in forks for x in f.src_slots], **to)
-        dst = torch.tensor([x for f in forks for x in f.dst_slots], **to)
-        src_seq = torch.tensor([f.src_seq_slot for f in forks], **to)
-        dst_seq = torch.tensor([f.dst_seq_slot for f in forks], **to)
+        src = to_device([x for f in forks for x in f.src_slots], torch.long, self.device)
+        dst = to_device([x for f in forks for x in f.dst_slots], torch.long, self.device)
+        src_seq = to_device([f.src_seq_slot for f in forks], torch.long, self.device)
+        dst_seq = to_device([f.dst_seq_slot for f in forks], torch.long, self.device)
         for cache in self.caches:
             self.kv_format.copy_slots(cache, src, dst)
             self.kv_format.copy_seq_state(cache, src_seq, dst_seq)
@@ -202,7 +201,7 @@ class ModelRunner:
         if all(a is b for a, b in zip(order, seqs)):
             return logits
         where = {id(s): i for i, s in enumerate(order)}
-        return logits[torch.tensor([where[id(s)] for s in seqs], device=logits.device)]
+        return logits[to_device([where[id(s)] for s in seqs], torch.long, logits.device)]
 
     def _forward_eager(self, host, rest: list[Sequence]) -> torch.Tensor:
         """Decode rows (`host`, fast path) first, then the `rest` (prefill kernel or reference path)."""
@@ -224,8 +223,8 @@ class ModelRunner:
                                           block_size=self.block_size, seq_ids=[s.seq_id for s in rest],
                                           device=self.device, seq_slots=seq_slots)
             ids += [t for s, n in zip(rest, query_lens) for t in s.token_slice(s.num_cached_tokens, s.num_cached_tokens + n)]
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids_t = to_device(ids, torch.long, self.device)  # no wait: in a split step the decode graph is running
+        pos_t = to_device(positions, torch.long, self.device)
         if meta is not None:
             pos_t = torch.cat((pos_t, meta.positions))
 
@@ -244,7 +243,7 @@ class ModelRunner:
         hidden = self.model(ids_t, pos_t, attention)
         last = torch.arange(num_decode, device=self.device)
         if rest:
-            ends = torch.cumsum(torch.tensor(query_lens, device=self.device), 0) - 1 + num_decode
+            ends = torch.cumsum(to_device(query_lens, torch.long, self.device), 0) - 1 + num_decode
             last = torch.cat((last, ends))
         return self.model.compute_logits(hidden[last])
 
