@@ -74,3 +74,26 @@ def test_engine_takes_a_folder_or_a_model_not_both(tiny_qwen3):
         Engine(None)
     with pytest.raises(ValueError, match="device and dtype"):
         Engine.from_model(decoder_from_hf(hf), device="cpu")
+
+
+def test_random_model_folders_are_cached_by_shape_seed_and_device(tmp_path):
+    """Built once, then returned as is; weights drawn on a GPU are not the CPU's, so they are cached apart."""
+    from safetensors.torch import load_file
+
+    from kv4rl.bench.random_model import random_model_dir
+
+    folder = random_model_dir("qwen3-tiny", seed=3, cache_dir=tmp_path)
+    assert folder.name == "random-qwen3-tiny-L2-seed3"
+    weights = load_file(folder / "model.safetensors")
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert random_model_dir("qwen3-tiny", seed=3, cache_dir=tmp_path) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
+    if torch.cuda.is_available():
+        on_gpu = random_model_dir("qwen3-tiny", seed=3, cache_dir=tmp_path, device="cuda")
+        assert on_gpu.name == "random-qwen3-tiny-L2-seed3-cuda"
+        gpu_weights = load_file(on_gpu / "model.safetensors")
+        assert set(gpu_weights) == set(weights)
+        assert all(w.dtype == torch.bfloat16 and w.shape == weights[n].shape for n, w in gpu_weights.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["random-qwen3-tiny-L2-seed3"] + (["random-qwen3-tiny-L2-seed3-cuda"] if torch.cuda.is_available() else []))

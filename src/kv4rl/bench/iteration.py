@@ -265,10 +265,10 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
     """Run every arm of a prepared benchmark; the JSON-ready result (speedups against the first arm).
     `on_result(summary)` after each arm, with the arms run so far (a time limit keeps what ran)."""
     progress = progress or (lambda what: None)
-    progress(f"random-init {bench.shape} folder (built once, then cached)")
-    model_dir = random_model_dir(bench.shape, seed=bench.workload.seed)
-    args = qwen3_args(bench.shape)
     device = resolve_device(bench.device)
+    progress(f"random-init {bench.shape} folder (built once on {device.type}, then cached)")
+    model_dir = random_model_dir(bench.shape, seed=bench.workload.seed, device=device)
+    args = qwen3_args(bench.shape)
     rows = []
 
     def summary(complete: bool) -> dict:

@@ -131,8 +131,12 @@ def decoder_from_hf(hf_model) -> Decoder:
 
 
 def make_random_qwen3(out_dir: str | Path, shape: str = "qwen3-0.6b", *, num_layers: int | None = None,
-                      seed: int = 0) -> Path:
-    """Write a random-init Qwen3 of `shape` (optionally with only `num_layers` layers) to `out_dir`."""
+                      seed: int = 0, device: str | torch.device = "cpu") -> Path:
+    """Write a random-init Qwen3 of `shape` (optionally with only `num_layers` layers) to `out_dir`.
+
+    `device="cuda"` draws the weights there, in bf16: the 8B shape took 189 s on the H200 machine's CPU
+    (fp32 init of 8B parameters, then a cast), most of a device call. The CPU and the GPU draw different
+    numbers from the same seed, so the two are cached under different names (`random_model_dir`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from kv4rl.data.char_tokenizer import build_char_tokenizer
@@ -146,27 +150,38 @@ def make_random_qwen3(out_dir: str | Path, shape: str = "qwen3-0.6b", *, num_lay
     tokenizer = build_char_tokenizer(out_dir)
     config = Qwen3Config(**config_kwargs, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(out_dir)
+    device = torch.device(device)
+    if device.type == "cpu":
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+        model = model.to(torch.bfloat16)
+    else:
+        with torch.random.fork_rng(devices=[device]), torch.device(device):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out_dir
 
 
 def random_model_dir(shape: str, num_layers: int | None = None, seed: int = 0,
-                     cache_dir: str | Path | None = None) -> Path:
-    """A cached `make_random_qwen3` folder under the kv4rl cache, built on first use."""
+                     cache_dir: str | Path | None = None, device: str | torch.device = "cpu") -> Path:
+    """A cached `make_random_qwen3` folder under the kv4rl cache, built on first use (on `device`)."""
     from kv4rl.models.tiny import default_cache_dir
 
     layers = num_layers or _shape(shape)["num_hidden_layers"]
     parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = parent / f"random-{shape}-L{layers}-seed{seed}"
+    built_on = torch.device(device).type
+    final = parent / (f"random-{shape}-L{layers}-seed{seed}" + ("" if built_on == "cpu" else f"-{built_on}"))
     if final.is_dir():  # only ever renamed into place once complete
         return final
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:
-        make_random_qwen3(staging, shape, num_layers=layers, seed=seed)
+        make_random_qwen3(staging, shape, num_layers=layers, seed=seed, device=device)
         if not final.exists():
             os.replace(staging, final)
     finally:
