@@ -35,6 +35,7 @@ def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
         "1/3 bf16+sync", "2/3 kv4+partial@5", "3/3 fp8w+kv4+partial"]
     assert r["max_tokens_per_micro_batch"] == 64 and r["attention"] == "auto"  # the learner packs, as train does
     assert r["fuse_elementwise"] is False and r["offload"] is False  # CPU: both off
+    assert r["compile_layers"] is False
     assert r["phases"] == ["rollout", "reward", "update", "sync", "sleep_wake", "other"]
     rows = r["results"]
     assert [(x["arm"], x["kv_format"], x["mode"], x["weights"], x["slots"]) for x in rows] == [
@@ -126,3 +127,12 @@ def test_offload_is_refused_on_the_cpu_before_any_work(tmp_path):
                               "--json", str(tmp_path / "no.json")])
     assert res.exit_code != 0 and "--offload moves the learner's parameters" in " ".join(res.output.split())
     assert not (tmp_path / "no.json").exists()
+
+
+def test_compile_layers_reaches_the_trainer_of_every_arm():
+    from kv4rl.bench.iteration import IterationBench, run_config
+
+    for flag in (False, True):
+        bench = IterationBench(arms=tuple(parse_arms("bf16+sync,kv4+partial+awake")), shape="qwen3-tiny",
+                               compile_layers=flag, device="cpu")
+        assert [run_config(bench, arm).trainer.compile_layers for arm in bench.arms] == [flag, flag]

@@ -9,6 +9,7 @@
 #   bash tools/device_benches.sh profile_learner 2>&1 | tee $OUT/log.txt       # its step by kernel family, eager and fused (~3 min)
 #   bash tools/device_benches.sh compiled 2>&1 | tee $OUT/log.txt              # trainer.compile_layers vs fused (~5 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
+#   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # two arms, compiled learner layers (~6 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~4 min)
 #   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated iteration (<10 min)
@@ -91,6 +92,14 @@ iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed le
     timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial,kv4+partial+awake \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep -E "│|s per iteration" | tail -9
+}
+
+iteration_compiled() {  # issue 12: the iteration stage's baseline and best arm with trainer.compile_layers in
+    # both (1.18-1.19x per learner step on 2026-12-02; the update was 9.4-10.6 s of 30.6-53.7 s per iteration)
+    timeout 450 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial+awake \
+        --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
+        --compile-layers --iterations 1 --json $OUT/iteration_1p7b_compiled.json \
+        --png $OUT/iteration_1p7b_compiled.png 2>&1 | grep -E "│|s per iteration|Error" | tail -9
 }
 
 engine_tests() {  # the engine on CUDA: fast path (mixed steps replaying the decode graph), prefill, sleep/wake,

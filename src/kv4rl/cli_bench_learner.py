@@ -67,6 +67,9 @@ def register_learner_benches(app: typer.Typer) -> None:
             "--fuse-elementwise/--no-fuse-elementwise", help="trainer.fuse_elementwise: the learner's RMSNorms "
                                                              "and SwiGLU through compiled functions (default: on "
                                                              "for CUDA)")] = None,
+        compile_layers: Annotated[bool, Option(
+            "--compile-layers/--no-compile-layers", help="trainer.compile_layers: every learner decoder layer "
+                                                         "as one torch.compile region")] = False,
         lr: Annotated[float, Option("--lr", help="learner learning rate")] = 1e-6,
         sleep: Annotated[bool, Option(
             "--sleep/--no-sleep", help="engine frees its KV pool during the update (engine.sleep_between_rollouts)")]
@@ -93,7 +96,8 @@ def register_learner_benches(app: typer.Typer) -> None:
                 workload=Workload(quota_groups=quota, group_size=group, max_slots=slots or quota * group,
                                   prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
                 micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens, attention=attention,
-                grad_checkpointing=grad_checkpointing, offload=offload, fuse_elementwise=fuse_elementwise, lr=lr,
+                grad_checkpointing=grad_checkpointing, offload=offload, fuse_elementwise=fuse_elementwise,
+                compile_layers=compile_layers, lr=lr,
                 sleep=sleep,
                 device=device, engine=engine_config(overrides),
                 engine_keys=frozenset(".".join(parse_override(o)[0]) for o in overrides))

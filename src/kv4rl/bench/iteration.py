@@ -110,6 +110,7 @@ class IterationBench:
     grad_checkpointing: bool = False
     offload: bool = False  # trainer.offload (FSDP2 CPUOffloadPolicy)
     fuse_elementwise: bool | None = None  # trainer.fuse_elementwise (None: on for CUDA)
+    compile_layers: bool = False  # trainer.compile_layers
     lr: float = 1e-6
     sleep: bool = True
     device: str = "auto"
@@ -139,7 +140,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
     t.iterations, t.micro_batch_size, t.grad_checkpointing, t.lr, t.warmup_iters = (
         bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
     t.max_tokens_per_micro_batch, t.attention = bench.max_tokens_per_micro_batch, bench.attention
-    t.fuse_elementwise, t.offload = bench.fuse_elementwise, bench.offload
+    t.fuse_elementwise, t.offload, t.compile_layers = bench.fuse_elementwise, bench.offload, bench.compile_layers
     try:
         cfg.validate()
         kv_format_from_config(e.kv).check(head_dim, work.max_model_len)
@@ -287,6 +288,7 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
             "fuse_elementwise": (fuses_by_default(device) if bench.fuse_elementwise is None
                                  else bench.fuse_elementwise),
+            "compile_layers": bench.compile_layers,
             "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
             "complete": complete, "results": rows,
         }
