@@ -8,6 +8,7 @@
 #   bash tools/device_benches.sh learner 2>&1 | tee $OUT/log.txt               # the learner (~4 min)
 #   bash tools/device_benches.sh profile_learner 2>&1 | tee $OUT/log.txt       # its step by kernel family, eager and fused (~3 min)
 #   bash tools/device_benches.sh compiled 2>&1 | tee $OUT/log.txt              # trainer.compile_layers vs fused (~5 min)
+#   bash tools/device_benches.sh fused_logprobs 2>&1 | tee $OUT/log.txt        # the Triton log-prob head (~4 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
 #   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # two arms, compiled learner layers (~6 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
@@ -60,6 +61,17 @@ compiled() {  # issue 12: trainer.compile_layers (every decoder layer one compil
     timeout 150 python tools/profile_learner.py --shape qwen3-1.7b --workload uniform --attention flex \
         --fuse-elementwise --compile-layers --ops 30 --json $OUT/profile_learner_compiled.json 2>&1 \
         | grep -v "^USDT" | tail -66
+}
+
+fused_logprobs() {  # issue 12: trainer.fused_logprobs (the Triton log-prob head) on top of compiled layers
+    # (~4 min, untimed so far): kernel and learner GPU tests, then the uniform and log-normal steps
+    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/test_logprob_head_kernel.py \
+        tests/gpu/test_learner_fused_logprobs_gpu.py > $OUT/fused_logprobs_tests.txt 2>&1; tail -4 $OUT/fused_logprobs_tests.txt
+    for w in uniform lognormal; do
+        timeout 200 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload $w --layouts packed \
+            --attention flex --fuse-elementwise on --compile-layers on --fused-logprobs off,on --checkpointing off \
+            --reference off --steps 2 --json $OUT/learner_fused_logprobs_$w.json 2>&1 | grep -E "│|/[0-9]+ pa"
+    done
 }
 
 learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense mask, and vs padded rows, 1.7B

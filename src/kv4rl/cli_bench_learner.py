@@ -164,6 +164,9 @@ def register_learner_benches(app: typer.Typer) -> None:
         compile_layers: Annotated[str, Option(
             "--compile-layers", help="comma-separated trainer.compile_layers settings: off, on (every decoder "
                                      "layer as one torch.compile region)")] = "off",
+        fused_logprobs: Annotated[str, Option(
+            "--fused-logprobs", help="comma-separated trainer.fused_logprobs settings: off, on (log-probs, entropy "
+                                     "and their gradient in two Triton passes over the logits; CUDA only)")] = "off",
         steps: Annotated[int, Option("--steps", help="timed steps per variant, after one warm-up step")] = 2,
         device: Annotated[str, Option("--device")] = "auto",
         seed: Annotated[int, Option("--seed")] = 0,
@@ -174,6 +177,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         from kv4rl.bench.random_model import qwen3_args
         from kv4rl.engine.placement import resolve_device
         from kv4rl.trainer.fused_elementwise import fuses_by_default
+        from kv4rl.trainer.learner import check_learner_options
 
         switch = {"off": False, "on": True}
         try:
@@ -191,6 +195,9 @@ def register_learner_benches(app: typer.Typer) -> None:
             fuse_list = [switch[v] for v in option_list(fuse or ("on" if fuses_by_default(dev) else "off"),
                                                         "--fuse-elementwise", known=list(switch))]
             compile_list = [switch[v] for v in option_list(compile_layers, "--compile-layers", known=list(switch))]
+            head_list = [switch[v] for v in option_list(fused_logprobs, "--fused-logprobs", known=list(switch))]
+            if True in head_list:
+                check_learner_options(dev, fsdp=True, offload=False, fused_logprobs=True)
             attention_list = option_list(attention or ("sdpa,flex" if dev.type == "cuda" else "sdpa"), "--attention",
                                          known=["sdpa", "flex"])
             if "flex" in attention_list and dev.type != "cuda":
@@ -200,7 +207,7 @@ def register_learner_benches(app: typer.Typer) -> None:
             fail(str(exc))
         check_output_path(json_out)
         rows = sum(len(attention_list) if lay == "packed" else 1 for lay in layout_list)
-        variants = rows * len(ckpt_list) * len(ref_list) * len(fuse_list) * len(compile_list)
+        variants = rows * len(ckpt_list) * len(ref_list) * len(fuse_list) * len(compile_list) * len(head_list)
         def finished(partial: dict) -> None:  # each variant as it is timed: a time limit keeps what ran
             r = partial["results"][-1]
             timed = (f"{r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}"
@@ -208,7 +215,8 @@ def register_learner_benches(app: typer.Typer) -> None:
             console.print(f"[dim]{len(partial['results'])}/{variants} {r['layout']} {r['attention']} ckpt="
                           f"{'on' if r['checkpointing'] else 'off'} ref={'on' if r['reference'] else 'off'}"
                           f"{' fused' if r['fuse_elementwise'] else ''}"
-                          f"{' compiled' if r['compile_layers'] else ''}: "
+                          f"{' compiled' if r['compile_layers'] else ''}"
+                          f"{' fused-logprobs' if r['fused_logprobs'] else ''}: "
                           f"{timed}[/]", highlight=False)
             write_json(partial, json_out)
 
@@ -216,7 +224,7 @@ def register_learner_benches(app: typer.Typer) -> None:
             res = bench_learner(shape, work, device=dev, steps=steps,
                                 micro_batch_size=micro_batch_size, max_tokens=max_tokens, layouts=layout_list,
                                 attentions=attention_list, checkpointing=ckpt_list, reference=ref_list, fuse=fuse_list,
-                                compile=compile_list,
+                                compile=compile_list, fused_logprobs=head_list,
                                 progress=lambda what: stages(f"{shape} {workload}: {what} ({variants} variants)"),
                                 on_result=finished)
         print_table(console, learner_table(res))

@@ -83,6 +83,9 @@ class TrainerConfig:
     fuse_elementwise: bool | None = None
     # each decoder layer as one torch.compile region (trainer/compiled_layers.py): fuses RoPE, residuals, casts too
     compile_layers: bool = False
+    # per-token log-probs, entropy and their gradient in two Triton passes over the logits
+    # (kernels/logprob_head.py) instead of chunked torch ops; CUDA only
+    fused_logprobs: bool = False
     ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
 
     def learning_rate(self, iteration: int) -> float:
@@ -183,6 +186,8 @@ class RunConfig:
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),
+            (self.device != "cpu" or not self.trainer.fused_logprobs,
+             "trainer.fused_logprobs=true needs a CUDA device (its Triton kernels run there)"),
             (self.device != "cpu" or self.trainer.attention != "flex",
              "trainer.attention=flex needs a CUDA device (FlexAttention has no backward pass on the CPU)"),
             (self.checkpoint.save_every >= 1, "checkpoint.save_every must be >= 1"),

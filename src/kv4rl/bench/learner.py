@@ -111,7 +111,7 @@ def _sync(device: torch.device) -> None:
 def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, steps: int = 2,
                   micro_batch_size: int = 4, max_tokens: int = 16384, layouts=("padded", "packed"),
                   attentions=("sdpa",), checkpointing=(False, True), reference=(False, True), fuse=(False,),
-                  compile=(False,),
+                  compile=(False,), fused_logprobs=(False,),
                   progress: Callable[[str], None] = lambda _: None,
                   on_result: Callable[[dict], None] = lambda _: None) -> dict:
     """Time `Learner.step` for every layout (x attention, packed) x checkpointing x reference variant;
@@ -137,13 +137,14 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
             "peak_flops": PEAK_FLOPS, "alt_peak_flops": ALT_PEAK_FLOPS, "complete": complete, "results": results,
         }
 
-    for ckpt, fused, compiled in [(c, f, k) for c in checkpointing for f in fuse for k in compile]:
+    for ckpt, fused, compiled, head in [(c, f, k, h) for c in checkpointing for f in fuse for k in compile
+                                        for h in fused_logprobs]:
         policy = random_hf_qwen3(shape, device, dtype=torch.float32, seed=work.seed)
         n_params = matmul_params(policy)
         learner = Learner(policy, None, algo=AlgoConfig(), lr=1e-7, weight_decay=0.0, betas=(0.9, 0.999),
                           grad_clip=1.0, micro_batch_size=micro_batch_size, updates_per_batch=1, temperature=1.0,
                           device=device, grad_checkpointing=ckpt, ref_kl_every=1, attention="sdpa",
-                          fuse_elementwise=fused, compile_layers=compiled)
+                          fuse_elementwise=fused, compile_layers=compiled, fused_logprobs=head)
         for layout, attention in [(lay, a) for lay in layouts for a in (attentions if lay == "packed" else ["sdpa"])]:
             learner.max_tokens = max_tokens if layout == "packed" else None
             computed = tokens if layout == "packed" else len(batch) * batch.input_ids.shape[1]
@@ -153,10 +154,11 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
                 learner.ref_model = ref if with_ref else None
                 learner.set_attention(attention)  # the policy's and the reference's kernel
                 name = (f"{layout} {attention} ckpt={'on' if ckpt else 'off'} ref={'on' if with_ref else 'off'}"
-                        + (" fused" if fused else "") + (" compiled" if compiled else ""))
+                        + (" fused" if fused else "") + (" compiled" if compiled else "")
+                        + (" fused-logprobs" if head else ""))
                 progress(name)
                 row = {"layout": layout, "attention": attention, "checkpointing": ckpt, "reference": with_ref,
-                       "fuse_elementwise": fused, "compile_layers": compiled,
+                       "fuse_elementwise": fused, "compile_layers": compiled, "fused_logprobs": head,
                        "micro_batches": len(learner.micro_batches(batch, torch.arange(len(batch)))),
                        "computed_tokens": computed, "padding_fraction": 1.0 - tokens / computed}
                 row.update(_time_steps(learner, batch, device, steps))

@@ -137,14 +137,14 @@ def learner_table(res: dict) -> ResultTable:
         f"learner step: {res['shape']} on {res['gpu'] or res['device']} — {work}; {res['tokens']:,} real tokens, "
         f"padded width {res['padded_width']}; micro-batches of {res['micro_batch_size']} rows (padded) or "
         f"<= {res['max_tokens_per_micro_batch']:,} tokens (packed); mean of {res['steps']} steps after a warm-up",
-        ["layout", "attention", "ckpt", "ref", "fused", "compiled", "micro-batches", "padding", "s / step", "tokens/s", "MFU",
-         "MFU vs 780T", "peak GiB"], labels=6)
+        ["layout", "attention", "ckpt", "ref", "fused", "compiled", "logprob head", "micro-batches", "padding", "s / step",
+         "tokens/s", "MFU", "MFU vs 780T", "peak GiB"], labels=7)
     for r in res["results"]:
         timed = "step_s" in r
         table.add_row(
             r["layout"], r.get("attention", "sdpa"), "on" if r["checkpointing"] else "off", "on" if r["reference"] else "off",
             "on" if r.get("fuse_elementwise") else "off", "on" if r.get("compile_layers") else "off",
-            str(r["micro_batches"]), f"{r['padding_fraction']:.1%}",
+            "triton" if r.get("fused_logprobs") else "torch", str(r["micro_batches"]), f"{r['padding_fraction']:.1%}",
             f"{r['step_s']:.3f}" if timed else r["error"], f"{r['tokens_per_s']:,.0f}" if timed else "-",
             f"{r['mfu']:.1%}" if timed else "-", f"{r['mfu_780']:.1%}" if timed else "-",
             "n/a" if not timed or r["peak_gib"] is None else num(r["peak_gib"]))

@@ -36,6 +36,7 @@ from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
+from kv4rl.kernels import kernels_usable
 from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
@@ -56,9 +57,13 @@ from kv4rl.trainer.policy_model import load_hf_model, prepare_policy, shard_poli
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
 
 
-def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool, attention: str = "auto") -> None:
+def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool, attention: str = "auto",
+                          fused_logprobs: bool = False) -> None:
     """Refuse option combinations that cannot run, before any model is loaded."""
     check_attention(attention, device)
+    if fused_logprobs and not kernels_usable(device):
+        raise ValueError(f"trainer.fused_logprobs=true runs Triton kernels, which need a CUDA device (and "
+                         f"Triton); on device {device}: set trainer.fused_logprobs=false")
     if offload and not fsdp:
         raise ValueError("trainer.offload=true needs trainer.fsdp=true (offloading is FSDP2's CPUOffloadPolicy)")
     if offload and device.type != "cuda":
@@ -78,15 +83,17 @@ class Learner:
                  device: torch.device, grad_checkpointing: bool = False, fsdp: bool = True,
                  offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
                  attention: str = "auto", group: dist.ProcessGroup | None = None,
-                 fuse_elementwise: bool | None = None, compile_layers: bool = False):
+                 fuse_elementwise: bool | None = None, compile_layers: bool = False, fused_logprobs: bool = False):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
         `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
         the whole job (split placement: `kv4rl.split`). `fuse_elementwise`: RMSNorms and SwiGLU through
         compiled functions (`kv4rl.trainer.fused_elementwise`), policy and reference; None: `fuses_by_default`
         and only when the model has a norm it knows. `compile_layers`: every decoder layer as one compiled
-        region (`kv4rl.trainer.compiled_layers`), policy and reference."""
-        check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention)
+        region (`kv4rl.trainer.compiled_layers`), policy and reference. `fused_logprobs`: the log-prob head
+        (log-probs, entropy, their gradient) in Triton (`kv4rl.kernels.logprob_head`)."""
+        check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs)
+        self.fused_logprobs = fused_logprobs
         self.group = group
         ranks = dist.get_world_size(group) if dist.is_initialized() else 1
         if not fsdp and ranks > 1:
@@ -159,9 +166,7 @@ class Learner:
         if self.max_tokens is None:
             with self._autocast():
                 logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-            logp = token_logprobs(logits, mb.input_ids[:, 1:], self.temperature)
-            ent = entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None
-            return logp, ent
+            return self._logprob_head(logits, mb.input_ids[:, 1:], with_entropy)
         packed = pack_rows(mb.input_ids, mb.attention_mask)
         # SDPA: attention_mask=None and transformers masks the packed sequences apart from the restarting
         # positions; flex: the block mask of the sequences, built here (see trainer/attention.py)
@@ -169,9 +174,18 @@ class Learner:
         with self._autocast():
             logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                            attention_mask=mask).logits[:, :-1]
-        logp = packed.unpack(token_logprobs(logits, packed.input_ids[:, 1:], self.temperature))
-        ent = packed.unpack(entropy_from_logits(logits.detach(), self.temperature)) if with_entropy else None
-        return logp, ent
+        logp, ent = self._logprob_head(logits, packed.input_ids[:, 1:], with_entropy)
+        return packed.unpack(logp), (packed.unpack(ent) if with_entropy else None)
+
+    def _logprob_head(self, logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
+        """Per-token log-probs (differentiable) and, if asked, entropies of `logits / temperature` at `ids`."""
+        if self.fused_logprobs:
+            from kv4rl.kernels.logprob_head import fused_token_logprobs  # Triton: imported only when used
+
+            logp, ent = fused_token_logprobs(logits, ids, self.temperature)  # the entropy comes with the pass
+            return logp, (ent if with_entropy else None)
+        logp = token_logprobs(logits, ids, self.temperature)
+        return logp, (entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None)
 
     def micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """The micro-batches (row indices of `batch`) that `rows` is processed in.
