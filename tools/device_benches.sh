@@ -142,6 +142,9 @@ fit_8b() {  # issue 12: Qwen3-8B shape with the learner's state in CPU memory (t
         | grep -E "│|s per iteration|Error|memory|iteration|random-init" | tail -20
 }
 
+if pgrep -f '^nvidia-cuda-mps-control' >/dev/null; then  # only the testbed's many processes need it
+    echo "warning: the CUDA MPS daemon is running; single-process timings may be slower (echo quit | nvidia-cuda-mps-control)"
+fi
 date
 for stage in "${@:-tests attn generate forward}"; do
     $stage
