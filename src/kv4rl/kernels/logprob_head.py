@@ -42,7 +42,7 @@ def _forward_kernel(logits_ptr, stride_b, stride_t, ids_ptr, logp_ptr, lse_ptr, 
         scale = tl.exp(run_max - new_max)
         e = tl.exp(x - new_max)
         run_sum = run_sum * scale + tl.sum(e, axis=0)
-        run_dot = run_dot * scale + tl.sum(tl.where(live, e * x, 0.0), axis=0)
+        run_dot = run_dot * scale + tl.sum(e * tl.where(live, x, 0.0), axis=0)  # no -inf * 0 past the end
         run_max = new_max
     lse = run_max + tl.log(run_sum)
     token = tl.load(ids_ptr + row)
