@@ -10,7 +10,7 @@
 #   bash tools/device_benches.sh compiled 2>&1 | tee $OUT/log.txt              # trainer.compile_layers vs fused (~5 min)
 #   bash tools/device_benches.sh fused_logprobs 2>&1 | tee $OUT/log.txt        # the Triton log-prob head (~4 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
-#   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # two arms, compiled learner layers (~6 min)
+#   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # three arms, compiled learner layers (~9 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~4 min)
 #   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated iteration (<10 min)
@@ -108,8 +108,11 @@ iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed le
 }
 
 iteration_compiled() {  # issue 12: the iteration stage's baseline and best arm with trainer.compile_layers in
-    # both (1.18-1.19x per learner step on 2026-12-02; the update was 9.4-10.6 s of 30.6-53.7 s per iteration)
-    timeout 450 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial+awake \
+    # both (1.18-1.19x per learner step on 2026-12-02; the update was 9.4-10.6 s of 30.6-53.7 s per iteration),
+    # and the awake arm with 192 decode slots: its KV4 pool (1.5 x 31.2 GiB) still fits beside the learner's
+    # 76 GiB (peak 107 GiB at 128 slots), and the 21 s rollout at 128 slots is what keeps the iteration from 2x
+    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b \
+        --arms bf16+sync,kv4+partial+awake,kv4+partial+awake@192 \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --compile-layers --iterations 1 --json $OUT/iteration_1p7b_compiled.json \
         --png $OUT/iteration_1p7b_compiled.png 2>&1 | grep -E "│|s per iteration|Error" | tail -9
