@@ -33,6 +33,11 @@ def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
     assert r["complete"] is True  # rewritten with complete=false after each arm, so a time limit keeps what ran
     assert [line.split(":")[0].strip() for line in res.output.splitlines() if "s per iteration" in line] == [
         "1/3 bf16+sync", "2/3 kv4+partial@5", "3/3 fp8w+kv4+partial"]
+    out_lines = [line.strip() for line in res.output.splitlines()]
+    # each arm's builds are progress lines of their own (minutes each at the 8B shape with offload)
+    assert [line for line in out_lines if line.startswith("bf16+sync: ") and "engine:" not in line] == [
+        "bf16+sync: building the learner", "bf16+sync: building the engine", "bf16+sync: warm-up iteration",
+        "bf16+sync: iteration 1/2", "bf16+sync: iteration 2/2"]
     assert r["max_tokens_per_micro_batch"] == 64 and r["attention"] == "auto"  # the learner packs, as train does
     assert r["fuse_elementwise"] is False and r["offload"] is False  # CPU: both off
     assert r["compile_layers"] is False

@@ -143,7 +143,7 @@ fit_8b() {  # issue 12: Qwen3-8B shape with the learner's state in CPU memory (t
         --quota-groups 8 --group-size 8 --median-len 1024 --max-len 4096 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_8b_offload.json 2>&1 \
         | while IFS= read -r line; do echo "$(date +%T) $line"; done \
-        | grep -E "│|s per iteration|Error|memory|iteration|random-init" | tail -20
+        | grep -E "│|s per iteration|Error|memory|iteration|random-init|building" | tail -24
 }
 
 if pgrep -f '^nvidia-cuda-mps-control' >/dev/null; then  # only the testbed's many processes need it

@@ -115,8 +115,9 @@ def register_learner_benches(app: typer.Typer) -> None:
                           f"{r['seconds_per_iteration']:.2f} s per iteration[/]", highlight=False)
             write_json(partial, json_out)
 
-        with StageProgress(console, "iteration") as stages:  # the model folder, then each arm's iterations
-            res = bench_iteration(bench, configs, progress=stages.counted(1 + len(bench.arms) * (1 + bench.iterations)),
+        # the model folder, then each arm's two builds, its warm-up and its timed iterations
+        with StageProgress(console, "iteration") as stages:
+            res = bench_iteration(bench, configs, progress=stages.counted(1 + len(bench.arms) * (3 + bench.iterations)),
                                   on_result=finished)
         for r in res["results"]:
             console.print(f"[dim]{r['arm']}: {r['engine_summary']}[/]", highlight=False, soft_wrap=True)

@@ -217,8 +217,12 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
     from kv4rl.loop import Setup, build_learner, run_iteration
 
     work, device = bench.workload, resolve_device(cfg.device)
+    label = cfg.name.removeprefix("bench-")
     torch.manual_seed(cfg.seed)
+    # each build is a progress line of its own: at the 8B shape with offload they take minutes
+    progress(f"{label}: building the learner")
     learner = build_learner(cfg, model_dir, model_dir, device)
+    progress(f"{label}: building the engine")
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
     engine = Engine(model_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device, dtype=cfg.model.dtype,
                     seed=cfg.seed)
@@ -226,7 +230,6 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
     collector = Collector(engine, prompts, prompts, cfg.rollout, cfg.seed, max_tokens_fn=work.length)
     s = Setup(cfg, device, prompts, prompts, odd_token_reward, engine, learner, collector,
               RolloutPipeline(collector, cfg.staleness), 0)
-    label = cfg.name.removeprefix("bench-")
     progress(f"{label}: warm-up iteration")
     run_iteration(s, 0)
     preempted = engine.num_preemptions
