@@ -29,6 +29,7 @@ from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
+from kv4rl.engine.teacher_forcing import score_forced
 from kv4rl.models.decoder import Decoder
 from kv4rl.models.tensor_parallel import tensor_parallel_group
 
@@ -280,48 +281,8 @@ class Engine:
     @torch.inference_mode()
     def score_tokens(self, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
         """Teacher forcing: for each prompt, float32 logits[T, V] of its forced tokens, row t given
-        `prompt + forced[:t]`.
-
-        Each sequence is prefilled with its prompt, then decodes its forced tokens one at a time from
-        the engine's own KV cache, exactly as sampling would (a quantized cache attends over its
-        quantized history). Sequences are batched and may be preempted and recomputed like any other.
-        """
-        if self.has_unfinished():
-            raise RuntimeError("score_tokens needs an idle engine (finish or abort pending requests first)")
-        if self.asleep:
-            raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before scoring")
-        if len(prompts) != len(forced):
-            raise ValueError(f"score_tokens: {len(prompts)} prompts but {len(forced)} forced sequences")
-        for prompt, tokens in zip(prompts, forced):
-            if not tokens:
-                raise ValueError("score_tokens: every forced sequence needs at least one token")
-            if len(prompt) + len(tokens) > self.max_model_len:
-                raise ValueError(
-                    f"score_tokens: {len(prompt)} prompt + {len(tokens)} forced tokens exceed "
-                    f"max_model_len={self.max_model_len}"
-                )
-        seqs = [
-            self.add_request(p, SamplingParams(temperature=0.0, max_tokens=len(f), ignore_eos=True), sample_seed=0)
-            for p, f in zip(prompts, forced)
-        ]
-        forced_by_id = {s.seq_id: f for s, f in zip(seqs, forced)}
-        rows: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
-        while self.has_unfinished():
-            batch = self.scheduler.schedule()
-            sampling = [s.samples_this_step for s in batch]
-            logits = self.runner.forward(batch)
-            logprobs = logits.log_softmax(-1)
-            for i, seq in enumerate(batch):
-                if not sampling[i]:
-                    continue  # a prompt chunk: its logits score nothing
-                t = len(seq.output_ids)
-                assert len(rows[seq.seq_id]) == t, "a forced position was scored twice or skipped"
-                rows[seq.seq_id].append(logits[i].clone())  # graph outputs are reused
-                token = forced_by_id[seq.seq_id][t]
-                seq.append(token, float(logprobs[i, token]), self.version)
-                if self.scheduler.stop_reason(seq, frozenset()) is not None:
-                    self.scheduler.finish(seq, "length")
-        return [torch.stack(rows[s.seq_id]) for s in seqs]
+        `prompt + forced[:t]` (`kv4rl.engine.teacher_forcing`)."""
+        return score_forced(self, prompts, forced)
 
     def _encode(self, prompt: list[int] | str) -> list[int]:
         if isinstance(prompt, str):
