@@ -1,7 +1,7 @@
 """`trainer.compile_layers`: the learner with every decoder layer compiled takes the same steps as the
 eager one (fp32, CPU, FSDP2 at world size 1, ragged batches with checkpointing), keeps its parameter
 names, and compiles graphs that every layer shares. The GPU path (inductor's Triton kernels, bf16,
-FlexAttention) is checked by tests/gpu/test_compiled_layers_gpu.py and timed by `kv4rl bench learner
+FlexAttention) is checked by tests/gpu/test_learner_options_gpu.py and timed by `kv4rl bench learner
 --compile-layers`."""
 
 import pytest

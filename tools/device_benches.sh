@@ -51,8 +51,8 @@ merged() {  # engine.merge_projections: one GEMM for q|k|v and one for gate|up, 
 }
 
 compiled() {  # issue 12: trainer.compile_layers (every decoder layer one compiled region) against the fused
-    # learner, uniform and log-normal, and its step by kernel family (~5 min, untimed so far)
-    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_compiled_layers_gpu.py \
+    # learner, uniform and log-normal, and its step by kernel family (~5 min; timed on 2026-12-02)
+    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_learner_options_gpu.py -k compile_layers \
         > $OUT/compiled_tests.txt 2>&1; tail -4 $OUT/compiled_tests.txt
     for w in uniform lognormal; do
         timeout 240 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload $w --layouts packed \
@@ -67,7 +67,8 @@ compiled() {  # issue 12: trainer.compile_layers (every decoder layer one compil
 fused_logprobs() {  # issue 12: trainer.fused_logprobs (the Triton log-prob head) on top of compiled layers
     # (~4 min, untimed so far): kernel and learner GPU tests, then the uniform and log-normal steps
     timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/test_logprob_head_kernel.py \
-        tests/gpu/test_learner_fused_logprobs_gpu.py > $OUT/fused_logprobs_tests.txt 2>&1; tail -4 $OUT/fused_logprobs_tests.txt
+        tests/gpu/test_learner_options_gpu.py -k "not compile_layers" > $OUT/fused_logprobs_tests.txt 2>&1
+    tail -4 $OUT/fused_logprobs_tests.txt
     for w in uniform lognormal; do
         timeout 200 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload $w --layouts packed \
             --attention flex --fuse-elementwise on --compile-layers on --fused-logprobs off,on --checkpointing off \
