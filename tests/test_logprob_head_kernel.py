@@ -18,12 +18,11 @@ if not CUDA:
 pytest.importorskip("triton")
 
 from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs  # noqa: E402
-from kv4rl.kernels import logprob_head  # noqa: E402
-from kv4rl.kernels.logprob_head import fused_token_logprobs  # noqa: E402
+from kv4rl.kernels.logprob_head import BLOCK_V, fused_token_logprobs  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-# (batch, positions, vocab): the CPU one spans three 2048-wide blocks, the last one ragged
-SHAPES = [(1, 257, 151936), (3, 40, 4099)] if CUDA else [(2, 6, 4099), (1, 3, 2048)]
+# (batch, positions, vocab): on the CPU three vocabulary blocks, the last one ragged, and exactly one
+SHAPES = [(1, 257, 151936), (3, 40, 2 * BLOCK_V + 3)] if CUDA else [(2, 6, 2 * BLOCK_V + 3), (1, 3, BLOCK_V)]
 
 
 @pytest.fixture
@@ -71,4 +70,3 @@ def test_bad_arguments_are_refused_by_name():
         fused_token_logprobs(logits, torch.zeros(1, 2, dtype=torch.long, device=DEVICE), 0.0)
     with pytest.raises(ValueError, match=r"expected logits \[B, T, V\] and ids \[B, T\]"):
         fused_token_logprobs(logits, torch.zeros(1, 3, dtype=torch.long, device=DEVICE))
-    assert logprob_head.BLOCK_V == 2048  # the CPU shapes above span it
