@@ -91,3 +91,14 @@ def test_compile_layers_settings_are_checked_before_any_work(tmp_path):
     bad = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--seq-len", "12",
                                    "--prompt-len", "4", "--compile-layers", "yes"])
     assert bad.exit_code != 0 and "--compile-layers" in bad.output and "yes" in bad.output
+
+
+def test_fused_logprobs_is_refused_before_any_work_where_its_kernels_cannot_run(tmp_path, monkeypatch):
+    """`--fused-logprobs on` needs the Triton kernels (CUDA; the learner test runs them in the interpreter:
+    tests/test_learner_fused_logprobs.py); elsewhere it is refused by name and nothing is written."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    out = tmp_path / "learner.json"
+    bad = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--seq-len", "12",
+                                   "--prompt-len", "4", "--fused-logprobs", "off,on", "--json", str(out)])
+    assert bad.exit_code != 0 and "trainer.fused_logprobs=true runs Triton kernels" in bad.output
+    assert not out.exists()
