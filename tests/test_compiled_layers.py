@@ -71,6 +71,10 @@ def test_decoder_layers_are_found_in_a_transformers_model(tiny_qwen3):
     assert compiled_layers.BACKEND == "inductor"
 
 
-def test_the_setting_is_a_trainer_option():
-    assert TrainerConfig().compile_layers is False
+def test_the_setting_is_a_trainer_option_whose_default_compiles_on_cuda_only():
+    """null (the default) compiles on CUDA, where it was measured faster, and not on the CPU (the eager
+    learner of the first test is built with the default and compiles nothing)."""
+    assert TrainerConfig().compile_layers is None
+    assert compiled_layers.compiles_by_default(torch.device("cuda"))
+    assert not compiled_layers.compiles_by_default(torch.device("cpu"))
     RunConfig(device="cpu", trainer=TrainerConfig(compile_layers=True)).validate()

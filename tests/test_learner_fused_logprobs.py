@@ -23,7 +23,9 @@ def test_the_fused_head_takes_the_same_steps_as_the_torch_head(tiny_qwen3, packe
     path, _ = tiny_qwen3
     kw = {"max_tokens_per_micro_batch": 24} if packed else {}
     torch_head, fused_head = make(path, True, **kw), make(path, True, fused_logprobs=True, **kw)
+    # the default (null) is the torch head on the CPU, even with the interpreter able to run the kernels
     assert fused_head.fused_logprobs and not torch_head.fused_logprobs
+    assert "log-prob head triton" in fused_head.options_desc and "log-prob head torch" in torch_head.options_desc
     for seed in (1, 2):
         m_torch, m_fused = torch_head.step(ragged_batch(seed)), fused_head.step(ragged_batch(seed))
         for key in ("loss", "grad_norm", "entropy"):
@@ -36,7 +38,8 @@ def test_the_fused_head_takes_the_same_steps_as_the_torch_head(tiny_qwen3, packe
 def test_the_option_is_refused_where_the_kernels_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="trainer.fused_logprobs=true needs a CUDA device"):
         RunConfig(device="cpu", trainer=TrainerConfig(fused_logprobs=True)).validate()
-    assert TrainerConfig().fused_logprobs is False
+    assert TrainerConfig().fused_logprobs is None  # null: on for CUDA, and valid on the CPU
+    RunConfig(device="cpu", trainer=TrainerConfig()).validate()
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="trainer.fused_logprobs=true runs Triton kernels"):

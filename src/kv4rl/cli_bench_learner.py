@@ -67,9 +67,13 @@ def register_learner_benches(app: typer.Typer) -> None:
             "--fuse-elementwise/--no-fuse-elementwise", help="trainer.fuse_elementwise: the learner's RMSNorms "
                                                              "and SwiGLU through compiled functions (default: on "
                                                              "for CUDA)")] = None,
-        compile_layers: Annotated[bool, Option(
+        compile_layers: Annotated[bool | None, Option(
             "--compile-layers/--no-compile-layers", help="trainer.compile_layers: every learner decoder layer "
-                                                         "as one torch.compile region")] = False,
+                                                         "as one torch.compile region (default: on for CUDA)")]
+        = None,
+        fused_logprobs: Annotated[bool | None, Option(
+            "--fused-logprobs/--no-fused-logprobs", help="trainer.fused_logprobs: the log-prob head in two Triton "
+                                                         "passes over the logits (default: on for CUDA)")] = None,
         lr: Annotated[float, Option("--lr", help="learner learning rate")] = 1e-6,
         sleep: Annotated[bool, Option(
             "--sleep/--no-sleep", help="engine frees its KV pool during the update (engine.sleep_between_rollouts)")]
@@ -97,8 +101,7 @@ def register_learner_benches(app: typer.Typer) -> None:
                                   prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
                 micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens, attention=attention,
                 grad_checkpointing=grad_checkpointing, offload=offload, fuse_elementwise=fuse_elementwise,
-                compile_layers=compile_layers, lr=lr,
-                sleep=sleep,
+                compile_layers=compile_layers, fused_logprobs=fused_logprobs, lr=lr, sleep=sleep,
                 device=device, engine=engine_config(overrides),
                 engine_keys=frozenset(".".join(parse_override(o)[0]) for o in overrides))
             configs = prepare(bench)
@@ -164,10 +167,12 @@ def register_learner_benches(app: typer.Typer) -> None:
                                        "CPU, as trainer.fuse_elementwise)")] = "",
         compile_layers: Annotated[str, Option(
             "--compile-layers", help="comma-separated trainer.compile_layers settings: off, on (every decoder "
-                                     "layer as one torch.compile region)")] = "off",
+                                     "layer as one torch.compile region; default: on for CUDA, off on the "
+                                     "CPU, as trainer.compile_layers)")] = "",
         fused_logprobs: Annotated[str, Option(
             "--fused-logprobs", help="comma-separated trainer.fused_logprobs settings: off, on (log-probs, entropy "
-                                     "and their gradient in two Triton passes over the logits; CUDA only)")] = "off",
+                                     "and their gradient in two Triton passes over the logits; on needs CUDA; "
+                                     "default: on for CUDA, off on the CPU)")] = "",
         steps: Annotated[int, Option("--steps", help="timed steps per variant, after one warm-up step")] = 2,
         device: Annotated[str, Option("--device")] = "auto",
         seed: Annotated[int, Option("--seed")] = 0,
@@ -195,8 +200,11 @@ def register_learner_benches(app: typer.Typer) -> None:
             dev = resolve_device(device)
             fuse_list = [switch[v] for v in option_list(fuse or ("on" if fuses_by_default(dev) else "off"),
                                                         "--fuse-elementwise", known=list(switch))]
-            compile_list = [switch[v] for v in option_list(compile_layers, "--compile-layers", known=list(switch))]
-            head_list = [switch[v] for v in option_list(fused_logprobs, "--fused-logprobs", known=list(switch))]
+            cuda_default = "on" if dev.type == "cuda" else "off"  # trainer.compile_layers / fused_logprobs: null
+            compile_list = [switch[v] for v in option_list(compile_layers or cuda_default, "--compile-layers",
+                                                           known=list(switch))]
+            head_list = [switch[v] for v in option_list(fused_logprobs or cuda_default, "--fused-logprobs",
+                                                        known=list(switch))]
             if True in head_list:
                 check_learner_options(dev, fsdp=True, offload=False, fused_logprobs=True)
             attention_list = option_list(attention or ("sdpa,flex" if dev.type == "cuda" else "sdpa"), "--attention",

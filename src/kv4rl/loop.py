@@ -150,8 +150,9 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         restore_state(s, restore.state, restore.path)
     if ranks.main:  # the config's model, also on resume: a resume onto another build shows in the rows
         s.model_sha256 = row_fingerprint(base_dir)
-    log.info("device %s, model %s, start iteration %d, learner attention %s (%s micro-batches)", device, base_dir,
-             s.start_iteration, learner.attention, "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded")
+    log.info("device %s, model %s, start iteration %d, learner attention %s (%s micro-batches), %s", device,
+             base_dir, s.start_iteration, learner.attention,
+             "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded", learner.options_desc)
     return s
 
 

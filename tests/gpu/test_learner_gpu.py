@@ -53,6 +53,9 @@ def on_policy(batch, logp):
 
 
 def make(path, device, **kw):
+    """A learner without the compiled options (their CUDA default is on) unless a test asks for them:
+    these tests compare paths that the options do not touch, and compiling costs each one minutes."""
+    kw = {"compile_layers": False, "fused_logprobs": False} | kw
     return Learner(path, None, algo=AlgoConfig(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9,
                    micro_batch_size=3, updates_per_batch=1, temperature=1.0, device=device, **kw)
 

@@ -110,7 +110,8 @@ class IterationBench:
     grad_checkpointing: bool = False
     offload: bool = False  # trainer.offload (FSDP2 CPUOffloadPolicy)
     fuse_elementwise: bool | None = None  # trainer.fuse_elementwise (None: on for CUDA)
-    compile_layers: bool = False  # trainer.compile_layers
+    compile_layers: bool | None = None  # trainer.compile_layers (None: on for CUDA)
+    fused_logprobs: bool | None = None  # trainer.fused_logprobs (None: on for CUDA)
     lr: float = 1e-6
     sleep: bool = True
     device: str = "auto"
@@ -141,6 +142,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
         bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
     t.max_tokens_per_micro_batch, t.attention = bench.max_tokens_per_micro_batch, bench.attention
     t.fuse_elementwise, t.offload, t.compile_layers = bench.fuse_elementwise, bench.offload, bench.compile_layers
+    t.fused_logprobs = bench.fused_logprobs
     try:
         cfg.validate()
         kv_format_from_config(e.kv).check(head_dim, work.max_model_len)
@@ -291,7 +293,8 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
             "fuse_elementwise": (fuses_by_default(device) if bench.fuse_elementwise is None
                                  else bench.fuse_elementwise),
-            "compile_layers": bench.compile_layers,
+            "compile_layers": device.type == "cuda" if bench.compile_layers is None else bench.compile_layers,
+            "fused_logprobs": device.type == "cuda" if bench.fused_logprobs is None else bench.fused_logprobs,
             "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
             "complete": complete, "results": rows,
         }

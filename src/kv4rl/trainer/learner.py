@@ -40,6 +40,7 @@ from kv4rl.kernels import kernels_usable
 from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
+from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
 from kv4rl.trainer.optimizer_checkpoint import (
@@ -58,7 +59,7 @@ FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a Train
 
 
 def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool, attention: str = "auto",
-                          fused_logprobs: bool = False) -> None:
+                          fused_logprobs: bool | None = None) -> None:
     """Refuse option combinations that cannot run, before any model is loaded."""
     check_attention(attention, device)
     if fused_logprobs and not kernels_usable(device):
@@ -83,16 +84,20 @@ class Learner:
                  device: torch.device, grad_checkpointing: bool = False, fsdp: bool = True,
                  offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
                  attention: str = "auto", group: dist.ProcessGroup | None = None,
-                 fuse_elementwise: bool | None = None, compile_layers: bool = False, fused_logprobs: bool = False):
+                 fuse_elementwise: bool | None = None, compile_layers: bool | None = None,
+                 fused_logprobs: bool | None = None):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
         `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
         the whole job (split placement: `kv4rl.split`). `fuse_elementwise`: RMSNorms and SwiGLU through
         compiled functions (`kv4rl.trainer.fused_elementwise`), policy and reference; None: `fuses_by_default`
         and only when the model has a norm it knows. `compile_layers`: every decoder layer as one compiled
-        region (`kv4rl.trainer.compiled_layers`), policy and reference. `fused_logprobs`: the log-prob head
-        (log-probs, entropy, their gradient) in Triton (`kv4rl.kernels.logprob_head`)."""
+        region (`kv4rl.trainer.compiled_layers`), policy and reference; None: on CUDA when the model has
+        decoder layers it recognises. `fused_logprobs`: the log-prob head (log-probs, entropy, their
+        gradient) in Triton (`kv4rl.kernels.logprob_head`); None: where those kernels can run on CUDA."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs)
+        if fused_logprobs is None:
+            fused_logprobs = device.type == "cuda" and kernels_usable(device)
         self.fused_logprobs = fused_logprobs
         self.group = group
         ranks = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -123,6 +128,8 @@ class Learner:
         if fuse_elementwise is None:
             fuse_elementwise = fuses_by_default(device) and can_fuse(self.model)
         self.fused_elementwise = fuse_elementwise_modules(self.model) if fuse_elementwise else None
+        if compile_layers is None:
+            compile_layers = compiles_by_default(device) and bool(decoder_layers(self.model))
         self.compiled_layers = compile_decoder_layers(self.model) if compile_layers else 0
         if fsdp:
             shard_policy(self.model, device, offload, group)
@@ -146,6 +153,12 @@ class Learner:
         self.set_attention(attention)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
                                            fused=device.type == "cuda")
+
+    @property
+    def options_desc(self) -> str:
+        """The speed options in effect (their `null` defaults resolved), for the run's start line."""
+        return (f"fused elementwise {'on' if self.fused_elementwise else 'off'}, compiled layers "
+                f"{self.compiled_layers or 'off'}, log-prob head {'triton' if self.fused_logprobs else 'torch'}")
 
     def set_attention(self, choice: str) -> str:
         """Run the policy and the reference with `choice` (auto, sdpa, flex) for the current micro-batch
