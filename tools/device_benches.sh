@@ -10,7 +10,7 @@
 #   bash tools/device_benches.sh compiled 2>&1 | tee $OUT/log.txt              # trainer.compile_layers vs fused (~5 min)
 #   bash tools/device_benches.sh fused_logprobs 2>&1 | tee $OUT/log.txt        # the Triton log-prob head (~4 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
-#   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # three arms, compiled learner layers (~9 min)
+#   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # baseline and awake@192/256, CUDA learner defaults (~9 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~4 min)
 #   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated iteration (<10 min)
@@ -65,7 +65,7 @@ compiled() {  # issue 12: trainer.compile_layers (every decoder layer one compil
 }
 
 fused_logprobs() {  # issue 12: trainer.fused_logprobs (the Triton log-prob head) on top of compiled layers
-    # (~4 min, untimed so far): kernel and learner GPU tests, then the uniform and log-normal steps
+    # (256 s on 2026-12-02 with generate: 48.0% / 43.0% MFU): kernel and learner GPU tests, then the two steps
     timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/test_logprob_head_kernel.py \
         tests/gpu/test_learner_options_gpu.py -k "not compile_layers" > $OUT/fused_logprobs_tests.txt 2>&1
     tail -4 $OUT/fused_logprobs_tests.txt
@@ -108,14 +108,15 @@ iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed le
         --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep -E "│|s per iteration" | tail -9
 }
 
-iteration_compiled() {  # issue 12: the iteration stage's baseline and best arm with trainer.compile_layers in
-    # both (1.18-1.19x per learner step on 2026-12-02; the update was 9.4-10.6 s of 30.6-53.7 s per iteration),
-    # and the awake arm with 192 decode slots: its KV4 pool (1.5 x 31.2 GiB) still fits beside the learner's
-    # 76 GiB (peak 107 GiB at 128 slots), and the 21 s rollout at 128 slots is what keeps the iteration from 2x
+iteration_compiled() {  # issue 12: the iteration with the learner's CUDA defaults (compiled layers and the
+    # Triton log-prob head since 2026-12-02: 48.0% MFU per 1.7B step) against the baseline, the awake arm at
+    # 192 decode slots (2.01x with compiled layers and the torch head on 2026-12-02: 23.35 s against 47.02)
+    # and at 256 (a full KV4 pool would be 2 x 31.2 GiB beside the learner's ~76 GiB; where the GPU has less,
+    # the pool is sized to what is free and the arm preempts: its JSON row counts the preemptions)
     timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b \
-        --arms bf16+sync,kv4+partial+awake,kv4+partial+awake@192 \
+        --arms bf16+sync,kv4+partial+awake@192,kv4+partial+awake@256 \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
-        --compile-layers --iterations 1 --json $OUT/iteration_1p7b_compiled.json \
+        --iterations 1 --json $OUT/iteration_1p7b_compiled.json \
         --png $OUT/iteration_1p7b_compiled.png 2>&1 | grep -E "│|s per iteration|Error" | tail -9
 }
 
@@ -128,8 +129,9 @@ engine_tests() {  # the engine on CUDA: fast path (mixed steps replaying the dec
     tail -4 $OUT/engine_tests.txt
 }
 
-fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload
-    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-4b --arms bf16+sync,kv4+partial \
+fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the
+    # awake arm (1.40x for the sleeping kv4+partial arm with the eager learner on 2026-12-01)
+    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-4b --arms bf16+sync,kv4+partial+awake \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_4b.json --png $OUT/iteration_4b.png 2>&1 \
         | grep -E "│|s per iteration|Error|memory" | tail -9
