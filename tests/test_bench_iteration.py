@@ -39,7 +39,7 @@ def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
         "bf16+sync: building the learner", "bf16+sync: building the engine", "bf16+sync: warm-up iteration",
         "bf16+sync: iteration 1/2", "bf16+sync: iteration 2/2"]
     assert r["max_tokens_per_micro_batch"] == 64 and r["attention"] == "auto"  # the learner packs, as train does
-    assert r["fuse_elementwise"] is False and r["offload"] is False  # CPU: both off
+    assert r["fuse_elementwise"] is False and r["offload"] is False and r["offload_optimizer"] is False  # CPU: off
     assert r["compile_layers"] is False
     assert r["phases"] == ["rollout", "reward", "update", "sync", "sleep_wake", "other"]
     rows = r["results"]
@@ -131,6 +131,15 @@ def test_offload_is_refused_on_the_cpu_before_any_work(tmp_path):
     res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--offload",
                               "--json", str(tmp_path / "no.json")])
     assert res.exit_code != 0 and "--offload moves the learner's parameters" in " ".join(res.output.split())
+    assert not (tmp_path / "no.json").exists()
+
+
+def test_offload_optimizer_is_refused_on_the_cpu_and_with_offload_before_any_work(tmp_path):
+    for flags, needle in (([], "--offload-optimizer streams AdamW's moments"),
+                          (["--offload"], "--offload-optimizer and --offload cannot be combined")):
+        res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--offload-optimizer", *flags,
+                                  "--json", str(tmp_path / "no.json")])
+        assert res.exit_code != 0 and needle in " ".join(res.output.split()), res.output
     assert not (tmp_path / "no.json").exists()
 
 

@@ -77,6 +77,9 @@ class TrainerConfig:
     grad_checkpointing: bool = False
     fsdp: bool = True  # FSDP2-wrapped policy (world size 1 unless launched by torchrun)
     offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW state on the CPU (CUDA only)
+    # AdamW's two moments in pinned CPU memory, streamed through the GPU each step; parameters and
+    # gradients stay on the GPU (trainer/offloaded_adamw.py; CUDA only, not with trainer.offload)
+    offload_optimizer: bool = False
     max_tokens_per_micro_batch: int | None = None  # pack rows without padding up to this many tokens; null: padded
     attention: str = "auto"  # auto (flex on CUDA when packing, else sdpa), sdpa or flex (CUDA only)
     # RMSNorms and SwiGLU through torch.compile'd functions (trainer/fused_elementwise.py); null: on for CUDA
@@ -188,6 +191,12 @@ class RunConfig:
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),
+            (self.device != "cpu" or not self.trainer.offload_optimizer,
+             "trainer.offload_optimizer=true needs a CUDA device (it streams AdamW's moments between pinned CPU "
+             "memory and the GPU; on the CPU they already are in CPU memory)"),
+            (not (self.trainer.offload and self.trainer.offload_optimizer),
+             "trainer.offload_optimizer=true cannot be combined with trainer.offload=true, which already keeps "
+             "AdamW's state (with the parameters and gradients) in CPU memory; set one of them"),
             (self.device != "cpu" or self.trainer.fused_logprobs is not True,
              "trainer.fused_logprobs=true needs a CUDA device (its Triton kernels run there)"),
             (self.device != "cpu" or self.trainer.attention != "flex",

@@ -113,7 +113,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     device = resolve_device(cfg.device)
     try:
         check_learner_options(device, fsdp=cfg.trainer.fsdp, offload=cfg.trainer.offload,
-                              attention=cfg.trainer.attention, fused_logprobs=cfg.trainer.fused_logprobs)
+                              attention=cfg.trainer.attention, fused_logprobs=cfg.trainer.fused_logprobs,
+                              offload_optimizer=cfg.trainer.offload_optimizer)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     torch.manual_seed(cfg.seed)
@@ -165,7 +166,8 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
                    device=device, grad_checkpointing=t.grad_checkpointing, fsdp=t.fsdp, offload=t.offload,
                    max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every,
                    attention=t.attention, group=group, fuse_elementwise=t.fuse_elementwise,
-                   compile_layers=t.compile_layers, fused_logprobs=t.fused_logprobs)
+                   compile_layers=t.compile_layers, fused_logprobs=t.fused_logprobs,
+                   offload_optimizer=t.offload_optimizer)
 
 
 def restore_state(s: Setup, state: dict, path: Path) -> None:

@@ -109,6 +109,7 @@ class IterationBench:
     attention: str = "auto"
     grad_checkpointing: bool = False
     offload: bool = False  # trainer.offload (FSDP2 CPUOffloadPolicy)
+    offload_optimizer: bool = False  # trainer.offload_optimizer (AdamW moments in pinned CPU memory)
     fuse_elementwise: bool | None = None  # trainer.fuse_elementwise (None: on for CUDA)
     compile_layers: bool | None = None  # trainer.compile_layers (None: on for CUDA)
     fused_logprobs: bool | None = None  # trainer.fused_logprobs (None: on for CUDA)
@@ -142,7 +143,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
         bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
     t.max_tokens_per_micro_batch, t.attention = bench.max_tokens_per_micro_batch, bench.attention
     t.fuse_elementwise, t.offload, t.compile_layers = bench.fuse_elementwise, bench.offload, bench.compile_layers
-    t.fused_logprobs = bench.fused_logprobs
+    t.fused_logprobs, t.offload_optimizer = bench.fused_logprobs, bench.offload_optimizer
     try:
         cfg.validate()
         kv_format_from_config(e.kv).check(head_dim, work.max_model_len)
@@ -176,10 +177,16 @@ def prepare(bench: IterationBench) -> dict[str, RunConfig]:
     if work.max_model_len > args.max_position_embeddings:
         raise ValueError(f"--prompt-len + --max-len = {work.max_model_len} exceeds the {bench.shape} context of "
                          f"{args.max_position_embeddings} tokens")
+    if bench.offload_optimizer and bench.offload:
+        raise ValueError("--offload-optimizer and --offload cannot be combined: --offload already keeps AdamW's "
+                         "state (with the parameters and gradients) in CPU memory")
     device = resolve_device(bench.device)
     if bench.offload and device.type != "cuda":
         raise ValueError(f"--offload moves the learner's parameters, gradients and AdamW state to the CPU; on "
                          f"device {device} they already are there")
+    if bench.offload_optimizer and device.type != "cuda":
+        raise ValueError(f"--offload-optimizer streams AdamW's moments between pinned CPU memory and the GPU; on "
+                         f"device {device} they already are in CPU memory")
     return {arm.label: run_config(bench, arm) for arm in bench.arms}
 
 
@@ -289,7 +296,7 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
             "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
-            "offload": bench.offload,
+            "offload": bench.offload, "offload_optimizer": bench.offload_optimizer,
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
             "fuse_elementwise": (fuses_by_default(device) if bench.fuse_elementwise is None
                                  else bench.fuse_elementwise),

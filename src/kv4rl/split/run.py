@@ -84,7 +84,7 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     if ranks.rank < learners:
         try:
             check_learner_options(device, fsdp=cfg.trainer.fsdp, offload=cfg.trainer.offload,
-                                  attention=cfg.trainer.attention)
+                                  attention=cfg.trainer.attention, offload_optimizer=cfg.trainer.offload_optimizer)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     head = ranks.main

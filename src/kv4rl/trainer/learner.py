@@ -4,9 +4,11 @@ The policy is wrapped with FSDP2 (`fully_shard` per decoder layer, then the root
 device, so more GPUs add ranks to the same code path. Master weights and AdamW state are fp32; on
 CUDA FSDP2's mixed precision runs the forward/backward with bf16 parameters and reduces gradients
 in fp32 (on CPU parameters stay fp32, so CPU tests are exact). `trainer.fsdp: false` keeps a plain
-module under bf16 autocast. A process group of world size 1 is created when none exists (an
-in-process store: no port, so concurrent runs cannot clash); one set up by the caller (torchrun) is
-used as it is.
+module under bf16 autocast. AdamW's state stays on the GPU unless `trainer.offload` (FSDP2's
+CPUOffloadPolicy: weights, gradients and state in CPU memory) or `trainer.offload_optimizer` (only
+the two moments in pinned CPU memory, streamed through the GPU: `kv4rl.trainer.offloaded_adamw`). A
+process group of world size 1 is created when none exists (an in-process store: no port, so
+concurrent runs cannot clash); one set up by the caller (torchrun) is used as it is.
 
 Micro-batches are either `micro_batch_size` padded rows, or, with `max_tokens_per_micro_batch`,
 rows packed without padding (`trainer.packing`); either way the loss sees padded `[b, L-1]` tensors
@@ -43,6 +45,7 @@ from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_laye
 from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
+from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
     SHARDED,
@@ -59,7 +62,7 @@ FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a Train
 
 
 def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool, attention: str = "auto",
-                          fused_logprobs: bool | None = None) -> None:
+                          fused_logprobs: bool | None = None, offload_optimizer: bool = False) -> None:
     """Refuse option combinations that cannot run, before any model is loaded."""
     check_attention(attention, device)
     if fused_logprobs and not kernels_usable(device):
@@ -70,6 +73,14 @@ def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool, at
     if offload and device.type != "cuda":
         raise ValueError(f"trainer.offload=true moves parameters, gradients and AdamW state from the GPU to "
                          f"the CPU; on device {device} they already are there: set trainer.offload=false")
+    if offload_optimizer and offload:
+        raise ValueError("trainer.offload_optimizer=true cannot be combined with trainer.offload=true, which "
+                         "already keeps AdamW's state (with the parameters and gradients) in CPU memory; set one "
+                         "of them")
+    if offload_optimizer and device.type != "cuda":
+        raise ValueError(f"trainer.offload_optimizer=true streams AdamW's moments between pinned CPU memory and "
+                         f"the GPU; on device {device} they already are in CPU memory: set "
+                         f"trainer.offload_optimizer=false")
 
 
 def _scalar(value) -> float:
@@ -85,7 +96,7 @@ class Learner:
                  offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
                  attention: str = "auto", group: dist.ProcessGroup | None = None,
                  fuse_elementwise: bool | None = None, compile_layers: bool | None = None,
-                 fused_logprobs: bool | None = None):
+                 fused_logprobs: bool | None = None, offload_optimizer: bool = False):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
         `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
@@ -94,8 +105,11 @@ class Learner:
         and only when the model has a norm it knows. `compile_layers`: every decoder layer as one compiled
         region (`kv4rl.trainer.compiled_layers`), policy and reference; None: on CUDA when the model has
         decoder layers it recognises. `fused_logprobs`: the log-prob head (log-probs, entropy, their
-        gradient) in Triton (`kv4rl.kernels.logprob_head`); None: where those kernels can run on CUDA."""
-        check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs)
+        gradient) in Triton (`kv4rl.kernels.logprob_head`); None: where those kernels can run on CUDA.
+        `offload_optimizer`: AdamW's moments in pinned CPU memory, streamed through the GPU each step
+        (`kv4rl.trainer.offloaded_adamw`; CUDA only, not with `offload`)."""
+        check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs,
+                              offload_optimizer=offload_optimizer)
         if fused_logprobs is None:
             fused_logprobs = device.type == "cuda" and kernels_usable(device)
         self.fused_logprobs = fused_logprobs
@@ -120,6 +134,7 @@ class Learner:
         self.updates_per_batch = updates_per_batch
         self.ref_kl_every = ref_kl_every
         self.fsdp = fsdp
+        self.offload, self.offload_optimizer = offload, offload_optimizer
         self.num_steps = 0  # steps taken; the reference schedule's clock when no iteration is given
         if isinstance(policy_path, nn.Module):
             self.model = prepare_policy(policy_path, grad_checkpointing)
@@ -151,14 +166,25 @@ class Learner:
                 compile_decoder_layers(self.ref_model)
         self.attention = ""  # the kernel in use, `sdpa` or `flex` (set_attention)
         self.set_attention(attention)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
-                                           fused=device.type == "cuda")
+        if offload_optimizer:
+            self.optimizer = OffloadedAdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        else:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
+                                               betas=betas, fused=device.type == "cuda")
 
     @property
     def options_desc(self) -> str:
-        """The speed options in effect (their `null` defaults resolved), for the run's start line."""
+        """The speed options in effect (their `null` defaults resolved) and where AdamW's state lives, for
+        the run's start line."""
+        if self.offload:
+            state = "AdamW state in CPU memory with the weights (trainer.offload)"
+        elif self.offload_optimizer:
+            state = "AdamW moments in pinned CPU memory (trainer.offload_optimizer)"
+        else:
+            state = f"AdamW state on {self.device.type}"
         return (f"fused elementwise {'on' if self.fused_elementwise else 'off'}, compiled layers "
-                f"{self.compiled_layers or 'off'}, log-prob head {'triton' if self.fused_logprobs else 'torch'}")
+                f"{self.compiled_layers or 'off'}, log-prob head {'triton' if self.fused_logprobs else 'torch'}, "
+                f"{state}")
 
     def set_attention(self, choice: str) -> str:
         """Run the policy and the reference with `choice` (auto, sdpa, flex) for the current micro-batch
