@@ -14,7 +14,7 @@
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~4 min)
 #   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated iteration (<10 min)
-#   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B with an offloaded learner (<10 min)
+#   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B, AdamW moments on the host (<10 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -137,16 +137,22 @@ fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on 
         | grep -E "│|s per iteration|Error|memory" | tail -9
 }
 
-fit_8b() {  # issue 12: Qwen3-8B shape with the learner's state in CPU memory (trainer.offload)
-    # A lighter workload than fit_4b's (8 groups, max 4096) with the same 16k-token micro-batches, so the
-    # largest activations are the same: on 2026-12-01 a run with 4 groups had not finished its warm-up
-    # iteration after 235 s (random-init folder, two loads of 8B weights, AdamW on the CPU). Each
-    # progress line is printed with its time, to show where the minutes go.
-    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-8b --arms kv4+partial --offload \
+fit_8b() {  # issue 12: Qwen3-8B shape with AdamW's moments in pinned CPU memory (trainer.offload_optimizer)
+    # trainer.offload (FSDP2 CPUOffloadPolicy: 16 bytes/parameter on the host, 131 GB) was OOM-killed on the
+    # 125 GiB host on 2026-12-02; this keeps 8 bytes/parameter there (64 GiB pinned) and 8 on the GPU. Its GPU
+    # test first; host and GPU memory logged every 10 s to $OUT/fit_8b_memory.txt; progress lines timestamped
+    timeout 90 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_offloaded_adamw_gpu.py \
+        > $OUT/offloaded_adamw_tests.txt 2>&1; tail -3 $OUT/offloaded_adamw_tests.txt
+    (while sleep 10; do echo "$(date +%T) host $(free -g | awk '/Mem/{print $3"/"$2}') GiB," \
+        "gpu $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; done) > $OUT/fit_8b_memory.txt &
+    local logger=$!
+    timeout 480 python -m kv4rl.cli bench iteration --shape qwen3-8b --arms kv4+partial --offload-optimizer \
         --quota-groups 8 --group-size 8 --median-len 1024 --max-len 4096 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_8b_offload.json 2>&1 \
         | while IFS= read -r line; do echo "$(date +%T) $line"; done \
         | grep -E "│|s per iteration|Error|memory|iteration|random-init|building" | tail -24
+    kill $logger; tail -3 $OUT/fit_8b_memory.txt
+    dmesg 2>/dev/null | grep -iE "out of memory|oom-kill" | tail -2
 }
 
 if pgrep -f '^nvidia-cuda-mps-control' >/dev/null; then  # only the testbed's many processes need it
