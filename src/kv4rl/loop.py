@@ -23,6 +23,7 @@ import torch
 
 from kv4rl.algo.advantages import compute_advantages
 from kv4rl.config import ConfigError, RunConfig
+from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
@@ -140,6 +141,12 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=_task_of(base_dir))
     policy_dir = base_dir if restore is None else restore.path
+    if cfg.trainer.offload or cfg.trainer.offload_optimizer:  # before the engine loads: minutes at 8B
+        try:
+            check_host_memory(count_parameters(policy_dir), offload=cfg.trainer.offload,
+                              offload_optimizer=cfg.trainer.offload_optimizer, world_size=ranks.world)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     formatter, reward_fn, engine, collector = build_rollout(cfg, source, base_dir, policy_dir, device, engine_ranks,
                                                             show_progress)
     learner = build_learner(cfg, policy_dir, base_dir, device)

@@ -45,6 +45,7 @@ from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_laye
 from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
+from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
@@ -115,6 +116,10 @@ class Learner:
         self.fused_logprobs = fused_logprobs
         self.group = group
         ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+        if offload or offload_optimizer:  # before any weights are read: an OOM kill gives no error of its own
+            num_params = sum(p.numel() for p in policy_path.parameters()) if isinstance(policy_path, nn.Module) \
+                else count_parameters(policy_path)
+            check_host_memory(num_params, offload=offload, offload_optimizer=offload_optimizer, world_size=ranks)
         if not fsdp and ranks > 1:
             raise ValueError(f"{ranks} ranks need trainer.fsdp=true: the data-parallel learner "
                              "is FSDP2's (one shard per rank, gradients reduced across ranks)")
