@@ -189,7 +189,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         from kv4rl.bench.random_model import qwen3_args
         from kv4rl.engine.placement import resolve_device
         from kv4rl.trainer.fused_elementwise import fuses_by_default
-        from kv4rl.trainer.learner import check_learner_options
+        from kv4rl.trainer.learner_options import check_learner_options
 
         switch = {"off": False, "on": True}
         try:

@@ -23,7 +23,6 @@ import torch
 
 from kv4rl.algo.advantages import compute_advantages
 from kv4rl.config import ConfigError, RunConfig
-from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
@@ -42,7 +41,9 @@ from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, summari
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import check_resume_world, find_resume_checkpoint, run_of, save_checkpoint
-from kv4rl.trainer.learner import Learner, check_learner_options
+from kv4rl.trainer.host_memory import check_host_memory, count_parameters
+from kv4rl.trainer.learner import Learner
+from kv4rl.trainer.learner_options import check_learner_options
 
 log = logging.getLogger(__name__)
 

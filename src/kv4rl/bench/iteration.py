@@ -45,7 +45,9 @@ from kv4rl.rewards.base import RewardResult
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.telemetry.phases import PHASES, means_of, rows_of
+from kv4rl.trainer.compiled_layers import compiles_by_default
 from kv4rl.trainer.fused_elementwise import fuses_by_default
+from kv4rl.trainer.learner_options import fused_logprobs_by_default
 
 WEIGHT_FORMATS = {"fp8w": "fp8"}  # arm part -> engine.weight_format (default: the model dtype)
 AWAKE = "awake"  # arm part: the engine stays awake through the update, carried responses keep their KV
@@ -300,8 +302,9 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
             "fuse_elementwise": (fuses_by_default(device) if bench.fuse_elementwise is None
                                  else bench.fuse_elementwise),
-            "compile_layers": device.type == "cuda" if bench.compile_layers is None else bench.compile_layers,
-            "fused_logprobs": device.type == "cuda" if bench.fused_logprobs is None else bench.fused_logprobs,
+            "compile_layers": compiles_by_default(device) if bench.compile_layers is None else bench.compile_layers,
+            "fused_logprobs": (fused_logprobs_by_default(device) if bench.fused_logprobs is None
+                               else bench.fused_logprobs),
             "phases": [p.removeprefix("time_") for p in PHASES] + ["other"],
             "complete": complete, "results": rows,
         }

@@ -32,7 +32,7 @@ from kv4rl.split.learner_side import LearnerSide, run_learner
 from kv4rl.split.resume import Consumed, check_split_resume
 from kv4rl.telemetry.run_stats import summarize_run
 from kv4rl.telemetry.sinks import MetricsSink
-from kv4rl.trainer.learner import check_learner_options
+from kv4rl.trainer.learner_options import check_learner_options
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     if ranks.rank < learners:
         try:
             check_learner_options(device, fsdp=cfg.trainer.fsdp, offload=cfg.trainer.offload,
-                                  attention=cfg.trainer.attention, offload_optimizer=cfg.trainer.offload_optimizer)
+                                  attention=cfg.trainer.attention, fused_logprobs=cfg.trainer.fused_logprobs,
+                                  offload_optimizer=cfg.trainer.offload_optimizer)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     head = ranks.main

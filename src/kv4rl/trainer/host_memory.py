@@ -7,6 +7,7 @@ at the start that names the option to change."""
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -28,9 +29,11 @@ def available_host_bytes() -> int | None:
     return None
 
 
+@lru_cache(maxsize=8)
 def count_parameters(path: str | Path) -> int:
     """The parameter count of the Hugging Face model folder `path`, from its config alone (the model is
-    built on the meta device: no memory, no weights read)."""
+    built on the meta device: no memory, no weights read). Cached: `kv4rl train` checks before its
+    engine loads and the learner checks again when it is built."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)

@@ -38,14 +38,14 @@ from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
-from kv4rl.kernels import kernels_usable
-from kv4rl.trainer.attention import check_attention, document_block_mask, resolve_attention, set_attention
+from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
 from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
 from kv4rl.trainer.host_memory import check_host_memory, count_parameters
+from kv4rl.trainer.learner_options import check_learner_options, describe_options, fused_logprobs_by_default
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
@@ -60,28 +60,6 @@ from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 from kv4rl.trainer.policy_model import load_hf_model, prepare_policy, shard_policy
 
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
-
-
-def check_learner_options(device: torch.device, *, fsdp: bool, offload: bool, attention: str = "auto",
-                          fused_logprobs: bool | None = None, offload_optimizer: bool = False) -> None:
-    """Refuse option combinations that cannot run, before any model is loaded."""
-    check_attention(attention, device)
-    if fused_logprobs and not kernels_usable(device):
-        raise ValueError(f"trainer.fused_logprobs=true runs Triton kernels, which need a CUDA device (and "
-                         f"Triton); on device {device}: set trainer.fused_logprobs=false")
-    if offload and not fsdp:
-        raise ValueError("trainer.offload=true needs trainer.fsdp=true (offloading is FSDP2's CPUOffloadPolicy)")
-    if offload and device.type != "cuda":
-        raise ValueError(f"trainer.offload=true moves parameters, gradients and AdamW state from the GPU to "
-                         f"the CPU; on device {device} they already are there: set trainer.offload=false")
-    if offload_optimizer and offload:
-        raise ValueError("trainer.offload_optimizer=true cannot be combined with trainer.offload=true, which "
-                         "already keeps AdamW's state (with the parameters and gradients) in CPU memory; set one "
-                         "of them")
-    if offload_optimizer and device.type != "cuda":
-        raise ValueError(f"trainer.offload_optimizer=true streams AdamW's moments between pinned CPU memory and "
-                         f"the GPU; on device {device} they already are in CPU memory: set "
-                         f"trainer.offload_optimizer=false")
 
 
 def _scalar(value) -> float:
@@ -112,7 +90,7 @@ class Learner:
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs,
                               offload_optimizer=offload_optimizer)
         if fused_logprobs is None:
-            fused_logprobs = device.type == "cuda" and kernels_usable(device)
+            fused_logprobs = fused_logprobs_by_default(device)
         self.fused_logprobs = fused_logprobs
         self.group = group
         ranks = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -179,17 +157,10 @@ class Learner:
 
     @property
     def options_desc(self) -> str:
-        """The speed options in effect (their `null` defaults resolved) and where AdamW's state lives, for
-        the run's start line."""
-        if self.offload:
-            state = "AdamW state in CPU memory with the weights (trainer.offload)"
-        elif self.offload_optimizer:
-            state = "AdamW moments in pinned CPU memory (trainer.offload_optimizer)"
-        else:
-            state = f"AdamW state on {self.device.type}"
-        return (f"fused elementwise {'on' if self.fused_elementwise else 'off'}, compiled layers "
-                f"{self.compiled_layers or 'off'}, log-prob head {'triton' if self.fused_logprobs else 'torch'}, "
-                f"{state}")
+        """The speed options in effect and where AdamW's state lives, for the run's start line."""
+        return describe_options(self.device, fused_elementwise=bool(self.fused_elementwise),
+                                compiled_layers=self.compiled_layers, fused_logprobs=self.fused_logprobs,
+                                offload=self.offload, offload_optimizer=self.offload_optimizer)
 
     def set_attention(self, choice: str) -> str:
         """Run the policy and the reference with `choice` (auto, sdpa, flex) for the current micro-batch
