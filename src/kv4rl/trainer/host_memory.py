@@ -1,6 +1,6 @@
 """Whether the learner's offloaded state fits this machine's host memory, checked before any model is
 loaded. An 8B learner under `trainer.offload` (16 bytes of fp32 state per parameter on the host, 131
-GB) was killed by the kernel's OOM killer on a 125 GiB host in its first update, minutes into the run
+GB) was killed by the kernel's OOM killer on a 125 GiB host in its first iteration, minutes into the run
 and with no error of its own (bench/RESULTS.md, seventh session); this turns that into a clear error
 at the start that names the option to change."""
 
@@ -64,4 +64,4 @@ def check_host_memory(num_params: int, *, offload: bool, offload_optimizer: bool
     raise ValueError(f"trainer.{option}=true keeps {per} bytes per parameter in host memory: {need / 1e9:.1f} GB for "
                      f"{num_params / 1e9:.2f}B parameters on this host, and it has {available / 1e9:.1f} GB available "
                      f"(MemAvailable; {HEADROOM:.0%} of it may be used): the kernel would kill the run in its first "
-                     f"update. {hint[0].upper() + hint[1:]}")
+                     f"iteration. {hint[0].upper() + hint[1:]}")
