@@ -13,7 +13,7 @@
 #   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # baseline and awake@192/256, CUDA learner defaults (~9 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~4 min)
-#   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated iteration (<10 min)
+#   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated, awake@192 and @128 (<10 min)
 #   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B, AdamW moments on the host (<10 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -130,11 +130,14 @@ engine_tests() {  # the engine on CUDA: fast path (mixed steps replaying the dec
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the
-    # awake arm (1.40x for the sleeping kv4+partial arm with the eager learner on 2026-12-01)
-    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-4b --arms bf16+sync,kv4+partial+awake \
+    # awake arm at 192 and 128 slots (2026-12-02: 1.79x at 128; at 192 the pool, sized before the learner's
+    # gradients and moments existed, took 60 GiB and the update ran out of memory; awake engines now
+    # reserve the learner's measured update memory, named in the row's pool_sizing)
+    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-4b \
+        --arms bf16+sync,kv4+partial+awake@192,kv4+partial+awake \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_4b.json --png $OUT/iteration_4b.png 2>&1 \
-        | grep -E "│|s per iteration|Error|memory" | tail -9
+        | grep -E "│|s per iteration|Error|reserved" | tail -12
 }
 
 fit_8b() {  # issue 12: Qwen3-8B shape with AdamW's moments in pinned CPU memory (trainer.offload_optimizer)

@@ -31,6 +31,7 @@ from kv4rl.engine.placement import resolve_device
 from kv4rl.eval.data_parallel import evaluate_ranks
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
+from kv4rl.models.hf_weights import check_model_folder
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
@@ -142,15 +143,18 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=_task_of(base_dir))
     policy_dir = base_dir if restore is None else restore.path
+    check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     if cfg.trainer.offload or cfg.trainer.offload_optimizer:  # before the engine loads: minutes at 8B
         try:
             check_host_memory(count_parameters(policy_dir), offload=cfg.trainer.offload,
                               offload_optimizer=cfg.trainer.offload_optimizer, world_size=ranks.world)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    formatter, reward_fn, engine, collector = build_rollout(cfg, source, base_dir, policy_dir, device, engine_ranks,
-                                                            show_progress)
+    # the learner first: an engine's pool sized from device memory then sees its weights, and one that
+    # stays awake through the update (no sleep) also leaves room for what the update will allocate
     learner = build_learner(cfg, policy_dir, base_dir, device)
+    formatter, reward_fn, engine, collector = build_rollout(cfg, source, base_dir, policy_dir, device, engine_ranks,
+                                                            show_progress, update_memory=learner.update_memory_bytes)
     if ranks.world > 1 and cfg.telemetry.attribution_every:
         raise ConfigError("telemetry.attribution_every runs in one process for now; set it to 0 under torchrun")
     s = Setup(cfg, device, source, formatter, reward_fn, engine, learner, collector,

@@ -19,7 +19,9 @@ seconds are means over those. Peak memory is torch's peak allocated bytes over t
 (CUDA only). Partial arms carry unfinished responses with `rollout.carry: recompute` (what sleeping
 needs; see `EngineConfig`), except `awake` arms: their engine does not sleep, and unfinished responses
 keep their KV across the update (`carry: keep_kv`, SPEC §5's default), which needs the KV pool and the
-learner's update to fit the device together (a small KV4 pool is what makes that possible).
+learner's update to fit the device together (a small KV4 pool is what makes that possible): their
+engine sizes its pool leaving the update's memory free, measured by the learner before the engine
+starts (`Learner.update_memory_bytes`, the row's `update_reserve_bytes`).
 """
 
 from __future__ import annotations
@@ -235,8 +237,10 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
     learner = build_learner(cfg, model_dir, model_dir, device)
     progress(f"{label}: building the engine")
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
+    # an awake engine keeps its pool through the update: it leaves the update's memory free (measured)
+    reserve = 0 if engine_cfg.sleep_between_rollouts else learner.update_memory_bytes(work.max_model_len)
     engine = Engine(model_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device, dtype=cfg.model.dtype,
-                    seed=cfg.seed)
+                    seed=cfg.seed, reserve_bytes=reserve)
     prompts = _Formatter(engine.args.vocab_size, work.prompt_len, work.seed)
     collector = Collector(engine, prompts, prompts, cfg.rollout, cfg.seed, max_tokens_fn=work.length)
     s = Setup(cfg, device, prompts, prompts, odd_token_reward, engine, learner, collector,
@@ -266,6 +270,7 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
         "peak_memory_bytes": _peak(device),
         "pool_bytes_awake": engine.pool_bytes, "pool_tokens_awake": engine.pool_tokens,
+        "update_reserve_bytes": reserve,
         "pool_sizing": engine.pool_sizing, "engine_summary": engine.summary,
     }
     del s, engine, learner, collector

@@ -85,7 +85,8 @@ class EngineConfig:
     (engine and learner on one device) and allocates them again after the weight refresh
     (`Engine.sleep`/`Engine.wake`): a pool sized from memory is re-sized then, from what the learner
     leaves free. Unfinished responses lose their KV and are re-prefilled, so partial rollout needs
-    `rollout.carry: recompute` with it.
+    `rollout.carry: recompute` with it. Off, a run's engine sizes its pool leaving free what the
+    learner's update will allocate, measured by the learner at start (`Engine(reserve_bytes=...)`).
     `gpu_memory_scope` says whose memory counts as in use when the pool is sized: `device` (default)
     everything on the device, other processes included, so a pool never takes memory that is gone;
     `process` only this process's (torch's reserved bytes plus `memory.CONTEXT_ALLOWANCE` for its CUDA

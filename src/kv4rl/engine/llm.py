@@ -56,9 +56,15 @@ class Engine:
         seed: int = 0,
         tokenizer: Any = None,
         model: Decoder | None = None,
+        reserve_bytes: int = 0,
     ):
         """Load the checkpoint in `model_dir`, or take an in-memory `model` (see `from_model`); decide the
-        `auto` settings (`kv4rl.engine.plan`) and let the runner carry them out on the device."""
+        `auto` settings (`kv4rl.engine.plan`) and let the runner carry them out on the device.
+        `reserve_bytes`: device memory a pool sized from memory must leave free for what will be allocated
+        after the engine starts: the update of a learner on the same device when the engine stays awake
+        through it (`Learner.update_memory_bytes`); the start line names it."""
+        if reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
         config = config or EngineConfig()
         config.validate()
         self.config = config
@@ -71,7 +77,7 @@ class Engine:
         if self.tp.size > 1:
             self.kv_format.tensor_parallel = self.tp
         self.max_model_len = self.plan.max_model_len.value
-        self.runner = ModelRunner.build(self.model, self.plan, config, self.device)
+        self.runner = ModelRunner.build(self.model, self.plan, config, self.device, reserve_bytes)
         self.scheduler = Scheduler(
             BlockManager(self.runner.num_blocks, config.kv.block_size), max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, prefix_sharing=config.prefix_sharing, chunked_prefill=config.chunked_prefill,

@@ -8,6 +8,8 @@ so the engine's pool sizing and `kv4rl bench pool` count exactly what the runner
 On CUDA the engine gives the pool what is left of `gpu_memory_fraction` of the device after the
 weights, the CUDA context (and anything else already on the device) and the activation peak of the
 largest step, which it measures by running that step (`profile_batch`) through a one-block cache.
+An engine that stays awake beside a learner's update also leaves the bytes that update will allocate
+(`reserve_bytes`, measured by the learner: `Learner.update_memory_bytes`).
 """
 
 from __future__ import annotations
@@ -67,25 +69,31 @@ def kv_footprint(kv_format, num_layers: int, num_kv_heads: int, head_dim: int, b
 
 
 def pool_blocks(*, total_bytes: int, fraction: float, used_bytes: int, activation_bytes: int,
-                footprint: KVFootprint, max_num_seqs: int, max_model_len: int) -> int:
-    """Blocks for the pool in `fraction` of the device after `used_bytes` and the step's activations.
+                footprint: KVFootprint, max_num_seqs: int, max_model_len: int, reserve_bytes: int = 0) -> int:
+    """Blocks for the pool in `fraction` of the device after `used_bytes`, the step's activations and
+    `reserve_bytes` that another user of the device will allocate later (a learner's update beside an
+    engine that stays awake through it).
 
     Capped at what `max_num_seqs` sequences of `max_model_len` tokens can ever hold at once, so memory
     the scheduler could never use stays free (e.g. for a learner on the same device). Raises ValueError
     naming `engine.gpu_memory_fraction` when not even one longest sequence fits.
     """
-    pool = int(fraction * total_bytes) - used_bytes - activation_bytes
+    pool = int(fraction * total_bytes) - used_bytes - activation_bytes - reserve_bytes
     longest = blocks_needed(max_model_len, footprint.block_size)
     blocks = footprint.blocks_in(pool, max_num_seqs)
     if blocks < longest:
         need = footprint.total_bytes(longest, max_num_seqs)
         raise ValueError(
             f"engine.gpu_memory_fraction={fraction}: {fraction} x {total_bytes / GIB:.2f} GiB leaves "
-            f"{max(pool, 0) / GIB:.2f} GiB for the KV pool after {used_bytes / GIB:.2f} GiB in use and a "
-            f"{activation_bytes / GIB:.2f} GiB activation peak, but one sequence of max_model_len="
+            f"{max(pool, 0) / GIB:.2f} GiB for the KV pool after {used_bytes / GIB:.2f} GiB in use"
+            + (f", {reserve_bytes / GIB:.2f} GiB reserved for the learner's update" if reserve_bytes else "")
+            + f" and a {activation_bytes / GIB:.2f} GiB activation peak, but one sequence of max_model_len="
             f"{max_model_len} tokens (with rows for {max_num_seqs} sequences) needs {need / GIB:.2f} GiB; "
             "raise engine.gpu_memory_fraction, or lower engine.max_model_len, "
             "engine.max_num_batched_tokens or the number of sequences"
+            + ("; or let the engine sleep through the update (engine.sleep_between_rollouts=true, with "
+               "rollout.carry=recompute) or shrink the update (trainer.max_tokens_per_micro_batch, "
+               "trainer.grad_checkpointing, trainer.offload_optimizer)" if reserve_bytes else "")
         )
     return min(blocks, max_num_seqs * longest)
 

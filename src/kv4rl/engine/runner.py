@@ -101,15 +101,17 @@ class ModelRunner:
         self.allocate(num_blocks, self._recapture)
 
     @classmethod
-    def build(cls, model, plan: EnginePlan, config: EngineConfig, device: torch.device) -> ModelRunner:
-        """Apply `plan` to `model` on `device`: weight format, fused ops, fast path, the sized pool, graphs."""
+    def build(cls, model, plan: EnginePlan, config: EngineConfig, device: torch.device,
+              reserve_bytes: int = 0) -> ModelRunner:
+        """Apply `plan` to `model` on `device`: weight format, fused ops, fast path, the sized pool, graphs.
+        `reserve_bytes`: device memory a pool sized from memory leaves free for later (`memory.pool_blocks`)."""
         prepare_model(model, plan)
         args, block_size = model.args, config.kv.block_size
         fast = None
         if plan.attention.value == "triton":
             fast = FastAttention(plan.kv_format, args.num_kv_heads, args.head_dim, block_size, device,
                                  num_q_heads=args.num_heads)
-        profile = _Profile(model, plan, config, device, fast)
+        profile = _Profile(model, plan, config, device, fast, reserve_bytes)
         num_blocks, sizing = plan.pool_blocks.value, plan.pool_blocks.reason
         if num_blocks is None:
             num_blocks, sizing = _memory_sized(profile, model, device)
@@ -294,13 +296,14 @@ class _Profile:
     """The pool size that fits in device memory, measured by running the largest step (CUDA)."""
 
     def __init__(self, model, plan: EnginePlan, config: EngineConfig, device: torch.device,
-                 fast: FastAttention | None):
+                 fast: FastAttention | None, reserve_bytes: int = 0):
         self.model, self.plan, self.config, self.device, self.fast = model, plan, config, device, fast
+        self.reserve_bytes = reserve_bytes  # left free for a learner's update beside an awake engine
         self.activation: int | None = None  # the largest step's peak, measured once
 
     def pool_blocks(self) -> tuple[int, str]:
         """The pool's blocks and how they were chosen: what is left of `engine.gpu_memory_fraction`
-        after the memory in use and the largest step's peak (see `kv4rl.engine.memory`). Called again
+        after the memory in use, the largest step's peak and the reserve (see `kv4rl.engine.memory`). Called again
         at each wake of a sleeping engine; the peak is measured only the first time."""
         cfg, plan, args = self.config, self.plan, self.model.args
         max_num_seqs, max_model_len, block_size = plan.max_num_seqs, plan.max_model_len.value, cfg.kv.block_size
@@ -311,13 +314,16 @@ class _Profile:
         total, used = memory.in_use_bytes(self.device, cfg.gpu_memory_scope)
         blocks = memory.pool_blocks(
             total_bytes=total, fraction=cfg.gpu_memory_fraction, used_bytes=used, activation_bytes=activation,
-            footprint=footprint, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+            footprint=footprint, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            reserve_bytes=self.reserve_bytes)
         capped = " (capped at max_num_seqs x max_model_len)" if blocks == max_num_seqs * blocks_needed(
             max_model_len, block_size) else ""
         return blocks, (
             f"engine.gpu_memory_fraction={cfg.gpu_memory_fraction:g} of {memory.format_bytes(total)}: "
             f"{memory.format_bytes(used)} in use{' by this process' if cfg.gpu_memory_scope == 'process' else ''}, "
-            f"{memory.format_bytes(activation)} step peak{capped}"
+            f"{memory.format_bytes(activation)} step peak"
+            + (f", {memory.format_bytes(self.reserve_bytes)} reserved for the learner's update" if self.reserve_bytes
+               else "") + capped
         )
 
     @torch.inference_mode()

@@ -5,6 +5,7 @@ Shared by the colocated loop (`kv4rl.loop`) and a split run's engine ranks (`kv4
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,9 +45,12 @@ def max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormat
 
 
 def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,
-                  engine_ranks: Ranks, show_progress: bool) -> tuple[PromptFormatter, object, Engine, Collector]:
+                  engine_ranks: Ranks, show_progress: bool, update_memory: Callable[[int], int] | None = None,
+                  ) -> tuple[PromptFormatter, object, Engine, Collector]:
     """The rollout side of a run: prompt formatter, reward function, engine, and the collector of this
-    engine's share (`engine_ranks`) of the prompt groups."""
+    engine's share (`engine_ranks`) of the prompt groups. `update_memory(max_model_len)`: the device
+    bytes a learner on the same device will allocate for its update, left free by an engine that stays
+    awake through it (`Learner.update_memory_bytes`)."""
     model_max = check_model_folder(base_dir).max_position_embeddings
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     formatter = PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template,
@@ -57,8 +61,11 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
     if engine_cfg.max_model_len is None:
         engine_cfg.max_model_len = max_model_len(cfg, source, formatter, model_max)
+    reserve = 0
+    if update_memory is not None and not engine_cfg.sleep_between_rollouts:
+        reserve = update_memory(engine_cfg.max_model_len)
     engine = Engine(policy_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device,
-                    dtype=cfg.model.dtype, seed=cfg.seed, tokenizer=tokenizer)
+                    dtype=cfg.model.dtype, seed=cfg.seed, tokenizer=tokenizer, reserve_bytes=reserve)
     if show_progress:
         from rich.console import Console
 

@@ -38,6 +38,7 @@ from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
+from kv4rl.engine.memory import measure_step_peak
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
@@ -47,6 +48,7 @@ from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise
 from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.learner_options import check_learner_options, describe_options, fused_logprobs_by_default
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
+from kv4rl.trainer.update_memory import largest_micro_batch, optimizer_bytes_to_come
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
     SHARDED,
@@ -201,6 +203,26 @@ class Learner:
             return logp, (ent if with_entropy else None)
         logp = token_logprobs(logits, ids, self.temperature)
         return logp, (entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None)
+
+    def update_memory_bytes(self, max_len: int) -> int:
+        """Device bytes this learner's update will allocate beyond what it holds now, for sequences of at
+        most `max_len` tokens: one forward and backward pass over its largest micro-batch (activations
+        and gradients, measured; gradients dropped after, no weight changes) plus the optimizer state to
+        come (`kv4rl.trainer.update_memory`). 0 off CUDA. A collective under FSDP on several ranks."""
+        if self.device.type != "cuda":
+            return 0
+        mb = largest_micro_batch(max_len, self.max_tokens, self.micro_batch_size).to(self.device)
+
+        def forward_backward():
+            logp, ent = self._forward(self.model, mb, with_entropy=True)
+            (logp.float().sum() * 0.0).backward()
+            del logp, ent
+
+        self.optimizer.zero_grad(set_to_none=True)
+        peak = measure_step_peak(forward_backward, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return peak + optimizer_bytes_to_come(self.optimizer, self.device)
 
     def micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """The micro-batches (row indices of `batch`) that `rows` is processed in.
