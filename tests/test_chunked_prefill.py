@@ -126,9 +126,9 @@ def test_each_step_record_counts_the_tokens_it_computed_and_holds(ckpt):
         engine.add_request(p, PARAMS, sample_seed=3 + i)
     forward, rows = engine.runner.forward, []
 
-    def recording_forward(seqs):
+    def recording_forward(seqs, pending_ids=None):
         rows[:] = [(s.num_new_tokens, s.num_step_tokens) for s in seqs]
-        return forward(seqs)
+        return forward(seqs, pending_ids)
 
     engine.runner.forward = recording_forward
     chunks = forks = 0

@@ -37,9 +37,9 @@ def _scores(ckpt, backend: str, prompts, forced, max_num_seqs: int, reverse_batc
     engine.mixed_steps = 0
     eager = engine.runner._forward_eager
 
-    def counting(host, rest):
+    def counting(host, rest, *pending):
         engine.mixed_steps += host is not None and bool(rest)
-        return eager(host, rest)
+        return eager(host, rest, *pending)
 
     engine.runner._forward_eager = counting
     if reverse_batches:  # prefill rows before decode rows: the runner must put its logits back in order
@@ -133,3 +133,22 @@ def test_merged_projections_through_the_kernels_equal_separate_ones(ckpt):
         scores[merge] = engine.score_tokens(prompts, forced)
     for separate, merged in zip(scores[False], scores[True]):
         assert float((merged - separate).norm() / separate.norm()) < 1e-3  # bit-identical on the CPU here
+
+
+def test_async_scheduling_feeds_the_decode_kernels_the_sampled_ids_on_the_device(ckpt):
+    """`engine.async_scheduling` through the fast path: steps launched ahead take their input ids from the
+    previous step's sampled tokens (`pending_ids`), not from the host; the tokens equal the synchronous
+    engine's, KV4 rows written by the fused writer included."""
+    from kv4rl.engine.sequence import SamplingParams
+
+    def run(async_scheduling):
+        kv = KVConfig(format="kv4", group_size=32, n_sink=2, n_recent=3, block_size=4)
+        engine = Engine(ckpt, EngineConfig(kv=kv, attention_backend="triton", num_kv_blocks=64, max_model_len=64,
+                                           async_scheduling=async_scheduling), dtype="bfloat16", max_num_seqs=3)
+        params = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=5)
+        return engine, engine.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]], params)
+
+    sync, ref = run(False)
+    eng, got = run(True)
+    assert eng.num_steps_ahead > 0
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]

@@ -19,16 +19,17 @@ class IdsFormatter:
         return [3 + (ord(ch) % 90) for ch in problem.problem[:6]]
 
 
-def make_engine(path, slots, num_blocks=None, prefix_sharing=True):
+def make_engine(path, slots, num_blocks=None, prefix_sharing=True, async_scheduling=False):
     cfg = EngineConfig(kv=KVConfig(format="fp32", block_size=4), num_kv_blocks=num_blocks, max_model_len=96,
-                       prefix_sharing=prefix_sharing)
+                       prefix_sharing=prefix_sharing, async_scheduling=async_scheduling)
     return Engine(path, cfg, max_num_seqs=slots, device="cpu", dtype="float32", seed=0)
 
 
 def make_collector(path, lengths, *, mode="partial", quota=2, group=2, slots=4, carry="keep_kv", num_blocks=None,
-                   prefix_sharing=True):
+                   prefix_sharing=True, async_scheduling=False):
     cfg = RolloutConfig(mode=mode, quota_groups=quota, group_size=group, max_slots=slots, carry=carry)
-    return Collector(make_engine(path, slots, num_blocks, prefix_sharing), ProblemSource(None, None, seed=0),
+    engine = make_engine(path, slots, num_blocks, prefix_sharing, async_scheduling)
+    return Collector(engine, ProblemSource(None, None, seed=0),
                      IdsFormatter(), cfg, seed=0, max_tokens_fn=lengths)
 
 
@@ -62,8 +63,8 @@ def test_sync_mode_waits_for_the_longest_response(tiny_qwen3):
     assert [g.index for g in col.collect()] == [2, 3]
 
 
-@pytest.mark.parametrize("carry", ["keep_kv", "recompute"])
-def test_partial_property_every_group_once_complete_nothing_lost(tiny_qwen3, carry):
+@pytest.mark.parametrize("carry,async_scheduling", [("keep_kv", False), ("recompute", False), ("keep_kv", True)])
+def test_partial_property_every_group_once_complete_nothing_lost(tiny_qwen3, carry, async_scheduling):
     path, _ = tiny_qwen3
     rng = random.Random(7)
     lengths = {}
@@ -71,7 +72,8 @@ def test_partial_property_every_group_once_complete_nothing_lost(tiny_qwen3, car
     def length(g, j):
         return lengths.setdefault((g, j), 1 + min(int(rng.expovariate(1 / 5)), 40))
 
-    col = make_collector(path, length, quota=3, group=3, slots=8, carry=carry, num_blocks=40)
+    col = make_collector(path, length, quota=3, group=3, slots=8, carry=carry, num_blocks=40,
+                         async_scheduling=async_scheduling)
     delivered, spanning = [], 0
     for update in range(100):
         batch = col.collect()
@@ -90,6 +92,7 @@ def test_partial_property_every_group_once_complete_nothing_lost(tiny_qwen3, car
     assert set(delivered) | set(col.groups) == set(range(col.next_group))
     assert not set(delivered) & set(col.groups)
     assert spanning > 0  # responses really were carried across weight updates
+    assert (col.engine.num_steps_ahead > 0) == async_scheduling  # steps launched before the last one's read
 
 
 def run_pipeline(path, staleness, updates, mode="sync", lengths=lambda g, j: 3):

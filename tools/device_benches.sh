@@ -15,6 +15,7 @@
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~4 min)
 #   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated, awake@192 and @128 (<10 min)
 #   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B, AdamW moments on the host (<10 min)
+#   bash tools/device_benches.sh generate_async 2>&1 | tee $OUT/log.txt        # async scheduling vs sync (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -32,6 +33,17 @@ attn() {
 generate() {
     timeout 130 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
         --json $OUT/generate.json 2>&1 | grep "│" | tail -6
+}
+
+generate_async() {  # issue 11: engine.async_scheduling (the next step launched before this one's tokens are
+    # read) against the synchronous engine, 1.7B B64/B256 BF16 and KV4; its GPU tests first (~5 min). The
+    # host part of a step was 1.9-3.7 ms of 4.6-6.6 ms on 2026-12-02 (35.2k tok/s BF16 at B256)
+    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_async_scheduling_gpu.py \
+        tests/gpu/test_engine_no_host_wait_gpu.py > $OUT/async_tests.txt 2>&1; tail -3 $OUT/async_tests.txt
+    for a in false true; do
+        timeout 130 python -m kv4rl.cli bench generate engine.async_scheduling=$a --shape qwen3-1.7b \
+            --batch-sizes 64,256 --kv-format bf16,kv4 --json $OUT/generate_async_$a.json 2>&1 | grep "│" | tail -6
+    done
 }
 
 forward() {

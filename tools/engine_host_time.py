@@ -38,7 +38,7 @@ def main() -> None:
     logits = torch.zeros(args.batch, vocab)
     tokens, logprobs = torch.full((args.batch,), 1), torch.zeros(args.batch)
 
-    def forward(seqs):  # what the runner does to the sequences, without the model
+    def forward(seqs, pending_ids=None):  # what the runner does to the sequences, without the model
         for s in seqs:
             s.num_cached_tokens += s.num_step_tokens
         return logits[:len(seqs)]

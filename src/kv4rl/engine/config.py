@@ -93,6 +93,11 @@ class EngineConfig:
     context and libraries), for several runs that share one device, each in its own
     `gpu_memory_fraction`, started together (`kv4rl train --seeds` sets it): with `device` the ones
     that start last see the others' memory as theirs and get no pool.
+    `async_scheduling` launches the next step before the host reads this step's tokens whenever the
+    batch continues unchanged (pure decode, nothing to admit, blocks free), its input ids taken on the
+    device, so the host's part of a step overlaps the device's (`kv4rl.engine.run_ahead`). The same
+    tokens as without it; a stopped request is returned by `step` one call later. Off by default until
+    timed on a GPU; not with `tensor_parallel > 1`.
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -113,11 +118,16 @@ class EngineConfig:
     admit_siblings_together: bool = True
     tensor_parallel: int = 1
     sleep_between_rollouts: bool = False
+    async_scheduling: bool = False
 
     def validate(self) -> None:
         self.kv.validate()
         if self.tensor_parallel < 1:
             raise ValueError(f"engine.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.async_scheduling and self.tensor_parallel > 1:
+            raise ValueError("engine.async_scheduling runs one engine process ahead of its tokens; with "
+                             f"engine.tensor_parallel={self.tensor_parallel} it is not supported yet: set one of them "
+                             "back (async_scheduling=false or tensor_parallel=1)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"engine.max_model_len must be >= 1, got {self.max_model_len}")
         if self.kv.format != "auto" and self.max_model_len is not None:

@@ -101,15 +101,16 @@ class DecodeGraphs:
         self.positions[start:].zero_()
 
     @torch.inference_mode()
-    def run(self, host: dict[str, np.ndarray]) -> torch.Tensor:
-        """Logits [B, V] of a decode step described by `FastAttention.host_inputs`."""
+    def run(self, host: dict[str, np.ndarray], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] of a decode step described by `FastAttention.host_inputs`; `pending_ids`: the rows'
+        input ids on the device, in place of the host's (`ModelRunner.forward`)."""
         n = len(host["slots"])
         bs = self.bucket(n)
         if bs not in self.graphs:
             self._capture(bs)
         to = lambda a: torch.from_numpy(a)
         width = host["block_tables"].shape[1]
-        self.ids[:n].copy_(to(host["ids"]), non_blocking=True)
+        self.ids[:n].copy_(to(host["ids"]) if pending_ids is None else pending_ids, non_blocking=True)
         self.positions[:n].copy_(to(host["positions"]), non_blocking=True)
         self.slots[:n].copy_(to(host["slots"]), non_blocking=True)
         self.protect_rows[:n].copy_(to(host["protect_rows"]), non_blocking=True)

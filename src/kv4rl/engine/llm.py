@@ -28,7 +28,8 @@ from kv4rl.engine.placement import place_model
 from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.scheduler import Scheduler
-from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
+from kv4rl.engine.run_ahead import LaunchedStep, can_run_ahead, copy_to_host
+from kv4rl.engine.sequence import Completion, SamplingParams, Sequence, Status
 from kv4rl.engine.teacher_forcing import score_forced
 from kv4rl.models.decoder import Decoder
 from kv4rl.models.tensor_parallel import tensor_parallel_group
@@ -93,6 +94,10 @@ class Engine:
         self.pool_tokens = self.runner.num_blocks * config.kv.block_size
         self.pool_bytes = self.runner.cache_bytes
         self.asleep = False
+        self._inflight: LaunchedStep | None = None  # launched, tokens not read (async scheduling)
+        self._backlog: list[Sequence] = []  # finished while draining, returned by the next step
+        self._last_read = 0.0  # when the host last read a step's tokens (latency under async scheduling)
+        self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
         self.summary = self._summary(max_num_seqs)
         log.info(self.summary)
         log.info("engine plan: %s", self.plan.explain())
@@ -112,6 +117,7 @@ class Engine:
             f"{memory.format_bytes(self.pool_bytes)} (sized by {self.pool_sizing}), {plan.weights_desc}, "
             f"{plan.attention_desc}, sampler {self.sampler}{', fused ops' if self.fused_ops else ''}"
             f"{', merged q|k|v and gate|up projections' if plan.merge_projections.value else ''}"
+            f"{', async scheduling' if self.config.async_scheduling else ''}"
             + (f", tensor parallel {self.tp.size} (rank {self.tp.rank}: {self.args.num_heads} heads, "
                f"{self.args.num_kv_heads} KV heads; pool and bytes/token are per rank)" if self.tp.size > 1 else "")
             + (f"; sleeps between rollouts: KV pool {memory.format_bytes(self.pool_bytes)} awake, 0 asleep"
@@ -163,17 +169,25 @@ class Engine:
 
     def abort(self, seq: Sequence) -> None:
         """Remove an unfinished request (its blocks are freed); it is never returned by `step`."""
+        self.drain()
+        if seq in self._backlog:  # it stopped in the drain: aborted all the same
+            self._backlog.remove(seq)
+            seq.finish_reason = "abort"
+            return
         self.scheduler.abort(seq)
 
     def recompute_all(self) -> None:
         """Drop every running sequence's KV so it is re-prefilled under the current weights."""
+        self.drain()
         self.scheduler.preempt_all()
 
     def unfinished(self) -> list[Sequence]:
+        self.drain()
         return list(self.scheduler.running) + list(self.scheduler.waiting)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests queued or running, a step in flight or stopped requests not yet returned by `step`."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._backlog)
 
     def step(self) -> list[Sequence]:
         """Advance every scheduled sequence by one token (or one prompt chunk); return the ones that finished.
@@ -185,16 +199,52 @@ class Engine:
         `wait_s`, the part of it the host spent waiting for the device's results (the rest, latency minus
         wait, is host work: scheduling, inputs, launches, bookkeeping; on the CPU the wait is ~0). Only
         the token read waits (`_launch`), so the wait is all there.
+
+        With `engine.async_scheduling` the next step is launched before this one's tokens are read when
+        the batch can continue unchanged (`kv4rl.engine.run_ahead`), so a call returns with a step in
+        flight: its tokens join the sequences at the next call (or at `drain`), and a sequence that
+        stopped is reported one call later than without the option. `latency_s` is then the time since
+        the previous step's tokens were read.
         """
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
         t0 = time.perf_counter()
-        saved_before = self.scheduler.prefill_tokens_saved
-        seqs = self.scheduler.schedule()
+        finished, self._backlog = self._backlog, []
+        launched = self._inflight
+        if launched is None:
+            if finished and not self.scheduler.has_unfinished():
+                return finished  # stopped during a drain, nothing left to step
+            saved = self.scheduler.prefill_tokens_saved
+            launched = self._launch_step(self.scheduler.schedule(), t0, saved)
+        self._inflight = None
+        if self.config.async_scheduling and can_run_ahead(self.scheduler, launched):
+            for seq in launched.sampled:
+                seq.append_pending(self.version)
+            launched.pending = True
+            self.num_steps_ahead += 1
+            t1, saved = time.perf_counter(), self.scheduler.prefill_tokens_saved
+            nxt = self.scheduler.schedule()  # the same rows: can_run_ahead checked that nothing changes
+            assert len(nxt) == len(launched.sampled) and all(a is b for a, b in zip(nxt, launched.sampled))
+            self._inflight = self._launch_step(nxt, t1, saved, pending_ids=launched.device_tokens)
+        return finished + self._complete(launched)
+
+    def drain(self) -> None:
+        """Read the step in flight (`engine.async_scheduling`), so every sequence holds every token the
+        device sampled; the ones that stop are returned by the next `step`. Called before anything that
+        changes what a launched step relies on (weights, the pool, the queue's running sequences)."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            self._backlog += self._complete(launched)
+
+    def _launch_step(self, seqs: list[Sequence], started_at: float, saved_before: int,
+                     pending_ids: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue a scheduled batch's forward and sampling (scheduled from `started_at` on, when the
+        scheduler's count of prompt tokens saved by forks was `saved_before`); the host does not wait."""
         if not seqs:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
         blocks = self.scheduler.blocks
-        kv_blocks, shared_blocks = blocks.num_blocks - blocks.num_free_blocks, blocks.num_shared_blocks
+        stats = {"kv_blocks": blocks.num_blocks - blocks.num_free_blocks, "shared_blocks": blocks.num_shared_blocks,
+                 "saved": saved_before}
         new_tokens = prefill_tokens = context = 0
         rows = []  # the rows that sample: not a prompt chunk short of its end
         for i, s in enumerate(seqs):  # one pass: per-step host work at every batch size
@@ -205,48 +255,63 @@ class Engine:
             if step == new:
                 rows.append(i)
         sampled = [seqs[i] for i in rows]
-        finished = []
-        tokens, logprobs = self._launch(seqs, rows, sampled)
-        t_wait = time.perf_counter()
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # blocks until the device has sampled
-        wait = time.perf_counter() - t_wait
-        for seq, tok, lp in zip(sampled, tokens, logprobs):
-            seq.append(tok, lp, self.version)
-            stop_ids = self.eos_ids if seq.params.stop_token_ids is None else frozenset(seq.params.stop_token_ids)
-            reason = self.scheduler.stop_reason(seq, stop_ids)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                finished.append(seq)
-        t_wait = time.perf_counter()
-        self.runner.synchronize()
-        wait += time.perf_counter() - t_wait
-        context += len(sampled)  # each sampling row grew by its token
-        # every running sequence was scheduled (`schedule` preempts those it cannot step), so the
-        # resident tokens are the batch's, the finished ones' included
-        self.last_step = {
-            "batch_size": len(seqs),
-            "new_tokens": new_tokens,
-            "prefill_tokens": prefill_tokens,
-            "context_mean": context / len(seqs),
-            "kv_bytes": context * self.bytes_per_token,
-            "kv_blocks": kv_blocks,
-            "shared_blocks": shared_blocks,
-            "prefill_tokens_saved": self.scheduler.prefill_tokens_saved - saved_before,
-            "latency_s": time.perf_counter() - t0,
-            "wait_s": wait,
-        }
-        return finished
+        tokens, logprobs = self._launch(seqs, rows, sampled, pending_ids)
+        readable, ready = (tokens, logprobs), None
+        if self.config.async_scheduling and self.device.type == "cuda" and sampled:
+            *readable, ready = copy_to_host(tokens, logprobs)
+        stats.update(new_tokens=new_tokens, prefill_tokens=prefill_tokens, context=context)
+        return LaunchedStep(seqs, sampled, tokens, *readable, ready, stats, launched_at=started_at)
 
-    def _launch(self, seqs: list[Sequence], rows: list[int], sampled: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _launch(self, seqs: list[Sequence], rows: list[int], sampled: list[Sequence],
+                pending_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's device work, the forward and the sampling of `rows`, queued without the host waiting
         for any of it (tests/gpu/test_engine_no_host_wait_gpu.py checks this under CUDA's sync debug
         mode), so the step's one wait is the read of its tokens and `wait_s` measures it."""
-        logits = self.runner.forward(seqs)
+        logits = self.runner.forward(seqs, pending_ids)
         if not sampled:
             return torch.empty(0), torch.empty(0)
         if len(rows) < len(seqs):
             logits = logits[to_device(rows, torch.long, logits.device)]
         return self.runner.sample(sampled, logits)
+
+    def _complete(self, launched: LaunchedStep) -> list[Sequence]:
+        """Read a launched step's tokens into its sequences, finish the ones that stop; `last_step`."""
+        tokens, logprobs, wait = launched.read()
+        finished, pending, running = [], launched.pending, Status.RUNNING
+        for seq, tok, lp in zip(launched.sampled, tokens, logprobs):
+            if seq.status is not running:
+                continue  # stopped at the step before (run ahead): this row was computed and is dropped
+            if pending:
+                seq.resolve_pending(tok, lp)
+            else:
+                seq.append(tok, lp, self.version)
+            stop_ids = self.eos_ids if seq.params.stop_token_ids is None else frozenset(seq.params.stop_token_ids)
+            reason = self.scheduler.stop_reason(seq, stop_ids)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                finished.append(seq)
+        if self._inflight is None:  # nothing queued behind it: the step's whole device work is done
+            t_wait = time.perf_counter()
+            self.runner.synchronize()
+            wait += time.perf_counter() - t_wait
+        stats, now = launched.stats, time.perf_counter()
+        seqs = launched.seqs
+        # every running sequence was scheduled (`schedule` preempts those it cannot step), so the
+        # resident tokens are the batch's, the finished ones' included; each sampling row grew by its token
+        self.last_step = {
+            "batch_size": len(seqs),
+            "new_tokens": stats["new_tokens"],
+            "prefill_tokens": stats["prefill_tokens"],
+            "context_mean": (stats["context"] + len(launched.sampled)) / len(seqs),
+            "kv_bytes": (stats["context"] + len(launched.sampled)) * self.bytes_per_token,
+            "kv_blocks": stats["kv_blocks"],
+            "shared_blocks": stats["shared_blocks"],
+            "prefill_tokens_saved": self.scheduler.prefill_tokens_saved - stats["saved"],
+            "latency_s": now - max(launched.launched_at, self._last_read),
+            "wait_s": wait,
+        }
+        self._last_read = now
+        return finished
 
     def generate(
         self,
@@ -288,6 +353,7 @@ class Engine:
     def score_tokens(self, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
         """Teacher forcing: for each prompt, float32 logits[T, V] of its forced tokens, row t given
         `prompt + forced[:t]` (`kv4rl.engine.teacher_forcing`)."""
+        self.drain()  # it steps the scheduler and the runner itself
         return score_forced(self, prompts, forced)
 
     def _encode(self, prompt: list[int] | str) -> list[int]:
@@ -309,6 +375,7 @@ class Engine:
         """
         if self.asleep:
             raise RuntimeError("the engine is already asleep")
+        self.drain()
         self.scheduler.preempt_all()
         self.scheduler.forget_prefixes()  # parents lose their KV
         self.runner.sleep()
@@ -339,6 +406,7 @@ class Engine:
         `Learner.full_weights()`) in place; tokens sampled afterwards carry `version`. FP8 linears
         re-quantize from the incoming tensors as they are copied. Returns once the copies are done on
         the device, so the loop's `time_sync` holds the whole refresh."""
+        self.drain()  # a step in flight samples under the old weights, with the old version
         self.runner.load_weights(weights)
         self.runner.synchronize()
         self.version = version
@@ -351,6 +419,7 @@ class Engine:
 
     def load_weights_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Restore weights saved by `weights_state`; tokens sampled afterwards carry `version`."""
+        self.drain()
         self.model.load_state_dict(merged_state_dict(self.model, state))
         self.version = version
         self.scheduler.forget_prefixes()

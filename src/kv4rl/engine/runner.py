@@ -168,7 +168,7 @@ class ModelRunner:
             s.fork = None
 
     @torch.inference_mode()
-    def forward(self, seqs: list[Sequence]) -> torch.Tensor:
+    def forward(self, seqs: list[Sequence], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Compute KV for each sequence's step tokens (its uncached tokens, or the scheduler's chunk of
         them); return logits[B, V] of each row's last computed token.
 
@@ -179,6 +179,9 @@ class ModelRunner:
         whose per-layer launches cost a KV4 step 52 ms against 12 ms for the graph at 256 rows
         (bench/RESULTS.md). Without graphs the model runs once over all tokens.
         The logits may be a view of a CUDA graph's output buffer: valid until the next forward.
+        `pending_ids` (`engine.async_scheduling`): a device tensor of every row's input id, the tokens the
+        previous step sampled and the host has not read (the rows hold `PENDING_TOKEN` in their place);
+        then every row is a decode row.
         """
         self.apply_forks(seqs)
         decode, rest, computed = [], [], []  # one pass over the batch (per-step host work)
@@ -187,13 +190,14 @@ class ModelRunner:
             _, new, step = s.step_counts()
             computed.append(step)
             (decode if new == 1 and self.fast is not None else rest).append(s)
+        assert pending_ids is None or (not rest or self.fast is None) and len(pending_ids) == len(seqs)
         host = self.fast.host_inputs(decode) if decode else None
         graph = bool(decode) and self.graphs is not None and self.graphs.bucket(len(decode)) is not None
         split = bool(decode) and (graph if self.split_mixed_steps is None else self.split_mixed_steps)
         if rest and not split:
-            logits = self._forward_eager(host, rest)
+            logits = self._forward_eager(host, rest, pending_ids)
         else:
-            logits = self.graphs.run(host) if graph else self._forward_eager(host, [])
+            logits = self.graphs.run(host, pending_ids) if graph else self._forward_eager(host, [], pending_ids)
             if rest:  # the prefill rows after the decode rows; the cat copies the graph's reused buffer
                 logits = torch.cat((logits, self._forward_eager(None, rest)))
                 self.num_split_steps += 1
@@ -205,8 +209,9 @@ class ModelRunner:
         where = {id(s): i for i, s in enumerate(order)}
         return logits[to_device([where[id(s)] for s in seqs], torch.long, logits.device)]
 
-    def _forward_eager(self, host, rest: list[Sequence]) -> torch.Tensor:
-        """Decode rows (`host`, fast path) first, then the `rest` (prefill kernel or reference path)."""
+    def _forward_eager(self, host, rest: list[Sequence], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode rows (`host`, fast path) first, then the `rest` (prefill kernel or reference path);
+        `pending_ids`: the first rows' input ids, on the device (see `forward`)."""
         num_decode = 0 if host is None else len(host["slots"])
         inputs = self.fast.device_inputs(host) if num_decode else None
         meta = prefill = None
@@ -226,6 +231,8 @@ class ModelRunner:
                                           device=self.device, seq_slots=seq_slots)
             ids += [t for s, n in zip(rest, query_lens) for t in s.token_slice(s.num_cached_tokens, s.num_cached_tokens + n)]
         ids_t = to_device(ids, torch.long, self.device)  # no wait: in a split step the decode graph is running
+        if pending_ids is not None:
+            ids_t[: len(pending_ids)] = pending_ids
         pos_t = to_device(positions, torch.long, self.device)
         if meta is not None:
             pos_t = torch.cat((pos_t, meta.positions))

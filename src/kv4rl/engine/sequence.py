@@ -40,6 +40,7 @@ class Status(enum.Enum):
 
 
 _ids = itertools.count()
+PENDING_TOKEN = -1  # the place of a sampled token the host has not read yet (never a vocabulary id)
 
 
 @dataclass(slots=True)
@@ -129,6 +130,17 @@ class Sequence:
         self.output_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.output_versions.append(version)
+
+    def append_pending(self, version: int) -> None:
+        """Hold the place of a token sampled on the device and not read yet (`engine.async_scheduling`:
+        the next step is scheduled and launched first, its input id taken on the device), so lengths,
+        positions and the sampler's counter already count it. `resolve_pending` fills it in."""
+        self.append(PENDING_TOKEN, float("nan"), version)
+
+    def resolve_pending(self, token_id: int, logprob: float) -> None:
+        assert self.output_ids and self.output_ids[-1] == PENDING_TOKEN, "no pending token to resolve"
+        self.output_ids[-1] = token_id
+        self.output_logprobs[-1] = logprob
 
 
 @dataclass(slots=True)

@@ -1,0 +1,102 @@
+"""`engine.async_scheduling`: the engine launches the next step before reading this one's tokens, and
+samples what the synchronous engine samples (the reference: the same engine with the option off, whose
+tokens equal transformers' in tests/test_engine.py). Cases: EOS stops found a step late, per-request
+token limits, admissions into freed slots, a pool small enough to preempt, prefix-shared groups,
+chunked prefill; and the calls that must first read the step in flight (weights, abort, unfinished)."""
+
+import random
+
+import pytest
+import torch
+
+from kv4rl.engine.config import EngineConfig, KVConfig
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.sequence import PENDING_TOKEN, SamplingParams
+
+CASES = {
+    "decode": {},
+    "small pool (preemption)": {"kv": KVConfig(format="fp32", block_size=2), "num_kv_blocks": 40},
+    "chunked prefill": {"max_num_batched_tokens": 8},
+    "no prefix sharing": {"prefix_sharing": False},
+}
+
+
+def _requests(seed=0, n=12, groups=3):
+    """Prompt groups (prefix sharing forks them) with per-request token limits."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(2, 18))] for _ in range(groups)]
+    return [(prompts[i % groups], rng.randint(3, 20)) for i in range(n)]
+
+
+def _run(path, async_scheduling, stop_ids, max_num_seqs=5, **cfg):
+    cfg = {"kv": KVConfig(format="fp32"), "max_model_len": 48} | cfg
+    engine = Engine(path, EngineConfig(async_scheduling=async_scheduling, **cfg), max_num_seqs=max_num_seqs,
+                    device="cpu", dtype="float32")
+    seqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=n, stop_token_ids=stop_ids),
+                               sample_seed=100 + i) for i, (p, n) in enumerate(_requests())]
+    returned = []
+    while engine.has_unfinished():
+        returned += engine.step()
+    return engine, seqs, returned
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_async_engine_samples_what_the_synchronous_one_samples(tiny_qwen3, case):
+    path, _ = tiny_qwen3
+    # stop on a few frequent ids, so some requests stop early (found one step late when running ahead)
+    stop_ids = (3, 17, 42, 58, 77)
+    sync, ref, ref_returned = _run(path, False, stop_ids, **CASES[case])
+    eng, got, returned = _run(path, True, stop_ids, **CASES[case])
+    assert eng.num_steps_ahead > 0 and sync.num_steps_ahead == 0
+    assert sorted(s.seq_id for s in returned) == sorted(s.seq_id for s in got)  # each returned once
+    assert sorted(s.seq_id for s in ref_returned) == sorted(s.seq_id for s in ref)
+    assert any(s.finish_reason == "stop" for s in ref) and any(s.finish_reason == "length" for s in ref)
+    for a, b in zip(ref, got):
+        assert b.output_ids == a.output_ids and b.finish_reason == a.finish_reason
+        assert PENDING_TOKEN not in b.output_ids
+        assert torch.allclose(torch.tensor(b.output_logprobs), torch.tensor(a.output_logprobs), atol=1e-5)
+        assert b.output_versions == a.output_versions
+
+
+def test_a_step_in_flight_is_read_before_weights_load_and_its_tokens_keep_the_old_version(tiny_qwen3):
+    path, hf = tiny_qwen3
+    engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48, async_scheduling=True),
+                    max_num_seqs=4, device="cpu", dtype="float32")
+    seqs = [engine.add_request([5, 6, 7, i], SamplingParams(max_tokens=12, ignore_eos=True), sample_seed=i)
+            for i in range(4)]
+    for _ in range(4):  # the prefill, then decodes that run ahead
+        engine.step()
+    assert engine.num_steps_ahead > 0 and engine._inflight is not None
+    before = [len(s.output_ids) for s in seqs]
+    engine.load_weights(hf.state_dict(), version=1)  # reads the step in flight first
+    assert engine._inflight is None
+    held = [len(s.output_ids) for s in seqs]
+    assert held == [n + 1 for n in before]  # the step in flight added its token, sampled under version 0
+    while engine.has_unfinished():
+        engine.step()
+    for s, n in zip(seqs, held):
+        assert s.output_versions == [0] * n + [1] * (12 - n)
+
+
+def test_abort_and_unfinished_see_no_pending_token(tiny_qwen3):
+    path, _ = tiny_qwen3
+    engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48, async_scheduling=True),
+                    max_num_seqs=4, device="cpu", dtype="float32")
+    seqs = [engine.add_request([9, 8, i], SamplingParams(max_tokens=10, ignore_eos=True), sample_seed=i)
+            for i in range(3)]
+    for _ in range(3):
+        engine.step()
+    assert engine._inflight is not None
+    assert all(PENDING_TOKEN not in s.output_ids for s in engine.unfinished())
+    engine.abort(seqs[0])
+    returned = []
+    while engine.has_unfinished():
+        returned += engine.step()
+    assert seqs[0] not in returned and seqs[0].finish_reason == "abort"
+    assert sorted(s.seq_id for s in returned) == sorted(s.seq_id for s in seqs[1:])
+    assert all(len(s.output_ids) == 10 and PENDING_TOKEN not in s.output_ids for s in seqs[1:])
+
+
+def test_async_scheduling_with_tensor_parallel_is_refused():
+    with pytest.raises(ValueError, match="engine.async_scheduling.*tensor_parallel=2"):
+        EngineConfig(async_scheduling=True, tensor_parallel=2).validate()
