@@ -11,24 +11,16 @@ import torch
 from kv4rl.engine.config import EngineConfig, KVConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.sequence import SamplingParams
-from tests.conftest import make_checkpoint
+from tests.gpu.test_engine_fast_path_gpu import ckpt  # noqa: F401 (fixture: head_dim 128, GQA)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gqa128")
-    make_checkpoint(path, vocab=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
-                    num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
-    return path
-
-
-def _engine(ckpt, fmt, async_scheduling):
+def _engine(path, fmt, async_scheduling):
     kv = {"n_sink": 4, "n_recent": 32} if fmt == "kv4" else {}
     cfg = EngineConfig(kv=KVConfig(format=fmt, block_size=16, **kv), num_kv_blocks=512, max_model_len=1024,
                        async_scheduling=async_scheduling)
-    return Engine(ckpt, cfg, device="cuda", dtype="bfloat16", max_num_seqs=16)
+    return Engine(path, cfg, device="cuda", dtype="bfloat16", max_num_seqs=16)
 
 
 def _run(engine, stop_ids=None, n=24):
@@ -45,13 +37,13 @@ def _run(engine, stop_ids=None, n=24):
     return seqs, returned
 
 
-def _generate(ckpt, fmt, async_scheduling, stop_ids=None):
-    engine = _engine(ckpt, fmt, async_scheduling)
+def _generate(path, fmt, async_scheduling, stop_ids=None):
+    engine = _engine(path, fmt, async_scheduling)
     return (engine, *_run(engine, stop_ids))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "kv4"])
-def test_async_engine_on_graphs_samples_the_synchronous_tokens(ckpt, fmt):
+def test_async_engine_on_graphs_samples_the_synchronous_tokens(ckpt, fmt):  # noqa: F811
     _, ref, _ = _generate(ckpt, fmt, False)
     engine, got, returned = _generate(ckpt, fmt, True)
     assert engine.num_steps_ahead > 0 and engine.runner.graphs.num_replays > 0
@@ -61,7 +53,7 @@ def test_async_engine_on_graphs_samples_the_synchronous_tokens(ckpt, fmt):
         assert torch.allclose(torch.tensor(b.output_logprobs), torch.tensor(a.output_logprobs), atol=1e-5)
 
 
-def test_async_engine_with_stops_found_a_step_late(ckpt):
+def test_async_engine_with_stops_found_a_step_late(ckpt):  # noqa: F811
     stops = tuple(range(0, 500, 37))  # ~3% of the vocabulary: most requests stop early
     _, ref, _ = _generate(ckpt, "bf16", False, stop_ids=stops)
     engine, got, returned = _generate(ckpt, "bf16", True, stop_ids=stops)
@@ -71,7 +63,7 @@ def test_async_engine_with_stops_found_a_step_late(ckpt):
         assert b.output_ids == a.output_ids and b.finish_reason == a.finish_reason
 
 
-def test_a_step_launched_ahead_does_not_wait_for_the_device(ckpt, monkeypatch):
+def test_a_step_launched_ahead_does_not_wait_for_the_device(ckpt, monkeypatch):  # noqa: F811
     """CUDA's sync debug mode raises on any synchronizing call inside `Engine._launch`, here for steps
     whose input ids come from the previous step's samples on the device (as
     tests/gpu/test_engine_no_host_wait_gpu.py checks the synchronous steps)."""
