@@ -36,3 +36,26 @@ def test_bench_generate_without_transformers(tmp_path):
     assert res.exit_code == 0, res.output
     (x,) = json.loads(out.read_text())["results"]
     assert x["engine_tokens"] == 20 and x["speedup"] is None and "hf_tokens" not in x
+
+
+def test_bench_generate_times_async_scheduling_beside_sync_in_one_run(tmp_path):
+    out = tmp_path / "gen.json"
+    res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--batch-sizes", "3", "--prompt-len", "4",
+                              "--new-tokens", "6", "--no-hf", "--scheduling", "sync,async", "--device", "cpu",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "async vs sync" in res.output and "bf16 async" in res.output
+    r = json.loads(out.read_text())
+    sync, ahead = r["results"]
+    assert (sync["scheduling"], ahead["scheduling"]) == ("sync", "async")
+    assert sync["engine_tokens"] == ahead["engine_tokens"] == 18 and ahead["engine_steps"] == sync["engine_steps"] == 6
+    assert sync["speedup_vs_sync"] is None
+    assert abs(ahead["speedup_vs_sync"] - ahead["engine_tokens_per_s"] / sync["engine_tokens_per_s"]) < 1e-9
+    assert "async scheduling" in r["engine_summaries"]["bf16 async"]
+    assert "async scheduling" not in r["engine_summaries"]["bf16 sync"]
+
+
+def test_bench_generate_refuses_async_scheduling_set_twice_and_unknown_schedulings():
+    for extra in (["engine.async_scheduling=true"], ["--scheduling", "eager"]):
+        res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--no-hf", "--device", "cpu", *extra])
+        assert res.exit_code == 2 and ("--scheduling" in res.output), res.output

@@ -210,6 +210,9 @@ def generate(
     kv_format: Annotated[str, Option("--kv-format", help="comma-separated engine KV formats")] = "bf16",
     weight_format: Annotated[str, Option("--weight-format", help="engine weights: auto or fp8")] = "auto",
     hf: Annotated[bool, Option("--hf/--no-hf", help="also time transformers' generate")] = True,
+    scheduling: Annotated[str, Option(
+        "--scheduling", help="comma-separated engine schedulings: sync, async (engine.async_scheduling); "
+                             "async rows get their ratio to sync")] = "sync",
     device: Annotated[str, Option("--device")] = "auto",
     seed: Annotated[int, Option("--seed")] = 0,
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
@@ -223,6 +226,9 @@ def generate(
             raise ValueError(f"--weight-format: '{weight_format}' is not one of auto, fp8")
         sizes = option_list(batch_sizes, "--batch-sizes", int, minimum=1)
         formats = option_list(kv_format, "--kv-format")
+        schedulings = option_list(scheduling, "--scheduling", known=("sync", "async"))
+        if any(o.split("=", 1)[0].strip() == "engine.async_scheduling" for o in engine_overrides or []):
+            raise ValueError("engine.async_scheduling is set by --scheduling here")
         check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens))
         head_dim = shape_args(shape, qwen3_args).head_dim
         check_device(device)
@@ -235,12 +241,14 @@ def generate(
     check_output_path(json_out)
     try:
         # bench_generate says one line as transformers starts, one per built engine, one per timed batch
-        messages = int(hf) + len(formats) * (1 + len(sizes))
+        messages = int(hf) + len(formats) * len(schedulings) * (1 + len(sizes))
         with StageProgress(console, "generate") as stages:
-            stages(f"{shape}: {len(formats)} KV formats x {len(sizes)} batch sizes", 0, messages)
+            stages(f"{shape}: {len(formats)} KV formats x {len(schedulings)} schedulings x {len(sizes)} batch sizes",
+                   0, messages)
             res = bench_generate(shape, batch_sizes=sizes, prompt_len=prompt_len, new_tokens=new_tokens,
                                  kv_formats=formats, weight_format=weight_format, hf=hf, device=device,
-                                 engine_config=engine_cfg, seed=seed, progress=stages.advance)
+                                 engine_config=engine_cfg, seed=seed, schedulings=schedulings,
+                                 progress=stages.advance)
     except ValueError as exc:
         fail(str(exc))
     print_table(console, generate_table(res))

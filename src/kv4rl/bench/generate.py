@@ -119,12 +119,17 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
 def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128, new_tokens: int = 256,
                    kv_formats: list[str] = ("bf16",), weight_format: str = "auto", hf: bool = True,
                    device: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
-                   progress=None) -> dict:
-    """Tokens/s of the engine (each KV format) and of transformers on the same model and prompts.
+                   schedulings: list[str] = ("sync",), progress=None) -> dict:
+    """Tokens/s of the engine (each KV format, each of `schedulings`: `sync`, or `async` for
+    `engine.async_scheduling`) and of transformers on the same model and prompts; an async row also
+    has its ratio to the sync row of its format and batch when both ran (`speedup_vs_sync`).
 
     `engine_config` supplies other engine settings; unless it sets `max_model_len`, that is
     `prompt_len + new_tokens`. The model is bf16 on CUDA and float32 on CPU.
     """
+    unknown = sorted(set(schedulings) - {"sync", "async"})
+    if not schedulings or unknown:
+        raise ValueError(f"--scheduling: {', '.join(unknown) or 'nothing'} given; choose from sync, async")
     if not batch_sizes or min(batch_sizes) < 1 or prompt_len < 1 or new_tokens < 1:
         raise ValueError("--batch-sizes, --prompt-len and --new-tokens must be >= 1")
     note = progress or (lambda message: None)
@@ -146,20 +151,26 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
         decoder = random_decoder(shape, dev, dtype=dtype, seed=seed)
     results, summaries = [], {}
     for fmt in kv_formats:
-        cfg = copy.deepcopy(engine_config) if engine_config is not None else EngineConfig()
-        cfg.kv.format = fmt
-        cfg.weight_format = weight_format
-        cfg.max_model_len = cfg.max_model_len or prompt_len + new_tokens
-        engine = Engine.from_model(decoder, cfg, max_num_seqs=max(batch_sizes), seed=seed)
-        summaries[fmt] = engine.summary
-        note(engine.summary)
-        for batch, row in run_engine(engine, prompts, new_tokens, seed).items():
-            row = {"kv_format": fmt, "batch_size": batch, **row, **hf_rows.get(batch, {})}
-            row["speedup"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"] if hf else None
-            results.append(row)
-            note(f"{fmt} batch {batch}: {row['engine_tokens_per_s']:.0f} tokens/s")
-        del engine
-        _free(dev)
+        for scheduling in schedulings:
+            cfg = copy.deepcopy(engine_config) if engine_config is not None else EngineConfig()
+            cfg.kv.format = fmt
+            cfg.weight_format = weight_format
+            cfg.max_model_len = cfg.max_model_len or prompt_len + new_tokens
+            cfg.async_scheduling = scheduling == "async"
+            engine = Engine.from_model(decoder, cfg, max_num_seqs=max(batch_sizes), seed=seed)
+            label = fmt if len(schedulings) == 1 else f"{fmt} {scheduling}"
+            summaries[label] = engine.summary
+            note(engine.summary)
+            for batch, row in run_engine(engine, prompts, new_tokens, seed).items():
+                row = {"kv_format": fmt, "scheduling": scheduling, "batch_size": batch, **row,
+                       **hf_rows.get(batch, {})}
+                row["speedup"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"] if hf else None
+                sync = [r for r in results if (r["kv_format"], r["scheduling"], r["batch_size"]) == (fmt, "sync", batch)]
+                row["speedup_vs_sync"] = row["engine_tokens_per_s"] / sync[0]["engine_tokens_per_s"] if sync else None
+                results.append(row)
+                note(f"{label} batch {batch}: {row['engine_tokens_per_s']:.0f} tokens/s")
+            del engine
+            _free(dev)
     return {
         "shape": shape,
         "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_heads,

@@ -53,13 +53,18 @@ def generate_table(res: dict) -> ResultTable:
         f"{res['gpu'] or res['device']}, prompt {res['prompt_len']} + {res['new_tokens']} new tokens, "
         f"weights {res['weight_format']}",
         ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "prefill s", "decode step ms",
-         "of it host ms", "engine peak GiB", "HF peak GiB"], labels=2)
+         "of it host ms", "engine peak GiB", "HF peak GiB"]
+        + (["async vs sync"] if any(r.get("scheduling") == "async" for r in res["results"]) else []), labels=2)
+    async_rows = len(table.headers) > 11
     for r in res["results"]:
-        table.add_row(r["kv_format"], str(r["batch_size"]), f"{r['engine_tokens_per_s']:,.0f}",
-                      f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
-                      f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
-                      num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r.get("decode_host_ms")),
-                      num(r["engine_peak_gib"]), num(r.get("hf_peak_gib")))
+        cells = [r["kv_format"] + (f" {r['scheduling']}" if async_rows else ""), str(r["batch_size"]),
+                 f"{r['engine_tokens_per_s']:,.0f}", f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
+                 f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
+                 num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r.get("decode_host_ms")),
+                 num(r["engine_peak_gib"]), num(r.get("hf_peak_gib"))]
+        if async_rows:
+            cells.append(f"{r['speedup_vs_sync']:.2f}x" if r.get("speedup_vs_sync") is not None else "-")
+        table.add_row(*cells)
     return table
 
 
