@@ -27,22 +27,15 @@ from kv4rl.engine.merged_linears import merged_state_dict, unmerged_state_dict
 from kv4rl.engine.placement import place_model
 from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
+from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.scheduler import Scheduler
-from kv4rl.engine.run_ahead import LaunchedStep, can_run_ahead, copy_to_host
+from kv4rl.engine.run_ahead import LaunchedStep, can_run_ahead, copy_to_host, tally
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence, Status
 from kv4rl.engine.teacher_forcing import score_forced
 from kv4rl.models.decoder import Decoder
 from kv4rl.models.tensor_parallel import tensor_parallel_group
 
 log = logging.getLogger(__name__)
-
-
-def request_seed(seed: int, index: int) -> int:
-    """A well-mixed 62-bit sampling seed for request `index` of a call seeded with `seed`."""
-    from kv4rl.engine.sampler import splitmix64
-
-    mixed = splitmix64(torch.tensor([seed * 1_000_003 + index], dtype=torch.long))
-    return int(mixed) & (2**62 - 1)
 
 
 class Engine:
@@ -192,13 +185,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Advance every scheduled sequence by one token (or one prompt chunk); return the ones that finished.
 
-        `last_step` afterwards describes the step for rollout traces: batch size, prefill or decode,
-        new (prefill + decode) tokens and of them those of multi-token rows (`prefill_tokens`: prompts,
-        chunks, recomputes), mean context length, nominal resident KV bytes, KV blocks in
-        use and how many of them are shared, prompt tokens whose prefill sharing saved, latency, and
-        `wait_s`, the part of it the host spent waiting for the device's results (the rest, latency minus
-        wait, is host work: scheduling, inputs, launches, bookkeeping; on the CPU the wait is ~0). Only
-        the token read waits (`_launch`), so the wait is all there.
+        `last_step` afterwards describes the step for rollout traces (`LaunchedStep.record`).
 
         With `engine.async_scheduling` the next step is launched before this one's tokens are read when
         the batch can continue unchanged (`kv4rl.engine.run_ahead`), so a call returns with a step in
@@ -229,9 +216,8 @@ class Engine:
         return finished + self._complete(launched)
 
     def drain(self) -> None:
-        """Read the step in flight (`engine.async_scheduling`), so every sequence holds every token the
-        device sampled; the ones that stop are returned by the next `step`. Called before anything that
-        changes what a launched step relies on (weights, the pool, the queue's running sequences)."""
+        """Read the step in flight (`engine.async_scheduling`; stopped ones are returned by the next `step`),
+        before anything that changes what it relies on: weights, the pool, the running sequences."""
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
             self._backlog += self._complete(launched)
@@ -242,24 +228,12 @@ class Engine:
         scheduler's count of prompt tokens saved by forks was `saved_before`); the host does not wait."""
         if not seqs:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
-        blocks = self.scheduler.blocks
-        stats = {"kv_blocks": blocks.num_blocks - blocks.num_free_blocks, "shared_blocks": blocks.num_shared_blocks,
-                 "saved": saved_before}
-        new_tokens = prefill_tokens = context = 0
-        rows = []  # the rows that sample: not a prompt chunk short of its end
-        for i, s in enumerate(seqs):  # one pass: per-step host work at every batch size
-            length, new, step = s.step_counts()
-            new_tokens += step
-            prefill_tokens += step if new > 1 else 0
-            context += length
-            if step == new:
-                rows.append(i)
+        rows, stats = tally(seqs, self.scheduler.blocks, saved_before)
         sampled = [seqs[i] for i in rows]
         tokens, logprobs = self._launch(seqs, rows, sampled, pending_ids)
         readable, ready = (tokens, logprobs), None
         if self.config.async_scheduling and self.device.type == "cuda" and sampled:
             *readable, ready = copy_to_host(tokens, logprobs)
-        stats.update(new_tokens=new_tokens, prefill_tokens=prefill_tokens, context=context)
         return LaunchedStep(seqs, sampled, tokens, *readable, ready, stats, launched_at=started_at)
 
     def _launch(self, seqs: list[Sequence], rows: list[int], sampled: list[Sequence],
@@ -294,22 +268,9 @@ class Engine:
             t_wait = time.perf_counter()
             self.runner.synchronize()
             wait += time.perf_counter() - t_wait
-        stats, now = launched.stats, time.perf_counter()
-        seqs = launched.seqs
-        # every running sequence was scheduled (`schedule` preempts those it cannot step), so the
-        # resident tokens are the batch's, the finished ones' included; each sampling row grew by its token
-        self.last_step = {
-            "batch_size": len(seqs),
-            "new_tokens": stats["new_tokens"],
-            "prefill_tokens": stats["prefill_tokens"],
-            "context_mean": (stats["context"] + len(launched.sampled)) / len(seqs),
-            "kv_bytes": (stats["context"] + len(launched.sampled)) * self.bytes_per_token,
-            "kv_blocks": stats["kv_blocks"],
-            "shared_blocks": stats["shared_blocks"],
-            "prefill_tokens_saved": self.scheduler.prefill_tokens_saved - stats["saved"],
-            "latency_s": now - max(launched.launched_at, self._last_read),
-            "wait_s": wait,
-        }
+        now = time.perf_counter()
+        self.last_step = launched.record(self.bytes_per_token, self.scheduler.prefill_tokens_saved,
+                                         latency=now - max(launched.launched_at, self._last_read), wait=wait)
         self._last_read = now
         return finished
 

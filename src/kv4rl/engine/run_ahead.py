@@ -1,4 +1,5 @@
-"""Asynchronous scheduling (`engine.async_scheduling`): schedule and launch step n+1 before reading step n.
+"""A launched engine step (its tally, its token read, its record), and asynchronous scheduling
+(`engine.async_scheduling`): schedule and launch step n+1 before reading step n.
 
 Why: a synchronous step schedules, builds its inputs and launches only after the host has read the
 previous step's tokens, so the device idles while the host works. On an H200 at the Qwen3-1.7B shape
@@ -23,10 +24,11 @@ Tokens are those of the synchronous engine: sampling noise depends on (request s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from kv4rl.engine.block_manager import BlockManager
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.sequence import Sequence, Status
 
@@ -41,9 +43,32 @@ class LaunchedStep:
     tokens: torch.Tensor  # what the host reads: the same tensors, or pinned copies final once `ready`
     logprobs: torch.Tensor
     ready: torch.cuda.Event | None  # recorded behind the copies to pinned memory (CUDA, run-ahead)
-    stats: dict = field(default_factory=dict)  # the step's tally for `Engine.last_step`
-    launched_at: float = field(default_factory=time.perf_counter)
+    stats: dict  # the step's tally (`tally`) for `Engine.last_step`
+    launched_at: float  # when its scheduling began
     pending: bool = False  # the sampled rows hold a pending token for this step's samples
+
+    def record(self, bytes_per_token: float, saved_now: int, latency: float, wait: float) -> dict:
+        """`Engine.last_step` for this step, once read: batch size, new (prefill + decode) tokens and of
+        them those of multi-token rows (`prefill_tokens`: prompts, chunks, recomputes), mean context
+        length, nominal resident KV bytes, KV blocks in use and how many are shared, prompt tokens that
+        prefix sharing saved, latency, and `wait_s`, the part of it the host spent waiting for the
+        device's results (the rest is host work: scheduling, inputs, launches, bookkeeping; ~0 wait on
+        the CPU). Only the token read waits (`Engine._launch` does not), so the wait is all there.
+        Every running sequence was scheduled (`schedule` preempts those it cannot step), so the resident
+        tokens are the batch's, the finished ones' included; each sampling row grew by its token."""
+        stats, context = self.stats, self.stats["context"] + len(self.sampled)
+        return {
+            "batch_size": len(self.seqs),
+            "new_tokens": stats["new_tokens"],
+            "prefill_tokens": stats["prefill_tokens"],
+            "context_mean": context / len(self.seqs),
+            "kv_bytes": context * bytes_per_token,
+            "kv_blocks": stats["kv_blocks"],
+            "shared_blocks": stats["shared_blocks"],
+            "prefill_tokens_saved": saved_now - stats["saved"],
+            "latency_s": latency,
+            "wait_s": wait,
+        }
 
     def read(self) -> tuple[list[int], list[float], float]:
         """The sampled tokens and log-probs as lists, and the seconds the host waited for them."""
@@ -52,6 +77,22 @@ class LaunchedStep:
             self.ready.synchronize()
         tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()  # blocks until sampled (sync path)
         return tokens, logprobs, time.perf_counter() - t
+
+
+def tally(seqs: list[Sequence], blocks: BlockManager, saved_before: int) -> tuple[list[int], dict]:
+    """A scheduled batch's rows that sample (not a prompt chunk short of its end) and its counts for
+    `LaunchedStep.record`, in one pass: per-step host work at every batch size."""
+    new_tokens = prefill_tokens = context = 0
+    rows = []
+    for i, s in enumerate(seqs):
+        length, new, step = s.step_counts()
+        new_tokens += step
+        prefill_tokens += step if new > 1 else 0
+        context += length
+        if step == new:
+            rows.append(i)
+    return rows, {"kv_blocks": blocks.num_blocks - blocks.num_free_blocks, "shared_blocks": blocks.num_shared_blocks,
+                  "saved": saved_before, "new_tokens": new_tokens, "prefill_tokens": prefill_tokens, "context": context}
 
 
 def copy_to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:

@@ -101,3 +101,9 @@ def sample(
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
     return tokens, logprobs
+
+
+def request_seed(seed: int, index: int) -> int:
+    """A well-mixed 62-bit sampling seed for request `index` of a call seeded with `seed`."""
+    mixed = splitmix64(torch.tensor([seed * 1_000_003 + index], dtype=torch.long))
+    return int(mixed) & (2**62 - 1)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.types import Problem
-from kv4rl.engine.llm import Engine, request_seed
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.sequence import SamplingParams
 from kv4rl.eval.metrics import summarize
 from kv4rl.telemetry.progress import StageReport

@@ -23,7 +23,8 @@ from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.source import ProblemSource
 from kv4rl.data.types import Problem
 from kv4rl.distributed import Ranks
-from kv4rl.engine.llm import Engine, request_seed
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
 from kv4rl.rollout.config import RolloutConfig
 

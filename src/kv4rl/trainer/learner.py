@@ -38,17 +38,17 @@ from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
-from kv4rl.engine.memory import measure_step_peak
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
+from kv4rl.trainer.rank_sums import every_rank, global_counts, most_on_any_rank
 from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
 from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.learner_options import check_learner_options, describe_options, fused_logprobs_by_default
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
-from kv4rl.trainer.update_memory import largest_micro_batch, optimizer_bytes_to_come
+from kv4rl.trainer.update_memory import largest_micro_batch, measure_update_memory
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
     SHARDED,
@@ -205,24 +205,13 @@ class Learner:
         return logp, (entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None)
 
     def update_memory_bytes(self, max_len: int) -> int:
-        """Device bytes this learner's update will allocate beyond what it holds now, for sequences of at
-        most `max_len` tokens: one forward and backward pass over its largest micro-batch (activations
-        and gradients, measured; gradients dropped after, no weight changes) plus the optimizer state to
-        come (`kv4rl.trainer.update_memory`). 0 off CUDA. A collective under FSDP on several ranks."""
+        """Device bytes its update will allocate beyond what it holds now, for sequences of at most `max_len`
+        tokens (measured: `kv4rl.trainer.update_memory`); 0 off CUDA; a collective under FSDP."""
         if self.device.type != "cuda":
             return 0
         mb = largest_micro_batch(max_len, self.max_tokens, self.micro_batch_size).to(self.device)
-
-        def forward_backward():
-            logp, ent = self._forward(self.model, mb, with_entropy=True)
-            (logp.float().sum() * 0.0).backward()
-            del logp, ent
-
-        self.optimizer.zero_grad(set_to_none=True)
-        peak = measure_step_peak(forward_backward, self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        return peak + optimizer_bytes_to_come(self.optimizer, self.device)
+        return measure_update_memory(lambda: self._forward(self.model, mb, with_entropy=True)[0], self.optimizer,
+                                     self.device)
 
     def micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """The micro-batches (row indices of `batch`) that `rows` is processed in.
@@ -278,10 +267,11 @@ class Learner:
         rows = torch.arange(len(batch), device=self.device).chunk(self.updates_per_batch)
         for update, mini_rows in enumerate(rows):
             mini = batch.select(mini_rows)
-            num_tokens, num_seqs = self._global_counts(mini.num_tokens, float((mini.response_mask.sum(1) > 0).sum()))
+            num_seqs = float((mini.response_mask.sum(1) > 0).sum())
+            num_tokens, num_seqs = global_counts(self.group, self.world_size, mini.num_tokens, num_seqs)
             self.optimizer.zero_grad(set_to_none=True)
             micro = self.micro_batches(batch, mini_rows)
-            for i in range(self._same_count_on_every_rank(len(micro))):
+            for i in range(most_on_any_rank(self.group, self.world_size, len(micro))):
                 dummy = i >= len(micro)  # this rank has fewer micro-batches: a zero-weight pass keeps FSDP in step
                 mb_rows = mini_rows[:1] if dummy else micro[i]
                 mb = batch.select(mb_rows)
@@ -302,36 +292,10 @@ class Learner:
             parts.append(({"grad_norm": _scalar(grad_norm)}, 1.0))  # the global norm, the same on every rank
             self.optimizer.step()
         self.num_steps += 1
-        out = combine_metrics(self._all_ranks(parts))
-        out["num_tokens"] = self._global_counts(float(mask.sum()), 0.0)[0]
+        out = combine_metrics(every_rank(self.group, self.world_size, parts))
+        out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
-
-    # ---- data parallelism: each rank holds its own rows of the learner batch -----------------------
-    def _global_counts(self, num_tokens: float, num_seqs: float) -> tuple[float, float]:
-        """Tokens and sequences over every rank's share: the loss's normalisers (the padded mini-batch's
-        own counts at world size 1)."""
-        if self.world_size == 1:
-            return num_tokens, num_seqs
-        counts = torch.tensor([num_tokens, num_seqs], dtype=torch.float64)
-        dist.all_reduce(counts, group=self.group)
-        return float(counts[0]), float(counts[1])
-
-    def _same_count_on_every_rank(self, count: int) -> int:
-        """The most micro-batches any rank has (FSDP2's collectives need every rank in every pass)."""
-        if self.world_size == 1:
-            return count
-        most = torch.tensor([count], dtype=torch.long)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
-        return int(most)
-
-    def _all_ranks(self, parts: list) -> list:
-        """Every rank's (metrics, weight) parts, so the logged metrics describe the whole batch."""
-        if self.world_size == 1:
-            return parts
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, parts, group=self.group)
-        return [part for rank_parts in gathered for part in rank_parts]
 
     def _token_stats(self, logp, ent, mb: TrainBatch, first: bool) -> dict[str, float]:
         """Entropy and engine-vs-learner mismatch (measured before any update of this batch)."""

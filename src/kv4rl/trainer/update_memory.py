@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kv4rl.engine.memory import measure_step_peak
 from kv4rl.trainer.batch import TrainBatch, build_batch
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 
@@ -53,3 +54,18 @@ def optimizer_bytes_to_come(optimizer: torch.optim.Optimizer, device: torch.devi
         per_moment = max(1, optimizer.bucket_bytes // (2 * itemsize))
         return 2 * 2 * min(per_moment, sum(t.numel() for t in shards)) * itemsize
     return 0 if optimizer.state else sum(2 * t.numel() * t.element_size() for t in shards)
+
+
+def measure_update_memory(forward, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """The bytes one forward and backward pass (`forward()` returns the differentiable per-token
+    log-probs of the largest micro-batch) allocates at its peak on CUDA `device`, gradients included and
+    dropped after, plus `optimizer_bytes_to_come`. No optimizer step: the weights do not change."""
+
+    def forward_backward():
+        (forward().float().sum() * 0.0).backward()
+
+    optimizer.zero_grad(set_to_none=True)
+    peak = measure_step_peak(forward_backward, device)
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return peak + optimizer_bytes_to_come(optimizer, device)
