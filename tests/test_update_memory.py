@@ -92,11 +92,11 @@ def test_train_builds_the_learner_first_and_reserves_its_update_for_an_awake_eng
     calls = []
 
     def update_memory_bytes(self, max_len):
-        calls.append((max_len, self.model is not None))
+        calls.append(max_len)
         return 0  # the CPU engine's pool is every slot at max_model_len whatever the reserve
 
     monkeypatch.setattr(Learner, "update_memory_bytes", update_memory_bytes)
     cfg = load_config(overrides=["device=cpu", f"out_dir={tmp_path}", "rollout.mode=sync",
                                  f"engine.sleep_between_rollouts={str(sleep).lower()}"])
     s = build(cfg, None, show_progress=False)
-    assert calls == ([] if sleep else [(s.engine.max_model_len, True)])
+    assert calls == ([] if sleep else [s.engine.max_model_len])  # asked with the engine's context
