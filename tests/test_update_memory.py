@@ -13,7 +13,7 @@ from kv4rl.engine.memory import KVFootprint, pool_blocks
 from kv4rl.trainer.learner import Learner
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 from kv4rl.trainer.packing import plan_micro_batches
-from kv4rl.trainer.update_memory import largest_micro_batch, optimizer_bytes_to_come
+from kv4rl.trainer.update_memory import largest_micro_batch, optimizer_bytes_to_come, same_device
 
 
 @pytest.mark.parametrize("budget,max_len,lengths", [
@@ -55,6 +55,16 @@ def test_adamw_state_to_come_is_two_moments_per_trainable_element_until_the_firs
     assert optimizer_bytes_to_come(opt, cpu) == 0  # allocated now: already in use when the pool is sized
     half = torch.optim.AdamW(nn.Linear(4, 4).to(torch.bfloat16).parameters())
     assert optimizer_bytes_to_come(half, cpu) == 2 * 2 * 20  # moments in the parameters' dtype
+
+
+def test_a_device_without_an_index_is_the_one_with_it():
+    """The learner passes `cuda`, its parameters live on `cuda:0`: AdamW's moments were not counted."""
+    d = torch.device
+    assert same_device(d("cuda"), d("cuda:0")) and same_device(d("cuda:1"), d("cuda"))
+    assert same_device(d("cuda:1"), d("cuda:1")) and not same_device(d("cuda:0"), d("cuda:1"))
+    assert not same_device(d("cpu"), d("cuda")) and not same_device(d("cuda:0"), d("meta"))
+    opt = torch.optim.AdamW(_tiny().parameters(), lr=0.1)  # CPU parameters: device `cpu`, no index
+    assert optimizer_bytes_to_come(opt, d("cpu", 0)) == 2 * 4 * (35 + 15)
 
 
 @pytest.mark.parametrize("bucket_bytes,slot_elements", [(1000, 50), (80, 10)])  # 50 trainable elements

@@ -147,7 +147,7 @@ fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on 
         --arms bf16+sync,kv4+partial+awake@192,kv4+partial+awake \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_4b.json --png $OUT/iteration_4b.png 2>&1 \
-        | grep -E "│|s per iteration|Error|reserved" | tail -12
+        | tee $OUT/fit_4b_full.txt | grep -E "│|s per iteration|Error|reserved" | tail -12
 }
 
 fit_8b() {  # issue 12: Qwen3-8B shape with AdamW's moments in pinned CPU memory (trainer.offload_optimizer)

@@ -11,6 +11,7 @@ import torch
 from kv4rl.bench.random_model import random_decoder
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
+from kv4rl.trainer.update_memory import BENCHMARK_ALLOWANCE
 from tests.gpu.test_learner_gpu import make, ragged_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -26,7 +27,11 @@ def test_the_reserve_covers_a_real_update_and_changes_nothing(tiny_qwen3, kw):
     batch = ragged_batch().to(CUDA)
     max_len = int(batch.attention_mask.sum(1).max())
     weights = [p.detach().clone() for p in learner.model.parameters()]
+    # the first measurement compiles the dummy batch's shapes and benchmarks their kernels (~60 MB on
+    # 2026-12-02, against a 5 MB update of this model), which the allowance covers once: the second does not
+    first = learner.update_memory_bytes(max_len)
     reserve = learner.update_memory_bytes(max_len)
+    assert reserve <= first + MIB
     assert all(p.grad is None for p in learner.model.parameters()) and not learner.optimizer.state
     assert all(torch.equal(p, w) for p, w in zip(learner.model.parameters(), weights, strict=True))
     gc.collect()
@@ -37,7 +42,7 @@ def test_the_reserve_covers_a_real_update_and_changes_nothing(tiny_qwen3, kw):
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated(CUDA) - before
     assert 0 < used <= reserve + MIB, (used, reserve)  # 1 MiB: the loss's and metrics' small tensors
-    assert reserve < 4 * used + 4 * MIB, (used, reserve)  # and not a wild over-estimate
+    assert reserve < 4 * used + BENCHMARK_ALLOWANCE + 4 * MIB, (used, reserve)  # and not a wild over-estimate
 
 
 def test_an_engine_holds_its_reserve_less_pool():

@@ -7,9 +7,10 @@ moments at the first optimizer step, and the activations of the largest micro-ba
 each. A pool sized from the memory free at start took that room: at the Qwen3-4B shape with 192 slots
 the update then ran out of device memory (bench/RESULTS.md, eighth session).
 
-`update_memory_bytes` measures the first and third terms (one forward and backward pass over the
-largest micro-batch the learner will run, dummy tokens, no optimizer step, gradients dropped after) and
-counts the second from the parameters: it is what the engine's `reserve_bytes` takes.
+`update_memory_bytes` measures the first and third terms (two forward and backward passes over the
+largest micro-batch the learner will run, the second beside the first's gradients as in a real update;
+dummy tokens, no optimizer step, gradients dropped after), counts the second from the parameters and
+allows for the kernel benchmarks of the first real shapes: it is what the engine's `reserve_bytes` takes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ import torch
 from kv4rl.engine.memory import measure_step_peak
 from kv4rl.trainer.batch import TrainBatch, build_batch
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
+
+
+# The real update's shapes differ from the dummy batch's: compiled regions (fused elementwise, compiled
+# layers, FlexAttention) compile again and benchmark their kernels, with a buffer that flushes the L2
+# cache (61-63 MiB above the measured update on an H200, 2026-12-02; Triton's autotuner takes 256 MB).
+BENCHMARK_ALLOWANCE = 256 * 2**20
 
 
 def largest_micro_batch(max_len: int, max_tokens_per_micro_batch: int | None, micro_batch_size: int) -> TrainBatch:
@@ -38,6 +45,13 @@ def largest_micro_batch(max_len: int, max_tokens_per_micro_batch: int | None, mi
                        [[0] * len(r) for r in responses], [0.0] * len(lengths), pad_id=0)
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether `a` and `b` name one device, an unset index matching any (`cuda` is the learner's
+    `cuda:0` when one GPU is visible). Plain `==` says no, and AdamW's moments at the Qwen3-4B shape
+    (29.8 GiB) went uncounted: the update ran out of memory (bench/RESULTS.md, ninth session)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def optimizer_bytes_to_come(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
     """Bytes on `device` the optimizer will allocate at its steps beyond what it holds now: AdamW's two
     moments (shaped like each local parameter shard on `device`) when it has no state yet, nothing once
@@ -46,7 +60,7 @@ def optimizer_bytes_to_come(optimizer: torch.optim.Optimizer, device: torch.devi
     bucket (at most all the elements), allocated for every step."""
     shards = [p.to_local() if hasattr(p, "to_local") else p
               for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    shards = [t for t in shards if t.device == device]
+    shards = [t for t in shards if same_device(t.device, device)]
     if not shards:
         return 0
     itemsize = shards[0].element_size()
@@ -57,15 +71,19 @@ def optimizer_bytes_to_come(optimizer: torch.optim.Optimizer, device: torch.devi
 
 
 def measure_update_memory(forward, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-    """The bytes one forward and backward pass (`forward()` returns the differentiable per-token
-    log-probs of the largest micro-batch) allocates at its peak on CUDA `device`, gradients included and
-    dropped after, plus `optimizer_bytes_to_come`. No optimizer step: the weights do not change."""
+    """The bytes two forward and backward passes (`forward()` returns the differentiable per-token
+    log-probs of the largest micro-batch) allocate at their peak on CUDA `device`, gradients included and
+    dropped after, plus `optimizer_bytes_to_come`. Two passes: every micro-batch after an update's first
+    runs its activations beside the gradients the earlier ones left (one pass under-counted by the
+    activations: the Qwen3-4B update ran out of memory, bench/RESULTS.md, ninth session). No optimizer
+    step: the weights do not change."""
 
-    def forward_backward():
-        (forward().float().sum() * 0.0).backward()
+    def two_micro_batches():
+        for _ in range(2):
+            (forward().float().sum() * 0.0).backward()
 
     optimizer.zero_grad(set_to_none=True)
-    peak = measure_step_peak(forward_backward, device)
+    peak = measure_step_peak(two_micro_batches, device)
     optimizer.zero_grad(set_to_none=True)
     torch.cuda.empty_cache()
-    return peak + optimizer_bytes_to_come(optimizer, device)
+    return peak + optimizer_bytes_to_come(optimizer, device) + BENCHMARK_ALLOWANCE

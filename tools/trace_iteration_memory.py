@@ -1,0 +1,69 @@
+"""Device memory at each phase of a `kv4rl` command (CUDA): allocated, peak (reset at each phase),
+reserved and free GiB when the learner measures its update memory, the engine sizes its pool, the
+learner steps or runs a no-grad pass, and the engine loads weights; an OOM names the phase it hit.
+Why: the Qwen3-4B awake arm ran out of memory without saying which term of its reserve was short
+(bench/RESULTS.md, ninth session, found AdamW's moments uncounted with it). Usage, the arguments of
+`kv4rl`:  python tools/trace_iteration_memory.py bench iteration --shape qwen3-4b --arms ...  | grep MEM
+"""
+import functools
+import sys
+import time
+
+import torch
+
+from kv4rl.cli import app
+from kv4rl.engine.llm import Engine
+from kv4rl.trainer.learner import Learner
+
+GIB = 2**30
+
+
+def report(tag: str) -> None:
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    print(f"MEM {time.strftime('%T')} {tag}: alloc {torch.cuda.memory_allocated() / GIB:.2f} "
+          f"peak {torch.cuda.max_memory_allocated() / GIB:.2f} reserved {torch.cuda.memory_reserved() / GIB:.2f} "
+          f"free {free / GIB:.2f} GiB", flush=True)
+
+
+def traced(cls, name: str) -> None:
+    """Report around `cls.name`, its peak counted from the call; an int it returns printed in GiB."""
+    method = getattr(cls, name)
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        torch.cuda.reset_peak_memory_stats()
+        report(f"{cls.__name__}.{name} in")
+        try:
+            out = method(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            report(f"{cls.__name__}.{name} OOM")
+            raise
+        report(f"{cls.__name__}.{name} out")
+        if isinstance(out, int):
+            print(f"MEM   returns {out / GIB:.2f} GiB", flush=True)
+        return out
+
+    setattr(cls, name, call)
+
+
+def traced_engine_init() -> None:
+    init = Engine.__init__
+
+    @functools.wraps(init)
+    def call(self, *args, **kwargs):
+        report(f"Engine.__init__ in reserve={kwargs.get('reserve_bytes', 0) / GIB:.2f}")
+        init(self, *args, **kwargs)
+        report(f"Engine.__init__ out pool={self.pool_bytes / GIB:.2f}")
+        print("MEM  ", self.pool_sizing, flush=True)
+
+    Engine.__init__ = call
+
+
+if __name__ == "__main__":
+    for method in ("update_memory_bytes", "step", "_logprobs"):
+        traced(Learner, method)
+    traced(Engine, "load_weights")
+    traced_engine_init()
+    sys.argv = ["kv4rl", *sys.argv[1:]]
+    app()
