@@ -55,7 +55,17 @@ def test_bench_generate_times_async_scheduling_beside_sync_in_one_run(tmp_path):
     assert "async scheduling" not in r["engine_summaries"]["bf16 sync"]
 
 
+def test_bench_generate_auto_scheduling_names_what_the_engine_chose(tmp_path):
+    """The default, `auto`, is the engine's `engine.async_scheduling=auto`: synchronous on a CPU."""
+    out = tmp_path / "gen.json"
+    res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--batch-sizes", "2", "--prompt-len", "3",
+                              "--new-tokens", "4", "--no-hf", "--device", "cpu", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (x,) = json.loads(out.read_text())["results"]
+    assert x["scheduling"] == "sync" and x["speedup_vs_sync"] is None
+
+
 def test_bench_generate_refuses_async_scheduling_set_twice_and_unknown_schedulings():
-    for extra in (["engine.async_scheduling=true"], ["--scheduling", "eager"]):
+    for extra in (["engine.async_scheduling=true"], ["--scheduling", "eager"], ["--scheduling", "auto,async"]):
         res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--no-hf", "--device", "cpu", *extra])
         assert res.exit_code == 2 and ("--scheduling" in res.output), res.output

@@ -41,6 +41,21 @@ def test_auto_settings_on_cuda_take_the_compiled_kernels():
     assert plan.attention_desc == "attention: CUDA INT4 + Triton decode kernels (CUDA graphs) + fast prefill"
     assert plan.kv_format_name.value == "kv4" and plan.kv_format.name == "kv4"
     assert plan.max_model_len.value == 4096 and "max_position_embeddings" in plan.max_model_len.reason
+    assert plan.async_scheduling.value is True and plan.async_scheduling.reason.startswith("engine.async_scheduling=auto")
+
+
+def test_async_scheduling_auto_is_on_only_for_one_cuda_engine_rank():
+    assert _plan(CPU, dtype=torch.float32).async_scheduling.value is False
+    assert _plan(INTERPRETER).async_scheduling.value is False
+    tp = _plan(CUDA, tensor_parallel=2).async_scheduling
+    assert tp.value is False and "tensor_parallel > 1" in tp.reason
+    assert _plan(CUDA, async_scheduling=False).async_scheduling.value is False
+    forced = _plan(CPU, dtype=torch.float32, async_scheduling=True).async_scheduling
+    assert forced.value is True and forced.reason == "engine.async_scheduling=true"
+    with pytest.raises(ValueError, match="async_scheduling.*tensor_parallel=2"):
+        EngineConfig(async_scheduling=True, tensor_parallel=2).validate()
+    with pytest.raises(ValueError, match="must be auto, true or false"):
+        EngineConfig(async_scheduling="yes").validate()
 
 
 def test_auto_settings_on_a_cpu_keep_the_reference_path():
@@ -171,7 +186,7 @@ def test_explain_lists_every_decision_with_its_reason():
     text = plan.explain()
     for name, choice in plan.choices().items():
         assert f"{name}={choice.value} ({choice.reason})" in text
-    assert len(plan.choices()) == 11
+    assert len(plan.choices()) == 12
 
 
 def test_prefill_backend_follows_the_decode_kernels_unless_set():

@@ -211,8 +211,8 @@ def generate(
     weight_format: Annotated[str, Option("--weight-format", help="engine weights: auto or fp8")] = "auto",
     hf: Annotated[bool, Option("--hf/--no-hf", help="also time transformers' generate")] = True,
     scheduling: Annotated[str, Option(
-        "--scheduling", help="comma-separated engine schedulings: sync, async (engine.async_scheduling); "
-                             "async rows get their ratio to sync")] = "sync",
+        "--scheduling", help="comma-separated engine schedulings: sync, async (engine.async_scheduling), or "
+                             "auto alone (the engine's default: async on CUDA); async rows get their ratio to sync")] = "auto",
     device: Annotated[str, Option("--device")] = "auto",
     seed: Annotated[int, Option("--seed")] = 0,
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
@@ -226,7 +226,7 @@ def generate(
             raise ValueError(f"--weight-format: '{weight_format}' is not one of auto, fp8")
         sizes = option_list(batch_sizes, "--batch-sizes", int, minimum=1)
         formats = option_list(kv_format, "--kv-format")
-        schedulings = option_list(scheduling, "--scheduling", known=("sync", "async"))
+        schedulings = option_list(scheduling, "--scheduling", known=("sync", "async", "auto"))
         if any(o.split("=", 1)[0].strip() == "engine.async_scheduling" for o in engine_overrides or []):
             raise ValueError("engine.async_scheduling is set by --scheduling here")
         check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens))

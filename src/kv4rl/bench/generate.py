@@ -119,17 +119,20 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
 def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128, new_tokens: int = 256,
                    kv_formats: list[str] = ("bf16",), weight_format: str = "auto", hf: bool = True,
                    device: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
-                   schedulings: list[str] = ("sync",), progress=None) -> dict:
-    """Tokens/s of the engine (each KV format, each of `schedulings`: `sync`, or `async` for
-    `engine.async_scheduling`) and of transformers on the same model and prompts; an async row also
-    has its ratio to the sync row of its format and batch when both ran (`speedup_vs_sync`).
+                   schedulings: list[str] = ("auto",), progress=None) -> dict:
+    """Tokens/s of the engine (each KV format, each of `schedulings`: `sync`, `async` for
+    `engine.async_scheduling`, or `auto` alone for the engine's own choice, named in the rows as what it
+    resolved to) and of transformers on the same model and prompts; an async row also has its ratio to
+    the sync row of its format and batch when both ran (`speedup_vs_sync`).
 
     `engine_config` supplies other engine settings; unless it sets `max_model_len`, that is
     `prompt_len + new_tokens`. The model is bf16 on CUDA and float32 on CPU.
     """
-    unknown = sorted(set(schedulings) - {"sync", "async"})
+    unknown = sorted(set(schedulings) - {"sync", "async", "auto"})
     if not schedulings or unknown:
-        raise ValueError(f"--scheduling: {', '.join(unknown) or 'nothing'} given; choose from sync, async")
+        raise ValueError(f"--scheduling: {', '.join(unknown) or 'nothing'} given; choose from sync, async, auto")
+    if "auto" in schedulings and len(schedulings) > 1:
+        raise ValueError("--scheduling: auto (the engine's own choice) goes alone; name sync,async to time both")
     if not batch_sizes or min(batch_sizes) < 1 or prompt_len < 1 or new_tokens < 1:
         raise ValueError("--batch-sizes, --prompt-len and --new-tokens must be >= 1")
     note = progress or (lambda message: None)
@@ -156,8 +159,9 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
             cfg.kv.format = fmt
             cfg.weight_format = weight_format
             cfg.max_model_len = cfg.max_model_len or prompt_len + new_tokens
-            cfg.async_scheduling = scheduling == "async"
+            cfg.async_scheduling = {"sync": False, "async": True, "auto": "auto"}[scheduling]
             engine = Engine.from_model(decoder, cfg, max_num_seqs=max(batch_sizes), seed=seed)
+            scheduling = "async" if engine.async_scheduling else "sync"
             label = fmt if len(schedulings) == 1 else f"{fmt} {scheduling}"
             summaries[label] = engine.summary
             note(engine.summary)

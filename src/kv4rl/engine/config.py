@@ -96,8 +96,9 @@ class EngineConfig:
     `async_scheduling` launches the next step before the host reads this step's tokens whenever the
     batch continues unchanged (pure decode, nothing to admit, blocks free), its input ids taken on the
     device, so the host's part of a step overlaps the device's (`kv4rl.engine.run_ahead`). The same
-    tokens as without it; a stopped request is returned by `step` one call later. Off by default until
-    timed on a GPU; not with `tensor_parallel > 1`.
+    tokens as without it; a stopped request is returned by `step` one call later. `auto` (default): on
+    a CUDA device with `tensor_parallel = 1` (`kv4rl.engine.plan`); `true` is refused with
+    `tensor_parallel > 1`.
     """
 
     kv: KVConfig = field(default_factory=KVConfig)
@@ -118,13 +119,15 @@ class EngineConfig:
     admit_siblings_together: bool = True
     tensor_parallel: int = 1
     sleep_between_rollouts: bool = False
-    async_scheduling: bool = False
+    async_scheduling: Literal["auto"] | bool = "auto"
 
     def validate(self) -> None:
         self.kv.validate()
         if self.tensor_parallel < 1:
             raise ValueError(f"engine.tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if self.async_scheduling and self.tensor_parallel > 1:
+        if self.async_scheduling not in ("auto", True, False):
+            raise ValueError(f"engine.async_scheduling must be auto, true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling is True and self.tensor_parallel > 1:
             raise ValueError("engine.async_scheduling runs one engine process ahead of its tokens; with "
                              f"engine.tensor_parallel={self.tensor_parallel} it is not supported yet: set one of them "
                              "back (async_scheduling=false or tensor_parallel=1)")

@@ -110,7 +110,7 @@ class Engine:
             f"{memory.format_bytes(self.pool_bytes)} (sized by {self.pool_sizing}), {plan.weights_desc}, "
             f"{plan.attention_desc}, sampler {self.sampler}{', fused ops' if self.fused_ops else ''}"
             f"{', merged q|k|v and gate|up projections' if plan.merge_projections.value else ''}"
-            f"{', async scheduling' if self.config.async_scheduling else ''}"
+            f"{', async scheduling' if self.async_scheduling else ''}"
             + (f", tensor parallel {self.tp.size} (rank {self.tp.rank}: {self.args.num_heads} heads, "
                f"{self.args.num_kv_heads} KV heads; pool and bytes/token are per rank)" if self.tp.size > 1 else "")
             + (f"; sleeps between rollouts: KV pool {memory.format_bytes(self.pool_bytes)} awake, 0 asleep"
@@ -125,6 +125,11 @@ class Engine:
     @property
     def fused_ops(self) -> bool:
         return self.plan.fused_ops.value
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Steps launched before the previous one's tokens are read (`engine.async_scheduling`, resolved)."""
+        return self.plan.async_scheduling.value
 
     @property
     def attention_desc(self) -> str:
@@ -204,7 +209,7 @@ class Engine:
             saved = self.scheduler.prefill_tokens_saved
             launched = self._launch_step(self.scheduler.schedule(), t0, saved)
         self._inflight = None
-        if self.config.async_scheduling and can_run_ahead(self.scheduler, launched):
+        if self.async_scheduling and can_run_ahead(self.scheduler, launched):
             for seq in launched.sampled:
                 seq.append_pending(self.version)
             launched.pending = True
@@ -232,7 +237,7 @@ class Engine:
         sampled = [seqs[i] for i in rows]
         tokens, logprobs = self._launch(seqs, rows, sampled, pending_ids)
         readable, ready = (tokens, logprobs), None
-        if self.config.async_scheduling and self.device.type == "cuda" and sampled:
+        if self.async_scheduling and self.device.type == "cuda" and sampled:
             *readable, ready = copy_to_host(tokens, logprobs)
         return LaunchedStep(seqs, sampled, tokens, *readable, ready, stats, launched_at=started_at)
 

@@ -83,6 +83,7 @@ class EnginePlan:
     cuda_graphs: Choice[bool]
     weights: Choice[str]
     merge_projections: Choice[bool]
+    async_scheduling: Choice[bool]
     pool_blocks: Choice[int | None]
     max_num_seqs: int
 
@@ -107,7 +108,7 @@ class EnginePlan:
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in ("kv_format_name", "max_model_len", "fused_ops", "sampler",
                                                        "attention", "prefill", "int4_kernel", "cuda_graphs", "weights",
-                                                       "merge_projections", "pool_blocks")}
+                                                       "merge_projections", "async_scheduling", "pool_blocks")}
 
     def explain(self) -> str:
         """Every decision with its reason, one `name=value (reason)` item each."""
@@ -131,7 +132,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: C
         kv_format=kv_format, kv_format_name=kv_name, max_model_len=max_model_len, fused_ops=fused_ops,
         sampler=sampler, attention=attention, prefill=_prefill(config, attention), int4_kernel=_int4_kernel(on_kernels, kv_format, args, config, caps),
         cuda_graphs=_cuda_graphs(config, on_kernels, caps), weights=_weights(config, args, dtype, caps),
-        merge_projections=_merge_projections(config),
+        merge_projections=_merge_projections(config), async_scheduling=_async_scheduling(config, caps),
         pool_blocks=_pool_blocks(config, caps, max_num_seqs, max_model_len.value), max_num_seqs=max_num_seqs,
     )
 
@@ -234,6 +235,20 @@ def _merge_projections(config: EngineConfig) -> Choice[bool]:
     if config.merge_projections:
         return Choice(True, "engine.merge_projections=true: one GEMM for q|k|v and one for gate|up per layer")
     return Choice(False, "engine.merge_projections=false: seven GEMMs per layer")
+
+
+def _async_scheduling(config: EngineConfig, caps: Capabilities) -> Choice[bool]:
+    """`auto`: on a CUDA device with one engine rank, where the host's part of a step (2-4 ms at the
+    Qwen3-1.7B shape) would otherwise leave the device idle: 1.23-2.09x tokens/s (bench/RESULTS.md, ninth
+    session). Off on a CPU, where the host and the device are one."""
+    setting = config.async_scheduling
+    if setting != "auto":
+        return Choice(setting, f"engine.async_scheduling={str(setting).lower()}")
+    if caps.device_type != "cuda":
+        return Choice(False, f"engine.async_scheduling=auto: no overlap to win on {caps.device_type}")
+    if config.tensor_parallel > 1:
+        return Choice(False, "engine.async_scheduling=auto: not with engine.tensor_parallel > 1 yet")
+    return Choice(True, "engine.async_scheduling=auto: the next step launches before this one's tokens are read")
 
 
 def _pool_blocks(config: EngineConfig, caps: Capabilities, max_num_seqs: int, max_model_len: int
