@@ -13,7 +13,7 @@
 #   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # baseline and awake@192/256, CUDA learner defaults (~9 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~4 min)
-#   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B colocated, awake@192 and @128 (<10 min)
+#   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # reserve test, 4B baseline and awake@192 (<10 min)
 #   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B, AdamW moments on the host (<10 min)
 #   bash tools/device_benches.sh generate_async 2>&1 | tee $OUT/log.txt        # async scheduling vs sync (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -140,11 +140,14 @@ engine_tests() {  # the engine on CUDA: fast path (mixed steps replaying the dec
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the
-    # awake arm at 192 and 128 slots (2026-12-02: 1.79x at 128; at 192 the pool, sized before the learner's
-    # gradients and moments existed, took 60 GiB and the update ran out of memory; awake engines now
-    # reserve the learner's measured update memory, named in the row's pool_sizing)
-    timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-4b \
-        --arms bf16+sync,kv4+partial+awake@192,kv4+partial+awake \
+    # awake arm at 192 slots against the baseline (2026-12-02: 1.79x at 128; at 192 the update ran out of memory twice,
+    # the second time with a reserve that missed AdamW's 29.8 GiB of moments, fixed in 68c7d7c: the reserve
+    # should now be ~58 GiB and the 192-slot pool ~35 GiB). The reserve's GPU test first (~70 s), then the
+    # iteration (~6 min); `python tools/trace_iteration_memory.py bench iteration ...` shows each phase's memory
+    timeout 100 python -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu/test_update_memory_gpu.py \
+        > $OUT/update_memory_tests.txt 2>&1; grep -E "^E  |passed|failed" $OUT/update_memory_tests.txt | tail -6
+    timeout 500 python -m kv4rl.cli bench iteration --shape qwen3-4b \
+        --arms bf16+sync,kv4+partial+awake@192 \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_4b.json --png $OUT/iteration_4b.png 2>&1 \
         | tee $OUT/fit_4b_full.txt | grep -E "│|s per iteration|Error|reserved" | tail -12
