@@ -58,6 +58,32 @@ def test_async_engine_samples_what_the_synchronous_one_samples(tiny_qwen3, case)
         assert b.output_versions == a.output_versions
 
 
+def test_the_engine_runs_ahead_through_length_stops(tiny_qwen3):
+    """Four requests of 3, 5, 7 and 9 tokens in four slots: with step k in flight the next step leaves
+    out the requests whose k-th token is their last (known before it is sampled), so steps 2-9 all
+    launch ahead (8); stopping the run-ahead at each length stop would launch only steps 2, 3, 5, 7 and
+    9 ahead (5). Each request is returned by the call that reads its last token, with the synchronous
+    engine's tokens."""
+    path, _ = tiny_qwen3
+    outputs = {}
+    for async_scheduling in (False, True):
+        engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48,
+                                           async_scheduling=async_scheduling),
+                        max_num_seqs=4, device="cpu", dtype="float32")
+        seqs = [engine.add_request([5, 6, 7, i], SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True),
+                                   sample_seed=i) for i, m in enumerate((3, 5, 7, 9))]
+        returned_at = {}
+        while engine.has_unfinished():
+            for seq in engine.step():
+                returned_at[seq.seq_id] = len(seq.output_ids)
+        assert engine.num_steps_ahead == (8 if async_scheduling else 0)
+        assert [returned_at[s.seq_id] for s in seqs] == [3, 5, 7, 9]
+        assert all(s.finish_reason == "length" for s in seqs)
+        outputs[async_scheduling] = [(s.output_ids, s.output_logprobs) for s in seqs]
+    for (ids, lps), (ref_ids, ref_lps) in zip(outputs[True], outputs[False]):
+        assert ids == ref_ids and torch.allclose(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5)
+
+
 def test_a_step_in_flight_is_read_before_weights_load_and_its_tokens_keep_the_old_version(tiny_qwen3):
     path, hf = tiny_qwen3
     engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48, async_scheduling=True),

@@ -137,18 +137,22 @@ def test_merged_projections_through_the_kernels_equal_separate_ones(ckpt):
 
 def test_async_scheduling_feeds_the_decode_kernels_the_sampled_ids_on_the_device(ckpt):
     """`engine.async_scheduling` through the fast path: steps launched ahead take their input ids from the
-    previous step's sampled tokens (`pending_ids`), not from the host; the tokens equal the synchronous
-    engine's, KV4 rows written by the fused writer included."""
+    previous step's sampled tokens (`pending_ids`), not from the host, gathered to the rows that continue
+    when others stop by length; the tokens equal the synchronous engine's, KV4 rows written by the fused
+    writer included."""
     from kv4rl.engine.sequence import SamplingParams
 
     def run(async_scheduling):
         kv = KVConfig(format="kv4", group_size=32, n_sink=2, n_recent=3, block_size=4)
         engine = Engine(ckpt, EngineConfig(kv=kv, attention_backend="triton", num_kv_blocks=64, max_model_len=64,
                                            async_scheduling=async_scheduling), dtype="bfloat16", max_num_seqs=3)
-        params = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=5)
-        return engine, engine.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]], params)
+        seqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True), sample_seed=5 + i)
+                for i, (p, m) in enumerate((([1, 2, 3], 4), ([4, 5, 6, 7, 8], 8), ([9, 10], 6)))]
+        while engine.has_unfinished():
+            engine.step()
+        return engine, [s.output_ids for s in seqs]
 
     sync, ref = run(False)
     eng, got = run(True)
-    assert eng.num_steps_ahead > 0
-    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    assert eng.num_steps_ahead == 7  # steps 2-8: past the stops after tokens 4 and 6
+    assert got == ref

@@ -94,8 +94,9 @@ class EngineConfig:
     `gpu_memory_fraction`, started together (`kv4rl train --seeds` sets it): with `device` the ones
     that start last see the others' memory as theirs and get no pool.
     `async_scheduling` launches the next step before the host reads this step's tokens whenever the
-    batch continues unchanged (pure decode, nothing to admit, blocks free), its input ids taken on the
-    device, so the host's part of a step overlaps the device's (`kv4rl.engine.run_ahead`). The same
+    batch continues (pure decode, nothing to admit, blocks free; requests that stop by length with this
+    step's token left out), its input ids taken on the device, so the host's part of a step overlaps the
+    device's (`kv4rl.engine.run_ahead`). The same
     tokens as without it; a stopped request is returned by `step` one call later. `auto` (default): on
     a CUDA device with `tensor_parallel = 1` (`kv4rl.engine.plan`); `true` is refused with
     `tensor_parallel > 1`.

@@ -29,7 +29,7 @@ from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.scheduler import Scheduler
-from kv4rl.engine.run_ahead import LaunchedStep, can_run_ahead, copy_to_host, tally
+from kv4rl.engine.run_ahead import LaunchedStep, copy_to_host, rows_ahead, tally
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence, Status
 from kv4rl.engine.teacher_forcing import score_forced
 from kv4rl.models.decoder import Decoder
@@ -209,15 +209,21 @@ class Engine:
             saved = self.scheduler.prefill_tokens_saved
             launched = self._launch_step(self.scheduler.schedule(), t0, saved)
         self._inflight = None
-        if self.async_scheduling and can_run_ahead(self.scheduler, launched):
+        rows = rows_ahead(self.scheduler, launched) if self.async_scheduling else None
+        if rows is not None:
             for seq in launched.sampled:
                 seq.append_pending(self.version)
             launched.pending = True
             self.num_steps_ahead += 1
             t1, saved = time.perf_counter(), self.scheduler.prefill_tokens_saved
-            nxt = self.scheduler.schedule()  # the same rows: can_run_ahead checked that nothing changes
-            assert len(nxt) == len(launched.sampled) and all(a is b for a, b in zip(nxt, launched.sampled))
-            self._inflight = self._launch_step(nxt, t1, saved, pending_ids=launched.device_tokens)
+            keep, ids, stopping = launched.sampled, launched.device_tokens, frozenset()
+            if len(rows) < len(keep):  # some stop by length with this token: the others' tokens, on the device
+                keep = [keep[i] for i in rows]
+                stopping = {id(s) for s in launched.sampled} - {id(s) for s in keep}
+                ids = ids[to_device(rows, torch.long, ids.device)]
+            nxt = self.scheduler.schedule(skip=stopping)  # the kept rows: rows_ahead checked nothing else changes
+            assert len(nxt) == len(keep) and all(a is b for a, b in zip(nxt, keep))
+            self._inflight = self._launch_step(nxt, t1, saved, pending_ids=ids)
         return finished + self._complete(launched)
 
     def drain(self) -> None:

@@ -14,11 +14,13 @@ memory behind step n's sampler), fill them in and check the stops. A sequence th
 (EOS) is finished then; its row in step n+1 is computed and dropped. Its blocks and slot may go to a
 request admitted at step n+2, whose kernels run after step n+1's on the same stream.
 
-The batch continues unchanged when every running sequence sampled at step n, none stops by length
-with that token (max_tokens, the context), no queued request could be admitted (none waits, or every
-slot is taken), and the free blocks cover each sequence's next block: then the scheduler's next batch
-is the same rows and nothing is preempted. Otherwise step n is read first, as without the option.
-Tokens are those of the synchronous engine: sampling noise depends on (request seed, position) only.
+The batch continues when every running sequence sampled at step n, no queued request could be
+admitted (none waits, or every slot is taken), and the free blocks cover each continuing sequence's
+next block: then the scheduler's next batch is the same rows less those that stop by length with
+step n's token (max_tokens, the context; known before the token is), and nothing is preempted. Those
+are finished when step n is read; a request waiting for their slots is admitted one step later than
+without the option. Otherwise step n is read first, as without the option. Tokens are those of the
+synchronous engine: sampling noise depends on (request seed, position) only.
 """
 
 from __future__ import annotations
@@ -105,19 +107,22 @@ def copy_to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Te
     return host[0], host[1], ready
 
 
-def can_run_ahead(scheduler: Scheduler, step: LaunchedStep) -> bool:
-    """Whether the next batch is `step`'s sampled rows unchanged (see the module docstring)."""
+def rows_ahead(scheduler: Scheduler, step: LaunchedStep) -> list[int] | None:
+    """The rows of `step.sampled` that form the next batch when it can be launched before `step`'s
+    tokens are read (those that do not stop by length with this step's token), or None when it cannot
+    (see the module docstring)."""
     running = scheduler.running
     if not step.sampled or len(running) != len(step.sampled):
-        return False
+        return None
     if scheduler.waiting and len(running) < scheduler.max_num_seqs:
-        return False  # a queued request could be admitted: its prompt joins the batch
-    block_size, new_blocks = scheduler.blocks.block_size, 0
-    for seq, ran in zip(running, step.sampled):
+        return None  # a queued request could be admitted: its prompt joins the batch
+    block_size, new_blocks, rows = scheduler.blocks.block_size, 0, []
+    for i, (seq, ran) in enumerate(zip(running, step.sampled)):
         if seq is not ran or seq.status is not Status.RUNNING:
-            return False
+            return None
         length = len(seq) + 1  # with this step's token
         if len(seq.output_ids) + 1 >= seq.params.max_tokens or length >= scheduler.max_model_len:
-            return False  # it stops by length with this step's token
+            continue  # it stops by length with this step's token: not in the next batch
+        rows.append(i)
         new_blocks += len(seq.block_table) * block_size < length
-    return new_blocks <= scheduler.blocks.num_free_blocks
+    return rows if rows and new_blocks <= scheduler.blocks.num_free_blocks else None

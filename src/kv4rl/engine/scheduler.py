@@ -94,11 +94,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Sequence]:
+    def schedule(self, skip: frozenset[int] | set[int] = frozenset()) -> list[Sequence]:
         """The next batch: one decode token for each running sequence, the next chunk of each running
-        prefill, then new admissions. Each sequence's `chunk` says how many new tokens it computes."""
+        prefill, then new admissions. Each sequence's `chunk` says how many new tokens it computes.
+        `skip`: ids of running sequences left out of this batch (they stop with a token the host has not
+        read: `kv4rl.engine.run_ahead`); they stay running until that token is read."""
         parents, self._prefix_parents = self._prefix_parents, {}
-        running = self._decode_batch()
+        running = self._decode_batch(skip)
         prefilling = []  # (seq, its new tokens): prompts still prefilling in chunks
         decodes = 0
         for seq in running:  # one pass: this is per-step host work at every batch size
@@ -225,12 +227,15 @@ class Scheduler:
         """New weights: prompt KV computed under the old ones must not seed new requests."""
         self._prefix_parents = {}
 
-    def _decode_batch(self) -> list[Sequence]:
+    def _decode_batch(self, skip: frozenset[int] | set[int] = frozenset()) -> list[Sequence]:
         batch: list[Sequence] = []
         block_size = self.blocks.block_size
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if skip and id(seq) in skip:
+                i += 1
+                continue
             if len(seq.block_table) * block_size >= len(seq):
                 batch.append(seq)  # its blocks already cover it: most sequences at most steps
                 i += 1
