@@ -84,6 +84,25 @@ def test_the_engine_runs_ahead_through_length_stops(tiny_qwen3):
         assert ids == ref_ids and torch.allclose(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5)
 
 
+def test_the_engine_runs_ahead_through_a_stop_at_the_context_limit(tiny_qwen3):
+    """A 40-token prompt in a 48-token context stops after 8 tokens (`length`), a short one after 12
+    (`max_tokens`): steps 2-12 all launch ahead (11), the first leaving the long request out after step 8."""
+    path, _ = tiny_qwen3
+    outputs = {}
+    for async_scheduling in (False, True):
+        engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48,
+                                           async_scheduling=async_scheduling),
+                        max_num_seqs=2, device="cpu", dtype="float32")
+        seqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True), sample_seed=i)
+                for i, (p, m) in enumerate(((list(range(1, 41)), 30), ([5, 6, 7], 12)))]
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.num_steps_ahead == (11 if async_scheduling else 0)
+        assert [len(s.output_ids) for s in seqs] == [8, 12] and all(s.finish_reason == "length" for s in seqs)
+        outputs[async_scheduling] = [s.output_ids for s in seqs]
+    assert outputs[True] == outputs[False]
+
+
 def test_a_step_in_flight_is_read_before_weights_load_and_its_tokens_keep_the_old_version(tiny_qwen3):
     path, hf = tiny_qwen3
     engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48, async_scheduling=True),
