@@ -58,49 +58,40 @@ def test_async_engine_samples_what_the_synchronous_one_samples(tiny_qwen3, case)
         assert b.output_versions == a.output_versions
 
 
-def test_the_engine_runs_ahead_through_length_stops(tiny_qwen3):
-    """Four requests of 3, 5, 7 and 9 tokens in four slots: with step k in flight the next step leaves
-    out the requests whose k-th token is their last (known before it is sampled), so steps 2-9 all
-    launch ahead (8); stopping the run-ahead at each length stop would launch only steps 2, 3, 5, 7 and
-    9 ahead (5). Each request is returned by the call that reads its last token, with the synchronous
-    engine's tokens."""
+LENGTH_STOPS = {
+    # four requests of 3, 5, 7 and 9 tokens in four slots: with step k in flight the next step leaves out
+    # the requests whose k-th token is their last (known before it is sampled), so steps 2-9 launch ahead
+    # (8); stopping the run-ahead at each length stop would launch only steps 2, 3, 5, 7 and 9 ahead (5)
+    "max_tokens": ([([5, 6, 7, i], m) for i, m in enumerate((3, 5, 7, 9))], 8, [3, 5, 7, 9]),
+    # a 40-token prompt in a 48-token context stops after 8 tokens, a short one after 12 (max_tokens):
+    # steps 2-12 launch ahead (11), the long request left out after step 8
+    "context": ([(list(range(1, 41)), 30), ([5, 6, 7], 12)], 11, [8, 12]),
+}
+
+
+@pytest.mark.parametrize("case", LENGTH_STOPS)
+def test_the_engine_runs_ahead_through_length_stops(tiny_qwen3, case):
+    """Steps launched ahead counted by hand; each request returned by the call that reads its last token,
+    with the synchronous engine's tokens and log-probs."""
     path, _ = tiny_qwen3
+    requests, ahead, lengths = LENGTH_STOPS[case]
     outputs = {}
     for async_scheduling in (False, True):
         engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48,
                                            async_scheduling=async_scheduling),
-                        max_num_seqs=4, device="cpu", dtype="float32")
-        seqs = [engine.add_request([5, 6, 7, i], SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True),
-                                   sample_seed=i) for i, m in enumerate((3, 5, 7, 9))]
+                        max_num_seqs=len(requests), device="cpu", dtype="float32")
+        seqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True), sample_seed=i)
+                for i, (p, m) in enumerate(requests)]
         returned_at = {}
         while engine.has_unfinished():
             for seq in engine.step():
                 returned_at[seq.seq_id] = len(seq.output_ids)
-        assert engine.num_steps_ahead == (8 if async_scheduling else 0)
-        assert [returned_at[s.seq_id] for s in seqs] == [3, 5, 7, 9]
+        assert engine.num_steps_ahead == (ahead if async_scheduling else 0)
+        assert [returned_at[s.seq_id] for s in seqs] == lengths
         assert all(s.finish_reason == "length" for s in seqs)
         outputs[async_scheduling] = [(s.output_ids, s.output_logprobs) for s in seqs]
     for (ids, lps), (ref_ids, ref_lps) in zip(outputs[True], outputs[False]):
         assert ids == ref_ids and torch.allclose(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5)
-
-
-def test_the_engine_runs_ahead_through_a_stop_at_the_context_limit(tiny_qwen3):
-    """A 40-token prompt in a 48-token context stops after 8 tokens (`length`), a short one after 12
-    (`max_tokens`): steps 2-12 all launch ahead (11), the first leaving the long request out after step 8."""
-    path, _ = tiny_qwen3
-    outputs = {}
-    for async_scheduling in (False, True):
-        engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48,
-                                           async_scheduling=async_scheduling),
-                        max_num_seqs=2, device="cpu", dtype="float32")
-        seqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True), sample_seed=i)
-                for i, (p, m) in enumerate(((list(range(1, 41)), 30), ([5, 6, 7], 12)))]
-        while engine.has_unfinished():
-            engine.step()
-        assert engine.num_steps_ahead == (11 if async_scheduling else 0)
-        assert [len(s.output_ids) for s in seqs] == [8, 12] and all(s.finish_reason == "length" for s in seqs)
-        outputs[async_scheduling] = [s.output_ids for s in seqs]
-    assert outputs[True] == outputs[False]
 
 
 def test_a_step_in_flight_is_read_before_weights_load_and_its_tokens_keep_the_old_version(tiny_qwen3):

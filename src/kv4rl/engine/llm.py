@@ -29,7 +29,7 @@ from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.scheduler import Scheduler
-from kv4rl.engine.run_ahead import LaunchedStep, copy_to_host, rows_ahead, tally
+from kv4rl.engine.run_ahead import LaunchedStep, copy_to_host, rows_ahead, schedule_ahead, tally
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence, Status
 from kv4rl.engine.teacher_forcing import score_forced
 from kv4rl.models.decoder import Decoder
@@ -193,11 +193,9 @@ class Engine:
         `last_step` afterwards describes the step for rollout traces (`LaunchedStep.record`).
 
         With `engine.async_scheduling` the next step is launched before this one's tokens are read when
-        the batch can continue unchanged (`kv4rl.engine.run_ahead`), so a call returns with a step in
-        flight: its tokens join the sequences at the next call (or at `drain`), and a sequence that
-        stopped is reported one call later than without the option. `latency_s` is then the time since
-        the previous step's tokens were read.
-        """
+        the batch can continue (`kv4rl.engine.run_ahead`): a call returns with a step in flight, whose
+        tokens join at the next call (or `drain`); an EOS stop is reported one call later. `latency_s`
+        is then the time since the previous step's tokens were read."""
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
         t0 = time.perf_counter()
@@ -211,18 +209,9 @@ class Engine:
         self._inflight = None
         rows = rows_ahead(self.scheduler, launched) if self.async_scheduling else None
         if rows is not None:
-            for seq in launched.sampled:
-                seq.append_pending(self.version)
-            launched.pending = True
             self.num_steps_ahead += 1
             t1, saved = time.perf_counter(), self.scheduler.prefill_tokens_saved
-            keep, ids, stopping = launched.sampled, launched.device_tokens, frozenset()
-            if len(rows) < len(keep):  # some stop by length with this token: the others' tokens, on the device
-                keep = [keep[i] for i in rows]
-                stopping = {id(s) for s in launched.sampled} - {id(s) for s in keep}
-                ids = ids[to_device(rows, torch.long, ids.device)]
-            nxt = self.scheduler.schedule(skip=stopping)  # the kept rows: rows_ahead checked nothing else changes
-            assert len(nxt) == len(keep) and all(a is b for a, b in zip(nxt, keep))
+            nxt, ids = schedule_ahead(self.scheduler, launched, rows, self.version)
             self._inflight = self._launch_step(nxt, t1, saved, pending_ids=ids)
         return finished + self._complete(launched)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kv4rl.engine.block_manager import BlockManager
+from kv4rl.engine.host_copy import to_device
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.sequence import Sequence, Status
 
@@ -126,3 +127,21 @@ def rows_ahead(scheduler: Scheduler, step: LaunchedStep) -> list[int] | None:
         rows.append(i)
         new_blocks += len(seq.block_table) * block_size < length
     return rows if rows and new_blocks <= scheduler.blocks.num_free_blocks else None
+
+
+def schedule_ahead(scheduler: Scheduler, step: LaunchedStep, rows: list[int], version: int
+                   ) -> tuple[list[Sequence], torch.Tensor]:
+    """Give `step`'s sampled rows their pending token and schedule the next batch, its `rows` (from
+    `rows_ahead`; the others stop by length with this token and are left out); returns the batch and
+    its input ids, `step`'s sampled tokens of those rows, on the device."""
+    for seq in step.sampled:
+        seq.append_pending(version)
+    step.pending = True
+    keep, ids, stopping = step.sampled, step.device_tokens, frozenset()
+    if len(rows) < len(keep):
+        keep = [keep[i] for i in rows]
+        stopping = {id(s) for s in step.sampled} - {id(s) for s in keep}
+        ids = ids[to_device(rows, torch.long, ids.device)]
+    batch = scheduler.schedule(skip=stopping)  # the kept rows: rows_ahead checked nothing else changes
+    assert len(batch) == len(keep) and all(a is b for a, b in zip(batch, keep))
+    return batch, ids
