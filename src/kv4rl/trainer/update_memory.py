@@ -24,7 +24,7 @@ from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 
 # The real update's shapes differ from the dummy batch's: compiled regions (fused elementwise, compiled
 # layers, FlexAttention) compile again and benchmark their kernels, with a buffer that flushes the L2
-# cache (61-63 MiB above the measured update on an H200, 2026-12-02; Triton's autotuner takes 256 MB).
+# cache (58-59 MiB above the measured update on an H200, 2026-12-02; Triton's autotuner takes 256 MB).
 BENCHMARK_ALLOWANCE = 256 * 2**20
 
 
@@ -48,7 +48,7 @@ def largest_micro_batch(max_len: int, max_tokens_per_micro_batch: int | None, mi
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether `a` and `b` name one device, an unset index matching any (`cuda` is the learner's
     `cuda:0` when one GPU is visible). Plain `==` says no, and AdamW's moments at the Qwen3-4B shape
-    (29.8 GiB) went uncounted: the update ran out of memory (bench/RESULTS.md, ninth session)."""
+    (~30 GiB) went uncounted: the update ran out of memory (bench/RESULTS.md, ninth session)."""
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
