@@ -111,3 +111,33 @@ def test_document_block_mask_equals_the_mask_mod_evaluated_everywhere(lengths):
     assert not (full & partial).any()
     dense = full[qb, kb] | (partial[qb, kb] & ours.mask_mod(0, 0, q, k))
     assert torch.equal(dense, expected)
+
+
+def test_a_compiled_consumer_of_the_block_mask_compiles_once_for_every_block_count():
+    """Packed micro-batches are nearly all full, so nearly all have one block count; a compiled layer took
+    that count as a constant and recompiled at the first micro-batch with another, iterations later (a 17 s
+    recompile inside a timed 4B update, H200). With the counts symbolic from the first graph, new lengths and
+    new block counts reuse the graphs of the first two lengths (the sequence length itself turns symbolic
+    at its first change, as before). FlexAttention's eager forward on the CPU; dynamo's frame counter."""
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, dynamic=None)
+    def attend(q, k, v, mask):
+        return flex_attention(q, k, v, block_mask=mask)
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    # 3 blocks twice (the length turns symbolic), then 4, 2 and 5 blocks: block counts never seen before
+    for lengths in ([130, 170], [150, 140, 20], [200, 250], [140, 60], [300, 260]):
+        lens = torch.tensor(lengths)
+        total = int(lens.sum())
+        q, k, v = (torch.randn(1, 2, total, 16, generator=g) for _ in range(3))
+        out = attend(q, k, v, document_block_mask(lens, symbolic=True))  # the CUDA default
+        doc = torch.repeat_interleave(torch.arange(len(lengths)), lens)  # the same attention, dense, in float64
+        allowed = (doc[:, None] == doc[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+        scores = (q.double() @ k.double().transpose(-1, -2) / 4.0).masked_fill(~allowed, float("-inf"))
+        torch.testing.assert_close(out.double(), scores.softmax(-1) @ v.double(), rtol=0, atol=1e-5)
+    assert counter.frame_count == 2, counter.frame_count  # the first length, then any length and block count

@@ -26,6 +26,9 @@ def test_compiled_learner_takes_the_same_steps_as_the_eager_one(tiny_qwen3, monk
     compiled = make(path, True, grad_checkpointing=True, compile_layers=True)
     layers = compiled.model.config.num_hidden_layers
     assert layers >= 2 and compiled.compiled_layers == layers and eager.compiled_layers == 0
+    # the layers' graphs (policy with and without grad, reference, each length class) stay compiled: dynamo's
+    # default limit of 8 would leave the next ones eager, and an eager recompute fails checkpoint's check
+    assert torch._dynamo.config.recompile_limit >= compiled_layers.GRAPHS_PER_LAYER_CODE > 8
     assert list(compiled.state_dict()) == list(eager.state_dict())  # compiled in place: same names
     # a ragged batch: its micro-batches of other lengths reuse the dynamic-shape graphs
     m_eager, m_compiled = eager.step(ragged_batch(1)), compiled.step(ragged_batch(1))

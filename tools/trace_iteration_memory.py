@@ -3,7 +3,8 @@ reserved and free GiB, the allocator's retries (a cudaMalloc that failed, the ca
 freed and the call repeated: slow) and each call's seconds when the learner measures its update memory, the engine sizes its pool, the
 learner steps or runs a no-grad pass, and the engine loads weights; an OOM names the phase it hit.
 Why: the Qwen3-4B awake arm ran out of memory without saying which term of its reserve was short
-(bench/RESULTS.md, ninth session, found AdamW's moments uncounted with it). Usage, the arguments of
+(bench/RESULTS.md, ninth session, found AdamW's moments uncounted with it). Dynamo's recompiles are
+logged with their reasons. Usage, the arguments of
 `kv4rl`:  python tools/trace_iteration_memory.py bench iteration --shape qwen3-4b --arms ...  | grep MEM
 """
 import functools
@@ -70,6 +71,7 @@ def traced_engine_init() -> None:
 
 
 if __name__ == "__main__":
+    torch._logging.set_logs(recompiles=True)  # a compile inside a timed update names its guard here
     for method in ("update_memory_bytes", "step", "_logprobs"):
         traced(Learner, method)
     traced(Engine, "load_weights")

@@ -47,7 +47,7 @@ from kv4rl.rewards.base import RewardResult
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.telemetry.phases import PHASES, means_of, rows_of
-from kv4rl.trainer.compiled_layers import compiles_by_default
+from kv4rl.trainer.compiled_layers import compiles_by_default, forget_compiled_graphs
 from kv4rl.trainer.fused_elementwise import fuses_by_default
 from kv4rl.trainer.learner_options import fused_logprobs_by_default
 
@@ -275,6 +275,7 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
     }
     del s, engine, learner, collector
     gc.collect()
+    forget_compiled_graphs()  # the next arm's learner compiles its own
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row

@@ -31,6 +31,7 @@ import torch
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.bench.random_model import _shape, random_hf_qwen3
 from kv4rl.trainer.batch import TrainBatch, build_batch
+from kv4rl.trainer.compiled_layers import forget_compiled_graphs
 from kv4rl.trainer.learner import Learner
 
 PEAK_FLOPS = 989e12
@@ -173,6 +174,7 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
                 on_result(summary(n_params, complete=False))
         del learner, policy
         gc.collect()
+        forget_compiled_graphs()  # the next variant's learner compiles its own
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return summary(n_params, complete=True)

@@ -53,7 +53,7 @@ def set_attention(model, attention: str) -> None:
         raise ValueError(f"trainer.attention={attention}: {name} cannot switch its attention implementation")
 
 
-def document_block_mask(lengths: torch.Tensor, block: int = BLOCK):
+def document_block_mask(lengths: torch.Tensor, block: int = BLOCK, symbolic: bool | None = None):
     """The `BlockMask` of causal attention within each of the sequences laid end to end with
     `lengths` (a packed row of `T = sum(lengths)` tokens), built from the block structure itself.
 
@@ -61,6 +61,10 @@ def document_block_mask(lengths: torch.Tensor, block: int = BLOCK):
     k <= q shares q's sequence: j <= i and the last sequence in j reaches the first in i. It is
     full (no element masked) when j < i and both blocks lie in one sequence; the diagonal block
     and blocks cut by a boundary are partial, and `mask_mod` masks their elements.
+
+    `symbolic`: its block counts marked dynamic for a compiled consumer (`mark_block_counts_dynamic`);
+    default on CUDA only, as inductor's C++ FlexAttention kernel for the CPU does not compile with them
+    (torch 2.13: an undeclared variable in the generated code).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -85,5 +89,21 @@ def document_block_mask(lengths: torch.Tensor, block: int = BLOCK):
 
     kv_num, kv_idx = listed(partial)
     full_num, full_idx = listed(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
                                     seq_lengths=(total, total))
+    if lengths.is_cuda if symbolic is None else symbolic:
+        mark_block_counts_dynamic(mask, doc)
+    return mask
+
+
+def mark_block_counts_dynamic(mask, doc: torch.Tensor) -> None:
+    """Let a compiled layer (`trainer.compile_layers`) take the block count of `mask` (and `doc`, which its
+    `mask_mod` reads) as symbolic from its first graph. Packed micro-batches are nearly all full, so nearly
+    all have the same block count (16,384 tokens: 128 blocks): dynamo compiled each graph for that count
+    and recompiled it at the first micro-batch with another, which can come iterations later (a 17 s
+    recompile in a timed 4B update on the H200, 2026-12-02, bench/RESULTS.md)."""
+    torch._dynamo.maybe_mark_dynamic(doc, 0)
+    for t in (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+              mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices):
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, list(range(2, t.dim())))

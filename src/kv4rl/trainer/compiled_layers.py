@@ -21,6 +21,12 @@ import torch
 from torch import nn
 
 BACKEND = "inductor"  # tests on the CPU may swap in "aot_eager" (same graphs, no code generation)
+# Graphs dynamo may compile for the decoder layers' one `forward` before it runs it eagerly (its default,
+# `recompile_limit`, is 8). A learner needs up to ~8: the policy with and without grad, the reference
+# (another dtype, no grad), each for its first length and then for any length, and again for a packed
+# micro-batch of one block (dynamo specialises a size of 1). Past the limit an eager recompute of a compiled
+# forward fails torch.utils.checkpoint's check ("Recomputed values ... have different metadata").
+GRAPHS_PER_LAYER_CODE = 32
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -42,6 +48,16 @@ def compile_layers(model: nn.Module) -> int:
     if not layers:
         raise ValueError(f"trainer.compile_layers: {type(model).__name__} has no ...DecoderLayer modules in a "
                          "ModuleList to compile; set it to false")
+    # every layer runs one code object, whose graphs dynamo counts together: see GRAPHS_PER_LAYER_CODE
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_LAYER_CODE)
     for layer in layers:
         layer.compile(backend=BACKEND, dynamic=None)
     return len(layers)
+
+
+def forget_compiled_graphs() -> None:
+    """Drop every compiled graph (`torch._dynamo.reset`) once a learner is gone: a benchmark building one
+    learner per arm otherwise keeps the last arm's graphs, which guard on modules that no longer exist,
+    fail on every call and count against the recompile limit (a second 4B arm's first update failed that
+    way on the H200, 2026-12-02)."""
+    torch._dynamo.reset()
