@@ -143,11 +143,12 @@ fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on 
     # awake arm at 192 slots against the baseline. 2026-12-02 (tenth session): it fits (reserve 58.21 GiB, pool
     # 33.65 GiB) but its timed update took 30.8-39.4 s against 18.3 s at 128 slots, most likely a recompile of the
     # compiled layers on a block count the warm-up had not seen (marked symbolic since 1f6a115). The reserve's
-    # GPU test first (~70 s), then the iteration (~6 min) with dynamo's recompile reasons in fit_4b_full.txt
+    # GPU test first (~70 s), then the iteration (~6 min) with dynamo's recompile reasons in fit_4b_full.txt.
+    # Other arms: FIT_4B_ARMS=bf16+sync,kv4+partial+awake@256 (two arms fit the 600 s of a call)
     timeout 100 python -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu/test_update_memory_gpu.py \
         > $OUT/update_memory_tests.txt 2>&1; grep -E "^E  |passed|failed" $OUT/update_memory_tests.txt | tail -6
     TORCH_LOGS=recompiles timeout 500 python -m kv4rl.cli bench iteration --shape qwen3-4b \
-        --arms bf16+sync,kv4+partial+awake@192 \
+        --arms ${FIT_4B_ARMS:-bf16+sync,kv4+partial+awake@192} \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_4b.json --png $OUT/iteration_4b.png 2>&1 \
         | while IFS= read -r line; do echo "$(date +%T) $line"; done \
