@@ -28,14 +28,28 @@ SMALL = ["device=cpu", "rollout.quota_groups=4", "rollout.group_size=2", "rollou
 EVAL = ["eval.every=3", "data.eval_size=5"]
 
 
-def torchrun(cwd, *args: str, ranks: int = 2, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+def start_torchrun(cwd, *args: str, ranks: int = 2, pythonpath: str | None = None) -> subprocess.Popen:
+    """`torchrun ... kv4rl.cli train ARGS` started in the background; `finish` waits for it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_ERROR_FILE="")
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                           "--standalone", "-m", "kv4rl.cli", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                             "--standalone", "-m", "kv4rl.cli", "train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def torchrun(cwd, *args: str, ranks: int = 2, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    return finish(start_torchrun(cwd, *args, ranks=ranks, pythonpath=pythonpath))
 
 
 def rows(run_dir) -> list[dict]:
@@ -43,20 +57,26 @@ def rows(run_dir) -> list[dict]:
 
 
 def test_two_ranks_deliver_every_group_once_and_resume_as_if_uninterrupted(tmp_path, monkeypatch):
-    done = torchrun(tmp_path, "name=dp", "trainer.iterations=3", *EVAL, *SMALL)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = tmp_path / "runs" / "dp"
-    assert [r["groups"] for r in rows(run)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    assert all(r["num_tokens"] == sum(r["staleness_hist"].values()) for r in rows(run))
-    assert (run / "checkpoints" / "iter_000003" / "model.safetensors").is_file()
-    assert (run / "checkpoints" / "iter_000003" / "optimizer" / ".metadata").is_file()
-    # the engines share the 5 eval problems out (3 + 2); rank 0 reports all 5 once
-    assert rows(run)[2]["eval/num_problems"] == 5 and "eval/mean@1" in rows(run)[2]
+    # The uninterrupted reference runs beside the stopped-and-resumed run instead of after it: the two
+    # jobs share nothing but the parent folder, and each is deterministic, so only the wall time changes
+    # (a job is mostly process start-up and imports, which leave one of the two cores idle part of the time).
+    straight_job = start_torchrun(tmp_path, "name=straight", "trainer.iterations=5", *EVAL, *SMALL)
+    try:
+        done = torchrun(tmp_path, "name=dp", "trainer.iterations=3", *EVAL, *SMALL)
+        assert done.returncode == 0, done.stderr[-3000:]
+        run = tmp_path / "runs" / "dp"
+        assert [r["groups"] for r in rows(run)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert all(r["num_tokens"] == sum(r["staleness_hist"].values()) for r in rows(run))
+        assert (run / "checkpoints" / "iter_000003" / "model.safetensors").is_file()
+        assert (run / "checkpoints" / "iter_000003" / "optimizer" / ".metadata").is_file()
+        # the engines share the 5 eval problems out (3 + 2); rank 0 reports all 5 once
+        assert rows(run)[2]["eval/num_problems"] == 5 and "eval/mean@1" in rows(run)[2]
 
-    resumed = torchrun(tmp_path, "--resume", "runs/dp", "trainer.iterations=5", "--no-progress")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["groups"] for r in rows(run)][3:] == [[12, 13, 14, 15], [16, 17, 18, 19]]
-    straight = torchrun(tmp_path, "name=straight", "trainer.iterations=5", *EVAL, *SMALL)
+        resumed = torchrun(tmp_path, "--resume", "runs/dp", "trainer.iterations=5", "--no-progress")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert [r["groups"] for r in rows(run)][3:] == [[12, 13, 14, 15], [16, 17, 18, 19]]
+    finally:  # waited for also when an assertion above fails: no job is left running
+        straight = finish(straight_job)
     assert straight.returncode == 0, straight.stderr[-3000:]
     ref = tmp_path / "runs" / "straight"
     for key in ("loss", "grad_norm", "reward_mean", "num_tokens"):
@@ -72,36 +92,59 @@ def test_two_ranks_deliver_every_group_once_and_resume_as_if_uninterrupted(tmp_p
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
 
-def test_partial_rollout_over_two_ranks_never_loses_or_repeats_a_group(tmp_path):
-    done = torchrun(tmp_path, "name=partial", "trainer.iterations=4", "rollout.mode=partial",
-                    "staleness.max_versions=2", "rollout.carry=recompute", *SMALL)
+FAILING_HOOK = (
+    "import os\n"
+    "if os.environ.get('LOCAL_RANK') == '1':\n"
+    "    import kv4rl.loop as loop\n"
+    "    run = loop.run_iteration\n"
+    "    def failing(s, it):\n"
+    "        if it == 1:\n"
+    "            raise RuntimeError('rank 1 fails on purpose in iteration 1')\n"
+    "        return run(s, it)\n"
+    "    loop.run_iteration = failing\n")
+
+
+@pytest.fixture(scope="module")
+def partial_and_failing(tmp_path_factory):
+    """The jobs of the next two tests, started together, each in its own folder: two independent
+    torchrun jobs that are mostly process start-up, so side by side on 2 cores they end sooner than one
+    after the other. Each test waits for its own job and checks only that job's output and folder."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("partial", "fail")}
+    hook = folders["fail"] / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAILING_HOOK)
+    jobs = {"partial": start_torchrun(folders["partial"], "name=partial", "trainer.iterations=4", "rollout.mode=partial",
+                                      "staleness.max_versions=2", "rollout.carry=recompute", *SMALL),
+            "fail": start_torchrun(folders["fail"], "name=fail", "trainer.iterations=3", *SMALL, pythonpath=str(hook))}
+    done = {}
+
+    def result(name: str) -> tuple:
+        if name not in done:
+            done[name] = folders[name], finish(jobs[name])
+        return done[name]
+
+    yield result
+    for name in jobs:  # waited for also when a test did not get to it: no job is left running
+        result(name)
+
+
+def test_partial_rollout_over_two_ranks_never_loses_or_repeats_a_group(partial_and_failing):
+    folder, done = partial_and_failing("partial")
     assert done.returncode == 0, done.stderr[-3000:]
-    delivered = [g for r in rows(tmp_path / "runs" / "partial") for g in r["groups"]]
+    delivered = [g for r in rows(folder / "runs" / "partial") for g in r["groups"]]
     assert len(delivered) == 16 and len(set(delivered)) == 16
     # each rank draws every second group of the stream: rank 0 even, rank 1 odd, 2 of each per batch
-    for r in rows(tmp_path / "runs" / "partial"):
+    for r in rows(folder / "runs" / "partial"):
         assert sorted(g % 2 for g in r["groups"]) == [0, 0, 1, 1]
 
 
-def test_one_failing_rank_ends_the_job_with_its_error(tmp_path):
+def test_one_failing_rank_ends_the_job_with_its_error(partial_and_failing):
     """Rank 1 raises in iteration 1 while rank 0 waits in a collective: torchrun ends the whole job,
     non-zero, with rank 1's error (no hang)."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import os\n"
-        "if os.environ.get('LOCAL_RANK') == '1':\n"
-        "    import kv4rl.loop as loop\n"
-        "    run = loop.run_iteration\n"
-        "    def failing(s, it):\n"
-        "        if it == 1:\n"
-        "            raise RuntimeError('rank 1 fails on purpose in iteration 1')\n"
-        "        return run(s, it)\n"
-        "    loop.run_iteration = failing\n")
-    failed = torchrun(tmp_path, "name=fail", "trainer.iterations=3", *SMALL, pythonpath=str(hook))
+    folder, failed = partial_and_failing("fail")
     assert failed.returncode != 0
     assert "rank 1 fails on purpose in iteration 1" in failed.stderr + failed.stdout
-    assert [r["iteration"] for r in rows(tmp_path / "runs" / "fail")] == [0]
+    assert [r["iteration"] for r in rows(folder / "runs" / "fail")] == [0]
 
 
 def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_samples(tmp_path, monkeypatch):
