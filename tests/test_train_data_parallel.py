@@ -40,10 +40,12 @@ def start_torchrun(cwd, *args: str, ranks: int = 2, pythonpath: str | None = Non
 
 
 def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    """Wait for a job of `start_torchrun` (at most 600 s, as `subprocess.run` waited before)."""
     try:
         stdout, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.communicate()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
