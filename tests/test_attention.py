@@ -115,8 +115,8 @@ def test_document_block_mask_equals_the_mask_mod_evaluated_everywhere(lengths):
 
 def test_a_compiled_consumer_of_the_block_mask_compiles_once_for_every_block_count():
     """Packed micro-batches are nearly all full, so nearly all have one block count; a compiled layer took
-    that count as a constant and recompiled at the first micro-batch with another, iterations later (a 17 s
-    recompile inside a timed 4B update, H200). With the counts symbolic from the first graph, new lengths and
+    that count as a constant and recompiled at the first micro-batch with another, iterations later (the
+    likely cause of a slow timed 4B update, H200). With the counts symbolic from the first graph, new lengths and
     new block counts reuse the graphs of the first two lengths (the sequence length itself turns symbolic
     at its first change, as before). FlexAttention's eager forward on the CPU; dynamo's frame counter."""
     from torch._dynamo.testing import CompileCounter

@@ -1,11 +1,11 @@
 """Device memory at each phase of a `kv4rl` command (CUDA): allocated, peak (reset at each phase),
-reserved and free GiB, the allocator's retries (a cudaMalloc that failed, the cache
-freed and the call repeated: slow) and each call's seconds when the learner measures its update memory, the engine sizes its pool, the
-learner steps or runs a no-grad pass, and the engine loads weights; an OOM names the phase it hit.
-Why: the Qwen3-4B awake arm ran out of memory without saying which term of its reserve was short
-(bench/RESULTS.md, ninth session, found AdamW's moments uncounted with it). Dynamo's recompiles are
-logged with their reasons. Usage, the arguments of
-`kv4rl`:  python tools/trace_iteration_memory.py bench iteration --shape qwen3-4b --arms ...  | grep MEM
+reserved and free GiB, the allocator's retries (a failed cudaMalloc, the cache freed and the call
+repeated) and each call's seconds and batch, when the learner measures its update memory, the engine
+sizes its pool, the learner steps or runs a no-grad pass, and the engine loads weights; an OOM names
+the phase it hit; dynamo's recompiles are logged with their reasons. Why: the Qwen3-4B awake arm ran
+out of memory without saying which term of its reserve was short (bench/RESULTS.md, ninth session,
+found AdamW's moments uncounted with it). Usage, the arguments of `kv4rl`:
+    python tools/trace_iteration_memory.py bench iteration --shape qwen3-4b --arms ...  | grep MEM
 """
 import functools
 import sys

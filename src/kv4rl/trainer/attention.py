@@ -100,8 +100,8 @@ def mark_block_counts_dynamic(mask, doc: torch.Tensor) -> None:
     """Let a compiled layer (`trainer.compile_layers`) take the block count of `mask` (and `doc`, which its
     `mask_mod` reads) as symbolic from its first graph. Packed micro-batches are nearly all full, so nearly
     all have the same block count (16,384 tokens: 128 blocks): dynamo compiled each graph for that count
-    and recompiled it at the first micro-batch with another, which can come iterations later (a 17 s
-    recompile in a timed 4B update on the H200, 2026-12-02, bench/RESULTS.md)."""
+    and recompiled it at the first micro-batch with another, which can come iterations later: the likely
+    cause of a timed 4B update taking 39.4 s against 18.3 s (H200, 2026-12-02, bench/RESULTS.md)."""
     torch._dynamo.maybe_mark_dynamic(doc, 0)
     for t in (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
               mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices):
