@@ -27,12 +27,39 @@ def make_learner(path, max_tokens, micro=8, updates=1, agg="token_mean"):
                    temperature=1.0, device=torch.device("cpu"), max_tokens_per_micro_batch=max_tokens)
 
 
-def test_plan_is_longest_first_first_fit_and_a_long_row_goes_alone():
-    # sorted: 9 (row 2), 6 (row 0), 5 (row 3), 4 (row 1), 3 (row 4), 12 is over budget (row 5) and first
-    assert plan_micro_batches([6, 4, 9, 5, 3, 12], 10) == [[5], [2], [0, 1], [3, 4]]
+def test_plan_fills_first_fits_count_of_micro_batches_evenly_and_a_long_row_goes_alone():
+    # first fit (sorted 12, 9, 6, 5, 4, 3) needs 4: {12} {9} {6, 4} {5, 3}; evenly: 4 joins 5, 3 joins 6
+    assert plan_micro_batches([6, 4, 9, 5, 3, 12], 10) == [[5], [2], [0, 4], [3, 1]]
     assert plan_micro_batches([2, 2, 2], 100) == [[0, 1, 2]]
+    # first fit leaves a 5-token remainder ({50, 50} {50, 50} {5}); even filling does not
+    assert plan_micro_batches([50, 50, 50, 50, 5], 100) == [[0, 3], [1, 4], [2]]
+    # first fit needs 2 ({5, 5} {4, 3, 3}); evenly, 5+4 and 5+3 leave no room for the last 3: three
+    # micro-batches filled evenly (8, 5, 7), not a 3-token remainder
+    assert plan_micro_batches([5, 5, 4, 3, 3], 10) == [[0, 4], [1], [2, 3]]
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be >= 1"):
         plan_micro_batches([1], 0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_is_a_partition_within_budget_as_short_as_first_fit_and_even(seed):
+    """Against an independent first fit: no fewer micro-batches (rarely one or two more), every one
+    within the budget, and the fullest and emptiest differ by at most the longest row."""
+    g = torch.Generator().manual_seed(seed)
+    budget = int(torch.randint(20, 200, (1,), generator=g))
+    lengths = torch.randint(1, budget + 1, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+    plan = plan_micro_batches(lengths, budget)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in mb) for mb in plan]
+    assert all(load <= budget for load in loads)
+    rooms: list[int] = []  # first fit, longest first, written out again
+    for n in sorted(lengths, reverse=True):
+        fit = [b for b, r in enumerate(rooms) if r >= n]
+        if fit:
+            rooms[fit[0]] -= n
+        else:
+            rooms.append(budget - n)
+    assert len(rooms) <= len(plan) <= len(rooms) + 2
+    assert max(loads) - min(loads) <= max(lengths)
 
 
 def test_pack_rows_lays_real_tokens_end_to_end_with_restarting_positions():
@@ -51,8 +78,8 @@ def test_packed_and_padded_give_the_same_logprobs_gradients_and_update(tiny_qwen
     path, _ = tiny_qwen3
     b = ragged_batch()
     padded = make_learner(path, None, micro=2, updates=updates, agg=agg)
-    packed = make_learner(path, 14, updates=updates, agg=agg)  # 14 tokens: rows {2}, {0, 1}, {3, 4}
-    assert [r.tolist() for r in packed.micro_batches(b, torch.arange(len(b)))] == [[2], [0, 1], [3, 4]]
+    packed = make_learner(path, 14, updates=updates, agg=agg)  # 14 tokens: rows {2}, {0, 3}, {1, 4}
+    assert [r.tolist() for r in packed.micro_batches(b, torch.arange(len(b)))] == [[2], [0, 3], [1, 4]]
     lp_padded, lp_packed = padded._logprobs(padded.model, b), packed._logprobs(packed.model, b)
     torch.testing.assert_close(lp_packed * b.response_mask, lp_padded * b.response_mask, rtol=0, atol=1e-5)
     m_padded, m_packed = padded.step(b), packed.step(b)
