@@ -10,10 +10,10 @@
 #   bash tools/device_benches.sh compiled 2>&1 | tee $OUT/log.txt              # trainer.compile_layers vs fused (~5 min)
 #   bash tools/device_benches.sh fused_logprobs 2>&1 | tee $OUT/log.txt        # the Triton log-prob head (~4 min)
 #   bash tools/device_benches.sh iteration 2>&1 | tee $OUT/log.txt             # one RL iteration per arm (~8 min)
-#   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # baseline and awake@192/256, CUDA learner defaults (~9 min)
+#   bash tools/device_benches.sh iteration_compiled 2>&1 | tee $OUT/log.txt    # baseline and awake@192/256, CUDA learner defaults (~5 min)
 #   bash tools/device_benches.sh merged 2>&1 | tee $OUT/log.txt                # merged projections (~8 min)
 #   bash tools/device_benches.sh engine_tests 2>&1 | tee $OUT/log.txt          # engine GPU tests (~4 min)
-#   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # reserve test, 4B baseline and awake@192 (<10 min)
+#   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B baseline, awake@192 and @256 (~8 min)
 #   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B, AdamW moments on the host (<10 min)
 #   bash tools/device_benches.sh generate_async 2>&1 | tee $OUT/log.txt        # async scheduling vs sync (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -88,8 +88,8 @@ fused_logprobs() {  # issue 12: trainer.fused_logprobs (the Triton log-prob head
 
 learner() {  # issue 12: the packed learner with FlexAttention vs SDPA's dense mask, and vs padded rows, 1.7B
     # shape (~4 min on 2026-12-01; each variant is printed and the JSON rewritten as soon as it is timed)
-    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_learner_flex_gpu.py tests/gpu/test_learner_gpu.py \
-        tests/gpu/test_fused_elementwise_gpu.py \
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_learner_flex_gpu.py tests/gpu/test_learner_gpu.py \
+        tests/gpu/test_fused_elementwise_gpu.py tests/gpu/test_update_memory_gpu.py \
         > $OUT/learner_tests.txt 2>&1; tail -4 $OUT/learner_tests.txt
     timeout 180 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload uniform --layouts packed \
         --attention flex --fuse-elementwise off,on --checkpointing off --reference off --steps 2 \
@@ -122,7 +122,8 @@ iteration_compiled() {  # issue 12: the iteration with the learner's CUDA defaul
     # Triton log-prob head since 2026-12-02: 48.0% MFU per 1.7B step) against the baseline, the awake arm at
     # 192 decode slots (2.01x with compiled layers and the torch head on 2026-12-02: 23.35 s against 47.02)
     # and at 256 (a full KV4 pool would be 2 x 31.2 GiB beside the learner's ~76 GiB; where the GPU has less,
-    # the pool is sized to what is free and the arm preempts: its JSON row counts the preemptions)
+    # the pool is sized to what is free and the arm preempts: its JSON row counts the preemptions). On the
+    # asynchronous engine, 2026-12-02 (eleventh session, 297 s): 37.48 s baseline, 1.82x at 192, 2.01x at 256
     timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b \
         --arms bf16+sync,kv4+partial+awake@192,kv4+partial+awake@256 \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
@@ -140,19 +141,15 @@ engine_tests() {  # the engine on CUDA: fast path (mixed steps replaying the dec
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the
-    # awake arm at 192 slots against the baseline. 2026-12-02 (tenth session): it fits (reserve 58.21 GiB, pool
-    # 33.65 GiB) but its timed update took 30.8-39.4 s against 18.3 s at 128 slots, most likely a recompile of the
-    # compiled layers on a block count the warm-up had not seen (marked symbolic since 1f6a115). The reserve's
-    # GPU test first (~70 s), then the iteration (~6 min) with dynamo's recompile reasons in fit_4b_full.txt.
-    # Other arms: FIT_4B_ARMS=bf16+sync,kv4+partial+awake@256 (two arms fit the 600 s of a call)
-    timeout 100 python -m pytest -q -p no:cacheprovider -p no:logging -rf tests/gpu/test_update_memory_gpu.py \
-        > $OUT/update_memory_tests.txt 2>&1; grep -E "^E  |passed|failed" $OUT/update_memory_tests.txt | tail -6
-    TORCH_LOGS=recompiles timeout 500 python -m kv4rl.cli bench iteration --shape qwen3-4b \
-        --arms ${FIT_4B_ARMS:-bf16+sync,kv4+partial+awake@192} \
+    # awake arm at 192 and 256 slots against the baseline (483 s on 2026-12-02, eleventh session: 1.88x and
+    # 2.07x, no recompile in a timed step once micro-batches were filled evenly). Dynamo's recompile reasons
+    # and timestamped progress in fit_4b_full.txt. The update reserve's GPU test is in the `learner` stage.
+    TORCH_LOGS=recompiles timeout 580 python -m kv4rl.cli bench iteration --shape qwen3-4b \
+        --arms ${FIT_4B_ARMS:-bf16+sync,kv4+partial+awake@192,kv4+partial+awake@256} \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
         --grad-checkpointing --iterations 1 --json $OUT/iteration_4b.json --png $OUT/iteration_4b.png 2>&1 \
         | while IFS= read -r line; do echo "$(date +%T) $line"; done \
-        | tee $OUT/fit_4b_full.txt | grep -E "│|s per iteration|Error|reserved|iteration|Recompiling" | tail -24
+        | tee $OUT/fit_4b_full.txt | grep -E "│|s per iteration|Error|reserved|iteration|Recompiling" | tail -30
 }
 
 fit_8b() {  # issue 12: Qwen3-8B shape with AdamW's moments in pinned CPU memory (trainer.offload_optimizer)
