@@ -19,6 +19,8 @@ import statistics
 import numpy as np
 import torch
 
+from kv4rl.bench.roofline import copy_bandwidth, roofline_ms, weight_bytes_per_step
+
 WORKLOADS = {"early": (256, 1024), "mid": (128, 4096), "late": (64, 8192)}
 VARIANTS = (("bf16", "bf16"), ("fp8", "bf16"), ("bf16", "kv4"), ("fp8", "kv4"))
 
@@ -79,6 +81,20 @@ def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, re
     return {"ms": ms, "tokens_per_s": batch / ms * 1e3, "finite": finite, "kv_gib": kv_bytes / 2**30}
 
 
+def step_roofline(model, kv: str, batch: int, context: int, ms: float, bandwidth: float | None) -> dict:
+    """The step's byte roofline (`kv4rl.bench.roofline`: the weights it reads, plus the K and V of `batch`
+    sequences at `context` tokens in every layer, scales included) and the fraction of it `ms` reaches;
+    None without a measured bandwidth."""
+    from kv4rl.bench.decode_attn import kv_bytes_read
+
+    if bandwidth is None:
+        return {"roofline_ms": None, "of_roofline": None}
+    args = model.args
+    kv_bytes = args.num_layers * kv_bytes_read(kv, batch, context, args.num_kv_heads, args.head_dim)
+    roof = roofline_ms(weight_bytes_per_step(model), kv_bytes, bandwidth)
+    return {"roofline_ms": roof, "of_roofline": roof / ms}
+
+
 def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANTS, device="cuda",
                        progress=None, fused_ops: bool = False, tp=None, merge_projections: bool = True) -> dict:
     """`fused_ops` runs the step as `engine.fused_ops=true` would (fused norms/RoPE/SwiGLU, one-launch
@@ -89,6 +105,7 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
     from kv4rl.engine.merged_linears import merge_projections as merge
 
     results = []
+    bandwidth = copy_bandwidth(torch.device(device))
     for shape in shapes:
         model = random_decoder(shape, device, tp=tp)
         if fused_ops:
@@ -112,6 +129,7 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                            "kv": kv, "fused_ops": fused_ops, "merge_projections": merge_projections,
                            "tensor_parallel": 1 if tp is None else tp.size,
                            **time_step(model, kv, batch, context, barrier=barrier)}
+                    row.update(step_roofline(model, kv, batch, context, row["ms"], bandwidth))
                     results.append(row)
                     if progress:
                         progress(row)

@@ -21,6 +21,7 @@ import time
 import torch
 
 from kv4rl.bench.random_model import decoder_from_hf, qwen3_args, random_decoder, random_hf_qwen3
+from kv4rl.bench.roofline import copy_bandwidth, roofline_ms, weight_bytes_per_step
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.placement import resolve_device
@@ -85,11 +86,13 @@ def run_hf(model, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
 
 
 def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
-               seed: int) -> dict:
+               seed: int, bandwidth: float | None = None) -> dict:
     """Engine generation per batch size: produced tokens, seconds, steps, decode step time and its host
     part (latency minus the wait for the device: scheduling, inputs, launches, bookkeeping; the GPU
     idles for at least part of it), the time of the steps that carry prompt tokens (`prefill_s`,
-    `prefill_steps`, `prefill_tokens`), peak memory."""
+    `prefill_steps`, `prefill_tokens`), peak memory. With `bandwidth` (bytes/s), also the decode steps'
+    mean byte roofline (`kv4rl.bench.roofline`: the weights plus each step's resident KV at the
+    engine's bytes per token) and the fraction of it they reach (`decode_of_roofline`)."""
     largest = prompts_by_batch[max(prompts_by_batch)]
     engine.generate(largest, SamplingParams(max_tokens=min(new_tokens, WARMUP_TOKENS), ignore_eos=True, seed=seed))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
@@ -104,6 +107,10 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
         decode = [s["latency_s"] for s in decode_steps]
         host = [s["latency_s"] - s["wait_s"] for s in decode_steps]
         prefill = [s for s in steps if s["prefill_tokens"]]  # steps carrying prompt tokens (with decodes or not)
+        roof = None
+        if bandwidth is not None and decode_steps:
+            weights = weight_bytes_per_step(engine.model)
+            roof = sum(roofline_ms(weights, s["kv_bytes"], bandwidth) for s in decode_steps) / len(decode_steps)
         rows[batch] = {
             "engine_tokens": tokens, "engine_s": t.seconds, "engine_tokens_per_s": tokens / t.seconds,
             "engine_steps": len(steps), "decode_steps": len(decode),
@@ -112,6 +119,8 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
             "prefill_steps": len(prefill), "prefill_tokens": sum(s["prefill_tokens"] for s in prefill),
             "prefill_s": sum(s["latency_s"] for s in prefill),
             "preemptions": engine.num_preemptions - preempted, "engine_peak_gib": t.peak_gib,
+            "decode_roofline_ms": roof,
+            "decode_of_roofline": roof / (1e3 * sum(decode) / len(decode)) if roof is not None else None,
         }
     return rows
 
@@ -119,14 +128,15 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
 def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128, new_tokens: int = 256,
                    kv_formats: list[str] = ("bf16",), weight_format: str = "auto", hf: bool = True,
                    device: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
-                   schedulings: list[str] = ("auto",), progress=None) -> dict:
+                   schedulings: list[str] = ("auto",), bandwidth: float | None = None, progress=None) -> dict:
     """Tokens/s of the engine (each KV format, each of `schedulings`: `sync`, `async` for
     `engine.async_scheduling`, or `auto` alone for the engine's own choice, named in the rows as what it
     resolved to) and of transformers on the same model and prompts; an async row also has its ratio to
     the sync row of its format and batch when both ran (`speedup_vs_sync`).
 
     `engine_config` supplies other engine settings; unless it sets `max_model_len`, that is
-    `prompt_len + new_tokens`. The model is bf16 on CUDA and float32 on CPU.
+    `prompt_len + new_tokens`. The model is bf16 on CUDA and float32 on CPU. `bandwidth` (bytes/s) sets
+    the byte roofline's rate; by default the device's measured one (`roofline.copy_bandwidth`), if any.
     """
     unknown = sorted(set(schedulings) - {"sync", "async", "auto"})
     if not schedulings or unknown:
@@ -137,6 +147,7 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
         raise ValueError("--batch-sizes, --prompt-len and --new-tokens must be >= 1")
     note = progress or (lambda message: None)
     dev = resolve_device(device)
+    bandwidth = bandwidth or copy_bandwidth(dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     args = qwen3_args(shape)
     prompts = {b: random_prompts(args.vocab_size, b, prompt_len, seed) for b in batch_sizes}
@@ -165,7 +176,7 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
             label = fmt if len(schedulings) == 1 else f"{fmt} {scheduling}"
             summaries[label] = engine.summary
             note(engine.summary)
-            for batch, row in run_engine(engine, prompts, new_tokens, seed).items():
+            for batch, row in run_engine(engine, prompts, new_tokens, seed, bandwidth).items():
                 row = {"kv_format": fmt, "scheduling": scheduling, "batch_size": batch, **row,
                        **hf_rows.get(batch, {})}
                 row["speedup"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"] if hf else None
@@ -181,6 +192,7 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
                         "kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "vocab": args.vocab_size},
         "prompt_len": prompt_len, "new_tokens": new_tokens, "weight_format": weight_format,
         "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "seed": seed,
+        "roofline_bandwidth_bytes_per_s": bandwidth,
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "engine_summaries": summaries, "results": results,
     }

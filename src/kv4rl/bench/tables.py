@@ -53,14 +53,16 @@ def generate_table(res: dict) -> ResultTable:
         f"{res['gpu'] or res['device']}, prompt {res['prompt_len']} + {res['new_tokens']} new tokens, "
         f"weights {res['weight_format']}",
         ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "prefill s", "decode step ms",
-         "of it host ms", "engine peak GiB", "HF peak GiB"]
+         "of it host ms", "of byte roofline", "engine peak GiB", "HF peak GiB"]
         + (["async vs sync"] if any(r.get("scheduling") == "async" for r in res["results"]) else []), labels=2)
-    async_rows = len(table.headers) > 11
+    async_rows = len(table.headers) > 12
     for r in res["results"]:
+        roof = r.get("decode_of_roofline")
         cells = [r["kv_format"] + (f" {r['scheduling']}" if async_rows else ""), str(r["batch_size"]),
                  f"{r['engine_tokens_per_s']:,.0f}", f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
                  f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
                  num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r.get("decode_host_ms")),
+                 "-" if roof is None else f"{roof:.0%} of {r['decode_roofline_ms']:.2f} ms",
                  num(r["engine_peak_gib"]), num(r.get("hf_peak_gib"))]
         if async_rows:
             cells.append(f"{r['speedup_vs_sync']:.2f}x" if r.get("speedup_vs_sync") is not None else "-")
@@ -125,11 +127,12 @@ def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
                         f"{', fused ops' if fused_ops else ''}{', merged projections' if merged else ''}"
                         f"{f', tensor parallel {tp}' if tp > 1 else ''})",
                         ["shape", "workload", "weights", "kv", "batch x context", "ms/step", "tokens/s",
-                         "vs bf16/bf16", *extra], labels=4)
+                         "vs bf16/bf16", "of byte roofline", *extra], labels=4)
     for r in res["results"]:
         cells = [f"{r['tp1_ms']:.2f}", f"{r['speedup_vs_tp1']:.2f}x"] if tp > 1 else []
+        roof = "-" if r.get("of_roofline") is None else f"{r['of_roofline']:.0%} of {r['roofline_ms']:.2f} ms"
         table.add_row(r["shape"], r["workload"], r["weights"], r["kv"], f"{r['batch']} x {r['context']}",
-                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x", *cells)
+                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x", roof, *cells)
     return table
 
 

@@ -1,0 +1,94 @@
+"""The decode step's byte roofline: the weight bytes counted against the shapes by hand, and `bench
+generate` / `bench decode-forward` reporting the fraction of it a step reaches."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kv4rl.bench.generate import bench_generate
+from kv4rl.bench.random_model import qwen3_args, random_decoder
+from kv4rl.bench.roofline import copy_bandwidth, roofline_ms, weight_bytes_per_step
+from kv4rl.bench.tables import decode_forward_table, generate_table
+from kv4rl.engine.fp8_weights import apply_fp8_weights
+from kv4rl.models.decoder import Decoder
+
+
+def layer_matrices(a) -> list[tuple[int, int]]:
+    """(out, in) of one layer's seven projections."""
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    return [(q, a.hidden_size), (kv, a.hidden_size), (kv, a.hidden_size), (a.hidden_size, q),
+            (a.intermediate_size, a.hidden_size), (a.intermediate_size, a.hidden_size),
+            (a.hidden_size, a.intermediate_size)]
+
+
+def norm_elements(a) -> int:
+    """Per layer: input and post-attention norms (hidden), q and k norms (head_dim)."""
+    return 2 * a.hidden_size + 2 * a.head_dim
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_are_the_layers_and_the_head_once_without_the_row_tables(tied):
+    a = dataclasses.replace(qwen3_args("qwen3-tiny"), tie_word_embeddings=tied)
+    model = Decoder(a, dtype=torch.bfloat16)
+    model.tie_weights()
+    model.rotary.build_cache(torch.device("cpu"))  # 2 x 512 x 16 float32 rows: left out
+    per_layer = sum(o * i for o, i in layer_matrices(a)) + norm_elements(a)
+    # the head (vocab x hidden) once whether tied or not; the untied embedding table is left out
+    elements = a.num_layers * per_layer + a.hidden_size + a.vocab_size * a.hidden_size
+    assert weight_bytes_per_step(model) == 2 * elements
+
+
+def test_fp8_weights_count_one_byte_per_element_and_a_float32_scale_per_row():
+    model = random_decoder("qwen3-tiny", "cpu", dtype=torch.bfloat16)  # tied embeddings, as Qwen3-1.7B
+    a = model.args
+    apply_fp8_weights(model)
+    linears = sum(o * i + 4 * o for o, i in layer_matrices(a))  # e4m3 codes + one fp32 scale per row
+    expected = a.num_layers * (linears + 2 * norm_elements(a)) + 2 * (a.hidden_size + a.vocab_size * a.hidden_size)
+    assert weight_bytes_per_step(model) == expected
+
+
+def test_roofline_is_bytes_over_bandwidth_and_cpu_has_none():
+    assert roofline_ms(3.0e9, 1.2e9, 4.2e12) == pytest.approx(1.0)
+    assert copy_bandwidth(torch.device("cpu")) is None
+
+
+def test_bench_generate_reports_each_decode_steps_roofline_against_a_hand_count():
+    """Prompt 5, 4 new tokens, batch 2, lockstep: decode steps 1-3 leave 7, 8, 9 tokens resident per
+    sequence (the record counts the token each step sampled), at the engine's bytes per token."""
+    res = bench_generate("qwen3-tiny", batch_sizes=[2], prompt_len=5, new_tokens=4, hf=False, device="cpu",
+                         bandwidth=1e9)
+    (row,) = res["results"]
+    a = qwen3_args("qwen3-tiny")
+    bytes_per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2  # bf16 K and V
+    weights = 4 * (a.num_layers * (sum(o * i for o, i in layer_matrices(a)) + norm_elements(a))
+                   + a.hidden_size + a.vocab_size * a.hidden_size)  # float32 on CPU
+    expected = sum(1e3 * (weights + 2 * ctx * bytes_per_token) / 1e9 for ctx in (7, 8, 9)) / 3
+    assert row["decode_steps"] == 3 and row["decode_roofline_ms"] == pytest.approx(expected, rel=1e-12)
+    assert row["decode_of_roofline"] == pytest.approx(expected / row["decode_step_ms"])
+    assert res["roofline_bandwidth_bytes_per_s"] == 1e9
+    table = generate_table(res)
+    assert table.rows[0][table.headers.index("of byte roofline")].endswith(f"of {expected:.2f} ms")
+    bare = bench_generate("qwen3-tiny", batch_sizes=[2], prompt_len=3, new_tokens=2, hf=False, device="cpu")
+    assert bare["results"][0]["decode_of_roofline"] is None  # no measured bandwidth on a CPU
+
+
+def test_decode_forward_table_shows_the_fraction_of_the_roofline():
+    row = {"shape": "qwen3-8b", "workload": "late", "weights": "bf16", "kv": "kv4", "batch": 64, "context": 8192,
+           "ms": 8.0, "tokens_per_s": 8000.0, "speedup_vs_bf16": 2.0, "roofline_ms": 6.0, "of_roofline": 0.75}
+    table = decode_forward_table({"device": "H200", "results": [row, dict(row, roofline_ms=None, of_roofline=None)]},
+                                 fused_ops=True)
+    column = table.headers.index("of byte roofline")
+    assert [r[column] for r in table.rows] == ["75% of 6.00 ms", "-"]
+
+
+def test_decode_forward_roofline_reads_the_weights_and_every_layers_kv_once():
+    from kv4rl.bench.decode_forward import step_roofline
+
+    model = random_decoder("qwen3-tiny", "cpu", dtype=torch.bfloat16)
+    a = model.args
+    kv = a.num_layers * 2 * 3 * 40 * a.num_kv_heads * a.head_dim * 2  # K and V, batch 3 x 40 tokens, bf16
+    got = step_roofline(model, "bf16", 3, 40, ms=2.0, bandwidth=1e9)
+    assert got["roofline_ms"] == pytest.approx(1e3 * (weight_bytes_per_step(model) + kv) / 1e9)
+    assert got["of_roofline"] == pytest.approx(got["roofline_ms"] / 2.0)
+    assert step_roofline(model, "bf16", 3, 40, ms=2.0, bandwidth=None) == {"roofline_ms": None, "of_roofline": None}
