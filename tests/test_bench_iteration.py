@@ -58,7 +58,10 @@ def test_arms_phases_json_csv_and_figure(tmp_path, one_thread):
         assert x["peak_memory_bytes"] is None  # CPU
         assert "KV pool" in x["engine_summary"] and "0 asleep" in x["engine_summary"]
         assert x["tokens_per_iteration"] >= 2 * 2  # every response has at least one token
-    assert rows[0]["speedup_vs_first"] == 1.0
+        assert x["trained_tokens_per_s"] == pytest.approx(x["tokens_per_iteration"] / x["seconds_per_iteration"])
+        assert x["trained_tokens_per_s_vs_first"] == pytest.approx(
+            x["trained_tokens_per_s"] / (rows[0]["tokens_per_iteration"] / rows[0]["seconds_per_iteration"]))
+    assert rows[0]["speedup_vs_first"] == 1.0 and rows[0]["trained_tokens_per_s_vs_first"] == 1.0
     assert "fp8 weights" in rows[2]["engine_summary"]
     assert png.read_bytes()[:4] == b"\x89PNG"
     with png.with_suffix(".csv").open() as f:

@@ -296,6 +296,10 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
         first = rows[0]["seconds_per_iteration"]
         for r in rows:
             r["speedup_vs_first"] = first / r["seconds_per_iteration"]
+            # a partial arm meets its quota with the groups that finish first and carries the long ones, so
+            # it can train on fewer tokens per iteration than a sync arm: the speedup in tokens too
+            r["trained_tokens_per_s"] = r["tokens_per_iteration"] / r["seconds_per_iteration"]
+            r["trained_tokens_per_s_vs_first"] = r["trained_tokens_per_s"] / rows[0]["trained_tokens_per_s"]
         return {
             "model": bench.shape,
             "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "kv_heads": args.num_kv_heads,

@@ -111,10 +111,13 @@ def iteration_table(res: dict) -> ResultTable:
         f"device, {'sleep/wake' if res['sleep'] else 'no sleep'} — {w['quota_groups']} groups x {w['group_size']}, "
         f"{w['max_slots']} slots, prompt {w['prompt_len']}, lengths log-normal median {w['median_len']} sigma "
         f"{w['sigma']:g} max {w['max_len']}; mean seconds of {res['iterations']} iterations after a warm-up",
-        ["arm", "s / iter", *res["phases"], "speedup", "tokens / iter", "peak GiB", "pool GiB"], labels=1)
+        ["arm", "s / iter", *res["phases"], "speedup", "tokens / iter", "trained tok/s (vs first)", "peak GiB",
+         "pool GiB"], labels=1)
+    rate = lambda r: r["tokens_per_iteration"] / r["seconds_per_iteration"]  # also for JSON saved before the key
     for r in res["results"]:
         table.add_row(r["arm"], f"{r['seconds_per_iteration']:.3f}", *[f"{r['phases'][p]:.3f}" for p in res["phases"]],
                       f"{r['speedup_vs_first']:.2f}x", f"{r['tokens_per_iteration']:,.0f}",
+                      f"{rate(r):,.0f} ({rate(r) / rate(res['results'][0]):.2f}x)",
                       gib(r["peak_memory_bytes"]), gib(r["pool_bytes_awake"]))
     return table
 
