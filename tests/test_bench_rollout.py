@@ -111,6 +111,27 @@ def test_a_format_may_run_its_own_number_of_slots(tmp_path, one_thread):
     assert rows["kv4@12"]["pool_bytes"] <= BUDGET_GIB * 2**30
 
 
+def test_each_corner_is_written_as_it_ends(tmp_path, one_thread, monkeypatch):
+    """A time limit keeps the corners that ran: the JSON is rewritten after each, `complete` only after
+    the last, and the speedup against bf16 sync appears once that corner is in."""
+    import kv4rl.cli_bench
+
+    written = []
+    monkeypatch.setattr(kv4rl.cli_bench, "write_json", lambda res, path: written.append(json.loads(json.dumps(res))))
+    res = runner.invoke(app, ["bench", "rollout", *TINY, "--formats", "kv4,bf16", "--modes", "partial,sync",
+                              "--repeats", "1", "--kv-budget-gib", str(BUDGET_GIB), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    assert [len(w["results"]) for w in written] == [1, 2, 3, 4, 4]  # one per corner, then the final write
+    assert [w["complete"] for w in written] == [False, False, False, True, True]
+    assert [(r["format"], r["mode"]) for r in written[-1]["results"]] == [
+        ("kv4", "partial"), ("kv4", "sync"), ("bf16", "partial"), ("bf16", "sync")]
+    for w in written[:3]:  # bf16 sync, the reference, runs last
+        assert all(r["speedup_vs_bf16_sync"] is None for r in w["results"])
+        assert [r["rollout_s"] for r in w["results"]] == [r["rollout_s"] for r in written[-1]["results"][:len(w["results"])]]
+    assert written[-1]["results"][-1]["speedup_vs_bf16_sync"] == 1.0
+    assert "4/4 bf16 sync" in res.output
+
+
 def test_model_folder_and_one_repeat(tiny_qwen3, tmp_path, one_thread):
     path, _ = tiny_qwen3
     out = tmp_path / "r.json"
@@ -200,7 +221,10 @@ def _script_commands() -> dict[str, list[str]]:
 
 def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
     commands = _script_commands()
-    assert set(commands) == {"qwen3_1p7b", "qwen3_1p7b_256", "qwen3_8b"}
+    assert set(commands) == {"qwen3_1p7b", "qwen3_1p7b_256", "qwen3_8b", "qwen3_8b_one_repeat"}
+    one = commands["qwen3_8b_one_repeat"]
+    i = one.index("--repeats")
+    assert one[i + 1] == "1" and one[:i] + one[i + 2:] == commands["qwen3_8b"]  # the same corners, one repeat
     for name, argv in commands.items():
         argv = [a.replace("$OUT", str(tmp_path / "out")) for a in argv]
         res = runner.invoke(app, [*argv, "--validate-only"])

@@ -40,6 +40,15 @@ qwen3_8b() {
         --max-slots 128 --json $OUT/rollout_qwen3_8b.json --png $OUT/rollout_qwen3_8b.png $ROLLOUT_ARGS
 }
 
+# The 8B line with one timed repeat after the warm-up, to fit a 10-minute device call (estimate: a sync
+# batch lasts ~8,200 steps, since 91% of 128 draws include one at --max-len; ~320 s for the four corners).
+# The JSON is rewritten after each corner, so a call cut short keeps the corners that ran (bf16 sync first).
+qwen3_8b_one_repeat() {
+    timeout 590 python -m kv4rl.cli bench rollout --shape qwen3-8b --kv-budget-gib 40 --formats bf16,kv4 \
+        --modes sync,partial --quota-groups 16 --group-size 8 --prompt-len 256 --median-len 1024 --max-len 8192 \
+        --max-slots 128 --repeats 1 --json $OUT/rollout_qwen3_8b.json --png $OUT/rollout_qwen3_8b.png $ROLLOUT_ARGS
+}
+
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(qwen3_1p7b qwen3_8b)
 date

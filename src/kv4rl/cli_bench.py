@@ -311,8 +311,14 @@ def bench_rollout_cmd(
     if validate_only:
         console.print("options valid; stopping before any work (--validate-only)")
         return
+    def finished(partial: dict) -> None:  # each corner as it ends: a time limit keeps what ran
+        r = partial["results"][-1]
+        console.print(f"[dim]{len(partial['results'])}/{len(bench.formats) * len(bench.modes)} {r['format']} "
+                      f"{r['mode']}: {r['rollout_s']:.2f} s per batch[/]", highlight=False)
+        write_json(partial, json_out)
+
     with StageProgress(console, "rollout") as stages:  # a stage per warm-up and timed repeat of each corner
-        res, traces = bench_rollout(plan, progress=lambda what, done: stages(what, done, 1))
+        res, traces = bench_rollout(plan, progress=lambda what, done: stages(what, done, 1), on_result=finished)
     print_table(console, rollout_table(res))
     write_json(res, json_out)
     if png is not None:

@@ -361,9 +361,12 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_rollout(plan: Plan, progress: ProgressFn | None = None) -> tuple[dict, dict[str, list[dict]]]:
+def bench_rollout(plan: Plan, progress: ProgressFn | None = None,
+                  on_result: Callable[[dict], None] | None = None) -> tuple[dict, dict[str, list[dict]]]:
     """Run every corner of a prepared plan on one decoder; returns the JSON-ready summary and, per
-    corner ("format mode"), the last repeat's steps (engine time, active sequences, KV bytes in use)."""
+    corner ("format mode"), the last repeat's steps (engine time, active sequences, KV bytes in use).
+    `on_result(summary)` after each corner with the corners run so far (`complete` false until the
+    last), so a time limit keeps what ran: an 8B corner with 8192-token responses takes minutes."""
     progress = progress or (lambda what, done: None)
     bench = plan.bench
     decoder = _decoder(plan)
@@ -377,9 +380,17 @@ def bench_rollout(plan: Plan, progress: ProgressFn | None = None) -> tuple[dict,
             rows.append(row)
             del engine
             _free(plan.device)
+            if on_result is not None:
+                on_result(_summary(plan, rows, summaries, complete=len(rows) == len(bench.formats) * len(bench.modes)))
+    return _summary(plan, rows, summaries, complete=True), traces
+
+
+def _summary(plan: Plan, rows: list[dict], summaries: dict[str, str], complete: bool) -> dict:
+    """The JSON of the corners in `rows`, each with its speedup against the bf16 sync corner when that ran."""
+    bench = plan.bench
     add_speedups(rows)
     args, kv = plan.args, plan.configs[bench.formats[0]].kv
-    res = {
+    return {
         "model": bench.shape or str(_model_dir(bench)),
         "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "kv_heads": args.num_kv_heads,
                         "head_dim": args.head_dim, "vocab": args.vocab_size},
@@ -388,6 +399,5 @@ def bench_rollout(plan: Plan, progress: ProgressFn | None = None) -> tuple[dict,
         "workload": asdict(bench.workload), "repeats": bench.repeats, "batches": bench.batches,
         "kv_budget_gib": bench.kv_budget_gib,
         "kv": {"block_size": kv.block_size, "group_size": kv.group_size, "n_sink": kv.n_sink, "n_recent": kv.n_recent},
-        "engine_summaries": summaries, "results": rows,
+        "engine_summaries": dict(summaries), "results": [dict(r) for r in rows], "complete": complete,
     }
-    return res, traces
