@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,3 +46,26 @@ def testbed_cache(tmp_path_factory):
 
     cache = tmp_path_factory.mktemp("kv4rl_testbed_cache")
     return cache, testbed_model_dir("longmul-test", cache, progress=False)
+
+
+def pytest_collection_finish(session):
+    """Start test_tiny_model's real build now, beside the tests that run before it (tests/tiny_build.py
+    says why), when a collected test needs it. Not under xdist, whose workers would each build it: there
+    the fixture starts it when it is needed."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None or session.config.option.collectonly:
+        return
+    if any(item.path.name == "test_tiny_model.py" and "built" in getattr(item, "fixturenames", ())
+           for item in session.items):
+        from tests import tiny_build
+
+        base = Path(tempfile.mkdtemp(prefix="kv4rl-tiny-build-"))
+        session.config.stash[tiny_build.STARTED] = tiny_build.start(base)
+
+
+def pytest_sessionfinish(session):
+    from tests import tiny_build
+
+    build = session.config.stash.get(tiny_build.STARTED, None)
+    if build is not None:
+        build.stop()  # a session that ends early leaves no build running
+        shutil.rmtree(build.cache.parent, ignore_errors=True)  # the folder this session made for it

@@ -1,5 +1,6 @@
-"""The cached tiny model: one real build per session (~15-60 s), then checks of its files, its accuracy
-band, the sampling loop against `model.generate`, and the cache's atomicity with a stand-in builder."""
+"""The cached tiny model: one real build per session (~15-60 s, in a child process that starts when the
+tests are collected), then checks of its files, its accuracy band, the sampling loop against
+`model.generate`, and the cache's atomicity with a stand-in builder."""
 
 from __future__ import annotations
 
@@ -17,20 +18,16 @@ from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask, target_text
 from kv4rl.data.types import Problem
 from kv4rl.models import tiny
+from tests import tiny_build
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict:
-    cache = tmp_path_factory.mktemp("kv4rl_cache")
-    rng_before = torch.random.get_rng_state()
-    threads_before = torch.get_num_threads()
-    path = tiny.tiny_model_dir(cache, progress=False)
-    return {
-        "cache": cache,
-        "path": path,
-        "rng_untouched": torch.equal(rng_before, torch.random.get_rng_state()),
-        "threads_untouched": torch.get_num_threads() == threads_before,
-    }
+def built(request, tmp_path_factory) -> dict:
+    """The real build into a fresh cache: `tiny_model_dir(cache)` in a child process, which records whether
+    the call left its RNG state and thread count as they were (tests/tiny_build.py); conftest starts it
+    when the tests are collected, so it runs beside the tests before this module."""
+    build = request.config.stash.get(tiny_build.STARTED, None) or tiny_build.start(tmp_path_factory.mktemp("tiny"))
+    return build.result()
 
 
 @pytest.fixture(scope="module")
