@@ -16,6 +16,7 @@
 #   bash tools/device_benches.sh fit_4b 2>&1 | tee $OUT/log.txt                # 4B baseline, awake@192 and @256 (~8 min)
 #   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B, AdamW moments on the host (<10 min)
 #   bash tools/device_benches.sh generate_async 2>&1 | tee $OUT/log.txt        # async scheduling vs sync (~5 min)
+#   bash tools/device_benches.sh roofline 2>&1 | tee $OUT/log.txt              # issue 11's points against the byte roofline (~6 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -42,6 +43,17 @@ generate_async() {  # issue 11: engine.async_scheduling (the next step launched 
         tests/gpu/test_engine_no_host_wait_gpu.py > $OUT/async_tests.txt 2>&1; tail -3 $OUT/async_tests.txt
     timeout 200 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
         --scheduling sync,async --json $OUT/generate_async.json 2>&1 | grep "│" | tail -10
+}
+
+roofline() {  # issue 11: each point's decode step against its byte roofline (`kv4rl.bench.roofline`, printed
+    # since the eleventh session): 1.7B B64/B256, the whole 8B step at early/mid/late, 8B B128 full memory
+    # (KV4 9.09 ms against a ~5.3 ms roofline, 58%, and BF16 78% there by hand on 2026-12-02)
+    timeout 150 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
+        --no-hf --json $OUT/generate_roofline_1p7b.json 2>&1 | grep "│" | tail -6
+    timeout 150 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --json $OUT/decode_forward_roofline.json \
+        2>&1 | grep "│" | tail -14
+    timeout 120 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 128 --prompt-len 512 \
+        --new-tokens 1024 --kv-format bf16,kv4 --no-hf --json $OUT/generate_roofline_8b.json 2>&1 | grep "│" | tail -4
 }
 
 forward() {
