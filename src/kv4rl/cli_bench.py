@@ -289,7 +289,8 @@ def bench_rollout_cmd(
         "--validate-only", help="check the options and print each pool, then stop before any work")] = False,
 ) -> None:
     """Seconds per learner batch for each KV format x rollout mode at one KV memory budget."""
-    from kv4rl.bench.rollout import RolloutBench, Workload, bench_rollout, prepare
+    from kv4rl.bench.rollout import bench_rollout
+    from kv4rl.bench.rollout_plan import RolloutBench, Workload, prepare
     from kv4rl.config_loader import parse_override
 
     try:

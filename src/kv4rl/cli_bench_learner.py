@@ -93,7 +93,7 @@ def register_learner_benches(app: typer.Typer) -> None:
     ) -> None:
         """Seconds per RL iteration (rollout / reward / update / weight sync / sleep-wake) for each arm."""
         from kv4rl.bench.iteration import IterationBench, bench_iteration, parse_arms, prepare
-        from kv4rl.bench.rollout import Workload
+        from kv4rl.bench.rollout_plan import Workload
         from kv4rl.config_loader import parse_override
 
         try:

@@ -37,7 +37,8 @@ import torch
 
 from kv4rl.bench.fidelity import default_allocation
 from kv4rl.bench.random_model import qwen3_args, random_model_dir
-from kv4rl.bench.rollout import MODES, Workload, _Prompts, split_slots
+from kv4rl.bench.rollout import BenchPrompts
+from kv4rl.bench.rollout_plan import MODES, Workload, split_slots
 from kv4rl.config import RunConfig
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
@@ -203,7 +204,7 @@ class _IdTokenizer:
         return " ".join(map(str, ids))
 
 
-class _Formatter(_Prompts):
+class _Formatter(BenchPrompts):
     """The `bench rollout` prompts (problem g -> fixed random ids), with the id tokenizer."""
 
     tokenizer = _IdTokenizer()
