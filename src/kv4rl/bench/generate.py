@@ -96,6 +96,7 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
     largest = prompts_by_batch[max(prompts_by_batch)]
     engine.generate(largest, SamplingParams(max_tokens=min(new_tokens, WARMUP_TOKENS), ignore_eos=True, seed=seed))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=seed)
+    weights = weight_bytes_per_step(engine.model) if bandwidth is not None else None
     rows = {}
     for batch, prompts in prompts_by_batch.items():
         steps: list[dict] = []
@@ -107,20 +108,20 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
         decode = [s["latency_s"] for s in decode_steps]
         host = [s["latency_s"] - s["wait_s"] for s in decode_steps]
         prefill = [s for s in steps if s["prefill_tokens"]]  # steps carrying prompt tokens (with decodes or not)
+        decode_ms = 1e3 * sum(decode) / len(decode) if decode else None
         roof = None
-        if bandwidth is not None and decode_steps:
-            weights = weight_bytes_per_step(engine.model)
+        if weights is not None and decode_steps:
             roof = sum(roofline_ms(weights, s["kv_bytes"], bandwidth) for s in decode_steps) / len(decode_steps)
         rows[batch] = {
             "engine_tokens": tokens, "engine_s": t.seconds, "engine_tokens_per_s": tokens / t.seconds,
             "engine_steps": len(steps), "decode_steps": len(decode),
-            "decode_step_ms": 1e3 * sum(decode) / len(decode) if decode else None,
+            "decode_step_ms": decode_ms,
             "decode_host_ms": 1e3 * sum(host) / len(host) if host else None,
             "prefill_steps": len(prefill), "prefill_tokens": sum(s["prefill_tokens"] for s in prefill),
             "prefill_s": sum(s["latency_s"] for s in prefill),
             "preemptions": engine.num_preemptions - preempted, "engine_peak_gib": t.peak_gib,
             "decode_roofline_ms": roof,
-            "decode_of_roofline": roof / (1e3 * sum(decode) / len(decode)) if roof is not None else None,
+            "decode_of_roofline": roof / decode_ms if roof is not None else None,
         }
     return rows
 
