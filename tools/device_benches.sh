@@ -47,7 +47,7 @@ generate_async() {  # issue 11: engine.async_scheduling (the next step launched 
 
 roofline() {  # issue 11: each point's decode step against its byte roofline (`kv4rl.bench.roofline`, printed
     # since the eleventh session): 1.7B B64/B256, the whole 8B step at early/mid/late, 8B B128 full memory
-    # (KV4 9.09 ms against a ~5.3 ms roofline, 58%, and BF16 78% there by hand on 2026-12-02)
+    # (KV4 9.09 ms against a ~5.1 ms roofline, 56%, and BF16 76% there, worked out after the 2026-12-02 run)
     timeout 150 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
         --no-hf --json $OUT/generate_roofline_1p7b.json 2>&1 | grep "│" | tail -6
     timeout 150 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --json $OUT/decode_forward_roofline.json \
