@@ -2,7 +2,9 @@
 
 One launch per layer and per K or V: each program takes a tile of (token, KV head) rows, optionally
 rotates them by the orthonormal Hadamard matrix (a dot with the 128×128 matrix, rounded back to the
-activation dtype exactly as the reference `rotate` does), quantizes them and stores codes and scales at
+activation dtype as the reference `rotate` does; bf16 rows go through the tensor cores against the
+exact ±1 matrix and are scaled by 1/sqrt(D) after, where an IEEE float32 dot took most of the
+write's time at decode, bench/kernel_notes.md), quantizes them and stores codes and scales at
 the token's cache slot. KV4 also writes the INT8 copy of the rows that are protected at the step's end
 into the sequence's side rows. A slot of -1 (a padding row of a CUDA-graph batch) writes nothing.
 
@@ -13,10 +15,14 @@ the rotation's float32 summation order.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+from kv4rl.kernels import interpreting
 from kv4rl.kernels.decode_common import DecodeKind
 from kv4rl.quant.hadamard import hadamard_matrix
 
@@ -38,7 +44,8 @@ def _kv_write_kernel(
     scale_ptr, zero_ptr, stride_ss, stride_sh,
     prot_codes_ptr, prot_scale_ptr, stride_ps, stride_ph, stride_qs, stride_qh,
     NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, STORE: tl.constexpr,
-    ROTATE: tl.constexpr, PROTECT: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROTATE: tl.constexpr, PROTECT: tl.constexpr, BLOCK_R: tl.constexpr, SIGNS: tl.constexpr,
+    RSQRT_D: tl.constexpr, EXACT: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     tok = rows // NUM_KV_HEADS
@@ -49,10 +56,17 @@ def _kv_write_kernel(
     x = tl.load(x_ptr + tok[:, None] * stride_xn + head[:, None] * stride_xh + offs_d[None, :],
                 mask=live[:, None], other=0.0)
     in_dtype = x.dtype
-    x = x.to(tl.float32)
-    if ROTATE:
+    if ROTATE and SIGNS:  # bf16 rows times the ±1 Sylvester matrix (exact in bf16): exact products summed
+        # in float32 on the tensor cores, then the 1/sqrt(D) normalisation
+        signs = tl.load(rot_ptr + offs_d[:, None] * D + offs_d[None, :])
+        if EXACT:  # the CPU interpreter's bf16 dot is not faithful; float32 gives the same exact products
+            x, signs = x.to(tl.float32), signs.to(tl.float32)
+        x = (tl.dot(x, signs, out_dtype=tl.float32) * RSQRT_D).to(in_dtype).to(tl.float32)
+    elif ROTATE:
         rot = tl.load(rot_ptr + offs_d[:, None] * D + offs_d[None, :])
-        x = tl.dot(x, rot, input_precision="ieee").to(in_dtype).to(tl.float32)
+        x = tl.dot(x.to(tl.float32), rot, input_precision="ieee").to(in_dtype).to(tl.float32)
+    else:
+        x = x.to(tl.float32)
 
     if STORE == 0:
         tl.store(out_ptr + slot[:, None] * stride_os + head[:, None] * stride_oh + offs_d[None, :],
@@ -113,7 +127,12 @@ def write_kv(x: torch.Tensor, slots: torch.Tensor, *, store: DecodeKind, out: to
         return
     if x.stride(2) != 1:
         x = x.contiguous()
-    rot = hadamard_matrix(head_dim, torch.float32, x.device) if rotate else x
+    signs = rotate and x.dtype == torch.bfloat16
+    rot = x
+    if signs:
+        rot = _hadamard_signs(head_dim, x.device)
+    elif rotate:
+        rot = hadamard_matrix(head_dim, torch.float32, x.device)
     dummy = out
     sc = scale if scale is not None else dummy
     zr = zero if zero is not None else sc
@@ -130,5 +149,12 @@ def write_kv(x: torch.Tensor, slots: torch.Tensor, *, store: DecodeKind, out: to
         sc, zr, *s_strides,
         pc, ps, pc.stride(0), pc.stride(1), ps.stride(0), ps.stride(1) if ps.dim() > 1 else 0,
         NUM_KV_HEADS=num_kv_heads, D=head_dim, GROUP=group_size if store == DecodeKind.INT4 else head_dim,
-        STORE=int(store), ROTATE=rotate, PROTECT=protect, BLOCK_R=BLOCK_ROWS, num_warps=4,
+        STORE=int(store), ROTATE=rotate, PROTECT=protect, BLOCK_R=BLOCK_ROWS, SIGNS=signs,
+        RSQRT_D=1.0 / math.sqrt(head_dim), EXACT=interpreting(), num_warps=4,
     )
+
+
+@functools.cache
+def _hadamard_signs(n: int, device: torch.device) -> torch.Tensor:
+    """The ±1 Sylvester matrix in bf16 (the orthonormal one times sqrt(n), every entry exact)."""
+    return (hadamard_matrix(n, torch.float64) * math.sqrt(n)).round().to(torch.bfloat16).to(device)
