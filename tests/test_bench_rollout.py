@@ -221,10 +221,14 @@ def _script_commands() -> dict[str, list[str]]:
 
 def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
     commands = _script_commands()
-    assert set(commands) == {"qwen3_1p7b", "qwen3_1p7b_256", "qwen3_8b", "qwen3_8b_one_repeat"}
+    assert set(commands) == {"qwen3_1p7b", "qwen3_1p7b_256", "qwen3_8b", "qwen3_8b_one_repeat", "qwen3_8b_kv4_256"}
     one = commands["qwen3_8b_one_repeat"]
     i = one.index("--repeats")
     assert one[i + 1] == "1" and one[:i] + one[i + 2:] == commands["qwen3_8b"]  # the same corners, one repeat
+    wide = commands["qwen3_8b_kv4_256"]  # the same line with KV4 at 256 slots (and its own output files)
+    swap = {"bf16,kv4": "bf16,kv4@256", "$OUT/rollout_qwen3_8b.json": "$OUT/rollout_qwen3_8b_256.json",
+            "$OUT/rollout_qwen3_8b.png": "$OUT/rollout_qwen3_8b_256.png"}
+    assert [swap.get(a, a) for a in one] == wide
     for name, argv in commands.items():
         argv = [a.replace("$OUT", str(tmp_path / "out")) for a in argv]
         res = runner.invoke(app, [*argv, "--validate-only"])

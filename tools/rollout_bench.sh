@@ -49,6 +49,14 @@ qwen3_8b_one_repeat() {
         --max-slots 128 --repeats 1 --json $OUT/rollout_qwen3_8b.json --png $OUT/rollout_qwen3_8b.png $ROLLOUT_ARGS
 }
 
+# The one-repeat 8B line with KV4 given 256 decode slots (its pool in the same 40 GiB holds them, where
+# BF16's holds 291,264 tokens): partial rollout keeps twice the responses in flight. ~7.5 min.
+qwen3_8b_kv4_256() {
+    timeout 590 python -m kv4rl.cli bench rollout --shape qwen3-8b --kv-budget-gib 40 --formats bf16,kv4@256 \
+        --modes sync,partial --quota-groups 16 --group-size 8 --prompt-len 256 --median-len 1024 --max-len 8192 \
+        --max-slots 128 --repeats 1 --json $OUT/rollout_qwen3_8b_256.json --png $OUT/rollout_qwen3_8b_256.png $ROLLOUT_ARGS
+}
+
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(qwen3_1p7b qwen3_8b)
 date
