@@ -3,8 +3,9 @@
 A decode step multiplies M = batch rows by every weight matrix once, so at M <= 256 each product should
 take about the time to read its weight (bytes / copy bandwidth). This times `F.linear` (what the engine
 calls, cuBLAS) for the merged projections of one decoder layer of a Qwen3 shape and its LM head, at the
-batch sizes the engine runs, each as a CUDA-graph replay of 20 products (no launch gaps), and prints the
-achieved bandwidth of the weight bytes and the share of the measured copy bandwidth:
+batch sizes the engine runs, each as CUDA-graph replays (no launch gaps), and prints the achieved
+bandwidth of the weight bytes and its share of the copy bandwidth the byte roofline uses
+(`kv4rl.bench.roofline`):
 
     python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 64,128,256
 """
@@ -17,7 +18,9 @@ import json
 import torch
 import torch.nn.functional as F
 
+from kv4rl.bench.decode_attn import _time_graph
 from kv4rl.bench.random_model import qwen3_args
+from kv4rl.bench.roofline import copy_bandwidth
 
 
 def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -28,44 +31,16 @@ def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
             "down": (a.intermediate_size, a.hidden_size), "lm_head": (a.hidden_size, a.vocab_size)}
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * nbytes / (time_graph(lambda: dst.copy_(src), reps=10) / 10)
-
-
-def time_graph(fn, reps: int) -> float:
-    """Seconds of one replay of a CUDA graph holding `reps` calls of fn (median of 20 replays)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--rows", default="64,128,256")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    bw = copy_bandwidth(torch.device("cuda"))
+    if bw is None:
+        raise SystemExit(f"no copy bandwidth measured for {torch.cuda.get_device_name()} (kv4rl.bench.roofline)")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (kv4rl.bench.roofline)")
     rows = []
     layers = qwen3_args(a.shape).num_layers
     for m in [int(x) for x in a.rows.split(",")]:
@@ -73,8 +48,7 @@ def main() -> None:
         for name, (k, n) in layer_shapes(a.shape).items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            reps = 20
-            sec = time_graph(lambda x=x, w=w: F.linear(x, w), reps) / reps
+            sec = _time_graph(lambda x=x, w=w: F.linear(x, w), calls=20) / 1e3
             wbytes = n * k * 2
             count = 1 if name == "lm_head" else layers
             step_ms += 1e3 * sec * count

@@ -9,30 +9,9 @@ import argparse
 
 import torch
 
+from kv4rl.bench.decode_attn import _time_graph
 from kv4rl.engine.kv_formats import get_kv_format
 from kv4rl.kernels.kv_write import write_kv
-
-
-def time_graph(fn, reps: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -52,7 +31,7 @@ def main() -> None:
               "protect_rows": prot, "prot_codes": cache["k_prot_codes"], "prot_scale": cache["k_prot_scale"]}
         times = {}
         for label, rows in (("bf16 tensor-core", x), ("fp32 ieee", x.float())):
-            times[label] = time_graph(lambda rows=rows, slots=slots, kw=kw: write_kv(rows, slots, **kw))
+            times[label] = 1e3 * _time_graph(lambda rows=rows, slots=slots, kw=kw: write_kv(rows, slots, **kw), calls=20)
         print(f"{n:6d} tokens x {hkv} heads: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items())
               + f" ({times['fp32 ieee'] / times['bf16 tensor-core']:.2f}x)", flush=True)
 
