@@ -17,6 +17,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton")
 
+from kv4rl.kernels.decode_common import DecodeKind  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     fast_decode,
     make_format,
@@ -178,6 +179,25 @@ def test_fused_write_with_rotation_matches_float64(rotate, gen):
         scale8 = fast[f"{prefix}_prot_scale"][rows].cpu().double()[..., None]
         assert keep.any()
         assert ((got8 - rotated[keep]).abs() <= 0.5 * scale8 + 2**-7 * rotated[keep].abs() + 1e-3).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_write_rotation_of_each_input_dtype_matches_float64(dtype, gen):
+    """bf16 rows rotate against the exact ±1 matrix on the tensor cores, float32 rows through the IEEE
+    float32 dot: either way the stored row is the float64 rotation rounded to the input dtype."""
+    from kv4rl.kernels.kv_write import write_kv
+    from kv4rl.quant import hadamard_matrix
+
+    n, hkv, d = 5, 2, SHAPE[0]
+    x = (torch.randn(n, hkv, d, generator=gen) * 3).to(dtype)
+    out = torch.full((n + 2, hkv, d), float("nan"), dtype=dtype)
+    slots = torch.tensor([6, 0, 3, 1, -1])  # the last row is padding: it must land nowhere
+    write_kv(x.to(DEVICE), slots.to(DEVICE), store=DecodeKind.BF16, out=(out := out.to(DEVICE)), rotate=True)
+    ref = (x.double() @ hadamard_matrix(d, torch.float64)).to(dtype).double()
+    got = out[slots[:-1]].cpu().double()
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22  # one rounding step of the input dtype (relative)
+    assert ((got - ref[:-1]).abs() <= ulp * ref[:-1].abs() + 1e-6).all()
+    assert torch.isnan(out[[2, 4, 5]].cpu()).all()
 
 
 @pytest.mark.skipif(not CUDA, reason="the CUDA INT4 kernel needs a GPU")
