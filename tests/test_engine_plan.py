@@ -8,13 +8,14 @@ from kv4rl.engine.config import EngineConfig, KVConfig
 from kv4rl.engine.plan import Capabilities, make_plan
 from kv4rl.models.args import ModelArgs
 
-CUDA = Capabilities(device_type="cuda", triton=True, interpreter=False, int4_cuda_problem=None, fp8_matmul=True)
+CUDA = Capabilities(device_type="cuda", triton=True, interpreter=False, int4_cuda_problem=None,
+                    fp8_cuda_problem=None, fp8_matmul=True)
 CPU = Capabilities(device_type="cpu", triton=True, interpreter=False, int4_cuda_problem="not a CUDA device",
-                   fp8_matmul=False)
+                   fp8_cuda_problem="not a CUDA device", fp8_matmul=False)
 INTERPRETER = Capabilities(device_type="cpu", triton=True, interpreter=True, int4_cuda_problem="not a CUDA device",
-                           fp8_matmul=False)
+                           fp8_cuda_problem="not a CUDA device", fp8_matmul=False)
 CUDA_NO_TRITON = Capabilities(device_type="cuda", triton=False, interpreter=False, int4_cuda_problem=None,
-                              fp8_matmul=True)
+                              fp8_cuda_problem=None, fp8_matmul=True)
 
 
 def _args(**overrides) -> ModelArgs:
@@ -35,7 +36,7 @@ def test_auto_settings_on_cuda_take_the_compiled_kernels():
     assert plan.fused_ops.value is True and "compiled Triton kernels on CUDA" in plan.fused_ops.reason
     assert plan.sampler.value == "triton" and plan.sampler.reason.startswith("engine.sampler=auto")
     assert plan.attention.value == "triton" and "kv4" in plan.attention.reason
-    assert plan.int4_kernel.value == "cuda"
+    assert plan.body_kernel.value == "cuda"
     assert plan.cuda_graphs.value is True
     assert plan.pool_blocks.value is None and "gpu_memory_fraction=0.9" in plan.pool_blocks.reason
     assert plan.attention_desc == "attention: CUDA INT4 + Triton decode kernels (CUDA graphs) + fast prefill"
@@ -65,7 +66,7 @@ def test_auto_settings_on_a_cpu_keep_the_reference_path():
     assert plan.kv_format_name.value == "fp32" and "float32" in plan.kv_format_name.reason
     assert plan.attention.value == "torch" and plan.attention.reason == "no CUDA device"
     assert plan.attention_desc == "attention: torch reference (no CUDA device)"
-    assert plan.int4_kernel.value is None and plan.cuda_graphs.value is False
+    assert plan.body_kernel.value is None and plan.cuda_graphs.value is False
     assert plan.pool_blocks.value == 3 * 3 and plan.pool_blocks.reason == "max_num_seqs x max_model_len"  # 40 -> 3 x 16
     assert plan.max_model_len.value == 40 and plan.max_model_len.reason == "engine.max_model_len"
 
@@ -75,7 +76,7 @@ def test_the_interpreter_runs_the_decode_kernels_but_never_the_auto_ones():
     assert plan.fused_ops.value is False and "(Triton interpreter)" in plan.fused_ops.reason
     assert plan.sampler.value == "torch"
     assert plan.attention.value == "triton"
-    assert plan.int4_kernel.value == "triton" and "Triton interpreter" in plan.int4_kernel.reason
+    assert plan.body_kernel.value == "triton" and "Triton interpreter" in plan.body_kernel.reason
     assert plan.cuda_graphs.value is False and "cpu" in plan.cuda_graphs.reason
     assert plan.attention_desc == "attention: Triton decode kernels (eager) + fast prefill"
     # explicit kernel settings may run in the interpreter
@@ -107,7 +108,7 @@ def test_kernel_settings_fail_where_no_kernel_can_run(caps, setting, message):
 def test_attention_falls_back_to_torch_and_says_why(caps, kv, dtype, args, reason):
     plan = _plan(caps, dtype=dtype, kv=kv, args=_args(**(args or {})))
     assert plan.attention.value == "torch" and reason in plan.attention.reason
-    assert plan.cuda_graphs.value is False and plan.int4_kernel.value is None
+    assert plan.cuda_graphs.value is False and plan.body_kernel.value is None
     assert plan.prefill.value == "torch" and plan.prefill.reason == f"no kernels: {plan.attention.reason}"
     with pytest.raises(ValueError) as refused:
         _plan(caps, dtype=dtype, kv=kv, args=_args(**(args or {})), attention_backend="triton")
@@ -117,7 +118,7 @@ def test_attention_falls_back_to_torch_and_says_why(caps, kv, dtype, args, reaso
 def test_explicit_backend_and_graph_settings_are_kept_with_their_reason():
     plan = _plan(CUDA, kv={"format": "kv4"}, attention_backend="torch", cuda_graphs=True)
     assert plan.attention.value == "torch" and plan.attention.reason == "engine.attention_backend=torch"
-    assert plan.cuda_graphs.value is False and plan.int4_kernel.value is None
+    assert plan.cuda_graphs.value is False and plan.body_kernel.value is None
     plan = _plan(CUDA, kv={"format": "bf16"}, cuda_graphs=False, num_kv_blocks=7)
     assert plan.cuda_graphs.value is False and plan.cuda_graphs.reason == "engine.cuda_graphs=false"
     assert plan.attention_desc == "attention: Triton decode kernels (eager) + fast prefill"
@@ -132,12 +133,26 @@ def test_int4_body_leaves_the_cuda_kernel_for_shapes_it_cannot_take(args, why):
     plan = _plan(CUDA, kv={"format": "kv4", "group_size": 64 if args.get("head_dim") == 64 else 128},
                  args=_args(**args))
     assert plan.attention.value == "triton"
-    assert plan.int4_kernel.value == "triton" and plan.int4_kernel.reason == f"not CUDA: {why}"
+    assert plan.body_kernel.value == "triton" and plan.body_kernel.reason == f"not CUDA: {why}"
     assert plan.attention_desc.startswith("attention: Triton decode kernels (CUDA graphs)")
     unable = Capabilities(device_type="cuda", triton=True, interpreter=False, fp8_matmul=True,
-                          int4_cuda_problem="needs sm_80 or newer (mma.sync m16n8k16)")
-    reason = _plan(unable, kv={"format": "int4"}).int4_kernel.reason
+                          int4_cuda_problem="needs sm_80 or newer (mma.sync m16n8k16)", fp8_cuda_problem=None)
+    reason = _plan(unable, kv={"format": "int4"}).body_kernel.reason
     assert reason == "not CUDA: needs sm_80 or newer (mma.sync m16n8k16)"
+
+
+def test_fp8_body_takes_its_cuda_kernel_where_the_device_can_run_it():
+    plan = _plan(CUDA, kv={"format": "fp8"})
+    assert plan.body_kernel.value == "cuda" and plan.body_kernel.reason == "the CUDA kernel serves this shape"
+    assert plan.attention_desc == "attention: CUDA FP8 + Triton decode kernels (CUDA graphs) + fast prefill"
+    ampere = Capabilities(device_type="cuda", triton=True, interpreter=False, fp8_matmul=False, int4_cuda_problem=None,
+                          fp8_cuda_problem="needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)")
+    plan = _plan(ampere, kv={"format": "fp8"})
+    assert plan.body_kernel.value == "triton"
+    assert plan.body_kernel.reason == "not CUDA: needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)"
+    assert plan.attention_desc.startswith("attention: Triton decode kernels")
+    assert _plan(ampere, kv={"format": "kv4"}).body_kernel.value == "cuda"  # INT4 bodies need only sm_80
+    assert _plan(CUDA, kv={"format": "bf16"}).body_kernel.value is None
 
 
 @pytest.mark.parametrize("merge", [False, True])

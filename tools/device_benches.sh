@@ -17,6 +17,7 @@
 #   bash tools/device_benches.sh fit_8b 2>&1 | tee $OUT/log.txt                # 8B, AdamW moments on the host (<10 min)
 #   bash tools/device_benches.sh generate_async 2>&1 | tee $OUT/log.txt        # async scheduling vs sync (~5 min)
 #   bash tools/device_benches.sh roofline 2>&1 | tee $OUT/log.txt              # issue 11's points against the byte roofline (~6 min)
+#   bash tools/device_benches.sh fp8 2>&1 | tee $OUT/log.txt                   # the CUDA FP8 decode kernel: tests, decode-attn, settings (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -43,6 +44,17 @@ generate_async() {  # issue 11: engine.async_scheduling (the next step launched 
         tests/gpu/test_engine_no_host_wait_gpu.py > $OUT/async_tests.txt 2>&1; tail -3 $OUT/async_tests.txt
     timeout 200 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
         --scheduling sync,async --json $OUT/generate_async.json 2>&1 | grep "│" | tail -10
+}
+
+fp8() {  # issue 11 part 3: the CUDA FP8 decode kernel - its GPU tests (and every kernel test), the decode-attention
+    # points of the target (B64 x 4k-16k) and a short-context one, then its launch settings (~5 min)
+    timeout 300 python -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py tests/test_engine_plan.py \
+        > $OUT/fp8_tests.txt 2>&1; tail -8 $OUT/fp8_tests.txt
+    timeout 120 python -m kv4rl.cli bench decode-attn --shapes qwen3-8b --batches 64 --contexts 4096,8192,16384 \
+        --formats bf16,fp8,fp8-triton,kv4 --json $OUT/decode_attn_fp8.json 2>&1 | grep "│" | tail -16
+    timeout 60 python -m kv4rl.cli bench decode-attn --shapes qwen3-8b --batches 128 --contexts 1024 \
+        --formats bf16,fp8,fp8-triton,kv4 --json $OUT/decode_attn_fp8_short.json 2>&1 | grep "│" | tail -6
+    timeout 120 python tools/fp8_cuda_tune.py qwen3-8b 64 8192 2>&1 | tail -12
 }
 
 roofline() {  # issue 11: each point's decode step against its byte roofline (`kv4rl.bench.roofline`, printed

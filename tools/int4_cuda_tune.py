@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from kv4rl.bench.decode_attn import HEAD_SHAPES, PagedCase, _time_graph, int4_kernel, kv_bytes_read, time_sdpa
+from kv4rl.bench.decode_attn import HEAD_SHAPES, PagedCase, _time_graph, body_kernel, kv_bytes_read, time_sdpa
 from kv4rl.kernels.decode_common import DecodeKind
 
 shape, batch, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -21,7 +21,7 @@ print(f"sdpa {sdpa_ms:.4f} ms")
 def run(case, label):
     out = case.call(q).float()
     ms = _time_graph(lambda: case.call(q))
-    with int4_kernel(case, "triton"):
+    with body_kernel(case, "triton"):
         ref = case.call(q).float()
     err = float((out - ref).norm() / ref.norm())
     print(f"{label}: {ms:.4f} ms {kv_bytes_read(case.fmt.name, batch, context, hkv, d) / ms / 1e9:.2f} TB/s "

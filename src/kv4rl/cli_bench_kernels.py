@@ -47,8 +47,8 @@ def register_kernel_benches(app: typer.Typer) -> None:
         batches: Annotated[str, Option("--batches", help="comma-separated batch sizes")] = "64",
         contexts: Annotated[str, Option("--contexts", help="comma-separated context lengths")] = "2048,4096,8192,16384",
         formats: Annotated[str, Option(
-            "--formats", help="KV formats: bf16, fp8, int4, kv4; int4-triton / kv4-triton run the INT4 body in the "
-                              "Triton kernel instead of the CUDA one")] = "bf16,fp8,int4,kv4",
+            "--formats", help="KV formats: bf16, fp8, int4, kv4; fp8-triton / int4-triton / kv4-triton run the "
+                              "FP8 or INT4 body in the Triton kernel instead of the CUDA one")] = "bf16,fp8,int4,kv4",
         seed: Annotated[int, Option("--seed")] = 0,
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from kv4rl.bench.random_model import QWEN3_SHAPES
 from kv4rl.kernels.decode_attention import DecodeKernels
 
-FORMATS = ("bf16", "fp8", "int4", "kv4", "int4-triton", "kv4-triton")  # -triton: the INT4 body in Triton
+FORMATS = ("bf16", "fp8", "int4", "kv4", "fp8-triton", "int4-triton", "kv4-triton")  # -triton: the body in Triton
 HEAD_SHAPES = {name: (QWEN3_SHAPES[name]["num_attention_heads"], QWEN3_SHAPES[name]["num_key_value_heads"],
                       QWEN3_SHAPES[name]["head_dim"]) for name in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b")}
 
@@ -139,15 +139,15 @@ class PagedCase:
 
 
 @contextlib.contextmanager
-def int4_kernel(case: PagedCase, which: str):
-    """Run the case's INT4 body in the CUDA kernel ('auto': where it can) or in Triton ('triton')."""
+def body_kernel(case: PagedCase, which: str):
+    """Run the case's INT4/FP8 body in its CUDA kernel ('auto': where it can) or in Triton ('triton')."""
     kernels = case.fast.kernels
-    saved = kernels.int4_cuda
-    kernels.int4_cuda = which != "triton"
+    saved = kernels.int4_cuda, kernels.fp8_cuda
+    kernels.int4_cuda = kernels.fp8_cuda = which != "triton"
     try:
         yield
     finally:
-        kernels.int4_cuda = saved
+        kernels.int4_cuda, kernels.fp8_cuda = saved
 
 
 def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], formats: list[str], device="cuda",
@@ -167,19 +167,19 @@ def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], 
                                 "bytes": sdpa_bytes})
                 for fmt in formats:
                     base, _, kernel = fmt.partition("-")
-                    # the split grid follows the INT4 body's kernel too
+                    # the split grid follows the body's kernel too
                     case = PagedCase(base, batch, context, hq, hkv, d, device, gen, bf16_kv=qkv,
-                                     kernels=DecodeKernels(int4_cuda=kernel != "triton"))
+                                     kernels=DecodeKernels(int4_cuda=kernel != "triton", fp8_cuda=kernel != "triton"))
                     out = case.call(q)
                     check = {"finite": bool(torch.isfinite(out).all())}
-                    if case.fast.int4_kernel is not None:
-                        check["int4_kernel"] = case.fast.int4_kernel
+                    if case.fast.body_kernel is not None:
+                        check["kernel"] = case.fast.body_kernel
                     ms = _time_graph(lambda c=case, q=q: c.call(q))
                     if fmt == "bf16":
                         ref = sdpa_out[:, :, 0, :].float()
                         check["rel_err_vs_sdpa"] = float((out.float() - ref).norm() / ref.norm())
-                    elif check.get("int4_kernel") == "cuda":  # the same cache through the Triton kernel
-                        with int4_kernel(case, "triton"):
+                    elif check.get("kernel") == "cuda":  # the same cache through the Triton kernel
+                        with body_kernel(case, "triton"):
                             ref = case.call(q).float()
                         check["rel_diff_vs_triton"] = float((out.float() - ref).norm() / ref.norm())
                     nbytes = kv_bytes_read(base, batch, context, hkv, d)

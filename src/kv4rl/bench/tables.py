@@ -74,7 +74,7 @@ def decode_attn_table(res: dict) -> ResultTable:
     table = ResultTable(f"decode attention per layer on {res['device']} (bytes read incl. scales)",
                         ["shape", "format", "kernel", "batch", "context", "ms", "TB/s", "vs SDPA-cuDNN"], labels=3)
     for r in res["results"]:
-        table.add_row(r["shape"], r["format"], r.get("int4_kernel", ""), str(r["batch"]), str(r["context"]),
+        table.add_row(r["shape"], r["format"], r.get("kernel", r.get("int4_kernel", "")), str(r["batch"]), str(r["context"]),
                       f"{r['ms']:.4f}", f"{r['tbps']:.2f}", f"{r['speedup_vs_sdpa']:.2f}x")
     return table
 

@@ -74,19 +74,20 @@ class FastAttention:
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 4)
         self.tables = BlockTableMirror()  # decode rows' block tables, extended by appends only
-        self.int4_kernel = None  # 'cuda' or 'triton' for INT4 bodies (needs the query heads to decide)
-        if self.kind == DecodeKind.INT4 and num_q_heads is not None:
-            self.int4_kernel = self.kernels.int4_body(device, head_dim, num_q_heads // num_kv_heads, num_kv_heads,
-                                                      block_size)[0]
+        self.body_kernel = None  # 'cuda' or 'triton' for INT4/FP8 bodies (needs the query heads to decide)
+        if self.kind in (DecodeKind.INT4, DecodeKind.FP8) and num_q_heads is not None:
+            self.body_kernel = self.kernels.body_kernel(self.kind, device, head_dim, num_q_heads // num_kv_heads,
+                                                        num_kv_heads, block_size)[0]
 
     def num_splits(self, batch_size: int) -> int:
         """The split grid for a batch of this size (fixed per CUDA-graph bucket)."""
         from kv4rl.kernels.decode_attention import choose_num_splits
 
-        if self.int4_kernel == "cuda":
-            from kv4rl.kernels import int4_decode_cuda
+        if self.body_kernel == "cuda":
+            from kv4rl.kernels.decode_attention import CUDA_BODIES
 
-            return int4_decode_cuda.choose_num_splits(batch_size, self.num_kv_heads, self.max_splits, self.num_sms)
+            return CUDA_BODIES[self.kind].choose_num_splits(batch_size, self.num_kv_heads, self.max_splits,
+                                                            self.num_sms)
         return choose_num_splits(batch_size, self.num_kv_heads, self.max_splits, self.num_sms)
 
     def split_size(self, max_context: int, batch_size: int) -> int:

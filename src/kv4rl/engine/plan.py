@@ -19,7 +19,7 @@ from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.fp8_linear import describe_fp8_paths, scaled_mm_fits
 from kv4rl.engine.kv_formats import KVFormat, kv_format_from_config
 from kv4rl.kernels.decode_common import DecodeKind
-from kv4rl.kernels.int4_decode_cuda import body_kernel
+from kv4rl.kernels import fp8_decode_cuda, int4_decode_cuda
 from kv4rl.models.args import ModelArgs
 
 T = TypeVar("T")
@@ -27,13 +27,15 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What the machine offers the engine's kernels. `int4_cuda_problem`: why the CUDA INT4 decode kernel
-    cannot run on the device whatever the shape (None: it can); `fp8_matmul`: FP8 tensor-core products."""
+    """What the machine offers the engine's kernels. `int4_cuda_problem` / `fp8_cuda_problem`: why the CUDA
+    INT4 / FP8 decode kernel cannot run on the device whatever the shape (None: it can); `fp8_matmul`: FP8
+    tensor-core products."""
 
     device_type: str
     triton: bool
     interpreter: bool
     int4_cuda_problem: str | None
+    fp8_cuda_problem: str | None
     fp8_matmul: bool
 
     @property
@@ -51,10 +53,11 @@ def probe_capabilities(device: torch.device) -> Capabilities:
     """The real device's capabilities (queries CUDA on a CUDA device)."""
     from kv4rl.engine.fp8_linear import fp8_matmul_device
     from kv4rl.kernels import interpreting, triton_importable
-    from kv4rl.kernels.int4_decode_cuda import device_problem
+    from kv4rl.kernels import fp8_decode_cuda, int4_decode_cuda
 
     return Capabilities(device_type=device.type, triton=triton_importable(), interpreter=interpreting(),
-                        int4_cuda_problem=device_problem(device), fp8_matmul=fp8_matmul_device(device))
+                        int4_cuda_problem=int4_decode_cuda.device_problem(device),
+                        fp8_cuda_problem=fp8_decode_cuda.device_problem(device), fp8_matmul=fp8_matmul_device(device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,7 @@ class Choice(Generic[T]):
 class EnginePlan:
     """What the engine runs. `attention` is "triton" (decode rows through the kernels) or "torch";
     `prefill` the same for rows with several new tokens (the prefill kernel needs the decode kernels);
-    `int4_kernel` the INT4 body's kernel on the Triton path ("cuda"/"triton", None for other formats);
+    `body_kernel` the INT4 or FP8 body's kernel on the Triton path ("cuda"/"triton", None for other formats);
     `pool_blocks` None means measured on the device by the runner."""
 
     kv_format: KVFormat
@@ -79,7 +82,7 @@ class EnginePlan:
     sampler: Choice[str]
     attention: Choice[str]
     prefill: Choice[str]
-    int4_kernel: Choice[str | None]
+    body_kernel: Choice[str | None]
     cuda_graphs: Choice[bool]
     weights: Choice[str]
     merge_projections: Choice[bool]
@@ -97,7 +100,9 @@ class EnginePlan:
         if self.attention.value == "torch":
             return f"attention: torch reference ({self.attention.reason})"
         graphs = "CUDA graphs" if self.cuda_graphs.value else "eager"
-        kernels = "CUDA INT4 + Triton decode kernels" if self.int4_kernel.value == "cuda" else "Triton decode kernels"
+        kernels = "Triton decode kernels"
+        if self.body_kernel.value == "cuda":
+            kernels = f"CUDA {self.kv_format.decode_kind.name} + {kernels}"
         prefill = "fast prefill" if self.prefill.value == "triton" else "reference prefill"
         return f"attention: {kernels} ({graphs}) + {prefill}"
 
@@ -107,7 +112,7 @@ class EnginePlan:
 
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in ("kv_format_name", "max_model_len", "fused_ops", "sampler",
-                                                       "attention", "prefill", "int4_kernel", "cuda_graphs", "weights",
+                                                       "attention", "prefill", "body_kernel", "cuda_graphs", "weights",
                                                        "merge_projections", "async_scheduling", "pool_blocks")}
 
     def explain(self) -> str:
@@ -130,7 +135,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: C
     on_kernels = attention.value == "triton"
     return EnginePlan(
         kv_format=kv_format, kv_format_name=kv_name, max_model_len=max_model_len, fused_ops=fused_ops,
-        sampler=sampler, attention=attention, prefill=_prefill(config, attention), int4_kernel=_int4_kernel(on_kernels, kv_format, args, config, caps),
+        sampler=sampler, attention=attention, prefill=_prefill(config, attention), body_kernel=_body_kernel(on_kernels, kv_format, args, config, caps),
         cuda_graphs=_cuda_graphs(config, on_kernels, caps), weights=_weights(config, args, dtype, caps),
         merge_projections=_merge_projections(config), async_scheduling=_async_scheduling(config, caps),
         pool_blocks=_pool_blocks(config, caps, max_num_seqs, max_model_len.value), max_num_seqs=max_num_seqs,
@@ -197,12 +202,15 @@ def _prefill(config: EngineConfig, attention: Choice[str]) -> Choice[str]:
     return Choice("torch", f"no kernels: {attention.reason}")
 
 
-def _int4_kernel(on_kernels: bool, kv_format: KVFormat, args: ModelArgs, config: EngineConfig,
+def _body_kernel(on_kernels: bool, kv_format: KVFormat, args: ModelArgs, config: EngineConfig,
                  caps: Capabilities) -> Choice[str | None]:
-    if not on_kernels or kv_format.decode_kind != DecodeKind.INT4:
-        return Choice(None, "no INT4 body on the decode kernels")
-    kernel, why = body_kernel(caps.int4_cuda_problem, args.head_dim, args.num_heads // args.num_kv_heads,
-                              args.num_kv_heads, config.kv.block_size, interpreter=caps.interpreter)
+    kind = kv_format.decode_kind
+    if not on_kernels or kind not in (DecodeKind.INT4, DecodeKind.FP8):
+        return Choice(None, "no INT4 or FP8 body on the decode kernels")
+    module, problem = ((int4_decode_cuda, caps.int4_cuda_problem) if kind == DecodeKind.INT4
+                       else (fp8_decode_cuda, caps.fp8_cuda_problem))
+    kernel, why = module.body_kernel(problem, args.head_dim, args.num_heads // args.num_kv_heads, args.num_kv_heads,
+                                     config.kv.block_size, interpreter=caps.interpreter)
     return Choice(kernel, "the CUDA kernel serves this shape" if why is None else f"not CUDA: {why}")
 
 

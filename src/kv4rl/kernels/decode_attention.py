@@ -1,8 +1,8 @@
 """Split-KV paged decode attention over BF16, FP8, INT4 and KV4 caches: the dispatch around the kernels.
 
-The bodies are the Triton kernels of `decode_triton` (every kind) and, for INT4 bodies where it can
-run, the CUDA kernel of `int4_decode_cuda`; both take one `SplitLaunch` and fill the same split
-partials, which the Triton merge (or KV4's INT8 item) combines. Launch settings live in a
+The bodies are the Triton kernels of `decode_triton` (every kind) and, for INT4 and FP8 bodies where
+they can run, the CUDA kernels of `int4_decode_cuda` and `fp8_decode_cuda`; each takes one `SplitLaunch`
+and fills the same split partials, which the Triton merge (or KV4's INT8 item) combines. Launch settings live in a
 `DecodeKernels` object that its owner (the engine's `FastAttention`, a benchmark case) holds, so
 tuning one never changes another's kernels.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import triton
 
-from kv4rl.kernels import int4_decode_cuda, interpreting
+from kv4rl.kernels import fp8_decode_cuda, int4_decode_cuda, interpreting
 from kv4rl.kernels.decode_common import LOG2E, DecodeBatch, DecodeKind, SplitLaunch
 from kv4rl.kernels.decode_triton import _decode_split_kernel, _decode_split_kernel_t, _merge_kernel
 
@@ -35,32 +35,44 @@ DEFAULT_LAUNCH: Mapping[DecodeKind, Mapping[str, Any]] = MappingProxyType({
     DecodeKind.INT8_SIDE: MappingProxyType({"BLOCK_N": 32, "num_warps": 1, "num_stages": 1}),
 })
 MERGE_WARPS = 2  # a little faster than 4 on an H200 (bench/kernel_notes.md)
+CUDA_BODIES = MappingProxyType({DecodeKind.INT4: int4_decode_cuda, DecodeKind.FP8: fp8_decode_cuda})
 
 
 class DecodeKernels:
     """The decode kernels' settings for one owner: `launch` per kind (default `DEFAULT_LAUNCH`), whether
-    INT4 bodies may run in the CUDA kernel (`int4_cuda`, wherever `int4_decode_cuda.problem` allows),
-    and the latest Triton split kernel it compiled (registers, spills: for tuning notes)."""
+    INT4 and FP8 bodies may run in their CUDA kernels (`int4_cuda`, `fp8_cuda`, wherever the kernel's
+    `problem` allows), and the latest Triton split kernel it compiled (registers, spills: for tuning notes)."""
 
-    def __init__(self, launch: Mapping[DecodeKind, Mapping[str, Any]] | None = None, int4_cuda: bool = True):
+    def __init__(self, launch: Mapping[DecodeKind, Mapping[str, Any]] | None = None, int4_cuda: bool = True,
+                 fp8_cuda: bool = True):
         self.launch = {kind: dict(cfg) for kind, cfg in (DEFAULT_LAUNCH if launch is None else launch).items()}
         self.int4_cuda = int4_cuda
+        self.fp8_cuda = fp8_cuda
         self.last_compiled = None
 
     def with_launch(self, kind: DecodeKind, **settings) -> DecodeKernels:
         """A copy whose `kind` launches with `settings` overriding the current ones (tuning sweeps)."""
-        return DecodeKernels({**self.launch, kind: {**self.launch[kind], **settings}}, self.int4_cuda)
+        return DecodeKernels({**self.launch, kind: {**self.launch[kind], **settings}}, self.int4_cuda, self.fp8_cuda)
 
     @property
     def max_block_n(self) -> int:
         """The largest token tile of any kind: split sizes are multiples of it."""
         return max(cfg["BLOCK_N"] for cfg in self.launch.values())
 
+    def body_kernel(self, kind: DecodeKind, device: torch.device, head_dim: int, group: int, num_kv_heads: int,
+                    block_size: int) -> tuple[str, str | None]:
+        """Which kernel runs a body of `kind` ('cuda' or 'triton') and, for Triton, why not CUDA."""
+        module = CUDA_BODIES.get(kind)
+        if module is None:
+            return "triton", f"no CUDA kernel for {kind.name}"
+        enabled = self.int4_cuda if kind == DecodeKind.INT4 else self.fp8_cuda
+        return module.body_kernel(module.device_problem(device), head_dim, group, num_kv_heads, block_size,
+                                  enabled=enabled, interpreter=interpreting())
+
     def int4_body(self, device: torch.device, head_dim: int, group: int, num_kv_heads: int, block_size: int
                   ) -> tuple[str, str | None]:
-        """Which kernel runs the INT4 body ('cuda' or 'triton') and, for Triton, why not CUDA."""
-        return int4_decode_cuda.body_kernel(int4_decode_cuda.device_problem(device), head_dim, group, num_kv_heads,
-                                            block_size, enabled=self.int4_cuda, interpreter=interpreting())
+        """`body_kernel` of an INT4 body."""
+        return self.body_kernel(DecodeKind.INT4, device, head_dim, group, num_kv_heads, block_size)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int,
@@ -119,9 +131,9 @@ def paged_decode_attention(
     o_part = torch.empty(bsz, num_q_heads, num_partials, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(bsz, num_q_heads, num_partials, dtype=torch.float32, device=q.device)
     n_sink, n_recent = (side["n_sink"], side["n_recent"]) if side is not None else (0, 0)
-    use_cuda = kind == DecodeKind.INT4 and kernels.int4_body(
-        q.device, head_dim, num_q_heads // k.shape[1], k.shape[1], batch.block_size)[0] == "cuda"
-    in_kernel = rotate_query and use_cuda
+    use_cuda = kind in CUDA_BODIES and kernels.body_kernel(
+        kind, q.device, head_dim, num_q_heads // k.shape[1], k.shape[1], batch.block_size)[0] == "cuda"
+    in_kernel = rotate_query and use_cuda and kind == DecodeKind.INT4
     q_in = q
     if rotate_query and not in_kernel:
         from kv4rl.quant.hadamard import rotate
@@ -135,7 +147,7 @@ def paged_decode_attention(
                        num_splits=batch.max_splits, sm_scale=sm_scale, start=n_sink, end_off=n_recent,
                        n_sink=n_sink, n_recent=n_recent, rotate_query=in_kernel, q_rot_out=q_rot)
     if use_cuda:
-        int4_decode_cuda.launch_split(body)
+        CUDA_BODIES[kind].launch_split(body)
         kernels.last_compiled = None
     else:
         kernels.last_compiled = _launch_triton(body, kernels)

@@ -29,47 +29,7 @@
 // Outputs match the Triton split kernel's: o_part[(b*Hq + head)*P + split, :] (normalised) and its
 // log2-sum-exp, merged by the same kernels.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-
-#define HEAD_DIM 128
-
-// NVRTC compiles this without headers: small helpers instead of vector types and math functions.
-struct U4 { u32 x, y, z, w; };
-struct U2 { u32 x, y; };
-
-__device__ __forceinline__ float bits_to_float(u32 x) {
-    float f;
-    asm("mov.b32 %0, %1;" : "=f"(f) : "r"(x));
-    return f;
-}
-
-__device__ __forceinline__ u32 float_bits(float x) {
-    u32 r;
-    asm("mov.b32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-__device__ __forceinline__ float round_to_bf16(float x) {
-    u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return bits_to_float((u32)h << 16);
-}
-
-__device__ __forceinline__ float fast_log2(float x) {
-    float y;
-    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-#define NEG_INF bits_to_float(0xff800000u)
-
-__device__ __forceinline__ float fmax_(float a, float b) {
-    float d;
-    asm("max.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-    return d;
-}
+#include "decode_cuda_common.cuh"
 
 __device__ __forceinline__ u32 lop_or(u32 x, u32 mask) {  // (x & mask) | 0x64006400
     u32 r;
@@ -94,68 +54,6 @@ __device__ __forceinline__ u32 shr8(u32 x) {
     u32 d;
     asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(x), "r"(1u << 24));
     return d;
-}
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
-__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-__device__ __forceinline__ float half_to_float(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ float round_to_half(float x) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return half_to_float(h);
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// n = 0 reads nothing from global memory and zero-fills: a copy past the split's end costs no traffic
-__device__ __forceinline__ void copy16(u32 dst, const void* src, u32 n) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(n) : "memory");
-}
-
-__device__ __forceinline__ void copy4(u32 dst, const void* src, u32 n) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(n) : "memory");
-}
-
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-
-// c += A(16x16) * B(16x8), fp16 operands, fp32 accumulators
-__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
-    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
 // Each warp streams its tiles through a ring of STAGES shared-memory stages with cp.async, so several

@@ -1,5 +1,5 @@
-"""The CUDA INT4 decode kernel (`int4_decode.cu`): compiled with NVRTC on first use, launched on torch's
-current stream (so CUDA graphs capture it).
+"""The CUDA INT4 decode kernel (`int4_decode.cu`): compiled with NVRTC on first use (`cuda_source`),
+launched on torch's current stream (so CUDA graphs capture it).
 
 It computes the same split partials as the Triton split kernel for KIND_INT4 (normalised outputs and
 log2-sum-exp per split), so KV4's INT8 work item and the merge kernel stay shared. Where it cannot run
@@ -8,13 +8,13 @@ log2-sum-exp per split), so KV4's INT8 work item and the merge kernel stay share
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
+from kv4rl.kernels import cuda_source
 from kv4rl.kernels.decode_common import LOG2E, SplitLaunch
 
 SOURCE = Path(__file__).with_name("int4_decode.cu")
@@ -35,17 +35,7 @@ def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, 
 
 def device_problem(device: torch.device) -> str | None:
     """Why the kernel cannot run on `device` at all (hardware, toolkit), or None."""
-    if device.type != "cuda":
-        return "not a CUDA device"
-    if torch.version.hip is not None:
-        return "ROCm: the kernel uses NVIDIA PTX"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return "needs sm_80 or newer (mma.sync m16n8k16)"
-    if not hasattr(torch.cuda, "_compile_kernel"):
-        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
-    if _cuda_home() is None:
-        return "no CUDA toolkit found (CUDA_HOME): NVRTC needs its headers"
-    return None
+    return cuda_source.device_problem(device, (8, 0), "mma.sync m16n8k16")
 
 
 def shape_problem(head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
@@ -66,44 +56,24 @@ def body_kernel(device_problem: str | None, head_dim: int, group: int, num_kv_he
     """Which kernel runs an INT4 body, 'cuda' or 'triton', and for Triton why not CUDA (pure: the engine's
     plan, `FastAttention` and each decode call decide through it). `device_problem`: `device_problem(...)`
     of the device, `enabled`: the launch settings allow the CUDA kernel."""
-    if not enabled:
-        return "triton", "disabled"
-    if interpreter:
-        return "triton", "Triton interpreter"
     why = device_problem or shape_problem(head_dim, group, num_kv_heads, block_size)
-    return ("triton", why) if why else ("cuda", None)
-
-
-@functools.cache
-def _cuda_home() -> str | None:
-    """torch's NVRTC wrapper adds the toolkit's include directory, found through CUDA_HOME."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    return CUDA_HOME
+    return cuda_source.body_kernel(why, enabled, interpreter)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
-    """Splits per sequence so that the grid is about a whole number of waves: blocks are (split,
-    sequence) pairs of up to `warps` KV heads, `warps_per_sm / warps` of them resident per SM, and a
-    wave and a bit is slower than one (measured on an H200, bench/RESULTS.md)."""
-    warps = min(CONFIG["warps"], num_kv_heads)
-    slots = num_sms * max(1, CONFIG["warps_per_sm"] // warps)
-    per_split = batch * math.ceil(num_kv_heads / warps)
-    return max(1, min(max_splits, round(slots / per_split)))
+    """Splits per sequence: a whole number of waves of this kernel's blocks (`cuda_source.whole_wave_splits`)."""
+    return cuda_source.whole_wave_splits(batch, num_kv_heads, max_splits, num_sms, CONFIG["warps"],
+                                         CONFIG["warps_per_sm"])
 
 
 def shared_bytes(warps: int, stages: int) -> int:
     return warps * stages * STAGE_BYTES
 
 
-@functools.cache  # a compile of the fixed source with these options: one per device and shape, kept for the process
 def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...]):
     options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"]
     options += [f"-D{name}={value}" for name, value in zip(("KV_ROW", "KV_HEAD", "S_ROW", "S_HEAD"), strides)]
-    with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(SOURCE.read_text(), KERNEL_NAME, nvcc_options=options)
-        kernel.set_shared_memory_config(shared_bytes(warps, stages))
-    return kernel
+    return cuda_source.compiled(device_index, SOURCE, KERNEL_NAME, tuple(options), shared_bytes(warps, stages))
 
 
 def launch_split(work: SplitLaunch) -> None:

@@ -1,0 +1,87 @@
+"""What the CUDA decode bodies (`int4_decode_cuda`, `fp8_decode_cuda`) share: whether the device can run
+them, and their sources compiled with NVRTC on first use (torch's `_compile_kernel`, launched on torch's
+current stream, so CUDA graphs capture them).
+
+NVRTC compiles one string without include paths, so `#include "name"` lines of a source are replaced by
+the named file from the same folder (nvcc, for offline register and SASS checks, finds them itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from pathlib import Path
+
+import torch
+
+_INCLUDE = re.compile(r'^#include "([^"/]+)"[ \t]*$', re.MULTILINE)
+
+
+def source_text(path: Path) -> str:
+    """The source at `path` with its local includes pasted in (each file once)."""
+    seen: set[str] = set()
+
+    def paste(match: re.Match) -> str:
+        name = match.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return _INCLUDE.sub(paste, (path.parent / name).read_text())
+
+    return _INCLUDE.sub(paste, path.read_text())
+
+
+def device_problem(device: torch.device, capability: tuple[int, int], needs: str) -> str | None:
+    """Why a CUDA kernel needing compute `capability` (for `needs`, said in the reason) cannot run on
+    `device` at all (hardware, toolkit), or None."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if torch.version.hip is not None:
+        return "ROCm: the kernel uses NVIDIA PTX"
+    if torch.cuda.get_device_capability(device) < capability:
+        return f"needs sm_{capability[0]}{capability[1]} or newer ({needs})"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    if _cuda_home() is None:
+        return "no CUDA toolkit found (CUDA_HOME): NVRTC needs its headers"
+    return None
+
+
+@functools.cache
+def _cuda_home() -> str | None:
+    """torch's NVRTC wrapper adds the toolkit's include directory, found through CUDA_HOME."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME
+
+
+@functools.cache  # one compile per device, source and options, kept for the process
+def compiled(device_index: int, path: Path, name: str, options: tuple[str, ...], shared_bytes: int):
+    """Kernel `name` of the source at `path` compiled with `options` (-D macros) for `device_index`,
+    allowed `shared_bytes` of dynamic shared memory."""
+    with torch.cuda.device(device_index):
+        kernel = torch.cuda._compile_kernel(source_text(path), name, nvcc_options=list(options))
+        kernel.set_shared_memory_config(shared_bytes)
+    return kernel
+
+
+def body_kernel(problem: str | None, enabled: bool, interpreter: bool) -> tuple[str, str | None]:
+    """Which kernel runs a body, 'cuda' or 'triton', and for Triton why not CUDA; `problem`: the device's or
+    the shape's reason the CUDA kernel cannot run (None: it can)."""
+    if not enabled:
+        return "triton", "disabled"
+    if interpreter:
+        return "triton", "Triton interpreter"
+    return ("triton", problem) if problem else ("cuda", None)
+
+
+def whole_wave_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int, warps: int,
+                      warps_per_sm: int) -> int:
+    """Splits per sequence so that the grid is about a whole number of waves: blocks are (split, sequence)
+    pairs of up to `warps` KV heads, `warps_per_sm / warps` of them resident per SM, and a wave and a bit
+    is slower than one (measured on an H200, bench/RESULTS.md)."""
+    warps = min(warps, num_kv_heads)
+    slots = num_sms * max(1, warps_per_sm // warps)
+    per_split = batch * math.ceil(num_kv_heads / warps)
+    return max(1, min(max_splits, round(slots / per_split)))

@@ -1,0 +1,303 @@
+// Split-KV paged decode attention over an FP8 (e4m3) cache with one float32 scale per token and head,
+// written against the tensor-core fragment layout like int4_decode.cu (read that file's header first).
+//
+// Why CUDA and not Triton: Triton converts e4m3 to bf16 one value at a time through f32 (two
+// conversions and a pack per value) and gathers V's bytes through shared memory, so its FP8 kernel
+// ran no faster than cuDNN on BF16 (bench/kernel_notes.md). Here every pair of codes becomes an fp16x2
+// MMA operand with one `cvt.rn.f16x2.e4m3x2` (exact: every e4m3 value is an fp16), and V's token pairs
+// come from one prmt per two channels.
+//
+// Work: one warp per (KV head, sequence, split); a block holds the KV heads of one (sequence, split).
+// Each warp streams 16-token tiles (inside one cache page) through a ring of shared-memory stages with
+// cp.async. Per tile, mma.m16n8k16 with fp16 operands and fp32 accumulators:
+//   S^T[t, h] = C_K[t, :] . Q'[h, :]          tokens on M (16), query heads on N (8, G <= 8 real)
+//   x[t, h]   = ks_t * S^T                     (Q' = q sm_scale log2 e, so x is a log2-domain score)
+//   O^T[d, h] += C_V^T[d, :] . W^T[:, h],      W[t, h] = 2^(x + log2 vs_t - mv_h)
+// The P.V operand carries the V scale in its exponent: a float32 scale (amax / 448) times p would
+// leave fp16's normal range for small values, so each head keeps a second running maximum mv of
+// x + log2 vs (lazily, like the softmax's m) and W <= 2^LAZY; the output is acc 2^(mv - m) / l with
+// l = sum 2^(x - m) kept in float32. Channels: lane (g = lane/4, j = lane%4) reads K bytes [32j, 32j+32)
+// of tokens g and g+8 (four channels per 32-bit word, two words per k-step) and V bytes [16g, 16g+16)
+// of tokens 2j, 2j+1, 2j+8, 2j+9; O^T's m-tile e row r is channel 16g + 4 (e / 2) + 2 (e % 2) + r / 8.
+// Codes are never NaN (the writer clamps to +-448, the pools are zero-filled); V codes of tokens
+// outside the split are zeroed anyway on the first and last tile, so stray bytes cannot reach the sums.
+// Outputs match the Triton split kernel's: o_part[(b*Hq + head)*P + split, :] (normalised) and its
+// log2-sum-exp, merged by the same kernels.
+
+#include "decode_cuda_common.cuh"
+
+// two e4m3 codes (a 16-bit half of x) -> fp16x2, the low byte in the low half; both halves of x at once
+__device__ __forceinline__ void e4m3x4_to_half2x2(u32 x, u32& lo, u32& hi) {
+    asm("{ .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n }"
+        : "=r"(lo), "=r"(hi) : "r"(x));
+}
+
+#ifndef STAGES
+#define STAGES 3
+#endif
+#ifndef WARPS
+#define WARPS 8  // per block: one per KV head of a (sequence, split)
+#endif
+#ifndef LAZY
+#define LAZY 6.f  // log2 headroom of the lazy rescales
+#endif
+// The cache's strides are compile-time constants (one compilation per model shape): bytes per cache row
+// (all KV heads) and per head of the codes, float32 elements per row and per head of the scales.
+#ifndef KV_ROW
+#define KV_ROW 1024
+#define KV_HEAD 128
+#define S_ROW 8
+#define S_HEAD 1
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 2  // per SM: caps the registers at 65536 / (32 * WARPS * MIN_BLOCKS)
+#endif
+// A stage: K [16 tokens x 128 B], V likewise, then 16 K scales and 16 V scales (float32).
+#define STAGE_BYTES 4224
+#define K_OFF 0
+#define V_OFF 2048
+#define SK_OFF 4096
+#define SV_OFF 4160
+#define MIN_SCALE 1e-30f  // log2 of a zero scale (an all-zero row, codes 0) stays finite
+
+// Byte offset of (token row, 16-byte chunk) inside a K or V tile: chunks XOR the row's low three bits,
+// so the 16-byte reads of rows (g, g+1) and of rows (2j, 2j+2, ...) hit distinct banks.
+__device__ __forceinline__ int tile_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_split(
+    const u16* q, int stride_qb, int stride_qh, const u8* k, const u8* v, const float* ks, const float* vs,
+    const int* block_tables, int stride_bt, const int* context_lens, const int* split_ptr,
+    float* o_part, float* lse_part, int num_q_heads, int num_partials, int num_kv_heads, int group,
+    int block_shift, int start, int end_off, double sm_scale_log2) {
+    extern __shared__ __align__(16) u8 smem[];
+    const int lane = threadIdx.x & 31;
+    const int h = blockIdx.z * WARPS + (threadIdx.x >> 5);
+    if (h >= num_kv_heads) return;
+    const int s = blockIdx.x, b = blockIdx.y;
+    const int L = context_lens[b];
+    const int split = *split_ptr;
+    const int end = L - end_off > start ? L - end_off : start;
+    const int lo = start + s * split;
+    const int hi = lo + split < end ? lo + split : end;
+    if (lo >= hi) return;
+    const int g = lane >> 2, j = lane & 3;
+    const int* bt = block_tables + (long long)b * stride_bt;
+
+    // Query fragments: lane (g, j) holds head g's channels 32j + 4m + {0, 1} (qa[m]) and {2, 3} (qb[m])
+    u32 qa[8], qb[8];
+    if (g < group) {
+        const u8* qp = (const u8*)(q + (long long)b * stride_qb + (long long)(h * group + g) * stride_qh + 32 * j);
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const U4 w = *(const U4*)(qp + 16 * c);  // channels 8c .. 8c+7
+            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+            float f[8];
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                f[2 * e] = bits_to_float(ws[e] << 16) * (float)sm_scale_log2;
+                f[2 * e + 1] = bits_to_float(ws[e] & 0xFFFF0000u) * (float)sm_scale_log2;
+            }
+            qa[2 * c] = pack_half2(f[0], f[1]);
+            qb[2 * c] = pack_half2(f[2], f[3]);
+            qa[2 * c + 1] = pack_half2(f[4], f[5]);
+            qb[2 * c + 1] = pack_half2(f[6], f[7]);
+        }
+    } else {
+        #pragma unroll
+        for (int m = 0; m < 8; ++m) qa[m] = qb[m] = 0u;
+    }
+
+    // ---- the copy side: lane copies 16-byte chunk lane % 8 of rows lane / 8 + {0, 4, 8, 12} of K and V
+    // (four whole 128-byte rows per instruction), and one scale (K's for lanes 0-15, V's for 16-31) of
+    // token lane % 16. Everything but the page's first row is a per-lane constant.
+    u8* ring = smem + (threadIdx.x >> 5) * (STAGES * STAGE_BYTES);
+    const int crow = lane >> 3, cchunk = lane & 7;
+    // rows crow and crow + 8 share a swizzle, as do crow + 4 and crow + 12
+    const u32 c_dst0 = smem_addr(ring) + tile_offset(crow, cchunk), c_dst1 = smem_addr(ring) + tile_offset(crow + 4, cchunk);
+    const u32 s_dst = smem_addr(ring) + SK_OFF + 4 * lane;
+    const long long lane_codes = (long long)crow * KV_ROW + (long long)h * KV_HEAD + 16 * cchunk;
+    const u8* k_lane = k + lane_codes;
+    const u8* v_lane = v + lane_codes;
+    const float* s_lane = (lane < 16 ? ks : vs) + (long long)(lane & 15) * S_ROW + h * S_HEAD;
+    const int t_first = lo & ~15;
+    const int n_tiles = ((hi - 1 - t_first) >> 4) + 1;
+    const int page_mask = (1 << block_shift) - 1;
+
+    auto issue = [&](int i, u32 st) {  // branch-free: tiles past the end copy nothing
+        const bool live = i < n_tiles;
+        const int t0 = t_first + 16 * (live ? i : n_tiles - 1);
+        const int row0 = (bt[t0 >> block_shift] << block_shift) + (t0 & page_mask);
+        const u8* kr = k_lane + (long long)row0 * KV_ROW;
+        const u8* vr = v_lane + (long long)row0 * KV_ROW;
+        const u32 n16 = live ? 16 : 0, n4 = live ? 4 : 0;
+        copy16(c_dst0 + st + K_OFF, kr, n16);
+        copy16(c_dst1 + st + K_OFF, kr + 4 * KV_ROW, n16);
+        copy16(c_dst0 + st + K_OFF + 1024, kr + 8 * KV_ROW, n16);
+        copy16(c_dst1 + st + K_OFF + 1024, kr + 12 * KV_ROW, n16);
+        copy16(c_dst0 + st + V_OFF, vr, n16);
+        copy16(c_dst1 + st + V_OFF, vr + 4 * KV_ROW, n16);
+        copy16(c_dst0 + st + V_OFF + 1024, vr + 8 * KV_ROW, n16);
+        copy16(c_dst1 + st + V_OFF + 1024, vr + 12 * KV_ROW, n16);
+        copy4(s_dst + st, s_lane + (long long)row0 * S_ROW, n4);
+        copy_commit();
+    };
+
+    // ---- the compute side: per-lane offsets of what it reads from a stage (rows + 8 sit 1024 bytes on)
+    const int r_k0 = K_OFF + tile_offset(g, 2 * j), r_k1 = K_OFF + tile_offset(g, 2 * j + 1);
+    const int r_v0 = V_OFF + tile_offset(2 * j, g), r_v1 = V_OFF + tile_offset(2 * j + 1, g);
+    // P^T fragment sources: token 2j (and 2j+8) come from lane 8j + g/2, 2j+1 (2j+9) from 8j + 4 + g/2
+    const int src_a = 8 * j + (g >> 1), src_b = src_a + 4;
+    const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
+
+    float acc[8][4];  // O^T m-tile e: (c0, c1) channel 16g + 4(e/2) + 2(e%2), (c2, c3) the next; cols heads 2j, 2j+1
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e][0] = acc[e][1] = acc[e][2] = acc[e][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, mv0 = NEG_INF, mv1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) issue(i, i * STAGE_BYTES);
+
+    // S^T = C_K . Q'^T of one tile: rows tokens (g, g+8), columns heads (2j, 2j+1); two accumulator chains
+    auto qk = [&](const u8* st, float* sc) {
+        float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+        const U4 ka0 = *(const U4*)(st + r_k0), ka1 = *(const U4*)(st + r_k1);  // token g
+        const U4 kb0 = *(const U4*)(st + r_k0 + 1024), kb1 = *(const U4*)(st + r_k1 + 1024);  // token g + 8
+        const u32 wa[8] = {ka0.x, ka0.y, ka0.z, ka0.w, ka1.x, ka1.y, ka1.z, ka1.w};
+        const u32 wb[8] = {kb0.x, kb0.y, kb0.z, kb0.w, kb1.x, kb1.y, kb1.z, kb1.w};
+        #pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            u32 a_lo, a_hi, b_lo, b_hi;
+            e4m3x4_to_half2x2(wa[m], a_lo, a_hi);
+            e4m3x4_to_half2x2(wb[m], b_lo, b_hi);
+            mma16816((m & 1) ? sb : sa, a_lo, b_lo, a_hi, b_hi, qa[m], qb[m]);
+        }
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) sc[e] = sa[e] + sb[e];
+    };
+
+    // the rest of a tile: scores, online softmax, O^T += C_V^T . W^T
+    auto finish = [&](const u8* st, const int t0, const float* sc) {
+        const float ks0 = *(const float*)(st + SK_OFF + 4 * g), ks1 = *(const float*)(st + SK_OFF + 4 * g + 32);
+        float lv0 = fast_log2(fmax_(*(const float*)(st + SV_OFF + 4 * g), MIN_SCALE));
+        float lv1 = fast_log2(fmax_(*(const float*)(st + SV_OFF + 4 * g + 32), MIN_SCALE));
+        float x[4], y[4];
+        x[0] = ks0 * sc[0];
+        x[1] = ks0 * sc[1];
+        x[2] = ks1 * sc[2];
+        x[3] = ks1 * sc[3];
+        U4 va = *(const U4*)(st + r_v0), vb = *(const U4*)(st + r_v1);  // tokens 2j, 2j+1
+        U4 vc = *(const U4*)(st + r_v0 + 1024), vd = *(const U4*)(st + r_v1 + 1024);  // 2j+8, 2j+9
+        if (t0 < lo || t0 + 16 > hi) {  // tokens outside [lo, hi): never read as numbers
+            const u32 n = hi - lo;
+            const bool ok0 = (u32)(t0 + g - lo) < n, ok1 = (u32)(t0 + g + 8 - lo) < n;
+            x[0] = ok0 ? x[0] : NEG_INF;
+            x[1] = ok0 ? x[1] : NEG_INF;
+            x[2] = ok1 ? x[2] : NEG_INF;
+            x[3] = ok1 ? x[3] : NEG_INF;
+            lv0 = ok0 ? lv0 : 0.f;
+            lv1 = ok1 ? lv1 : 0.f;
+            const U4 zero = {0u, 0u, 0u, 0u};
+            va = (u32)(t0 + 2 * j - lo) < n ? va : zero;
+            vb = (u32)(t0 + 2 * j + 1 - lo) < n ? vb : zero;
+            vc = (u32)(t0 + 2 * j + 8 - lo) < n ? vc : zero;
+            vd = (u32)(t0 + 2 * j + 9 - lo) < n ? vd : zero;
+        }
+        y[0] = x[0] + lv0;
+        y[1] = x[1] + lv0;
+        y[2] = x[2] + lv1;
+        y[3] = x[3] + lv1;
+        // Lazy rescaling: the running maxima per head move only when a value passes them by more than
+        // LAZY (log2 units), so most tiles skip the cross-lane maxima and the accumulator rescale.
+        const float lm0 = fmax_(x[0], x[2]), lm1 = fmax_(x[1], x[3]);
+        const float ly0 = fmax_(y[0], y[2]), ly1 = fmax_(y[1], y[3]);
+        if (__any_sync(0xffffffffu, lm0 > m0 + LAZY || lm1 > m1 + LAZY || ly0 > mv0 + LAZY || ly1 > mv1 + LAZY)) {
+            float mt0 = lm0, mt1 = lm1, yt0 = ly0, yt1 = ly1;
+            #pragma unroll
+            for (int d = 4; d < 32; d <<= 1) {
+                mt0 = fmax_(mt0, __shfl_xor_sync(0xffffffffu, mt0, d));
+                mt1 = fmax_(mt1, __shfl_xor_sync(0xffffffffu, mt1, d));
+                yt0 = fmax_(yt0, __shfl_xor_sync(0xffffffffu, yt0, d));
+                yt1 = fmax_(yt1, __shfl_xor_sync(0xffffffffu, yt1, d));
+            }
+            // finite: every tile has a valid token, and log2 of its scale is finite (MIN_SCALE)
+            const float mn0 = fmax_(m0, mt0), mn1 = fmax_(m1, mt1), vn0 = fmax_(mv0, yt0), vn1 = fmax_(mv1, yt1);
+            const float al0 = fast_exp2(m0 - mn0), al1 = fast_exp2(m1 - mn1);  // 0 on the first tile
+            const float av0 = fast_exp2(mv0 - vn0), av1 = fast_exp2(mv1 - vn1);
+            m0 = mn0;
+            m1 = mn1;
+            mv0 = vn0;
+            mv1 = vn1;
+            l0 *= al0;
+            l1 *= al1;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc[e][0] *= av0;
+                acc[e][1] *= av1;
+                acc[e][2] *= av0;
+                acc[e][3] *= av1;
+            }
+        }
+        l0 += fast_exp2(x[0] - m0) + fast_exp2(x[2] - m0);
+        l1 += fast_exp2(x[1] - m1) + fast_exp2(x[3] - m1);
+        // W^T as the B operand: W of head g at tokens (2j, 2j+1) and (2j+8, 2j+9)
+        const u32 w01 = pack_half2(fast_exp2(y[0] - mv0), fast_exp2(y[1] - mv1));  // token g: heads 2j, 2j+1
+        const u32 w23 = pack_half2(fast_exp2(y[2] - mv0), fast_exp2(y[3] - mv1));  // token g + 8
+        const u32 a01 = __shfl_sync(0xffffffffu, w01, src_a), b01 = __shfl_sync(0xffffffffu, w01, src_b);
+        const u32 a23 = __shfl_sync(0xffffffffu, w23, src_a), b23 = __shfl_sync(0xffffffffu, w23, src_b);
+        const u32 pb0 = prmt(a01, b01, sel), pb1 = prmt(a23, b23, sel);
+        // O^T += C_V^T . W^T: word w of each token holds channels 16g + 4w .. 16g + 4w + 3
+        const u32 wva[4] = {va.x, va.y, va.z, va.w}, wvb[4] = {vb.x, vb.y, vb.z, vb.w};
+        const u32 wvc[4] = {vc.x, vc.y, vc.z, vc.w}, wvd[4] = {vd.x, vd.y, vd.z, vd.w};
+        #pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            u32 c0, c1, c2, c3, d0, d1, d2, d3;  // channel 4w + r of tokens (2j, 2j+1) and (2j+8, 2j+9)
+            e4m3x4_to_half2x2(prmt(wva[w], wvb[w], 0x5140u), c0, c1);
+            e4m3x4_to_half2x2(prmt(wva[w], wvb[w], 0x7362u), c2, c3);
+            e4m3x4_to_half2x2(prmt(wvc[w], wvd[w], 0x5140u), d0, d1);
+            e4m3x4_to_half2x2(prmt(wvc[w], wvd[w], 0x7362u), d2, d3);
+            mma16816(acc[2 * w], c0, c1, d0, d1, pb0, pb1);
+            mma16816(acc[2 * w + 1], c2, c3, d2, d3, pb0, pb1);
+        }
+    };
+
+    // Software pipelined as in int4_decode.cu: iteration i computes tile i+1's dot products alongside
+    // tile i's softmax and P.V. Tile i+1 must have landed: wait for all but STAGES - 3 copy groups.
+    copy_wait<STAGES - 2>();
+    __syncwarp();
+    float sc_cur[4];
+    qk(ring, sc_cur);
+    u32 read_off = 0, write_off = (STAGES - 1) * STAGE_BYTES;  // stage byte offsets in the ring
+    for (int i = 0; i < n_tiles; ++i) {
+        copy_wait<STAGES - 3>();
+        __syncwarp();
+        issue(i + STAGES - 1, write_off);  // into the stage finished in the previous iteration
+        const u32 next_off = read_off == (STAGES - 1) * STAGE_BYTES ? 0 : read_off + STAGE_BYTES;
+        float sc_next[4];
+        qk(ring + next_off, sc_next);  // past the last tile: zero-filled or stale codes, result unused
+        finish(ring + read_off, t_first + 16 * i, sc_cur);
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) sc_cur[e] = sc_next[e];
+        write_off = read_off;
+        read_off = next_off;
+    }
+    copy_wait<0>();
+
+    #pragma unroll
+    for (int d = 4; d < 32; d <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, d);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, d);
+    }
+    #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int head = 2 * j + c;
+        if (head >= group) break;
+        const float l = c ? l1 : l0, m = c ? m1 : m0, mv = c ? mv1 : mv0;
+        const float f = fast_exp2(mv - m) / (l > 0.f ? l : 1.f);  // W's units back to the softmax's
+        const long long part = ((long long)b * num_q_heads + h * group + head) * num_partials + s;
+        float* o = o_part + part * HEAD_DIM + 16 * g;
+        #pragma unroll
+        for (int w = 0; w < 4; ++w)
+            store4(o + 4 * w, acc[2 * w][c] * f, acc[2 * w][2 + c] * f, acc[2 * w + 1][c] * f, acc[2 * w + 1][2 + c] * f);
+        if (g == 0) lse_part[part] = m + fast_log2(l > 0.f ? l : 1.f);
+    }
+}

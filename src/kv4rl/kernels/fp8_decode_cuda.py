@@ -1,0 +1,104 @@
+"""The CUDA FP8 decode kernel (`fp8_decode.cu`): compiled with NVRTC on first use (`cuda_source`),
+launched on torch's current stream (so CUDA graphs capture it).
+
+It computes the same split partials as the Triton split kernel for KIND_FP8 (normalised outputs and
+log2-sum-exp per split), merged by the same Triton merge. Where it cannot run (`problem` says why), the
+Triton kernel serves instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from kv4rl.kernels import cuda_source
+from kv4rl.kernels.decode_common import LOG2E, SplitLaunch
+
+SOURCE = Path(__file__).with_name("fp8_decode.cu")
+KERNEL_NAME = "fp8_decode_split"
+HEAD_DIM = 128
+MAX_GROUP = 8  # query heads per KV head: the N columns of the MMA tile the kernel uses
+STAGE_BYTES = 4224  # shared memory per pipeline stage and warp: K and V tiles, their scales (see the source)
+# Compile-time settings (macros of the source): warps per block (one per KV head of a (sequence,
+# split), at most this many), cp.async stages, and the warps per SM that __launch_bounds__ sizes
+# registers for. Three stages of 8 warps fit twice in an SM's shared memory (2 x 101 KB).
+CONFIG = MappingProxyType({"warps": 8, "stages": 3, "warps_per_sm": 16})
+
+
+def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
+    """Why the CUDA kernel cannot serve this shape, or None when it can."""
+    return device_problem(device) or shape_problem(head_dim, group, num_kv_heads, block_size)
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why the kernel cannot run on `device` at all (hardware, toolkit), or None."""
+    return cuda_source.device_problem(device, (8, 9), "cvt.rn.f16x2.e4m3x2")
+
+
+def shape_problem(head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
+    """Why the kernel cannot take this head shape and block size, or None (pure)."""
+    if head_dim != HEAD_DIM:
+        return f"head_dim {head_dim} != {HEAD_DIM}"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head > {MAX_GROUP}"
+    if block_size % 16 or block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two >= 16"
+    return None
+
+
+def body_kernel(device_problem: str | None, head_dim: int, group: int, num_kv_heads: int, block_size: int, *,
+                enabled: bool = True, interpreter: bool = False) -> tuple[str, str | None]:
+    """Which kernel runs an FP8 body, 'cuda' or 'triton', and for Triton why not CUDA (pure)."""
+    why = device_problem or shape_problem(head_dim, group, num_kv_heads, block_size)
+    return cuda_source.body_kernel(why, enabled, interpreter)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
+    """Splits per sequence: a whole number of waves of this kernel's blocks (`cuda_source.whole_wave_splits`)."""
+    return cuda_source.whole_wave_splits(batch, num_kv_heads, max_splits, num_sms, CONFIG["warps"],
+                                         CONFIG["warps_per_sm"])
+
+
+def shared_bytes(warps: int, stages: int) -> int:
+    return warps * stages * STAGE_BYTES
+
+
+def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...]):
+    options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"]
+    options += [f"-D{name}={value}" for name, value in zip(("KV_ROW", "KV_HEAD", "S_ROW", "S_HEAD"), strides)]
+    return cuda_source.compiled(device_index, SOURCE, KERNEL_NAME, tuple(options), shared_bytes(warps, stages))
+
+
+def launch_split(work: SplitLaunch, config: Mapping[str, int] | None = None) -> None:
+    """Fill work.o_part[:, :, :num_splits] / lse_part with the FP8 body's split partials over
+    [work.start, L - work.end_off). `config`: the compile-time settings (default `CONFIG`; sweeps pass others)."""
+    config = CONFIG if config is None else config
+    q, k, v, batch = work.q, work.k, work.v, work.batch
+    k_scale, v_scale = work.k_scale, work.v_scale
+    bsz, num_q_heads, _ = q.shape
+    num_kv_heads = k.shape[1]
+    if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        q = q.contiguous()  # the kernel reads the query in 16-byte pieces
+    assert q.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.float8_e4m3fn
+    assert k_scale.dtype == v_scale.dtype == torch.float32
+    assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride()
+    assert k.stride(-1) == 1 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
+    assert all(t.data_ptr() % 16 == 0 for t in (k, v)) and all(t.data_ptr() % 4 == 0 for t in (k_scale, v_scale))
+    warps, stages = min(config["warps"], num_kv_heads), config["stages"]
+    min_blocks = max(1, config["warps_per_sm"] // warps)
+    grid = (work.num_splits, bsz, math.ceil(num_kv_heads / warps))
+    bt = batch.block_tables
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))
+    _kernel(device, warps, stages, min_blocks, strides)(
+        grid=grid, block=(32 * warps, 1, 1),
+        args=[q, q.stride(0), q.stride(1), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale,
+              bt, bt.stride(0), batch.context_lens, batch.split_size,
+              work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
+              batch.block_size.bit_length() - 1, work.start, work.end_off, float(work.sm_scale * LOG2E)],
+        shared_mem=shared_bytes(warps, stages),
+    )
