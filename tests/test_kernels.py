@@ -210,7 +210,8 @@ def test_fused_write_rotation_of_each_input_dtype_matches_float64(dtype, gen):
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (64, 8), (8, 2), (12, 6)])
 def test_cuda_int4_kernel_rotations_and_head_shapes(name, rotate, hq, hkv, gen):
     """The CUDA INT4 kernel (in-register query rotation, GQA groups 1.5-8 of the MMA rows, KV-head
-    counts that are not a block's worth) against float64, on ragged lengths and several split grids."""
+    counts that are not a block's worth) and, for KV4, the CUDA INT8 item merged with it (36 protected
+    rows: not whole tiles) against float64, on ragged lengths, several split grids, float32 and bf16 outputs."""
     from kv4rl.kernels.decode_attention import DecodeKernels
 
     assert DecodeKernels().int4_body(DEVICE, 128, hq // hkv, hkv, 16) == ("cuda", None)
@@ -225,6 +226,8 @@ def test_cuda_int4_kernel_rotations_and_head_shapes(name, rotate, hq, hkv, gen):
         assert rel_err(out, ref) < TOL, (name, rotate, hq, hkv, max_splits)
         for i in range(len(lens)):
             assert rel_err(out[i], ref[i]) < 3 * TOL, (name, rotate, i)
+    out = fast_decode(fmt, cache, meta, q, 4, 384)  # bf16 output, as the engine asks (KV4's item writes it)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL
 
 
 def test_cuda_int4_kernel_split_grid_and_refusals():

@@ -155,7 +155,10 @@ def paged_decode_attention(
         item = SplitLaunch(q if q_rot is None else q_rot, DecodeKind.INT8_SIDE, side["k"], side["v"],
                            side["k_scale"], side["v_scale"], None, None, batch, o_part, lse_part, num_splits=1,
                            sm_scale=sm_scale, n_sink=n_sink, n_recent=n_recent, out=out)
-        _launch_triton(item, kernels)
+        if use_cuda and fp8_decode_cuda.side_problem(out) is None:  # with the CUDA INT4 body: its 8-bit twin
+            fp8_decode_cuda.launch_int8_side(item)
+        else:
+            _launch_triton(item, kernels)
         return out
     _merge_kernel[(bsz, num_q_heads)](
         o_part, lse_part, out, out.stride(0), out.stride(1), batch.context_lens, batch.split_size, num_q_heads,

@@ -23,14 +23,32 @@
 // outside the split are zeroed anyway on the first and last tile, so stray bytes cannot reach the sums.
 // Outputs match the Triton split kernel's: o_part[(b*Hq + head)*P + split, :] (normalised) and its
 // log2-sum-exp, merged by the same kernels.
+//
+// Compiled with -DSIDE_INT8 the same kernel is KV4's INT8 work item: codes are symmetric INT8 (same
+// row layout and float32 scales as FP8), one split per (KV head, sequence) over the sequence's protected
+// rows, and the epilogue merges its partial with the INT4 body's split partials and writes the output.
+// The protected rows are contiguous: a sequence owns rows [slot * budget, (slot + 1) * budget) of the side
+// buffer (sinks first, then a ring of the recent positions), and at context L the valid ones are exactly
+// the first min(L, budget) (the ring has been filled in order), so attention, which does not care about
+// token order, reads them as one range.
 
 #include "decode_cuda_common.cuh"
 
-// two e4m3 codes (a 16-bit half of x) -> fp16x2, the low byte in the low half; both halves of x at once
-__device__ __forceinline__ void e4m3x4_to_half2x2(u32 x, u32& lo, u32& hi) {
+#ifdef SIDE_INT8
+// four INT8 codes -> two exact fp16x2 (bytes 0, 1 and 2, 3): the fp16 with bits 0x6400 | u is 1024 + u, and
+// u = c + 128 for the signed code c, so one prmt and one subtraction of 1152 per pair
+__device__ __forceinline__ void codes4_to_half2x2(u32 x, u32& lo, u32& hi) {
+    const u32 u = x ^ 0x80808080u;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(prmt(u, 0x64646464u, 0x4140u)), "r"(0x64806480u));
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(prmt(u, 0x64646464u, 0x4342u)), "r"(0x64806480u));
+}
+#else
+// four e4m3 codes -> two fp16x2 (bytes 0, 1 and 2, 3), the lower byte in the lower half: exact
+__device__ __forceinline__ void codes4_to_half2x2(u32 x, u32& lo, u32& hi) {
     asm("{ .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n }"
         : "=r"(lo), "=r"(hi) : "r"(x));
 }
+#endif
 
 #ifndef STAGES
 #define STAGES 3
@@ -68,7 +86,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     const u16* q, int stride_qb, int stride_qh, const u8* k, const u8* v, const float* ks, const float* vs,
     const int* block_tables, int stride_bt, const int* context_lens, const int* split_ptr,
     float* o_part, float* lse_part, int num_q_heads, int num_partials, int num_kv_heads, int group,
-    int block_shift, int start, int end_off, double sm_scale_log2) {
+    int block_shift, int start, int end_off, double sm_scale_log2,
+    const int* seq_slots, int budget, void* out, int stride_outb, int stride_outh, int out_f32) {
     extern __shared__ __align__(16) u8 smem[];
     const int lane = threadIdx.x & 31;
     const int h = blockIdx.z * WARPS + (threadIdx.x >> 5);
@@ -76,10 +95,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     const int s = blockIdx.x, b = blockIdx.y;
     const int L = context_lens[b];
     const int split = *split_ptr;
+#ifdef SIDE_INT8  // the protected rows [0, min(L, budget)); the INT4 body covers [start, L - end_off)
+    const int lo = 0, hi = L < budget ? L : budget;
+    const long long side_row0 = (long long)seq_slots[b] * budget;
+#else
     const int end = L - end_off > start ? L - end_off : start;
     const int lo = start + s * split;
     const int hi = lo + split < end ? lo + split : end;
     if (lo >= hi) return;
+#endif
     const int g = lane >> 2, j = lane & 3;
     const int* bt = block_tables + (long long)b * stride_bt;
 
@@ -120,25 +144,35 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     const u8* v_lane = v + lane_codes;
     const float* s_lane = (lane < 16 ? ks : vs) + (long long)(lane & 15) * S_ROW + h * S_HEAD;
     const int t_first = lo & ~15;
-    const int n_tiles = ((hi - 1 - t_first) >> 4) + 1;
+    const int n_tiles = hi > lo ? ((hi - 1 - t_first) >> 4) + 1 : 0;
     const int page_mask = (1 << block_shift) - 1;
 
     auto issue = [&](int i, u32 st) {  // branch-free: tiles past the end copy nothing
         const bool live = i < n_tiles;
         const int t0 = t_first + 16 * (live ? i : n_tiles - 1);
-        const int row0 = (bt[t0 >> block_shift] << block_shift) + (t0 & page_mask);
-        const u8* kr = k_lane + (long long)row0 * KV_ROW;
-        const u8* vr = v_lane + (long long)row0 * KV_ROW;
-        const u32 n16 = live ? 16 : 0, n4 = live ? 4 : 0;
-        copy16(c_dst0 + st + K_OFF, kr, n16);
-        copy16(c_dst1 + st + K_OFF, kr + 4 * KV_ROW, n16);
-        copy16(c_dst0 + st + K_OFF + 1024, kr + 8 * KV_ROW, n16);
-        copy16(c_dst1 + st + K_OFF + 1024, kr + 12 * KV_ROW, n16);
-        copy16(c_dst0 + st + V_OFF, vr, n16);
-        copy16(c_dst1 + st + V_OFF, vr + 4 * KV_ROW, n16);
-        copy16(c_dst0 + st + V_OFF + 1024, vr + 8 * KV_ROW, n16);
-        copy16(c_dst1 + st + V_OFF + 1024, vr + 12 * KV_ROW, n16);
-        copy4(s_dst + st, s_lane + (long long)row0 * S_ROW, n4);
+#ifdef SIDE_INT8
+        // one contiguous range; a row past its end (or any row of an empty range, t0 < 0) is not read and its
+        // address is the buffer's first row, never one past the buffer's ends
+        const long long row0 = side_row0 + t0;
+        const u32 n0 = live && t0 + crow < hi ? 16 : 0, n1 = live && t0 + crow + 4 < hi ? 16 : 0;
+        const u32 n2 = live && t0 + crow + 8 < hi ? 16 : 0, n3 = live && t0 + crow + 12 < hi ? 16 : 0;
+        const u32 n4 = live && t0 + (lane & 15) < hi ? 4 : 0;
+        const long long r0 = n0 ? row0 : 0, r1 = n1 ? row0 + 4 : 0, r2 = n2 ? row0 + 8 : 0, r3 = n3 ? row0 + 12 : 0;
+        const long long rs = n4 ? row0 : 0;
+#else
+        const long long row0 = (bt[t0 >> block_shift] << block_shift) + (t0 & page_mask);
+        const u32 n0 = live ? 16 : 0, n1 = n0, n2 = n0, n3 = n0, n4 = live ? 4 : 0;
+        const long long r0 = row0, r1 = row0 + 4, r2 = row0 + 8, r3 = row0 + 12, rs = row0;
+#endif
+        copy16(c_dst0 + st + K_OFF, k_lane + r0 * KV_ROW, n0);
+        copy16(c_dst1 + st + K_OFF, k_lane + r1 * KV_ROW, n1);
+        copy16(c_dst0 + st + K_OFF + 1024, k_lane + r2 * KV_ROW, n2);
+        copy16(c_dst1 + st + K_OFF + 1024, k_lane + r3 * KV_ROW, n3);
+        copy16(c_dst0 + st + V_OFF, v_lane + r0 * KV_ROW, n0);
+        copy16(c_dst1 + st + V_OFF, v_lane + r1 * KV_ROW, n1);
+        copy16(c_dst0 + st + V_OFF + 1024, v_lane + r2 * KV_ROW, n2);
+        copy16(c_dst1 + st + V_OFF + 1024, v_lane + r3 * KV_ROW, n3);
+        copy4(s_dst + st, s_lane + rs * S_ROW, n4);
         copy_commit();
     };
 
@@ -167,8 +201,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
         #pragma unroll
         for (int m = 0; m < 8; ++m) {
             u32 a_lo, a_hi, b_lo, b_hi;
-            e4m3x4_to_half2x2(wa[m], a_lo, a_hi);
-            e4m3x4_to_half2x2(wb[m], b_lo, b_hi);
+            codes4_to_half2x2(wa[m], a_lo, a_hi);
+            codes4_to_half2x2(wb[m], b_lo, b_hi);
             mma16816((m & 1) ? sb : sa, a_lo, b_lo, a_hi, b_hi, qa[m], qb[m]);
         }
         #pragma unroll
@@ -251,10 +285,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
         #pragma unroll
         for (int w = 0; w < 4; ++w) {
             u32 c0, c1, c2, c3, d0, d1, d2, d3;  // channel 4w + r of tokens (2j, 2j+1) and (2j+8, 2j+9)
-            e4m3x4_to_half2x2(prmt(wva[w], wvb[w], 0x5140u), c0, c1);
-            e4m3x4_to_half2x2(prmt(wva[w], wvb[w], 0x7362u), c2, c3);
-            e4m3x4_to_half2x2(prmt(wvc[w], wvd[w], 0x5140u), d0, d1);
-            e4m3x4_to_half2x2(prmt(wvc[w], wvd[w], 0x7362u), d2, d3);
+            codes4_to_half2x2(prmt(wva[w], wvb[w], 0x5140u), c0, c1);
+            codes4_to_half2x2(prmt(wva[w], wvb[w], 0x7362u), c2, c3);
+            codes4_to_half2x2(prmt(wvc[w], wvd[w], 0x5140u), d0, d1);
+            codes4_to_half2x2(prmt(wvc[w], wvd[w], 0x7362u), d2, d3);
             mma16816(acc[2 * w], c0, c1, d0, d1, pb0, pb1);
             mma16816(acc[2 * w + 1], c2, c3, d2, d3, pb0, pb1);
         }
@@ -287,17 +321,71 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
         l0 += __shfl_xor_sync(0xffffffffu, l0, d);
         l1 += __shfl_xor_sync(0xffffffffu, l1, d);
     }
+#ifdef SIDE_INT8
+    // merge with the INT4 body's splits over [start, L - end_off): out = sum_s w_s o_s / sum_s w_s
+    const int body_end = L - end_off > start ? L - end_off : start;
+    const int n_main = (body_end - start + split - 1) / split;
+#endif
     #pragma unroll
     for (int c = 0; c < 2; ++c) {
         const int head = 2 * j + c;
         if (head >= group) break;
         const float l = c ? l1 : l0, m = c ? m1 : m0, mv = c ? mv1 : mv0;
-        const float f = fast_exp2(mv - m) / (l > 0.f ? l : 1.f);  // W's units back to the softmax's
-        const long long part = ((long long)b * num_q_heads + h * group + head) * num_partials + s;
-        float* o = o_part + part * HEAD_DIM + 16 * g;
+        // W's units back to the softmax's (no tokens, l = 0: nothing, not 2^(-inf + inf))
+        const float f = l > 0.f ? fast_exp2(mv - m) / l : 0.f;
+        float o[16];
         #pragma unroll
-        for (int w = 0; w < 4; ++w)
-            store4(o + 4 * w, acc[2 * w][c] * f, acc[2 * w][2 + c] * f, acc[2 * w + 1][c] * f, acc[2 * w + 1][2 + c] * f);
-        if (g == 0) lse_part[part] = m + fast_log2(l > 0.f ? l : 1.f);
+        for (int w = 0; w < 4; ++w) {
+            o[4 * w] = acc[2 * w][c] * f;
+            o[4 * w + 1] = acc[2 * w][2 + c] * f;
+            o[4 * w + 2] = acc[2 * w + 1][c] * f;
+            o[4 * w + 3] = acc[2 * w + 1][2 + c] * f;
+        }
+        const float lse = l > 0.f ? m + fast_log2(l) : NEG_INF;
+        const long long row = (long long)b * num_q_heads + h * group + head;
+#ifdef SIDE_INT8
+        const long long part0 = row * num_partials;
+        float mx = lse;
+        for (int sp = 0; sp < n_main; ++sp) mx = fmax_(mx, lse_part[part0 + sp]);
+        mx = mx == NEG_INF ? 0.f : mx;
+        float den = l > 0.f ? fast_exp2(lse - mx) : 0.f;
+        #pragma unroll
+        for (int e = 0; e < 16; ++e) o[e] *= den;
+        for (int sp = 0; sp < n_main; ++sp) {
+            const float w = fast_exp2(lse_part[part0 + sp] - mx);
+            const float* op = o_part + (part0 + sp) * HEAD_DIM + 16 * g;
+            #pragma unroll
+            for (int e = 0; e < 16; e += 4) {
+                const U4 x = *(const U4*)(op + e);
+                o[e] += w * bits_to_float(x.x);
+                o[e + 1] += w * bits_to_float(x.y);
+                o[e + 2] += w * bits_to_float(x.z);
+                o[e + 3] += w * bits_to_float(x.w);
+            }
+            den += w;
+        }
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        const long long at = (long long)b * stride_outb + (long long)(h * group + head) * stride_outh + 16 * g;
+        if (out_f32) {
+            float* op = (float*)out + at;
+            #pragma unroll
+            for (int e = 0; e < 16; e += 4) store4(op + e, o[e] * inv, o[e + 1] * inv, o[e + 2] * inv, o[e + 3] * inv);
+        } else {
+            u32 packed[8];
+            #pragma unroll
+            for (int e = 0; e < 8; ++e)
+                packed[e] = (float_bits(round_to_bf16(o[2 * e] * inv)) >> 16) |
+                            (float_bits(round_to_bf16(o[2 * e + 1] * inv)) & 0xFFFF0000u);
+            U4* op = (U4*)((u16*)out + at);
+            op[0] = U4{packed[0], packed[1], packed[2], packed[3]};
+            op[1] = U4{packed[4], packed[5], packed[6], packed[7]};
+        }
+#else
+        const long long part = row * num_partials + s;
+        float* op = o_part + part * HEAD_DIM + 16 * g;
+        #pragma unroll
+        for (int e = 0; e < 16; e += 4) store4(op + e, o[e], o[e + 1], o[e + 2], o[e + 3]);
+        if (g == 0) lse_part[part] = lse;
+#endif
     }
 }

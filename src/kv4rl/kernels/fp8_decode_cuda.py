@@ -3,7 +3,8 @@ launched on torch's current stream (so CUDA graphs capture it).
 
 It computes the same split partials as the Triton split kernel for KIND_FP8 (normalised outputs and
 log2-sum-exp per split), merged by the same Triton merge. Where it cannot run (`problem` says why), the
-Triton kernel serves instead.
+Triton kernel serves instead. The same source compiled with -DSIDE_INT8 is KV4's INT8 work item
+(`launch_int8_side`): 8-bit codes of the same row layout, merged with the CUDA INT4 body's partials.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def shared_bytes(warps: int, stages: int) -> int:
     return warps * stages * STAGE_BYTES
 
 
-def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...]):
-    options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"]
+def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...], side: bool = False):
+    options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"] + (["-DSIDE_INT8"] if side else [])
     options += [f"-D{name}={value}" for name, value in zip(("KV_ROW", "KV_HEAD", "S_ROW", "S_HEAD"), strides)]
     return cuda_source.compiled(device_index, SOURCE, KERNEL_NAME, tuple(options), shared_bytes(warps, stages))
 
@@ -99,6 +100,50 @@ def launch_split(work: SplitLaunch, config: Mapping[str, int] | None = None) -> 
         args=[q, q.stride(0), q.stride(1), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale,
               bt, bt.stride(0), batch.context_lens, batch.split_size,
               work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
-              batch.block_size.bit_length() - 1, work.start, work.end_off, float(work.sm_scale * LOG2E)],
+              batch.block_size.bit_length() - 1, work.start, work.end_off, float(work.sm_scale * LOG2E),
+              batch.seq_slots, 0, work.o_part, 0, 0, 0],
+        shared_mem=shared_bytes(warps, stages),
+    )
+
+
+def side_problem(out: torch.Tensor) -> str | None:
+    """Why the INT8 item cannot write `out` [B, Hq, D] (then the Triton item serves), or None: it stores bf16
+    or float32 rows of 16 channels as aligned 16-byte pieces."""
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        return f"output dtype {out.dtype}"
+    if out.stride(-1) != 1 or out.stride(0) % 8 or out.stride(1) % 8 or out.data_ptr() % 16:
+        return "output rows not 16-byte aligned"
+    return None
+
+
+def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None) -> None:
+    """KV4's INT8 work item: attention of work.q (already rotated) over each sequence's protected rows
+    (work.k / v [rows, Hkv, D] int8, float32 scales; a sequence's rows start at seq_slot x (n_sink +
+    n_recent)), merged with the INT4 body's split partials in work.o_part / lse_part (over [n_sink,
+    L - n_recent)) into work.out. The body must have run first (same stream)."""
+    config = CONFIG if config is None else config
+    q, k, v, batch, out = work.q, work.k, work.v, work.batch, work.out
+    k_scale, v_scale = work.k_scale, work.v_scale
+    bsz, num_q_heads, _ = q.shape
+    num_kv_heads = k.shape[1]
+    if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        q = q.contiguous()
+    assert q.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.int8 and side_problem(out) is None
+    assert k_scale.dtype == v_scale.dtype == torch.float32
+    assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride() and k.stride(-1) == 1
+    assert k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
+    warps, stages = min(config["warps"], num_kv_heads), config["stages"]
+    min_blocks = max(1, config["warps_per_sm"] // warps)
+    bt = batch.block_tables
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))
+    _kernel(device, warps, stages, min_blocks, strides, side=True)(
+        grid=(1, bsz, math.ceil(num_kv_heads / warps)), block=(32 * warps, 1, 1),
+        args=[q, q.stride(0), q.stride(1), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale,
+              bt, bt.stride(0), batch.context_lens, batch.split_size,
+              work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
+              batch.block_size.bit_length() - 1, work.n_sink, work.n_recent, float(work.sm_scale * LOG2E),
+              batch.seq_slots, work.n_sink + work.n_recent, out, out.stride(0), out.stride(1),
+              int(out.dtype == torch.float32)],
         shared_mem=shared_bytes(warps, stages),
     )
