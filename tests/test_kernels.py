@@ -311,3 +311,17 @@ def test_cuda_sources_paste_their_shared_header_once():
         assert "#include" not in text
         assert text.count("__device__ __forceinline__ void mma16816(") == 1
         assert text.count(f'extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) {module.KERNEL_NAME}(') == 1
+
+
+@pytest.mark.parametrize("n_sink,n_recent", [(16, 128), (4, 32), (0, 20), (5, 0)])
+def test_protected_rows_at_context_l_are_the_first_min_l_budget_of_the_side_block(n_sink, n_recent):
+    """What the CUDA INT8 item relies on: at context L the rows KV4Format protects for the newest query are
+    exactly rows [slot x budget, slot x budget + min(L, budget)) of the side buffer, whatever the ring's turn."""
+    fmt = make_format("kv4", 32, n_sink=n_sink, n_recent=n_recent)
+    budget = n_sink + n_recent
+    for slot in (0, 3):
+        for L in list(range(1, 2 * budget + 3)) + [1000, 1001]:
+            pos = torch.arange(L)
+            protected = pos[fmt.is_protected(pos, torch.full_like(pos, L - 1))]
+            rows = fmt.side_rows(torch.full_like(protected, slot), protected)
+            assert sorted(rows.tolist()) == list(range(slot * budget, slot * budget + min(L, budget))), (slot, L)
