@@ -69,3 +69,31 @@ def test_bench_generate_refuses_async_scheduling_set_twice_and_unknown_schedulin
     for extra in (["engine.async_scheduling=true"], ["--scheduling", "eager"], ["--scheduling", "auto,async"]):
         res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--no-hf", "--device", "cpu", *extra])
         assert res.exit_code == 2 and ("--scheduling" in res.output), res.output
+
+
+def test_run_engine_warms_every_batch_size_before_timing_any():
+    """Each batch's prompts run once (a few tokens) before the first timed batch, so no batch pays the
+    one-time costs of its shapes inside its timing; the timed runs follow in the order given."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kv4rl.bench.generate import WARMUP_TOKENS, run_engine
+
+    calls = []
+
+    class Recorder:
+        device = torch.device("cpu")
+        num_preemptions = 0
+        last_step = {"new_tokens": 2, "batch_size": 2, "latency_s": 1e-3, "wait_s": 0.0, "prefill_tokens": 0}
+
+        def generate(self, prompts, params, progress=None):
+            calls.append((len(prompts), params.max_tokens))
+            if progress:
+                progress(0)
+            return [SimpleNamespace(token_ids=[0] * params.max_tokens) for _ in prompts]
+
+    prompts = {2: [[1, 2]] * 2, 5: [[1, 2]] * 5, 3: [[1, 2]] * 3}
+    rows = run_engine(Recorder(), prompts, new_tokens=9, seed=0)
+    assert calls == [(2, WARMUP_TOKENS), (5, WARMUP_TOKENS), (3, WARMUP_TOKENS), (2, 9), (5, 9), (3, 9)]
+    assert [rows[b]["engine_tokens"] for b in (2, 5, 3)] == [18, 45, 27]
