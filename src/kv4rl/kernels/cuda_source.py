@@ -85,3 +85,41 @@ def whole_wave_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: i
     slots = num_sms * max(1, warps_per_sm // warps)
     per_split = batch * math.ceil(num_kv_heads / warps)
     return max(1, min(max_splits, round(slots / per_split)))
+
+
+# ---- what both kernels' launches share: the MMA tiling's shape limits, their macros, the query's layout ----
+HEAD_DIM = 128  # the kernels' tiles are built for this head size
+MAX_GROUP = 8  # query heads per KV head: the 8 columns of the MMA tile
+
+
+def tile_shape_problem(head_dim: int, group: int, block_size: int) -> str | None:
+    """Why the kernels' tiling cannot take this head shape and block size (16-token tiles inside a page), or None."""
+    if head_dim != HEAD_DIM:
+        return f"head_dim {head_dim} != {HEAD_DIM}"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head > {MAX_GROUP}"
+    if block_size % 16 or block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two >= 16"
+    return None
+
+
+def block_settings(config, num_kv_heads: int) -> tuple[int, int, int]:
+    """(warps per block, stages, blocks per SM for __launch_bounds__) of a launch under `config`
+    ({warps, stages, warps_per_sm}): a block holds up to `warps` KV heads of one (sequence, split)."""
+    warps = min(config["warps"], num_kv_heads)
+    return warps, config["stages"], max(1, config["warps_per_sm"] // warps)
+
+
+def compile_options(warps: int, stages: int, min_blocks: int, strides: tuple[int, ...], *extra: str) -> tuple[str, ...]:
+    """The -D macros of one compilation: block settings and the cache's strides (bytes per row and per head of
+    the codes, scale elements per row and per head), which the sources take as compile-time constants."""
+    options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"]
+    options += [f"-D{name}={value}" for name, value in zip(("KV_ROW", "KV_HEAD", "S_ROW", "S_HEAD"), strides)]
+    return (*options, *extra)
+
+
+def kernel_query(q: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, D] as the kernels read it: bf16 rows in 16-byte pieces (a contiguous copy where it is not)."""
+    if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        return q.contiguous()
+    return q

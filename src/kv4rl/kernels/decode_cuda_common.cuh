@@ -106,3 +106,35 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
 __device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
     asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
+
+// The kernels' tile loop. Tiles stream through a ring of Stages shared-memory stages per warp
+// (`issue(i, stage byte offset)` starts tile i's cp.async copies, a copy group per tile; tiles past the
+// end copy nothing). Software pipelined: iteration i computes tile i+1's dot products (`qk(stage, s)`)
+// alongside tile i's softmax and P.V (`finish(stage, first token, s)`), two independent chains the
+// scheduler interleaves. Tile i+1 must have landed: each iteration waits for all but Stages - 3 copy
+// groups, and issues into the stage finished in the previous one.
+template <int Stages, int StageBytes, typename Issue, typename QK, typename Finish>
+__device__ __forceinline__ void stream_tiles(const u8* ring, int n_tiles, int t_first, Issue& issue, QK& qk,
+                                             Finish& finish) {
+    #pragma unroll
+    for (int i = 0; i < Stages - 1; ++i) issue(i, i * StageBytes);
+    copy_wait<Stages - 2>();
+    __syncwarp();
+    float sc_cur[4];
+    qk(ring, sc_cur);
+    u32 read_off = 0, write_off = (Stages - 1) * StageBytes;  // stage byte offsets in the ring
+    for (int i = 0; i < n_tiles; ++i) {
+        copy_wait<Stages - 3>();
+        __syncwarp();
+        issue(i + Stages - 1, write_off);
+        const u32 next_off = read_off == (Stages - 1) * StageBytes ? 0 : read_off + StageBytes;
+        float sc_next[4];
+        qk(ring + next_off, sc_next);  // past the last tile: zero-filled or stale codes, result unused
+        finish(ring + read_off, t_first + 16 * i, sc_cur);
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) sc_cur[e] = sc_next[e];
+        write_off = read_off;
+        read_off = next_off;
+    }
+    copy_wait<0>();
+}

@@ -105,7 +105,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     if (lo >= hi) return;
 #endif
     const int g = lane >> 2, j = lane & 3;
+#ifndef SIDE_INT8
     const int* bt = block_tables + (long long)b * stride_bt;
+#endif
 
     // Query fragments: lane (g, j) holds head g's channels 32j + 4m + {0, 1} (qa[m]) and {2, 3} (qb[m])
     u32 qa[8], qb[8];
@@ -146,6 +148,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     const int t_first = lo & ~15;
     const int n_tiles = hi > lo ? ((hi - 1 - t_first) >> 4) + 1 : 0;
     const int page_mask = (1 << block_shift) - 1;
+#ifdef SIDE_INT8
+    (void)s, (void)page_mask;  // one split, no pages
+#endif
 
     auto issue = [&](int i, u32 st) {  // branch-free: tiles past the end copy nothing
         const bool live = i < n_tiles;
@@ -187,9 +192,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e][0] = acc[e][1] = acc[e][2] = acc[e][3] = 0.f;
     float m0 = NEG_INF, m1 = NEG_INF, mv0 = NEG_INF, mv1 = NEG_INF, l0 = 0.f, l1 = 0.f;
-
-    #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) issue(i, i * STAGE_BYTES);
 
     // S^T = C_K . Q'^T of one tile: rows tokens (g, g+8), columns heads (2j, 2j+1); two accumulator chains
     auto qk = [&](const u8* st, float* sc) {
@@ -294,27 +296,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
         }
     };
 
-    // Software pipelined as in int4_decode.cu: iteration i computes tile i+1's dot products alongside
-    // tile i's softmax and P.V. Tile i+1 must have landed: wait for all but STAGES - 3 copy groups.
-    copy_wait<STAGES - 2>();
-    __syncwarp();
-    float sc_cur[4];
-    qk(ring, sc_cur);
-    u32 read_off = 0, write_off = (STAGES - 1) * STAGE_BYTES;  // stage byte offsets in the ring
-    for (int i = 0; i < n_tiles; ++i) {
-        copy_wait<STAGES - 3>();
-        __syncwarp();
-        issue(i + STAGES - 1, write_off);  // into the stage finished in the previous iteration
-        const u32 next_off = read_off == (STAGES - 1) * STAGE_BYTES ? 0 : read_off + STAGE_BYTES;
-        float sc_next[4];
-        qk(ring + next_off, sc_next);  // past the last tile: zero-filled or stale codes, result unused
-        finish(ring + read_off, t_first + 16 * i, sc_cur);
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) sc_cur[e] = sc_next[e];
-        write_off = read_off;
-        read_off = next_off;
-    }
-    copy_wait<0>();
+    stream_tiles<STAGES, STAGE_BYTES>(ring, n_tiles, t_first, issue, qk, finish);  // the header says how
 
     #pragma unroll
     for (int d = 4; d < 32; d <<= 1) {

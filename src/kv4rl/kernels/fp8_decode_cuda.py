@@ -21,8 +21,6 @@ from kv4rl.kernels.decode_common import LOG2E, SplitLaunch
 
 SOURCE = Path(__file__).with_name("fp8_decode.cu")
 KERNEL_NAME = "fp8_decode_split"
-HEAD_DIM = 128
-MAX_GROUP = 8  # query heads per KV head: the N columns of the MMA tile the kernel uses
 STAGE_BYTES = 4224  # shared memory per pipeline stage and warp: K and V tiles, their scales (see the source)
 # Compile-time settings (macros of the source): warps per block (one per KV head of a (sequence,
 # split), at most this many), cp.async stages, and the warps per SM that __launch_bounds__ sizes
@@ -41,14 +39,8 @@ def device_problem(device: torch.device) -> str | None:
 
 
 def shape_problem(head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
-    """Why the kernel cannot take this head shape and block size, or None (pure)."""
-    if head_dim != HEAD_DIM:
-        return f"head_dim {head_dim} != {HEAD_DIM}"
-    if group > MAX_GROUP:
-        return f"{group} query heads per KV head > {MAX_GROUP}"
-    if block_size % 16 or block_size & (block_size - 1):
-        return f"block_size {block_size} is not a power of two >= 16"
-    return None
+    """Why the kernel cannot take this head shape and block size, or None (pure; float32 scales: any KV-head count)."""
+    return cuda_source.tile_shape_problem(head_dim, group, block_size)
 
 
 def body_kernel(device_problem: str | None, head_dim: int, group: int, num_kv_heads: int, block_size: int, *,
@@ -69,9 +61,8 @@ def shared_bytes(warps: int, stages: int) -> int:
 
 
 def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...], side: bool = False):
-    options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"] + (["-DSIDE_INT8"] if side else [])
-    options += [f"-D{name}={value}" for name, value in zip(("KV_ROW", "KV_HEAD", "S_ROW", "S_HEAD"), strides)]
-    return cuda_source.compiled(device_index, SOURCE, KERNEL_NAME, tuple(options), shared_bytes(warps, stages))
+    options = cuda_source.compile_options(warps, stages, min_blocks, strides, *(["-DSIDE_INT8"] if side else []))
+    return cuda_source.compiled(device_index, SOURCE, KERNEL_NAME, options, shared_bytes(warps, stages))
 
 
 def launch_split(work: SplitLaunch, config: Mapping[str, int] | None = None) -> None:
@@ -82,15 +73,13 @@ def launch_split(work: SplitLaunch, config: Mapping[str, int] | None = None) -> 
     k_scale, v_scale = work.k_scale, work.v_scale
     bsz, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
-    if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
-        q = q.contiguous()  # the kernel reads the query in 16-byte pieces
+    q = cuda_source.kernel_query(q)
     assert q.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.float8_e4m3fn
     assert k_scale.dtype == v_scale.dtype == torch.float32
     assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride()
     assert k.stride(-1) == 1 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
     assert all(t.data_ptr() % 16 == 0 for t in (k, v)) and all(t.data_ptr() % 4 == 0 for t in (k_scale, v_scale))
-    warps, stages = min(config["warps"], num_kv_heads), config["stages"]
-    min_blocks = max(1, config["warps_per_sm"] // warps)
+    warps, stages, min_blocks = cuda_source.block_settings(config, num_kv_heads)
     grid = (work.num_splits, bsz, math.ceil(num_kv_heads / warps))
     bt = batch.block_tables
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -126,14 +115,12 @@ def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None)
     k_scale, v_scale = work.k_scale, work.v_scale
     bsz, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
-    if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
-        q = q.contiguous()
+    q = cuda_source.kernel_query(q)
     assert q.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.int8 and side_problem(out) is None
     assert k_scale.dtype == v_scale.dtype == torch.float32
     assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride() and k.stride(-1) == 1
     assert k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
-    warps, stages = min(config["warps"], num_kv_heads), config["stages"]
-    min_blocks = max(1, config["warps_per_sm"] // warps)
+    warps, stages, min_blocks = cuda_source.block_settings(config, num_kv_heads)
     bt = batch.block_tables
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))

@@ -261,9 +261,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
     for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f, z0 = 0.f, z1 = 0.f;
 
-    #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) issue(i, i * STAGE_BYTES);
-
     // S^T = C_K . Q'^T of one tile: rows tokens (g, g+8), columns heads (2j, 2j+1); two accumulator
     // chains of 4 MMAs instead of one of 8
     auto qk = [&](const u8* st, float* sc) {
@@ -360,28 +357,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
         for (int e = 0; e < 8; ++e) mma16816(acc[e], lo01[e], hi01[e], lo89[e], hi89[e], pb0, pb1);
     };
 
-    // Software pipelined: iteration i computes tile i+1's dot products alongside tile i's softmax and
-    // P.V, two independent chains the scheduler interleaves. Tile i+1 must have landed: wait for all
-    // but STAGES - 3 copy groups.
-    copy_wait<STAGES - 2>();
-    __syncwarp();
-    float sc_cur[4];
-    qk(ring, sc_cur);
-    u32 read_off = 0, write_off = (STAGES - 1) * STAGE_BYTES;  // stage byte offsets in the ring
-    for (int i = 0; i < n_tiles; ++i) {
-        copy_wait<STAGES - 3>();
-        __syncwarp();
-        issue(i + STAGES - 1, write_off);  // into the stage finished in the previous iteration
-        const u32 next_off = read_off == (STAGES - 1) * STAGE_BYTES ? 0 : read_off + STAGE_BYTES;
-        float sc_next[4];
-        qk(ring + next_off, sc_next);  // past the last tile: zero-filled or stale codes, result unused
-        finish(ring + read_off, t_first + 16 * i, sc_cur);
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) sc_cur[e] = sc_next[e];
-        write_off = read_off;
-        read_off = next_off;
-    }
-    copy_wait<0>();
+    stream_tiles<STAGES, STAGE_BYTES>(ring, n_tiles, t_first, issue, qk, finish);  // the header says how
 
     #pragma unroll
     for (int d = 4; d < 32; d <<= 1) {

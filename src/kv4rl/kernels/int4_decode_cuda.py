@@ -19,8 +19,6 @@ from kv4rl.kernels.decode_common import LOG2E, SplitLaunch
 
 SOURCE = Path(__file__).with_name("int4_decode.cu")
 KERNEL_NAME = "int4_decode_split"
-HEAD_DIM = 128
-MAX_GROUP = 8  # query heads per KV head: the M rows of the MMA tile the kernel uses
 STAGE_BYTES = 2304  # shared memory per pipeline stage and warp: K and V tiles, scale words (see the source)
 # Compile-time settings (macros of the source): warps per block (one per KV head of a (sequence,
 # split), at most this many), cp.async stages, and the warps per SM that __launch_bounds__ sizes
@@ -40,12 +38,9 @@ def device_problem(device: torch.device) -> str | None:
 
 def shape_problem(head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
     """Why the kernel cannot take this head shape and block size, or None (pure)."""
-    if head_dim != HEAD_DIM:
-        return f"head_dim {head_dim} != {HEAD_DIM}"
-    if group > MAX_GROUP:
-        return f"{group} query heads per KV head > {MAX_GROUP}"
-    if block_size % 16 or block_size & (block_size - 1):
-        return f"block_size {block_size} is not a power of two >= 16"
+    why = cuda_source.tile_shape_problem(head_dim, group, block_size)
+    if why:
+        return why
     if num_kv_heads % 2:
         return f"{num_kv_heads} KV heads: the kernel copies fp16 scales as aligned pairs (needs an even count)"
     return None
@@ -71,9 +66,8 @@ def shared_bytes(warps: int, stages: int) -> int:
 
 
 def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...]):
-    options = [f"-DWARPS={warps}", f"-DSTAGES={stages}", f"-DMIN_BLOCKS={min_blocks}"]
-    options += [f"-D{name}={value}" for name, value in zip(("KV_ROW", "KV_HEAD", "S_ROW", "S_HEAD"), strides)]
-    return cuda_source.compiled(device_index, SOURCE, KERNEL_NAME, tuple(options), shared_bytes(warps, stages))
+    options = cuda_source.compile_options(warps, stages, min_blocks, strides)
+    return cuda_source.compiled(device_index, SOURCE, KERNEL_NAME, options, shared_bytes(warps, stages))
 
 
 def launch_split(work: SplitLaunch) -> None:
@@ -85,14 +79,12 @@ def launch_split(work: SplitLaunch) -> None:
     k_scale, v_scale, k_zero, v_zero = work.k_scale, work.v_scale, work.k_zero, work.v_zero
     bsz, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
-    if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
-        q = q.contiguous()  # the kernel reads the query in 16-byte pieces
+    q = cuda_source.kernel_query(q)
     assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride() == k_zero.stride() == v_zero.stride()
     assert q.dtype == torch.bfloat16 and k.dtype == torch.uint8 and k_scale.dtype == torch.float16
     assert k.stride(-1) == 1 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0 and k.data_ptr() % 16 == 0
     assert k_scale.stride(0) % 2 == 0 and all(t.data_ptr() % 4 == 0 for t in (k_scale, v_scale, k_zero, v_zero))
-    warps, stages = min(CONFIG["warps"], num_kv_heads), CONFIG["stages"]
-    min_blocks = max(1, CONFIG["warps_per_sm"] // warps)
+    warps, stages, min_blocks = cuda_source.block_settings(CONFIG, num_kv_heads)
     grid = (work.num_splits, bsz, math.ceil(num_kv_heads / warps))
     bt = batch.block_tables
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
