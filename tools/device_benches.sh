@@ -60,12 +60,13 @@ fp8() {  # issue 11 part 3: the CUDA FP8 decode kernel - its GPU tests (and ever
 roofline() {  # issue 11: each point's decode step against its byte roofline (`kv4rl.bench.roofline`, printed
     # since the eleventh session): 1.7B B64/B256, the whole 8B step at early/mid/late, 8B B128 full memory
     # (KV4 9.09 ms against a ~5.1 ms roofline, 56%, and BF16 76% there, worked out after the 2026-12-02 run)
-    timeout 150 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
-        --no-hf --json $OUT/generate_roofline_1p7b.json 2>&1 | grep "│" | tail -6
+    # (FP8 caches too since the CUDA FP8 body, thirteenth session)
+    timeout 150 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,fp8,kv4 \
+        --no-hf --json $OUT/generate_roofline_1p7b.json 2>&1 | grep "│" | tail -8
     timeout 150 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --json $OUT/decode_forward_roofline.json \
         2>&1 | grep "│" | tail -14
-    timeout 120 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 128 --prompt-len 512 \
-        --new-tokens 1024 --kv-format bf16,kv4 --no-hf --json $OUT/generate_roofline_8b.json 2>&1 | grep "│" | tail -4
+    timeout 150 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 128 --prompt-len 512 \
+        --new-tokens 1024 --kv-format bf16,fp8,kv4 --no-hf --json $OUT/generate_roofline_8b.json 2>&1 | grep "│" | tail -5
 }
 
 forward() {
