@@ -58,7 +58,7 @@ def variant(request):
               for kind, cfg in DEFAULT_LAUNCH.items()}
     kernels = DecodeKernels(launch, int4_cuda=request.param == "cuda", fp8_cuda=request.param == "cuda")
     if request.param == "cuda":
-        assert kernels.int4_body(DEVICE, 128, 4, 8, 16) == ("cuda", None)
+        assert kernels.body_kernel(DecodeKind.INT4, DEVICE, 128, 4, 8, 16) == ("cuda", None)
         assert kernels.body_kernel(DecodeKind.FP8, DEVICE, 128, 4, 8, 16) == ("cuda", None)
     return kernels
 
@@ -214,7 +214,7 @@ def test_cuda_int4_kernel_rotations_and_head_shapes(name, rotate, hq, hkv, gen):
     rows: not whole tiles) against float64, on ragged lengths, several split grids, float32 and bf16 outputs."""
     from kv4rl.kernels.decode_attention import DecodeKernels
 
-    assert DecodeKernels().int4_body(DEVICE, 128, hq // hkv, hkv, 16) == ("cuda", None)
+    assert DecodeKernels().body_kernel(DecodeKind.INT4, DEVICE, 128, hq // hkv, hkv, 16) == ("cuda", None)
     fmt = make_format(name, 128, n_sink=4, n_recent=32, rotate=rotate)
     lens = [1, 17, 40, 300, 1500]
     cache, meta = random_paged_batch(fmt, lens, hkv, 128, 16, DEVICE, gen)

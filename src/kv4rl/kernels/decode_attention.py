@@ -69,11 +69,6 @@ class DecodeKernels:
         return module.body_kernel(module.device_problem(device), head_dim, group, num_kv_heads, block_size,
                                   enabled=enabled, interpreter=interpreting())
 
-    def int4_body(self, device: torch.device, head_dim: int, group: int, num_kv_heads: int, block_size: int
-                  ) -> tuple[str, str | None]:
-        """`body_kernel` of an INT4 body."""
-        return self.body_kernel(DecodeKind.INT4, device, head_dim, group, num_kv_heads, block_size)
-
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int,
                       target_programs_per_sm: int = 4) -> int:
