@@ -19,6 +19,7 @@
 // l = sum 2^(x - m) kept in float32. Channels: lane (g = lane/4, j = lane%4) reads K bytes [32j, 32j+32)
 // of tokens g and g+8 (four channels per 32-bit word, two words per k-step) and V bytes [16g, 16g+16)
 // of tokens 2j, 2j+1, 2j+8, 2j+9; O^T's m-tile e row r is channel 16g + 4 (e / 2) + 2 (e % 2) + r / 8.
+// The query enters as fp16 after its sm_scale log2(e) factor (0.1275 at head_dim 128: |q| below ~5e5).
 // Codes are never NaN (the writer clamps to +-448, the pools are zero-filled); V codes of tokens
 // outside the split are zeroed anyway on the first and last tile, so stray bytes cannot reach the sums.
 // Outputs match the Triton split kernel's: o_part[(b*Hq + head)*P + split, :] (normalised) and its
