@@ -286,13 +286,14 @@ def test_cuda_fp8_kernel_head_shapes_and_scale_ranges(hq, hkv, gen):
 
 def test_cuda_fp8_kernel_split_grid_and_refusals():
     """The FP8 kernel's grid follows the same whole-wave rule as the INT4 kernel's (8-warp blocks, 2 per
-    SM); shapes it cannot take name the reason."""
+    SM), whose blocks fit in an SM's shared memory together; shapes it cannot take name the reason."""
     from kv4rl.kernels import fp8_decode_cuda as cu
 
     assert cu.choose_num_splits(64, 8, 32, 132) == 4
     assert cu.choose_num_splits(256, 8, 32, 132) == 1
     assert cu.choose_num_splits(16, 16, 32, 132) == 8
-    assert cu.shared_bytes(8, 3) * 2 <= 227 * 1024  # two blocks fit in an SM's shared memory
+    warps, stages, blocks = cu.CONFIG["warps"], cu.CONFIG["stages"], cu.CONFIG["warps_per_sm"] // cu.CONFIG["warps"]
+    assert blocks * cu.shared_bytes(warps, stages) <= 227 * 1024  # the blocks __launch_bounds__ promises fit
     assert cu.problem(torch.device("cpu"), 128, 4, 8, 16) == "not a CUDA device"
     assert cu.shape_problem(64, 4, 8, 16) == "head_dim 64 != 128"
     assert "query heads per KV head" in cu.shape_problem(128, 16, 2, 16)

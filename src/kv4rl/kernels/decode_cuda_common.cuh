@@ -107,6 +107,31 @@ __device__ __forceinline__ void store4(float* p, float a, float b, float c, floa
     asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
+// acc[e] (an m16n8 accumulator tile per e; columns 2j, 2j+1 of the lane) *= a0 in column 2j, a1 in 2j+1
+__device__ __forceinline__ void scale_columns(float (*acc)[4], float a0, float a1) {
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        acc[e][0] *= a0;
+        acc[e][1] *= a1;
+        acc[e][2] *= a0;
+        acc[e][3] *= a1;
+    }
+}
+
+// The P.V MMA's B operand (tokens on K, heads on N) from the score layout (tokens on M): w01 / w23 are this
+// lane's fp16 weights of its heads (2j, 2j+1) at tokens g and g + 8. Token 2j (and 2j+8) comes from lane
+// 8j + g/2, 2j+1 (2j+9) from 8j + 4 + g/2, and `sel` keeps head g's half.
+struct PvOperand { u32 b0, b1; };
+
+__device__ __forceinline__ PvOperand pv_operand(u32 w01, u32 w23, int lane) {
+    const int g = lane >> 2, j = lane & 3;
+    const int src_a = 8 * j + (g >> 1), src_b = src_a + 4;
+    const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
+    const u32 a01 = __shfl_sync(0xffffffffu, w01, src_a), b01 = __shfl_sync(0xffffffffu, w01, src_b);
+    const u32 a23 = __shfl_sync(0xffffffffu, w23, src_a), b23 = __shfl_sync(0xffffffffu, w23, src_b);
+    return PvOperand{prmt(a01, b01, sel), prmt(a23, b23, sel)};
+}
+
 // The kernels' tile loop. Tiles stream through a ring of Stages shared-memory stages per warp
 // (`issue(i, stage byte offset)` starts tile i's cp.async copies, a copy group per tile; tiles past the
 // end copy nothing). Software pipelined: iteration i computes tile i+1's dot products (`qk(stage, s)`)

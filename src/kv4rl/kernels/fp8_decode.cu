@@ -185,9 +185,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     // ---- the compute side: per-lane offsets of what it reads from a stage (rows + 8 sit 1024 bytes on)
     const int r_k0 = K_OFF + tile_offset(g, 2 * j), r_k1 = K_OFF + tile_offset(g, 2 * j + 1);
     const int r_v0 = V_OFF + tile_offset(2 * j, g), r_v1 = V_OFF + tile_offset(2 * j + 1, g);
-    // P^T fragment sources: token 2j (and 2j+8) come from lane 8j + g/2, 2j+1 (2j+9) from 8j + 4 + g/2
-    const int src_a = 8 * j + (g >> 1), src_b = src_a + 4;
-    const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
 
     float acc[8][4];  // O^T m-tile e: (c0, c1) channel 16g + 4(e/2) + 2(e%2), (c2, c3) the next; cols heads 2j, 2j+1
     #pragma unroll
@@ -266,22 +263,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
             mv1 = vn1;
             l0 *= al0;
             l1 *= al1;
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                acc[e][0] *= av0;
-                acc[e][1] *= av1;
-                acc[e][2] *= av0;
-                acc[e][3] *= av1;
-            }
+            scale_columns(acc, av0, av1);
         }
         l0 += fast_exp2(x[0] - m0) + fast_exp2(x[2] - m0);
         l1 += fast_exp2(x[1] - m1) + fast_exp2(x[3] - m1);
         // W^T as the B operand: W of head g at tokens (2j, 2j+1) and (2j+8, 2j+9)
         const u32 w01 = pack_half2(fast_exp2(y[0] - mv0), fast_exp2(y[1] - mv1));  // token g: heads 2j, 2j+1
         const u32 w23 = pack_half2(fast_exp2(y[2] - mv0), fast_exp2(y[3] - mv1));  // token g + 8
-        const u32 a01 = __shfl_sync(0xffffffffu, w01, src_a), b01 = __shfl_sync(0xffffffffu, w01, src_b);
-        const u32 a23 = __shfl_sync(0xffffffffu, w23, src_a), b23 = __shfl_sync(0xffffffffu, w23, src_b);
-        const u32 pb0 = prmt(a01, b01, sel), pb1 = prmt(a23, b23, sel);
+        const PvOperand pb = pv_operand(w01, w23, lane);
         // O^T += C_V^T . W^T: word w of each token holds channels 16g + 4w .. 16g + 4w + 3
         const u32 wva[4] = {va.x, va.y, va.z, va.w}, wvb[4] = {vb.x, vb.y, vb.z, vb.w};
         const u32 wvc[4] = {vc.x, vc.y, vc.z, vc.w}, wvd[4] = {vd.x, vd.y, vd.z, vd.w};
@@ -292,8 +281,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
             codes4_to_half2x2(prmt(wva[w], wvb[w], 0x7362u), c2, c3);
             codes4_to_half2x2(prmt(wvc[w], wvd[w], 0x5140u), d0, d1);
             codes4_to_half2x2(prmt(wvc[w], wvd[w], 0x7362u), d2, d3);
-            mma16816(acc[2 * w], c0, c1, d0, d1, pb0, pb1);
-            mma16816(acc[2 * w + 1], c2, c3, d2, d3, pb0, pb1);
+            mma16816(acc[2 * w], c0, c1, d0, d1, pb.b0, pb.b1);
+            mma16816(acc[2 * w + 1], c2, c3, d2, d3, pb.b0, pb.b1);
         }
     };
 

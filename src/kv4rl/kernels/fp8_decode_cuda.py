@@ -68,31 +68,12 @@ def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides
 def launch_split(work: SplitLaunch, config: Mapping[str, int] | None = None) -> None:
     """Fill work.o_part[:, :, :num_splits] / lse_part with the FP8 body's split partials over
     [work.start, L - work.end_off). `config`: the compile-time settings (default `CONFIG`; sweeps pass others)."""
-    config = CONFIG if config is None else config
-    q, k, v, batch = work.q, work.k, work.v, work.batch
-    k_scale, v_scale = work.k_scale, work.v_scale
-    bsz, num_q_heads, _ = q.shape
-    num_kv_heads = k.shape[1]
-    q = cuda_source.kernel_query(q)
-    assert q.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.float8_e4m3fn
-    assert k_scale.dtype == v_scale.dtype == torch.float32
-    assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride()
-    assert k.stride(-1) == 1 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
-    assert all(t.data_ptr() % 16 == 0 for t in (k, v)) and all(t.data_ptr() % 4 == 0 for t in (k_scale, v_scale))
-    warps, stages, min_blocks = cuda_source.block_settings(config, num_kv_heads)
-    grid = (work.num_splits, bsz, math.ceil(num_kv_heads / warps))
-    bt = batch.block_tables
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))
-    _kernel(device, warps, stages, min_blocks, strides)(
-        grid=grid, block=(32 * warps, 1, 1),
-        args=[q, q.stride(0), q.stride(1), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale,
-              bt, bt.stride(0), batch.context_lens, batch.split_size,
-              work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
-              batch.block_size.bit_length() - 1, work.start, work.end_off, float(work.sm_scale * LOG2E),
-              batch.seq_slots, 0, work.o_part, 0, 0, 0],
-        shared_mem=shared_bytes(warps, stages),
-    )
+    assert work.k.dtype == work.v.dtype == torch.float8_e4m3fn
+    assert all(t.data_ptr() % 16 == 0 for t in (work.k, work.v))
+    assert all(t.data_ptr() % 4 == 0 for t in (work.k_scale, work.v_scale))
+    # the side-only arguments are unused: any int32 pointer and buffer
+    _launch(work, config, side=False, num_splits=work.num_splits, start=work.start, end_off=work.end_off,
+            side_args=[0, work.o_part, 0, 0, 0])
 
 
 def side_problem(out: torch.Tensor) -> str | None:
@@ -110,27 +91,33 @@ def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None)
     (work.k / v [rows, Hkv, D] int8, float32 scales; a sequence's rows start at seq_slot x (n_sink +
     n_recent)), merged with the INT4 body's split partials in work.o_part / lse_part (over [n_sink,
     L - n_recent)) into work.out. The body must have run first (same stream)."""
+    out = work.out
+    assert work.k.dtype == work.v.dtype == torch.int8 and side_problem(out) is None
+    _launch(work, config, side=True, num_splits=1, start=work.n_sink, end_off=work.n_recent,
+            side_args=[work.n_sink + work.n_recent, out, out.stride(0), out.stride(1), int(out.dtype == torch.float32)])
+
+
+def _launch(work: SplitLaunch, config: Mapping[str, int] | None, *, side: bool, num_splits: int, start: int,
+            end_off: int, side_args: list) -> None:
+    """One launch of the kernel (the FP8 body, or with `side` the INT8 item): the arguments both share."""
     config = CONFIG if config is None else config
-    q, k, v, batch, out = work.q, work.k, work.v, work.batch, work.out
+    q, k, v, batch = cuda_source.kernel_query(work.q), work.k, work.v, work.batch
     k_scale, v_scale = work.k_scale, work.v_scale
     bsz, num_q_heads, _ = q.shape
     num_kv_heads = k.shape[1]
-    q = cuda_source.kernel_query(q)
-    assert q.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.int8 and side_problem(out) is None
-    assert k_scale.dtype == v_scale.dtype == torch.float32
-    assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride() and k.stride(-1) == 1
-    assert k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
+    assert q.dtype == torch.bfloat16 and k_scale.dtype == v_scale.dtype == torch.float32
+    assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride()
+    assert k.stride(-1) == 1 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
     warps, stages, min_blocks = cuda_source.block_settings(config, num_kv_heads)
     bt = batch.block_tables
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))
-    _kernel(device, warps, stages, min_blocks, strides, side=True)(
-        grid=(1, bsz, math.ceil(num_kv_heads / warps)), block=(32 * warps, 1, 1),
+    _kernel(device, warps, stages, min_blocks, strides, side=side)(
+        grid=(num_splits, bsz, math.ceil(num_kv_heads / warps)), block=(32 * warps, 1, 1),
         args=[q, q.stride(0), q.stride(1), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale,
               bt, bt.stride(0), batch.context_lens, batch.split_size,
               work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
-              batch.block_size.bit_length() - 1, work.n_sink, work.n_recent, float(work.sm_scale * LOG2E),
-              batch.seq_slots, work.n_sink + work.n_recent, out, out.stride(0), out.stride(1),
-              int(out.dtype == torch.float32)],
+              batch.block_size.bit_length() - 1, start, end_off, float(work.sm_scale * LOG2E),
+              batch.seq_slots, *side_args],
         shared_mem=shared_bytes(warps, stages),
     )

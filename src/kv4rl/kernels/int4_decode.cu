@@ -252,9 +252,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
     // this lane's scores are heads 2j, 2j+1 (tokens g, g+8); the sums of their query channels:
     const float qsum0 = __shfl_sync(0xffffffffu, qsum, 8 * j), qsum1 = __shfl_sync(0xffffffffu, qsum, 8 * j + 4);
     const float qoff0 = __shfl_sync(0xffffffffu, qoff, 8 * j), qoff1 = __shfl_sync(0xffffffffu, qoff, 8 * j + 4);
-    // P^T fragment sources: token 2j (and 2j+8) come from lane 8j + g/2, 2j+1 (2j+9) from 8j + 4 + g/2
-    const int src_a = 8 * j + (g >> 1), src_b = src_a + 4;
-    const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
 
     float acc[8][4];  // O^T m-tile i: rows = channels 16g + i (c0, c1) and 16g + 8 + i (c2, c3); cols = heads 2j, 2j+1
     #pragma unroll
@@ -326,13 +323,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
             l1 *= al1;
             z0 *= al0;
             z1 *= al1;
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                acc[e][0] *= al0;
-                acc[e][1] *= al1;
-                acc[e][2] *= al0;
-                acc[e][3] *= al1;
-            }
+            scale_columns(acc, al0, al1);
         }
         const float p0 = fast_exp2(x[0] - m0), p1 = fast_exp2(x[1] - m1);
         const float p2 = fast_exp2(x[2] - m0), p3 = fast_exp2(x[3] - m1);
@@ -342,9 +333,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
         z1 += p1 * vz0 + p3 * vz1;
         // P^T as the B operand: (p * v_scale) of head g at tokens (2j, 2j+1) and (2j+8, 2j+9)
         const u32 w01 = pack_half2(p0 * vs0, p1 * vs0), w23 = pack_half2(p2 * vs1, p3 * vs1);
-        const u32 a01 = __shfl_sync(0xffffffffu, w01, src_a), b01 = __shfl_sync(0xffffffffu, w01, src_b);
-        const u32 a23 = __shfl_sync(0xffffffffu, w23, src_a), b23 = __shfl_sync(0xffffffffu, w23, src_b);
-        const u32 pb0 = prmt(a01, b01, sel), pb1 = prmt(a23, b23, sel);
+        const PvOperand pb = pv_operand(w01, w23, lane);
         // O^T += C_V^T . P^T: m-tile e holds channels 16g + e (rows g) and 16g + 8 + e (rows g + 8)
         const U2 va = *(const U2*)(st + r_v0), vb = *(const U2*)(st + r_v1);
         const U2 vc = *(const U2*)(st + r_v0 + 512), vd = *(const U2*)(st + r_v1 + 512);
@@ -354,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
         unpack_v_word(vc.x, vd.x, lo89);
         unpack_v_word(vc.y, vd.y, hi89);
         #pragma unroll
-        for (int e = 0; e < 8; ++e) mma16816(acc[e], lo01[e], hi01[e], lo89[e], hi89[e], pb0, pb1);
+        for (int e = 0; e < 8; ++e) mma16816(acc[e], lo01[e], hi01[e], lo89[e], hi89[e], pb.b0, pb.b1);
     };
 
     stream_tiles<STAGES, STAGE_BYTES>(ring, n_tiles, t_first, issue, qk, finish);  // the header says how
