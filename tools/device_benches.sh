@@ -18,6 +18,7 @@
 #   bash tools/device_benches.sh generate_async 2>&1 | tee $OUT/log.txt        # async scheduling vs sync (~5 min)
 #   bash tools/device_benches.sh roofline 2>&1 | tee $OUT/log.txt              # issue 11's points against the byte roofline (~6 min)
 #   bash tools/device_benches.sh fp8 2>&1 | tee $OUT/log.txt                   # the CUDA FP8 decode kernel: tests, decode-attn, settings (~5 min)
+#   bash tools/device_benches.sh fp8_gemm 2>&1 | tee $OUT/log.txt              # the weight-only FP8 GEMM: tests, tile sweep, 8B step (~6 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -55,6 +56,19 @@ fp8() {  # issue 11 part 3: the CUDA FP8 decode kernel - its GPU tests (and ever
     timeout 60 python -m kv4rl.cli bench decode-attn --shapes qwen3-8b --batches 128 --contexts 1024 \
         --formats bf16,fp8,fp8-triton,kv4 --json $OUT/decode_attn_fp8_short.json 2>&1 | grep "│" | tail -6
     timeout 120 python tools/fp8_cuda_tune.py qwen3-8b 64 8192 2>&1 | tail -12
+}
+
+fp8_gemm() {  # issue 11 part 3: the weight-only FP8 GEMM for decode batches - its GPU tests, the 8B products
+    # against cuBLAS BF16 and scaled_mm with a tile sweep (compiled first in 8 processes), the whole 8B step
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/test_fp8_weight_gemm.py tests/gpu/test_fp8_linear_gpu.py \
+        tests/gpu/test_fp8_quant_kernel_gpu.py tests/test_engine_plan.py > $OUT/fp8_gemm_tests.txt 2>&1; tail -8 $OUT/fp8_gemm_tests.txt
+    for i in 0 1 2 3 4 5 6 7; do
+        timeout 150 python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 64,128,256 --warm-only $i/8 > $OUT/warm_$i.txt 2>&1 &
+    done; wait; cat $OUT/warm_*.txt | sort | uniq -c | head -5
+    timeout 200 python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 64,128,256 --fp8 --sweep \
+        --json $OUT/gemm_fp8_8b.json 2>&1 | grep -v "skipped" | tail -20
+    timeout 150 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --json $OUT/decode_forward_fp8_gemm.json \
+        2>&1 | grep "│" | tail -14
 }
 
 roofline() {  # issue 11: each point's decode step against its byte roofline (`kv4rl.bench.roofline`, printed

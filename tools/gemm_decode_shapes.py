@@ -8,6 +8,11 @@ bandwidth of the weight bytes and its share of the copy bandwidth the byte roofl
 (`kv4rl.bench.roofline`):
 
     python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 64,128,256
+
+`--fp8` also times, on the same weights quantized to e4m3, the two FP8 products the engine has: the
+`scaled_mm` path (activations quantized per token by the Triton kernel, then `torch._scaled_mm`) and the
+weight-only Triton GEMM (`kv4rl.kernels.fp8_weight_gemm`) with its own tile choice; `--sweep` tries a
+grid of tile settings for the weight-only GEMM and prints the best per product (how `pick_config` was set).
 """
 
 from __future__ import annotations
@@ -21,6 +26,76 @@ import torch.nn.functional as F
 from kv4rl.bench.decode_attn import _time_graph
 from kv4rl.bench.random_model import qwen3_args
 from kv4rl.bench.roofline import copy_bandwidth
+from kv4rl.engine.fp8_linear import FP8Linear
+from kv4rl.kernels.fp8_weight_gemm import GemmConfig, counter_slots, fp8_weight_matmul, pick_config
+
+
+def sweep_configs(m: int, k: int):
+    """The tile settings `--sweep` tries for `m` rows."""
+    block_ms = sorted({min(128, max(16, 1 << (m - 1).bit_length())), 64} if m > 64 else {max(16, 1 << (m - 1).bit_length())})
+    for bm in block_ms:
+        for bn in (32, 64, 128):
+            for bk, warps, stages in ((128, 4, 4), (128, 8, 4), (128, 4, 6), (256, 4, 3), (256, 8, 3)):
+                for split in (1, 2, 4, 8):
+                    if k % (split * bk) == 0 and k // split >= 2 * bk:
+                        yield GemmConfig(bm, bn, bk, split, warps, stages)
+
+
+def warm(shape: str, rows: list[int], part: int, parts: int) -> None:
+    """Compile (into Triton's disk cache) every `parts`-th sweep setting from `part`: run in parallel
+    processes before a sweep, so the timed run only loads kernels."""
+    # M, N and K are runtime arguments (all multiples of 16 here), so one kernel serves a setting everywhere
+    first = {}
+    for m in rows:
+        for k, _ in layer_shapes(shape).values():
+            for cfg in sweep_configs(m, k):
+                first.setdefault(cfg, (m, k))
+    todo = [(m, k, cfg) for cfg, (m, k) in sorted(first.items(), key=repr)][part::parts]
+    for m, k, cfg in todo:
+        x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+        codes = torch.zeros(64 * cfg.block_n, k, device="cuda", dtype=torch.float8_e4m3fn)
+        scale = torch.ones(codes.shape[0], device="cuda")
+        counters = torch.zeros(counter_slots(codes.shape[0], m), dtype=torch.int32, device="cuda")
+        try:
+            fp8_weight_matmul(x, codes, scale, None, counters, cfg)
+        except Exception as e:  # out of shared memory for the larger tiles: the sweep skips them too
+            print(f"  cannot compile {cfg}: {type(e).__name__}")
+    torch.cuda.synchronize()
+
+
+def time_fp8(x, w, sweep: bool) -> dict:
+    """us of the scaled_mm path, the weight-only GEMM (pick_config) and, with `sweep`, its best setting."""
+    lin = FP8Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    lin.load_weight_(w)
+    lin.fused_quant, lin.use_scaled_mm = True, True
+    counters = torch.zeros(counter_slots(w.shape[0], x.shape[0]), dtype=torch.int32, device=w.device)
+    ref = F.linear(x.float(), lin.dequantized_weight(torch.float32))
+    out = {"scaled_mm_us": 1e3 * _time_graph(lambda: lin._scaled_mm(x), calls=20)}
+    got = fp8_weight_matmul(x, lin.qweight, lin.weight_scale, None, counters)
+    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    if err > 1e-2:
+        raise SystemExit(f"weight-only GEMM off by {err:.3g} of the output's range at {tuple(x.shape)} x {tuple(w.shape)}")
+    out["weight_only_us"] = 1e3 * _time_graph(
+        lambda: fp8_weight_matmul(x, lin.qweight, lin.weight_scale, None, counters), calls=20)
+    out["weight_only_config"] = pick_config(x.shape[0], w.shape[0], w.shape[1],
+                                            torch.cuda.get_device_properties(0).multi_processor_count).__dict__
+    if sweep:
+        best = None
+        for cfg in sweep_configs(x.shape[0], w.shape[1]):
+            try:
+                us = 1e3 * _time_graph(lambda cfg=cfg: fp8_weight_matmul(x, lin.qweight, lin.weight_scale, None,
+                                                                         counters, cfg), calls=20, reps=10)
+            except Exception as e:  # out of shared memory for the larger tiles
+                print(f"  skipped {cfg}: {type(e).__name__}")
+                continue
+            if best is None or us < best[0]:
+                best = (us, cfg)
+        got = fp8_weight_matmul(x, lin.qweight, lin.weight_scale, None, counters, best[1])
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+        if err > 1e-2:
+            raise SystemExit(f"best setting {best[1]} off by {err:.3g}")
+        out["best_us"], out["best_config"] = best[0], best[1].__dict__
+    return out
 
 
 def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -36,7 +111,14 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--rows", default="64,128,256")
     p.add_argument("--json", default=None)
+    p.add_argument("--fp8", action="store_true", help="also time the FP8 products on the same weights")
+    p.add_argument("--sweep", action="store_true", help="with --fp8: search the weight-only GEMM's tiles")
+    p.add_argument("--warm-only", default=None, metavar="I/N", help="compile the I-th of N parts of the sweep, time nothing")
     a = p.parse_args()
+    if a.warm_only:
+        part, parts = (int(v) for v in a.warm_only.split("/"))
+        warm(a.shape, [int(x) for x in a.rows.split(",")], part, parts)
+        return
     bw = copy_bandwidth(torch.device("cuda"))
     if bw is None:
         raise SystemExit(f"no copy bandwidth measured for {torch.cuda.get_device_name()} (kv4rl.bench.roofline)")
@@ -44,7 +126,7 @@ def main() -> None:
     rows = []
     layers = qwen3_args(a.shape).num_layers
     for m in [int(x) for x in a.rows.split(",")]:
-        step_ms = roof_ms = 0.0
+        step_ms = roof_ms = fp8_step_ms = scaled_step_ms = 0.0
         for name, (k, n) in layer_shapes(a.shape).items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -53,12 +135,30 @@ def main() -> None:
             count = 1 if name == "lm_head" else layers
             step_ms += 1e3 * sec * count
             roof_ms += 1e3 * wbytes / bw * count
-            rows.append({"rows": m, "gemm": name, "in": k, "out": n, "us": 1e6 * sec,
-                         "weight_tb_s": wbytes / sec / 1e12, "of_copy": wbytes / sec / bw})
-            print(f"M={m:4d} {name:8s} {k:6d}x{n:6d}: {1e6 * sec:8.1f} us  {wbytes / sec / 1e12:5.2f} TB/s "
-                  f"({100 * wbytes / sec / bw:4.0f}% of copy)")
+            row = {"rows": m, "gemm": name, "in": k, "out": n, "us": 1e6 * sec,
+                   "weight_tb_s": wbytes / sec / 1e12, "of_copy": wbytes / sec / bw}
+            line = (f"M={m:4d} {name:8s} {k:6d}x{n:6d}: {1e6 * sec:8.1f} us  {wbytes / sec / 1e12:5.2f} TB/s "
+                    f"({100 * wbytes / sec / bw:4.0f}% of copy)")
+            if a.fp8 and name != "lm_head":  # the engine keeps the LM head in bf16
+                row.update(time_fp8(x, w, a.sweep))
+                fp8_bytes = n * k
+                line += (f" | fp8 scaled_mm {row['scaled_mm_us']:7.1f} us, weight-only {row['weight_only_us']:7.1f} us "
+                         f"({fp8_bytes / row['weight_only_us'] / 1e6:4.2f} TB/s, {sec * 1e6 / row['weight_only_us']:4.2f}x bf16)")
+                if a.sweep:
+                    line += f", best {row['best_us']:7.1f} us {row['best_config']}"
+                fp8_ms = row["weight_only_us"] / 1e3 * count
+                fp8_step_ms += fp8_ms
+                scaled_step_ms += row["scaled_mm_us"] / 1e3 * count
+            elif a.fp8:
+                fp8_step_ms += 1e3 * sec * count
+                scaled_step_ms += 1e3 * sec * count
+            rows.append(row)
+            print(line)
         print(f"M={m:4d} all products of a step: {step_ms:.2f} ms against {roof_ms:.2f} ms of weight bytes "
               f"({100 * roof_ms / step_ms:.0f}%)")
+        if a.fp8:
+            print(f"M={m:4d} with FP8 block weights (LM head bf16): weight-only {fp8_step_ms:.2f} ms "
+                  f"({step_ms / fp8_step_ms:.2f}x bf16), scaled_mm {scaled_step_ms:.2f} ms ({step_ms / scaled_step_ms:.2f}x)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"shape": a.shape, "copy_tb_s": bw / 1e12, "gpu": torch.cuda.get_device_name(),

@@ -1,0 +1,126 @@
+"""The weight-only FP8 GEMM (kv4rl.kernels.fp8_weight_gemm) against float64 maths.
+
+On CUDA the kernel runs as compiled; without CUDA in Triton's CPU interpreter (small shapes), whose
+bf16 rounding truncates instead of rounding to nearest: one bf16 ulp (2^-7 relative) there, half of
+one (2^-8) on the GPU. Above the output's rounding, the float32 accumulation of K exact products may
+add at most K * 2^-24 * sum|x_k w_k| (plus the scale and bias roundings), the classic bound.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+pytest.importorskip("triton")
+
+from kv4rl.kernels.fp8_weight_gemm import (  # noqa: E402
+    GemmConfig,
+    counter_slots,
+    fp8_weight_matmul,
+    gemm_problem,
+    pick_config,
+)
+from kv4rl.quant.fp8 import quantize_fp8  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+ROUNDING = 2.0**-8 if CUDA else 2.0**-7
+
+
+def _problem(m: int, n: int, k: int, seed: int, bias: bool = True):
+    gen = torch.Generator().manual_seed(seed)
+    # weights with per-channel magnitudes over 4 decades, activations with a loud token
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]
+    codes, scale = quantize_fp8(w)
+    x = torch.randn(m, k, generator=gen)
+    x[0] *= 50
+    b = torch.randn(n, generator=gen) if bias else None
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return to(x.bfloat16()), to(codes), to(scale), to(None if b is None else b.bfloat16())
+
+
+def _check(y: torch.Tensor, x, codes, scale, bias) -> None:
+    """Within the output rounding plus float32 accumulation of the float64 product of the same
+    bf16 activations and dequantized weights."""
+    xd, wd = x.double().cpu(), codes.double().cpu() * scale.double().cpu()[:, None]
+    ref = xd @ wd.T
+    mag = xd.abs() @ wd.abs().T
+    if bias is not None:
+        ref += bias.double().cpu()
+        mag += bias.double().cpu().abs()
+    bound = ROUNDING * ref.abs() + (x.shape[1] + 3) * 2.0**-24 * mag + 1e-30
+    err = (y.double().cpu() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3g} x the bound (max abs err {err.max().item():.3g})"
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+
+
+# (m, n, k, config): ragged rows and channels, K of one 16-wide block, every split count, and the
+# tiles the launcher picks itself
+CASES = [
+    (1, 48, 64, None),
+    (5, 80, 48, GemmConfig(16, 32, 16, 1)),
+    (17, 64, 256, GemmConfig(16, 32, 32, 2, 4, 2)),
+    (33, 80, 128, GemmConfig(32, 16, 16, 4)),
+    (20, 40, 256, GemmConfig(16, 16, 32, 8, 4, 3)),
+    (64, 96, 512, None),
+]
+if CUDA:  # decode shapes of the engine's products, with the launcher's split-K choice
+    CASES += [(m, n, k, None) for m in (1, 64, 100, 128, 256) for n, k in ((4096, 4096), (6144, 4096), (4096, 12288))]
+    CASES += [(200, 1024, 2048, GemmConfig(64, 128, 128, 2, 8, 4)), (256, 512, 1024, GemmConfig(128, 64, 128, 2, 4, 3))]
+
+
+@pytest.mark.parametrize("m,n,k,config", CASES)
+def test_matches_float64(m, n, k, config):
+    x, codes, scale, bias = _problem(m, n, k, seed=m * 7 + n + k, bias=m % 2 == 1)
+    counters = torch.zeros(counter_slots(n, max(m, 256)), dtype=torch.int32, device=DEVICE)
+    y = fp8_weight_matmul(x, codes, scale, bias, counters, config)
+    _check(y, x, codes, scale, bias)
+    assert int(counters.abs().sum()) == 0  # every tile's last program set its counter back
+
+
+def test_split_k_is_deterministic_and_reusable():
+    """Partials are summed in slice order, so repeated calls give the same bits whichever program
+    finished last; the counters, reset by each call, serve the next one."""
+    x, codes, scale, bias = _problem(24, 64, 512, seed=3)
+    counters = torch.zeros(counter_slots(64), dtype=torch.int32, device=DEVICE)
+    cfg = GemmConfig(16, 32, 32, 4)
+    first = fp8_weight_matmul(x, codes, scale, bias, counters, cfg)
+    for _ in range(3):
+        assert torch.equal(fp8_weight_matmul(x, codes, scale, bias, counters, cfg), first)
+    # the unsplit product of the same numbers agrees within the float32 summation bound
+    _check(fp8_weight_matmul(x, codes, scale, bias, counters, GemmConfig(16, 32, 32, 1)), x, codes, scale, bias)
+
+
+def test_pick_config_fills_the_sms_with_k_slices():
+    # 8B o_proj at 64 tokens: 64 tiles of 64 channels on 132 SMs -> 4 slices of 1,024
+    cfg = pick_config(64, 4096, 4096, 132)
+    assert (cfg.block_m, cfg.block_n, cfg.split_k) == (64, 64, 4)
+    assert pick_config(64, 24576, 4096, 132).split_k == 1  # 384 tiles already fill them
+    assert pick_config(3, 4096, 4096, 132).block_m == 16  # the tensor cores' smallest tile
+    assert pick_config(256, 4096, 4096, 132).block_m == 128
+    small = pick_config(1, 64, 48, 132)  # K = 48: 16-wide K blocks, too short to split
+    assert (small.block_k, small.split_k) == (16, 1)
+    for m, n, k in ((64, 4096, 4096), (128, 4096, 12288), (256, 6144, 4096)):
+        cfg = pick_config(m, n, k, 132)
+        assert k % (cfg.split_k * cfg.block_k) == 0 and k // cfg.split_k >= 4 * cfg.block_k
+
+
+def test_bad_inputs_are_named():
+    x, codes, scale, _ = _problem(4, 32, 64, seed=0)
+    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    assert gemm_problem(x, codes, scale) is None
+    assert "bfloat16" in gemm_problem(x.float(), codes, scale)
+    assert "float8_e4m3fn" in gemm_problem(x, codes.float(), scale)
+    assert "multiple of 16" in gemm_problem(x[:, :40], codes[:, :40].contiguous(), scale)
+    assert "do not multiply" in gemm_problem(x, codes[:, :32].contiguous(), scale)
+    assert "one value per output channel" in gemm_problem(x, codes, scale[:8])
+    with pytest.raises(ValueError, match="needs 2 int32 counters, got 1"):
+        fp8_weight_matmul(x, codes, scale, None, counters[:1], GemmConfig(16, 16, 16, 2))
+    with pytest.raises(ValueError, match="not a multiple of split_k x block_k"):
+        fp8_weight_matmul(x, codes, scale, None, counters, GemmConfig(16, 16, 32, 4))
+    assert fp8_weight_matmul(x[:0], codes, scale, None, counters).shape == (0, 32)
