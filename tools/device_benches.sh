@@ -60,6 +60,7 @@ fp8() {  # issue 11 part 3: the CUDA FP8 decode kernel - its GPU tests (and ever
 
 fp8_gemm() {  # issue 11 part 3: the weight-only FP8 GEMM for decode batches - its GPU tests, the 8B products
     # against cuBLAS BF16 and scaled_mm with a tile sweep (compiled first in 8 processes), the whole 8B step
+    # (since the GEMM stayed out of the engine, decode-forward's FP8 rows time scaled_mm, its current path)
     timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/test_fp8_weight_gemm.py tests/gpu/test_fp8_linear_gpu.py \
         tests/gpu/test_fp8_quant_kernel_gpu.py tests/test_engine_plan.py > $OUT/fp8_gemm_tests.txt 2>&1; tail -8 $OUT/fp8_gemm_tests.txt
     for i in 0 1 2 3 4 5 6 7; do
