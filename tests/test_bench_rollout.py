@@ -75,6 +75,10 @@ def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
         # computed in the batch that admits it, which may be the one before (the warm-up) its consumer
         assert x["prefill_tokens_per_batch"] >= (4 * 4 if x["mode"] == "sync" else 1)
         assert 4 < x["context_mean"] < 4 + 60
+        # the pure decode step it is compared with: the corner's mean batch at its mean context (a CUDA
+        # graph replay: not on CPU)
+        assert (x["pure_step_batch"], x["pure_step_context"]) == (round(x["mean_active"]), round(x["context_mean"]))
+        assert x["pure_step_ms"] is None and x["step_vs_pure"] is None
     # the same budget: bf16 gets floor(budget / block bytes) blocks of 16; kv4 fits every slot at its
     # longest (8 slots x 4 blocks of 16 for 4 + 60 tokens), so it can never preempt
     assert ref["pool_tokens"] == int(BUDGET_GIB * 2**30) // (16 * TINY_BF16_BYTES_PER_TOKEN) * 16 == 304
@@ -221,7 +225,8 @@ def _script_commands() -> dict[str, list[str]]:
 
 def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
     commands = _script_commands()
-    assert set(commands) == {"qwen3_1p7b", "qwen3_1p7b_256", "qwen3_8b", "qwen3_8b_one_repeat", "qwen3_8b_kv4_256"}
+    assert set(commands) == {"qwen3_1p7b", "qwen3_1p7b_256", "qwen3_8b", "qwen3_8b_one_repeat", "qwen3_8b_kv4_256",
+                             "qwen3_1p7b_formats", "qwen3_8b_fp8", "qwen3_8b_kv4_partial"}
     one = commands["qwen3_8b_one_repeat"]
     i = one.index("--repeats")
     assert one[i + 1] == "1" and one[:i] + one[i + 2:] == commands["qwen3_8b"]  # the same corners, one repeat
@@ -239,6 +244,15 @@ def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
     assert {"--shape", "qwen3-8b", "--kv-budget-gib", "40", "--median-len", "1024", "--max-len", "8192"} <= set(
         commands["qwen3_8b"])
     assert {"bf16,kv4@256", "--max-slots", "128"} <= set(commands["qwen3_1p7b_256"])
+    # the FP8 cache's lines: the same workloads, only formats, modes, repeats and output files differ
+    for name, base, formats, modes in (("qwen3_1p7b_formats", "qwen3_1p7b", "bf16,fp8,kv4", "sync,partial"),
+                                       ("qwen3_8b_fp8", "qwen3_8b_one_repeat", "bf16,fp8", "sync,partial"),
+                                       ("qwen3_8b_kv4_partial", "qwen3_8b_one_repeat", "bf16,kv4,kv4@256", "partial")):
+        line, ref = commands[name], commands[base]
+        assert line[line.index("--formats") + 1] == formats and line[line.index("--modes") + 1] == modes
+        keep = lambda argv: [a for a in argv if not a.startswith("$OUT") and a not in (
+            "--formats", "--modes", "--repeats", "bf16,kv4", "sync,partial", formats, modes, "1", "2", "3")]
+        assert keep(line) == keep(ref), name
     # 40 GiB of bf16 pages for Qwen3-8B: 36 layers x 8 KV heads x 128 x K,V x 2 bytes per token, blocks of 16
     res = runner.invoke(app, [*commands["qwen3_8b"], "--validate-only"])
     blocks = 40 * 2**30 // (16 * 36 * 8 * 128 * 2 * 2)

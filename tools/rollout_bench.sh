@@ -57,6 +57,30 @@ qwen3_8b_kv4_256() {
         --max-slots 128 --repeats 1 --json $OUT/rollout_qwen3_8b_256.json --png $OUT/rollout_qwen3_8b_256.png $ROLLOUT_ARGS
 }
 
+# The 1.7B workload over all three cache formats (the FP8 cache too), two timed repeats a corner; each
+# corner also times a pure decode step of its mean batch at its mean context (`step / pure`). ~6 min.
+qwen3_1p7b_formats() {
+    timeout 590 python -m kv4rl.cli bench rollout --shape qwen3-1.7b --formats bf16,fp8,kv4 --modes sync,partial \
+        --quota-groups 16 --group-size 8 --prompt-len 256 --median-len 512 --max-len 4096 --max-slots 128 \
+        --repeats 2 engine.gpu_memory_fraction=0.6 --json $OUT/rollout_qwen3_1p7b_formats.json \
+        --png $OUT/rollout_qwen3_1p7b_formats.png $ROLLOUT_ARGS
+}
+
+# The one-repeat 8B line for BF16 and the FP8 cache (~8 min); KV4 at 128 and 256 slots is the next line
+# (partial only, against BF16 partial of the same run), so each fits a 10-minute device call.
+qwen3_8b_fp8() {
+    timeout 590 python -m kv4rl.cli bench rollout --shape qwen3-8b --kv-budget-gib 40 --formats bf16,fp8 \
+        --modes sync,partial --quota-groups 16 --group-size 8 --prompt-len 256 --median-len 1024 --max-len 8192 \
+        --max-slots 128 --repeats 1 --json $OUT/rollout_qwen3_8b_fp8.json --png $OUT/rollout_qwen3_8b_fp8.png $ROLLOUT_ARGS
+}
+
+qwen3_8b_kv4_partial() {
+    timeout 590 python -m kv4rl.cli bench rollout --shape qwen3-8b --kv-budget-gib 40 --formats bf16,kv4,kv4@256 \
+        --modes partial --quota-groups 16 --group-size 8 --prompt-len 256 --median-len 1024 --max-len 8192 \
+        --max-slots 128 --repeats 1 --json $OUT/rollout_qwen3_8b_kv4_partial.json \
+        --png $OUT/rollout_qwen3_8b_kv4_partial.png $ROLLOUT_ARGS
+}
+
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(qwen3_1p7b qwen3_8b)
 date

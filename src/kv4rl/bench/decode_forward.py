@@ -25,9 +25,10 @@ WORKLOADS = {"early": (256, 1024), "mid": (128, 4096), "late": (64, 8192)}
 VARIANTS = (("bf16", "bf16"), ("fp8", "bf16"), ("bf16", "kv4"), ("fp8", "kv4"))
 
 
-def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, reps: int = 20,
+def time_step(model, kv, batch: int, context: int, block_size: int = 16, reps: int = 20,
               seed: int = 0, barrier=None) -> dict:
-    """Build a full cache for `batch` sequences at `context` tokens and time one graph-replayed step."""
+    """Build a full cache for `batch` sequences at `context` tokens and time one graph-replayed step.
+    `kv`: a format name (KV4 / INT4 with one scale group per head) or a `KVFormat` as an engine built it."""
     from kv4rl.bench.decode_attn import fill_random
     from kv4rl.engine.cuda_graphs import DecodeGraphs
     from kv4rl.engine.fast_path import FastAttention
@@ -35,8 +36,10 @@ def time_step(model, kv: str, batch: int, context: int, block_size: int = 16, re
 
     args = model.args
     device = next(model.parameters()).device
-    opts = {"group_size": args.head_dim} if kv in ("int4", "kv4") else {}
-    fmt = get_kv_format(kv, **opts)
+    if isinstance(kv, str):
+        fmt = get_kv_format(kv, **({"group_size": args.head_dim} if kv in ("int4", "kv4") else {}))
+    else:
+        fmt = kv
     blocks_per_seq = math.ceil((context + 1) / block_size)
     num_slots = batch * blocks_per_seq * block_size
     gen = torch.Generator(device=device)

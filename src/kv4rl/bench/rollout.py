@@ -151,6 +151,21 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
     return row, trace
 
 
+def pure_step(decoder, kv_format, row: dict, block_size: int, device: torch.device) -> dict:
+    """The corner's engine step against a pure decode step of its mean batch at its mean context
+    (`bench decode-forward`'s CUDA-graph replay on a cache filled with random codes: no admissions,
+    prefill, host work or sampling). `step_vs_pure` is what the engine adds on top of the bytes a step
+    must read; on CPU there is no graph to replay and both are None."""
+    batch, context = max(1, round(row["mean_active"])), max(1, round(row["context_mean"]))
+    out = {"pure_step_batch": batch, "pure_step_context": context, "pure_step_ms": None, "step_vs_pure": None}
+    if device.type == "cuda":
+        from kv4rl.bench.decode_forward import time_step
+
+        out["pure_step_ms"] = time_step(decoder, kv_format, batch, context, block_size=block_size)["ms"]
+        out["step_vs_pure"] = row["step_ms"] / out["pure_step_ms"]
+    return out
+
+
 def _decoder(plan: Plan):
     bench, dtype = plan.bench, resolve_dtype("auto", plan.device)
     if bench.shape is not None:
@@ -182,9 +197,13 @@ def bench_rollout(plan: Plan, progress: ProgressFn | None = None,
                                        seed=bench.workload.seed)
             summaries[fmt] = engine.summary
             row, traces[f"{fmt} {mode}"] = _run_corner(engine, plan, fmt, mode, progress)
-            rows.append(row)
+            kv_format = engine.kv_format
             del engine
             _free(plan.device)
+            progress(f"{fmt} {mode}: pure decode step", 0)
+            row.update(pure_step(decoder, kv_format, row, plan.configs[fmt].kv.block_size, plan.device))
+            _free(plan.device)
+            rows.append(row)
             if on_result is not None:
                 on_result(_summary(plan, rows, summaries, complete=len(rows) == len(bench.formats) * len(bench.modes)))
     return _summary(plan, rows, summaries, complete=True), traces
