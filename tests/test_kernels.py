@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -41,8 +43,19 @@ def gen():
 
 def _splits(max_len: int):
     if CUDA:
-        return [(1, max_len), (8, -(-max_len // 8 // 64) * 64), (64, 64)]
+        return [(1, max_len), (8, -(-max_len // 8 // 64) * 64), (64, 64), _engine_split(LENS, 64)]
     return [(1, max_len), (3, -(-max_len // 3)), (16, 4)]
+
+
+def _engine_split(lens, quantum: int) -> tuple[int, int]:
+    """The engine's grid and split size for these skewed contexts, as if 8 pieces were resident at once:
+    pieces far finer than half the longest context, in a grid wider than the longest needs."""
+    from kv4rl.engine.fast_path import balanced_split_size
+
+    grid = 4 * 2
+    split = balanced_split_size(np.array(lens), 2, grid, wave_pieces=8, quantum=quantum)
+    assert split < -(-max(lens) // 2) and grid * split >= max(lens)
+    return grid, split
 
 
 VARIANTS = ["heads_on_m", "tokens_on_m"] + (["tokens_on_m+magic", "cuda"] if CUDA else [])
@@ -109,6 +122,58 @@ def test_split_grid_covers_every_context_and_stays_small():
             assert 1 <= splits <= fast.max_splits
             assert batch * 8 * (splits - 1) < 4 * 132  # no more programs than needed to fill the SMs
     assert fast.num_splits(256) == 1 and fast.num_splits(1) == fast.max_splits
+
+
+def _list_schedule_makespan(lens, split: int, slots: int, overhead: int) -> int:
+    """Exact finishing time of the split grid when each (sequence, split) piece, in grid order, goes to
+    the first of `slots` free places and costs its tokens plus `overhead`."""
+    import heapq
+
+    free = [0] * slots
+    for n in lens:
+        for lo in range(0, n, split):
+            heapq.heappush(free, heapq.heappop(free) + min(split, n - lo) + overhead)
+    return max(free)
+
+
+def test_balanced_split_size_keeps_equal_batches_and_shortens_skewed_ones():
+    """Equal contexts keep the split of `num_splits` (what the decode benches measured); skewed ones get
+    smaller pieces whose list-scheduled finish is earlier, and the grid always covers the longest."""
+    from kv4rl.engine.fast_path import PIECE_OVERHEAD_TOKENS, balanced_split_size
+
+    rng = np.random.default_rng(0)
+    for batch, base, slots in ((24, 11, 264), (64, 4, 264), (128, 2, 264), (256, 1, 264), (128, 1, 66), (8, 4, 8)):
+        grid = min(32, 4 * base)
+        for context in (1, 63, 1123, 8192):
+            lens = np.full(batch, context)
+            assert balanced_split_size(lens, base, grid, slots, 64) == -(-(-(-context // base)) // 64) * 64
+        for _ in range(5):  # the bench's response lengths: log-normal, median 512, after a 256-token prompt
+            lens = np.minimum(256 + np.exp(rng.normal(np.log(512), 1.0, batch)).astype(int), 4352)
+            split = balanced_split_size(lens, base, grid, slots, 64)
+            default = -(-(-(-lens.max() // base)) // 64) * 64
+            assert split % 64 == 0 and grid * split >= lens.max() and split <= default
+            finish = _list_schedule_makespan(lens, split, slots, PIECE_OVERHEAD_TOKENS)
+            assert finish <= _list_schedule_makespan(lens, default, slots, PIECE_OVERHEAD_TOKENS)
+        # one long sequence among short ones: its pieces spread over the grid instead of one quarter each
+        lens = np.array([4096] + [200] * (batch - 1))
+        split = balanced_split_size(lens, base, grid, slots, 64)
+        assert split == -(-(-(-4096 // grid)) // 64) * 64
+        assert (_list_schedule_makespan(lens, split, slots, 64)
+                < _list_schedule_makespan(lens, -(-(-(-4096 // base)) // 64) * 64, slots, 64))
+
+
+def test_engine_grid_is_a_few_times_the_equal_context_grid():
+    from kv4rl.engine.fast_path import GRID_FACTOR, FastAttention
+    from kv4rl.engine.kv_formats import get_kv_format
+
+    fast = FastAttention(get_kv_format("bf16"), 8, 128, 16, torch.device("cpu"))
+    fast.num_sms = 132
+    for batch in (1, 8, 64, 128, 256):
+        assert fast.grid_splits(batch) == min(fast.max_splits, GRID_FACTOR * fast.num_splits(batch))
+        lens = np.full(batch, 3000)
+        assert fast.step_split_size(lens, batch) == fast.split_size(3000, batch)  # equal contexts: unchanged
+    skewed = np.array([4000] + [300] * 127)
+    assert fast.step_split_size(skewed, 128) < fast.split_size(4000, 128)
 
 
 # ---- fused quantize-and-write ---------------------------------------------------------------------

@@ -4,8 +4,9 @@ A decode step launches a few hundred small kernels (per layer: norms, projection
 write, two attention stages); replaying them as one graph removes the launch gaps. Inputs live in
 static buffers sized for the largest bucket; a step copies its rows in, pads the bucket with rows
 that write nothing and attend to nothing (slot -1, context 0), replays, and reads the first B rows of
-the logits. The attention grid is fixed per bucket (`max_splits` splits per sequence and head) and the
-tokens per split are a device value, so one graph serves any context lengths. Weights are updated in
+the logits. The attention grid is fixed per bucket (`FastAttention.grid_splits` splits per sequence and head) and
+the tokens per split are a device value chosen per step from the contexts, so one graph serves any
+context lengths. Weights are updated in
 place, so graphs stay valid across weight refreshes; they hold the cache tensors, so a sleeping engine
 drops them with its pool and captures new ones over the new pool when it wakes.
 """
@@ -56,7 +57,7 @@ class DecodeGraphs:
     def _inputs(self, bs: int) -> DecodeInputs:
         batch = DecodeBatch(block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
                             seq_slots=self.seq_slots[:bs], split_size=self.split_size,
-                            max_splits=self.fast.num_splits(bs), block_size=self.fast.block_size)
+                            max_splits=self.fast.grid_splits(bs), block_size=self.fast.block_size)
         return DecodeInputs(slots=self.slots[:bs], protect_rows=self.protect_rows[:bs] if self.fast.side else None,
                             batch=batch)
 
@@ -119,7 +120,7 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(to(host["block_tables"]), non_blocking=True)
         if n < bs:
             self._clear_rows(n)
-        self.split_size.fill_(self.fast.split_size(int(host["context_lens"].max()), bs))
+        self.split_size.fill_(self.fast.step_split_size(host["context_lens"], bs))
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.logits[bs][:n]

@@ -30,6 +30,39 @@ if TYPE_CHECKING:  # the kernels import Triton, which a CPU-only install may lac
     from kv4rl.kernels.prefill_triton import PrefillBatch
 
 DEFAULT_MAX_SPLITS = 32
+# The engine's split grid holds this many times the splits a batch of equal contexts needs, so a batch
+# whose longest context is several times its mean can cut every sequence into pieces of about its
+# mean share instead of one piece per sequence of a quarter of the longest (`balanced_split_size`).
+GRID_FACTOR = 4
+# What a piece costs besides its tokens (query load, pipeline fill, partial store, merge read), in
+# tokens: a guess, only used to rank split sizes against each other.
+PIECE_OVERHEAD_TOKENS = 64
+# Another split size replaces the one of equal contexts only when the model says it is this much faster.
+BALANCE_MARGIN = 0.8
+
+
+def balanced_split_size(context_lens: np.ndarray, base_splits: int, grid_splits: int, wave_pieces: float,
+                        quantum: int) -> int:
+    """Tokens per split for a decode batch of these contexts (a multiple of `quantum`).
+
+    The default cuts the longest context into `base_splits` pieces (what a batch of equal contexts
+    needs to fill the GPU). When lengths are skewed that leaves one piece per short sequence and the
+    step waits for the longest pieces while most SMs idle. Each size of ceil(longest / g), g up to
+    `grid_splits`, is ranked by a makespan model of the split grid: pieces are scheduled as SMs free
+    (`wave_pieces` resident at once), so a step lasts about max(piece, work / wave_pieces), plus half
+    a piece of tail when there are more pieces than a wave holds."""
+    lens = np.maximum(np.asarray(context_lens, dtype=np.int64), 1)
+    longest = int(lens.max())
+    size = lambda g: -(-(-(-longest // g)) // quantum) * quantum
+    base = size(base_splits)
+    if grid_splits <= base_splits or longest * len(lens) <= 1.25 * lens.sum():  # about equal: nothing to gain
+        return int(base)
+    sizes = np.unique(size(np.arange(1, grid_splits + 1)))
+    pieces = (-(-lens[None, :] // sizes[:, None])).sum(axis=1)
+    est = np.maximum(sizes, (lens.sum() + PIECE_OVERHEAD_TOKENS * pieces) / wave_pieces)
+    est = est + np.where(pieces > wave_pieces, sizes / 2, 0)
+    best = int(np.argmin(est))
+    return int(sizes[best]) if est[best] < BALANCE_MARGIN * est[sizes == base][0] else int(base)
 
 
 @dataclass
@@ -96,6 +129,24 @@ class FastAttention:
         per_split = math.ceil(max(1, max_context) / self.num_splits(batch_size))
         return math.ceil(per_split / block_n) * block_n
 
+    def grid_splits(self, batch_size: int) -> int:
+        """The engine's split grid (fixed per CUDA-graph bucket): `GRID_FACTOR` x `num_splits`, room for
+        `balanced_split_size` to cut skewed batches finer. Pieces past a sequence's end exit at once."""
+        return min(self.max_splits, GRID_FACTOR * self.num_splits(batch_size))
+
+    def wave_pieces(self) -> float:
+        """(sequence, split) pieces the body kernel keeps resident at once."""
+        from kv4rl.kernels import decode_attention
+
+        if self.body_kernel == "cuda":
+            return decode_attention.CUDA_BODIES[self.kind].wave_pieces(self.num_kv_heads, self.num_sms)
+        return decode_attention.wave_pieces(self.num_kv_heads, self.num_sms)
+
+    def step_split_size(self, context_lens: np.ndarray, batch_size: int) -> int:
+        """Tokens per split of a decode step of these contexts under the `grid_splits(batch_size)` grid."""
+        return balanced_split_size(context_lens, self.num_splits(batch_size), self.grid_splits(batch_size),
+                                   self.wave_pieces(), self.kernels.max_block_n)
+
     def host_inputs(self, seqs: list[Sequence]) -> dict[str, np.ndarray]:
         """Per-row arrays for a decode step over `seqs` (each with exactly one uncached token)."""
         bs = self.block_size
@@ -126,11 +177,11 @@ class FastAttention:
 
     def device_inputs(self, host: dict[str, np.ndarray]) -> DecodeInputs:
         to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)
-        split = self.split_size(int(host["context_lens"].max()), len(host["slots"]))
+        split = self.step_split_size(host["context_lens"], len(host["slots"]))
         batch = DecodeBatch(block_tables=to(host["block_tables"]), context_lens=to(host["context_lens"]),
                             seq_slots=to(host["seq_slots"]),
                             split_size=to_device([split], torch.int32, self.device),
-                            max_splits=self.num_splits(len(host["slots"])), block_size=self.block_size)
+                            max_splits=self.grid_splits(len(host["slots"])), block_size=self.block_size)
         return DecodeInputs(slots=to(host["slots"]), protect_rows=to(host["protect_rows"]) if self.side else None,
                             batch=batch)
 

@@ -87,6 +87,12 @@ def whole_wave_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: i
     return max(1, min(max_splits, round(slots / per_split)))
 
 
+def wave_pieces(num_kv_heads: int, num_sms: int, warps: int, warps_per_sm: int) -> float:
+    """(sequence, split) pieces resident at once: a wave of the grid `whole_wave_splits` sizes."""
+    warps = min(warps, num_kv_heads)
+    return num_sms * max(1, warps_per_sm // warps) / math.ceil(num_kv_heads / warps)
+
+
 # ---- what both kernels' launches share: the MMA tiling's shape limits, their macros, the query's layout ----
 HEAD_DIM = 128  # the kernels' tiles are built for this head size
 MAX_GROUP = 8  # query heads per KV head: the 8 columns of the MMA tile

@@ -77,6 +77,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: i
     return max(1, min(max_splits, math.ceil(target_programs_per_sm * num_sms / max(1, batch * num_kv_heads))))
 
 
+def wave_pieces(num_kv_heads: int, num_sms: int, target_programs_per_sm: int = 4) -> float:
+    """(sequence, split) pieces of the Triton split kernel in the programs `choose_num_splits` aims at."""
+    return target_programs_per_sm * num_sms / max(1, num_kv_heads)
+
+
 def _launch_triton(work: SplitLaunch, kernels: DecodeKernels):
     """One Triton split launch; returns the compiled kernel."""
     bsz, num_q_heads, head_dim = work.q.shape

@@ -61,6 +61,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: i
                                          CONFIG["warps_per_sm"])
 
 
+def wave_pieces(num_kv_heads: int, num_sms: int) -> float:
+    """(sequence, split) pieces of this kernel resident at once (`cuda_source.wave_pieces`)."""
+    return cuda_source.wave_pieces(num_kv_heads, num_sms, CONFIG["warps"], CONFIG["warps_per_sm"])
+
+
 def shared_bytes(warps: int, stages: int) -> int:
     return warps * stages * STAGE_BYTES
 
