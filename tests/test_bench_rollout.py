@@ -226,7 +226,7 @@ def _script_commands() -> dict[str, list[str]]:
 def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
     commands = _script_commands()
     assert set(commands) == {"qwen3_1p7b", "qwen3_1p7b_256", "qwen3_8b", "qwen3_8b_one_repeat", "qwen3_8b_kv4_256",
-                             "qwen3_1p7b_formats", "qwen3_8b_fp8", "qwen3_8b_kv4_partial"}
+                             "qwen3_1p7b_formats", "qwen3_8b_fp8", "qwen3_8b_partial"}
     one = commands["qwen3_8b_one_repeat"]
     i = one.index("--repeats")
     assert one[i + 1] == "1" and one[:i] + one[i + 2:] == commands["qwen3_8b"]  # the same corners, one repeat
@@ -247,7 +247,7 @@ def test_gpu_command_lines_validate_on_cpu(tmp_path, no_work):
     # the FP8 cache's lines: the same workloads, only formats, modes, repeats and output files differ
     for name, base, formats, modes in (("qwen3_1p7b_formats", "qwen3_1p7b", "bf16,fp8,kv4", "sync,partial"),
                                        ("qwen3_8b_fp8", "qwen3_8b_one_repeat", "bf16,fp8", "sync,partial"),
-                                       ("qwen3_8b_kv4_partial", "qwen3_8b_one_repeat", "bf16,kv4,kv4@256", "partial")):
+                                       ("qwen3_8b_partial", "qwen3_8b_one_repeat", "kv4,bf16,kv4@256,fp8", "partial")):
         line, ref = commands[name], commands[base]
         assert line[line.index("--formats") + 1] == formats and line[line.index("--modes") + 1] == modes
         keep = lambda argv: [a for a in argv if not a.startswith("$OUT") and a not in (
