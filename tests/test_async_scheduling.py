@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kv4rl.engine.config import EngineConfig, KVConfig
+from kv4rl.engine import llm
 from kv4rl.engine.llm import Engine
+from kv4rl.engine.run_ahead import rows_ahead
 from kv4rl.engine.sequence import PENDING_TOKEN, SamplingParams
 
 CASES = {
@@ -90,6 +92,42 @@ def test_the_engine_runs_ahead_through_length_stops(tiny_qwen3, case):
         assert [returned_at[s.seq_id] for s in seqs] == lengths
         assert all(s.finish_reason == "length" for s in seqs)
         outputs[async_scheduling] = [(s.output_ids, s.output_logprobs) for s in seqs]
+    for (ids, lps), (ref_ids, ref_lps) in zip(outputs[True], outputs[False]):
+        assert ids == ref_ids and torch.allclose(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5)
+
+
+def test_the_engine_runs_ahead_while_a_group_waits_for_its_slots(tiny_qwen3, monkeypatch):
+    """Partial rollout's usual state: slots free one by one while the next GRPO group waits for room for
+    all its siblings (`admit_siblings_together`). Nothing can be admitted then, so steps launch ahead
+    (before, any waiting request stopped it); tokens stay the synchronous engine's, and the group is
+    still admitted whole, forked from one prefill."""
+    path, _ = tiny_qwen3
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, 96) for _ in range(rng.randint(3, 9))] for _ in range(10)]
+    requests = [(prompts[g], rng.randint(3, 20)) for g in range(10) for _ in range(4)]  # 10 groups of 4
+    outputs = {}
+    for async_scheduling in (False, True):
+        engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=48,
+                                           async_scheduling=async_scheduling),
+                        max_num_seqs=32, device="cpu", dtype="float32")  # runs of up to 32 / 8 = 4 siblings
+        seqs = [engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True),
+                                   sample_seed=i) for i, (p, m) in enumerate(requests)]
+        ahead_while_waiting = 0
+
+        def counted(sched, step):  # the engine's run-ahead decision, seen with the queue it was made on
+            nonlocal ahead_while_waiting
+            rows = rows_ahead(sched, step)
+            ahead_while_waiting += rows is not None and bool(sched.waiting) and len(sched.running) < 32
+            return rows
+
+        monkeypatch.setattr(llm, "rows_ahead", counted)
+        while engine.has_unfinished():
+            engine.step()
+        if async_scheduling:
+            assert ahead_while_waiting > 0 and engine.scheduler.num_sibling_waits > 0
+        outputs[async_scheduling] = [(s.output_ids, s.output_logprobs) for s in seqs]
+        # each group after the first eight prefilled its prompt once: 8 + 2 prompts computed in all
+        assert engine.num_prefill_tokens_saved == sum(len(p) - 1 for p in prompts) * 3
     for (ids, lps), (ref_ids, ref_lps) in zip(outputs[True], outputs[False]):
         assert ids == ref_ids and torch.allclose(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5)
 

@@ -15,7 +15,8 @@ memory behind step n's sampler), fill them in and check the stops. A sequence th
 request admitted at step n+2, whose kernels run after step n+1's on the same stream.
 
 The batch continues when every running sequence sampled at step n, no queued request could be
-admitted (none waits, or every slot is taken), and the free blocks cover each continuing sequence's
+admitted (none waits, every slot is taken, or the queue's head is a group waiting for the slots of all
+its siblings: `Scheduler.admits_nothing_next`), and the free blocks cover each continuing sequence's
 next block: then the scheduler's next batch is the same rows less those that stop by length with
 step n's token (max_tokens, the context; known before the token is), and nothing is preempted. Those
 are finished when step n is read; a request waiting for their slots is admitted one step later than
@@ -115,8 +116,8 @@ def rows_ahead(scheduler: Scheduler, step: LaunchedStep) -> list[int] | None:
     running = scheduler.running
     if not step.sampled or len(running) != len(step.sampled):
         return None
-    if scheduler.waiting and len(running) < scheduler.max_num_seqs:
-        return None  # a queued request could be admitted: its prompt joins the batch
+    if not scheduler.admits_nothing_next():
+        return None  # a queued request may be admitted: its prompt joins the batch
     block_size, new_blocks, rows = scheduler.blocks.block_size, 0, []
     for i, (seq, ran) in enumerate(zip(running, step.sampled)):
         if seq is not ran or seq.status is not Status.RUNNING:

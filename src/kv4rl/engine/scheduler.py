@@ -188,6 +188,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return batch
 
+    def admits_nothing_next(self) -> bool:
+        """The next `schedule` admits no waiting request for certain (False when it may): the queue is
+        empty, every slot is taken, or its head is a fresh group waiting for the slots of its whole run
+        (`admit_siblings_together`) with no parent to fork from and no copy of its prompt prefilling.
+        Asynchronous scheduling runs ahead only then; in partial rollout a group waits so for most steps."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return True
+        seq = self.waiting[0]
+        key = self._share_key(seq)
+        if key is None or not self.admit_siblings_together or not self.running:
+            return False
+        if key in self._prefix_parents or self._prefilling(key):
+            return False  # forked or deferred: the queue behind it may be admitted
+        return self.max_num_seqs - len(self.running) < self._sibling_run(seq)
+
     def _share_key(self, seq: Sequence) -> tuple[int, ...] | None:
         """The prompt, for a request that may share it; None when it must prefill on its own."""
         if not self.prefix_sharing or seq.output_ids or len(seq.prompt_ids) < 2:
