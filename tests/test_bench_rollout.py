@@ -79,6 +79,7 @@ def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
         # graph replay: not on CPU)
         assert (x["pure_step_batch"], x["pure_step_context"]) == (round(x["mean_active"]), round(x["context_mean"]))
         assert x["pure_step_ms"] is None and x["step_vs_pure"] is None
+        assert x["steps_ahead_per_batch"] == 0  # async scheduling is off on a CPU unless asked for
     # the same budget: bf16 gets floor(budget / block bytes) blocks of 16; kv4 fits every slot at its
     # longest (8 slots x 4 blocks of 16 for 4 + 60 tokens), so it can never preempt
     assert ref["pool_tokens"] == int(BUDGET_GIB * 2**30) // (16 * TINY_BF16_BYTES_PER_TOKEN) * 16 == 304
@@ -213,6 +214,19 @@ def test_unwritable_output_path_fails_before_any_work(tmp_path, no_work):
     assert res.exit_code == 2 and "--json" in res.output
     res = runner.invoke(app, ["bench", "rollout", *TINY, "--png", str(tmp_path)])
     assert res.exit_code == 2 and "is a directory" in " ".join(res.output.split())
+
+
+def test_steps_run_ahead_are_counted(tmp_path, one_thread):
+    """With async scheduling asked for on the CPU, partial rollout launches steps ahead, also while a
+    group waits for room for all its siblings (32 slots: runs of up to 4)."""
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["bench", "rollout", "--shape", "qwen3-tiny", "--device", "cpu", "--formats", "bf16",
+                              "--modes", "partial", "--quota-groups", "8", "--group-size", "4", "--max-slots", "32",
+                              "--prompt-len", "4", "--median-len", "8", "--max-len", "40", "--repeats", "1",
+                              "engine.async_scheduling=true", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())["results"]
+    assert 0 < row["steps_ahead_per_batch"] <= row["decode_steps_per_batch"]
 
 
 def _script_commands() -> dict[str, list[str]]:

@@ -121,7 +121,7 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
     collector = Collector(engine, prompts, prompts, rcfg, seed=work.seed, max_tokens_fn=work.length)
     progress(f"{fmt} {mode}: warm-up", 0)
     collector.collect()
-    preempted = engine.num_preemptions
+    preempted, ahead = engine.num_preemptions, engine.num_steps_ahead
     seconds, traces = _timed_repeats(collector, bench, f"{fmt} {mode}", progress)
     steps = [s for trace in traces for s in trace]
     fp, slots = plan.footprints[fmt], plan.slots[fmt]
@@ -136,6 +136,9 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
         "slot_util": statistics.fmean(active) / slots,
         "mean_active": statistics.fmean(active),
         "preemptions": engine.num_preemptions - preempted,
+        # steps launched before the previous one's tokens were read (`engine.async_scheduling`): the others
+        # leave the device idle while the host reads, schedules and launches
+        "steps_ahead_per_batch": (engine.num_steps_ahead - ahead) / (bench.repeats * bench.batches),
         "steps_per_batch": len(steps) / (bench.repeats * bench.batches),
         "step_ms": 1e3 * statistics.fmean(s["latency_s"] for s in steps),
         **_step_kinds(steps, bench.repeats * bench.batches),
