@@ -19,6 +19,7 @@
 #   bash tools/device_benches.sh roofline 2>&1 | tee $OUT/log.txt              # issue 11's points against the byte roofline (~6 min)
 #   bash tools/device_benches.sh fp8 2>&1 | tee $OUT/log.txt                   # the CUDA FP8 decode kernel: tests, decode-attn, settings (~5 min)
 #   bash tools/device_benches.sh fp8_gemm 2>&1 | tee $OUT/log.txt              # the weight-only FP8 GEMM: tests, tile sweep, 8B step (~6 min)
+#   bash tools/device_benches.sh run_ahead 2>&1 | tee $OUT/log.txt             # engine tests, 1.7B rollout over all formats (<10 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -178,6 +179,16 @@ engine_tests() {  # the engine on CUDA: fast path (mixed steps replaying the dec
         tests/gpu/test_engine_fast_path_gpu.py tests/gpu/test_prefill_engine_gpu.py tests/gpu/test_engine_sleep_gpu.py \
         > $OUT/engine_tests.txt 2>&1
     tail -4 $OUT/engine_tests.txt
+}
+
+run_ahead() {  # issue 11: the fifteenth session's engine changes on the GPU - balanced splits for skewed
+    # batches and run-ahead while a group waits for its slots: their GPU tests, then the 1.7B rollout over
+    # every cache format (`run ahead` and `step / pure` columns; fifteenth session: KV4 partial 1.60x the
+    # pure step, 849 decode steps a batch nearly none of them run ahead)
+    timeout 240 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_async_scheduling_gpu.py \
+        tests/gpu/test_engine_fast_path_gpu.py tests/gpu/test_bench_rollout_gpu.py > $OUT/run_ahead_tests.txt 2>&1
+    tail -4 $OUT/run_ahead_tests.txt
+    OUT=$OUT bash tools/rollout_bench.sh qwen3_1p7b_formats 2>&1 | grep "│" | tail -8
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the
