@@ -47,8 +47,8 @@ def balanced_split_size(context_lens: np.ndarray, base_splits: int, grid_splits:
 
     The default cuts the longest context into `base_splits` pieces (what a batch of equal contexts
     needs to fill the GPU). When lengths are skewed that leaves one piece per short sequence and the
-    step waits for the longest pieces while most SMs idle. Each size of ceil(longest / g), g up to
-    `grid_splits`, is ranked by a makespan model of the split grid: pieces are scheduled as SMs free
+    step waits for the longest pieces while most SMs idle. Each size of ceil(longest / g), g from
+    `base_splits` to `grid_splits` (never coarser than the default), is ranked by a makespan model of the split grid: pieces are scheduled as SMs free
     (`wave_pieces` resident at once), so a step lasts about max(piece, work / wave_pieces), plus half
     a piece of tail when there are more pieces than a wave holds."""
     lens = np.maximum(np.asarray(context_lens, dtype=np.int64), 1)
@@ -57,12 +57,12 @@ def balanced_split_size(context_lens: np.ndarray, base_splits: int, grid_splits:
     base = size(base_splits)
     if grid_splits <= base_splits or longest * len(lens) <= 1.25 * lens.sum():  # about equal: nothing to gain
         return int(base)
-    sizes = np.unique(size(np.arange(1, grid_splits + 1)))
+    sizes = size(np.arange(base_splits, grid_splits + 1))  # sizes[0] is the default
     pieces = (-(-lens[None, :] // sizes[:, None])).sum(axis=1)
     est = np.maximum(sizes, (lens.sum() + PIECE_OVERHEAD_TOKENS * pieces) / wave_pieces)
     est = est + np.where(pieces > wave_pieces, sizes / 2, 0)
     best = int(np.argmin(est))
-    return int(sizes[best]) if est[best] < BALANCE_MARGIN * est[sizes == base][0] else int(base)
+    return int(sizes[best]) if est[best] < BALANCE_MARGIN * est[0] else int(base)
 
 
 @dataclass
