@@ -95,6 +95,36 @@ def test_partial_property_every_group_once_complete_nothing_lost(tiny_qwen3, car
     assert (col.engine.num_steps_ahead > 0) == async_scheduling  # steps launched before the last one's read
 
 
+def test_partial_top_up_does_not_read_the_step_in_flight(tiny_qwen3):
+    """Partial rollout tops the engine up before every step; counting its requests must not read the step
+    launched ahead (`engine.async_scheduling`), or every step waits for the device before the next is
+    launched. Nothing in `collect` reads it (counting through `unfinished`, which reads it, would), and
+    every engine step returns with the next step in flight while requests remain, so the collector's
+    work overlaps the device's."""
+    path, _ = tiny_qwen3
+    for counting in ("num_unfinished", "unfinished"):
+        col = make_collector(path, lambda g, j: 4 + (5 * g + 3 * j) % 9, quota=4, group=2, slots=8,
+                             async_scheduling=True)
+        engine, reads, idle, drain, step = col.engine, [], [], col.engine.drain, col.engine.step
+
+        def read_in_flight():
+            reads.append(engine._inflight is not None)
+            drain()
+
+        def stepped():
+            out = step()
+            idle.append(engine._inflight is None and engine.scheduler.has_unfinished())
+            return out
+
+        engine.drain, engine.step = read_in_flight, stepped
+        if counting == "unfinished":
+            engine.num_unfinished = lambda: len(engine.unfinished())
+        batches = [col.collect() for _ in range(3)]
+        assert [len(g.completions) for b in batches for g in b] == [2] * 12
+        assert any(reads) == (counting == "unfinished")
+        assert len(idle) == len(col.trace) and not any(idle)
+
+
 def run_pipeline(path, staleness, updates, mode="sync", lengths=lambda g, j: 3):
     col = make_collector(path, lengths, mode=mode, quota=2, group=2, slots=4)
     pipe = RolloutPipeline(col, staleness)

@@ -183,6 +183,12 @@ class Engine:
         self.drain()
         return list(self.scheduler.running) + list(self.scheduler.waiting)
 
+    def num_unfinished(self) -> int:
+        """Requests queued or running, counted without reading the step in flight (`unfinished` reads it):
+        those that stop with its tokens still count, so a caller topping up the engine adds one step later
+        instead of making the device wait for the host."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
     def has_unfinished(self) -> bool:
         """Requests queued or running, a step in flight or stopped requests not yet returned by `step`."""
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._backlog)
@@ -193,9 +199,10 @@ class Engine:
         `last_step` afterwards describes the step for rollout traces (`LaunchedStep.record`).
 
         With `engine.async_scheduling` the next step is launched before this one's tokens are read when
-        the batch can continue (`kv4rl.engine.run_ahead`): a call returns with a step in flight, whose
-        tokens join at the next call (or `drain`); an EOS stop is reported one call later. `latency_s`
-        is then the time since the previous step's tokens were read."""
+        the batch can continue (`kv4rl.engine.run_ahead`), and otherwise right after they are read: a
+        call returns with a step in flight whenever requests remain, whose tokens join at the next call
+        (or `drain`); an EOS stop is reported one call later, and a request added between calls joins
+        a step later. `latency_s` is then the time since the previous step's tokens were read."""
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
         t0 = time.perf_counter()
@@ -213,7 +220,13 @@ class Engine:
             t1, saved = time.perf_counter(), self.scheduler.prefill_tokens_saved
             nxt, ids = schedule_ahead(self.scheduler, launched, rows, self.version)
             self._inflight = self._launch_step(nxt, t1, saved, pending_ids=ids)
-        return finished + self._complete(launched)
+        finished += self._complete(launched)
+        if self.async_scheduling and self._inflight is None and self.scheduler.has_unfinished():
+            # it could not run ahead (a request may be admitted, one needs a block): launch the next step
+            # now that the tokens are read, so the caller's work overlaps its device work
+            t1, saved = time.perf_counter(), self.scheduler.prefill_tokens_saved
+            self._inflight = self._launch_step(self.scheduler.schedule(), t1, saved)
+        return finished
 
     def drain(self) -> None:
         """Read the step in flight (`engine.async_scheduling`; stopped ones are returned by the next `step`),

@@ -95,7 +95,7 @@ class Collector:
         return out
 
     def _top_up(self) -> None:
-        while len(self.engine.unfinished()) < self.cfg.max_slots:
+        while self.engine.num_unfinished() < self.cfg.max_slots:  # no read of the step in flight
             self._start_group()
 
     def start_at(self, next_group: int, consumed: list[int]) -> None:
