@@ -7,6 +7,7 @@ protected rows and the quantized writes. NaN never passes: caches are poisoned b
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -54,7 +55,7 @@ def _engine_split(lens, quantum: int) -> tuple[int, int]:
 
     grid = 4 * 2
     split = balanced_split_size(np.array(lens), 2, grid, wave_pieces=8, quantum=quantum)
-    assert split < -(-max(lens) // 2) and grid * split >= max(lens)
+    assert split < math.ceil(max(lens) / 2) and grid * split >= max(lens)
     return grid, split
 
 
@@ -136,6 +137,11 @@ def _list_schedule_makespan(lens, split: int, slots: int, overhead: int) -> int:
     return max(free)
 
 
+def _tiles(context: int, splits: int) -> int:
+    """ceil(context / splits) rounded up to 64-token tiles: the split of `splits` equal pieces."""
+    return math.ceil(math.ceil(context / splits) / 64) * 64
+
+
 def test_balanced_split_size_keeps_equal_batches_and_shortens_skewed_ones():
     """Equal contexts keep the split of `num_splits` (what the decode benches measured); skewed ones get
     smaller pieces whose list-scheduled finish is earlier, and the grid always covers the longest."""
@@ -146,20 +152,20 @@ def test_balanced_split_size_keeps_equal_batches_and_shortens_skewed_ones():
         grid = min(32, 4 * base)
         for context in (1, 63, 1123, 8192):
             lens = np.full(batch, context)
-            assert balanced_split_size(lens, base, grid, slots, 64) == -(-(-(-context // base)) // 64) * 64
+            assert balanced_split_size(lens, base, grid, slots, 64) == _tiles(context, base)
         for _ in range(5):  # the bench's response lengths: log-normal, median 512, after a 256-token prompt
             lens = np.minimum(256 + np.exp(rng.normal(np.log(512), 1.0, batch)).astype(int), 4352)
             split = balanced_split_size(lens, base, grid, slots, 64)
-            default = -(-(-(-lens.max() // base)) // 64) * 64
+            default = _tiles(int(lens.max()), base)
             assert split % 64 == 0 and grid * split >= lens.max() and split <= default
             finish = _list_schedule_makespan(lens, split, slots, PIECE_OVERHEAD_TOKENS)
             assert finish <= _list_schedule_makespan(lens, default, slots, PIECE_OVERHEAD_TOKENS)
         # one long sequence among short ones: its pieces spread over the grid instead of one quarter each
         lens = np.array([4096] + [200] * (batch - 1))
         split = balanced_split_size(lens, base, grid, slots, 64)
-        assert split == -(-(-(-4096 // grid)) // 64) * 64
+        assert split == _tiles(4096, grid)
         assert (_list_schedule_makespan(lens, split, slots, 64)
-                < _list_schedule_makespan(lens, -(-(-(-4096 // base)) // 64) * 64, slots, 64))
+                < _list_schedule_makespan(lens, _tiles(4096, base), slots, 64))
 
 
 def test_engine_grid_is_a_few_times_the_equal_context_grid():

@@ -107,18 +107,18 @@ def test_partial_top_up_does_not_read_the_step_in_flight(tiny_qwen3):
                              async_scheduling=True)
         engine, reads, idle, drain, step = col.engine, [], [], col.engine.drain, col.engine.step
 
-        def read_in_flight():
+        def read_in_flight(engine=engine, reads=reads, drain=drain):
             reads.append(engine._inflight is not None)
             drain()
 
-        def stepped():
+        def stepped(engine=engine, idle=idle, step=step):
             out = step()
             idle.append(engine._inflight is None and engine.scheduler.has_unfinished())
             return out
 
         engine.drain, engine.step = read_in_flight, stepped
         if counting == "unfinished":
-            engine.num_unfinished = lambda: len(engine.unfinished())
+            engine.num_unfinished = lambda engine=engine: len(engine.unfinished())
         batches = [col.collect() for _ in range(3)]
         assert [len(g.completions) for b in batches for g in b] == [2] * 12
         assert any(reads) == (counting == "unfinished")

@@ -41,6 +41,10 @@ PIECE_OVERHEAD_TOKENS = 64
 BALANCE_MARGIN = 0.8
 
 
+def _ceil_div(a, b):
+    return -(a // -b)
+
+
 def balanced_split_size(context_lens: np.ndarray, base_splits: int, grid_splits: int, wave_pieces: float,
                         quantum: int) -> int:
     """Tokens per split for a decode batch of these contexts (a multiple of `quantum`).
@@ -48,17 +52,18 @@ def balanced_split_size(context_lens: np.ndarray, base_splits: int, grid_splits:
     The default cuts the longest context into `base_splits` pieces (what a batch of equal contexts
     needs to fill the GPU). When lengths are skewed that leaves one piece per short sequence and the
     step waits for the longest pieces while most SMs idle. Each size of ceil(longest / g), g from
-    `base_splits` to `grid_splits` (never coarser than the default), is ranked by a makespan model of the split grid: pieces are scheduled as SMs free
-    (`wave_pieces` resident at once), so a step lasts about max(piece, work / wave_pieces), plus half
-    a piece of tail when there are more pieces than a wave holds."""
+    `base_splits` to `grid_splits` (never coarser than the default), is ranked by a makespan model of
+    the split grid: pieces are scheduled as SMs free (`wave_pieces` resident at once), so a step lasts
+    about max(piece, work / wave_pieces), plus half a piece of tail when there are more pieces than a
+    wave holds."""
     lens = np.maximum(np.asarray(context_lens, dtype=np.int64), 1)
     longest = int(lens.max())
-    size = lambda g: -(-(-(-longest // g)) // quantum) * quantum
+    size = lambda g: _ceil_div(_ceil_div(longest, g), quantum) * quantum
     base = size(base_splits)
     if grid_splits <= base_splits or longest * len(lens) <= 1.25 * lens.sum():  # about equal: nothing to gain
         return int(base)
     sizes = size(np.arange(base_splits, grid_splits + 1))  # sizes[0] is the default
-    pieces = (-(-lens[None, :] // sizes[:, None])).sum(axis=1)
+    pieces = _ceil_div(lens[None, :], sizes[:, None]).sum(axis=1)
     est = np.maximum(sizes, (lens.sum() + PIECE_OVERHEAD_TOKENS * pieces) / wave_pieces)
     est = est + np.where(pieces > wave_pieces, sizes / 2, 0)
     best = int(np.argmin(est))
