@@ -4,11 +4,11 @@ A decode step launches a few hundred small kernels (per layer: norms, projection
 write, two attention stages); replaying them as one graph removes the launch gaps. Inputs live in
 static buffers sized for the largest bucket; a step copies its rows in, pads the bucket with rows
 that write nothing and attend to nothing (slot -1, context 0), replays, and reads the first B rows of
-the logits. The attention grid is fixed per bucket (`FastAttention.grid_splits` splits per sequence and head) and
-the tokens per split are a device value chosen per step from the contexts, so one graph serves any
-context lengths. Weights are updated in
-place, so graphs stay valid across weight refreshes; they hold the cache tensors, so a sleeping engine
-drops them with its pool and captures new ones over the new pool when it wakes.
+the logits. The attention grid is fixed per bucket (`FastAttention.grid_splits` splits per sequence
+and head) and the tokens per split are a device value chosen per step from the contexts, so one graph
+serves any context lengths. Weights are updated in place, so graphs stay valid across weight
+refreshes; they hold the cache tensors, so a sleeping engine drops them with its pool and captures new
+ones over the new pool when it wakes.
 """
 
 from __future__ import annotations

@@ -137,7 +137,10 @@ class FastAttention:
     def grid_splits(self, batch_size: int) -> int:
         """The engine's split grid (fixed per CUDA-graph bucket): `GRID_FACTOR` x `num_splits`, room for
         `balanced_split_size` to cut skewed batches finer. Pieces past a sequence's end exit at once."""
-        return min(self.max_splits, GRID_FACTOR * self.num_splits(batch_size))
+        return self._grid(self.num_splits(batch_size))
+
+    def _grid(self, base_splits: int) -> int:
+        return min(self.max_splits, GRID_FACTOR * base_splits)
 
     def wave_pieces(self) -> float:
         """(sequence, split) pieces the body kernel keeps resident at once."""
@@ -149,8 +152,8 @@ class FastAttention:
 
     def step_split_size(self, context_lens: np.ndarray, batch_size: int) -> int:
         """Tokens per split of a decode step of these contexts under the `grid_splits(batch_size)` grid."""
-        return balanced_split_size(context_lens, self.num_splits(batch_size), self.grid_splits(batch_size),
-                                   self.wave_pieces(), self.kernels.max_block_n)
+        base = self.num_splits(batch_size)
+        return balanced_split_size(context_lens, base, self._grid(base), self.wave_pieces(), self.kernels.max_block_n)
 
     def host_inputs(self, seqs: list[Sequence]) -> dict[str, np.ndarray]:
         """Per-row arrays for a decode step over `seqs` (each with exactly one uncached token)."""

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kv4rl.engine import memory
 from kv4rl.engine.block_manager import BlockManager
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.host_copy import to_device
@@ -29,6 +28,7 @@ from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
 from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.scheduler import Scheduler
+from kv4rl.engine.summary import engine_summary
 from kv4rl.engine.run_ahead import LaunchedStep, copy_to_host, rows_ahead, schedule_ahead, tally
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence, Status
 from kv4rl.engine.teacher_forcing import score_forced
@@ -91,7 +91,7 @@ class Engine:
         self._backlog: list[Sequence] = []  # finished while draining, returned by the next step
         self._last_read = 0.0  # when the host last read a step's tokens (latency under async scheduling)
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
-        self.summary = self._summary(max_num_seqs)
+        self.summary = engine_summary(self, max_num_seqs)
         log.info(self.summary)
         log.info("engine plan: %s", self.plan.explain())
 
@@ -100,22 +100,6 @@ class Engine:
         """An engine around a decoder already in memory (e.g. random-init for a benchmark), on its device
         and in its dtype. The engine owns it from then on (weight formats transform it in place)."""
         return cls(None, config, model=model, **kwargs)
-
-    def _summary(self, max_num_seqs: int) -> str:
-        plan, block_size = self.plan, self.config.kv.block_size
-        return (
-            f"engine: kv format {plan.kv_format_name.value} (rotate {self.kv_format.rotate}), "
-            f"{self.bytes_per_token:.1f} bytes/token at context {self.max_model_len}, pool {self.pool_tokens} tokens "
-            f"({self.runner.num_blocks} blocks x {block_size}) for up to {max_num_seqs} sequences, "
-            f"{memory.format_bytes(self.pool_bytes)} (sized by {self.pool_sizing}), {plan.weights_desc}, "
-            f"{plan.attention_desc}, sampler {self.sampler}{', fused ops' if self.fused_ops else ''}"
-            f"{', merged q|k|v and gate|up projections' if plan.merge_projections.value else ''}"
-            f"{', async scheduling' if self.async_scheduling else ''}"
-            + (f", tensor parallel {self.tp.size} (rank {self.tp.rank}: {self.args.num_heads} heads, "
-               f"{self.args.num_kv_heads} KV heads; pool and bytes/token are per rank)" if self.tp.size > 1 else "")
-            + (f"; sleeps between rollouts: KV pool {memory.format_bytes(self.pool_bytes)} awake, 0 asleep"
-               if self.config.sleep_between_rollouts else "")
-        )
 
     # ---- what the plan decided ----------------------------------------------------------------
     @property

@@ -81,16 +81,20 @@ def whole_wave_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: i
     """Splits per sequence so that the grid is about a whole number of waves: blocks are (split, sequence)
     pairs of up to `warps` KV heads, `warps_per_sm / warps` of them resident per SM, and a wave and a bit
     is slower than one (measured on an H200, bench/RESULTS.md)."""
-    warps = min(warps, num_kv_heads)
-    slots = num_sms * max(1, warps_per_sm // warps)
-    per_split = batch * math.ceil(num_kv_heads / warps)
-    return max(1, min(max_splits, round(slots / per_split)))
+    slots, blocks_per_piece = _wave(num_kv_heads, num_sms, warps, warps_per_sm)
+    return max(1, min(max_splits, round(slots / (batch * blocks_per_piece))))
 
 
 def wave_pieces(num_kv_heads: int, num_sms: int, warps: int, warps_per_sm: int) -> float:
     """(sequence, split) pieces resident at once: a wave of the grid `whole_wave_splits` sizes."""
+    slots, blocks_per_piece = _wave(num_kv_heads, num_sms, warps, warps_per_sm)
+    return slots / blocks_per_piece
+
+
+def _wave(num_kv_heads: int, num_sms: int, warps: int, warps_per_sm: int) -> tuple[int, int]:
+    """Blocks resident at once, and blocks per (sequence, split) piece (up to `warps` KV heads a block)."""
     warps = min(warps, num_kv_heads)
-    return num_sms * max(1, warps_per_sm // warps) / math.ceil(num_kv_heads / warps)
+    return num_sms * max(1, warps_per_sm // warps), math.ceil(num_kv_heads / warps)
 
 
 # ---- what both kernels' launches share: the MMA tiling's shape limits, their macros, the query's layout ----
