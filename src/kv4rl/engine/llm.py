@@ -189,14 +189,12 @@ class Engine:
         a step later. `latency_s` is then the time since the previous step's tokens were read."""
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
-        t0 = time.perf_counter()
         finished, self._backlog = self._backlog, []
         launched = self._inflight
         if launched is None:
             if finished and not self.scheduler.has_unfinished():
                 return finished  # stopped during a drain, nothing left to step
-            saved = self.scheduler.prefill_tokens_saved
-            launched = self._launch_step(self.scheduler.schedule(), t0, saved)
+            launched = self._launch_scheduled()
         self._inflight = None
         rows = rows_ahead(self.scheduler, launched) if self.async_scheduling else None
         if rows is not None:
@@ -208,8 +206,7 @@ class Engine:
         if self.async_scheduling and self._inflight is None and self.scheduler.has_unfinished():
             # it could not run ahead (a request may be admitted, one needs a block): launch the next step
             # now that the tokens are read, so the caller's work overlaps its device work
-            t1, saved = time.perf_counter(), self.scheduler.prefill_tokens_saved
-            self._inflight = self._launch_step(self.scheduler.schedule(), t1, saved)
+            self._inflight = self._launch_scheduled()
         return finished
 
     def drain(self) -> None:
@@ -218,6 +215,11 @@ class Engine:
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
             self._backlog += self._complete(launched)
+
+    def _launch_scheduled(self) -> LaunchedStep:
+        """Schedule the next batch from the scheduler's current state and queue it."""
+        started, saved = time.perf_counter(), self.scheduler.prefill_tokens_saved
+        return self._launch_step(self.scheduler.schedule(), started, saved)
 
     def _launch_step(self, seqs: list[Sequence], started_at: float, saved_before: int,
                      pending_ids: torch.Tensor | None = None) -> LaunchedStep:
