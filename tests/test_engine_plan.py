@@ -125,6 +125,17 @@ def test_explicit_backend_and_graph_settings_are_kept_with_their_reason():
     assert (plan.pool_blocks.value, plan.pool_blocks.reason) == (7, "engine.num_kv_blocks")
 
 
+def test_prefill_graphs_need_the_fast_prefill_and_the_decode_graphs():
+    plan = _plan(CUDA, kv={"format": "kv4"}, prefill_graph_tokens=512)
+    assert plan.prefill_graphs.value == 512
+    assert plan.attention_desc.endswith("fast prefill (CUDA graphs up to 512 tokens)")
+    assert _plan(CUDA, kv={"format": "kv4"}).prefill_graphs.value == 0  # off by default
+    for settings in ({"cuda_graphs": False}, {"prefill_backend": "torch"}, {"attention_backend": "torch"}):
+        plan = _plan(CUDA, kv={"format": "kv4"}, prefill_graph_tokens=512, **settings)
+        assert plan.prefill_graphs.value == 0 and "decode graphs" in plan.prefill_graphs.reason
+        assert "CUDA graphs up to" not in plan.attention_desc
+
+
 @pytest.mark.parametrize("args,why", [
     ({"head_dim": 64}, "head_dim 64 != 128"),
     ({"num_key_value_heads": 2}, "16 query heads per KV head > 8"),
@@ -201,7 +212,7 @@ def test_explain_lists_every_decision_with_its_reason():
     text = plan.explain()
     for name, choice in plan.choices().items():
         assert f"{name}={choice.value} ({choice.reason})" in text
-    assert len(plan.choices()) == 12
+    assert len(plan.choices()) == 13
 
 
 def test_prefill_backend_follows_the_decode_kernels_unless_set():

@@ -20,6 +20,7 @@
 #   bash tools/device_benches.sh fp8 2>&1 | tee $OUT/log.txt                   # the CUDA FP8 decode kernel: tests, decode-attn, settings (~5 min)
 #   bash tools/device_benches.sh fp8_gemm 2>&1 | tee $OUT/log.txt              # the weight-only FP8 GEMM: tests, tile sweep, 8B step (~6 min)
 #   bash tools/device_benches.sh run_ahead 2>&1 | tee $OUT/log.txt             # engine tests, 1.7B rollout over all formats (<10 min)
+#   bash tools/device_benches.sh prefill_graphs 2>&1 | tee $OUT/log.txt        # prefill graphs: GPU tests, 1.7B rollout with them (<10 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -189,6 +190,15 @@ run_ahead() {  # issue 11: the fifteenth session's engine changes on the GPU - b
         tests/gpu/test_engine_fast_path_gpu.py tests/gpu/test_bench_rollout_gpu.py > $OUT/run_ahead_tests.txt 2>&1
     tail -4 $OUT/run_ahead_tests.txt
     OUT=$OUT bash tools/rollout_bench.sh qwen3_1p7b_formats 2>&1 | grep "│" | tail -8
+}
+
+prefill_graphs() {  # issue 11: small prefills replayed as CUDA graphs (engine.prefill_graph_tokens). Its GPU
+    # tests, then the 1.7B rollout over every format with prefills of up to 512 tokens replayed (sixteenth
+    # session, eager: a mixed step 18.5 ms BF16 / 33.8 ms KV4, nearly all host; KV4+partial 2.44x) (<10 min)
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_graphs_gpu.py \
+        > $OUT/prefill_graphs_tests.txt 2>&1; tail -4 $OUT/prefill_graphs_tests.txt
+    OUT=$OUT ROLLOUT_ARGS="engine.prefill_graph_tokens=512" bash tools/rollout_bench.sh qwen3_1p7b_formats 2>&1 \
+        | grep -E "│|Error" | tail -8
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the

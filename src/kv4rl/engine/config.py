@@ -55,6 +55,10 @@ class EngineConfig:
     them (bf16, fp8, int4 and kv4 with group_size = head_dim) and the torch reference path otherwise;
     `torch` forces the reference path, `triton` fails at start when the kernels cannot run.
     `cuda_graphs` replays decode steps as CUDA graphs (fast path only).
+    `prefill_graph_tokens` > 0 also replays prefills of up to that many new tokens (and up to
+    `prefill_graphs.MAX_ROWS` rows) as CUDA graphs, one per bucket of 64, 128, 256, ... tokens (with
+    `cuda_graphs` and the fast prefill): an admitted prompt then costs the host one replay instead of
+    some thirty launches a layer. Larger prefills run eagerly. 0 (default): every prefill is eager.
     `prefill_backend: auto` runs the rows with several new tokens (prompts, prompt chunks, recomputes)
     through the Triton varlen prefill kernel whenever decode rows use the kernels, reading the cache as
     stored like the reference path; `torch` keeps the reference prefill (gather, dequantize, SDPA);
@@ -113,6 +117,7 @@ class EngineConfig:
     prefill_backend: Literal["auto", "torch", "triton"] = "auto"
     chunked_prefill: bool = True
     cuda_graphs: bool = True
+    prefill_graph_tokens: int = 0
     sampler: Literal["auto", "torch", "triton"] = "auto"
     fused_ops: Literal["auto"] | bool = "auto"
     merge_projections: bool = True
@@ -140,6 +145,8 @@ class EngineConfig:
             kv_format_from_config(self.kv).check(head_dim=None, max_model_len=self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"engine.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"engine.prefill_graph_tokens must be >= 0 (0: eager prefill), got {self.prefill_graph_tokens}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("engine.max_num_batched_tokens must be >= 1")
         if not 0 < self.gpu_memory_fraction <= 1:

@@ -84,6 +84,7 @@ class EnginePlan:
     prefill: Choice[str]
     body_kernel: Choice[str | None]
     cuda_graphs: Choice[bool]
+    prefill_graphs: Choice[int]
     weights: Choice[str]
     merge_projections: Choice[bool]
     async_scheduling: Choice[bool]
@@ -104,6 +105,8 @@ class EnginePlan:
         if self.body_kernel.value == "cuda":
             kernels = f"CUDA {self.kv_format.decode_kind.name} + {kernels}"
         prefill = "fast prefill" if self.prefill.value == "triton" else "reference prefill"
+        if self.prefill_graphs.value:
+            prefill += f" (CUDA graphs up to {self.prefill_graphs.value} tokens)"
         return f"attention: {kernels} ({graphs}) + {prefill}"
 
     @property
@@ -112,7 +115,8 @@ class EnginePlan:
 
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in ("kv_format_name", "max_model_len", "fused_ops", "sampler",
-                                                       "attention", "prefill", "body_kernel", "cuda_graphs", "weights",
+                                                       "attention", "prefill", "body_kernel", "cuda_graphs", "prefill_graphs",
+                                                       "weights",
                                                        "merge_projections", "async_scheduling", "pool_blocks")}
 
     def explain(self) -> str:
@@ -133,10 +137,11 @@ def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: C
     attention = _attention(config, kv_format, dtype, args.head_dim, caps)
     sampler = _kernel_setting("engine.sampler", config.sampler, "triton", "torch", caps)
     on_kernels = attention.value == "triton"
+    prefill, cuda_graphs = _prefill(config, attention), _cuda_graphs(config, on_kernels, caps)
     return EnginePlan(
         kv_format=kv_format, kv_format_name=kv_name, max_model_len=max_model_len, fused_ops=fused_ops,
-        sampler=sampler, attention=attention, prefill=_prefill(config, attention), body_kernel=_body_kernel(on_kernels, kv_format, args, config, caps),
-        cuda_graphs=_cuda_graphs(config, on_kernels, caps), weights=_weights(config, args, dtype, caps),
+        sampler=sampler, attention=attention, prefill=prefill, body_kernel=_body_kernel(on_kernels, kv_format, args, config, caps),
+        cuda_graphs=cuda_graphs, prefill_graphs=_prefill_graphs(config, prefill, cuda_graphs), weights=_weights(config, args, dtype, caps),
         merge_projections=_merge_projections(config), async_scheduling=_async_scheduling(config, caps),
         pool_blocks=_pool_blocks(config, caps, max_num_seqs, max_model_len.value), max_num_seqs=max_num_seqs,
     )
@@ -212,6 +217,15 @@ def _body_kernel(on_kernels: bool, kv_format: KVFormat, args: ModelArgs, config:
     kernel, why = module.body_kernel(problem, args.head_dim, args.num_heads // args.num_kv_heads, args.num_kv_heads,
                                      config.kv.block_size, interpreter=caps.interpreter)
     return Choice(kernel, "the CUDA kernel serves this shape" if why is None else f"not CUDA: {why}")
+
+
+def _prefill_graphs(config: EngineConfig, prefill: Choice[str], cuda_graphs: Choice[bool]) -> Choice[int]:
+    """The largest prefill (in new tokens) replayed as a CUDA graph; 0: prefills run eagerly."""
+    if not config.prefill_graph_tokens:
+        return Choice(0, "engine.prefill_graph_tokens=0")
+    if prefill.value != "triton" or not cuda_graphs.value:
+        return Choice(0, "prefill graphs replay the prefill kernel, with the decode graphs")
+    return Choice(config.prefill_graph_tokens, "engine.prefill_graph_tokens: small prefills replay per token bucket")
 
 
 def _cuda_graphs(config: EngineConfig, on_kernels: bool, caps: Capabilities) -> Choice[bool]:

@@ -30,11 +30,14 @@ class ModelRunner:
 
     def __init__(self, model, kv_format: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  max_num_seqs: int = 1, fast: FastAttention | None = None, graph_max_batch: int = 0,
-                 max_model_len: int = 0, sampler: str = "torch", pool_sizing: str = "", fast_prefill: bool = False):
+                 max_model_len: int = 0, sampler: str = "torch", pool_sizing: str = "", fast_prefill: bool = False,
+                 prefill_graph_tokens: int = 0):
         """`fast`: the Triton decode path (None: reference path only); `fast_prefill`: rows with several new
         tokens through its prefill kernel too (else the reference path). `graph_max_batch` > 0 replays
         decode steps of up to that many sequences as CUDA graphs (needs `fast` on CUDA). `sampler`:
-        "triton" draws untruncated rows with the fused kernel. `pool_sizing`: how `num_blocks` was chosen."""
+        "triton" draws untruncated rows with the fused kernel. `pool_sizing`: how `num_blocks` was chosen.
+        `prefill_graph_tokens` > 0 (with `fast_prefill`): prefills of up to that many tokens through
+        `PrefillGraphs`, replayed on CUDA with graphs and run padded but eagerly elsewhere (tests)."""
         self.model = model
         self.kv_format = kv_format
         self.block_size = block_size
@@ -50,6 +53,8 @@ class ModelRunner:
         self.profile: _Profile | None = None  # the start-up's profiling step, kept for tests
         self.caches: list[dict] | None = None
         self.graphs = None
+        self.prefill_graph_tokens = prefill_graph_tokens if self.fast_prefill else 0
+        self.prefill_graphs = None
         # a step with prefill rows runs its decode rows as a graph step and its prefill rows eagerly after
         # it (None: whenever a graph covers the decode rows; True also without graphs, for CPU tests)
         self.split_mixed_steps: bool | None = None
@@ -74,13 +79,19 @@ class ModelRunner:
             max_blocks = -(-self.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(self.model, self.caches, self.fast, self.graph_max_batch, max_blocks)
             self.graphs.capture(capture)
+        if self.prefill_graph_tokens:
+            from kv4rl.engine.prefill_graphs import PrefillGraphs
+
+            self.prefill_graphs = PrefillGraphs(self.model, self.caches, self.fast, self.prefill_graph_tokens,
+                                                -(-self.max_model_len // self.block_size), args.num_heads,
+                                                replay=self.use_graphs)
 
     def release(self) -> tuple[int, ...]:
         """Drop the pool and the decode graphs (their static buffers and private memory pool); returns
         the graph buckets that had been captured, so `allocate` can capture them again."""
         captured = tuple(sorted(self.graphs.graphs)) if self.graphs is not None else ()
         self.caches = None
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         return captured
 
     @property
@@ -118,7 +129,7 @@ class ModelRunner:
         runner = cls(model, plan.kv_format, num_blocks, block_size, device, max_num_seqs=plan.max_num_seqs,
                      fast=fast, graph_max_batch=plan.max_num_seqs if plan.cuda_graphs.value else 0,
                      max_model_len=plan.max_model_len.value, sampler=plan.sampler.value, pool_sizing=sizing,
-                     fast_prefill=plan.prefill.value == "triton")
+                     fast_prefill=plan.prefill.value == "triton", prefill_graph_tokens=plan.prefill_graphs.value)
         runner.profile = profile
         return runner
 
@@ -194,12 +205,14 @@ class ModelRunner:
         host = self.fast.host_inputs(decode) if decode else None
         graph = bool(decode) and self.graphs is not None and self.graphs.bucket(len(decode)) is not None
         split = bool(decode) and (graph if self.split_mixed_steps is None else self.split_mixed_steps)
-        if rest and not split:
+        if rest and not decode and pending_ids is None:
+            logits = self._forward_prefill(rest)
+        elif rest and not split:
             logits = self._forward_eager(host, rest, pending_ids)
         else:
             logits = self.graphs.run(host, pending_ids) if graph else self._forward_eager(host, [], pending_ids)
             if rest:  # the prefill rows after the decode rows; the cat copies the graph's reused buffer
-                logits = torch.cat((logits, self._forward_eager(None, rest)))
+                logits = torch.cat((logits, self._forward_prefill(rest)))
                 self.num_split_steps += 1
         for s, n in zip(seqs, computed):
             s.num_cached_tokens += n
@@ -208,6 +221,11 @@ class ModelRunner:
             return logits
         where = {id(s): i for i, s in enumerate(order)}
         return logits[to_device([where[id(s)] for s in seqs], torch.long, logits.device)]
+
+    def _forward_prefill(self, rest: list[Sequence]) -> torch.Tensor:
+        """Logits of prefill rows alone: a prefill graph's bucket when one takes them, else eagerly."""
+        logits = self.prefill_graphs.run(rest) if self.prefill_graphs is not None else None
+        return self._forward_eager(None, rest) if logits is None else logits
 
     def _forward_eager(self, host, rest: list[Sequence], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows (`host`, fast path) first, then the `rest` (prefill kernel or reference path);
