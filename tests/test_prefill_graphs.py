@@ -59,12 +59,11 @@ def _prompts(case: str):
     return prompts, forced, slots, (4 if case == "chunks" else 16384)
 
 
-@pytest.mark.parametrize(("fmt", "case"), [("bf16", "mixed steps"), ("bf16", "chunks"), ("int4", "prefix forks"),
-                                           ("kv4", "mixed steps"), ("kv4", "prefix forks")])
+@pytest.mark.parametrize(("fmt", "case"), [("bf16", "mixed steps"), ("int4", "prefix forks"), ("kv4", "mixed steps")])
 def test_padded_prefill_equals_the_eager_prefill(ckpt, fmt, case):
     """"mixed steps": two slots, so later prompts prefill while others decode (the split step);
-    "chunks": at most 4 new tokens a step, so chunks attend to earlier ones through the cache (KV4: its
-    side rows); "prefix forks": a repeated prompt forks the first's cache."""
+    "prefix forks": a repeated prompt forks the first's cache. Prompt chunks: the KV4 test below (CI
+    time keeps the grid of formats x cases to these)."""
     prompts, forced, slots, budget = _prompts(case)
     eager = _engine(ckpt, fmt, 0, budget, slots)
     padded = _engine(ckpt, fmt, 32, budget, slots)
