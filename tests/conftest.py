@@ -40,6 +40,23 @@ def tiny_qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gqa_hd32_ckpt(tmp_path_factory):
+    """Two query heads per KV head of 32: the smallest shape the Triton kernels take (interpreter tests)."""
+    path = tmp_path_factory.mktemp("hd32")
+    make_checkpoint(path, head_dim=32, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gqa_hd128_ckpt(tmp_path_factory):
+    """A real head shape (head_dim 128, four query heads per KV head) in three small layers (GPU tests)."""
+    path = tmp_path_factory.mktemp("gqa128")
+    make_checkpoint(path, vocab=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
+    return path
+
+
+@pytest.fixture(scope="session")
 def testbed_cache(tmp_path_factory):
     """A kv4rl cache holding the `longmul-test` testbed, built once per session (a few seconds)."""
     from kv4rl.models.testbed import testbed_model_dir

@@ -17,14 +17,11 @@ pytest.importorskip("triton")
 
 from kv4rl.engine.config import EngineConfig, KVConfig  # noqa: E402
 from kv4rl.engine.llm import Engine  # noqa: E402
-from tests.conftest import make_checkpoint  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hd32")
-    make_checkpoint(path, head_dim=32, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
-    return path
+@pytest.fixture
+def ckpt(gqa_hd32_ckpt):
+    return gqa_hd32_ckpt
 
 
 def _scores(ckpt, backend: str, prompts, forced, max_num_seqs: int, reverse_batches: bool = False,

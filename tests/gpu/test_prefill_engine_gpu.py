@@ -7,18 +7,14 @@ import torch
 from kv4rl.engine.config import EngineConfig, KVConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.sequence import SamplingParams
-from tests.conftest import make_checkpoint
 from tests.gpu.test_engine_fast_path_gpu import REF_REL_BOUND
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gqa128")
-    make_checkpoint(path, vocab=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
-                    num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
-    return path
+@pytest.fixture
+def ckpt(gqa_hd128_ckpt):
+    return gqa_hd128_ckpt
 
 
 def _engine(ckpt, fmt, backend, prefill="auto", budget=16384, **kv):

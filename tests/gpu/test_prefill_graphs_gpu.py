@@ -8,17 +8,13 @@ import torch
 from kv4rl.engine.config import EngineConfig, KVConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.sequence import SamplingParams
-from tests.conftest import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gqa128")
-    make_checkpoint(path, vocab=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
-                    num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
-    return path
+@pytest.fixture
+def ckpt(gqa_hd128_ckpt):
+    return gqa_hd128_ckpt
 
 
 def _engine(ckpt, fmt, graph_tokens, budget=16384, slots=8):
