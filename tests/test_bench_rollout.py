@@ -80,6 +80,7 @@ def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
         assert (x["pure_step_batch"], x["pure_step_context"]) == (round(x["mean_active"]), round(x["context_mean"]))
         assert x["pure_step_ms"] is None and x["step_vs_pure"] is None
         assert x["steps_ahead_per_batch"] == 0  # async scheduling is off on a CPU unless asked for
+        assert x["graph_prefills_per_batch"] is None  # no prefill graphs without the fast prefill on CUDA
     # the same budget: bf16 gets floor(budget / block bytes) blocks of 16; kv4 fits every slot at its
     # longest (8 slots x 4 blocks of 16 for 4 + 60 tokens), so it can never preempt
     assert ref["pool_tokens"] == int(BUDGET_GIB * 2**30) // (16 * TINY_BF16_BYTES_PER_TOKEN) * 16 == 304

@@ -28,3 +28,18 @@ def test_each_corner_has_its_pure_decode_step(tmp_path):
         assert r["pure_step_ms"] > 0
         assert r["step_vs_pure"] == pytest.approx(r["step_ms"] / r["pure_step_ms"])
     assert "step / pure" in res.output
+
+
+def test_partial_rollout_admissions_replay_prefill_graphs(tmp_path):
+    """With `engine.prefill_graph_tokens`, the prompts admitted in partial rollout (32 tokens, one row a
+    group) replay a prefill graph: as many a batch as the groups whose prompt is computed in it."""
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, [
+        "bench", "rollout", "--shape", "qwen3-tiny", "--device", "cuda", "--formats", "kv4", "--modes", "partial",
+        "--quota-groups", "4", "--group-size", "4", "--max-slots", "8", "--prompt-len", "32", "--median-len", "64",
+        "--max-len", "256", "--repeats", "1", "--kv-budget-gib", "0.05", "engine.prefill_graph_tokens=256",
+        "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["graph_prefills_per_batch"] > 0
+    assert row["graph_prefills_per_batch"] <= row["mixed_steps_per_batch"]

@@ -122,6 +122,7 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
     progress(f"{fmt} {mode}: warm-up", 0)
     collector.collect()
     preempted, ahead = engine.num_preemptions, engine.num_steps_ahead
+    graph_prefills = engine.runner.prefill_graphs.num_runs if engine.runner.prefill_graphs is not None else None
     seconds, traces = _timed_repeats(collector, bench, f"{fmt} {mode}", progress)
     steps = [s for trace in traces for s in trace]
     fp, slots = plan.footprints[fmt], plan.slots[fmt]
@@ -140,6 +141,9 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
         # leave the device idle while the host reads, schedules and launches
         "steps_ahead_per_batch": (engine.num_steps_ahead - ahead) / (bench.repeats * bench.batches),
         "steps_per_batch": len(steps) / (bench.repeats * bench.batches),
+        # prefills replayed as CUDA graphs (`engine.prefill_graph_tokens`; None: off), of the mixed steps
+        "graph_prefills_per_batch": (None if graph_prefills is None else
+                                     (engine.runner.prefill_graphs.num_runs - graph_prefills) / (bench.repeats * bench.batches)),
         "step_ms": 1e3 * statistics.fmean(s["latency_s"] for s in steps),
         **_step_kinds(steps, bench.repeats * bench.batches),
         "pool_tokens": engine.pool_tokens,
