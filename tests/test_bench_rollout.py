@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kv4rl.bench import rollout
-from kv4rl.bench.rollout import add_speedups, summarize
+from kv4rl.bench.rollout import PURE_ROW_SNAPSHOTS, add_speedups, summarize
 from kv4rl.cli import app
 from kv4rl.config import load_config
 from kv4rl.engine.llm import Engine
@@ -79,6 +79,11 @@ def test_formats_x_modes_at_one_budget(tmp_path, one_thread):
         # graph replay: not on CPU)
         assert (x["pure_step_batch"], x["pure_step_context"]) == (round(x["mean_active"]), round(x["context_mean"]))
         assert x["pure_step_ms"] is None and x["step_vs_pure"] is None
+        assert x["pure_rows_ms"] is None and x["step_vs_pure_rows"] is None
+        # the running rows' contexts at a few timed steps: up to 8 slots, each a prompt of 4 plus < 60
+        snaps = x["row_context_snapshots"]
+        assert 1 <= len(snaps) <= PURE_ROW_SNAPSHOTS
+        assert all(1 <= len(c) <= 8 and all(4 <= n <= 4 + 60 for n in c) for c in snaps)
         assert x["steps_ahead_per_batch"] == 0  # async scheduling is off on a CPU unless asked for
         assert x["graph_prefills_per_batch"] is None  # no prefill graphs without the fast prefill on CUDA
     # the same budget: bf16 gets floor(budget / block bytes) blocks of 16; kv4 fits every slot at its
@@ -290,3 +295,31 @@ def test_plot_rollout_trace_side_by_side(tmp_path):
     assert res.exit_code == 0, res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+def test_row_contexts_snapshots_every_few_steps_and_restores_the_engine():
+    """`RowContexts` around a fake engine: a snapshot of the running rows' lengths before steps 0, 32, 64,
+    ...; `spread` picks evenly spaced ones (first, middle, last of five); the engine's own `step` is
+    back afterwards."""
+    from types import SimpleNamespace
+
+    from kv4rl.bench.rollout import SNAPSHOT_EVERY, RowContexts
+
+    class FakeEngine:
+        def __init__(self):
+            self.scheduler = SimpleNamespace(running=[])
+            self.steps = 0
+
+        def step(self):
+            self.steps += 1
+            self.scheduler.running = [[0] * self.steps]  # one row whose length is the step count
+            return []
+
+    engine = FakeEngine()
+    with RowContexts(engine) as seen:
+        for _ in range(4 * SNAPSHOT_EVERY + 1):
+            engine.step()
+    assert "step" not in vars(engine) and engine.steps == 4 * SNAPSHOT_EVERY + 1
+    # step 0 saw nothing running; later snapshots see the length the previous step left
+    assert seen.snapshots == [[k * SNAPSHOT_EVERY] for k in range(1, 5)]
+    assert seen.spread(3) == [[SNAPSHOT_EVERY], [3 * SNAPSHOT_EVERY], [4 * SNAPSHOT_EVERY]]
+    assert seen.spread(10) == seen.snapshots and seen.spread(1) == [[3 * SNAPSHOT_EVERY]]

@@ -92,3 +92,29 @@ def test_decode_forward_roofline_reads_the_weights_and_every_layers_kv_once():
     assert got["roofline_ms"] == pytest.approx(1e3 * (weight_bytes_per_step(model) + kv) / 1e9)
     assert got["of_roofline"] == pytest.approx(got["roofline_ms"] / 2.0)
     assert step_roofline(model, "bf16", 3, 40, ms=2.0, bandwidth=None) == {"roofline_ms": None, "of_roofline": None}
+
+
+def test_step_layout_gives_each_sequence_its_own_blocks_for_its_context():
+    """`bench decode-forward`'s (and `bench rollout`'s pure step's) host inputs, worked by hand for
+    contexts 5, 16, 1 at block size 8: 1, 3 and 1 blocks (room for the next token), 5 blocks in all,
+    each used once; the last token of each sequence sits at its context - 1 in its own blocks."""
+    from kv4rl.bench.decode_forward import step_layout
+
+    lay = step_layout(3, [5, 16, 1], block_size=8, vocab_size=50, seed=1)
+    assert lay["num_blocks"] == 5
+    tables = lay["block_tables"]
+    assert tables.shape == (3, 3)
+    used = [tables[0, :1], tables[1, :3], tables[2, :1]]
+    assert sorted(int(b) for row in used for b in row) == [0, 1, 2, 3, 4]
+    assert lay["positions"].tolist() == [4, 15, 0]
+    assert lay["context_lens"].tolist() == [5, 16, 1]
+    expected = [tables[0, 0] * 8 + 4, tables[1, 1] * 8 + 7, tables[2, 0] * 8 + 0]
+    assert lay["slots"].tolist() == [int(x) for x in expected]
+    # equal contexts: the permutation laid out row by row, as the bench had it before per-row contexts
+    import numpy as np
+
+    uniform = step_layout(4, 20, block_size=8, vocab_size=50, seed=3)
+    perm = np.random.default_rng(3).permutation(4 * 3).astype(np.int32).reshape(4, 3)
+    assert (uniform["block_tables"] == perm).all() and uniform["num_blocks"] == 12
+    with pytest.raises(ValueError, match="contexts"):
+        step_layout(2, [3], block_size=8, vocab_size=50)

@@ -27,6 +27,9 @@ def test_each_corner_has_its_pure_decode_step(tmp_path):
         assert (r["pure_step_batch"], r["pure_step_context"]) == (round(r["mean_active"]), round(r["context_mean"]))
         assert r["pure_step_ms"] > 0
         assert r["step_vs_pure"] == pytest.approx(r["step_ms"] / r["pure_step_ms"])
+        # and against the rows and contexts the engine ran at a few of its steps
+        assert r["row_context_snapshots"] and r["pure_rows_ms"] > 0
+        assert r["step_vs_pure_rows"] == pytest.approx(r["step_ms"] / r["pure_rows_ms"])
     assert "step / pure" in res.output
 
 

@@ -13,8 +13,8 @@ ranks are started together (a barrier before each), so a step's time includes wa
 
 from __future__ import annotations
 
-import math
 import statistics
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -25,10 +25,11 @@ WORKLOADS = {"early": (256, 1024), "mid": (128, 4096), "late": (64, 8192)}
 VARIANTS = (("bf16", "bf16"), ("fp8", "bf16"), ("bf16", "kv4"), ("fp8", "kv4"))
 
 
-def time_step(model, kv, batch: int, context: int, block_size: int = 16, reps: int = 20,
+def time_step(model, kv, batch: int, context: int | Sequence[int], block_size: int = 16, reps: int = 20,
               seed: int = 0, barrier=None) -> dict:
-    """Build a full cache for `batch` sequences at `context` tokens and time one graph-replayed step.
-    `kv`: a format name (KV4 / INT4 with one scale group per head) or a `KVFormat` as an engine built it."""
+    """Build a full cache for `batch` sequences at `context` tokens (one number, or one per sequence) and
+    time one graph-replayed step. `kv`: a format name (KV4 / INT4 with one scale group per head) or a
+    `KVFormat` as an engine built it."""
     from kv4rl.bench.decode_attn import fill_random
     from kv4rl.engine.cuda_graphs import DecodeGraphs
     from kv4rl.engine.fast_path import FastAttention
@@ -40,8 +41,9 @@ def time_step(model, kv, batch: int, context: int, block_size: int = 16, reps: i
         fmt = get_kv_format(kv, **({"group_size": args.head_dim} if kv in ("int4", "kv4") else {}))
     else:
         fmt = kv
-    blocks_per_seq = math.ceil((context + 1) / block_size)
-    num_slots = batch * blocks_per_seq * block_size
+    layout = step_layout(batch, context, block_size, args.vocab_size, seed)
+    blocks_per_seq = layout["block_tables"].shape[1]
+    num_slots = layout["num_blocks"] * block_size
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     caches = []
@@ -51,19 +53,8 @@ def time_step(model, kv, batch: int, context: int, block_size: int = 16, reps: i
         caches.append(cache)
     fast = FastAttention(fmt, args.num_kv_heads, args.head_dim, block_size, device, num_q_heads=args.num_heads)
     graphs = DecodeGraphs(model, caches, fast, batch, blocks_per_seq)  # `batch` is its largest bucket
-    tables = np.random.default_rng(seed).permutation(batch * blocks_per_seq).astype(np.int32).reshape(
-        batch, blocks_per_seq)
-    pos = np.full(batch, context - 1, dtype=np.int64)
-    seq_slots = np.arange(batch, dtype=np.int32)
-    host = {
-        "ids": np.random.default_rng(seed).integers(0, args.vocab_size, batch),
-        "positions": pos,
-        "slots": tables[:, (context - 1) // block_size].astype(np.int64) * block_size + (context - 1) % block_size,
-        "context_lens": np.full(batch, context, dtype=np.int32),
-        "seq_slots": seq_slots,
-        "block_tables": tables,
-        "protect_rows": fast.protect_rows(pos, seq_slots.astype(np.int64)),
-    }
+    host = {k: v for k, v in layout.items() if k != "num_blocks"}
+    host["protect_rows"] = fast.protect_rows(host["positions"], host["seq_slots"].astype(np.int64))
     logits = graphs.run(host)  # captures
     finite = bool(torch.isfinite(logits).all())
     torch.cuda.synchronize()
@@ -82,6 +73,31 @@ def time_step(model, kv, batch: int, context: int, block_size: int = 16, reps: i
     torch.cuda.empty_cache()
     ms = statistics.median(times)
     return {"ms": ms, "tokens_per_s": batch / ms * 1e3, "finite": finite, "kv_gib": kv_bytes / 2**30}
+
+
+def step_layout(batch: int, context: int | Sequence[int], block_size: int, vocab_size: int, seed: int = 0) -> dict:
+    """A decode step's host inputs (`FastAttention.host_inputs`' arrays but KV4's protected rows) for
+    `batch` sequences at `context` tokens each (one number, or one per sequence), their blocks a random
+    permutation of a pool of `num_blocks` laid out row by row, as many per sequence as the engine holds
+    when it writes the next token."""
+    contexts = np.full(batch, context, dtype=np.int64) if np.ndim(context) == 0 else np.asarray(context, np.int64)
+    if contexts.shape != (batch,) or contexts.min() < 1:
+        raise ValueError(f"time_step: {batch} contexts of at least 1 token expected, got {context!r}")
+    blocks = -(-(contexts + 1) // block_size)
+    order = np.random.default_rng(seed).permutation(int(blocks.sum())).astype(np.int32)
+    tables = np.zeros((batch, int(blocks.max())), dtype=np.int32)
+    for row, (start, n) in enumerate(zip(np.cumsum(blocks) - blocks, blocks)):
+        tables[row, :n] = order[start:start + n]  # equal contexts: the permutation row by row
+    pos = contexts - 1
+    return {
+        "ids": np.random.default_rng(seed).integers(0, vocab_size, batch),
+        "positions": pos,
+        "slots": tables[np.arange(batch), pos // block_size].astype(np.int64) * block_size + pos % block_size,
+        "context_lens": contexts.astype(np.int32),
+        "seq_slots": np.arange(batch, dtype=np.int32),
+        "block_tables": tables,
+        "num_blocks": int(blocks.sum()),
+    }
 
 
 def step_roofline(model, kv: str, batch: int, context: int, ms: float, bandwidth: float | None) -> dict:

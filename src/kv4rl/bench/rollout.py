@@ -80,6 +80,43 @@ class BenchPrompts:
 ProgressFn = Callable[[str, int], None]  # (what runs now, repeats finished since the last call)
 
 
+SNAPSHOT_EVERY = 32  # engine steps between two snapshots of the running rows' contexts
+PURE_ROW_SNAPSHOTS = 3  # snapshots replayed as pure decode steps of the same rows (`pure_step`)
+
+
+class RowContexts:
+    """Wraps `engine.step` while a corner is timed: every `SNAPSHOT_EVERY` steps, the context of each
+    running sequence (their tokens so far) before the step; a list of ints per snapshot, a few
+    microseconds of host work."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.step, self.count, self.snapshots = engine, engine.step, 0, []
+
+    def __enter__(self) -> "RowContexts":
+        self.own = vars(self.engine).get("step")  # a wrapper set on the instance before this one
+        self.engine.step = self._step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.own is None:
+            del self.engine.step  # the class's method again
+        else:
+            self.engine.step = self.own
+
+    def _step(self):
+        if self.count % SNAPSHOT_EVERY == 0 and self.engine.scheduler.running:
+            self.snapshots.append([len(s) for s in self.engine.scheduler.running])
+        self.count += 1
+        return self.step()
+
+    def spread(self, n: int) -> list[list[int]]:
+        """`n` snapshots evenly spaced over the timed steps (all of them when there are fewer)."""
+        if len(self.snapshots) <= n:
+            return list(self.snapshots)
+        return [self.snapshots[round(i * (len(self.snapshots) - 1) / (n - 1))] for i in range(n)] if n > 1 else [
+            self.snapshots[len(self.snapshots) // 2]]
+
+
 def _timed_repeats(collector: Collector, bench: RolloutBench, label: str, progress: ProgressFn) -> tuple[list, list]:
     """Per repeat: seconds per learner batch, and the engine steps it took (the collector's trace)."""
     seconds, traces = [], []
@@ -123,7 +160,8 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
     collector.collect()
     preempted, ahead = engine.num_preemptions, engine.num_steps_ahead
     graph_prefills = engine.runner.prefill_graphs.num_runs if engine.runner.prefill_graphs is not None else None
-    seconds, traces = _timed_repeats(collector, bench, f"{fmt} {mode}", progress)
+    with RowContexts(engine) as rows_seen:
+        seconds, traces = _timed_repeats(collector, bench, f"{fmt} {mode}", progress)
     steps = [s for trace in traces for s in trace]
     fp, slots = plan.footprints[fmt], plan.slots[fmt]
     num_blocks = engine.pool_tokens // fp.block_size
@@ -150,6 +188,8 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
         "pool_bytes": fp.total_bytes(num_blocks, slots),
         "kv_peak_bytes": fp.total_bytes(max(s["kv_blocks"] for s in steps), slots),
         "pool_sizing": engine.pool_sizing,
+        # the running rows' contexts at a few steps spread over the timed batches (`pure_step`)
+        "row_context_snapshots": rows_seen.spread(PURE_ROW_SNAPSHOTS),
     }
     t, trace = 0.0, []
     for s in traces[-1]:
@@ -159,17 +199,27 @@ def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: Progr
 
 
 def pure_step(decoder, kv_format, row: dict, block_size: int, device: torch.device) -> dict:
-    """The corner's engine step against a pure decode step of its mean batch at its mean context
-    (`bench decode-forward`'s CUDA-graph replay on a cache filled with random codes: no admissions,
-    prefill, host work or sampling). `step_vs_pure` is what the engine adds on top of the bytes a step
-    must read; on CPU there is no graph to replay and both are None."""
+    """The corner's engine step against pure decode steps (`bench decode-forward`'s CUDA-graph replay on
+    a cache filled with random codes: no admissions, prefill, host work or sampling):
+    - `pure_step_ms`: its mean batch with every row at its mean context; `step_vs_pure` is then what
+      the engine adds on top of the bytes a step must read, uneven contexts included;
+    - `pure_rows_ms`: the mean over the rows and contexts the engine really ran at a few of its steps
+      (`row_context_snapshots`), so `step_vs_pure_rows` leaves out what uneven contexts cost the
+      kernels and keeps the engine's own additions (mixed steps, host work not hidden, sampling).
+    On CPU there is no graph to replay and the times and ratios are None."""
     batch, context = max(1, round(row["mean_active"])), max(1, round(row["context_mean"]))
-    out = {"pure_step_batch": batch, "pure_step_context": context, "pure_step_ms": None, "step_vs_pure": None}
+    out = {"pure_step_batch": batch, "pure_step_context": context, "pure_step_ms": None, "step_vs_pure": None,
+           "pure_rows_ms": None, "step_vs_pure_rows": None}
     if device.type == "cuda":
         from kv4rl.bench.decode_forward import time_step
 
         out["pure_step_ms"] = time_step(decoder, kv_format, batch, context, block_size=block_size)["ms"]
         out["step_vs_pure"] = row["step_ms"] / out["pure_step_ms"]
+        snapshots = row.get("row_context_snapshots") or []
+        if snapshots:
+            out["pure_rows_ms"] = statistics.fmean(
+                time_step(decoder, kv_format, len(c), c, block_size=block_size)["ms"] for c in snapshots)
+            out["step_vs_pure_rows"] = row["step_ms"] / out["pure_rows_ms"]
     return out
 
 

@@ -89,7 +89,7 @@ def rollout_table(res: dict) -> ResultTable:
         ["format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
          "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step",
          "decode | mixed steps", "run ahead", "ms decode | mixed", "host ms decode | mixed", "pure step B x ctx",
-         "pure ms", "step / pure"], labels=2)
+         "pure ms", "step / pure", "pure same rows ms", "step / same rows"], labels=2)
     for r in res["results"]:
         speedup = "-" if r["speedup_vs_bf16_sync"] is None else (
             f"{r['speedup_vs_bf16_sync']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]")
@@ -104,7 +104,9 @@ def rollout_table(res: dict) -> ResultTable:
             " | ".join("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("decode_host_ms", "mixed_host_ms")),
             f"{r['pure_step_batch']} x {r['pure_step_context']}" if "pure_step_batch" in r else "-",
             "-" if r.get("pure_step_ms") is None else f"{r['pure_step_ms']:.2f}",
-            "-" if r.get("step_vs_pure") is None else f"{r['step_vs_pure']:.2f}x")
+            "-" if r.get("step_vs_pure") is None else f"{r['step_vs_pure']:.2f}x",
+            "-" if r.get("pure_rows_ms") is None else f"{r['pure_rows_ms']:.2f}",
+            "-" if r.get("step_vs_pure_rows") is None else f"{r['step_vs_pure_rows']:.2f}x")
     return table
 
 
