@@ -40,6 +40,9 @@ def _engine(ckpt, fmt: str, graph_tokens: int, budget: int, slots: int) -> Engin
                     max_num_seqs=slots)
     runner = engine.runner
     assert runner.prefill_graphs is None and engine.plan.prefill_graphs.value == 0  # no CUDA graphs here
+    # as on CUDA, where the decode graph covers a mixed step's decode rows: they run first, the prefill
+    # rows after them (here in the padded forward)
+    runner.split_mixed_steps = True
     if graph_tokens:  # what the runner builds on CUDA, run without capture
         runner.prefill_graph_tokens = graph_tokens
         runner.prefill_graphs = PrefillGraphs(runner.model, runner.caches, runner.fast, graph_tokens,
