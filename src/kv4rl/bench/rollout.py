@@ -111,10 +111,12 @@ class RowContexts:
 
     def spread(self, n: int) -> list[list[int]]:
         """`n` snapshots evenly spaced over the timed steps (all of them when there are fewer)."""
-        if len(self.snapshots) <= n:
-            return list(self.snapshots)
-        return [self.snapshots[round(i * (len(self.snapshots) - 1) / (n - 1))] for i in range(n)] if n > 1 else [
-            self.snapshots[len(self.snapshots) // 2]]
+        snaps = self.snapshots
+        if len(snaps) <= n:
+            return list(snaps)
+        if n == 1:
+            return [snaps[len(snaps) // 2]]
+        return [snaps[round(i * (len(snaps) - 1) / (n - 1))] for i in range(n)]
 
 
 def _timed_repeats(collector: Collector, bench: RolloutBench, label: str, progress: ProgressFn) -> tuple[list, list]:
