@@ -195,7 +195,8 @@ run_ahead() {  # issue 11: the fifteenth session's engine changes on the GPU - b
 prefill_graphs() {  # issue 11: small prefills replayed as CUDA graphs (engine.prefill_graph_tokens). Its GPU
     # tests, then the 1.7B rollout over every format with prefills of up to 512 tokens replayed (sixteenth
     # session, eager: a mixed step 18.5 ms BF16 / 33.8 ms KV4, nearly all host; KV4+partial 2.44x) (<10 min)
-    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_graphs_gpu.py \
+    timeout 240 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_graphs_gpu.py \
+        "tests/gpu/test_bench_rollout_gpu.py::test_partial_rollout_admissions_replay_prefill_graphs" \
         > $OUT/prefill_graphs_tests.txt 2>&1; tail -4 $OUT/prefill_graphs_tests.txt
     OUT=$OUT ROLLOUT_ARGS="engine.prefill_graph_tokens=512" bash tools/rollout_bench.sh qwen3_1p7b_formats 2>&1 \
         | grep -E "│|Error" | tail -8
