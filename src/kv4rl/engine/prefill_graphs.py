@@ -2,8 +2,8 @@
 
 Partial rollout admits a GRPO group every few dozen steps; its prompt (one row, its siblings fork the
 cache) runs after the step's decode graph. Eagerly that is some thirty launches a layer from Python:
-18-54 ms of host time per admission on an H200 for a prefill the GPU finishes in about a millisecond
-(bench/RESULTS.md, sixteenth session), more than a tenth of a partial batch. A graph replays it at the
+18-54 ms of host time per admission on an H200 (bench/RESULTS.md, sixteenth session) for a prefill whose
+matmuls alone take about a millisecond at 1.7B (2 x 1.7 G parameters x 256 tokens at 778 TFLOP/s), more than a tenth of a partial batch. A graph replays it at the
 GPU's pace.
 
 Inputs live in static buffers sized for the largest bucket. A step's tokens are padded to a bucket
@@ -48,7 +48,6 @@ class PrefillGraphs:
 
         self.model, self.caches, self.fast = model, caches, fast
         self.buckets = prefill_buckets(max_tokens)
-        self.max_tokens = max_tokens
         self.num_q_heads = num_q_heads
         self.per_tile = queries_per_tile(DEFAULT_PREFILL_LAUNCH[fast.kind]["BLOCK_M"], num_q_heads // fast.num_kv_heads)
         self.replay = replay
