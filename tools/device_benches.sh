@@ -21,6 +21,7 @@
 #   bash tools/device_benches.sh fp8_gemm 2>&1 | tee $OUT/log.txt              # the weight-only FP8 GEMM: tests, tile sweep, 8B step (~6 min)
 #   bash tools/device_benches.sh run_ahead 2>&1 | tee $OUT/log.txt             # engine tests, 1.7B rollout over all formats (<10 min)
 #   bash tools/device_benches.sh prefill_graphs 2>&1 | tee $OUT/log.txt        # prefill graphs: GPU tests, 1.7B rollout with them (<10 min)
+#   bash tools/device_benches.sh gemm_blas 2>&1 | tee $OUT/log.txt             # decode GEMMs under cuBLAS and cuBLASLt (~1 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -200,6 +201,14 @@ prefill_graphs() {  # issue 11: small prefills replayed as CUDA graphs (engine.p
         > $OUT/prefill_graphs_tests.txt 2>&1; tail -4 $OUT/prefill_graphs_tests.txt
     OUT=$OUT ROLLOUT_ARGS="engine.prefill_graph_tokens=512" bash tools/rollout_bench.sh qwen3_1p7b_formats 2>&1 \
         | grep -E "│|Error" | tail -8
+}
+
+gemm_blas() {  # issue 11: the decode step's BF16 products under cuBLAS and cuBLASLt at the 1.7B and 8B shapes
+    # (twelfth session: at 8B M = 128 cuBLAS runs `o` at 2.34 TB/s with split-K kernels plus a reduce)
+    for shape in qwen3-1.7b qwen3-8b; do
+        timeout 120 python tools/gemm_decode_shapes.py --shape $shape --rows 64,128,256 --blas cublas,cublaslt \
+            --json $OUT/gemm_blas_${shape}.json 2>&1 | grep -E "all products|Error"
+    done
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the

@@ -13,6 +13,9 @@ bandwidth of the weight bytes and its share of the copy bandwidth the byte roofl
 `scaled_mm` path (activations quantized per token by the Triton kernel, then `torch._scaled_mm`) and the
 weight-only Triton GEMM (`kv4rl.kernels.fp8_weight_gemm`) with its own tile choice; `--sweep` tries a
 grid of tile settings for the weight-only GEMM and prints the best per product (how `pick_config` was set).
+`--blas cublas,cublaslt` times each BF16 product once per library `torch.backends.cuda.preferred_blas_library`
+can pick (cuBLAS chooses split-K kernels plus a reduce at some decode shapes; cuBLASLt chooses by its own
+heuristics), so a step's products can be compared library by library in one run.
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--fp8", action="store_true", help="also time the FP8 products on the same weights")
     p.add_argument("--sweep", action="store_true", help="with --fp8: search the weight-only GEMM's tiles")
+    p.add_argument("--blas", default=None, metavar="LIBS",
+                   help="also time the BF16 products under each of these BLAS libraries (e.g. cublas,cublaslt)")
     p.add_argument("--warm-only", default=None, metavar="I/N", help="compile the I-th of N parts of the sweep, time nothing")
     a = p.parse_args()
     if a.warm_only:
@@ -125,8 +130,11 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (kv4rl.bench.roofline)")
     rows = []
     layers = qwen3_args(a.shape).num_layers
+    libs = a.blas.split(",") if a.blas else []
+    default_lib = torch.backends.cuda.preferred_blas_library()
     for m in [int(x) for x in a.rows.split(",")]:
         step_ms = roof_ms = fp8_step_ms = scaled_step_ms = 0.0
+        lib_step_ms = dict.fromkeys(libs, 0.0)
         for name, (k, n) in layer_shapes(a.shape).items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -139,6 +147,13 @@ def main() -> None:
                    "weight_tb_s": wbytes / sec / 1e12, "of_copy": wbytes / sec / bw}
             line = (f"M={m:4d} {name:8s} {k:6d}x{n:6d}: {1e6 * sec:8.1f} us  {wbytes / sec / 1e12:5.2f} TB/s "
                     f"({100 * wbytes / sec / bw:4.0f}% of copy)")
+            for lib in libs:
+                torch.backends.cuda.preferred_blas_library(lib)
+                us = 1e3 * _time_graph(lambda x=x, w=w: F.linear(x, w), calls=20)
+                torch.backends.cuda.preferred_blas_library(default_lib)
+                row[f"us_{lib}"] = us
+                lib_step_ms[lib] += us / 1e3 * count
+                line += f" | {lib} {us:7.1f} us ({1e6 * sec / us:4.2f}x)"
             if a.fp8 and name != "lm_head":  # the engine keeps the LM head in bf16
                 row.update(time_fp8(x, w, a.sweep))
                 fp8_bytes = n * k
@@ -156,6 +171,8 @@ def main() -> None:
             print(line)
         print(f"M={m:4d} all products of a step: {step_ms:.2f} ms against {roof_ms:.2f} ms of weight bytes "
               f"({100 * roof_ms / step_ms:.0f}%)")
+        for lib, ms in lib_step_ms.items():
+            print(f"M={m:4d} all products under {lib}: {ms:.2f} ms ({step_ms / ms:.2f}x the default)")
         if a.fp8:
             print(f"M={m:4d} with FP8 block weights (LM head bf16): weight-only {fp8_step_ms:.2f} ms "
                   f"({step_ms / fp8_step_ms:.2f}x bf16), scaled_mm {scaled_step_ms:.2f} ms ({step_ms / scaled_step_ms:.2f}x)")
