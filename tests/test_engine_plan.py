@@ -39,7 +39,7 @@ def test_auto_settings_on_cuda_take_the_compiled_kernels():
     assert plan.body_kernel.value == "cuda"
     assert plan.cuda_graphs.value is True
     assert plan.pool_blocks.value is None and "gpu_memory_fraction=0.9" in plan.pool_blocks.reason
-    assert plan.attention_desc == "attention: CUDA INT4 + Triton decode kernels (CUDA graphs) + fast prefill"
+    assert plan.attention_desc == "attention: CUDA INT4 + Triton decode kernels (CUDA graphs) + fast prefill (CUDA graphs up to 512 tokens)"
     assert plan.kv_format_name.value == "kv4" and plan.kv_format.name == "kv4"
     assert plan.max_model_len.value == 4096 and "max_position_embeddings" in plan.max_model_len.reason
     assert plan.async_scheduling.value is True and plan.async_scheduling.reason.startswith("engine.async_scheduling=auto")
@@ -126,10 +126,14 @@ def test_explicit_backend_and_graph_settings_are_kept_with_their_reason():
 
 
 def test_prefill_graphs_need_the_fast_prefill_and_the_decode_graphs():
-    plan = _plan(CUDA, kv={"format": "kv4"}, prefill_graph_tokens=512)
+    plan = _plan(CUDA, kv={"format": "kv4"})  # on by default, up to 512 tokens
     assert plan.prefill_graphs.value == 512
     assert plan.attention_desc.endswith("fast prefill (CUDA graphs up to 512 tokens)")
-    assert _plan(CUDA, kv={"format": "kv4"}).prefill_graphs.value == 0  # off by default
+    plan = _plan(CUDA, kv={"format": "kv4"}, prefill_graph_tokens=256)
+    assert plan.attention_desc.endswith("fast prefill (CUDA graphs up to 256 tokens)")
+    plan = _plan(CUDA, kv={"format": "kv4"}, prefill_graph_tokens=0)
+    assert (plan.prefill_graphs.value, plan.prefill_graphs.reason) == (0, "engine.prefill_graph_tokens=0")
+    assert plan.attention_desc.endswith("fast prefill")
     for settings in ({"cuda_graphs": False}, {"prefill_backend": "torch"}, {"attention_backend": "torch"}):
         plan = _plan(CUDA, kv={"format": "kv4"}, prefill_graph_tokens=512, **settings)
         assert plan.prefill_graphs.value == 0 and "decode graphs" in plan.prefill_graphs.reason
@@ -155,7 +159,7 @@ def test_int4_body_leaves_the_cuda_kernel_for_shapes_it_cannot_take(args, why):
 def test_fp8_body_takes_its_cuda_kernel_where_the_device_can_run_it():
     plan = _plan(CUDA, kv={"format": "fp8"})
     assert plan.body_kernel.value == "cuda" and plan.body_kernel.reason == "the CUDA kernel serves this shape"
-    assert plan.attention_desc == "attention: CUDA FP8 + Triton decode kernels (CUDA graphs) + fast prefill"
+    assert plan.attention_desc == "attention: CUDA FP8 + Triton decode kernels (CUDA graphs) + fast prefill (CUDA graphs up to 512 tokens)"
     ampere = Capabilities(device_type="cuda", triton=True, interpreter=False, fp8_matmul=False, int4_cuda_problem=None,
                           fp8_cuda_problem="needs sm_89 or newer (cvt.rn.f16x2.e4m3x2)")
     plan = _plan(ampere, kv={"format": "fp8"})

@@ -58,7 +58,7 @@ class EngineConfig:
     `prefill_graph_tokens` > 0 also replays prefills of up to that many new tokens (and up to
     `prefill_graphs.MAX_ROWS` rows) as CUDA graphs, one per bucket of 64, 128, 256, ... tokens (with
     `cuda_graphs` and the fast prefill): an admitted prompt then costs the host one replay instead of
-    some thirty launches a layer. Larger prefills run eagerly. 0 (default): every prefill is eager.
+    some thirty launches a layer. Larger prefills run eagerly. 0: every prefill is eager.
     `prefill_backend: auto` runs the rows with several new tokens (prompts, prompt chunks, recomputes)
     through the Triton varlen prefill kernel whenever decode rows use the kernels, reading the cache as
     stored like the reference path; `torch` keeps the reference prefill (gather, dequantize, SDPA);
@@ -117,7 +117,7 @@ class EngineConfig:
     prefill_backend: Literal["auto", "torch", "triton"] = "auto"
     chunked_prefill: bool = True
     cuda_graphs: bool = True
-    prefill_graph_tokens: int = 0
+    prefill_graph_tokens: int = 512
     sampler: Literal["auto", "torch", "triton"] = "auto"
     fused_ops: Literal["auto"] | bool = "auto"
     merge_projections: bool = True
