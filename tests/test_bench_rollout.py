@@ -42,7 +42,7 @@ def no_work(monkeypatch):
         raise AssertionError("work started before the options were validated")
 
     monkeypatch.setattr(Engine, "__init__", refuse)
-    monkeypatch.setattr(rollout, "_decoder", refuse)
+    monkeypatch.setattr(rollout, "decoder_of", refuse)
 
 
 def test_formats_x_modes_at_one_budget(tmp_path, one_thread):

@@ -22,6 +22,7 @@
 #   bash tools/device_benches.sh run_ahead 2>&1 | tee $OUT/log.txt             # engine tests, 1.7B rollout over all formats (<10 min)
 #   bash tools/device_benches.sh prefill_graphs 2>&1 | tee $OUT/log.txt        # prefill graphs: GPU tests, 1.7B rollout with them (<10 min)
 #   bash tools/device_benches.sh gemm_blas 2>&1 | tee $OUT/log.txt             # decode GEMMs under cuBLAS and cuBLASLt (~1 min)
+#   bash tools/device_benches.sh profile_rollout 2>&1 | tee $OUT/log.txt       # 1.7B partial-rollout step vs pure step, by kernel family (~4 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -208,6 +209,14 @@ gemm_blas() {  # issue 11: the decode step's BF16 products under cuBLAS and cuBL
     for shape in qwen3-1.7b qwen3-8b; do
         timeout 120 python tools/gemm_decode_shapes.py --shape $shape --rows 64,128,256 --blas cublas,cublaslt \
             --json $OUT/gemm_blas_${shape}.json 2>&1 | grep -E "all products|Error"
+    done
+}
+
+profile_rollout() {  # issue 11: what a 1.7B partial-rollout engine step runs on the GPU beside the pure step of the
+    # same rows (seventeenth session: KV4 4.91 vs 4.24 ms, step / same rows 1.19x; BF16 1.04x), KV4 then BF16
+    for fmt in kv4 bf16; do
+        timeout 200 python tools/profile_rollout_step.py --shape qwen3-1.7b --format $fmt engine.gpu_memory_fraction=0.6 \
+            --json $OUT/profile_rollout_${fmt}.json 2>&1 | grep -v "^\[" | tail -24
     done
 }
 

@@ -17,38 +17,14 @@ import json
 import time
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from kv4rl.bench.generate import random_prompts
+from kv4rl.bench.kernel_profile import by_family, kernel_rows
 from kv4rl.bench.random_model import qwen3_args, random_decoder
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.sequence import SamplingParams
-
-
-FAMILIES = (  # kernel-name fragments -> family, first match wins
-    ("attention", ("decode_split", "merge", "int4_decode", "flash", "fmha", "sdpa", "attention")),
-    ("gemm", ("nvjet", "gemm", "cublas", "cutlass", "splitK")),
-    ("kv_write", ("kv_write",)),
-    ("sampler+logits", ("gumbel", "softmax", "SoftMax")),
-    ("norm/rope/act", ("rms_norm", "rope", "silu")),
-)
-
-
-def family(name: str) -> str:
-    return next((fam for fam, keys in FAMILIES if any(k in name for k in keys)), "other")
-
-
-def _kernels(prof) -> list[dict]:
-    """GPU kernels only (device events), by GPU time: the aten ops that launch them are left out, or
-    every kernel's time would be counted twice."""
-    rows = [{"name": e.key[:90], "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3,
-             "family": family(e.key)}
-            for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
-    if not rows:
-        raise RuntimeError("the profile holds no GPU kernel events")
-    return sorted(rows, key=lambda r: -r["gpu_ms"])
 
 
 def profile_format(decoder, fmt: str, prompts, new_tokens: int, seed: int, top: int,
@@ -71,10 +47,8 @@ def profile_format(decoder, fmt: str, prompts, new_tokens: int, seed: int, top: 
     wall = time.perf_counter() - t0
     prefill = [s for s in steps if s["new_tokens"] != s["batch_size"]]
     decode = [s for s in steps if s["new_tokens"] == s["batch_size"]]
-    kernels = _kernels(prof)
-    families: dict[str, float] = {}
-    for k in kernels:
-        families[k["family"]] = families.get(k["family"], 0.0) + k["gpu_ms"]
+    kernels = kernel_rows(prof)
+    families = by_family(kernels)
     out = {
         "kv_format": fmt, "summary": engine.summary, "wall_s": wall,
         "tokens_per_s": len(prompts) * new_tokens / wall,

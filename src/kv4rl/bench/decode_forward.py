@@ -26,10 +26,11 @@ VARIANTS = (("bf16", "bf16"), ("fp8", "bf16"), ("bf16", "kv4"), ("fp8", "kv4"))
 
 
 def time_step(model, kv, batch: int, context: int | Sequence[int], block_size: int = 16, reps: int = 20,
-              seed: int = 0, barrier=None) -> dict:
+              seed: int = 0, barrier=None, on_graph=None) -> dict:
     """Build a full cache for `batch` sequences at `context` tokens (one number, or one per sequence) and
     time one graph-replayed step. `kv`: a format name (KV4 / INT4 with one scale group per head) or a
-    `KVFormat` as an engine built it."""
+    `KVFormat` as an engine built it. `on_graph(replay)`, after the timing, may replay the step again
+    (e.g. under the profiler)."""
     from kv4rl.bench.decode_attn import fill_random
     from kv4rl.engine.cuda_graphs import DecodeGraphs
     from kv4rl.engine.fast_path import FastAttention
@@ -68,6 +69,8 @@ def time_step(model, kv, batch: int, context: int | Sequence[int], block_size: i
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    if on_graph is not None:
+        on_graph(graphs.graphs[batch].replay)
     kv_bytes = sum(t.numel() * t.element_size() for c in caches for t in c.values())
     del graphs, caches
     torch.cuda.empty_cache()

@@ -150,14 +150,21 @@ def _step_kinds(steps: list[dict], batches: int) -> dict:
     return out
 
 
-def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: ProgressFn) -> tuple[dict, list[dict]]:
-    """Warm up, time the repeats, and summarise one corner; also its last repeat's per-step trace.
-    `fmt`: a `--formats` entry (`kv4`, or `kv4@256` with its own slots)."""
-    bench, work = plan.bench, plan.bench.workload
+def corner_collector(engine: Engine, plan: Plan, fmt: str, mode: str) -> Collector:
+    """The collector of one corner: the workload's prompts and response lengths, `mode`, and the decode
+    slots of the `--formats` entry `fmt`."""
+    work = plan.bench.workload
     prompts = BenchPrompts(plan.args.vocab_size, work.prompt_len, work.seed)
     rcfg = RolloutConfig(mode=mode, quota_groups=work.quota_groups, group_size=work.group_size,
                          max_slots=plan.slots[fmt])
-    collector = Collector(engine, prompts, prompts, rcfg, seed=work.seed, max_tokens_fn=work.length)
+    return Collector(engine, prompts, prompts, rcfg, seed=work.seed, max_tokens_fn=work.length)
+
+
+def _run_corner(engine: Engine, plan: Plan, fmt: str, mode: str, progress: ProgressFn) -> tuple[dict, list[dict]]:
+    """Warm up, time the repeats, and summarise one corner; also its last repeat's per-step trace.
+    `fmt`: a `--formats` entry (`kv4`, or `kv4@256` with its own slots)."""
+    bench = plan.bench
+    collector = corner_collector(engine, plan, fmt, mode)
     progress(f"{fmt} {mode}: warm-up", 0)
     collector.collect()
     preempted, ahead = engine.num_preemptions, engine.num_steps_ahead
@@ -225,7 +232,7 @@ def pure_step(decoder, kv_format, row: dict, block_size: int, device: torch.devi
     return out
 
 
-def _decoder(plan: Plan):
+def decoder_of(plan: Plan):
     bench, dtype = plan.bench, resolve_dtype("auto", plan.device)
     if bench.shape is not None:
         return random_decoder(bench.shape, plan.device, dtype=dtype, seed=bench.workload.seed)
@@ -248,7 +255,7 @@ def bench_rollout(plan: Plan, progress: ProgressFn | None = None,
     last), so a time limit keeps what ran: an 8B corner with 8192-token responses takes minutes."""
     progress = progress or (lambda what, done: None)
     bench = plan.bench
-    decoder = _decoder(plan)
+    decoder = decoder_of(plan)
     rows, traces, summaries = [], {}, {}
     for fmt in bench.formats:
         for mode in bench.modes:

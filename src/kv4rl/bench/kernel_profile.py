@@ -1,0 +1,56 @@
+"""GPU kernels of a torch-profiler trace, grouped into families, and two traces set side by side.
+
+Used by the profiling tools (`tools/profile_generate.py`, `tools/profile_rollout_step.py`) for the
+step breakdowns in bench/kernel_notes.md: which kind of kernel an engine step spends its device time
+on, and what it runs that a pure decode step of the same rows does not.
+"""
+
+from __future__ import annotations
+
+FAMILIES = (  # kernel-name fragments -> family, first match wins
+    ("attention", ("decode_split", "merge", "int4_decode", "fp8_decode", "int8_side", "flash", "fmha", "sdpa",
+                   "attention")),
+    ("prefill", ("prefill",)),
+    ("gemm", ("nvjet", "gemm", "cublas", "cutlass", "splitK", "scaled_mm")),
+    ("kv_write", ("kv_write", "write_kv")),
+    ("sampler+logits", ("gumbel", "softmax", "SoftMax", "sampl", "logprob", "argmax", "topk")),
+    ("norm/rope/act", ("rms_norm", "rope", "silu")),
+    ("copies", ("Memcpy", "memcpy", "copy_", "CatArrayBatched", "index")),
+)
+
+
+def family(name: str) -> str:
+    """The family of a kernel name; "other" when no fragment matches."""
+    return next((fam for fam, keys in FAMILIES if any(k in name for k in keys)), "other")
+
+
+def kernel_rows(prof) -> list[dict]:
+    """GPU kernels and copies only (device events), by GPU time: the aten ops that launch them are left
+    out, or every kernel's time would be counted twice. Raises when the trace holds none (no CUDA)."""
+    from torch.autograd import DeviceType
+
+    rows = [{"name": e.key[:90], "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3,
+             "family": family(e.key)}
+            for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    if not rows:
+        raise RuntimeError("the profile holds no GPU kernel events")
+    return sorted(rows, key=lambda r: -r["gpu_ms"])
+
+
+def by_family(rows: list[dict], per: float = 1.0) -> dict[str, float]:
+    """GPU ms per family, divided by `per` (e.g. the steps the trace holds)."""
+    out: dict[str, float] = {}
+    for r in rows:
+        out[r["family"]] = out.get(r["family"], 0.0) + r["gpu_ms"] / per
+    return out
+
+
+def side_by_side(engine: dict[str, float], pure: dict[str, float]) -> list[dict]:
+    """One row per family in either: the engine's ms per step, the pure step's, and the difference,
+    largest difference first (equal ones by name), then a total row."""
+    rows = [{"family": f, "engine_ms": engine.get(f, 0.0), "pure_ms": pure.get(f, 0.0),
+             "extra_ms": engine.get(f, 0.0) - pure.get(f, 0.0)} for f in set(engine) | set(pure)]
+    rows.sort(key=lambda r: (-round(r["extra_ms"], 6), r["family"]))  # ties to the nanosecond: by name
+    total = {"family": "total", "engine_ms": sum(engine.values()), "pure_ms": sum(pure.values())}
+    total["extra_ms"] = total["engine_ms"] - total["pure_ms"]
+    return rows + [total]

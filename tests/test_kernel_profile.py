@@ -1,0 +1,96 @@
+"""Kernel families of a profile (`kv4rl.bench.kernel_profile`) and the engine-step window of
+`tools/profile_rollout_step.py`, on hand-worked cases (the profiles themselves need a GPU)."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kv4rl.bench.kernel_profile import by_family, family, side_by_side
+
+
+@pytest.mark.parametrize("name,fam", [
+    ("int4_decode_split", "attention"),
+    ("_merge_kernel", "attention"),
+    ("_decode_split_kernel", "attention"),
+    ("_prefill_kernel", "prefill"),
+    ("nvjet_tst_128x64_64x8_1x2_h_bz_coopA_TNT", "gemm"),
+    ("_fp8_weight_gemm_kernel", "gemm"),
+    ("_kv_write_kernel", "kv_write"),
+    ("_gumbel_argmax_kernel", "sampler+logits"),
+    ("_qk_norm_rope_kernel", "norm/rope/act"),
+    ("Memcpy HtoD (Pageable -> Device)", "copies"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>", "other"),
+])
+def test_kernel_names_fall_into_their_family(name, fam):
+    assert family(name) == fam
+
+
+def test_families_summed_per_step_and_set_side_by_side():
+    rows = [{"family": "gemm", "gpu_ms": 30.0}, {"family": "attention", "gpu_ms": 12.0},
+            {"family": "gemm", "gpu_ms": 10.0}, {"family": "sampler+logits", "gpu_ms": 3.0}]
+    engine = by_family(rows, per=10)
+    assert engine == pytest.approx({"gemm": 4.0, "attention": 1.2, "sampler+logits": 0.3})
+    pure = {"gemm": 4.0, "attention": 0.9, "copies": 0.05}
+    table = side_by_side(engine, pure)
+    # largest difference first; attention and the sampler both add 0.3 ms, so by name
+    assert [r["family"] for r in table] == ["attention", "sampler+logits", "gemm", "copies", "total"]
+    assert [r["extra_ms"] for r in table] == pytest.approx([0.3, 0.3, 0.0, -0.05, 0.55])
+    assert (table[-1]["engine_ms"], table[-1]["pure_ms"]) == pytest.approx((5.5, 4.95))
+
+
+def _tool():
+    path = Path(__file__).resolve().parents[1] / "tools" / "profile_rollout_step.py"
+    spec = importlib.util.spec_from_file_location("profile_rollout_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Profiler:
+    def __init__(self, log):
+        self.log = log
+
+    def start(self):
+        self.log.append("start")
+
+    def stop(self):
+        self.log.append("stop")
+
+
+class _Engine:
+    """Steps numbered from 0; step i runs i % 5 + 1 sequences of length 100 + i each."""
+
+    def __init__(self, log):
+        self.log, self.i = log, 0
+        self.scheduler = SimpleNamespace(running=[])
+        self._set_running()
+
+    def _set_running(self):
+        self.scheduler.running = [[0] * (100 + self.i)] * (self.i % 5 + 1)
+
+    def step(self):
+        self.log.append(self.i)
+        self.last_step = {"step": self.i, "prefill_tokens": 0}
+        self.i += 1
+        self._set_running()
+
+
+def test_step_window_profiles_exactly_its_steps_and_restores_the_engine(monkeypatch):
+    tool = _tool()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    log = []
+    engine = _Engine(log)
+    window = tool.StepWindow(engine, skip=3, steps=4)
+    window.prof = _Profiler(log)
+    while not window.done:
+        engine.step()
+    assert log == [0, 1, 2, "start", 3, 4, 5, 6, "stop"]
+    assert [r["step"] for r in window.records] == [3, 4, 5, 6]
+    # the rows before the window's first, middle (3 + 4 // 2) and last step
+    assert window.contexts == [[100 + i] * (i % 5 + 1) for i in (3, 5, 6)]
+    assert "step" not in vars(engine)  # the class's step again: later steps are not profiled
+    engine.step()
+    assert log[-1] == 7 and window.wall_s >= 0
