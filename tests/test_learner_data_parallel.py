@@ -66,6 +66,13 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(checkpoint, tmp_path, pa
         for name, grad in single["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
         for name, weight in single["weights"].items():
-            torch.testing.assert_close(got["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
+            # Adam's first step moves a weight by lr * g / (|g| + eps): about lr where |g| >> eps = 1e-8,
+            # but where |g| is below eps the update follows the gradient's last digits, and the ranks'
+            # sum of two halves rounds differently from one process (5.83e-9 against 5.87e-9 moved a
+            # weight by 1.6e-5). So the tight check holds where the gradient is well above eps; everywhere
+            # a weight must sit within lr / 100 of the single process (a missing or wrong step is ~lr off).
+            moved = single["grads"][name].abs() > 1e-7 if name in single["grads"] else torch.ones_like(weight, dtype=torch.bool)
+            torch.testing.assert_close(got["weights"][name][moved], weight[moved], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(got["weights"][name], weight, rtol=0, atol=1e-2 / 100, msg=name)
         for key in ("loss", "grad_norm", "num_tokens", "entropy", "mismatch_abs_mean"):
             assert got["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-5), key
