@@ -233,6 +233,7 @@ def pure_step(decoder, kv_format, row: dict, block_size: int, device: torch.devi
 
 
 def decoder_of(plan: Plan):
+    """The plan's model: random-init weights of `--shape`, or the checkpoint `--model` names."""
     bench, dtype = plan.bench, resolve_dtype("auto", plan.device)
     if bench.shape is not None:
         return random_decoder(bench.shape, plan.device, dtype=dtype, seed=bench.workload.seed)
