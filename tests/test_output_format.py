@@ -105,7 +105,8 @@ def tables() -> dict:
                             "preemptions": 0, "pool_tokens": 557056, "kv_peak_bytes": 5994455040,
                             "pool_bytes": 18060148736, "steps_per_batch": 913.5, "step_ms": 27.898,
                             "decode_steps_per_batch": 897.5, "mixed_steps_per_batch": 16.0, "decode_step_ms": 27.015,
-                            "mixed_step_ms": 77.444, "decode_host_ms": 2.875, "mixed_host_ms": 9.625}
+                            "mixed_step_ms": 77.444, "decode_host_ms": 2.875, "mixed_host_ms": 9.625,
+                            "graph_prefills_per_batch": 16.0}
                            for f in ("bf16", "kv4") for m in ("sync", "partial")]}
     return {"rollout": _rollout_table(rollout), "curves": _curves_table("eval/mean@1", 0.9, curves), "fidelity": _fidelity_table(fidelity_result()), "pool": _pool_table(pool, "qwen3-8b", 40.0, 256, 8192),
             "generate": _generate_table(generate), "decode-attn": _decode_attn_table(attn),
@@ -125,6 +126,22 @@ def test_every_table_keeps_every_cell_whole(kind, console_kind):
             assert cell in out, (kind, console_kind, cell, out)
     if console_kind == "terminal":
         assert max(map(len, out.splitlines())) <= WIDTH, out
+
+
+def test_rollout_table_counts_graph_prefills_and_marks_them_off():
+    table = tables()["rollout"]
+    column = table.headers.index("graph prefills")
+    assert {row[column] for row in table.rows} == {"16.0"}
+    # a run without prefill graphs reports None
+    res = {"model": "m", "gpu": None, "device": "cpu", "kv_budget_gib": 1.0, "repeats": 1,
+           "workload": {"quota_groups": 1, "group_size": 1, "max_slots": 1, "prompt_len": 1, "median_len": 1,
+                        "sigma": 1.0, "max_len": 2},
+           "results": [{"format": "bf16", "mode": "sync", "rollout_s": 1.0, "rollout_s_min": 1.0, "rollout_s_max": 1.0,
+                        "speedup_vs_bf16_sync": 1.0, "speedup_min": 1.0, "speedup_max": 1.0, "tokens_per_s": 1.0,
+                        "slot_util": 1.0, "mean_active": 1.0, "preemptions": 0, "pool_tokens": 16, "kv_peak_bytes": 1,
+                        "pool_bytes": 2, "steps_per_batch": 1.0, "step_ms": 1.0, "graph_prefills_per_batch": None}]}
+    off = _rollout_table(res)
+    assert off.rows[0][off.headers.index("graph prefills")] == "-"
 
 
 def test_fidelity_at_80_columns_splits_and_repeats_the_labels():

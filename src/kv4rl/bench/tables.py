@@ -88,7 +88,7 @@ def rollout_table(res: dict) -> ResultTable:
         f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}; median [min-max] of {res['repeats']} repeats",
         ["format", "mode", "s / batch", "speedup vs bf16 sync", "tokens/s", "slot util", "mean active",
          "preemptions", "pool tokens", "KV peak / pool", "steps / batch", "ms / step",
-         "decode | mixed steps", "run ahead", "ms decode | mixed", "host ms decode | mixed", "pure step B x ctx",
+         "decode | mixed steps", "run ahead", "graph prefills", "ms decode | mixed", "host ms decode | mixed", "pure step B x ctx",
          "pure ms", "step / pure", "pure same rows ms", "step / same rows"], labels=2)
     for r in res["results"]:
         speedup = "-" if r["speedup_vs_bf16_sync"] is None else (
@@ -100,6 +100,7 @@ def rollout_table(res: dict) -> ResultTable:
             f"{r['steps_per_batch']:.1f}", f"{r['step_ms']:.2f}",
             " | ".join("-" if r.get(k) is None else f"{r[k]:.1f}" for k in ("decode_steps_per_batch", "mixed_steps_per_batch")),
             "-" if r.get("steps_ahead_per_batch") is None else f"{r['steps_ahead_per_batch']:.1f}",
+            "-" if r.get("graph_prefills_per_batch") is None else f"{r['graph_prefills_per_batch']:.1f}",
             " | ".join("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("decode_step_ms", "mixed_step_ms")),
             " | ".join("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("decode_host_ms", "mixed_host_ms")),
             f"{r['pure_step_batch']} x {r['pure_step_context']}" if "pure_step_batch" in r else "-",
