@@ -94,3 +94,19 @@ def test_step_window_profiles_exactly_its_steps_and_restores_the_engine(monkeypa
     assert "step" not in vars(engine)  # the class's step again: later steps are not profiled
     engine.step()
     assert log[-1] == 7 and window.wall_s >= 0
+
+
+def test_step_window_gives_back_a_wrapper_set_before_it(monkeypatch):
+    tool = _tool()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    log = []
+    engine = _Engine(log)
+    inner = engine.step
+    engine.step = lambda: (log.append("outer"), inner())[1]  # e.g. bench rollout's RowContexts
+    earlier = engine.step
+    window = tool.StepWindow(engine, skip=0, steps=3)
+    window.prof = _Profiler(log)
+    while not window.done:
+        engine.step()
+    assert engine.step is earlier
+    assert log == ["start", "outer", 0, "outer", 1, "outer", 2, "stop"]

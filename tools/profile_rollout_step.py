@@ -48,6 +48,7 @@ class StepWindow:
         self.count, self.records, self.contexts = 0, [], []
         self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         self.wall_s = None
+        self.own = vars(engine).get("step")  # a wrapper set on the instance before this one
         engine.step = self._step
 
     @property
@@ -70,7 +71,10 @@ class StepWindow:
             torch.cuda.synchronize()
             self.wall_s = time.perf_counter() - self.t0
             self.prof.stop()
-            del self.engine.step  # the class's method again
+            if self.own is None:
+                del self.engine.step  # the class's method again
+            else:
+                self.engine.step = self.own
         return out
 
 
