@@ -77,3 +77,27 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert torch.allclose(lp[tokens == 0], torch.tensor(math.log(0.5 / 0.8)), atol=1e-5)
     frac0 = (tokens == 0).float().mean().item()
     assert abs(frac0 - 0.625) < 5 * math.sqrt(0.625 * 0.375 / n)
+
+
+def test_host_known_flags_change_no_token_or_log_prob():
+    """`greedy_rows=False` / `unit_temperature=True` (what the runner knows from the parameters) skip the
+    unused argmax and the division by 1: the same tokens and log-probs, bit for bit, as the full path,
+    on the torch sampler and (where it runs) the fused one; and with greedy rows or other temperatures
+    in the batch, flags that say so change nothing either."""
+    torch.manual_seed(3)
+    b, v = 12, 97
+    logits = torch.randn(b, v) * 4
+    seeds = torch.arange(b, dtype=torch.long) * 31 + 5
+    steps = torch.arange(b, dtype=torch.long) % 4
+    off_k, off_p = torch.zeros(b, dtype=torch.long), torch.ones(b)
+    batches = {  # temperatures, greedy rows?, unit temperature?
+        "unit": (torch.ones(b), False, True),
+        "unit and greedy": (torch.where(torch.arange(b) % 3 == 0, 0.0, 1.0), True, True),
+        "other temperatures": (torch.rand(b) + 0.5, False, False),
+    }
+    for fused in (False, True):
+        for label, (temp, greedy, unit) in batches.items():
+            full = sample(logits, temp, off_k, off_p, seeds, steps, fused=fused)
+            told = sample(logits, temp, off_k, off_p, seeds, steps, fused=fused, truncated=False,
+                          greedy_rows=greedy, unit_temperature=unit)
+            assert torch.equal(full[0], told[0]) and torch.equal(full[1], told[1]), (label, fused)

@@ -155,8 +155,10 @@ class ModelRunner:
         ints = to_device([[p.top_k for p in params], [s.sample_seed for s in seqs], [len(s.output_ids) for s in seqs]],
                          torch.long, self.device)
         truncated = any(p.top_k > 0 or p.top_p < 1 for p in params)
-        return sample(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
-                      fused=self.sampler == "triton", truncated=truncated)
+        greedy = [p.temperature <= 0 for p in params]
+        unit = all(g or p.temperature == 1 for g, p in zip(greedy, params))
+        return sample(logits, floats[0], ints[0], floats[1], ints[1], ints[2], fused=self.sampler == "triton",
+                      truncated=truncated, greedy_rows=any(greedy), unit_temperature=unit)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -75,6 +75,8 @@ def sample(
     steps: torch.Tensor,
     fused: bool = False,
     truncated: bool | None = None,
+    greedy_rows: bool | None = None,
+    unit_temperature: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p / seed / step.
 
@@ -83,11 +85,17 @@ def sample(
     the logits' device; otherwise, and for truncated batches, the torch path below runs. `truncated`:
     whether any row has top-k or top-p on, when the caller knows it from the host-side parameters;
     None reads it from the tensors, a device-to-host wait before the sampling kernels are launched.
+    `greedy_rows` (any row at temperature <= 0) and `unit_temperature` (every row at temperature 1 or
+    greedy), when the caller knows them, skip passes over the [B, V] logits that cannot change a value:
+    the argmax no row takes, and a division by 1 (exact in IEEE arithmetic). None does them all.
     """
     logits = logits.float()
     greedy = temperature <= 0
-    safe_temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / safe_temp[:, None]
+    if unit_temperature:
+        scaled = logits
+    else:
+        safe_temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+        scaled = logits / safe_temp[:, None]
     if fused and _fused_usable(logits.device, top_k, top_p, truncated):
         from kv4rl.kernels.sampling import gumbel_argmax
 
@@ -97,6 +105,8 @@ def sample(
         logprobs_all = truncate_logits(scaled, top_k, top_p).log_softmax(-1)
         gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
         sampled = (logprobs_all.double() + gumbel).argmax(-1)
+    if greedy_rows is False:
+        return sampled, logprobs_all.gather(1, sampled[:, None]).squeeze(1)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)

@@ -33,6 +33,8 @@ from triton.language.extra import libdevice
 from kv4rl.kernels import interpreting
 
 BLOCK_V = 1024
+NUM_WARPS = 8  # 164 against 176 us with 4 at 128 x 151,936 (bench/RESULTS.md)
+PROGRAMS_PER_SM = 4  # the default split count fills the GPU this many times over
 _NO_INDEX = tl.constexpr(2**31 - 1)  # loses every tie against a real vocabulary index
 
 
@@ -113,13 +115,13 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int | None):
+def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int | None, num_warps: int = NUM_WARPS):
     rows, vocab = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     n_blocks = triton.cdiv(vocab, block)
     if splits is None:  # enough programs to fill the device a few times over
-        wanted = 4 * _num_sms(torch.device(x.device).index or torch.cuda.current_device()) if x.device.type == "cuda" else 1
+        wanted = PROGRAMS_PER_SM * _num_sms(torch.device(x.device).index or torch.cuda.current_device()) if x.device.type == "cuda" else 1
         splits = triton.cdiv(wanted, max(rows, 1))
     blocks_per_split = triton.cdiv(n_blocks, max(1, min(splits, n_blocks)))
     splits = triton.cdiv(n_blocks, blocks_per_split)
@@ -131,22 +133,22 @@ def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int |
     if rows:
         _gumbel_argmax_kernel[(rows, splits)](
             x, x.stride(0), seeds, steps, vocab, blocks_per_split, best_v, best_i, u, scores,
-            NOISE=noise, LIBDEVICE=not interpreting(), DEBUG=debug, BLOCK=block,
+            NOISE=noise, LIBDEVICE=not interpreting(), DEBUG=debug, BLOCK=block, num_warps=num_warps,
         )
     tokens = best_i.gather(1, best_v.argmax(1, keepdim=True)).squeeze(1).long()
     return tokens, u, scores
 
 
 def gumbel_argmax(logprobs_all: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
-                  block: int = BLOCK_V, splits: int | None = None) -> torch.Tensor:
+                  block: int = BLOCK_V, splits: int | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """The sampler's Gumbel-max tokens [B] for float32 log-probs [B, V] and int64 seeds, steps [B].
 
-    `splits` (vocabulary ranges per row; default: enough programs to fill the GPU) and `block` change
-    only the work layout, never the tokens.
+    `splits` (vocabulary ranges per row; default: enough programs to fill the GPU), `block` and
+    `num_warps` change only the work layout, never the tokens.
     """
     assert logprobs_all.dtype == torch.float32 and logprobs_all.dim() == 2
     seeds, steps = seeds.to(torch.long).contiguous(), steps.to(torch.long).contiguous()
-    return _launch(logprobs_all, seeds, steps, True, False, block, splits)[0]
+    return _launch(logprobs_all, seeds, steps, True, False, block, splits, num_warps)[0]
 
 
 def gumbel_scores(logprobs_all: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
