@@ -253,6 +253,55 @@ def test_fused_write_with_rotation_matches_float64(rotate, gen):
         assert ((got8 - rotated[keep]).abs() <= 0.5 * scale8 + 2**-7 * rotated[keep].abs() + 1e-3).all()
 
 
+@pytest.mark.parametrize("name,rotate", [("bf16", "none"), ("int4", "kv"), ("kv4", "k"), ("kv4", "kv")]
+                         + ([("fp8", "none")] if CUDA else []))
+@pytest.mark.parametrize("block_rows,num_warps", [(16, 4), (8, 2), (64, 8)])
+def test_pair_write_equals_two_single_writes(name, rotate, block_rows, num_warps, gen, monkeypatch):
+    """K and V in one launch store what two `write_kv` launches store, bit for bit (each program computes
+    the same rows either way): also where only K rotates, in another work layout, and where V is a
+    strided view as in the engine (K comes out of RoPE, V is a slice of the q|k|v product), which still
+    takes one launch; V in float32 (another dtype) is written by a launch of its own."""
+    from kv4rl.kernels import kv_write
+
+    fmt, _, _, (meta, k, v, prot) = _write_both(name, gen, rotate=rotate, with_inputs=True)
+    head_dim, hkv, _, block = SHAPE
+    group = getattr(fmt, "group_size", head_dim)
+    slots = torch.cat((meta.slot_mapping, torch.tensor([-1], device=DEVICE)))
+    pad = lambda x: torch.cat((x, x[:1] * 0 + 7)).to(DEVICE)
+    qkv = torch.cat((pad(k), pad(v), pad(k)), dim=1)  # V as the engine sees it: rows 3 x Hkv heads apart
+
+    def dests(cache):
+        out = {}
+        for prefix in ("k", "v"):
+            pages, scale, zero = fmt.paged_tensors(cache, prefix)
+            side = (cache[f"{prefix}_prot_codes"], cache[f"{prefix}_prot_scale"]) if prot is not None else (None, None)
+            out[prefix] = kv_write.KVDest(pages, scale, zero, fmt.rotate == "kv" or (prefix == "k" and fmt.rotate == "k"),
+                                          *side)
+        return out
+
+    launches = []
+    real_launch = kv_write._launch
+    monkeypatch.setattr(kv_write, "_launch", lambda xs, *a: (launches.append(len(xs)), real_launch(xs, *a)))
+    for label, vv, expected in (("same layout", pad(v), [2]), ("V strided", qkv[:, hkv:2 * hkv], [2]),
+                                ("V float32", pad(v).float(), [1, 1])):
+        single = fmt.allocate(12 * block, hkv, head_dim, DEVICE, num_seq_slots=4)
+        for x, d in ((pad(k), dests(single)["k"]), (vv, dests(single)["v"])):
+            kv_write.write_kv(x, slots, store=fmt.decode_kind, out=d.out, scale=d.scale, zero=d.zero,
+                              group_size=group, rotate=d.rotate, protect_rows=prot, prot_codes=d.prot_codes,
+                              prot_scale=d.prot_scale)
+        pair = fmt.allocate(12 * block, hkv, head_dim, DEVICE, num_seq_slots=4)
+        launches.clear()
+        kv_write.write_kv_pair(pad(k), vv, slots, store=fmt.decode_kind, k_dest=dests(pair)["k"],
+                               v_dest=dests(pair)["v"], group_size=group, protect_rows=prot,
+                               block_rows=block_rows, num_warps=num_warps)
+        assert launches == expected, label
+        for key in single:
+            a, b = single[key], pair[key]
+            if a.dtype == torch.float8_e4m3fn:
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert torch.equal(a, b), (key, label)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_write_rotation_of_each_input_dtype_matches_float64(dtype, gen):
     """bf16 rows rotate against the exact ±1 matrix on the tensor cores, float32 rows through the IEEE

@@ -1,39 +1,81 @@
-"""Time KV4's fused key write (Hadamard rotation + INT4 pages + INT8 protected rows) at decode and prefill
-sizes: bf16 rows (the tensor-core dot against the ±1 matrix) against the same rows in float32 (the IEEE
-float32 dot every write used before), each a CUDA-graph replay (device tool; prints one line per size):
+"""Time KV4's fused K and V write (Hadamard rotation + INT4 pages + INT8 protected rows) at decode and
+prefill sizes, each a CUDA-graph replay (device tool; prints a table, optionally JSON):
 
-    python tools/kv_write_time.py --tokens 128,256,8192
+- `pair` (the engine's: K and V in one launch, `default_layout`) against `two` (one launch each in the
+  16 rows x 4 warps layout, as before);
+- `--layouts 16x4,32x4,...`: the pair in other work layouts (rows a program x warps), the same codes;
+- `--fp32`: also the IEEE float32 rotation (float32 rows) the write used before the tensor-core dot.
+
+    python tools/kv_write_time.py --tokens 64,128,256,4096 --layouts 8x2,16x4,32x4,32x8,64x8
 """
 
 import argparse
+import functools
+import json
 
 import torch
 
 from kv4rl.bench.decode_attn import _time_graph
 from kv4rl.engine.kv_formats import get_kv_format
-from kv4rl.kernels.kv_write import write_kv
+from kv4rl.kernels.kv_write import KVDest, default_layout, write_kv, write_kv_pair
+
+
+def _layout(text: str) -> tuple[int, int]:
+    rows, warps = text.split("x")
+    return int(rows), int(warps)
+
+
+def _time_size(fmt, n: int, hkv: int, layouts: list[tuple[int, int]], fp32: bool) -> dict:
+    d = 128
+    cache = fmt.allocate(2 * n, hkv, d, "cuda", num_seq_slots=n)
+    slots = torch.randperm(2 * n, device="cuda")[:n]
+    prot = torch.arange(n, device="cuda") * fmt.budget  # every row also protected (decode: the newest token)
+    dests = {}
+    for prefix in ("k", "v"):
+        out, scale, zero = fmt.paged_tensors(cache, prefix)
+        dests[prefix] = KVDest(out, scale, zero, True, cache[f"{prefix}_prot_codes"], cache[f"{prefix}_prot_scale"])
+    k, v = (torch.randn(n, hkv, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+
+    def two(k=k, v=v):
+        for x, dest in ((k, dests["k"]), (v, dests["v"])):
+            write_kv(x, slots, store=fmt.decode_kind, out=dest.out, scale=dest.scale, zero=dest.zero,
+                     group_size=128, rotate=True, protect_rows=prot, prot_codes=dest.prot_codes,
+                     prot_scale=dest.prot_scale, block_rows=16, num_warps=4)
+
+    def pair(rows=None, warps=None):
+        write_kv_pair(k, v, slots, store=fmt.decode_kind, k_dest=dests["k"], v_dest=dests["v"], group_size=128,
+                      protect_rows=prot, block_rows=rows, num_warps=warps)
+
+    row = {"tokens": n, "kv_heads": hkv, "default_layout": "x".join(map(str, default_layout(n * hkv))), "two_us": 1e3 * _time_graph(two, calls=20),
+           "pair_us": 1e3 * _time_graph(pair, calls=20)}
+    for rows, warps in layouts:
+        row[f"pair_{rows}x{warps}_us"] = 1e3 * _time_graph(functools.partial(pair, rows, warps), calls=20)
+    if fp32:
+        k32, v32 = k.float(), v.float()
+        row["two_fp32_us"] = 1e3 * _time_graph(functools.partial(two, k32, v32), calls=20)
+    return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", default="128,256,8192")
+    p.add_argument("--tokens", default="64,128,256,4096")
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--layouts", default="", help="extra pair layouts, rows x warps (default: `default_layout`)")
+    p.add_argument("--fp32", action="store_true", help="also float32 rows (the IEEE float32 rotation)")
+    p.add_argument("--json", default=None)
     a = p.parse_args()
     fmt = get_kv_format("kv4", group_size=128)
-    hkv, d = a.kv_heads, 128
+    layouts = [_layout(t) for t in a.layouts.split(",") if t]
+    results = []
     for n in [int(x) for x in a.tokens.split(",")]:
-        cache = fmt.allocate(2 * n, hkv, d, "cuda", num_seq_slots=n)
-        slots = torch.randperm(2 * n, device="cuda")[:n]
-        prot = torch.arange(n, device="cuda") * fmt.budget  # every row also protected (decode: the newest token)
-        out, scale, zero = fmt.paged_tensors(cache, "k")
-        x = torch.randn(n, hkv, d, device="cuda").to(torch.bfloat16)
-        kw = {"store": fmt.decode_kind, "out": out, "scale": scale, "zero": zero, "group_size": 128, "rotate": True,
-              "protect_rows": prot, "prot_codes": cache["k_prot_codes"], "prot_scale": cache["k_prot_scale"]}
-        times = {}
-        for label, rows in (("bf16 tensor-core", x), ("fp32 ieee", x.float())):
-            times[label] = 1e3 * _time_graph(lambda rows=rows, slots=slots, kw=kw: write_kv(rows, slots, **kw), calls=20)
-        print(f"{n:6d} tokens x {hkv} heads: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items())
-              + f" ({times['fp32 ieee'] / times['bf16 tensor-core']:.2f}x)", flush=True)
+        row = _time_size(fmt, n, a.kv_heads, layouts, a.fp32)
+        results.append(row)
+        print(f"{n:6d} tokens x {a.kv_heads} heads: " + ", ".join(f"{key[:-3]} {val:.1f} us" for key, val in row.items()
+                                                                 if key.endswith("_us"))
+              + f"  (two / pair {row['two_us'] / row['pair_us']:.2f}x)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -195,18 +195,21 @@ class FastAttention:
 
     # ---- per layer --------------------------------------------------------------------------------
     def write(self, cache: dict, k: torch.Tensor, v: torch.Tensor, inputs: DecodeInputs) -> None:
-        from kv4rl.kernels.kv_write import write_kv
+        from kv4rl.kernels.kv_write import write_kv_pair
 
-        rotate = self.fmt.rotate
-        for prefix, x in (("k", k), ("v", v)):
-            rot = rotate == "kv" or (prefix == "k" and rotate == "k")
-            out, scale, zero = self.fmt.paged_tensors(cache, prefix)
-            kw = {}
-            if self.side:
-                kw = {"protect_rows": inputs.protect_rows, "prot_codes": cache[f"{prefix}_prot_codes"],
-                      "prot_scale": cache[f"{prefix}_prot_scale"]}
-            write_kv(x, inputs.slots, store=self.kind, out=out, scale=scale, zero=zero, group_size=self.head_dim,
-                     rotate=rot, **kw)
+        side = {p: (cache[f"{p}_prot_codes"], cache[f"{p}_prot_scale"]) for p in ("k", "v")} if self.side else None
+        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", side),
+                      v_dest=self._dest(cache, "v", side), group_size=self.head_dim,
+                      protect_rows=inputs.protect_rows if self.side else None)
+
+    def _dest(self, cache: dict, prefix: str, side: dict | None):
+        """Where the write puts K or V: its pages, its rotation, and (KV4) the INT8 rows `side[prefix]`."""
+        from kv4rl.kernels.kv_write import KVDest
+
+        out, scale, zero = self.fmt.paged_tensors(cache, prefix)
+        rotate = self.fmt.rotate == "kv" or (prefix == "k" and self.fmt.rotate == "k")
+        codes, scales = side[prefix] if side is not None else (None, None)
+        return KVDest(out, scale, zero, rotate, codes, scales)
 
     def attend(self, cache: dict, q: torch.Tensor, inputs: DecodeInputs, out: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -281,7 +284,7 @@ class FastAttention:
     def prefill(self, cache: dict, q, k, v, inputs: PrefillInputs) -> torch.Tensor:
         """Write the rows' new K/V (KV4: their INT8 copies to a step buffer), attend each query causally over
         its sequence's cache, then (KV4) store the copies protected at the step's end in the side rows."""
-        from kv4rl.kernels.kv_write import write_kv
+        from kv4rl.kernels.kv_write import write_kv_pair
         from kv4rl.kernels.prefill_triton import paged_prefill_attention
 
         num_tokens = k.shape[0]
@@ -290,15 +293,9 @@ class FastAttention:
             fresh = {p: (torch.empty(num_tokens, self.num_kv_heads, self.head_dim, dtype=torch.int8, device=k.device),
                          torch.empty(num_tokens, self.num_kv_heads, dtype=torch.float32, device=k.device))
                      for p in ("k", "v")}
-        rotate = self.fmt.rotate
-        for prefix, x in (("k", k), ("v", v)):
-            rot = rotate == "kv" or (prefix == "k" and rotate == "k")
-            out, scale, zero = self.fmt.paged_tensors(cache, prefix)
-            kw = {}
-            if fresh is not None:
-                kw = {"protect_rows": inputs.fresh_rows, "prot_codes": fresh[prefix][0], "prot_scale": fresh[prefix][1]}
-            write_kv(x, inputs.slots, store=self.kind, out=out, scale=scale, zero=zero, group_size=self.head_dim,
-                     rotate=rot, **kw)
+        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", fresh),
+                      v_dest=self._dest(cache, "v", fresh), group_size=self.head_dim,
+                      protect_rows=inputs.fresh_rows if fresh is not None else None)
         kc, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
         vc, v_scale, v_zero = self.fmt.paged_tensors(cache, "v")
         out = paged_prefill_attention(self.fmt.prepare_query(q), kc, vc, inputs.batch, kind=self.kind,

@@ -1,12 +1,13 @@
 """Fused quantize-and-write of a step's new keys/values into the paged cache (Triton).
 
-One launch per layer and per K or V: each program takes a tile of (token, KV head) rows, optionally
-rotates them by the orthonormal Hadamard matrix (a dot with the 128×128 matrix, rounded back to the
-activation dtype as the reference `rotate` does; bf16 rows go through the tensor cores against the
-exact ±1 matrix and are scaled by 1/sqrt(D) after, where an IEEE float32 dot took most of the
-write's time at decode, bench/kernel_notes.md), quantizes them and stores codes and scales at
-the token's cache slot. KV4 also writes the INT8 copy of the rows that are protected at the step's end
-into the sequence's side rows. A slot of -1 (a padding row of a CUDA-graph batch) writes nothing.
+One launch per layer writes K and V (`write_kv_pair`; `write_kv` writes one of them): each program takes
+a tile of (token, KV head) rows of K or of V, optionally rotates them by the orthonormal Hadamard matrix
+(a dot with the 128×128 matrix, rounded back to the activation dtype as the reference `rotate` does;
+bf16 rows go through the tensor cores against the exact ±1 matrix and are scaled by 1/sqrt(D) after,
+where an IEEE float32 dot took most of the write's time at decode, bench/kernel_notes.md), quantizes
+them and stores codes and scales at the token's cache slot. KV4 also writes the INT8 copy of the rows
+that are protected at the step's end into the sequence's side rows. A slot of -1 (a padding row of a
+CUDA-graph batch) writes nothing.
 
 Rounding follows the reference quantizers in `kv4rl.quant` step by step (float32 statistics, correctly
 rounded division, ties-to-even), so a fast-path cache holds the codes the reference would write, up to
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,7 +28,14 @@ from kv4rl.kernels import interpreting
 from kv4rl.kernels.decode_common import DecodeKind
 from kv4rl.quant.hadamard import hadamard_matrix
 
-BLOCK_ROWS = 16
+BLOCK_ROWS = 16  # rows a program and its warps for decode-sized writes
+NUM_WARPS = 4
+LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_NUM_WARPS = 16384, 64, 8  # prefill chunks: 44 -> 36 us at 4,096 tokens x 8 heads
+
+
+def default_layout(num_rows: int) -> tuple[int, int]:
+    """(rows a program, warps) for a write of `num_rows` (token, KV head) rows."""
+    return (LARGE_BLOCK_ROWS, LARGE_NUM_WARPS) if num_rows >= LARGE_ROWS else (BLOCK_ROWS, NUM_WARPS)
 
 
 @triton.jit
@@ -37,8 +46,8 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _kv_write_kernel(
-    x_ptr, stride_xn, stride_xh, num_rows,
+def _write_rows(
+    block, x_ptr, stride_xn, stride_xh, num_rows,
     slot_ptr, prot_ptr, rot_ptr,
     out_ptr, stride_os, stride_oh,
     scale_ptr, zero_ptr, stride_ss, stride_sh,
@@ -47,7 +56,8 @@ def _kv_write_kernel(
     ROTATE: tl.constexpr, PROTECT: tl.constexpr, BLOCK_R: tl.constexpr, SIGNS: tl.constexpr,
     RSQRT_D: tl.constexpr, EXACT: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """Rows [block * BLOCK_R, +BLOCK_R) of one of K or V: rotate, quantize, store (and the INT8 copy)."""
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     tok = rows // NUM_KV_HEADS
     head = rows % NUM_KV_HEADS
     slot = tl.load(slot_ptr + tok, mask=rows < num_rows, other=-1).to(tl.int64)
@@ -111,46 +121,118 @@ def _kv_write_kernel(
         tl.store(prot_scale_ptr + prow * stride_qs + head * stride_qh, pscale, mask=keep)
 
 
+@triton.jit
+def _kv_write_kernel(
+    k_ptr, v_ptr, stride_kn, stride_kh, stride_vn, stride_vh, num_rows,
+    slot_ptr, prot_ptr, rot_ptr,
+    k_out_ptr, v_out_ptr, stride_os, stride_oh,
+    k_scale_ptr, v_scale_ptr, k_zero_ptr, v_zero_ptr, stride_ss, stride_sh,
+    k_prot_codes_ptr, v_prot_codes_ptr, k_prot_scale_ptr, v_prot_scale_ptr,
+    stride_ps, stride_ph, stride_qs, stride_qh,
+    NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, STORE: tl.constexpr,
+    ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, PROTECT: tl.constexpr, BLOCK_R: tl.constexpr,
+    SIGNS: tl.constexpr, RSQRT_D: tl.constexpr, EXACT: tl.constexpr,
+):
+    """Grid (row blocks, 1 or 2): axis 1 picks K (0) or V (1), so a layer's two writes are one launch."""
+    if tl.program_id(1) == 0:
+        _write_rows(tl.program_id(0), k_ptr, stride_kn, stride_kh, num_rows, slot_ptr, prot_ptr, rot_ptr,
+                    k_out_ptr, stride_os, stride_oh, k_scale_ptr, k_zero_ptr, stride_ss, stride_sh,
+                    k_prot_codes_ptr, k_prot_scale_ptr, stride_ps, stride_ph, stride_qs, stride_qh,
+                    NUM_KV_HEADS, D, GROUP, STORE, ROTATE_K, PROTECT, BLOCK_R, SIGNS, RSQRT_D, EXACT)
+    else:
+        _write_rows(tl.program_id(0), v_ptr, stride_vn, stride_vh, num_rows, slot_ptr, prot_ptr, rot_ptr,
+                    v_out_ptr, stride_os, stride_oh, v_scale_ptr, v_zero_ptr, stride_ss, stride_sh,
+                    v_prot_codes_ptr, v_prot_scale_ptr, stride_ps, stride_ph, stride_qs, stride_qh,
+                    NUM_KV_HEADS, D, GROUP, STORE, ROTATE_V, PROTECT, BLOCK_R, SIGNS, RSQRT_D, EXACT)
+
+
+@dataclass
+class KVDest:
+    """Where one of K or V goes: the paged `out` [slots, Hkv, ·] with its `scale`/`zero` (FP8: per-row
+    scale; INT4: per-group fp16 scale and zero), whether its rows are Hadamard-rotated first, and (KV4)
+    the INT8 side rows `prot_codes`/`prot_scale` that receive the protected tokens' copies."""
+
+    out: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    rotate: bool = False
+    prot_codes: torch.Tensor | None = None
+    prot_scale: torch.Tensor | None = None
+
+
 def write_kv(x: torch.Tensor, slots: torch.Tensor, *, store: DecodeKind, out: torch.Tensor,
              scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, group_size: int = 128,
              rotate: bool = False, protect_rows: torch.Tensor | None = None,
-             prot_codes: torch.Tensor | None = None, prot_scale: torch.Tensor | None = None) -> None:
+             prot_codes: torch.Tensor | None = None, prot_scale: torch.Tensor | None = None,
+             block_rows: int | None = None, num_warps: int | None = None) -> None:
     """Quantize x[N, Hkv, D] and store it at `slots[N]` (-1: skip) of the paged `out` [slots, Hkv, ·].
 
     store (the kernel's `STORE`, numbered like the decode kinds): BF16 (values as they are), FP8 (codes +
     per-row fp32 `scale`), INT4 (packed codes + fp16 `scale`/`zero` per group). `rotate` applies the
     Hadamard rotation first. `protect_rows[N]` (-1: none) also writes the INT8 copy to
-    `prot_codes`/`prot_scale` rows.
+    `prot_codes`/`prot_scale` rows. `block_rows` / `num_warps` change the work layout only (None:
+    `default_layout`).
     """
-    num_tokens, num_kv_heads, head_dim = x.shape
+    dest = KVDest(out, scale, zero, rotate, prot_codes, prot_scale)
+    _launch((x,), (dest,), slots, store, group_size, protect_rows, block_rows, num_warps)
+
+
+def write_kv_pair(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, store: DecodeKind, k_dest: KVDest,
+                  v_dest: KVDest, group_size: int = 128, protect_rows: torch.Tensor | None = None,
+                  block_rows: int | None = None, num_warps: int | None = None) -> None:
+    """A layer's keys and values in one launch, each as `write_kv` would store it (at decode a write is a
+    few microseconds, mostly launch and tail: two launches a layer took 1.9x one, bench/RESULTS.md). K and
+    V may have their own row strides; their pages must share dtypes and strides (one format's), otherwise
+    they are written one by one."""
+    same = k.dtype == v.dtype and k.shape == v.shape and _dest_strides(k_dest) == _dest_strides(v_dest)
+    if same:
+        _launch((k, v), (k_dest, v_dest), slots, store, group_size, protect_rows, block_rows, num_warps)
+    else:
+        for x, dest in ((k, k_dest), (v, v_dest)):
+            _launch((x,), (dest,), slots, store, group_size, protect_rows, block_rows, num_warps)
+
+
+def _dest_strides(dest: KVDest) -> tuple:
+    return tuple(None if t is None else (t.dtype, t.stride())
+                 for t in (dest.out, dest.scale, dest.zero, dest.prot_codes, dest.prot_scale))
+
+
+def _launch(xs: tuple[torch.Tensor, ...], dests: tuple[KVDest, ...], slots: torch.Tensor, store: DecodeKind,
+            group_size: int, protect_rows: torch.Tensor | None, block_rows: int | None, num_warps: int | None
+            ) -> None:
+    """One launch writing each x of `xs` (one or two tensors of one layout) to its destination."""
+    num_tokens, num_kv_heads, head_dim = xs[0].shape
     if num_tokens == 0:
         return
-    if x.stride(2) != 1:
-        x = x.contiguous()
-    signs = rotate and x.dtype == torch.bfloat16
-    rot = x
+    xs = tuple(x if x.stride(2) == 1 else x.contiguous() for x in xs)
+    rotate = any(d.rotate for d in dests)
+    signs = rotate and xs[0].dtype == torch.bfloat16
+    rot = xs[0]
     if signs:
-        rot = _hadamard_signs(head_dim, x.device)
+        rot = _hadamard_signs(head_dim, xs[0].device)
     elif rotate:
-        rot = hadamard_matrix(head_dim, torch.float32, x.device)
-    dummy = out
-    sc = scale if scale is not None else dummy
-    zr = zero if zero is not None else sc
-    s_strides = (sc.stride(0), sc.stride(1)) if scale is not None else (0, 0)
+        rot = hadamard_matrix(head_dim, torch.float32, xs[0].device)
+    first, second = dests[0], dests[-1]
+    sc = [d.scale if d.scale is not None else d.out for d in (first, second)]
+    zr = [d.zero if d.zero is not None else s for d, s in zip((first, second), sc)]
+    s_strides = (sc[0].stride(0), sc[0].stride(1)) if first.scale is not None else (0, 0)
     protect = protect_rows is not None
-    pc = prot_codes if protect else dummy
-    ps = prot_scale if protect else dummy
+    pc = [d.prot_codes if protect else d.out for d in (first, second)]
+    ps = [d.prot_scale if protect else d.out for d in (first, second)]
     num_rows = num_tokens * num_kv_heads
-    grid = (triton.cdiv(num_rows, BLOCK_ROWS),)
+    auto_rows, auto_warps = default_layout(num_rows)
+    block_rows, num_warps = block_rows or auto_rows, num_warps or auto_warps
+    grid = (triton.cdiv(num_rows, block_rows), len(xs))
     _kv_write_kernel[grid](
-        x, x.stride(0), x.stride(1), num_rows,
+        xs[0], xs[-1], xs[0].stride(0), xs[0].stride(1), xs[-1].stride(0), xs[-1].stride(1), num_rows,
         slots, protect_rows if protect else slots, rot,
-        out, out.stride(0), out.stride(1),
-        sc, zr, *s_strides,
-        pc, ps, pc.stride(0), pc.stride(1), ps.stride(0), ps.stride(1) if ps.dim() > 1 else 0,
+        first.out, second.out, first.out.stride(0), first.out.stride(1),
+        sc[0], sc[1], zr[0], zr[1], *s_strides,
+        pc[0], pc[1], ps[0], ps[1], pc[0].stride(0), pc[0].stride(1), ps[0].stride(0),
+        ps[0].stride(1) if ps[0].dim() > 1 else 0,
         NUM_KV_HEADS=num_kv_heads, D=head_dim, GROUP=group_size if store == DecodeKind.INT4 else head_dim,
-        STORE=int(store), ROTATE=rotate, PROTECT=protect, BLOCK_R=BLOCK_ROWS, SIGNS=signs,
-        RSQRT_D=1.0 / math.sqrt(head_dim), EXACT=interpreting(), num_warps=4,
+        STORE=int(store), ROTATE_K=first.rotate, ROTATE_V=second.rotate, PROTECT=protect, BLOCK_R=block_rows,
+        SIGNS=signs, RSQRT_D=1.0 / math.sqrt(head_dim), EXACT=interpreting(), num_warps=num_warps,
     )
 
 
