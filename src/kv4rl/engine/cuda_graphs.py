@@ -14,6 +14,7 @@ ones over the new pool when it wakes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -22,6 +23,24 @@ from kv4rl.engine.fast_path import DecodeInputs, FastAttention
 from kv4rl.kernels.decode_attention import DecodeBatch
 
 log = logging.getLogger(__name__)
+
+
+def capture_graph(run: Callable[[], torch.Tensor], device: torch.device, pool, *, keep_warm: bool = False
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
+    """Run `run` once on a side stream (it compiles the kernels and warms the allocator outside the
+    capture), then record it into a graph in memory `pool` (None: a new one, `graph.pool()` after).
+    Returns the graph, the captured output (the buffer each replay fills) and, with `keep_warm`, a copy
+    of the warm-up run's output: the capture launches nothing, so that run is the only one that happened."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        warm = run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    warm = warm.clone() if keep_warm else None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out, warm
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -80,14 +99,7 @@ class DecodeGraphs:
     def _capture(self, bs: int) -> None:
         self._clear_rows(0)
         torch.cuda.synchronize(self.fast.device)
-        stream = torch.cuda.Stream(self.fast.device)
-        stream.wait_stream(torch.cuda.current_stream(self.fast.device))
-        with torch.cuda.stream(stream):
-            self._run_model(bs)  # compiles the kernels and warms the allocator outside the capture
-        torch.cuda.current_stream(self.fast.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[bs] = self._run_model(bs)
+        graph, self.logits[bs], _ = capture_graph(lambda: self._run_model(bs), self.fast.device, self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[bs] = graph

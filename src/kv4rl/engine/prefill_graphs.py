@@ -20,6 +20,7 @@ import logging
 import numpy as np
 import torch
 
+from kv4rl.engine.cuda_graphs import capture_graph
 from kv4rl.engine.fast_path import FastAttention, PrefillInputs
 from kv4rl.engine.sequence import Sequence
 
@@ -110,16 +111,8 @@ class PrefillGraphs:
         """Run this step eagerly on a side stream (it compiles the kernels and warms the allocator; its
         logits are the step's), then record the bucket's graph: capture launches nothing, so the cache
         is written once."""
-        dev = self.fast.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            logits = self._run_model(tokens)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        logits = logits.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[tokens] = self._run_model(tokens)
+        graph, self.logits[tokens], logits = capture_graph(lambda: self._run_model(tokens), self.fast.device,
+                                                           self.pool, keep_warm=True)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[tokens] = graph
