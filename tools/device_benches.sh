@@ -22,7 +22,8 @@
 #   bash tools/device_benches.sh run_ahead 2>&1 | tee $OUT/log.txt             # engine tests, 1.7B rollout over all formats (<10 min)
 #   bash tools/device_benches.sh prefill_graphs 2>&1 | tee $OUT/log.txt        # prefill graphs: GPU tests, 1.7B rollout with them (<10 min)
 #   bash tools/device_benches.sh gemm_blas 2>&1 | tee $OUT/log.txt             # decode GEMMs under cuBLAS and cuBLASLt (~1 min)
-#   bash tools/device_benches.sh profile_rollout 2>&1 | tee $OUT/log.txt       # 1.7B partial-rollout step vs pure step, by kernel family (~4 min)
+#   bash tools/device_benches.sh profile_rollout 2>&1 | tee $OUT/log.txt       # 1.7B partial-rollout step vs pure step, by kernel family (~2 min)
+#   bash tools/device_benches.sh write_sampler 2>&1 | tee $OUT/log.txt         # K+V write in one launch, sampler passes: tests and timings (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -218,6 +219,27 @@ profile_rollout() {  # issue 11: what a 1.7B partial-rollout engine step runs on
         timeout 200 python tools/profile_rollout_step.py --shape qwen3-1.7b --format $fmt engine.gpu_memory_fraction=0.6 \
             --json $OUT/profile_rollout_${fmt}.json 2>&1 | grep -v "^\[" | tail -24
     done
+}
+
+write_sampler() {  # issue 11: K and V written in one launch a layer (write_kv_pair) and the sampler's skipped
+    # passes (seventeenth session's profile: KV4 write 0.295 ms, sampler 0.29 ms of a 4.2-4.6 ms 1.7B step).
+    # GPU tests of both and of the shared graph capture first, then the two timing tools (~5 min)
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py tests/test_sampler.py \
+        tests/gpu/test_sampling_kernel_gpu.py tests/gpu/test_engine_fast_path_gpu.py tests/gpu/test_prefill_graphs_gpu.py \
+        -k "write or sampl or fast_path or graph" > $OUT/write_sampler_tests.txt 2>&1; tail -4 $OUT/write_sampler_tests.txt
+    timeout 60 python tools/kv_write_time.py --tokens 64,128,256,4096 --layouts 8x2,32x4,32x8,64x8 \
+        --json $OUT/kv_write_time.json
+    timeout 60 python tools/sampler_time.py --batches 64,128,256 --json $OUT/sampler_time.json
+}
+
+write_sampler_check() {  # issue 11: after write_sampler, the engine's K/V write as one launch (V a strided view of
+    # q|k|v), the large-write layout, the 1.7B KV4 rollout step's profile and bench generate (~6 min)
+    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py tests/gpu/test_engine_fast_path_gpu.py \
+        -k "write or fast_path" > $OUT/write_check_tests.txt 2>&1; tail -3 $OUT/write_check_tests.txt
+    timeout 60 python tools/kv_write_time.py --tokens 128,1024,2048,4096 --layouts 16x4,64x8 --json $OUT/kv_write_time.json
+    timeout 100 python tools/profile_rollout_step.py --shape qwen3-1.7b --format kv4 engine.gpu_memory_fraction=0.6 \
+        --json $OUT/profile_rollout_kv4.json 2>&1 | grep -v "^\[" | tail -24
+    generate
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the
