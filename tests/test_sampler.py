@@ -101,3 +101,23 @@ def test_host_known_flags_change_no_token_or_log_prob():
             told = sample(logits, temp, off_k, off_p, seeds, steps, fused=fused, truncated=False,
                           greedy_rows=greedy, unit_temperature=unit)
             assert torch.equal(full[0], told[0]) and torch.equal(full[1], told[1]), (label, fused)
+
+
+def test_runner_passes_flags_that_match_its_rows():
+    """The runner derives `greedy_rows` / `unit_temperature` from the rows' parameters: on batches of
+    only temperature 1, with greedy rows, and with other temperatures (one differing row is enough to
+    need the division), its tokens and log-probs equal `sample` left to work everything out."""
+    from types import SimpleNamespace
+
+    from kv4rl.engine.runner import ModelRunner
+    from kv4rl.engine.sequence import SamplingParams, Sequence
+
+    torch.manual_seed(5)
+    runner = SimpleNamespace(device=torch.device("cpu"), sampler="torch")
+    for temps in ([1.0] * 6, [1.0, 0.0, 1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.7, 1.0, 1.0, 1.0], [0.0] * 6):
+        seqs = [Sequence([1, 2, 3], SamplingParams(temperature=t), sample_seed=17 * i + 1) for i, t in enumerate(temps)]
+        logits = torch.randn(len(seqs), 50) * 3
+        got = ModelRunner.sample(runner, seqs, logits)
+        want = sample(logits, torch.tensor(temps), torch.zeros(6, dtype=torch.long), torch.ones(6),
+                      torch.tensor([s.sample_seed for s in seqs]), torch.zeros(6, dtype=torch.long))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), temps
