@@ -20,6 +20,8 @@ from kv4rl.bench.kernel_profile import by_family, family, side_by_side
     ("_fp8_weight_gemm_kernel", "gemm"),
     ("_kv_write_kernel", "kv_write"),
     ("_gumbel_argmax_kernel", "sampler+logits"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>",
+     "sampler+logits"),  # torch.argmax (the greedy rows'), which "argmax" alone missed
     ("_qk_norm_rope_kernel", "norm/rope/act"),
     ("Memcpy HtoD (Pageable -> Device)", "copies"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>", "other"),

@@ -13,7 +13,7 @@ FAMILIES = (  # kernel-name fragments -> family, first match wins
     ("prefill", ("prefill",)),
     ("gemm", ("nvjet", "gemm", "cublas", "cutlass", "splitK", "scaled_mm")),
     ("kv_write", ("kv_write", "write_kv")),
-    ("sampler+logits", ("gumbel", "softmax", "SoftMax", "sampl", "logprob", "argmax", "topk")),
+    ("sampler+logits", ("gumbel", "softmax", "SoftMax", "sampl", "logprob", "argmax", "ArgMax", "topk")),
     ("norm/rope/act", ("rms_norm", "rope", "silu")),
     ("copies", ("Memcpy", "memcpy", "copy_", "CatArrayBatched", "index")),
 )
