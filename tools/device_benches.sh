@@ -242,6 +242,17 @@ write_sampler_check() {  # issue 11: after write_sampler, the engine's K/V write
     generate
 }
 
+sampler_lse() {  # issue 11 (branch sampler-fused-lse): the row's log-sum-exp from the Gumbel kernel's own pass,
+    # no log_softmax over [B, V] (eighteenth session: 0.089 ms of a 1.7B B128 step). Its GPU tests, the
+    # sampler timings against the old path (tokens that differ counted), the KV4 step profile, bench generate (~5 min)
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_sampling_kernel_gpu.py \
+        tests/test_sampling_kernel.py tests/test_sampler.py > $OUT/sampler_lse_tests.txt 2>&1; tail -3 $OUT/sampler_lse_tests.txt
+    timeout 60 python tools/sampler_time.py --batches 64,128,256 --layouts 1024x8x4 --json $OUT/sampler_time.json
+    timeout 100 python tools/profile_rollout_step.py --shape qwen3-1.7b --format kv4 engine.gpu_memory_fraction=0.6 \
+        --json $OUT/profile_rollout_kv4.json 2>&1 | grep -v "^\[" | tail -14
+    generate
+}
+
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the
     # awake arm at 192 and 256 slots against the baseline (483 s on 2026-12-02, eleventh session: 1.88x and
     # 2.07x, no recompile in a timed step once micro-batches were filled evenly). Dynamo's recompile reasons

@@ -6,7 +6,10 @@ and top-k off it is exactly the behaviour policy μ that RL needs; greedy rows r
 Randomness is counter-based: the Gumbel noise for a token is a hash of (the sequence's seed, its
 position, the vocabulary index). A sequence therefore samples the same tokens whatever batch it
 shares, whether it was preempted and recomputed, or resumed from a checkpoint — which is what makes
-partial rollout and resume reproducible. Gumbel-max over the truncated logits is an exact sample.
+partial rollout and resume reproducible. Gumbel-max over the truncated logits is an exact sample; it
+needs no normalisation (a row's constant moves no argmax), so both paths add the noise to the scaled
+logits themselves. The torch path reports `log_softmax` at the token; the fused path subtracts the
+row's log-sum-exp from the kernel's own pass, equal to a few float32 roundings.
 """
 
 from __future__ import annotations
@@ -81,10 +84,11 @@ def sample(
     """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p / seed / step.
 
     `fused` draws the Gumbel-max tokens with the Triton kernel (`kv4rl.kernels.sampling`: the same
-    tokens without materialising the [B, V] noise) when no row is truncated and the kernels can run on
-    the logits' device; otherwise, and for truncated batches, the torch path below runs. `truncated`:
-    whether any row has top-k or top-p on, when the caller knows it from the host-side parameters;
-    None reads it from the tensors, a device-to-host wait before the sampling kernels are launched.
+    tokens without materialising the [B, V] noise, and log-probs equal to float32 rounding) when no row
+    is truncated and the kernels can run on the logits' device; otherwise, and for truncated batches,
+    the torch path below runs. `truncated`: whether any row has top-k or top-p on, when the caller
+    knows it from the host-side parameters; None reads it from the tensors, a device-to-host wait
+    before the sampling kernels are launched.
     `greedy_rows` (any row at temperature <= 0) and `unit_temperature` (every row at temperature 1 or
     greedy), when the caller knows them, skip passes over the [B, V] logits that cannot change a value:
     the argmax no row takes, and a division by 1 (exact in IEEE arithmetic). None does them all.
@@ -99,17 +103,20 @@ def sample(
     if fused and _fused_usable(logits.device, top_k, top_p, truncated):
         from kv4rl.kernels.sampling import gumbel_argmax
 
-        logprobs_all = scaled.log_softmax(-1)  # no row truncates, so truncate_logits would return `scaled`
-        sampled = gumbel_argmax(logprobs_all, seeds, steps)
+        # no row truncates, so truncate_logits would return `scaled`; the kernel's pass also gives each
+        # row's log-sum-exp, so only the sampled token is normalised (no log_softmax over [B, V])
+        sampled, log_norm = gumbel_argmax(scaled, seeds, steps, with_log_norm=True)
+        token_logprob = lambda tokens: (scaled.gather(1, tokens[:, None]).squeeze(1).double() - log_norm).float()
     else:
-        logprobs_all = truncate_logits(scaled, top_k, top_p).log_softmax(-1)
+        kept = truncate_logits(scaled, top_k, top_p)
         gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
-        sampled = (logprobs_all.double() + gumbel).argmax(-1)
+        sampled = (kept.double() + gumbel).argmax(-1)
+        logprobs_all = kept.log_softmax(-1)
+        token_logprob = lambda tokens: logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     if greedy_rows is False:
-        return sampled, logprobs_all.gather(1, sampled[:, None]).squeeze(1)
+        return sampled, token_logprob(sampled)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
-    logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
-    logprobs = torch.where(greedy, torch.zeros_like(logprobs), logprobs)
+    logprobs = torch.where(greedy, torch.zeros_like(sampled, dtype=scaled.dtype), token_logprob(tokens))
     return tokens, logprobs
 
 

@@ -2,10 +2,11 @@
 
 The torch sampler (`kv4rl.engine.sampler`) draws a token as
 
-    argmax_v  logprobs_all[b, v] (float32 -> float64) + (-log(-log(u(seed_b, step_b, v)))),
+    argmax_v  scores[b, v] (float32 -> float64) + (-log(-log(u(seed_b, step_b, v)))),
     u = ((splitmix64(splitmix64(seed ^ splitmix64(step)) + v * GOLDEN) >>> 11) + 0.5) * 2^-53,
 
-materialising [B, V] int64 and float64 tensors several times over. This kernel computes the same
+with `scores` the temperature-scaled (truncated) logits, materialising [B, V] int64 and float64
+tensors several times over. This kernel computes the same
 expression element by element and never stores it, so the tokens are the torch sampler's, bit for bit:
 
 - the hash runs in uint64, where multiplication and addition wrap and `>>` is the logical shift that
@@ -19,6 +20,8 @@ expression element by element and never stores it, so the tokens are the torch s
 
 Each program scans one split of a row's vocabulary with a per-lane running best and reduces it at the
 end; the few per-split winners are merged by torch.argmax (its tie rule keeps the earliest split).
+With `with_log_norm` the same pass keeps a per-lane running max and sum of exp (float32) for the row's
+log-sum-exp, so the sampler needs no log_softmax pass over [B, V].
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ def _precedes(v1, i1, v2, i2):
 @triton.jit
 def _gumbel_argmax_kernel(
     x_ptr, stride_x, seed_ptr, step_ptr, vocab, blocks_per_split,
-    best_v_ptr, best_i_ptr, u_ptr, score_ptr,
-    NOISE: tl.constexpr, LIBDEVICE: tl.constexpr, DEBUG: tl.constexpr, BLOCK: tl.constexpr,
+    best_v_ptr, best_i_ptr, u_ptr, score_ptr, max_ptr, sum_ptr,
+    NOISE: tl.constexpr, LIBDEVICE: tl.constexpr, DEBUG: tl.constexpr, LSE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -73,12 +76,21 @@ def _gumbel_argmax_kernel(
         key = _splitmix64(seed ^ _splitmix64(step))
     best_v = tl.full([BLOCK], float("-inf"), tl.float64)
     best_i = tl.full([BLOCK], _NO_INDEX, tl.int32)
+    run_m = tl.full([BLOCK], float("-inf"), tl.float32)  # LSE: per-lane running max and sum of exp(x - max)
+    run_s = tl.zeros([BLOCK], tl.float32)
     lo = split * blocks_per_split * BLOCK
     hi = tl.minimum(lo + blocks_per_split * BLOCK, vocab)
     for start in range(lo, hi, BLOCK):
         offs = start + lane
         live = offs < hi
-        score = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=live, other=0.0).to(tl.float64)
+        raw = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=live, other=0.0)
+        if LSE:  # the row's log-sum-exp in the same pass, float32 (what log_softmax's own sum uses)
+            xl = tl.where(live, raw, float("-inf"))
+            m_new = tl.maximum(run_m, xl)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            run_s = run_s * tl.exp(run_m - shift) + tl.exp(xl - shift)
+            run_m = m_new
+        score = raw.to(tl.float64)
         if NOISE:
             bits = _splitmix64(key + offs.to(tl.uint64) * 0x9E3779B97F4A7C15) >> 11
             u = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53, exact in any float type
@@ -108,6 +120,11 @@ def _gumbel_argmax_kernel(
     n_splits = tl.num_programs(1)
     tl.store(best_v_ptr + row * n_splits + split, v)
     tl.store(best_i_ptr + row * n_splits + split, i)
+    if LSE:
+        m = tl.max(run_m, 0)
+        total = tl.sum(run_s * tl.exp(run_m - tl.where(m == float("-inf"), 0.0, m)), 0)
+        tl.store(max_ptr + row * n_splits + split, m)
+        tl.store(sum_ptr + row * n_splits + split, total)
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,7 +132,8 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int | None, num_warps: int = NUM_WARPS):
+def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int | None, num_warps: int = NUM_WARPS,
+            lse: bool = False):
     rows, vocab = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -130,25 +148,41 @@ def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int |
     shape = (rows, vocab) if debug else (1,)
     u = torch.empty(shape, dtype=torch.float64, device=x.device)
     scores = torch.empty(shape, dtype=torch.float64, device=x.device)
+    split_max = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
+    split_sum = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
     if rows:
         _gumbel_argmax_kernel[(rows, splits)](
-            x, x.stride(0), seeds, steps, vocab, blocks_per_split, best_v, best_i, u, scores,
-            NOISE=noise, LIBDEVICE=not interpreting(), DEBUG=debug, BLOCK=block, num_warps=num_warps,
+            x, x.stride(0), seeds, steps, vocab, blocks_per_split, best_v, best_i, u, scores, split_max, split_sum,
+            NOISE=noise, LIBDEVICE=not interpreting(), DEBUG=debug, LSE=lse, BLOCK=block, num_warps=num_warps,
         )
     tokens = best_i.gather(1, best_v.argmax(1, keepdim=True)).squeeze(1).long()
-    return tokens, u, scores
+    return tokens, u, scores, (_merge_log_norm(split_max, split_sum) if lse else None)
 
 
-def gumbel_argmax(logprobs_all: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
-                  block: int = BLOCK_V, splits: int | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """The sampler's Gumbel-max tokens [B] for float32 log-probs [B, V] and int64 seeds, steps [B].
+def _merge_log_norm(split_max: torch.Tensor, split_sum: torch.Tensor) -> torch.Tensor:
+    """The row's log-sum-exp [B] from each split's max and sum of exp(x - max), merged and kept in float64:
+    rounded to float32 at |x| ~ 10 it would put a 1e-6 error on a log-prob near 0."""
+    m, s = split_max.double(), split_sum.double()
+    top = m.max(1).values
+    shift = torch.where(top == float("-inf"), 0.0, top)
+    return shift + (s * torch.exp(m - shift[:, None])).sum(1).log()
+
+
+def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
+                  block: int = BLOCK_V, splits: int | None = None, num_warps: int = NUM_WARPS,
+                  with_log_norm: bool = False):
+    """The sampler's Gumbel-max tokens [B] for float32 scores [B, V] (scaled logits, or log-probs: a
+    row's constant moves no argmax beyond rounding) and int64 seeds, steps [B]. `with_log_norm` also
+    returns each row's log-sum-exp of the scores [B] (float64), computed in the same pass, so a caller
+    can normalise the sampled token's score without a log_softmax over [B, V].
 
     `splits` (vocabulary ranges per row; default: enough programs to fill the GPU), `block` and
     `num_warps` change only the work layout, never the tokens.
     """
-    assert logprobs_all.dtype == torch.float32 and logprobs_all.dim() == 2
+    assert scores.dtype == torch.float32 and scores.dim() == 2
     seeds, steps = seeds.to(torch.long).contiguous(), steps.to(torch.long).contiguous()
-    return _launch(logprobs_all, seeds, steps, True, False, block, splits, num_warps)[0]
+    tokens, _, _, log_norm = _launch(scores, seeds, steps, True, False, block, splits, num_warps, lse=with_log_norm)
+    return (tokens, log_norm) if with_log_norm else tokens
 
 
 def gumbel_scores(logprobs_all: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
@@ -156,7 +190,7 @@ def gumbel_scores(logprobs_all: torch.Tensor, seeds: torch.Tensor, steps: torch.
     """(tokens, uniforms [B, V], scores [B, V]) as the kernel computes them, for tests that compare the
     noise itself with `uniform_noise` and the scores with the torch sampler's."""
     seeds, steps = seeds.to(torch.long).contiguous(), steps.to(torch.long).contiguous()
-    return _launch(logprobs_all, seeds, steps, True, True, block, splits)
+    return _launch(logprobs_all, seeds, steps, True, True, block, splits)[:3]
 
 
 def rows_argmax(values: torch.Tensor, *, block: int = BLOCK_V, splits: int | None = None) -> torch.Tensor:
