@@ -18,6 +18,9 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import kv4rl.kernels.sampling as ks  # noqa: E402
 from kv4rl.config import ConfigError, load_config  # noqa: E402
 from kv4rl.engine.config import EngineConfig, KVConfig  # noqa: E402
@@ -125,6 +128,53 @@ def test_noise_bits_and_scores_match_the_torch_formula(gen):
         bound = 1e-14 * (logprobs_all.double().abs() + gumbel.abs() + 1e-300)
         assert ((scores - ref_scores).abs() <= bound).all()
     assert torch.equal(tokens, ref_scores.argmax(-1))
+
+
+@triton.jit
+def _noise_kernel(bits_ptr, f32_ptr, f64_ptr, n, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    bits = tl.load(bits_ptr + offs, mask=live, other=0).to(tl.uint64, bitcast=True)
+    tl.store(f32_ptr + offs, ks._gumbel_f32(bits), mask=live)
+    tl.store(f64_ptr + offs, ks._gumbel_f64(bits, LIBDEVICE), mask=live)
+
+
+def test_float32_noise_stays_well_inside_the_screens_margin():
+    """The screen skips a block's float64 noise when its float32 scores trail the best by more than the
+    margin, which is safe only while the float32 noise is within it: checked at the uniform's extremes
+    (u near 0, near 1/2 where the formula switches, near 1 - 2^-8 where the series starts, near 1 with
+    float64's rounding of bits + 0.5, and u == 1, whose noise is +inf) and at random bits."""
+    top = 2**53
+    edges = [c + d for c in (0, 2**52, top - 2**45, top) for d in range(-2000, 2000) if 0 <= c + d < top]
+    bits = torch.tensor(edges + torch.randint(0, top, (100_000,)).tolist(), dtype=torch.long, device=DEVICE)
+    f32 = torch.empty(len(bits), device=DEVICE)
+    f64 = torch.empty(len(bits), dtype=torch.float64, device=DEVICE)
+    _noise_kernel[(triton.cdiv(len(bits), 1024),)](bits, f32, f64, len(bits), LIBDEVICE=CUDA, BLOCK=1024)
+    inf = torch.isinf(f64)
+    assert int(inf.sum()) == 1 and torch.equal(torch.isinf(f32), inf)  # bits 2^53 - 1 only
+    err = (f32.double() - f64).abs()[~inf]
+    assert float(err.max()) <= ks._SCREEN_ABS / 16, float(err.max())
+
+
+@pytest.mark.parametrize("block,splits", [(256, 1), (256, 4), (1024, None)])
+def test_near_ties_are_decided_in_float64(gen, block, splits):
+    """Rows whose two best scores differ by less than float32 can tell apart (one float32 rounding of the
+    logit): the screen must send both to float64, and the tokens are still the torch sampler's. Both
+    candidates win in some rows, so deciding in float32 (or always taking either) fails."""
+    b, v = 64, 5003
+    logits, _, _, _, seeds, steps = _rows(gen, b, v)
+    noise = (-torch.log(-torch.log(uniform_noise(seeds.cpu(), steps.cpu(), v)))).to(DEVICE)
+    first = torch.randint(0, v, (b,), generator=gen).to(DEVICE)
+    second = (first + torch.randint(1, v, (b,), generator=gen).to(DEVICE)) % v
+    second[::4] = (first[::4] + 3) % v  # some pairs share a block
+    rows = torch.arange(b, device=DEVICE)
+    logits[rows, first] = 200.0  # far above every other score
+    logits[rows, second] = (200.0 + noise[rows, first] - noise[rows, second]).float()
+    ones = torch.ones(b, device=DEVICE)
+    want, _ = sample(logits, ones, torch.zeros_like(seeds), ones, seeds, steps)
+    assert set(want.tolist()) <= set(first.tolist()) | set(second.tolist())
+    assert (want == first).any() and (want == second).any()
+    assert torch.equal(ks.gumbel_argmax(logits, seeds, steps, block=block, splits=splits), want)
 
 
 def test_ties_nan_and_all_minus_inf_rows_follow_torch_argmax():

@@ -6,6 +6,8 @@ optionally JSON):
   (`no_flags`) and the runner's call now (`now`: `greedy_rows=False, unit_temperature=True` for an RL
   batch at temperature 1; the noise on the scaled logits, the log-sum-exp from the kernel's pass),
   with the tokens that differ from `before` counted;
+- the fused Gumbel-max kernel alone without its float32 screen (`unscreened`: float64 noise for every
+  element, as before the nineteenth session) after checking it draws the screened kernel's tokens;
 - the fused Gumbel-max kernel alone in other work layouts (`--layouts block x warps x programs per SM`),
   after checking that every layout draws the default layout's tokens.
 
@@ -33,7 +35,7 @@ def _sample_before(logits, temp, seeds, steps):
     greedy = temp <= 0
     scaled = logits.float() / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
     logprobs_all = scaled.log_softmax(-1)
-    tokens = torch.where(greedy, logits.argmax(-1), sampling.gumbel_argmax(logprobs_all, seeds, steps))
+    tokens = torch.where(greedy, logits.argmax(-1), sampling.gumbel_argmax(logprobs_all, seeds, steps, screen=False))
     return tokens, torch.where(greedy, 0.0, logprobs_all.gather(1, tokens[:, None]).squeeze(1))
 
 
@@ -55,6 +57,9 @@ def _time_batch(b: int, vocab: int, layouts: list[tuple[int, int, int]], sms: in
            "sample_now_us": 1e3 * _time_graph(now)}
     lp = logits.log_softmax(-1)
     reference = sampling.gumbel_argmax(lp, seeds, steps)
+    unscreened = functools.partial(sampling.gumbel_argmax, lp, seeds, steps, screen=False)
+    assert torch.equal(unscreened(), reference), "the float32 screen changed a token"
+    row["gumbel_unscreened_us"] = 1e3 * _time_graph(unscreened)
     for block, warps, per_sm in layouts:
         splits = -(-per_sm * sms // b)
         run = functools.partial(sampling.gumbel_argmax, lp, seeds, steps, block=block, splits=splits, num_warps=warps)

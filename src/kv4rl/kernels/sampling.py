@@ -39,6 +39,10 @@ BLOCK_V = 1024
 NUM_WARPS = 8  # 164 against 176 us with 4 at 128 x 151,936 (bench/RESULTS.md)
 PROGRAMS_PER_SM = 4  # the default split count fills the GPU this many times over
 _NO_INDEX = tl.constexpr(2**31 - 1)  # loses every tie against a real vocabulary index
+# The float32 screen's margin over its error: `_gumbel_f32` is within ~2e-5 of the float64 noise (tested at
+# the extremes of the uniform), and a float32 sum adds half an ulp of the score
+_SCREEN_ABS = tl.constexpr(2.0**-10)
+_SCREEN_REL = tl.constexpr(2.0**-16)
 
 
 @triton.jit
@@ -48,6 +52,28 @@ def _splitmix64(x):
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
     return z ^ (z >> 31)
+
+
+@triton.jit
+def _gumbel_f64(bits, LIBDEVICE: tl.constexpr):
+    """The torch sampler's noise -log(-log(u)) in float64 for the 53 hash bits `bits`, bit for bit."""
+    u = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53, exact in any float type
+    if LIBDEVICE:
+        return -libdevice.log(-libdevice.log(u))
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _gumbel_f32(bits):
+    """The same noise in float32, within ~2e-5 of it (tests check it at the uniform's extremes). Where u is
+    within 2^-8 of 1, -log(u) is the series in t = 1 - u, taken exactly in the integers as float64 has it
+    (bits + 0.5 rounds half to even above 2^52; bits = 2^53 - 1 makes u = 1 and the noise +inf), so the u
+    near 1 that make the noise large keep their bits; elsewhere log(u) loses at most 2^-17 of -log(u)."""
+    u = (bits.to(tl.float32) + 0.5) * 1.1102230246251565e-16
+    t = ((bits ^ 0x1FFFFFFFFFFFFF) + 1 - (bits & 1)).to(tl.float32) * 1.1102230246251565e-16
+    series = t * (1.0 + t * (0.5 + t * (0.3333333333333333 + t * 0.25)))  # next term t^5/5: < 2^-33 of it
+    w = tl.where(t < 0.00390625, series, -tl.log(u))
+    return -tl.log(w)
 
 
 @triton.jit
@@ -64,7 +90,8 @@ def _precedes(v1, i1, v2, i2):
 def _gumbel_argmax_kernel(
     x_ptr, stride_x, seed_ptr, step_ptr, vocab, blocks_per_split,
     best_v_ptr, best_i_ptr, u_ptr, score_ptr, max_ptr, sum_ptr,
-    NOISE: tl.constexpr, LIBDEVICE: tl.constexpr, DEBUG: tl.constexpr, LSE: tl.constexpr, BLOCK: tl.constexpr,
+    NOISE: tl.constexpr, LIBDEVICE: tl.constexpr, DEBUG: tl.constexpr, LSE: tl.constexpr, SCREEN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -75,6 +102,7 @@ def _gumbel_argmax_kernel(
         step = tl.load(step_ptr + row + lane * 0).to(tl.uint64, bitcast=True)
         key = _splitmix64(seed ^ _splitmix64(step))
     best_v = tl.full([BLOCK], float("-inf"), tl.float64)
+    best_s = tl.max(best_v, 0)  # SCREEN: the program's best float64 score so far (NaN left out)
     best_i = tl.full([BLOCK], _NO_INDEX, tl.int32)
     run_m = tl.full([BLOCK], float("-inf"), tl.float32)  # LSE: per-lane running max and sum of exp(x - max)
     run_s = tl.zeros([BLOCK], tl.float32)
@@ -90,24 +118,35 @@ def _gumbel_argmax_kernel(
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             run_s = run_s * tl.exp(run_m - shift) + tl.exp(xl - shift)
             run_m = m_new
-        score = raw.to(tl.float64)
-        if NOISE:
+        if SCREEN:  # float32 scores first; float64 only for blocks that may hold the program's winner
             bits = _splitmix64(key + offs.to(tl.uint64) * 0x9E3779B97F4A7C15) >> 11
-            u = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53, exact in any float type
-            # torch: lp + (-log(-log(u))); x - y is x + (-y) in IEEE arithmetic
-            if LIBDEVICE:
-                score = score - libdevice.log(-libdevice.log(u))
-            else:
-                score = score - tl.log(-tl.log(u))
-            if DEBUG:
-                out = row.to(tl.int64) * vocab + offs
-                tl.store(u_ptr + out, u, mask=live)
-                tl.store(score_ptr + out, score, mask=live)
-        score = tl.where(live, score, float("-inf"))
-        idx = tl.where(live, offs, _NO_INDEX)
-        take = _precedes(score, idx, best_v, best_i)
-        best_v = tl.where(take, score, best_v)
-        best_i = tl.where(take, idx, best_i)
+            approx = raw + _gumbel_f32(bits)
+            size = tl.abs(approx)
+            margin = _SCREEN_ABS + tl.where(size < float("inf"), _SCREEN_REL * size, 0.0)
+            maybe = (approx.to(tl.float64) >= best_s - margin) | (approx != approx)
+            if tl.max((maybe & live).to(tl.int32), 0) > 0:
+                score = raw.to(tl.float64) + _gumbel_f64(bits, LIBDEVICE)
+                score = tl.where(live, score, float("-inf"))
+                idx = tl.where(live, offs, _NO_INDEX)
+                take = _precedes(score, idx, best_v, best_i)
+                best_v = tl.where(take, score, best_v)
+                best_i = tl.where(take, idx, best_i)
+                best_s = tl.maximum(best_s, tl.max(tl.where(score != score, float("-inf"), score), 0))
+        else:
+            score = raw.to(tl.float64)
+            if NOISE:
+                bits = _splitmix64(key + offs.to(tl.uint64) * 0x9E3779B97F4A7C15) >> 11
+                u = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16
+                score = score + _gumbel_f64(bits, LIBDEVICE)  # torch: lp + (-log(-log(u)))
+                if DEBUG:
+                    out = row.to(tl.int64) * vocab + offs
+                    tl.store(u_ptr + out, u, mask=live)
+                    tl.store(score_ptr + out, score, mask=live)
+            score = tl.where(live, score, float("-inf"))
+            idx = tl.where(live, offs, _NO_INDEX)
+            take = _precedes(score, idx, best_v, best_i)
+            best_v = tl.where(take, score, best_v)
+            best_i = tl.where(take, idx, best_i)
     # lanes -> one winner with plain max/min reductions (a custom combine runs per element in the
     # interpreter): the first NaN if any lane holds one, else the lowest index among the largest
     is_nan = best_v != best_v
@@ -133,7 +172,7 @@ def _num_sms(index: int) -> int:
 
 
 def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int | None, num_warps: int = NUM_WARPS,
-            lse: bool = False):
+            lse: bool = False, screen: bool = True):
     rows, vocab = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -153,7 +192,8 @@ def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int |
     if rows:
         _gumbel_argmax_kernel[(rows, splits)](
             x, x.stride(0), seeds, steps, vocab, blocks_per_split, best_v, best_i, u, scores, split_max, split_sum,
-            NOISE=noise, LIBDEVICE=not interpreting(), DEBUG=debug, LSE=lse, BLOCK=block, num_warps=num_warps,
+            NOISE=noise, LIBDEVICE=not interpreting(), DEBUG=debug, LSE=lse, SCREEN=screen and noise and not debug,
+            BLOCK=block, num_warps=num_warps,
         )
     tokens = best_i.gather(1, best_v.argmax(1, keepdim=True)).squeeze(1).long()
     return tokens, u, scores, (_merge_log_norm(split_max, split_sum) if lse else None)
@@ -170,7 +210,7 @@ def _merge_log_norm(split_max: torch.Tensor, split_sum: torch.Tensor) -> torch.T
 
 def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
                   block: int = BLOCK_V, splits: int | None = None, num_warps: int = NUM_WARPS,
-                  with_log_norm: bool = False):
+                  with_log_norm: bool = False, screen: bool = True):
     """The sampler's Gumbel-max tokens [B] for float32 scores [B, V] (scaled logits, or log-probs: a
     row's constant moves no argmax beyond rounding) and int64 seeds, steps [B]. `with_log_norm` also
     returns each row's log-sum-exp of the scores [B] (float64), computed in the same pass, so a caller
@@ -181,7 +221,8 @@ def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     """
     assert scores.dtype == torch.float32 and scores.dim() == 2
     seeds, steps = seeds.to(torch.long).contiguous(), steps.to(torch.long).contiguous()
-    tokens, _, _, log_norm = _launch(scores, seeds, steps, True, False, block, splits, num_warps, lse=with_log_norm)
+    tokens, _, _, log_norm = _launch(scores, seeds, steps, True, False, block, splits, num_warps, lse=with_log_norm,
+                                     screen=screen)
     return (tokens, log_norm) if with_log_norm else tokens
 
 
