@@ -350,6 +350,34 @@ def test_cuda_int4_kernel_rotations_and_head_shapes(name, rotate, hq, hkv, gen):
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL
 
 
+@pytest.mark.skipif(not CUDA, reason="the CUDA kernels need a GPU")
+@pytest.mark.parametrize("rotate", ["k", "kv"])
+def test_kv4_int8_item_beside_the_body_writes_the_bits_of_the_item_after_it(rotate, gen, monkeypatch):
+    """Launched as the INT4 body's programmatic dependent, rotating the raw query itself, KV4's INT8 item
+    writes exactly what it writes launched after the body from the body's rotated query, at several split
+    grids (its merge must see every split's partial), bf16 and float32 outputs."""
+    import kv4rl.kernels.cuda_source as cs
+    from kv4rl.kernels.decode_attention import DecodeKernels
+
+    launches = []
+    real = cs.launch_after_previous
+    monkeypatch.setattr(cs, "launch_after_previous", lambda *a, **k: (launches.append(1), real(*a, **k)))
+    fmt = make_format("kv4", 128, n_sink=4, n_recent=32, rotate=rotate)
+    lens = [1, 17, 36, 37, 300, 1500, 4000]
+    cache, meta = random_paged_batch(fmt, lens, 8, 128, 16, DEVICE, gen)
+    q = torch.randn(len(lens), 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = reference_decode(fmt, cache, meta, q)
+    for max_splits, split in [(1, 4000), (8, 512), (32, 128)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            outs = []
+            for beside in (True, False):
+                kernels = DecodeKernels(int8_item_beside_body=beside)
+                outs.append(fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=dtype, kernels=kernels))
+            assert torch.equal(outs[0], outs[1]), (max_splits, dtype)
+            assert rel_err(outs[0].float(), ref) < TOL
+    assert len(launches) == 6  # the beside runs took the programmatic launch
+
+
 def test_cuda_int4_kernel_split_grid_and_refusals():
     """One block per (split, sequence) of up to 8 KV heads, 2 resident per SM: the grid is sized to a
     whole number of waves; shapes the kernel cannot take name the reason."""

@@ -24,6 +24,8 @@
 #   bash tools/device_benches.sh gemm_blas 2>&1 | tee $OUT/log.txt             # decode GEMMs under cuBLAS and cuBLASLt (~1 min)
 #   bash tools/device_benches.sh profile_rollout 2>&1 | tee $OUT/log.txt       # 1.7B partial-rollout step vs pure step, by kernel family (~2 min)
 #   bash tools/device_benches.sh write_sampler 2>&1 | tee $OUT/log.txt         # K+V write in one launch, sampler passes: tests and timings (~5 min)
+#   bash tools/device_benches.sh screen_beside 2>&1 | tee $OUT/log.txt         # sampler screen + log-sum-exp, INT8 item beside the body (~6 min)
+#   bash tools/device_benches.sh step_profiles 2>&1 | tee $OUT/log.txt         # KV4 rollout step, generate 1.7B, B256 step profile (~6 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -242,15 +244,30 @@ write_sampler_check() {  # issue 11: after write_sampler, the engine's K/V write
     generate
 }
 
-sampler_lse() {  # issue 11 (branch sampler-fused-lse): the row's log-sum-exp from the Gumbel kernel's own pass,
-    # no log_softmax over [B, V] (eighteenth session: 0.089 ms of a 1.7B B128 step). Its GPU tests, the
-    # sampler timings against the old path (tokens that differ counted), the KV4 step profile, bench generate (~5 min)
+screen_beside() {  # issue 11 (nineteenth session): the sampler's log-sum-exp from the Gumbel kernel's pass and its
+    # float32 screen; KV4's INT8 item launched beside the INT4 body. Their GPU tests, the sampler against the
+    # old path, decode attention with the item beside and after the body, the engine's fast-path tests (~6 min)
     timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_sampling_kernel_gpu.py \
-        tests/test_sampling_kernel.py tests/test_sampler.py > $OUT/sampler_lse_tests.txt 2>&1; tail -3 $OUT/sampler_lse_tests.txt
+        tests/test_sampling_kernel.py tests/test_sampler.py > $OUT/sampler_tests.txt 2>&1; tail -3 $OUT/sampler_tests.txt
+    timeout 150 python -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py -k "decode_attention_matches_reference \
+        or kv4_sequences or cuda_int4_kernel_rotations or beside or cuda_fp8_kernel" > $OUT/attn_tests.txt 2>&1
+    tail -3 $OUT/attn_tests.txt
     timeout 60 python tools/sampler_time.py --batches 64,128,256 --layouts 1024x8x4 --json $OUT/sampler_time.json
+    timeout 60 python -m kv4rl.cli bench decode-attn --shapes qwen3-8b --batches 64 --contexts 8192 \
+        --formats int4,kv4,kv4-serial --json $OUT/decode_attn_8b.json 2>&1 | grep "│" | tail -6
+    timeout 60 python -m kv4rl.cli bench decode-attn --shapes qwen3-1.7b --batches 128,256 --contexts 1024 \
+        --formats bf16,kv4,kv4-serial --json $OUT/decode_attn_1p7b.json 2>&1 | grep "│" | tail -10
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_engine_fast_path_gpu.py \
+        > $OUT/engine_tests.txt 2>&1; tail -3 $OUT/engine_tests.txt
+}
+
+step_profiles() {  # issue 11: the 1.7B KV4 rollout step's profile, bench generate 1.7B, and where a B256 generate
+    # step's GPU time goes, BF16 and KV4 (~6 min)
     timeout 100 python tools/profile_rollout_step.py --shape qwen3-1.7b --format kv4 engine.gpu_memory_fraction=0.6 \
         --json $OUT/profile_rollout_kv4.json 2>&1 | grep -v "^\[" | tail -14
     generate
+    timeout 150 python tools/profile_generate.py --shape qwen3-1.7b --batch 256 --prompt-len 128 --new-tokens 256 \
+        --kv-formats bf16,kv4 --top 16 --json $OUT/profile_generate_b256.json 2>&1 | grep -v "^\[" | tail -50
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the

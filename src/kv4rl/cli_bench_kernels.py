@@ -48,7 +48,8 @@ def register_kernel_benches(app: typer.Typer) -> None:
         contexts: Annotated[str, Option("--contexts", help="comma-separated context lengths")] = "2048,4096,8192,16384",
         formats: Annotated[str, Option(
             "--formats", help="KV formats: bf16, fp8, int4, kv4; fp8-triton / int4-triton / kv4-triton run the "
-                              "FP8 or INT4 body in the Triton kernel instead of the CUDA one")] = "bf16,fp8,int4,kv4",
+                              "FP8 or INT4 body in the Triton kernel instead of the CUDA one; kv4-serial launches "
+                              "KV4's INT8 item after the INT4 body instead of beside it")] = "bf16,fp8,int4,kv4",
         seed: Annotated[int, Option("--seed")] = 0,
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from kv4rl.bench.random_model import QWEN3_SHAPES
 from kv4rl.kernels.decode_attention import DecodeKernels
 
-FORMATS = ("bf16", "fp8", "int4", "kv4", "fp8-triton", "int4-triton", "kv4-triton")  # -triton: the body in Triton
+# -triton: the body in Triton; kv4-serial: KV4's CUDA INT8 item after the body, not beside it
+FORMATS = ("bf16", "fp8", "int4", "kv4", "fp8-triton", "int4-triton", "kv4-triton", "kv4-serial")
 HEAD_SHAPES = {name: (QWEN3_SHAPES[name]["num_attention_heads"], QWEN3_SHAPES[name]["num_key_value_heads"],
                       QWEN3_SHAPES[name]["head_dim"]) for name in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b")}
 
@@ -169,7 +170,8 @@ def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], 
                     base, _, kernel = fmt.partition("-")
                     # the split grid follows the body's kernel too
                     case = PagedCase(base, batch, context, hq, hkv, d, device, gen, bf16_kv=qkv,
-                                     kernels=DecodeKernels(int4_cuda=kernel != "triton", fp8_cuda=kernel != "triton"))
+                                     kernels=DecodeKernels(int4_cuda=kernel != "triton", fp8_cuda=kernel != "triton",
+                                                           int8_item_beside_body=kernel != "serial"))
                     out = case.call(q)
                     check = {"finite": bool(torch.isfinite(out).all())}
                     if case.fast.body_kernel is not None:

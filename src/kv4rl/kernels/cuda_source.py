@@ -8,6 +8,7 @@ the named file from the same folder (nvcc, for offline register and SASS checks,
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import re
@@ -133,3 +134,50 @@ def kernel_query(q: torch.Tensor) -> torch.Tensor:
     if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
         return q.contiguous()
     return q
+
+
+# ---- programmatic dependent launch: torch's kernel object launches with cuLaunchKernel only ----
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def launch_after_previous(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
+                          shared_mem: int) -> None:
+    """Launch `kernel` (from `compiled`) on torch's current stream as a programmatic dependent of the kernel
+    before it: it may start while that one's last blocks run, and must wait (`griddepcontrol.wait`) before it
+    reads what that kernel writes. CUDA graphs capture the dependency as a programmatic edge. Arguments as
+    torch's launcher takes them: tensors (pointers), ints (C int), floats (C double)."""
+    keep, params = [], []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            value = ctypes.c_void_p(arg.data_ptr())
+        elif isinstance(arg, bool) or not isinstance(arg, (int, float)):
+            raise TypeError(f"unsupported kernel argument {type(arg).__name__}")
+        else:
+            value = ctypes.c_int(arg) if isinstance(arg, int) else ctypes.c_double(arg)
+        keep.append(value)
+        params.append(ctypes.cast(ctypes.byref(value), ctypes.c_void_p))
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                           ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), ctypes.pointer(attr), 1)
+    c_params = (ctypes.c_void_p * len(params))(*params)
+    status = _driver().cuLaunchKernelEx(ctypes.byref(config), kernel.func, c_params, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+
+
+@functools.cache
+def _driver():
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    return lib

@@ -41,18 +41,23 @@ CUDA_BODIES = MappingProxyType({DecodeKind.INT4: int4_decode_cuda, DecodeKind.FP
 class DecodeKernels:
     """The decode kernels' settings for one owner: `launch` per kind (default `DEFAULT_LAUNCH`), whether
     INT4 and FP8 bodies may run in their CUDA kernels (`int4_cuda`, `fp8_cuda`, wherever the kernel's
-    `problem` allows), and the latest Triton split kernel it compiled (registers, spills: for tuning notes)."""
+    `problem` allows), whether KV4's CUDA INT8 item starts beside the CUDA INT4 body (`int8_item_beside_body`:
+    launched as its programmatic dependent, it streams the protected rows on the SMs the body's last blocks
+    free and waits for the body only to merge; off, it runs after the body), and the latest Triton split
+    kernel it compiled (registers, spills: for tuning notes)."""
 
     def __init__(self, launch: Mapping[DecodeKind, Mapping[str, Any]] | None = None, int4_cuda: bool = True,
-                 fp8_cuda: bool = True):
+                 fp8_cuda: bool = True, int8_item_beside_body: bool = True):
         self.launch = {kind: dict(cfg) for kind, cfg in (DEFAULT_LAUNCH if launch is None else launch).items()}
         self.int4_cuda = int4_cuda
         self.fp8_cuda = fp8_cuda
+        self.int8_item_beside_body = int8_item_beside_body
         self.last_compiled = None
 
     def with_launch(self, kind: DecodeKind, **settings) -> DecodeKernels:
         """A copy whose `kind` launches with `settings` overriding the current ones (tuning sweeps)."""
-        return DecodeKernels({**self.launch, kind: {**self.launch[kind], **settings}}, self.int4_cuda, self.fp8_cuda)
+        return DecodeKernels({**self.launch, kind: {**self.launch[kind], **settings}}, self.int4_cuda, self.fp8_cuda,
+                             self.int8_item_beside_body)
 
     @property
     def max_block_n(self) -> int:
@@ -139,10 +144,14 @@ def paged_decode_attention(
         from kv4rl.quant.hadamard import rotate
 
         q_in = q = rotate(q)
-    q_rot = torch.empty_like(q) if in_kernel and side is not None else None
     if out is None:
         out = torch.empty_like(q)
-    # the body first: with an in-kernel rotation it also hands KV4's INT8 kernel the rotated query
+    # KV4 with the CUDA INT4 body: its INT8 twin rotates the raw query itself and starts beside the body;
+    # otherwise the body hands the rotated query over (q_rot) and the item runs after it
+    side_cuda = side is not None and use_cuda and fp8_decode_cuda.side_problem(out) is None
+    beside = side_cuda and in_kernel and kernels.int8_item_beside_body
+    q_rot = torch.empty_like(q) if in_kernel and side is not None and not beside else None
+    # the body first: with an in-kernel rotation and q_rot it also hands the INT8 item the rotated query
     body = SplitLaunch(q_in, kind, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part,
                        num_splits=batch.max_splits, sm_scale=sm_scale, start=n_sink, end_off=n_recent,
                        n_sink=n_sink, n_recent=n_recent, rotate_query=in_kernel, q_rot_out=q_rot)
@@ -154,9 +163,9 @@ def paged_decode_attention(
     if side is not None:  # the protected INT8 rows, merged with the body's splits into `out`
         item = SplitLaunch(q if q_rot is None else q_rot, DecodeKind.INT8_SIDE, side["k"], side["v"],
                            side["k_scale"], side["v_scale"], None, None, batch, o_part, lse_part, num_splits=1,
-                           sm_scale=sm_scale, n_sink=n_sink, n_recent=n_recent, out=out)
-        if use_cuda and fp8_decode_cuda.side_problem(out) is None:  # with the CUDA INT4 body: its 8-bit twin
-            fp8_decode_cuda.launch_int8_side(item)
+                           sm_scale=sm_scale, n_sink=n_sink, n_recent=n_recent, out=out, rotate_query=beside)
+        if side_cuda:  # with the CUDA INT4 body: its 8-bit twin
+            fp8_decode_cuda.launch_int8_side(item, beside_body=beside)
         else:
             _launch_triton(item, kernels)
         return out

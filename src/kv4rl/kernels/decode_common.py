@@ -47,7 +47,8 @@ class SplitLaunch:
     """One split-kernel launch over positions [start, L - end_off) of every sequence, filling
     `o_part[:, :, split_base:split_base + num_splits]` / `lse_part` with normalised partial outputs and
     their log2-sum-exp. `out` set (KV4's INT8 item only): merge with the body's partials into it.
-    `rotate_query`: q is raw and the body rotates it (CUDA INT4 only; `q_rot_out` receives it)."""
+    `rotate_query`: q is raw and the kernel rotates it (the CUDA INT4 body, `q_rot_out` receiving it, and
+    KV4's CUDA INT8 item launched beside that body)."""
 
     q: torch.Tensor
     kind: DecodeKind

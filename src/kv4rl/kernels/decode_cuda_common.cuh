@@ -39,6 +39,49 @@ __device__ __forceinline__ float fast_log2(float x) {
 
 #define NEG_INF bits_to_float(0xff800000u)
 
+// A query row's 128 channels times the Sylvester Hadamard matrix (orthonormal), rounded to bf16: the cache's
+// rotation. Lane j of a 4-lane group holds channels 32j .. 32j+31 in qf, in order: channel bits 0-4 are
+// butterflies inside the lane, bits 5-6 shuffles across j. Both kernels that rotate a query call this, so
+// the INT4 body and KV4's INT8 item see the same bits.
+__device__ __forceinline__ void hadamard_rotate_bf16(float* qf, int j) {
+    #pragma unroll
+    for (int bit = 1; bit < 32; bit <<= 1) {
+        #pragma unroll
+        for (int e = 0; e < 32; ++e) {
+            if (!(e & bit)) {
+                const float a = qf[e], c = qf[e | bit];
+                qf[e] = a + c;
+                qf[e | bit] = a - c;
+            }
+        }
+    }
+    #pragma unroll
+    for (int bit = 1; bit < 4; bit <<= 1) {
+        #pragma unroll
+        for (int e = 0; e < 32; ++e) {
+            const float other = __shfl_xor_sync(0xffffffffu, qf[e], bit);
+            qf[e] = (j & bit) ? other - qf[e] : qf[e] + other;
+        }
+    }
+    #pragma unroll
+    for (int e = 0; e < 32; ++e) qf[e] = round_to_bf16(qf[e] * 0.08838834764831845f);  // 1/sqrt(128)
+}
+
+// Programmatic dependent launch (sm_90+; no-ops before, and when the next kernel was launched without the
+// attribute): the INT4 body lets KV4's INT8 item start on the SMs its blocks free, and the item waits for the
+// body's partials (all of its blocks done, their writes visible) only where it merges them.
+__device__ __forceinline__ void let_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float fmax_(float a, float b) {
     float d;
     asm("max.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));

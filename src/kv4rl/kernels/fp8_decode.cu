@@ -88,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     const int* block_tables, int stride_bt, const int* context_lens, const int* split_ptr,
     float* o_part, float* lse_part, int num_q_heads, int num_partials, int num_kv_heads, int group,
     int block_shift, int start, int end_off, double sm_scale_log2,
-    const int* seq_slots, int budget, void* out, int stride_outb, int stride_outh, int out_f32) {
+    const int* seq_slots, int budget, void* out, int stride_outb, int stride_outh, int out_f32, int rotate_q) {
     extern __shared__ __align__(16) u8 smem[];
     const int lane = threadIdx.x & 31;
     const int h = blockIdx.z * WARPS + (threadIdx.x >> 5);
@@ -112,26 +112,39 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
 
     // Query fragments: lane (g, j) holds head g's channels 32j + 4m + {0, 1} (qa[m]) and {2, 3} (qb[m])
     u32 qa[8], qb[8];
-    if (g < group) {
-        const u8* qp = (const u8*)(q + (long long)b * stride_qb + (long long)(h * group + g) * stride_qh + 32 * j);
+    {
+        float qf[32];  // channels 32j .. 32j+31 in order
+        if (g < group) {
+            const u8* qp = (const u8*)(q + (long long)b * stride_qb + (long long)(h * group + g) * stride_qh + 32 * j);
+            #pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const U4 w = *(const U4*)(qp + 16 * c);  // channels 8c .. 8c+7
+                const u32 ws[4] = {w.x, w.y, w.z, w.w};
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    qf[8 * c + 2 * e] = bits_to_float(ws[e] << 16);
+                    qf[8 * c + 2 * e + 1] = bits_to_float(ws[e] & 0xFFFF0000u);
+                }
+            }
+        } else {
+            #pragma unroll
+            for (int e = 0; e < 32; ++e) qf[e] = 0.f;
+        }
+#ifdef SIDE_INT8
+        // the raw query, rotated here as the INT4 body rotates it (same bits), so this kernel needs
+        // nothing from the body until its merge and can run beside it
+        if (rotate_q) hadamard_rotate_bf16(qf, j);
+#endif
         #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const U4 w = *(const U4*)(qp + 16 * c);  // channels 8c .. 8c+7
-            const u32 ws[4] = {w.x, w.y, w.z, w.w};
             float f[8];
             #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                f[2 * e] = bits_to_float(ws[e] << 16) * (float)sm_scale_log2;
-                f[2 * e + 1] = bits_to_float(ws[e] & 0xFFFF0000u) * (float)sm_scale_log2;
-            }
+            for (int e = 0; e < 8; ++e) f[e] = qf[8 * c + e] * (float)sm_scale_log2;
             qa[2 * c] = pack_half2(f[0], f[1]);
             qb[2 * c] = pack_half2(f[2], f[3]);
             qa[2 * c + 1] = pack_half2(f[4], f[5]);
             qb[2 * c + 1] = pack_half2(f[6], f[7]);
         }
-    } else {
-        #pragma unroll
-        for (int m = 0; m < 8; ++m) qa[m] = qb[m] = 0u;
     }
 
     // ---- the copy side: lane copies 16-byte chunk lane % 8 of rows lane / 8 + {0, 4, 8, 12} of K and V
@@ -294,7 +307,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
         l1 += __shfl_xor_sync(0xffffffffu, l1, d);
     }
 #ifdef SIDE_INT8
-    // merge with the INT4 body's splits over [start, L - end_off): out = sum_s w_s o_s / sum_s w_s
+    // merge with the INT4 body's splits over [start, L - end_off): out = sum_s w_s o_s / sum_s w_s, once the
+    // body's grid is done (launched as its programmatic dependent, this kernel may have started before)
+    wait_for_prerequisite_grid();
     const int body_end = L - end_off > start ? L - end_off : start;
     const int n_main = (body_end - start + split - 1) / split;
 #endif

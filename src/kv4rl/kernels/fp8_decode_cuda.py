@@ -78,7 +78,7 @@ def launch_split(work: SplitLaunch, config: Mapping[str, int] | None = None) -> 
     assert all(t.data_ptr() % 4 == 0 for t in (work.k_scale, work.v_scale))
     # the side-only arguments are unused: any int32 pointer and buffer
     _launch(work, config, side=False, num_splits=work.num_splits, start=work.start, end_off=work.end_off,
-            side_args=[0, work.o_part, 0, 0, 0])
+            side_args=[0, work.o_part, 0, 0, 0, 0])
 
 
 def side_problem(out: torch.Tensor) -> str | None:
@@ -91,19 +91,23 @@ def side_problem(out: torch.Tensor) -> str | None:
     return None
 
 
-def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None) -> None:
-    """KV4's INT8 work item: attention of work.q (already rotated) over each sequence's protected rows
-    (work.k / v [rows, Hkv, D] int8, float32 scales; a sequence's rows start at seq_slot x (n_sink +
-    n_recent)), merged with the INT4 body's split partials in work.o_part / lse_part (over [n_sink,
-    L - n_recent)) into work.out. The body must have run first (same stream)."""
+def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None, *, beside_body: bool = False) -> None:
+    """KV4's INT8 work item: attention of work.q (rotated already, or by the kernel with
+    `work.rotate_query`) over each sequence's protected rows (work.k / v [rows, Hkv, D] int8, float32
+    scales; a sequence's rows start at seq_slot x (n_sink + n_recent)), merged with the INT4 body's split
+    partials in work.o_part / lse_part (over [n_sink, L - n_recent)) into work.out. The body must be the
+    kernel launched just before on this stream; `beside_body` launches the item as its programmatic
+    dependent (it then needs the raw query: the body's rotated copy may not exist yet when it starts)."""
     out = work.out
     assert work.k.dtype == work.v.dtype == torch.int8 and side_problem(out) is None
+    assert work.rotate_query or not beside_body, "beside the body the item must rotate the query itself"
     _launch(work, config, side=True, num_splits=1, start=work.n_sink, end_off=work.n_recent,
-            side_args=[work.n_sink + work.n_recent, out, out.stride(0), out.stride(1), int(out.dtype == torch.float32)])
+            side_args=[work.n_sink + work.n_recent, out, out.stride(0), out.stride(1), int(out.dtype == torch.float32),
+                       int(work.rotate_query)], programmatic=beside_body)
 
 
 def _launch(work: SplitLaunch, config: Mapping[str, int] | None, *, side: bool, num_splits: int, start: int,
-            end_off: int, side_args: list) -> None:
+            end_off: int, side_args: list, programmatic: bool = False) -> None:
     """One launch of the kernel (the FP8 body, or with `side` the INT8 item): the arguments both share."""
     config = CONFIG if config is None else config
     q, k, v, batch = cuda_source.kernel_query(work.q), work.k, work.v, work.batch
@@ -117,12 +121,14 @@ def _launch(work: SplitLaunch, config: Mapping[str, int] | None, *, side: bool, 
     bt = batch.block_tables
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))
-    _kernel(device, warps, stages, min_blocks, strides, side=side)(
-        grid=(num_splits, bsz, math.ceil(num_kv_heads / warps)), block=(32 * warps, 1, 1),
-        args=[q, q.stride(0), q.stride(1), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale,
-              bt, bt.stride(0), batch.context_lens, batch.split_size,
-              work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
-              batch.block_size.bit_length() - 1, start, end_off, float(work.sm_scale * LOG2E),
-              batch.seq_slots, *side_args],
-        shared_mem=shared_bytes(warps, stages),
-    )
+    kernel = _kernel(device, warps, stages, min_blocks, strides, side=side)
+    args = [q, q.stride(0), q.stride(1), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale,
+            bt, bt.stride(0), batch.context_lens, batch.split_size,
+            work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
+            batch.block_size.bit_length() - 1, start, end_off, float(work.sm_scale * LOG2E), batch.seq_slots, *side_args]
+    launch = {"grid": (num_splits, bsz, math.ceil(num_kv_heads / warps)), "block": (32 * warps, 1, 1), "args": args,
+              "shared_mem": shared_bytes(warps, stages)}
+    if programmatic:
+        cuda_source.launch_after_previous(kernel, **launch)
+    else:
+        kernel(**launch)

@@ -124,6 +124,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
     float* o_part, float* lse_part, int num_q_heads, int num_partials, int num_kv_heads, int group,
     int block_shift, int start, int end_off, double sm_scale_log2, int rotate_q, u16* q_rot_out, int write_q_rot) {
     extern __shared__ __align__(16) u8 smem[];
+    let_dependents_launch();  // KV4's INT8 item may start as this grid's blocks finish
     const int lane = threadIdx.x & 31;
     const int h = blockIdx.z * WARPS + (threadIdx.x >> 5);
     if (h >= num_kv_heads) return;
@@ -160,27 +161,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
             for (int e = 0; e < 32; ++e) qf[e] = 0.f;
         }
         if (rotate_q) {  // q @ H (Sylvester, orthonormal) as a fast Walsh-Hadamard transform, rounded to bf16
-            #pragma unroll
-            for (int bit = 1; bit < 32; bit <<= 1) {  // channel bits 0-4: inside the lane
-                #pragma unroll
-                for (int e = 0; e < 32; ++e) {
-                    if (!(e & bit)) {
-                        const float a = qf[e], c = qf[e | bit];
-                        qf[e] = a + c;
-                        qf[e | bit] = a - c;
-                    }
-                }
-            }
-            #pragma unroll
-            for (int bit = 1; bit < 4; bit <<= 1) {  // channel bits 5-6: the lane's j
-                #pragma unroll
-                for (int e = 0; e < 32; ++e) {
-                    const float other = __shfl_xor_sync(0xffffffffu, qf[e], bit);
-                    qf[e] = (j & bit) ? other - qf[e] : qf[e] + other;
-                }
-            }
-            #pragma unroll
-            for (int e = 0; e < 32; ++e) qf[e] = round_to_bf16(qf[e] * 0.08838834764831845f);  // 1/sqrt(128)
+            hadamard_rotate_bf16(qf, j);
             if (q_writer && g < group) {
                 u16* out = q_rot_out + ((long long)b * num_q_heads + h * group + g) * HEAD_DIM + 32 * j;
                 #pragma unroll
