@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kv4rl.bench.kernel_profile import by_family, family, side_by_side
+from kv4rl.bench.kernel_profile import busy_ms, by_family, family, side_by_side
 
 
 @pytest.mark.parametrize("name,fam", [
@@ -28,6 +28,15 @@ from kv4rl.bench.kernel_profile import by_family, family, side_by_side
 ])
 def test_kernel_names_fall_into_their_family(name, fam):
     assert family(name) == fam
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    """Overlapping kernels (an INT8 item beside its body) count once, nested ones add nothing, gaps are
+    left out, and the order of the events does not matter: 0-10, 8-15 (5 more), 12-14 (inside), 20-21."""
+    intervals = [(20.0, 21.0), (0.0, 10.0), (12.0, 14.0), (8.0, 15.0)]
+    assert busy_ms(intervals) == pytest.approx(16.0 / 1e3)
+    assert busy_ms([(0.0, 10.0), (10.0, 12.0)]) == pytest.approx(12.0 / 1e3)  # touching: no gap, no overlap
+    assert busy_ms([]) == 0.0
 
 
 def test_families_summed_per_step_and_set_side_by_side():

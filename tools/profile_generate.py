@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kv4rl.bench.generate import random_prompts
-from kv4rl.bench.kernel_profile import by_family, kernel_rows
+from kv4rl.bench.kernel_profile import busy_ms, by_family, kernel_intervals, kernel_rows
 from kv4rl.bench.random_model import qwen3_args, random_decoder
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
@@ -56,7 +56,7 @@ def profile_format(decoder, fmt: str, prompts, new_tokens: int, seed: int, top: 
         "prefill_wall_s": sum(s["latency_s"] for s in prefill),
         "decode_wall_s": sum(s["latency_s"] for s in decode),
         "decode_step_ms_median": 1e3 * sorted(s["latency_s"] for s in decode)[len(decode) // 2] if decode else None,
-        "gpu_busy_ms": sum(families.values()),
+        "gpu_busy_ms": busy_ms(kernel_intervals(prof)),  # overlapping kernels once; families sum kernel times
         "gpu_ms_per_step_by_family": {f: ms / len(steps) for f, ms in families.items()},
         "kernels": kernels[:top],
     }

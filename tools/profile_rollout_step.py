@@ -7,7 +7,9 @@ random-init Qwen3 shape, lets a warm-up batch pass, then puts `--steps` consecut
 under the torch profiler. It then replays the pure step of the rows the window started, middled and
 ended with, also under the profiler. Per kernel family (`kv4rl.bench.kernel_profile`) it prints the
 GPU ms per step of both and their difference, and the window's wall time per step against its GPU
-busy time (the rest is the device waiting on the host):
+busy time (the union of kernel intervals; the rest is the device waiting on the host). Family times
+are sums of kernel times: a kernel that runs beside another (KV4's INT8 item beside the INT4 body,
+waiting for it) counts whole, so they can add up to more than the busy time:
 
     python tools/profile_rollout_step.py --shape qwen3-1.7b --format kv4 engine.gpu_memory_fraction=0.6 \\
         --json profile_rollout_kv4.json
@@ -31,7 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kv4rl.bench.decode_forward import time_step
-from kv4rl.bench.kernel_profile import by_family, kernel_rows, side_by_side
+from kv4rl.bench.kernel_profile import busy_ms, by_family, kernel_intervals, kernel_rows, side_by_side
 from kv4rl.bench.rollout import corner_collector, decoder_of
 from kv4rl.bench.rollout_plan import RolloutBench, Workload, prepare
 from kv4rl.cli_common import engine_config
@@ -143,7 +145,7 @@ def main() -> None:
     pure_fam = {f: statistics.fmean(fam.get(f, 0.0) for fam in pure_fams) for f in set().union(*pure_fams)}
     table = side_by_side(engine_fam, pure_fam)
 
-    busy = sum(engine_fam.values())
+    busy = busy_ms(kernel_intervals(window.prof)) / a.steps  # kernels that overlap count once
     print(f"\n{a.shape} {a.format} {a.mode}: {a.steps} steps profiled ({mixed} mixed), rows "
           f"{', '.join(str(len(c)) for c in window.contexts)}; wall {wall_ms:.2f} ms a step, GPU busy {busy:.2f} "
           f"({100 * busy / wall_ms:.0f}%); pure step of the same rows {statistics.fmean(pure_ms):.2f} ms "

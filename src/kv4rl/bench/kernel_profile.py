@@ -37,6 +37,26 @@ def kernel_rows(prof) -> list[dict]:
     return sorted(rows, key=lambda r: -r["gpu_ms"])
 
 
+def kernel_intervals(prof) -> list[tuple[float, float]]:
+    """(start, end) in us of every GPU kernel and copy of a trace, for `busy_ms`."""
+    from torch.autograd import DeviceType
+
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Time (ms) the GPU runs at least one kernel: the union of the intervals (us). Unlike a sum of kernel
+    times it does not count twice the time of kernels that overlap, such as KV4's INT8 item launched
+    beside the INT4 body, whose own time includes its wait for the body."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total / 1e3
+
+
 def by_family(rows: list[dict], per: float = 1.0) -> dict[str, float]:
     """GPU ms per family, divided by `per` (e.g. the steps the trace holds)."""
     out: dict[str, float] = {}
