@@ -450,6 +450,18 @@ def test_cuda_fp8_kernel_split_grid_and_refusals():
     assert cu.body_kernel(None, 128, 4, 8, 16, enabled=False) == ("triton", "disabled")
 
 
+def test_programmatic_launch_only_where_the_kernels_wait():
+    """KV4's INT8 item may start beside the INT4 body only where its `griddepcontrol.wait` exists (sm_90+)
+    and the driver has cuLaunchKernelEx; elsewhere it runs after the body, and the reason is named."""
+    from kv4rl.kernels import cuda_source as cs
+
+    assert cs._programmatic_problem((9, 0), True) is None
+    assert cs._programmatic_problem((10, 0), True) is None
+    assert "sm_90" in cs._programmatic_problem((8, 9), True)
+    assert "cuLaunchKernelEx" in cs._programmatic_problem((9, 0), False)
+    assert cs.programmatic_launch_problem(torch.device("cpu")) == "not a CUDA device"
+
+
 def test_cuda_sources_paste_their_shared_header_once():
     """NVRTC gets one string without include paths: each kernel's source arrives with the shared header
     pasted in place of its #include, and nothing left to include."""

@@ -149,12 +149,40 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+def programmatic_launch_problem(device: torch.device) -> str | None:
+    """Why kernels on `device` cannot be launched as programmatic dependents, or None: the kernels' waits
+    (`griddepcontrol`) exist from sm_90 on, and the launch needs the driver's cuLaunchKernelEx."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    return _device_programmatic_problem(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache  # asked once a layer in eager steps
+def _device_programmatic_problem(index: int) -> str | None:
+    return _programmatic_problem(torch.cuda.get_device_capability(index), _has_launch_ex())
+
+
+def _programmatic_problem(capability: tuple[int, int], has_launch_ex: bool) -> str | None:
+    if capability < (9, 0):
+        return f"sm_{capability[0]}{capability[1]}: griddepcontrol needs sm_90 or newer"
+    return None if has_launch_ex else "the CUDA driver has no cuLaunchKernelEx"
+
+
+@functools.cache
+def _has_launch_ex() -> bool:
+    try:
+        return hasattr(torch.cuda._utils._get_gpu_runtime_library(), "cuLaunchKernelEx")
+    except (OSError, RuntimeError, AttributeError):
+        return False
+
+
 def launch_after_previous(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
                           shared_mem: int) -> None:
     """Launch `kernel` (from `compiled`) on torch's current stream as a programmatic dependent of the kernel
     before it: it may start while that one's last blocks run, and must wait (`griddepcontrol.wait`) before it
     reads what that kernel writes. CUDA graphs capture the dependency as a programmatic edge. Arguments as
-    torch's launcher takes them: tensors (pointers), ints (C int), floats (C double)."""
+    torch's launcher takes them: tensors (pointers), ints (C int), floats (C double). Callers check
+    `programmatic_launch_problem` first: without the kernels' waits the dependent would race."""
     keep, params = [], []
     for arg in args:
         if isinstance(arg, torch.Tensor):

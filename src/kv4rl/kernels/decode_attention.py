@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import triton
 
-from kv4rl.kernels import fp8_decode_cuda, int4_decode_cuda, interpreting
+from kv4rl.kernels import cuda_source, fp8_decode_cuda, int4_decode_cuda, interpreting
 from kv4rl.kernels.decode_common import LOG2E, DecodeBatch, DecodeKind, SplitLaunch
 from kv4rl.kernels.decode_triton import _decode_split_kernel, _decode_split_kernel_t, _merge_kernel
 
@@ -43,7 +43,8 @@ class DecodeKernels:
     INT4 and FP8 bodies may run in their CUDA kernels (`int4_cuda`, `fp8_cuda`, wherever the kernel's
     `problem` allows), whether KV4's CUDA INT8 item starts beside the CUDA INT4 body (`int8_item_beside_body`:
     launched as its programmatic dependent, it streams the protected rows on the SMs the body's last blocks
-    free and waits for the body only to merge; off, it runs after the body), and the latest Triton split
+    free and waits for the body only to merge; sm_90 and newer; off, or before sm_90, it runs after the
+    body), and the latest Triton split
     kernel it compiled (registers, spills: for tuning notes)."""
 
     def __init__(self, launch: Mapping[DecodeKind, Mapping[str, Any]] | None = None, int4_cuda: bool = True,
@@ -149,7 +150,8 @@ def paged_decode_attention(
     # KV4 with the CUDA INT4 body: its INT8 twin rotates the raw query itself and starts beside the body;
     # otherwise the body hands the rotated query over (q_rot) and the item runs after it
     side_cuda = side is not None and use_cuda and fp8_decode_cuda.side_problem(out) is None
-    beside = side_cuda and in_kernel and kernels.int8_item_beside_body
+    beside = (side_cuda and in_kernel and kernels.int8_item_beside_body
+              and cuda_source.programmatic_launch_problem(q.device) is None)
     q_rot = torch.empty_like(q) if in_kernel and side is not None and not beside else None
     # the body first: with an in-kernel rotation and q_rot it also hands the INT8 item the rotated query
     body = SplitLaunch(q_in, kind, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part,
