@@ -22,6 +22,11 @@ Each program scans one split of a row's vocabulary with a per-lane running best 
 end; the few per-split winners are merged by torch.argmax (its tie rule keeps the earliest split).
 With `with_log_norm` the same pass keeps a per-lane running max and sum of exp (float32) for the row's
 log-sum-exp, so the sampler needs no log_softmax pass over [B, V].
+
+The float32 screen (`screen`, default on): each block first gets float32 noise (`_gumbel_f32`), and only a
+block whose float32 scores come within a margin of the program's best float64 score so far (or that holds a
+NaN) computes the float64 expression. A block that does not cannot hold the winner, so the tokens are the
+same; the margin is far above the float32 noise's tested error.
 """
 
 from __future__ import annotations
