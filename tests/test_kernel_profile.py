@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kv4rl.bench.kernel_profile import busy_ms, by_family, family, side_by_side
+from kv4rl.bench.kernel_profile import _RUNTIME_CALL, busy_ms, by_family, family, runtime_calls, side_by_side
 
 
 @pytest.mark.parametrize("name,fam", [
@@ -37,6 +37,21 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert busy_ms(intervals) == pytest.approx(16.0 / 1e3)
     assert busy_ms([(0.0, 10.0), (10.0, 12.0)]) == pytest.approx(12.0 / 1e3)  # touching: no gap, no overlap
     assert busy_ms([]) == 0.0
+
+
+def test_host_time_in_cuda_api_calls_by_name():
+    """Per name over 2 steps: calls and ms a step, mean and longest call; most time first. Runtime and
+    driver calls count, library and aten ops do not."""
+    events = [("cudaMemcpyAsync", 10.0), ("cudaGraphLaunch", 30.0), ("cudaMemcpyAsync", 400.0),
+              ("cudaMemcpyAsync", 6.0), ("cuLaunchKernelEx", 4.0)]
+    rows = runtime_calls(events, per=2)
+    assert [r["name"] for r in rows] == ["cudaMemcpyAsync", "cudaGraphLaunch", "cuLaunchKernelEx"]
+    copy = rows[0]
+    assert copy["calls"] == 1.5 and copy["ms"] == pytest.approx(0.208) and copy["longest_us"] == 400.0
+    assert copy["mean_us"] == pytest.approx(416 / 3)
+    assert [bool(_RUNTIME_CALL.match(n)) for n in ("cudaStreamSynchronize", "cuLaunchKernel", "cudnnConvolution",
+                                                    "aten::copy_", "cub::DeviceReduce")] == [True, True, False,
+                                                                                            False, False]
 
 
 def test_families_summed_per_step_and_set_side_by_side():

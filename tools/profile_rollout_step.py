@@ -9,7 +9,9 @@ ended with, also under the profiler. Per kernel family (`kv4rl.bench.kernel_prof
 GPU ms per step of both and their difference, and the window's wall time per step against its GPU
 busy time (the union of kernel intervals; the rest is the device waiting on the host). Family times
 are sums of kernel times: a kernel that runs beside another (KV4's INT8 item beside the INT4 body,
-waiting for it) counts whole, so they can add up to more than the busy time:
+waiting for it) counts whole, so they can add up to more than the busy time. Last, the host's time in
+CUDA API calls a step (a call that waits for the device, such as a pageable copy staged behind the
+stream's work, shows as a long mean):
 
     python tools/profile_rollout_step.py --shape qwen3-1.7b --format kv4 engine.gpu_memory_fraction=0.6 \\
         --json profile_rollout_kv4.json
@@ -33,7 +35,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kv4rl.bench.decode_forward import time_step
-from kv4rl.bench.kernel_profile import busy_ms, by_family, kernel_intervals, kernel_rows, side_by_side
+from kv4rl.bench.kernel_profile import (busy_ms, by_family, kernel_intervals, kernel_rows, runtime_calls, runtime_events,
+                                       side_by_side)
 from kv4rl.bench.rollout import corner_collector, decoder_of
 from kv4rl.bench.rollout_plan import RolloutBench, Workload, prepare
 from kv4rl.cli_common import engine_config
@@ -156,13 +159,17 @@ def main() -> None:
     print("engine's top kernels (ms a step, calls a step):")
     for k in engine_kernels[: a.top]:
         print(f"  {k['gpu_ms'] / a.steps:8.3f} {k['calls'] / a.steps:7.1f}  [{k['family']}] {k['name']}")
+    api = runtime_calls(runtime_events(window.prof), per=a.steps)
+    print("host time in CUDA API calls (ms a step, calls a step, mean us, longest us):")
+    for r in api[:8]:
+        print(f"  {r['ms']:8.3f} {r['calls']:7.1f} {r['mean_us']:8.1f} {r['longest_us']:9.1f}  {r['name']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"shape": a.shape, "format": a.format, "mode": a.mode, "gpu": torch.cuda.get_device_name(),
                        "summary": plan.pool_line(a.format), "steps": a.steps, "mixed_steps": mixed,
                        "wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy,
                        "pure_rows_ms": statistics.fmean(pure_ms), "row_counts": [len(c) for c in window.contexts],
-                       "families": table, "engine_kernels": [dict(k, gpu_ms_per_step=k["gpu_ms"] / a.steps)
+                       "families": table, "runtime_calls": api[:16], "engine_kernels": [dict(k, gpu_ms_per_step=k["gpu_ms"] / a.steps)
                                                                for k in engine_kernels[: 4 * a.top]]},
                       f, indent=2)
 

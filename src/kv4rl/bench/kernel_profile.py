@@ -7,6 +7,10 @@ on, and what it runs that a pure decode step of the same rows does not.
 
 from __future__ import annotations
 
+import re
+
+_RUNTIME_CALL = re.compile(r"^(cuda[A-Z]|cu[A-Z])")  # runtime (cudaMemcpyAsync) and driver (cuLaunchKernelEx) API
+
 FAMILIES = (  # kernel-name fragments -> family, first match wins
     ("attention", ("decode_split", "merge", "int4_decode", "fp8_decode", "int8_side", "flash", "fmha", "sdpa",
                    "attention")),
@@ -55,6 +59,26 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
             total += hi - max(lo, end)
             end = hi
     return total / 1e3
+
+
+def runtime_events(prof) -> list[tuple[str, float]]:
+    """(name, host us) of every CUDA runtime or driver API call of a trace, for `runtime_calls`."""
+    from torch.autograd import DeviceType
+
+    return [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+            if e.device_type == DeviceType.CPU and _RUNTIME_CALL.match(e.name)]
+
+
+def runtime_calls(events: list[tuple[str, float]], per: float = 1.0) -> list[dict]:
+    """Host time in CUDA API calls by name: calls and ms (divided by `per`, e.g. steps), the mean and the
+    longest call (us), most time first. A call that waits for the device (a pageable copy that the driver
+    stages behind the stream's work, a synchronize) shows as a long mean beside the few-us launches."""
+    grouped: dict[str, list[float]] = {}
+    for name, us in events:
+        grouped.setdefault(name, []).append(us)
+    rows = [{"name": name, "calls": len(t) / per, "ms": sum(t) / 1e3 / per, "mean_us": sum(t) / len(t),
+             "longest_us": max(t)} for name, t in grouped.items()]
+    return sorted(rows, key=lambda r: (-r["ms"], r["name"]))
 
 
 def by_family(rows: list[dict], per: float = 1.0) -> dict[str, float]:
