@@ -2,6 +2,7 @@
 slides, the reference attention against float64 brute force, engine runs per format, the fidelity
 bench, and the errors for bad settings."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,6 +147,19 @@ def test_rotation_leaves_attention_unchanged():
 
 
 # ---- KV4 -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_sink,n_recent", [(3, 5), (0, 4), (4, 0), (16, 128)])
+def test_kv4_decode_side_rows_on_the_host_follow_the_formats_rules(n_sink, n_recent):
+    """The host's numpy side rows of decode tokens (`decode_side_rows`) equal the torch rules: a row's new
+    token at position p, read by a query at p, goes to `side_rows` when `is_protected(p, p)`, else -1."""
+    fmt = get_kv_format("kv4", group_size=32, n_sink=n_sink, n_recent=n_recent)
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.cat([torch.arange(40), torch.randint(0, 100_000, (200,), generator=gen)])
+    slots = torch.randint(0, 256, (len(positions),), generator=gen)
+    want = torch.where(fmt.is_protected(positions, positions), fmt.side_rows(slots, positions), -1)
+    got = fmt.decode_side_rows(slots.numpy(), positions.numpy())
+    assert got.dtype == np.int64 and np.array_equal(got, want.numpy())
+
+
 def test_kv4_protected_positions_use_int8_and_the_rest_int4_as_the_window_slides():
     n_sink, n_recent = 3, 5
     fmt = get_kv_format("kv4", group_size=32, n_sink=n_sink, n_recent=n_recent)  # rotate: k by default

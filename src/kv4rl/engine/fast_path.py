@@ -179,9 +179,7 @@ class FastAttention:
         """KV4: the side row of each decode token, -1 where it is not protected (`KV4Format`'s rules)."""
         if not self.side:
             return np.full_like(positions, -1)
-        pos, slots = torch.from_numpy(positions), torch.from_numpy(seq_slots)
-        rows = self.fmt.side_rows(slots, pos)
-        return torch.where(self.fmt.is_protected(pos, pos), rows, -1).numpy()
+        return self.fmt.decode_side_rows(seq_slots, positions)
 
     def device_inputs(self, host: dict[str, np.ndarray]) -> DecodeInputs:
         to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)

@@ -22,6 +22,7 @@ parent's rows, taken while they still hold the prompt's sink and recent window.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kv4rl.engine.kv_formats.base import DEFAULT_BYTES_CONTEXT, register_kv_format
@@ -98,6 +99,16 @@ class KV4Format(INT4Format):
         else:
             in_seq = positions.clamp(max=self.n_sink - 1)
         return seq_slots * self.budget + in_seq
+
+    def decode_side_rows(self, seq_slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The side row of each decode row's new token (numpy, on the host: no tensors built per step), -1
+        where it is not protected. A decode token is its sequence's newest, so with a recent window it is
+        always protected; `side_rows` and `is_protected` with query = key position, in numpy."""
+        sink = positions < self.n_sink
+        if self.n_recent:
+            ring = self.n_sink + (positions - self.n_sink) % self.n_recent
+            return seq_slots * self.budget + np.where(sink, positions, ring)
+        return np.where(sink, seq_slots * self.budget + positions, -1)
 
     def protected_rows(self, meta) -> torch.Tensor:
         """[N] side row of each new token that is protected at the step's end, -1 for the others
