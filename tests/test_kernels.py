@@ -462,6 +462,18 @@ def test_programmatic_launch_only_where_the_kernels_wait():
     assert cs.programmatic_launch_problem(torch.device("cpu")) == "not a CUDA device"
 
 
+def test_int8_item_placement_default_and_copies(monkeypatch):
+    """`DecodeKernels` takes the module's default for where KV4's INT8 item runs unless told (a diagnosis
+    tool switches it for its process), and `with_launch` copies keep the setting."""
+    import kv4rl.kernels.decode_attention as da
+
+    assert da.DecodeKernels().int8_item_beside_body is True
+    monkeypatch.setattr(da, "INT8_ITEM_BESIDE_BODY", False)
+    assert da.DecodeKernels().int8_item_beside_body is False
+    assert da.DecodeKernels(int8_item_beside_body=True).int8_item_beside_body is True
+    assert da.DecodeKernels(int8_item_beside_body=True).with_launch(DecodeKind.INT4, num_warps=4).int8_item_beside_body
+
+
 def test_cuda_sources_paste_their_shared_header_once():
     """NVRTC gets one string without include paths: each kernel's source arrives with the shared header
     pasted in place of its #include, and nothing left to include."""

@@ -26,6 +26,7 @@
 #   bash tools/device_benches.sh write_sampler 2>&1 | tee $OUT/log.txt         # K+V write in one launch, sampler passes: tests and timings (~5 min)
 #   bash tools/device_benches.sh screen_beside 2>&1 | tee $OUT/log.txt         # sampler screen + log-sum-exp, INT8 item beside the body (~6 min)
 #   bash tools/device_benches.sh step_profiles 2>&1 | tee $OUT/log.txt         # KV4 rollout step, generate 1.7B, B256 step profile (~6 min)
+#   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
@@ -268,6 +269,16 @@ step_profiles() {  # issue 11: the 1.7B KV4 rollout step's profile, bench genera
     generate
     timeout 150 python tools/profile_generate.py --shape qwen3-1.7b --batch 256 --prompt-len 128 --new-tokens 256 \
         --kv-formats bf16,kv4 --top 16 --json $OUT/profile_generate_b256.json 2>&1 | grep -v "^\[" | tail -50
+}
+
+host_api() {  # issue 11 (nineteenth session's lead): the host's time in CUDA API calls of the 1.7B rollout step, KV4
+    # with the INT8 item beside the body and after it, and BF16 (~5 min): which call holds the 0.76 ms of host time
+    # a KV4 partial step spends over BF16's (bench rollout, nineteenth session). Top-kernel lines left out here.
+    for corner in kv4 kv4-after bf16; do
+        extra=$([ $corner = kv4-after ] && echo --item-after-body)
+        timeout 100 python tools/profile_rollout_step.py --shape qwen3-1.7b --format ${corner%-after} $extra \
+            engine.gpu_memory_fraction=0.6 --json $OUT/host_api_$corner.json 2>&1 | grep -v "^\[" | grep -v "  \[[a-z]"
+    done
 }
 
 fit_4b() {  # issue 12: Qwen3-4B shape, engine + learner + KV pool colocated on one H200, no offload; the

@@ -100,9 +100,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=50, help="pure-step replays profiled per snapshot of the rows")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--item-after-body", action="store_true",
+                   help="KV4: launch the INT8 item after the INT4 body, not beside it (its graph then has no "
+                        "programmatic edges), to compare the host's time in the graph launch")
     p.add_argument("--json", default=None)
     p.add_argument("overrides", nargs="*", help="engine.* settings, as for `kv4rl bench rollout`")
     a = p.parse_intermixed_args()
+    if a.item_after_body:
+        from kv4rl.kernels import decode_attention
+
+        decode_attention.INT8_ITEM_BESIDE_BODY = False
     if not torch.cuda.is_available():
         raise SystemExit("profile_rollout_step needs a CUDA device (it profiles GPU kernels)")
     if a.steps < 3 or a.skip < 0 or a.reps < 1:

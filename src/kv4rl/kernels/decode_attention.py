@@ -36,6 +36,8 @@ DEFAULT_LAUNCH: Mapping[DecodeKind, Mapping[str, Any]] = MappingProxyType({
 })
 MERGE_WARPS = 2  # a little faster than 4 on an H200 (bench/kernel_notes.md)
 CUDA_BODIES = MappingProxyType({DecodeKind.INT4: int4_decode_cuda, DecodeKind.FP8: fp8_decode_cuda})
+# What `DecodeKernels` takes for `int8_item_beside_body` when not told: diagnosis tools switch it for a process
+INT8_ITEM_BESIDE_BODY = True
 
 
 class DecodeKernels:
@@ -48,11 +50,11 @@ class DecodeKernels:
     kernel it compiled (registers, spills: for tuning notes)."""
 
     def __init__(self, launch: Mapping[DecodeKind, Mapping[str, Any]] | None = None, int4_cuda: bool = True,
-                 fp8_cuda: bool = True, int8_item_beside_body: bool = True):
+                 fp8_cuda: bool = True, int8_item_beside_body: bool | None = None):
         self.launch = {kind: dict(cfg) for kind, cfg in (DEFAULT_LAUNCH if launch is None else launch).items()}
         self.int4_cuda = int4_cuda
         self.fp8_cuda = fp8_cuda
-        self.int8_item_beside_body = int8_item_beside_body
+        self.int8_item_beside_body = INT8_ITEM_BESIDE_BODY if int8_item_beside_body is None else int8_item_beside_body
         self.last_compiled = None
 
     def with_launch(self, kind: DecodeKind, **settings) -> DecodeKernels:
