@@ -46,8 +46,7 @@ class DecodeKernels:
     `problem` allows), whether KV4's CUDA INT8 item starts beside the CUDA INT4 body (`int8_item_beside_body`:
     launched as its programmatic dependent, it streams the protected rows on the SMs the body's last blocks
     free and waits for the body only to merge; sm_90 and newer; off, or before sm_90, it runs after the
-    body), and the latest Triton split
-    kernel it compiled (registers, spills: for tuning notes)."""
+    body), and the latest Triton split kernel it compiled (registers, spills: for tuning notes)."""
 
     def __init__(self, launch: Mapping[DecodeKind, Mapping[str, Any]] | None = None, int4_cuda: bool = True,
                  fp8_cuda: bool = True, int8_item_beside_body: bool | None = None):
