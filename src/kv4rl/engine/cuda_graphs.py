@@ -20,9 +20,13 @@ import numpy as np
 import torch
 
 from kv4rl.engine.fast_path import DecodeInputs, FastAttention
+from kv4rl.engine.staged_inputs import StagedInputs
 from kv4rl.kernels.decode_attention import DecodeBatch
 
 log = logging.getLogger(__name__)
+
+# what a padding row of a bucket holds: no write, no attention, harmless ids
+PADDING = {"ids": 0, "positions": 0, "slots": -1, "protect_rows": -1, "context_lens": 0, "seq_slots": 0}
 
 
 def capture_graph(run: Callable[[], torch.Tensor], device: torch.device, pool, *, keep_warm: bool = False
@@ -55,16 +59,17 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_batch)
         self.max_batch = max_batch
         dev = fast.device
-        long = {"dtype": torch.long, "device": dev}
-        i32 = {"dtype": torch.int32, "device": dev}
-        self.ids = torch.zeros(max_batch, **long)
-        self.positions = torch.zeros(max_batch, **long)
-        self.slots = torch.full((max_batch,), -1, **long)
-        self.protect_rows = torch.full((max_batch,), -1, **long)
-        self.block_tables = torch.zeros(max_batch, max_blocks, **i32)
-        self.context_lens = torch.zeros(max_batch, **i32)
-        self.seq_slots = torch.zeros(max_batch, **i32)
-        self.split_size = torch.full((1,), 64, **i32)
+        long, i32 = torch.long, torch.int32
+        self.staged = StagedInputs({
+            "ids": ((max_batch,), long, 0), "positions": ((max_batch,), long, 0),
+            "slots": ((max_batch,), long, -1), "protect_rows": ((max_batch,), long, -1),
+            "context_lens": ((max_batch,), i32, 0), "seq_slots": ((max_batch,), i32, 0),
+            "split_size": ((1,), i32, 64),
+            "table_rows": ((max_batch * max_blocks,), i32, 0),  # this step's [B, width] block table, packed
+        }, dev)
+        for name in ("ids", "positions", "slots", "protect_rows", "context_lens", "seq_slots", "split_size"):
+            setattr(self, name, self.staged[name])
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=i32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -106,12 +111,9 @@ class DecodeGraphs:
         log.info("captured a CUDA graph for decode batches of up to %d sequences", bs)
 
     def _clear_rows(self, start: int) -> None:
-        """Rows from `start` on become padding: no write, no attention, harmless ids."""
-        self.slots[start:].fill_(-1)
-        self.protect_rows[start:].fill_(-1)
-        self.context_lens[start:].zero_()
-        self.ids[start:].zero_()
-        self.positions[start:].zero_()
+        """Rows from `start` on become padding (`PADDING`)."""
+        for name, pad in PADDING.items():
+            self.staged[name][start:].fill_(pad)
 
     @torch.inference_mode()
     def run(self, host: dict[str, np.ndarray], pending_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,18 +123,23 @@ class DecodeGraphs:
         bs = self.bucket(n)
         if bs not in self.graphs:
             self._capture(bs)
-        to = lambda a: torch.from_numpy(a)
-        width = host["block_tables"].shape[1]
-        self.ids[:n].copy_(to(host["ids"]) if pending_ids is None else pending_ids, non_blocking=True)
-        self.positions[:n].copy_(to(host["positions"]), non_blocking=True)
-        self.slots[:n].copy_(to(host["slots"]), non_blocking=True)
-        self.protect_rows[:n].copy_(to(host["protect_rows"]), non_blocking=True)
-        self.context_lens[:n].copy_(to(host["context_lens"]), non_blocking=True)
-        self.seq_slots[:n].copy_(to(host["seq_slots"]), non_blocking=True)
-        self.block_tables[:n, :width].copy_(to(host["block_tables"]), non_blocking=True)
-        if n < bs:
-            self._clear_rows(n)
-        self.split_size.fill_(self.fast.step_split_size(host["context_lens"], bs))
+        self.load(host, bs, pending_ids)
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.logits[bs][:n]
+
+    def load(self, host: dict[str, np.ndarray], bs: int, pending_ids: torch.Tensor | None = None) -> None:
+        """Queue the step's inputs into the graph's buffers: its rows, then padding up to bucket `bs`, in
+        one copy from pinned memory; the block table and `pending_ids` by a device copy each."""
+        n, width = host["block_tables"].shape
+        rows = self.staged.host()
+        for name, pad in PADDING.items():
+            if name != "ids" or pending_ids is None:
+                rows[name][:n] = host[name]
+            rows[name][n:bs] = pad
+        rows["split_size"][0] = self.fast.step_split_size(host["context_lens"], bs)
+        rows["table_rows"][:n * width] = host["block_tables"].reshape(-1)
+        self.staged.upload(self.staged.end("table_rows", n * width))
+        self.block_tables[:n, :width].copy_(self.staged["table_rows"][:n * width].view(n, width))
+        if pending_ids is not None:
+            self.ids[:n].copy_(pending_ids)
