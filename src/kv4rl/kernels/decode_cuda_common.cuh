@@ -39,6 +39,26 @@ __device__ __forceinline__ float fast_log2(float x) {
 
 #define NEG_INF bits_to_float(0xff800000u)
 
+// Lane (g, j)'s part of a bf16 query row: channels 32j .. 32j+31 of row `qp` (16-byte aligned) as floats, in
+// order; zeros for lanes past the group (`live` false), which still take part in the warp's shuffles.
+__device__ __forceinline__ void load_query_channels(float* qf, const u16* qp, bool live) {
+    if (live) {
+        #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const U4 w = *(const U4*)((const u8*)qp + 16 * c);  // channels 8c .. 8c+7
+            const u32 ws[4] = {w.x, w.y, w.z, w.w};
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                qf[8 * c + 2 * e] = bits_to_float(ws[e] << 16);
+                qf[8 * c + 2 * e + 1] = bits_to_float(ws[e] & 0xFFFF0000u);
+            }
+        }
+    } else {
+        #pragma unroll
+        for (int e = 0; e < 32; ++e) qf[e] = 0.f;
+    }
+}
+
 // A query row's 128 channels times the Sylvester Hadamard matrix (orthonormal), rounded to bf16: the cache's
 // rotation. Lane j of a 4-lane group holds channels 32j .. 32j+31 in qf, in order: channel bits 0-4 are
 // butterflies inside the lane, bits 5-6 shuffles across j. Both kernels that rotate a query call this, so

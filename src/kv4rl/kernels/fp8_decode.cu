@@ -114,22 +114,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     u32 qa[8], qb[8];
     {
         float qf[32];  // channels 32j .. 32j+31 in order
-        if (g < group) {
-            const u8* qp = (const u8*)(q + (long long)b * stride_qb + (long long)(h * group + g) * stride_qh + 32 * j);
-            #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const U4 w = *(const U4*)(qp + 16 * c);  // channels 8c .. 8c+7
-                const u32 ws[4] = {w.x, w.y, w.z, w.w};
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    qf[8 * c + 2 * e] = bits_to_float(ws[e] << 16);
-                    qf[8 * c + 2 * e + 1] = bits_to_float(ws[e] & 0xFFFF0000u);
-                }
-            }
-        } else {
-            #pragma unroll
-            for (int e = 0; e < 32; ++e) qf[e] = 0.f;
-        }
+        load_query_channels(qf, q + (long long)b * stride_qb + (long long)(h * group + g) * stride_qh + 32 * j, g < group);
 #ifdef SIDE_INT8
         // the raw query, rotated here as the INT4 body rotates it (same bits), so this kernel needs
         // nothing from the body until its merge and can run beside it

@@ -144,22 +144,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) int4_decode
     float qsum = 0.f, qoff = 0.f;  // sum of q'; what the codes' offsets add to the dot product
     {
         float qf[32];
-        if (g < group) {
-            const u8* qp = (const u8*)(q + (long long)b * stride_qb + (long long)(h * group + g) * stride_qh + 32 * j);
-            #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const U4 w = *(const U4*)(qp + 16 * c);
-                const u32 ws[4] = {w.x, w.y, w.z, w.w};
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    qf[8 * c + 2 * e] = bits_to_float(ws[e] << 16);
-                    qf[8 * c + 2 * e + 1] = bits_to_float(ws[e] & 0xFFFF0000u);
-                }
-            }
-        } else {
-            #pragma unroll
-            for (int e = 0; e < 32; ++e) qf[e] = 0.f;
-        }
+        load_query_channels(qf, q + (long long)b * stride_qb + (long long)(h * group + g) * stride_qh + 32 * j, g < group);
         if (rotate_q) {  // q @ H (Sylvester, orthonormal) as a fast Walsh-Hadamard transform, rounded to bf16
             hadamard_rotate_bf16(qf, j);
             if (q_writer && g < group) {

@@ -92,6 +92,14 @@ def _precedes(v1, i1, v2, i2):
 
 
 @triton.jit
+def _keep_best(score, offs, live, best_v, best_i):
+    """Each lane's running best (value, index) after this block's `score` (-inf where not `live`)."""
+    idx = tl.where(live, offs, _NO_INDEX)
+    take = _precedes(score, idx, best_v, best_i)
+    return tl.where(take, score, best_v), tl.where(take, idx, best_i)
+
+
+@triton.jit
 def _gumbel_argmax_kernel(
     x_ptr, stride_x, seed_ptr, step_ptr, vocab, blocks_per_split,
     best_v_ptr, best_i_ptr, u_ptr, score_ptr, max_ptr, sum_ptr,
@@ -130,12 +138,8 @@ def _gumbel_argmax_kernel(
             margin = _SCREEN_ABS + tl.where(size < float("inf"), _SCREEN_REL * size, 0.0)
             maybe = (approx.to(tl.float64) >= best_s - margin) | (approx != approx)
             if tl.max((maybe & live).to(tl.int32), 0) > 0:
-                score = raw.to(tl.float64) + _gumbel_f64(bits, LIBDEVICE)
-                score = tl.where(live, score, float("-inf"))
-                idx = tl.where(live, offs, _NO_INDEX)
-                take = _precedes(score, idx, best_v, best_i)
-                best_v = tl.where(take, score, best_v)
-                best_i = tl.where(take, idx, best_i)
+                score = tl.where(live, raw.to(tl.float64) + _gumbel_f64(bits, LIBDEVICE), float("-inf"))
+                best_v, best_i = _keep_best(score, offs, live, best_v, best_i)
                 best_s = tl.maximum(best_s, tl.max(tl.where(score != score, float("-inf"), score), 0))
         else:
             score = raw.to(tl.float64)
@@ -147,11 +151,7 @@ def _gumbel_argmax_kernel(
                     out = row.to(tl.int64) * vocab + offs
                     tl.store(u_ptr + out, u, mask=live)
                     tl.store(score_ptr + out, score, mask=live)
-            score = tl.where(live, score, float("-inf"))
-            idx = tl.where(live, offs, _NO_INDEX)
-            take = _precedes(score, idx, best_v, best_i)
-            best_v = tl.where(take, score, best_v)
-            best_i = tl.where(take, idx, best_i)
+            best_v, best_i = _keep_best(tl.where(live, score, float("-inf")), offs, live, best_v, best_i)
     # lanes -> one winner with plain max/min reductions (a custom combine runs per element in the
     # interpreter): the first NaN if any lane holds one, else the lowest index among the largest
     is_nan = best_v != best_v
