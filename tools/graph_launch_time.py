@@ -57,7 +57,19 @@ def main() -> None:
     p.add_argument("--nodes", default="50,400")
     p.add_argument("--kernel-us", type=float, default=10.0, help="rough device time of one kernel")
     p.add_argument("--launches", type=int, default=30)
+    p.add_argument("--profiler", action="store_true", help="replay under torch.profiler (CUDA activities), as "
+                   "tools/profile_rollout_step.py does")
     args = p.parse_args()
+    if args.profiler:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            run(args)
+    else:
+        run(args)
+
+
+def run(args) -> None:
     device = torch.device("cuda")
     # one elementwise kernel reads and writes 8 bytes an element at ~3 TB/s
     elems = max(1024, int(args.kernel_us * 1e-6 * 3e12 / 8))

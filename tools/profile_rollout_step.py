@@ -11,7 +11,9 @@ busy time (the union of kernel intervals; the rest is the device waiting on the 
 are sums of kernel times: a kernel that runs beside another (KV4's INT8 item beside the INT4 body,
 waiting for it) counts whole, so they can add up to more than the busy time. Last, the host's time in
 CUDA API calls a step (a call that waits for the device, such as a pageable copy staged behind the
-stream's work, shows as a long mean):
+stream's work, shows as a long mean). The profiler itself makes a graph launch cost ~1.4 us a kernel
+node (a 400-kernel graph: 550 us a replay under it, 6 us without; `tools/graph_launch_time.py`), so
+`cudaGraphLaunch`'s time here is mostly the profiler's:
 
     python tools/profile_rollout_step.py --shape qwen3-1.7b --format kv4 engine.gpu_memory_fraction=0.6 \\
         --json profile_rollout_kv4.json
