@@ -4,7 +4,8 @@
 CUDA-graph replay of the bare model at the rows and contexts the engine ran. This says where the
 difference goes. It runs one corner of the bench (same workload flags and `engine.*` overrides) on a
 random-init Qwen3 shape, lets a warm-up batch pass, then puts `--steps` consecutive engine steps
-under the torch profiler. It then replays the pure step of the rows the window started, middled and
+under the torch profiler (the up to `--steps` steps before them are timed without it: the profiler
+slows every graph launch). It then replays the pure step of the rows the window started, middled and
 ended with, also under the profiler. Per kernel family (`kv4rl.bench.kernel_profile`) it prints the
 GPU ms per step of both and their difference, and the window's wall time per step against its GPU
 busy time (the union of kernel intervals; the rest is the device waiting on the host). Family times
@@ -55,6 +56,8 @@ class StepWindow:
         self.count, self.records, self.contexts = 0, [], []
         self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         self.wall_s = None
+        self.plain_start = max(0, skip - steps)  # the steps before the window, timed without the profiler
+        self.plain_steps, self.plain_wall_s, self.t_plain = skip - self.plain_start, None, None
         self.own = vars(engine).get("step")  # a wrapper set on the instance before this one
         engine.step = self._step
 
@@ -64,8 +67,13 @@ class StepWindow:
 
     def _step(self):
         inside = self.skip <= self.count < self.skip + self.steps
+        if self.count == self.plain_start and self.plain_steps:
+            torch.cuda.synchronize()
+            self.t_plain = time.perf_counter()
         if self.count == self.skip:
             torch.cuda.synchronize()
+            if self.t_plain is not None:
+                self.plain_wall_s = time.perf_counter() - self.t_plain
             self.prof.start()
             self.t0 = time.perf_counter()
         if inside and (self.count - self.skip) in (0, self.steps // 2, self.steps - 1):
@@ -143,6 +151,7 @@ def main() -> None:
     engine_fam = by_family(engine_kernels, per=a.steps)
     mixed = sum(r["prefill_tokens"] > 0 for r in window.records)
     wall_ms = 1e3 * window.wall_s / a.steps
+    plain_ms = 1e3 * window.plain_wall_s / window.plain_steps if window.plain_wall_s is not None else None
     pure_fams, pure_ms = [], []
     for contexts in window.contexts:
         def profiled(replay):
@@ -162,6 +171,10 @@ def main() -> None:
           f"{', '.join(str(len(c)) for c in window.contexts)}; wall {wall_ms:.2f} ms a step, GPU busy {busy:.2f} "
           f"({100 * busy / wall_ms:.0f}%); pure step of the same rows {statistics.fmean(pure_ms):.2f} ms "
           f"(timed), {sum(pure_fam.values()):.2f} ms of kernels (profiled)")
+    if plain_ms is not None:
+        print(f"without the profiler, the {window.plain_steps} steps before the window: {plain_ms:.2f} ms a step "
+              f"(the profiler adds host time to each graph launch); GPU busy of the window over it: "
+              f"{100 * busy / plain_ms:.0f}%")
     print(f"{'family':16s} {'engine ms':>10s} {'pure ms':>10s} {'extra ms':>10s}")
     for r in table:
         print(f"{r['family']:16s} {r['engine_ms']:10.3f} {r['pure_ms']:10.3f} {r['extra_ms']:10.3f}")
@@ -177,6 +190,7 @@ def main() -> None:
             json.dump({"shape": a.shape, "format": a.format, "mode": a.mode, "gpu": torch.cuda.get_device_name(),
                        "summary": plan.pool_line(a.format), "steps": a.steps, "mixed_steps": mixed,
                        "wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy,
+                       "unprofiled_steps": window.plain_steps, "unprofiled_wall_ms_per_step": plain_ms,
                        "pure_rows_ms": statistics.fmean(pure_ms), "row_counts": [len(c) for c in window.contexts],
                        "families": table, "runtime_calls": api[:16], "engine_kernels": [dict(k, gpu_ms_per_step=k["gpu_ms"] / a.steps)
                                                                for k in engine_kernels[: 4 * a.top]]},
