@@ -67,7 +67,7 @@ class DecodeGraphs:
             "split_size": ((1,), i32, 64),
             "table_rows": ((max_batch * max_blocks,), i32, 0),  # this step's [B, width] block table, packed
         }, dev)
-        for name in ("ids", "positions", "slots", "protect_rows", "context_lens", "seq_slots", "split_size"):
+        for name in (*PADDING, "split_size"):  # the graph's inputs under their own names
             setattr(self, name, self.staged[name])
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=i32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -102,7 +102,7 @@ class DecodeGraphs:
                 self._capture(bs)
 
     def _capture(self, bs: int) -> None:
-        self._clear_rows(0)
+        self._clear_rows()
         torch.cuda.synchronize(self.fast.device)
         graph, self.logits[bs], _ = capture_graph(lambda: self._run_model(bs), self.fast.device, self.pool)
         if self.pool is None:
@@ -110,10 +110,10 @@ class DecodeGraphs:
         self.graphs[bs] = graph
         log.info("captured a CUDA graph for decode batches of up to %d sequences", bs)
 
-    def _clear_rows(self, start: int) -> None:
-        """Rows from `start` on become padding (`PADDING`)."""
+    def _clear_rows(self) -> None:
+        """Every row becomes padding (`PADDING`): what a capture runs on."""
         for name, pad in PADDING.items():
-            self.staged[name][start:].fill_(pad)
+            self.staged[name].fill_(pad)
 
     @torch.inference_mode()
     def run(self, host: dict[str, np.ndarray], pending_ids: torch.Tensor | None = None) -> torch.Tensor:

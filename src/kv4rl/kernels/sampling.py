@@ -192,8 +192,9 @@ def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int |
     shape = (rows, vocab) if debug else (1,)
     u = torch.empty(shape, dtype=torch.float64, device=x.device)
     scores = torch.empty(shape, dtype=torch.float64, device=x.device)
-    split_max = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
-    split_sum = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
+    lse_shape = (rows, splits) if lse else (1,)  # the kernel writes them only with LSE
+    split_max = torch.empty(lse_shape, dtype=torch.float32, device=x.device)
+    split_sum = torch.empty(lse_shape, dtype=torch.float32, device=x.device)
     if rows:
         _gumbel_argmax_kernel[(rows, splits)](
             x, x.stride(0), seeds, steps, vocab, blocks_per_split, best_v, best_i, u, scores, split_max, split_sum,
