@@ -83,6 +83,47 @@ def test_matches_float64(m, n, k, config):
     assert int(counters.abs().sum()) == 0  # every tile's last program set its counter back
 
 
+@pytest.mark.parametrize("m,n,k,config", [(1, 48, 64, None), (17, 80, 256, GemmConfig(16, 32, 32, 4)),
+                                           (64, 96, 512, GemmConfig(64, 64, 64, 2))]
+                         + ([(m, 4096, 4096, None) for m in (3, 64, 256)] if CUDA else []))
+def test_fp8_activations_match_float64(m, n, k, config):
+    """With ``x_scale`` the activations are e4m3 codes (one scale per row): the product is the one of the
+    dequantized activations and weights, as the ``scaled_mm`` path computes it."""
+    x, codes, scale, bias = _problem(m, n, k, seed=m + n + k, bias=m % 2 == 1)
+    x_codes, x_scale = quantize_fp8(x.float())
+    if config is not None and m % 2:  # also the float32 add per K block
+        config = GemmConfig(**{**config.__dict__, "fast_accum": False})
+    counters = torch.zeros(counter_slots(n, max(m, 256)), dtype=torch.int32, device=DEVICE)
+    y = fp8_weight_matmul(x_codes, codes, scale, bias, counters, config, x_scale=x_scale)
+    xd = (x_codes.double().cpu() * x_scale.double().cpu()[:, None])
+    wd = codes.double().cpu() * scale.double().cpu()[:, None]
+    ref, mag = xd @ wd.T, xd.abs() @ wd.abs().T
+    if bias is not None:
+        ref += bias.double().cpu()
+        mag += bias.double().cpu().abs()
+    # on the GPU the e4m3 products are summed by the tensor cores, whose FP8 running sum keeps fewer bits
+    # than float32: an allowance of 2^-12 of the sum of |products| with a float32 add per K block, 2^-10
+    # with one running sum over K (fast_accum; measured up to ~2^-11.7 at K = 4,096); the interpreter: float32
+    fast = (config or pick_config(m, n, k, 132)).fast_accum
+    acc_err = (2.0**-10 if fast else 2.0**-12) if CUDA else (k + 4) * 2.0**-24
+    bound = ROUNDING * ref.abs() + acc_err * mag + 1e-30
+    worst = ((y.double().cpu() - ref).abs() / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3g} x the bound"
+    assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("m,n,k,config", [(5, 48, 64, None), (33, 80, 256, GemmConfig(32, 32, 32, 4))]
+                         + ([(64, 2048, 6144, None), (256, 4096, 2048, None)] if CUDA else []))
+def test_bf16_weights_match_float64(m, n, k, config):
+    """The kernel also multiplies bf16 weights (the skinny-GEMM comparison against cuBLAS)."""
+    x, _, _, bias = _problem(m, n, k, seed=m + 2 * n + k, bias=m % 2 == 1)
+    gen = torch.Generator().manual_seed(k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16().to(DEVICE)
+    scale = torch.rand(n, generator=gen).add(0.5).to(DEVICE)
+    counters = torch.zeros(counter_slots(n, max(m, 256)), dtype=torch.int32, device=DEVICE)
+    _check(fp8_weight_matmul(x, w, scale, bias, counters, config), x, w, scale, bias)
+
+
 def test_split_k_is_deterministic_and_reusable():
     """Partials are summed in slice order, so repeated calls give the same bits whichever program
     finished last; the counters, reset by each call, serve the next one."""
@@ -97,17 +138,22 @@ def test_split_k_is_deterministic_and_reusable():
 
 
 def test_pick_config_fills_the_sms_with_k_slices():
-    # 8B o_proj at 64 tokens: 64 tiles of 64 channels on 132 SMs -> 4 slices of 1,024
+    # 8B o_proj at 64 tokens: 64 tiles of 64 channels on 132 SMs -> 2 slices (128 programs; 4 would be 256)
     cfg = pick_config(64, 4096, 4096, 132)
-    assert (cfg.block_m, cfg.block_n, cfg.split_k) == (64, 64, 4)
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k) == (64, 64, 256, 2)
     assert pick_config(64, 24576, 4096, 132).split_k == 1  # 384 tiles already fill them
+    assert pick_config(64, 24576, 4096, 132).block_k == 128  # gate|up: six times wider than deep
+    assert pick_config(256, 4096, 2048, 132, x_fp8=False).block_k == 128  # bf16 tiles: half as deep
+    assert pick_config(64, 2048, 6144, 132).split_k == 2  # 1.7B down_proj: 32 tiles, two slices of 3,072
     assert pick_config(3, 4096, 4096, 132).block_m == 16  # the tensor cores' smallest tile
-    assert pick_config(256, 4096, 4096, 132).block_m == 128
+    assert pick_config(256, 24576, 4096, 132).block_m == 128  # 384 tiles of 128 tokens
+    assert pick_config(256, 4096, 4096, 132).block_m == 128  # 128 tiles fill more than half
+    assert pick_config(128, 4096, 4096, 132).block_m == 64  # 32 tiles of 128 tokens -> 64 of 64
     small = pick_config(1, 64, 48, 132)  # K = 48: 16-wide K blocks, too short to split
     assert (small.block_k, small.split_k) == (16, 1)
-    for m, n, k in ((64, 4096, 4096), (128, 4096, 12288), (256, 6144, 4096)):
+    for m, n, k in ((64, 4096, 4096), (128, 4096, 12288), (256, 6144, 4096), (64, 2048, 6144)):
         cfg = pick_config(m, n, k, 132)
-        assert k % (cfg.split_k * cfg.block_k) == 0 and k // cfg.split_k >= 4 * cfg.block_k
+        assert k % (cfg.split_k * cfg.block_k) == 0 and k // cfg.split_k >= 8 * cfg.block_k
 
 
 def test_bad_inputs_are_named():
@@ -119,6 +165,10 @@ def test_bad_inputs_are_named():
     assert "multiple of 16" in gemm_problem(x[:, :40], codes[:, :40].contiguous(), scale)
     assert "do not multiply" in gemm_problem(x, codes[:, :32].contiguous(), scale)
     assert "one value per output channel" in gemm_problem(x, codes, scale[:8])
+    assert "float8_e4m3fn codes" in gemm_problem(x, codes, scale, x_scale=scale[:4])
+    x_codes = x.to(torch.float8_e4m3fn)
+    assert "one value per row" in gemm_problem(x_codes, codes, scale, x_scale=scale)
+    assert gemm_problem(x_codes, codes, scale, x_scale=scale[:4]) is None
     with pytest.raises(ValueError, match="needs 2 int32 counters, got 1"):
         fp8_weight_matmul(x, codes, scale, None, counters[:1], GemmConfig(16, 16, 16, 2))
     with pytest.raises(ValueError, match="not a multiple of split_k x block_k"):

@@ -26,6 +26,7 @@
 #   bash tools/device_benches.sh write_sampler 2>&1 | tee $OUT/log.txt         # K+V write in one launch, sampler passes: tests and timings (~5 min)
 #   bash tools/device_benches.sh screen_beside 2>&1 | tee $OUT/log.txt         # sampler screen + log-sum-exp, INT8 item beside the body (~6 min)
 #   bash tools/device_benches.sh step_profiles 2>&1 | tee $OUT/log.txt         # KV4 rollout step, generate 1.7B, B256 step profile (~6 min)
+#   bash tools/device_benches.sh fp8_decode_gemm 2>&1 | tee $OUT/log.txt      # Triton e4m3 GEMM: tests, tile grid, 8B step both paths (<10 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -314,6 +315,24 @@ fit_8b() {  # issue 12: Qwen3-8B shape with AdamW's moments in pinned CPU memory
 if pgrep -f '^nvidia-cuda-mps-control' >/dev/null; then  # only the testbed's many processes need it
     echo "warning: the CUDA MPS daemon is running; single-process timings may be slower (echo quit | nvidia-cuda-mps-control)"
 fi
+fp8_decode_gemm() {  # issue 11 (twenty-first session): the Triton e4m3 GEMM at decode sizes (engine.fp8_gemm) - its
+    # GPU tests, the timed grid of tile settings (compiled first in 14 processes) that pick_config was fitted to,
+    # and the whole 8B step with it and with scaled_mm
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/test_fp8_weight_gemm.py tests/gpu/test_fp8_linear_gpu.py \
+        tests/gpu/test_fp8_quant_kernel_gpu.py tests/test_engine_plan.py > $OUT/fp8_gemm_tests.txt 2>&1 &
+    for i in $(seq 0 13); do
+        timeout 150 python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 64,128,256 --table --warm-only $i/14 > $OUT/warm_$i.txt 2>&1 &
+    done; wait; cat $OUT/warm_*.txt | sort | uniq -c | head -3; rm -f $OUT/warm_*.txt; tail -4 $OUT/fp8_gemm_tests.txt
+    for shape in qwen3-8b qwen3-1.7b; do
+        timeout 150 python tools/gemm_decode_shapes.py --shape $shape --rows 64,128,256 --fp8 --table \
+            --json $OUT/gemm_table_$shape.json 2>&1 | grep -v skipped | tail -16
+    done
+    for g in auto scaled_mm; do
+        timeout 170 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --workloads early,mid,late,short --fp8-gemm $g \
+            --json $OUT/decode_forward_8b_$g.json 2>&1 | grep "│" | tail -16
+    done
+}
+
 date
 for stage in "${@:-tests attn generate forward}"; do
     $stage

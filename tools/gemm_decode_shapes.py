@@ -9,10 +9,11 @@ bandwidth of the weight bytes and its share of the copy bandwidth the byte roofl
 
     python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 64,128,256
 
-`--fp8` also times, on the same weights quantized to e4m3, the two FP8 products the engine has: the
-`scaled_mm` path (activations quantized per token by the Triton kernel, then `torch._scaled_mm`) and the
-weight-only Triton GEMM (`kv4rl.kernels.fp8_weight_gemm`) with its own tile choice; `--sweep` tries a
-grid of tile settings for the weight-only GEMM and prints the best per product (how `pick_config` was set).
+`--fp8` also times, on the same weights quantized to e4m3, the two FP8 products the engine has, both
+with the activations quantized per token by the Triton kernel: `torch._scaled_mm` and the Triton e4m3
+GEMM (`kv4rl.kernels.fp8_weight_gemm`, `engine.fp8_gemm=triton`) with `pick_config`'s tiles. `--sweep`
+tries a grid of tile settings of the Triton kernel and prints the best per product for e4m3
+activations, for bf16 activations (weight-only) and on the BF16 weights (against cuBLAS).
 `--blas cublas,cublaslt` times each BF16 product once per library `torch.backends.cuda.preferred_blas_library`
 can pick (cuBLAS chooses split-K kernels plus a reduce at some decode shapes; cuBLASLt chooses by its own
 heuristics), so a step's products can be compared library by library in one run.
@@ -30,28 +31,65 @@ from kv4rl.bench.decode_attn import _time_graph
 from kv4rl.bench.random_model import qwen3_args
 from kv4rl.bench.roofline import copy_bandwidth
 from kv4rl.engine.fp8_linear import FP8Linear
+from kv4rl.kernels.fp8_quant import quantize_rows_fp8
 from kv4rl.kernels.fp8_weight_gemm import GemmConfig, counter_slots, fp8_weight_matmul, pick_config
 
 
 def sweep_configs(m: int, k: int):
-    """The tile settings `--sweep` tries for `m` rows."""
-    block_ms = sorted({min(128, max(16, 1 << (m - 1).bit_length())), 64} if m > 64 else {max(16, 1 << (m - 1).bit_length())})
-    for bm in block_ms:
-        for bn in (32, 64, 128):
-            for bk, warps, stages in ((128, 4, 4), (128, 8, 4), (128, 4, 6), (256, 4, 3), (256, 8, 3)):
+    """The tile settings `--sweep` tries for `m` rows (the swapped kernel: `block_m` is the token tile)."""
+    top = min(256, max(16, 1 << (m - 1).bit_length()))
+    for bm in sorted({top} | {b for b in (64, 128) if b < top}):
+        for bn in (64, 128):
+            for bk, warps, stages in ((64, 4, 4), (128, 4, 3), (128, 4, 4), (128, 8, 4), (256, 4, 3)):
                 for split in (1, 2, 4, 8):
                     if k % (split * bk) == 0 and k // split >= 2 * bk:
                         yield GemmConfig(bm, bn, bk, split, warps, stages)
 
 
-def warm(shape: str, rows: list[int], part: int, parts: int) -> None:
+def table_configs(m: int, k: int):
+    """`--table`: e4m3 settings, each with the float32 add per K block and with one running FP8 sum."""
+    for bm in sorted({min(128, max(16, 1 << (m - 1).bit_length())), 64} if m > 64 else {max(16, 1 << (m - 1).bit_length())}):
+        for bn in (64, 128):
+            for bk, stages in ((128, 3), (128, 4), (256, 3)):
+                for split in (1, 2, 4):
+                    if k % (split * bk) == 0 and k // split >= 2 * bk:
+                        for fast in (False, True):
+                            yield GemmConfig(bm, bn, bk, split, 4, stages, fast)
+
+
+def time_table(x, w) -> dict:
+    """us of every `table_configs` setting of the e4m3 product (activation quantization included)."""
+    lin = FP8Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    lin.load_weight_(w)
+    counters = torch.zeros(counter_slots(w.shape[0], x.shape[0]), dtype=torch.int32, device=w.device)
+    out = {}
+    for cfg in table_configs(x.shape[0], w.shape[1]):
+        def call(cfg=cfg):
+            xq, xs = quantize_rows_fp8(x)
+            return fp8_weight_matmul(xq, lin.qweight, lin.weight_scale, None, counters, cfg, x_scale=xs)
+        try:
+            out[_short(cfg.__dict__) + (" fast" if cfg.fast_accum else "")] = 1e3 * _time_graph(call, calls=20, reps=10)
+        except Exception as e:  # out of shared memory
+            print(f"  skipped {cfg}: {type(e).__name__}")
+    return out
+
+
+def _operands(x: torch.Tensor, fp8_x: bool):
+    """(activations, their per-row scale or None) for the weight-only (bf16) or e4m3 x e4m3 product."""
+    if not fp8_x:
+        return x, None
+    codes, scale = quantize_rows_fp8(x)
+    return codes, scale
+
+
+def warm(shape: str, rows: list[int], part: int, parts: int, table: bool = False) -> None:
     """Compile (into Triton's disk cache) every `parts`-th sweep setting from `part`: run in parallel
     processes before a sweep, so the timed run only loads kernels."""
     # M, N and K are runtime arguments (all multiples of 16 here), so one kernel serves a setting everywhere
     first = {}
     for m in rows:
         for k, _ in layer_shapes(shape).values():
-            for cfg in sweep_configs(m, k):
+            for cfg in (table_configs if table else sweep_configs)(m, k):
                 first.setdefault(cfg, (m, k))
     todo = [(m, k, cfg) for cfg, (m, k) in sorted(first.items(), key=repr)][part::parts]
     for m, k, cfg in todo:
@@ -59,46 +97,70 @@ def warm(shape: str, rows: list[int], part: int, parts: int) -> None:
         codes = torch.zeros(64 * cfg.block_n, k, device="cuda", dtype=torch.float8_e4m3fn)
         scale = torch.ones(codes.shape[0], device="cuda")
         counters = torch.zeros(counter_slots(codes.shape[0], m), dtype=torch.int32, device="cuda")
-        try:
-            fp8_weight_matmul(x, codes, scale, None, counters, cfg)
-        except Exception as e:  # out of shared memory for the larger tiles: the sweep skips them too
-            print(f"  cannot compile {cfg}: {type(e).__name__}")
+        for fp8_x, w in ((True, codes),) if table else ((False, codes), (True, codes), (False, codes.bfloat16())):
+            try:
+                xx, xs = _operands(x, fp8_x)
+                fp8_weight_matmul(xx, w, scale, None, counters, cfg, x_scale=xs)
+            except Exception as e:  # out of shared memory for the larger tiles: the sweep skips them too
+                print(f"  cannot compile {cfg} fp8_x={fp8_x} {w.dtype}: {type(e).__name__}")
     torch.cuda.synchronize()
 
 
+def _best(x, codes, scale, counters, ref, fp8_x: bool) -> tuple[float, GemmConfig]:
+    """The fastest sweep setting (us, with the activation quantization for `fp8_x`), checked against `ref`."""
+    def call(cfg):
+        xx, xs = _operands(x, fp8_x)
+        return fp8_weight_matmul(xx, codes, scale, None, counters, cfg, x_scale=xs)
+
+    best = None
+    for cfg in sweep_configs(x.shape[0], codes.shape[1]):
+        try:
+            us = 1e3 * _time_graph(lambda cfg=cfg: call(cfg), calls=20, reps=10)
+        except Exception as e:  # out of shared memory for the larger tiles
+            print(f"  skipped {cfg}: {type(e).__name__}")
+            continue
+        if best is None or us < best[0]:
+            best = (us, cfg)
+    if fp8_x:  # the product of the dequantized activations
+        xq, xs = quantize_rows_fp8(x)
+        ref = F.linear(xq.float() * xs[:, None], codes.float() * scale[:, None])
+    err = ((call(best[1]).float() - ref).abs().max() / ref.abs().max()).item()
+    if err > 1e-2:
+        raise SystemExit(f"best setting {best[1]} (fp8_x={fp8_x}) off by {err:.3g}")
+    return best
+
+
 def time_fp8(x, w, sweep: bool) -> dict:
-    """us of the scaled_mm path, the weight-only GEMM (pick_config) and, with `sweep`, its best setting."""
+    """us of the scaled_mm path, the weight-only GEMM (pick_config) and, with `sweep`, the best setting of
+    the weight-only GEMM and of the e4m3 x e4m3 one (activation quantization included)."""
     lin = FP8Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     lin.load_weight_(w)
     lin.fused_quant, lin.use_scaled_mm = True, True
     counters = torch.zeros(counter_slots(w.shape[0], x.shape[0]), dtype=torch.int32, device=w.device)
     ref = F.linear(x.float(), lin.dequantized_weight(torch.float32))
     out = {"scaled_mm_us": 1e3 * _time_graph(lambda: lin._scaled_mm(x), calls=20)}
-    got = fp8_weight_matmul(x, lin.qweight, lin.weight_scale, None, counters)
-    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    scaled = lin._scaled_mm(x)
+    lin.enable_decode_gemm()  # the engine's path with engine.fp8_gemm=triton: the same quantization, pick_config's tiles
+    got = lin._scaled_mm(x)
+    err = ((got.float() - scaled.float()).abs().max() / scaled.float().abs().max()).item()
     if err > 1e-2:
-        raise SystemExit(f"weight-only GEMM off by {err:.3g} of the output's range at {tuple(x.shape)} x {tuple(w.shape)}")
-    out["weight_only_us"] = 1e3 * _time_graph(
-        lambda: fp8_weight_matmul(x, lin.qweight, lin.weight_scale, None, counters), calls=20)
-    out["weight_only_config"] = pick_config(x.shape[0], w.shape[0], w.shape[1],
+        raise SystemExit(f"Triton e4m3 GEMM off scaled_mm by {err:.3g} of the output's range at {tuple(x.shape)} x {tuple(w.shape)}")
+    out["decode_gemm_us"] = 1e3 * _time_graph(lambda: lin._scaled_mm(x), calls=20)
+    out["decode_gemm_config"] = pick_config(x.shape[0], w.shape[0], w.shape[1],
                                             torch.cuda.get_device_properties(0).multi_processor_count).__dict__
     if sweep:
-        best = None
-        for cfg in sweep_configs(x.shape[0], w.shape[1]):
-            try:
-                us = 1e3 * _time_graph(lambda cfg=cfg: fp8_weight_matmul(x, lin.qweight, lin.weight_scale, None,
-                                                                         counters, cfg), calls=20, reps=10)
-            except Exception as e:  # out of shared memory for the larger tiles
-                print(f"  skipped {cfg}: {type(e).__name__}")
-                continue
-            if best is None or us < best[0]:
-                best = (us, cfg)
-        got = fp8_weight_matmul(x, lin.qweight, lin.weight_scale, None, counters, best[1])
-        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-        if err > 1e-2:
-            raise SystemExit(f"best setting {best[1]} off by {err:.3g}")
-        out["best_us"], out["best_config"] = best[0], best[1].__dict__
+        for key, fp8_x in (("best", False), ("best_w8a8", True)):
+            us, cfg = _best(x, lin.qweight, lin.weight_scale, counters, ref, fp8_x)
+            out[f"{key}_us"], out[f"{key}_config"] = us, cfg.__dict__
+        # the same kernel on the BF16 weights (scale 1): a skinny GEMM against cuBLAS at the BF16 bytes
+        ones = torch.ones(w.shape[0], device=w.device)
+        us, cfg = _best(x, w.contiguous(), ones, counters, F.linear(x.float(), w.float()), False)
+        out["best_bf16w_us"], out["best_bf16w_config"] = us, cfg.__dict__
     return out
+
+
+def _short(cfg: dict) -> str:
+    return "m{block_m} n{block_n} k{block_k} s{split_k} w{num_warps} st{num_stages}".format(**cfg)
 
 
 def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -118,11 +180,12 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="with --fp8: search the weight-only GEMM's tiles")
     p.add_argument("--blas", default=None, metavar="LIBS",
                    help="also time the BF16 products under each of these BLAS libraries (e.g. cublas,cublaslt)")
+    p.add_argument("--table", action="store_true", help="time every e4m3 setting of a small grid (JSON only)")
     p.add_argument("--warm-only", default=None, metavar="I/N", help="compile the I-th of N parts of the sweep, time nothing")
     a = p.parse_args()
     if a.warm_only:
         part, parts = (int(v) for v in a.warm_only.split("/"))
-        warm(a.shape, [int(x) for x in a.rows.split(",")], part, parts)
+        warm(a.shape, [int(x) for x in a.rows.split(",")], part, parts, a.table)
         return
     bw = copy_bandwidth(torch.device("cuda"))
     if bw is None:
@@ -133,7 +196,7 @@ def main() -> None:
     libs = a.blas.split(",") if a.blas else []
     default_lib = torch.backends.cuda.preferred_blas_library()
     for m in [int(x) for x in a.rows.split(",")]:
-        step_ms = roof_ms = fp8_step_ms = scaled_step_ms = 0.0
+        step_ms = roof_ms = fp8_step_ms = scaled_step_ms = best_step_ms = w8a8_step_ms = bf16w_step_ms = 0.0
         lib_step_ms = dict.fromkeys(libs, 0.0)
         for name, (k, n) in layer_shapes(a.shape).items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -154,19 +217,34 @@ def main() -> None:
                 row[f"us_{lib}"] = us
                 lib_step_ms[lib] += us / 1e3 * count
                 line += f" | {lib} {us:7.1f} us ({1e6 * sec / us:4.2f}x)"
+            if a.table and name != "lm_head":
+                row["table_us"] = time_table(x, w)
+                best = min(row["table_us"], key=row["table_us"].get)
+                line += f" | table best {row['table_us'][best]:7.1f} us {best}"
             if a.fp8 and name != "lm_head":  # the engine keeps the LM head in bf16
                 row.update(time_fp8(x, w, a.sweep))
                 fp8_bytes = n * k
-                line += (f" | fp8 scaled_mm {row['scaled_mm_us']:7.1f} us, weight-only {row['weight_only_us']:7.1f} us "
-                         f"({fp8_bytes / row['weight_only_us'] / 1e6:4.2f} TB/s, {sec * 1e6 / row['weight_only_us']:4.2f}x bf16)")
+                line += (f" | fp8 scaled_mm {row['scaled_mm_us']:7.1f} us, Triton e4m3 {row['decode_gemm_us']:7.1f} us "
+                         f"({fp8_bytes / row['decode_gemm_us'] / 1e6:4.2f} TB/s, {sec * 1e6 / row['decode_gemm_us']:4.2f}x bf16) "
+                         f"{_short(row['decode_gemm_config'])}")
                 if a.sweep:
-                    line += f", best {row['best_us']:7.1f} us {row['best_config']}"
-                fp8_ms = row["weight_only_us"] / 1e3 * count
+                    line += (f", best {row['best_us']:7.1f} us ({sec * 1e6 / row['best_us']:4.2f}x bf16) "
+                             f"{_short(row['best_config'])}, best e4m3 x e4m3 {row['best_w8a8_us']:7.1f} us "
+                             f"({sec * 1e6 / row['best_w8a8_us']:4.2f}x) {_short(row['best_w8a8_config'])}"
+                             f" | Triton on bf16 weights {row['best_bf16w_us']:7.1f} us ({sec * 1e6 / row['best_bf16w_us']:4.2f}x cuBLAS) "
+                             f"{_short(row['best_bf16w_config'])}")
+                    bf16w_step_ms += min(1e6 * sec, row["best_bf16w_us"]) / 1e3 * count
+                    best_step_ms += row["best_us"] / 1e3 * count
+                    w8a8_step_ms += row["best_w8a8_us"] / 1e3 * count
+                fp8_ms = row["decode_gemm_us"] / 1e3 * count
                 fp8_step_ms += fp8_ms
                 scaled_step_ms += row["scaled_mm_us"] / 1e3 * count
             elif a.fp8:
                 fp8_step_ms += 1e3 * sec * count
                 scaled_step_ms += 1e3 * sec * count
+                best_step_ms += 1e3 * sec * count
+                w8a8_step_ms += 1e3 * sec * count
+                bf16w_step_ms += 1e3 * sec * count
             rows.append(row)
             print(line)
         print(f"M={m:4d} all products of a step: {step_ms:.2f} ms against {roof_ms:.2f} ms of weight bytes "
@@ -174,8 +252,12 @@ def main() -> None:
         for lib, ms in lib_step_ms.items():
             print(f"M={m:4d} all products under {lib}: {ms:.2f} ms ({step_ms / ms:.2f}x the default)")
         if a.fp8:
-            print(f"M={m:4d} with FP8 block weights (LM head bf16): weight-only {fp8_step_ms:.2f} ms "
+            print(f"M={m:4d} with FP8 block weights (LM head bf16): Triton e4m3 (pick_config) {fp8_step_ms:.2f} ms "
                   f"({step_ms / fp8_step_ms:.2f}x bf16), scaled_mm {scaled_step_ms:.2f} ms ({step_ms / scaled_step_ms:.2f}x)")
+            if a.sweep:
+                print(f"M={m:4d} best settings: weight-only (bf16 activations) {best_step_ms:.2f} ms ({step_ms / best_step_ms:.2f}x bf16), "
+                      f"e4m3 x e4m3 {w8a8_step_ms:.2f} ms ({step_ms / w8a8_step_ms:.2f}x); BF16 weights, the faster of "
+                      f"cuBLAS and Triton per product: {bf16w_step_ms:.2f} ms ({step_ms / bf16w_step_ms:.2f}x)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"shape": a.shape, "copy_tb_s": bw / 1e12, "gpu": torch.cuda.get_device_name(),
