@@ -101,6 +101,8 @@ def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, arg
     (["bench", "decode-attn", "--contexts", "2k"], ["--contexts", "'2k'"]),
     (["bench", "decode-attn", "--formats", "bf16,fp4"], ["--formats", "'fp4'"]),
     (["bench", "decode-forward", "--shapes", "qwen9"], ["--shapes", "'qwen9'"]),
+    (["bench", "decode-forward", "--fp8-gemm", "cutlass"], ["--fp8-gemm", "'cutlass'"]),
+    (["bench", "decode-forward", "--fp8-gemm", "triton", "--no-fused-ops"], ["--fp8-gemm triton", "--fused-ops"]),
     (["bench", "iteration", "--arms", "bf16+sync,kv9+partial"], ["--arms 'kv9+partial'", "unknown: kv9"]),
     (["bench", "iteration", "--arms", "bf16+sync+partial"], ["--arms 'bf16+sync+partial'", "KV format + mode"]),
     (["bench", "iteration", "--arms", "fp8w+fp8w+kv4+sync"], ["--arms 'fp8w+fp8w+kv4+sync'"]),

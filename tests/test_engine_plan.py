@@ -183,7 +183,7 @@ def test_fp8_weight_path_matches_the_built_model(monkeypatch, merge):
     args = _args(hidden_size=64, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     expected = (f"scaled_mm (Hopper) for {'6 of 8' if merge else '8 of 14'} linears, "
                 "dequantized fallback for the rest")
-    plan = _plan(CUDA, args=args, weight_format="fp8", merge_projections=merge)
+    plan = _plan(CUDA, args=args, weight_format="fp8", merge_projections=merge, fp8_gemm="scaled_mm")
     assert plan.weights.value == "fp8" and plan.weights.reason == expected
     assert plan.weights_desc == f"fp8 weights: {expected}"
     assert plan.merge_projections.value is merge
@@ -196,8 +196,31 @@ def test_fp8_weight_path_matches_the_built_model(monkeypatch, merge):
     assert fp8_path(model, torch.bfloat16, torch.device("cpu")) == expected
     assert _plan(CUDA, args=args, weight_format="fp8", dtype=torch.float32).weights.reason == "dequantized fallback"
     assert _plan(CPU, args=args, weight_format="fp8").weights.reason == "dequantized fallback"
-    assert _plan(CUDA, weight_format="fp8").weights.reason == "scaled_mm (Hopper)"
+    assert _plan(CUDA, weight_format="fp8", fp8_gemm="scaled_mm").weights.reason == "scaled_mm (Hopper)"
     assert _plan(CUDA).weights_desc == "weights auto"
+    # with the Triton decode GEMM (the default on CUDA) the model's linears report it once enabled
+    triton = _plan(CUDA, args=args, weight_format="fp8", merge_projections=merge)
+    assert triton.weights.reason == expected.replace("scaled_mm (Hopper)", fp8_linear.DECODE_GEMM_PATH, 1)
+    from kv4rl.engine.fp8_weights import set_fused_quant
+
+    set_fused_quant(model, decode_gemm=True)
+    assert fp8_path(model, torch.bfloat16, torch.device("cpu")) == triton.weights.reason
+
+
+def test_fp8_gemm_takes_triton_where_it_can_run():
+    plan = _plan(CUDA, weight_format="fp8")
+    assert plan.fp8_gemm.value == "triton" and plan.fp8_gemm.reason.startswith("engine.fp8_gemm=auto")
+    assert plan.weights_desc == "fp8 weights: e4m3 GEMM (Triton) up to 256 tokens, scaled_mm (Hopper) above"
+    assert _plan(CUDA).fp8_gemm.value is None  # no FP8 weights
+    off = _plan(CUDA, weight_format="fp8", fused_ops=False).fp8_gemm
+    assert off.value == "scaled_mm" and "engine.fused_ops is off" in off.reason
+    assert _plan(CUDA, weight_format="fp8", dtype=torch.float32).fp8_gemm.value == "scaled_mm"
+    assert _plan(CUDA, weight_format="fp8", fp8_gemm="scaled_mm").fp8_gemm.reason == "engine.fp8_gemm=scaled_mm"
+    assert _plan(CUDA, weight_format="fp8", fp8_gemm="triton").fp8_gemm.value == "triton"
+    with pytest.raises(ValueError, match="engine.fp8_gemm=triton cannot run here: engine.fused_ops is off"):
+        _plan(CUDA, weight_format="fp8", fp8_gemm="triton", fused_ops=False)
+    with pytest.raises(ValueError, match="engine.fp8_gemm=triton cannot run here: no FP8 tensor cores"):
+        _plan(INTERPRETER, weight_format="fp8", fp8_gemm="triton", fused_ops=True)
 
 
 def test_fused_fp8_quant_needs_both_fused_ops_and_fp8_weights():
@@ -216,7 +239,7 @@ def test_explain_lists_every_decision_with_its_reason():
     text = plan.explain()
     for name, choice in plan.choices().items():
         assert f"{name}={choice.value} ({choice.reason})" in text
-    assert len(plan.choices()) == 13
+    assert len(plan.choices()) == 14
 
 
 def test_prefill_backend_follows_the_decode_kernels_unless_set():

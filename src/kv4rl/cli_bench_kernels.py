@@ -22,7 +22,8 @@ def _need_cuda() -> None:
         fail("this benchmark times GPU kernels and needs a CUDA device")
 
 
-def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out, merge_projections: bool) -> None:
+def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out, merge_projections: bool,
+                       fp8_gemm: str) -> None:
     """The tensor-parallel decode step on every rank; rank 0 prints, times one GPU and writes the JSON."""
     from kv4rl import distributed
     from kv4rl.bench.decode_forward import run_decode_forward_tp
@@ -30,7 +31,7 @@ def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out, m
     if distributed.launched_ranks() != size:
         fail(f"--tensor-parallel {size} runs under torchrun: torchrun --nproc-per-node {size} -m kv4rl.cli "
              f"bench decode-forward --tensor-parallel {size} ...")
-    res = run_decode_forward_tp(shape_list, work, size, fused_ops, merge_projections)
+    res = run_decode_forward_tp(shape_list, work, size, fused_ops, merge_projections, fp8_gemm)
     if res is not None:
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)
@@ -78,7 +79,8 @@ def register_kernel_benches(app: typer.Typer) -> None:
     def decode_forward(
         shapes: Annotated[str, Option("--shapes", help="model shapes: qwen3-4b, qwen3-8b, ...")] = "qwen3-8b",
         workloads: Annotated[str, Option(
-            "--workloads", help="early (B256 x 1024), mid (B128 x 4096), late (B64 x 8192)")] = "early,mid,late",
+            "--workloads", help="early (B256 x 1024), mid (B128 x 4096), late (B64 x 8192), short (B64 x 1024: "
+                                "weights are most of the bytes)")] = "early,mid,late",
         fused_ops: Annotated[bool, Option(
             "--fused-ops/--no-fused-ops", help="fused norms/RoPE/SwiGLU kernels, as the engine runs on CUDA "
                                                "(engine.fused_ops=auto)")] = True,
@@ -88,6 +90,9 @@ def register_kernel_benches(app: typer.Typer) -> None:
         tensor_parallel: Annotated[int, Option(
             "--tensor-parallel", help="shard the model over N GPUs (run under torchrun --nproc-per-node N); "
                                       "rank 0 also times one GPU for the ratio")] = 1,
+        fp8_gemm: Annotated[str, Option(
+            "--fp8-gemm", help="FP8 weights' product up to 256 tokens, as engine.fp8_gemm: auto (the Triton "
+                               "e4m3 GEMM with fused ops), triton, scaled_mm")] = "auto",
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:
         """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""
@@ -98,18 +103,22 @@ def register_kernel_benches(app: typer.Typer) -> None:
             shape_list = option_list(shapes, "--shapes", known=list(QWEN3_SHAPES))
             work = option_list(workloads, "--workloads", known=list(WORKLOADS))
             check_at_least(1, ("--tensor-parallel", tensor_parallel))
+            if fp8_gemm not in ("auto", "triton", "scaled_mm"):
+                raise ValueError(f"--fp8-gemm: '{fp8_gemm}' is not one of auto, triton, scaled_mm")
+            if fp8_gemm == "triton" and not fused_ops:
+                raise ValueError("--fp8-gemm triton needs --fused-ops")
         except ValueError as exc:
             fail(str(exc))
         check_output_path(json_out)
         _need_cuda()
         if tensor_parallel > 1:
-            _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out, merge_projections)
+            _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out, merge_projections, fp8_gemm)
             return
         cases = len(shape_list) * len(VARIANTS) * len(work)
         with StageProgress(console, "decode-forward") as stages:
             stages(f"timing {cases} decode steps", 0, cases)
             res = run_decode_forward(shape_list, work, fused_ops=fused_ops, merge_projections=merge_projections,
-                                     progress=lambda r: stages.advance(
+                                     fp8_gemm=fp8_gemm, progress=lambda r: stages.advance(
                 f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)

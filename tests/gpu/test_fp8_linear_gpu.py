@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from kv4rl.engine.config import EngineConfig, KVConfig
-from kv4rl.engine.fp8_linear import FALLBACK_PATH, SCALED_MM_PATH, FP8Linear, fp8_matmul_device
+from kv4rl.engine.fp8_linear import DECODE_GEMM_PATH, FALLBACK_PATH, SCALED_MM_PATH, FP8Linear, fp8_matmul_device
 from kv4rl.engine.llm import Engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -45,6 +45,29 @@ def test_scaled_mm_matches_fallback(m, k, n):
     # and both are FP8 approximations of the full-precision layer, not a shared mistake
     full = nn.functional.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
     assert rel_err(fast, full) < 0.1
+
+
+@needs_fp8_mm
+@pytest.mark.parametrize("k,n", [(2048, 6144), (4096, 4096), (12288, 4096)])
+@pytest.mark.parametrize("m", [1, 17, 64, 128, 200, 256, 300])
+def test_decode_gemm_matches_scaled_mm(m, k, n):
+    """The Triton e4m3 GEMM computes scaled_mm's function (same codes and scales): they differ by
+    accumulation order and the bias's rounding only; above 256 tokens the layer keeps scaled_mm."""
+    _, fp8 = fp8_layer(k, n, bias=(m % 2 == 1), seed=m + k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2
+    x[0] *= 100
+    fp8.fused_quant, fp8.use_scaled_mm = True, True
+    cublas = fp8(x)
+    fp8.enable_decode_gemm()
+    triton = fp8(x)
+    assert triton.shape == (m, n) and triton.dtype == torch.bfloat16 and not triton.isnan().any()
+    if m > 256:
+        assert torch.equal(triton, cublas)
+    else:
+        assert rel_err(triton, cublas) < 4e-3
+        fp8.use_scaled_mm = False
+        assert rel_err(triton, fp8(x.float())) < 2e-2  # the dequantized maths in float32 (fallback)
+    assert int(fp8.gemm_counters.abs().sum()) == 0
 
 
 @needs_fp8_mm
@@ -95,11 +118,12 @@ def assert_fp8_noise(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @needs_fp8_mm
-def test_engine_scaled_mm_log_probs_match_fallback(tiny_qwen3):
+@pytest.mark.parametrize("fp8_gemm", ["scaled_mm", "auto"])
+def test_engine_scaled_mm_log_probs_match_fallback(tiny_qwen3, fp8_gemm):
     path, _ = tiny_qwen3
     # the torch attention path runs eagerly, so switching the linears' path takes effect at once
-    engine = fp8_engine(path, attention_backend="torch")
-    assert f"fp8 weights: {SCALED_MM_PATH}" in engine.summary
+    engine = fp8_engine(path, attention_backend="torch", fp8_gemm=fp8_gemm)
+    assert f"fp8 weights: {SCALED_MM_PATH if fp8_gemm == 'scaled_mm' else DECODE_GEMM_PATH}" in engine.summary
     fast = forced_log_probs(engine)
     linears = [m for m in engine.model.modules() if isinstance(m, FP8Linear)]
     assert len(linears) == 8  # two layers of merged q|k|v, o, merged gate|up, down (engine.merge_projections)
@@ -109,15 +133,16 @@ def test_engine_scaled_mm_log_probs_match_fallback(tiny_qwen3):
 
 
 @needs_fp8_mm
-def test_engine_default_backend_runs_scaled_mm(tmp_path):
+@pytest.mark.parametrize("fp8_gemm", ["scaled_mm", "auto"])
+def test_engine_default_backend_runs_scaled_mm(tmp_path, fp8_gemm):
     """The default backend (fast attention and CUDA graphs where they apply; head_dim 32 so they
     can) replays the FP8 linears too, consistent with the eager engine, also after a refresh."""
     from tests.conftest import make_checkpoint
 
     path = tmp_path / "qwen3_hd32"
     hf = make_checkpoint(path, head_dim=32)
-    eager, default = fp8_engine(path, attention_backend="torch"), fp8_engine(path)
-    assert f"fp8 weights: {SCALED_MM_PATH}" in default.summary
+    eager, default = fp8_engine(path, attention_backend="torch", fp8_gemm="scaled_mm"), fp8_engine(path, fp8_gemm=fp8_gemm)
+    assert f"fp8 weights: {SCALED_MM_PATH if fp8_gemm == 'scaled_mm' else DECODE_GEMM_PATH}" in default.summary
     before = forced_log_probs(default)
     assert_fp8_noise(forced_log_probs(eager), before)
     torch.manual_seed(0)

@@ -21,7 +21,8 @@ import torch
 
 from kv4rl.bench.roofline import copy_bandwidth, roofline_ms, weight_bytes_per_step
 
-WORKLOADS = {"early": (256, 1024), "mid": (128, 4096), "late": (64, 8192)}
+# "short" (not in the default list): few rows at a short context, where the weights are most of the bytes
+WORKLOADS = {"early": (256, 1024), "mid": (128, 4096), "late": (64, 8192), "short": (64, 1024)}
 VARIANTS = (("bf16", "bf16"), ("fp8", "bf16"), ("bf16", "kv4"), ("fp8", "kv4"))
 
 
@@ -118,10 +119,17 @@ def step_roofline(model, kv: str, batch: int, context: int, ms: float, bandwidth
 
 
 def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANTS, device="cuda",
-                       progress=None, fused_ops: bool = False, tp=None, merge_projections: bool = True) -> dict:
+                       progress=None, fused_ops: bool = False, tp=None, merge_projections: bool = True,
+                       fp8_gemm: str = "auto") -> dict:
     """`fused_ops` runs the step as `engine.fused_ops=true` would (fused norms/RoPE/SwiGLU, one-launch
     FP8 activation quantization), `merge_projections` as `engine.merge_projections=true` (one GEMM for
-    q|k|v, one for gate|up). `tp`: this rank's `TensorParallel` (every rank calls this)."""
+    q|k|v, one for gate|up), `fp8_gemm` as `engine.fp8_gemm` (auto: the Triton e4m3 GEMM with fused ops).
+    `tp`: this rank's `TensorParallel` (every rank calls this)."""
+    if fp8_gemm not in ("auto", "triton", "scaled_mm"):
+        raise ValueError(f"fp8_gemm: {fp8_gemm!r} is not one of auto, triton, scaled_mm")
+    if fp8_gemm == "triton" and not fused_ops:
+        raise ValueError("fp8_gemm=triton needs fused_ops (as engine.fp8_gemm does)")
+    decode_gemm = fused_ops and fp8_gemm != "scaled_mm"
     from kv4rl.bench.random_model import random_decoder
     from kv4rl.engine.fp8_weights import apply_fp8_weights, set_fused_quant
     from kv4rl.engine.merged_linears import merge_projections as merge
@@ -141,7 +149,7 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                     continue
                 if weights == "fp8" and weights_now != "fp8":
                     apply_fp8_weights(model)
-                    set_fused_quant(model, fused_ops)
+                    set_fused_quant(model, fused_ops, decode_gemm)
                     torch.cuda.empty_cache()
                     weights_now = "fp8"
                 for name in workloads:
@@ -149,6 +157,7 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                     barrier = None if tp is None or tp.size == 1 else _barrier(tp)
                     row = {"shape": shape, "workload": name, "batch": batch, "context": context, "weights": w,
                            "kv": kv, "fused_ops": fused_ops, "merge_projections": merge_projections,
+                           "fp8_gemm": None if w != "fp8" else "triton" if decode_gemm else "scaled_mm",
                            "tensor_parallel": 1 if tp is None else tp.size,
                            **time_step(model, kv, batch, context, barrier=barrier)}
                     row.update(step_roofline(model, kv, batch, context, row["ms"], bandwidth))
@@ -165,7 +174,7 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
 
 
 def run_decode_forward_tp(shapes: list[str], workloads: list[str], size: int, fused_ops: bool,
-                          merge_projections: bool = True) -> dict | None:
+                          merge_projections: bool = True, fp8_gemm: str = "auto") -> dict | None:
     """Under torchrun: every rank times its shard's step; rank 0 then times one GPU in the same job and
     returns the rows with `speedup_vs_tp1` (the other ranks return None)."""
     from kv4rl import distributed
@@ -173,11 +182,13 @@ def run_decode_forward_tp(shapes: list[str], workloads: list[str], size: int, fu
 
     distributed.init_from_torchrun("cuda")
     tp = tensor_parallel_group(size)
-    res = run_decode_forward(shapes, workloads, fused_ops=fused_ops, tp=tp, merge_projections=merge_projections)
+    res = run_decode_forward(shapes, workloads, fused_ops=fused_ops, tp=tp, merge_projections=merge_projections,
+                             fp8_gemm=fp8_gemm)
     distributed.barrier()
     if tp.rank != 0:
         return None
-    add_tp1_ratio(res, run_decode_forward(shapes, workloads, fused_ops=fused_ops, merge_projections=merge_projections))
+    add_tp1_ratio(res, run_decode_forward(shapes, workloads, fused_ops=fused_ops, merge_projections=merge_projections,
+                                          fp8_gemm=fp8_gemm))
     return res
 
 

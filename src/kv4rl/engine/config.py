@@ -78,6 +78,11 @@ class EngineConfig:
     FP8 linear's input (scaled_mm path) in one Triton kernel (`kv4rl.kernels.fp8_quant`) instead of
     ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit. `true` fails at start off CUDA;
     `auto` (default) is on on CUDA and off elsewhere (bench/RESULTS.md has the speed-ups).
+    `fp8_gemm` picks the FP8 linears' product at up to 256 tokens (decode steps, small prefills):
+    `triton` the e4m3 x e4m3 Triton kernel with the weight as the tensor cores' wide operand
+    (`kv4rl.kernels.fp8_weight_gemm`), `scaled_mm` cuBLAS's `torch._scaled_mm`; both compute the same
+    function, and larger products always take `scaled_mm`. `auto` (default): triton where it can run
+    (fused ops on, FP8 tensor cores, bf16), which the start line names.
     `merge_projections` (default on) runs each layer's q, k, v projections as one GEMM and gate, up as
     one, split after (`kv4rl.engine.merged_linears`, as vLLM does): fewer, larger products at decode
     sizes. The weights still load under their Hugging Face names (the merged rows are written in
@@ -108,6 +113,7 @@ class EngineConfig:
 
     kv: KVConfig = field(default_factory=KVConfig)
     weight_format: Literal["auto", "fp8"] = "auto"  # fp8: e4m3 block linears, re-quantized at each refresh
+    fp8_gemm: Literal["auto", "triton", "scaled_mm"] = "auto"
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int = 16384

@@ -31,16 +31,19 @@ def apply_fp8_weights(model: nn.Module) -> int:
     return len(linears)
 
 
-def set_fused_quant(model: nn.Module, enabled: bool = True) -> int:
+def set_fused_quant(model: nn.Module, enabled: bool = True, decode_gemm: bool = False) -> int:
     """Quantize the FP8 linears' activations with the Triton kernel (``engine.fused_ops``) or with
-    torch ops; returns how many linears there are."""
+    torch ops, and multiply them at decode sizes with the Triton e4m3 GEMM (`decode_gemm`,
+    ``engine.fp8_gemm``) or ``scaled_mm``; returns how many linears there are."""
     linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
     for m in linears:
         m.fused_quant = enabled
+        m.enable_decode_gemm(decode_gemm)
     return len(linears)
 
 
 def fp8_path(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
     """Which product the FP8 linears use for activations of ``dtype`` on ``device``, for logs."""
-    paths = [m.path(dtype, device) for m in model.modules() if isinstance(m, FP8Linear)]
-    return describe_fp8_paths(paths.count(SCALED_MM_PATH), len(paths))
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    paths = [m.path(dtype, device) for m in linears]
+    return describe_fp8_paths(paths.count(SCALED_MM_PATH), len(paths), any(m.decode_gemm for m in linears))

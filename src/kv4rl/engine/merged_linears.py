@@ -104,6 +104,7 @@ def merge_linears(parts: Mapping[str, nn.Module]) -> MergedLinear:
         linear.qweight.copy_(torch.cat([p.qweight for p in parts]))
         linear.weight_scale.copy_(torch.cat([p.weight_scale for p in parts]))
         linear.use_scaled_mm, linear.fused_quant = first.use_scaled_mm, first.fused_quant
+        linear.enable_decode_gemm(first.decode_gemm)
     else:
         linear = nn.Linear(first.in_features, sum(sizes), bias, device="meta")  # no random init
         linear.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)

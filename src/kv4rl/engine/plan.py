@@ -86,6 +86,7 @@ class EnginePlan:
     cuda_graphs: Choice[bool]
     prefill_graphs: Choice[int]
     weights: Choice[str]
+    fp8_gemm: Choice[str | None]
     merge_projections: Choice[bool]
     async_scheduling: Choice[bool]
     pool_blocks: Choice[int | None]
@@ -116,7 +117,7 @@ class EnginePlan:
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in ("kv_format_name", "max_model_len", "fused_ops", "sampler",
                                                        "attention", "prefill", "body_kernel", "cuda_graphs", "prefill_graphs",
-                                                       "weights",
+                                                       "weights", "fp8_gemm",
                                                        "merge_projections", "async_scheduling", "pool_blocks")}
 
     def explain(self) -> str:
@@ -138,10 +139,11 @@ def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: C
     sampler = _kernel_setting("engine.sampler", config.sampler, "triton", "torch", caps)
     on_kernels = attention.value == "triton"
     prefill, cuda_graphs = _prefill(config, attention), _cuda_graphs(config, on_kernels, caps)
+    fp8_gemm = _fp8_gemm(config, fused_ops.value, dtype, caps)
     return EnginePlan(
         kv_format=kv_format, kv_format_name=kv_name, max_model_len=max_model_len, fused_ops=fused_ops,
         sampler=sampler, attention=attention, prefill=prefill, body_kernel=_body_kernel(on_kernels, kv_format, args, config, caps),
-        cuda_graphs=cuda_graphs, prefill_graphs=_prefill_graphs(config, prefill, cuda_graphs), weights=_weights(config, args, dtype, caps),
+        cuda_graphs=cuda_graphs, prefill_graphs=_prefill_graphs(config, prefill, cuda_graphs), weights=_weights(config, args, dtype, caps, fp8_gemm.value == "triton"), fp8_gemm=fp8_gemm,
         merge_projections=_merge_projections(config), async_scheduling=_async_scheduling(config, caps),
         pool_blocks=_pool_blocks(config, caps, max_num_seqs, max_model_len.value), max_num_seqs=max_num_seqs,
     )
@@ -238,7 +240,24 @@ def _cuda_graphs(config: EngineConfig, on_kernels: bool, caps: Capabilities) -> 
     return Choice(True, "engine.cuda_graphs=true: decode steps replay per batch bucket")
 
 
-def _weights(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: Capabilities) -> Choice[str]:
+def _fp8_gemm(config: EngineConfig, fused_ops: bool, dtype: torch.dtype, caps: Capabilities) -> Choice[str | None]:
+    """The FP8 linears' product at decode sizes: the Triton e4m3 GEMM needs the Triton kernels on
+    (`engine.fused_ops`), FP8 tensor cores and bf16 compute; `scaled_mm` otherwise."""
+    if config.weight_format != "fp8":
+        return Choice(None, f"engine.weight_format={config.weight_format}")
+    if config.fp8_gemm == "scaled_mm":
+        return Choice("scaled_mm", "engine.fp8_gemm=scaled_mm")
+    problem = ("engine.fused_ops is off" if not fused_ops else "no FP8 tensor cores" if not caps.fp8_matmul
+               else f"compute dtype {dtype}, not bfloat16" if dtype != torch.bfloat16 else None)
+    if problem is None:
+        return Choice("triton", f"engine.fp8_gemm={config.fp8_gemm}: up to 256 tokens")
+    if config.fp8_gemm == "triton":
+        raise ValueError(f"engine.fp8_gemm=triton cannot run here: {problem}")
+    return Choice("scaled_mm", f"engine.fp8_gemm=auto: {problem}")
+
+
+def _weights(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: Capabilities,
+             decode_gemm: bool = False) -> Choice[str]:
     """`fp8`: the reason is the products its linears take (`fp8_weights.fp8_path` of the built model)."""
     if config.weight_format != "fp8":
         return Choice(config.weight_format, f"engine.weight_format={config.weight_format}")
@@ -250,7 +269,7 @@ def _weights(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: Ca
         per_layer = [(hidden, q_out), (hidden, kv_out), (hidden, kv_out), (q_out, hidden),  # q, k, v, o
                      (hidden, inter), (hidden, inter), (inter, hidden)]  # gate, up, down
     fast = sum(scaled_mm_fits(n_in, n_out, dtype, caps.fp8_matmul) for n_in, n_out in per_layer) * args.num_layers
-    return Choice("fp8", describe_fp8_paths(fast, len(per_layer) * args.num_layers))
+    return Choice("fp8", describe_fp8_paths(fast, len(per_layer) * args.num_layers, decode_gemm and fast > 0))
 
 
 def _merge_projections(config: EngineConfig) -> Choice[bool]:

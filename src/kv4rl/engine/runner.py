@@ -289,17 +289,17 @@ def prepare_model(model, plan: EnginePlan) -> None:
         from kv4rl.engine.merged_linears import merge_projections
 
         merge_projections(model)
-    if plan.weights.value == "fp8":
-        from kv4rl.engine.fp8_weights import fp8_path
-
-        param = next(model.parameters())
-        assert fp8_path(model, param.dtype, param.device) == plan.weights.reason, "the plan mistook the FP8 path"
     if plan.fused_ops.value:
         model.enable_fused_ops()
     if plan.fused_fp8_quant:  # FP8 linears quantize their inputs in one kernel too
         from kv4rl.engine.fp8_weights import set_fused_quant
 
-        set_fused_quant(model)
+        set_fused_quant(model, decode_gemm=plan.fp8_gemm.value == "triton")
+    if plan.weights.value == "fp8":
+        from kv4rl.engine.fp8_weights import fp8_path
+
+        param = next(model.parameters())
+        assert fp8_path(model, param.dtype, param.device) == plan.weights.reason, "the plan mistook the FP8 path"
 
 
 def _memory_sized(profile: _Profile, model, device: torch.device) -> tuple[int, str]:
