@@ -210,7 +210,7 @@ def test_fp8_weight_path_matches_the_built_model(monkeypatch, merge):
 def test_fp8_gemm_takes_triton_where_it_can_run():
     plan = _plan(CUDA, weight_format="fp8")
     assert plan.fp8_gemm.value == "triton" and plan.fp8_gemm.reason.startswith("engine.fp8_gemm=auto")
-    assert plan.weights_desc == "fp8 weights: e4m3 GEMM (Triton) up to 256 tokens, scaled_mm (Hopper) above"
+    assert plan.weights_desc == "fp8 weights: e4m3 GEMM (Triton) up to 128 tokens, scaled_mm (Hopper) above"
     assert _plan(CUDA).fp8_gemm.value is None  # no FP8 weights
     off = _plan(CUDA, weight_format="fp8", fused_ops=False).fp8_gemm
     assert off.value == "scaled_mm" and "engine.fused_ops is off" in off.reason

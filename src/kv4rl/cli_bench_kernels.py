@@ -91,7 +91,7 @@ def register_kernel_benches(app: typer.Typer) -> None:
             "--tensor-parallel", help="shard the model over N GPUs (run under torchrun --nproc-per-node N); "
                                       "rank 0 also times one GPU for the ratio")] = 1,
         fp8_gemm: Annotated[str, Option(
-            "--fp8-gemm", help="FP8 weights' product up to 256 tokens, as engine.fp8_gemm: auto (the Triton "
+            "--fp8-gemm", help="FP8 weights' product up to 128 tokens, as engine.fp8_gemm: auto (the Triton "
                                "e4m3 GEMM with fused ops), triton, scaled_mm")] = "auto",
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:

@@ -5,7 +5,14 @@ import torch
 from torch import nn
 
 from kv4rl.engine.config import EngineConfig, KVConfig
-from kv4rl.engine.fp8_linear import DECODE_GEMM_PATH, FALLBACK_PATH, SCALED_MM_PATH, FP8Linear, fp8_matmul_device
+from kv4rl.engine.fp8_linear import (
+    DECODE_GEMM_PATH,
+    FALLBACK_PATH,
+    MAX_DECODE_ROWS,
+    SCALED_MM_PATH,
+    FP8Linear,
+    fp8_matmul_device,
+)
 from kv4rl.engine.llm import Engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -52,7 +59,7 @@ def test_scaled_mm_matches_fallback(m, k, n):
 @pytest.mark.parametrize("m", [1, 17, 64, 128, 200, 256, 300])
 def test_decode_gemm_matches_scaled_mm(m, k, n):
     """The Triton e4m3 GEMM computes scaled_mm's function (same codes and scales): they differ by
-    accumulation order and the bias's rounding only; above 256 tokens the layer keeps scaled_mm."""
+    accumulation order and the bias's rounding only; above MAX_DECODE_ROWS tokens the layer keeps scaled_mm."""
     _, fp8 = fp8_layer(k, n, bias=(m % 2 == 1), seed=m + k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2
     x[0] *= 100
@@ -61,7 +68,7 @@ def test_decode_gemm_matches_scaled_mm(m, k, n):
     fp8.enable_decode_gemm()
     triton = fp8(x)
     assert triton.shape == (m, n) and triton.dtype == torch.bfloat16 and not triton.isnan().any()
-    if m > 256:
+    if m > MAX_DECODE_ROWS:
         assert torch.equal(triton, cublas)
     else:
         assert rel_err(triton, cublas) < 4e-3

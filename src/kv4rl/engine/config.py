@@ -78,7 +78,7 @@ class EngineConfig:
     FP8 linear's input (scaled_mm path) in one Triton kernel (`kv4rl.kernels.fp8_quant`) instead of
     ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit. `true` fails at start off CUDA;
     `auto` (default) is on on CUDA and off elsewhere (bench/RESULTS.md has the speed-ups).
-    `fp8_gemm` picks the FP8 linears' product at up to 256 tokens (decode steps, small prefills):
+    `fp8_gemm` picks the FP8 linears' product at up to 128 tokens (decode steps, small prefills):
     `triton` the e4m3 x e4m3 Triton kernel with the weight as the tensor cores' wide operand
     (`kv4rl.kernels.fp8_weight_gemm`), `scaled_mm` cuBLAS's `torch._scaled_mm`; both compute the same
     function, and larger products always take `scaled_mm`. `auto` (default): triton where it can run

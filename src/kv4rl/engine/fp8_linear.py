@@ -20,8 +20,9 @@ which dominate a CUDA-graph decode step; its codes and scales are ``quantize_fp8
 Triton e4m3 x e4m3 kernel of ``kv4rl.kernels.fp8_weight_gemm`` instead of ``torch._scaled_mm``: the same
 function, summed in the FP8 MMA's own running sum (fast accumulation: a norm-relative 4e-3 from
 scaled_mm's float32 sum) with the bias added before the one rounding. An 8B step's block products take
-3.07 / 3.56 / 4.93 ms with it at 64 / 128 / 256 tokens, against scaled_mm's 4.39 / 4.29 / 5.10 ms and
-cuBLAS BF16's 4.28 / 4.59 / 6.07 (twenty-first session).
+3.07 / 3.56 ms with it at 64 / 128 tokens, against scaled_mm's 4.39 / 4.29 ms and cuBLAS BF16's
+4.28 / 4.59 (twenty-first session); at 256 tokens the products alone were faster too (4.93 against 5.10
+ms) but the whole step was not, so larger products keep scaled_mm.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from kv4rl.quant.fp8 import dequantize_fp8, quantize_fp8
 
 SCALED_MM_PATH = "scaled_mm (Hopper)"
 FALLBACK_PATH = "dequantized fallback"
-MAX_DECODE_ROWS = 256  # the most tokens the Triton decode GEMM takes (the engine's decode buckets)
+# the most tokens the Triton decode GEMM takes: a whole 8B step at 256 rows ran 2-3% faster on scaled_mm,
+# at 128 rows 2-4% slower (bench decode-forward, twenty-first session)
+MAX_DECODE_ROWS = 128
 DECODE_GEMM_PATH = f"e4m3 GEMM (Triton) up to {MAX_DECODE_ROWS} tokens, {SCALED_MM_PATH} above"
 
 

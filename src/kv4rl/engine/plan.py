@@ -16,7 +16,7 @@ import torch
 
 from kv4rl.engine.block_manager import blocks_needed
 from kv4rl.engine.config import EngineConfig
-from kv4rl.engine.fp8_linear import describe_fp8_paths, scaled_mm_fits
+from kv4rl.engine.fp8_linear import MAX_DECODE_ROWS, describe_fp8_paths, scaled_mm_fits
 from kv4rl.engine.kv_formats import KVFormat, kv_format_from_config
 from kv4rl.kernels.decode_common import DecodeKind
 from kv4rl.kernels import fp8_decode_cuda, int4_decode_cuda
@@ -250,7 +250,7 @@ def _fp8_gemm(config: EngineConfig, fused_ops: bool, dtype: torch.dtype, caps: C
     problem = ("engine.fused_ops is off" if not fused_ops else "no FP8 tensor cores" if not caps.fp8_matmul
                else f"compute dtype {dtype}, not bfloat16" if dtype != torch.bfloat16 else None)
     if problem is None:
-        return Choice("triton", f"engine.fp8_gemm={config.fp8_gemm}: up to 256 tokens")
+        return Choice("triton", f"engine.fp8_gemm={config.fp8_gemm}: up to {MAX_DECODE_ROWS} tokens")
     if config.fp8_gemm == "triton":
         raise ValueError(f"engine.fp8_gemm=triton cannot run here: {problem}")
     return Choice("scaled_mm", f"engine.fp8_gemm=auto: {problem}")
