@@ -134,8 +134,12 @@ def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
     tp = max(r.get("tensor_parallel", 1) for r in res["results"]) if res["results"] else 1
     extra = ["TP1 ms", f"TP{tp} vs TP1"] if tp > 1 else []
     merged = any(r.get("merge_projections") for r in res["results"])
+    from kv4rl.engine.fp8_linear import MAX_DECODE_ROWS
+
+    fp8_names = {"triton": f"FP8 product Triton e4m3 up to {MAX_DECODE_ROWS} tokens", "scaled_mm": "FP8 product scaled_mm"}
+    fp8 = "".join(f", {fp8_names[p]}" for p in sorted({r.get("fp8_gemm") for r in res["results"]} - {None}))
     table = ResultTable(f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
-                        f"{', fused ops' if fused_ops else ''}{', merged projections' if merged else ''}"
+                        f"{', fused ops' if fused_ops else ''}{', merged projections' if merged else ''}{fp8}"
                         f"{f', tensor parallel {tp}' if tp > 1 else ''})",
                         ["shape", "workload", "weights", "kv", "batch x context", "ms/step", "tokens/s",
                          "vs bf16/bf16", "of byte roofline", *extra], labels=4)
