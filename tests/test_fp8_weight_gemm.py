@@ -128,7 +128,7 @@ def test_split_k_is_deterministic_and_reusable():
     """Partials are summed in slice order, so repeated calls give the same bits whichever program
     finished last; the counters, reset by each call, serve the next one."""
     x, codes, scale, bias = _problem(24, 64, 512, seed=3)
-    counters = torch.zeros(counter_slots(64), dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(counter_slots(64, 24), dtype=torch.int32, device=DEVICE)
     cfg = GemmConfig(16, 32, 32, 4)
     first = fp8_weight_matmul(x, codes, scale, bias, counters, cfg)
     for _ in range(3):

@@ -96,17 +96,16 @@ def register_kernel_benches(app: typer.Typer) -> None:
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:
         """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""
-        from kv4rl.bench.decode_forward import VARIANTS, WORKLOADS, run_decode_forward
+        from kv4rl.bench.decode_forward import VARIANTS, WORKLOADS, fp8_gemm_problem, run_decode_forward
         from kv4rl.bench.random_model import QWEN3_SHAPES
 
         try:
             shape_list = option_list(shapes, "--shapes", known=list(QWEN3_SHAPES))
             work = option_list(workloads, "--workloads", known=list(WORKLOADS))
             check_at_least(1, ("--tensor-parallel", tensor_parallel))
-            if fp8_gemm not in ("auto", "triton", "scaled_mm"):
-                raise ValueError(f"--fp8-gemm: '{fp8_gemm}' is not one of auto, triton, scaled_mm")
-            if fp8_gemm == "triton" and not fused_ops:
-                raise ValueError("--fp8-gemm triton needs --fused-ops")
+            problem = fp8_gemm_problem(fp8_gemm, fused_ops, "--fp8-gemm", "--fused-ops")
+            if problem:
+                raise ValueError(problem)
         except ValueError as exc:
             fail(str(exc))
         check_output_path(json_out)

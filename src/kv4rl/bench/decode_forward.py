@@ -118,6 +118,16 @@ def step_roofline(model, kv: str, batch: int, context: int, ms: float, bandwidth
     return {"roofline_ms": roof, "of_roofline": roof / ms}
 
 
+def fp8_gemm_problem(fp8_gemm: str, fused_ops: bool, option: str = "fp8_gemm", fused: str = "fused_ops") -> str | None:
+    """Why `fp8_gemm` (as `engine.fp8_gemm`) cannot be timed with these fused ops (None: it can);
+    `option` and `fused` are the names the caller's user knows them by."""
+    if fp8_gemm not in ("auto", "triton", "scaled_mm"):
+        return f"{option}: {fp8_gemm!r} is not one of auto, triton, scaled_mm"
+    if fp8_gemm == "triton" and not fused_ops:
+        return f"{option} triton needs {fused} (as engine.fp8_gemm does)"
+    return None
+
+
 def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANTS, device="cuda",
                        progress=None, fused_ops: bool = False, tp=None, merge_projections: bool = True,
                        fp8_gemm: str = "auto") -> dict:
@@ -125,10 +135,9 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
     FP8 activation quantization), `merge_projections` as `engine.merge_projections=true` (one GEMM for
     q|k|v, one for gate|up), `fp8_gemm` as `engine.fp8_gemm` (auto: the Triton e4m3 GEMM with fused ops).
     `tp`: this rank's `TensorParallel` (every rank calls this)."""
-    if fp8_gemm not in ("auto", "triton", "scaled_mm"):
-        raise ValueError(f"fp8_gemm: {fp8_gemm!r} is not one of auto, triton, scaled_mm")
-    if fp8_gemm == "triton" and not fused_ops:
-        raise ValueError("fp8_gemm=triton needs fused_ops (as engine.fp8_gemm does)")
+    problem = fp8_gemm_problem(fp8_gemm, fused_ops)
+    if problem:
+        raise ValueError(problem)
     decode_gemm = fused_ops and fp8_gemm != "scaled_mm"
     from kv4rl.bench.random_model import random_decoder
     from kv4rl.engine.fp8_weights import apply_fp8_weights, set_fused_quant

@@ -41,9 +41,6 @@ import triton.language as tl
 from kv4rl.kernels import interpreting
 from kv4rl.kernels.decode_triton import _dot_operand
 
-# the largest token count the decode configs are made for (the engine's decode batches)
-MAX_DECODE_ROWS = 256
-
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -174,7 +171,7 @@ def gemm_problem(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return None
 
 
-def counter_slots(out_features: int, max_rows: int = MAX_DECODE_ROWS) -> int:
+def counter_slots(out_features: int, max_rows: int) -> int:
     """How many arrival counters products with up to `max_rows` rows need (the smallest tiles)."""
     return triton.cdiv(out_features, 16) * triton.cdiv(max_rows, 16)
 
@@ -182,7 +179,8 @@ def counter_slots(out_features: int, max_rows: int = MAX_DECODE_ROWS) -> int:
 def fp8_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                       counters: torch.Tensor, config: GemmConfig | None = None,
                       x_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (codes * scale[:, None]).T + bias`` in bf16 for bf16 ``x`` [M, K] and e4m3 ``codes`` [N, K].
+    """``x @ (codes * scale[:, None]).T + bias`` in bf16 for bf16 ``x`` [M, K] and e4m3 ``codes`` [N, K]
+    (or bf16 weights as ``codes``, for the comparison with cuBLAS).
 
     With ``x_scale`` ([M] float32), ``x`` holds e4m3 codes of the activations, one scale per row, and the
     product runs e4m3 x e4m3 on the tensor cores (the function of the ``scaled_mm`` path).
