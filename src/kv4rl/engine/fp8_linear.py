@@ -38,7 +38,7 @@ from kv4rl.quant.fp8 import dequantize_fp8, quantize_fp8
 
 SCALED_MM_PATH = "scaled_mm (Hopper)"
 FALLBACK_PATH = "dequantized fallback"
-# the most tokens the Triton decode GEMM takes: a whole 8B step at 256 rows ran 2-3% faster on scaled_mm,
+# the most tokens the Triton decode GEMM takes: a whole 8B step at 256 rows ran 1-3% faster on scaled_mm,
 # at 128 rows 2-4% slower (bench decode-forward, twenty-first session)
 MAX_DECODE_ROWS = 128
 DECODE_GEMM_PATH = f"e4m3 GEMM (Triton) up to {MAX_DECODE_ROWS} tokens, {SCALED_MM_PATH} above"
