@@ -209,7 +209,8 @@ def test_kernels_compile_for_hopper_with_eager_arithmetic():
     run = subprocess.run([sys.executable, str(root / "tools" / "fused_ops_sass.py")], cwd=root, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "rope", "silu_mul", "quantize_rows_fp8"):
+    for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "rope", "silu_mul", "quantize_rows_fp8",
+                 "add_rms_norm_fp8", "silu_mul_fp8"):
         assert f"{name}: " in run.stdout
 
 

@@ -41,16 +41,25 @@ def _compile(fn, pointers: dict[str, str], consts: dict, num_warps: int = 4):
 def kernels(dtype: str) -> dict:
     """name -> compiled kernel, for each specialisation the decoder launches."""
     act = f"*{dtype}"
-    norm_ptrs = dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"), act)
+    norm_ptrs = {**dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"), act), "scale_ptr": "*fp32"}
+    norm_fp8_ptrs = {**norm_ptrs, "out_ptr": "*fp8e4nv"}
+    silu_ptrs = {"g_ptr": act, "u_ptr": act, "o_ptr": act}
     rope_ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "qw_ptr", "kw_ptr", "qo_ptr", "ko_ptr"), act),
                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"}
     rope_consts = {"BLOCK_HQ": Q_HEADS, "BLOCK_HK": KV_HEADS, "HALF": HEAD_DIM // 2, "BLOCK_HALF": HEAD_DIM // 2}
     return {
-        "rms_norm": _compile(fo._rms_norm_kernel, norm_ptrs, {"HAS_RESIDUAL": False, "BLOCK_C": HIDDEN}),
-        "add_rms_norm": _compile(fo._rms_norm_kernel, norm_ptrs, {"HAS_RESIDUAL": True, "BLOCK_C": HIDDEN}),
+        "rms_norm": _compile(fo._rms_norm_kernel, norm_ptrs, {"HAS_RESIDUAL": False, "BLOCK_C": HIDDEN,
+                                                              "FP8_OUT": False, "RECIPROCAL": True}),
+        "add_rms_norm": _compile(fo._rms_norm_kernel, norm_ptrs, {"HAS_RESIDUAL": True, "BLOCK_C": HIDDEN,
+                                                                  "FP8_OUT": False, "RECIPROCAL": True}),
+        # the norms and SwiGLU that hand FP8 linears their codes (engine.fused_ops with FP8 weights)
+        "add_rms_norm_fp8": _compile(fo._rms_norm_kernel, norm_fp8_ptrs, {"HAS_RESIDUAL": True, "BLOCK_C": HIDDEN,
+                                                                          "FP8_OUT": True, "RECIPROCAL": True}),
+        "silu_mul_fp8": _compile(fo._silu_mul_fp8_kernel, {**silu_ptrs, "o_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+                                 {"LIBDEVICE": True, "RECIPROCAL": True, "BLOCK": fo._SILU_BLOCK}),
         "qk_norm_rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": True, **rope_consts}),
         "rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": False, **rope_consts}),
-        "silu_mul": _compile(fo._silu_mul_kernel, {"g_ptr": act, "u_ptr": act, "o_ptr": act},
+        "silu_mul": _compile(fo._silu_mul_kernel, silu_ptrs,
                              {"LIBDEVICE": True, "BLOCK": fo._SILU_BLOCK}),
         # FP8Linear's input quantizer as it runs on CUDA, at down_proj's K (two chunks of 4096)
         "quantize_rows_fp8": _compile(fq._quantize_rows_fp8_kernel,
@@ -83,14 +92,15 @@ def eager_math_problems(name: str, ptx: str) -> list[str]:
                 for m in [re.search(r"\b(add|sub|mul)\.(f32|f16|bf16)(x2)?\b", line)] if m]
     problems += [f"{name}: fused `{m.group(0)}`" for line in body
                  for m in [re.search(r"\bfma\.rn\.(f16|bf16)\w*", line)] if m]
-    if name == "silu_mul" and ("div.rn.f32" not in ptx or re.search(r"div\.(full|approx)", ptx)):
+    if name in ("silu_mul", "silu_mul_fp8") and ("div.rn.f32" not in ptx or re.search(r"div\.(full|approx)", ptx)):
         problems.append(f"{name}: the division is not div.rn.f32")
-    if name == "quantize_rows_fp8":
+    if name in ("quantize_rows_fp8", "add_rms_norm_fp8", "silu_mul_fp8"):
         if "div.rn.f32" not in ptx or re.search(r"div\.(full|approx)", ptx):
             problems.append(f"{name}: the division is not div.rn.f32")
         if "cvt.rn.satfinite.e4m3x2.f32" not in ptx or re.search(r"cvt\.\w+\.e4m3x2\.f16x2", ptx):
             problems.append(f"{name}: the e4m3 cast is not one cvt.rn.satfinite.e4m3x2.f32")
-        if ".ftz" in ptx:
+        # libdevice's expf (SiLU) computes with ex2.approx.ftz as torch's expf does; nothing else may flush
+        if re.search(r"\.ftz", ptx.replace("ex2.approx.ftz.f32", "")):
             problems.append(f"{name}: flushes subnormals (.ftz)")
     return problems[:5]
 

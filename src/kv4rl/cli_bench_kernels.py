@@ -93,6 +93,9 @@ def register_kernel_benches(app: typer.Typer) -> None:
         fp8_gemm: Annotated[str, Option(
             "--fp8-gemm", help="FP8 weights' product up to 128 tokens, as engine.fp8_gemm: auto (the Triton "
                                "e4m3 GEMM with fused ops), triton, scaled_mm")] = "auto",
+        fp8_inputs: Annotated[bool, Option(
+            "--fp8-inputs/--no-fp8-inputs", help="with fused ops, the norms and SwiGLU quantize the FP8 linears' "
+                                                 "inputs (as the engine runs); off: each linear does")] = True,
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:
         """One whole-model decode step (CUDA graph) for BF16/FP8 weights x BF16/KV4 cache (figure B-9)."""
@@ -117,7 +120,7 @@ def register_kernel_benches(app: typer.Typer) -> None:
         with StageProgress(console, "decode-forward") as stages:
             stages(f"timing {cases} decode steps", 0, cases)
             res = run_decode_forward(shape_list, work, fused_ops=fused_ops, merge_projections=merge_projections,
-                                     fp8_gemm=fp8_gemm, progress=lambda r: stages.advance(
+                                     fp8_gemm=fp8_gemm, fp8_inputs=fp8_inputs, progress=lambda r: stages.advance(
                 f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)

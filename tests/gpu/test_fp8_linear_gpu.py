@@ -159,3 +159,40 @@ def test_engine_default_backend_runs_scaled_mm(tmp_path, fp8_gemm):
     refreshed = forced_log_probs(default)
     assert_fp8_noise(forced_log_probs(eager), refreshed)  # graphs read the re-quantized weights
     assert (refreshed - before).abs().mean() > 0.2  # the refresh moved them (H200: by 0.34)
+
+
+@needs_fp8_mm
+@pytest.mark.parametrize("decode_gemm", [False, True])
+@pytest.mark.parametrize("tokens", [5, 200])
+def test_fused_layers_hand_fp8_codes_without_changing_the_output(decode_gemm, tokens):
+    """With fused ops, the norms and SwiGLU quantize the FP8 linears' inputs in their own launch
+    (`kv4rl.models.fused.enable_fp8_inputs`): the same codes and scales, so the same hidden states bit
+    for bit, on either FP8 product."""
+    import torch.nn.functional as F
+
+    from kv4rl.bench.random_model import random_decoder
+    from kv4rl.engine.fp8_weights import apply_fp8_weights, set_fused_quant
+    from kv4rl.engine.merged_linears import merge_projections
+    from kv4rl.models.fused import FP8Inputs
+
+    model = random_decoder("qwen3-0.6b", "cuda", num_layers=2)
+    model.enable_fused_ops()
+    merge_projections(model)
+    apply_fp8_weights(model)
+    ids = torch.randint(0, model.args.vocab_size, (tokens,), device="cuda", generator=torch.Generator("cuda").manual_seed(tokens))
+    positions = torch.arange(tokens, device="cuda")
+
+    def attention(layer_idx, q, k, v):  # one causal sequence, GQA by repeating k/v
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return out.transpose(0, 1)
+
+    with torch.no_grad():
+        set_fused_quant(model, True, decode_gemm, fp8_inputs=False)
+        assert all(layer.fp8_inputs is None for layer in model.model.layers)
+        ref = model(ids, positions, attention)
+        set_fused_quant(model, True, decode_gemm)
+        assert all(layer.fp8_inputs == FP8Inputs(True, True, True) for layer in model.model.layers)
+        got = model(ids, positions, attention)
+    assert not ref.isnan().any() and torch.equal(got, ref)

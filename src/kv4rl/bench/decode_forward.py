@@ -130,10 +130,12 @@ def fp8_gemm_problem(fp8_gemm: str, fused_ops: bool, option: str = "fp8_gemm", f
 
 def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANTS, device="cuda",
                        progress=None, fused_ops: bool = False, tp=None, merge_projections: bool = True,
-                       fp8_gemm: str = "auto") -> dict:
+                       fp8_gemm: str = "auto", fp8_inputs: bool = True) -> dict:
     """`fused_ops` runs the step as `engine.fused_ops=true` would (fused norms/RoPE/SwiGLU, one-launch
     FP8 activation quantization), `merge_projections` as `engine.merge_projections=true` (one GEMM for
-    q|k|v, one for gate|up), `fp8_gemm` as `engine.fp8_gemm` (auto: the Triton e4m3 GEMM with fused ops).
+    q|k|v, one for gate|up), `fp8_gemm` as `engine.fp8_gemm` (auto: the Triton e4m3 GEMM with fused ops);
+    `fp8_inputs` off makes every FP8 linear quantize its own input (with fused ops the norms and SwiGLU
+    before them do, as the engine runs).
     `tp`: this rank's `TensorParallel` (every rank calls this)."""
     problem = fp8_gemm_problem(fp8_gemm, fused_ops)
     if problem:
@@ -158,7 +160,7 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                     continue
                 if weights == "fp8" and weights_now != "fp8":
                     apply_fp8_weights(model)
-                    set_fused_quant(model, fused_ops, decode_gemm)
+                    set_fused_quant(model, fused_ops, decode_gemm, fp8_inputs)
                     torch.cuda.empty_cache()
                     weights_now = "fp8"
                 for name in workloads:
@@ -167,6 +169,7 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
                     row = {"shape": shape, "workload": name, "batch": batch, "context": context, "weights": w,
                            "kv": kv, "fused_ops": fused_ops, "merge_projections": merge_projections,
                            "fp8_gemm": None if w != "fp8" else "triton" if decode_gemm else "scaled_mm",
+                           "fp8_inputs": w == "fp8" and fused_ops and fp8_inputs,
                            "tensor_parallel": 1 if tp is None else tp.size,
                            **time_step(model, kv, batch, context, barrier=barrier)}
                     row.update(step_roofline(model, kv, batch, context, row["ms"], bandwidth))

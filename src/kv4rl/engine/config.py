@@ -76,7 +76,8 @@ class EngineConfig:
     ones, which dominate a CUDA-graph decode step of a small model; the eager ops are repeated in their
     dtypes, so only the norms' summation order differs. With `weight_format: fp8` it also quantizes each
     FP8 linear's input (scaled_mm path) in one Triton kernel (`kv4rl.kernels.fp8_quant`) instead of
-    ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit. `true` fails at start off CUDA;
+    ~8 torch ones, with `quantize_fp8`'s codes and scales bit for bit; for q|k|v, gate|up and down that
+    happens inside the norm or SwiGLU kernel before them (`kv4rl.models.fused.enable_fp8_inputs`). `true` fails at start off CUDA;
     `auto` (default) is on on CUDA and off elsewhere (bench/RESULTS.md has the speed-ups).
     `fp8_gemm` picks the FP8 linears' product at up to 128 tokens (decode steps, small prefills):
     `triton` the e4m3 x e4m3 Triton kernel with the weight as the tensor cores' wide operand

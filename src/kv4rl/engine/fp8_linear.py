@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kv4rl.models.checkpoint_slots import CheckpointSlot
-from kv4rl.quant.fp8 import dequantize_fp8, quantize_fp8
+from kv4rl.quant.fp8 import QuantizedRows, dequantize_fp8, quantize_fp8
 
 SCALED_MM_PATH = "scaled_mm (Hopper)"
 FALLBACK_PATH = "dequantized fallback"
@@ -152,7 +152,11 @@ class FP8Linear(nn.Module):
             raise RuntimeError(f"scaled_mm forced but unavailable for {dtype} on {device} ({self.extra_repr()})")
         return FALLBACK_PATH
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """``x``: activations, or their codes and scales (`QuantizedRows`, from a fused norm or SwiGLU),
+        which skip the quantization and give the same output as the activations they came from."""
+        if isinstance(x, QuantizedRows):
+            return self._forward_codes(x)
         x_MK = x.reshape(-1, self.in_features)
         if self.path(x.dtype, x.device) == SCALED_MM_PATH and x_MK.shape[0] > 0:
             out_MN = self._scaled_mm(x_MK)
@@ -160,11 +164,21 @@ class FP8Linear(nn.Module):
             out_MN = self._dequantized(x_MK)
         return out_MN.reshape(*x.shape[:-1], self.out_features)
 
+    def _forward_codes(self, q: QuantizedRows) -> torch.Tensor:
+        codes_MK, scale_M = q.codes.reshape(-1, self.in_features), q.scale.reshape(-1)
+        if self.path(q.dtype, q.codes.device) == SCALED_MM_PATH and codes_MK.shape[0] > 0:
+            out_MN = self._product(codes_MK, scale_M)
+        else:
+            out_MN = self._dequantized_codes(codes_MK, scale_M, q.dtype)
+        return out_MN.reshape(*q.codes.shape[:-1], self.out_features)
+
     def _dequantized(self, x_MK: torch.Tensor) -> torch.Tensor:
-        codes, scale = quantize_fp8(x_MK)
-        x_deq = dequantize_fp8(codes, scale, x_MK.dtype)
-        bias = None if self.bias is None else self.bias.to(x_MK.dtype)
-        return F.linear(x_deq, self.dequantized_weight(x_MK.dtype), bias)
+        return self._dequantized_codes(*quantize_fp8(x_MK), x_MK.dtype)
+
+    def _dequantized_codes(self, codes_MK: torch.Tensor, scale_M: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        x_deq = dequantize_fp8(codes_MK, scale_M, dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x_deq, self.dequantized_weight(dtype), bias)
 
     def _scaled_mm(self, x_MK: torch.Tensor) -> torch.Tensor:
         # row-wise scaling takes any token count M (seen with torch 2.11 on an H200 for M = 1, 17)
@@ -174,7 +188,11 @@ class FP8Linear(nn.Module):
             codes_MK, scale_M = quantize_rows_fp8(x_MK)
         else:
             codes_MK, scale_M = quantize_fp8(x_MK.contiguous())
-        if self.decode_gemm and x_MK.shape[0] <= MAX_DECODE_ROWS:
+        return self._product(codes_MK, scale_M)
+
+    def _product(self, codes_MK: torch.Tensor, scale_M: torch.Tensor) -> torch.Tensor:
+        """The FP8 tensor-core product of quantized rows: the Triton GEMM at decode sizes or scaled_mm."""
+        if self.decode_gemm and codes_MK.shape[0] <= MAX_DECODE_ROWS:
             from kv4rl.kernels.fp8_weight_gemm import fp8_weight_matmul
 
             return fp8_weight_matmul(codes_MK, self.qweight, self.weight_scale, self.bias, self.gemm_counters,

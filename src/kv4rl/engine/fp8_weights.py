@@ -31,14 +31,21 @@ def apply_fp8_weights(model: nn.Module) -> int:
     return len(linears)
 
 
-def set_fused_quant(model: nn.Module, enabled: bool = True, decode_gemm: bool = False) -> int:
+def set_fused_quant(model: nn.Module, enabled: bool = True, decode_gemm: bool = False,
+                    fp8_inputs: bool = True) -> int:
     """Quantize the FP8 linears' activations with the Triton kernel (``engine.fused_ops``) or with
     torch ops, and multiply them at decode sizes with the Triton e4m3 GEMM (`decode_gemm`,
-    ``engine.fp8_gemm``) or ``scaled_mm``; returns how many linears there are."""
+    ``engine.fp8_gemm``) or ``scaled_mm``; returns how many linears there are. With fused ops on the
+    model and `fp8_inputs`, the norms and SwiGLU before the linears quantize their outputs themselves
+    (`kv4rl.models.fused.enable_fp8_inputs`: the same codes, fewer launches)."""
     linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
     for m in linears:
         m.fused_quant = enabled
         m.enable_decode_gemm(decode_gemm)
+    if getattr(model, "fused_ops", False):
+        from kv4rl.models.fused import enable_fp8_inputs
+
+        enable_fp8_inputs(model, enabled and fp8_inputs)
     return len(linears)
 
 

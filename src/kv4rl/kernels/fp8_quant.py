@@ -24,23 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kv4rl.kernels.fused_ops import _EAGER_MATH
+from kv4rl.kernels.fused_ops import _EAGER_MATH, FP8_INV_MAX, _fp8_clamped, _fp8_row_scale, _max_nan
 
-FP8_E4M3_MAX = 448.0
-# torch's CUDA divide-by-scalar multiplies by `opmath_t(1.0) / b`, computed in float32 on the host
-_INV_MAX = float(torch.tensor(1.0, dtype=torch.float32) / FP8_E4M3_MAX)
 _MAX_BLOCK_K = 4096
-
-
-@triton.jit
-def _max_nan(a, b):
-    """max that propagates NaN, as torch's amax and clamp do (PTX max.NaN)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _min_nan(a, b):
-    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -56,18 +42,12 @@ def _quantize_rows_fp8_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(src + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         peak = _max_nan(peak, tl.abs(x))
-    amax = tl.reduce(peak, 0, _max_nan)
-    if RECIPROCAL:
-        scale = amax * inv_max
-    else:
-        scale = tl.div_rn(amax, 448.0)
+    scale = _fp8_row_scale(tl.reduce(peak, 0, _max_nan), inv_max, RECIPROCAL)
     tl.store(scale_ptr + row, scale)
-    safe = tl.where(scale > 0, scale, 1.0)
     for k0 in range(0, K, BLOCK_K):
         live = k0 + cols < K
         x = tl.load(src + k0 + cols, mask=live, other=0.0).to(tl.float32)
-        y = _min_nan(_max_nan(tl.div_rn(x, safe), -448.0), 448.0)
-        tl.store(dst + k0 + cols, y.to(out_ptr.dtype.element_ty), mask=live)
+        tl.store(dst + k0 + cols, _fp8_clamped(x, scale).to(out_ptr.dtype.element_ty), mask=live)
 
 
 def launch_shape(k: int) -> tuple[int, int]:
@@ -92,7 +72,7 @@ def _launch(x: torch.Tensor, out_dtype: torch.dtype, reciprocal: bool | None) ->
     if m:
         block, warps = launch_shape(k)
         _quantize_rows_fp8_kernel[(m,)](
-            x, out, scale, k, x.stride(0), _INV_MAX, RECIPROCAL=reciprocal, BLOCK_K=block, num_warps=warps,
+            x, out, scale, k, x.stride(0), FP8_INV_MAX, RECIPROCAL=reciprocal, BLOCK_K=block, num_warps=warps,
             **_EAGER_MATH,
         )
     return out, scale

@@ -9,9 +9,20 @@ of at most 2^-4; scaled magnitudes below 2^-6 are subnormal with absolute error 
 ``2^-10 · scale``. An all-zero row has ``scale == 0`` and codes 0.
 """
 
+from typing import NamedTuple
+
 import torch
 
 FP8_E4M3_MAX = 448.0
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized as :func:`quantize_fp8` does (codes [..., D], scale [...]), standing
+    for rows of ``dtype``: what a fused norm or SwiGLU hands an FP8 linear instead of the rows themselves."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 def fp8_row_bytes(head_dim: int) -> float:
