@@ -27,6 +27,7 @@
 #   bash tools/device_benches.sh screen_beside 2>&1 | tee $OUT/log.txt         # sampler screen + log-sum-exp, INT8 item beside the body (~6 min)
 #   bash tools/device_benches.sh step_profiles 2>&1 | tee $OUT/log.txt         # KV4 rollout step, generate 1.7B, B256 step profile (~6 min)
 #   bash tools/device_benches.sh fp8_decode_gemm 2>&1 | tee $OUT/log.txt      # Triton e4m3 GEMM: tests, tile grid, 8B step both paths (<10 min)
+#   bash tools/device_benches.sh fp8_inputs 2>&1 | tee $OUT/log.txt           # FP8 inputs from the norms/SwiGLU: tests, 8B step both ways (~6 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -330,6 +331,17 @@ fp8_decode_gemm() {  # issue 11 (twenty-first session): the Triton e4m3 GEMM at 
     for g in auto scaled_mm; do
         timeout 170 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --workloads early,mid,late,short --fp8-gemm $g \
             --json $OUT/decode_forward_8b_$g.json 2>&1 | grep "│" | tail -16
+    done
+}
+
+fp8_inputs() {  # issue 11 (branch fp8-fused-quant): the norms and SwiGLU quantize the FP8 linears' inputs - GPU
+    # tests (codes bit for bit, decoder hidden states equal with and without), then the whole 8B step both ways
+    timeout 240 python -m pytest -q -p no:cacheprovider -rf tests/test_fp8_fused_inputs.py tests/test_fused_ops.py \
+        tests/test_fp8_quant_kernel.py tests/gpu/test_fp8_quant_kernel_gpu.py tests/gpu/test_fp8_linear_gpu.py \
+        tests/gpu/test_fused_ops_gpu.py > $OUT/fp8_inputs_tests.txt 2>&1; tail -6 $OUT/fp8_inputs_tests.txt
+    for inputs in --fp8-inputs --no-fp8-inputs; do
+        timeout 170 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --workloads early,mid,late,short $inputs \
+            --json $OUT/decode_forward_8b$inputs.json 2>&1 | grep "│" | tail -16
     done
 }
 
