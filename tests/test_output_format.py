@@ -81,7 +81,8 @@ def tables() -> dict:
         for f, k, ms in (("bf16", "", 0.5123), ("kv4", "cuda", 0.1876)) for c in (2048, 16384)]}
     forward = {"device": "NVIDIA H200", "results": [
         {"shape": "qwen3-8b", "workload": w, "batch": b, "context": c, "weights": wt, "kv": kv, "ms": 25.43,
-         "tokens_per_s": 10066.8, "speedup_vs_bf16": 1.37, "fp8_gemm": "triton" if wt == "fp8" else None}
+         "tokens_per_s": 10066.8, "speedup_vs_bf16": 1.37, "fp8_gemm": "triton" if wt == "fp8" else None,
+         "fp8_inputs": wt == "fp8"}
         for w, b, c in (("early", 256, 1024), ("late", 64, 8192)) for wt in ("bf16", "fp8") for kv in ("bf16", "kv4")]}
     clip = {"rho": 1.5, "eps": 0.2, "sigma": 1.0, "n_samples": 200000,
             "closed_form": {"regime": "above", "clip": {"mean": -0.75, "var": 0.5625},
@@ -287,7 +288,7 @@ def test_no_bar_escape_codes_in_piped_output():
 
 
 def test_decode_forward_table_names_the_fp8_product():
-    assert "FP8 product Triton e4m3 up to 128 tokens" in tables()["decode-forward"].title
+    assert "FP8 product Triton e4m3 up to 128 tokens, FP8 inputs from the norms and SwiGLU" in tables()["decode-forward"].title
     bf16_only = {"device": "cpu", "results": [{"shape": "s", "workload": "w", "batch": 1, "context": 1, "weights": "bf16",
                                                "kv": "bf16", "ms": 1.0, "tokens_per_s": 1.0, "speedup_vs_bf16": 1.0}]}
     assert "FP8" not in _decode_forward_table(bf16_only, True).title

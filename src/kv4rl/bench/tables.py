@@ -138,6 +138,7 @@ def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
 
     fp8_names = {"triton": f"FP8 product Triton e4m3 up to {MAX_DECODE_ROWS} tokens", "scaled_mm": "FP8 product scaled_mm"}
     fp8 = "".join(f", {fp8_names[p]}" for p in sorted({r.get("fp8_gemm") for r in res["results"]} - {None}))
+    fp8 += ", FP8 inputs from the norms and SwiGLU" if any(r.get("fp8_inputs") for r in res["results"]) else ""
     table = ResultTable(f"whole-model decode step on {res['device']} (random-init weights, CUDA graph"
                         f"{', fused ops' if fused_ops else ''}{', merged projections' if merged else ''}{fp8}"
                         f"{f', tensor parallel {tp}' if tp > 1 else ''})",
