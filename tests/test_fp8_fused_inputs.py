@@ -67,7 +67,7 @@ def test_norm_codes_equal_norm_then_quantize(n, c, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,i", [(1, 96), (5, 1024), (9, 2500)])  # one block, exactly one, three partial
+@pytest.mark.parametrize("n,i", [(1, 96), (5, 1024), (9, 2500), (3, 5000)])  # one chunk (partial, whole), two
 def test_swiglu_codes_equal_swiglu_then_quantize(n, i, dtype):
     merged = _rows(n, 2 * i, dtype, seed=n + i) * 0.1  # a merged gate|up product: strided halves
     gate, up = merged[:, :i], merged[:, i:]

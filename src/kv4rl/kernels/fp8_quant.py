@@ -24,9 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kv4rl.kernels.fused_ops import _EAGER_MATH, FP8_INV_MAX, _fp8_clamped, _fp8_row_scale, _max_nan
-
-_MAX_BLOCK_K = 4096
+from kv4rl.kernels.fused_ops import _EAGER_MATH, FP8_INV_MAX, _fp8_clamped, _fp8_row_scale, _max_nan, row_launch
 
 
 @triton.jit
@@ -52,8 +50,7 @@ def _quantize_rows_fp8_kernel(
 
 def launch_shape(k: int) -> tuple[int, int]:
     """(BLOCK_K, num_warps) for rows of k: the whole row in one chunk up to 4096 elements."""
-    block = min(triton.next_power_of_2(k), _MAX_BLOCK_K)
-    return block, max(1, min(8, block // 256))
+    return row_launch(k)
 
 
 Quantized = tuple[torch.Tensor, torch.Tensor]

@@ -34,6 +34,16 @@ from kv4rl.kernels import interpreting
 from kv4rl.quant.fp8 import FP8_E4M3_MAX
 
 _SILU_BLOCK = 1024
+_MAX_ROW_BLOCK = 4096
+
+
+def row_launch(k: int) -> tuple[int, int]:
+    """(block, num_warps) for kernels that walk whole rows of k in one program (amax, then codes): the
+    row in one chunk up to 4,096 elements, so a row takes few dependent trips to memory."""
+    block = min(triton.next_power_of_2(k), _MAX_ROW_BLOCK)
+    return block, max(1, min(8, block // 256))
+
+
 # torch's CUDA divide-by-scalar multiplies by `opmath_t(1.0) / b`, computed in float32 on the host
 FP8_INV_MAX = float(torch.tensor(1.0, dtype=torch.float32) / FP8_E4M3_MAX)
 # Launch options for eager's arithmetic (the interpreter ignores them): eager never fuses a product
@@ -328,7 +338,8 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, *, reciprocal: bool | Non
     scale = torch.empty(rows, dtype=torch.float32, device=gate.device)
     if gate.numel():
         gate2, up2 = _rows(gate), _rows(up)
+        block, warps = row_launch(cols)
         _silu_mul_fp8_kernel[(rows,)](
             gate2, up2, out, scale, cols, gate2.stride(0), up2.stride(0), FP8_INV_MAX, LIBDEVICE=not interpreting(),
-            RECIPROCAL=reciprocal, BLOCK=_SILU_BLOCK, num_warps=4, **_EAGER_MATH)
+            RECIPROCAL=reciprocal, BLOCK=block, num_warps=warps, **_EAGER_MATH)
     return out, scale
