@@ -97,3 +97,33 @@ def test_run_engine_warms_every_batch_size_before_timing_any():
     rows = run_engine(Recorder(), prompts, new_tokens=9, seed=0)
     assert calls == [(2, WARMUP_TOKENS), (5, WARMUP_TOKENS), (3, WARMUP_TOKENS), (2, 9), (5, 9), (3, 9)]
     assert [rows[b]["engine_tokens"] for b in (2, 5, 3)] == [18, 45, 27]
+
+
+def test_bench_generate_times_fp8_weights_beside_the_models_own_in_one_run(tmp_path):
+    """`--weight-format auto,fp8`: every engine row runs once per weight format on the same model and
+    prompts; an fp8 row carries its ratio to the auto row of its KV format and batch."""
+    out = tmp_path / "gen.json"
+    res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--batch-sizes", "2,3", "--prompt-len", "4",
+                              "--new-tokens", "5", "--no-hf", "--weight-format", "auto,fp8", "--device", "cpu",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "vs auto weights" in res.output
+    r = json.loads(out.read_text())
+    assert r["weight_formats"] == ["auto", "fp8"]
+    rows = {(x["weight_format"], x["batch_size"]): x for x in r["results"]}
+    assert list(rows) == [("auto", 2), ("auto", 3), ("fp8", 2), ("fp8", 3)]
+    for batch in (2, 3):
+        auto, fp8 = rows["auto", batch], rows["fp8", batch]
+        assert auto["engine_tokens"] == fp8["engine_tokens"] == 5 * batch
+        assert auto["speedup_vs_auto_weights"] is None
+        assert abs(fp8["speedup_vs_auto_weights"] - fp8["engine_tokens_per_s"] / auto["engine_tokens_per_s"]) < 1e-9
+    assert set(r["engine_summaries"]) == {"auto weights bf16", "fp8 weights bf16"}
+    assert "fp8" in r["engine_summaries"]["fp8 weights bf16"] and "fp8" not in r["engine_summaries"]["auto weights bf16"]
+
+
+def test_bench_generate_refuses_unknown_repeated_or_doubly_set_weight_formats():
+    for extra, words in ((["--weight-format", "auto,int4"], "'int4'"), (["--weight-format", "fp8,fp8"], "repeat"),
+                         (["--weight-format", "fp8", "engine.weight_format=fp8"], "engine.weight_format")):
+        res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--no-hf", "--device", "cpu", *extra])
+        assert res.exit_code == 2 and "--weight-format" in res.output or "engine.weight_format" in res.output, res.output
+        assert words in res.output, res.output

@@ -65,7 +65,7 @@ def tables() -> dict:
     """One table of each kind the commands print, from results shaped as the benchmarks return them."""
     generate = {"shape": "qwen3-1.7b", "model_shape": {"layers": 28, "hidden": 2048}, "dtype": "bfloat16",
                 "gpu": "NVIDIA H200", "device": "cuda", "prompt_len": 128, "new_tokens": 256,
-                "weight_format": "fp8", "results": [
+                "weight_formats": ["fp8"], "results": [
                     {"kv_format": kv, "batch_size": b, "engine_tokens_per_s": 12345.6 * b / 64,
                      "hf_tokens_per_s": 1234.5, "speedup": 10.0 * b / 64, "engine_steps": 257,
                      "decode_step_ms": 11.234, "decode_host_ms": 3.125, "engine_peak_gib": 17.5, "hf_peak_gib": 21.25}

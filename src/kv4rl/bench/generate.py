@@ -131,13 +131,16 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
 
 
 def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128, new_tokens: int = 256,
-                   kv_formats: list[str] = ("bf16",), weight_format: str = "auto", hf: bool = True,
+                   kv_formats: list[str] = ("bf16",), weight_formats: list[str] = ("auto",), hf: bool = True,
                    device: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
                    schedulings: list[str] = ("auto",), bandwidth: float | None = None, progress=None) -> dict:
     """Tokens/s of the engine (each KV format, each of `schedulings`: `sync`, `async` for
     `engine.async_scheduling`, or `auto` alone for the engine's own choice, named in the rows as what it
     resolved to) and of transformers on the same model and prompts; an async row also has its ratio to
-    the sync row of its format and batch when both ran (`speedup_vs_sync`).
+    the sync row of its format and batch when both ran (`speedup_vs_sync`). With more than one of
+    `weight_formats` (`auto`: the model's dtype; `fp8`: `engine.weight_format=fp8`), every engine row
+    runs once per weight format on the same model and prompts, and an fp8 row has its ratio to the `auto`
+    row of its KV format, scheduling and batch (`speedup_vs_auto_weights`).
 
     `engine_config` supplies other engine settings; unless it sets `max_model_len`, that is
     `prompt_len + new_tokens`. The model is bf16 on CUDA and float32 on CPU. `bandwidth` (bytes/s) sets
@@ -148,6 +151,9 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
         raise ValueError(f"--scheduling: {', '.join(unknown) or 'nothing'} given; choose from sync, async, auto")
     if "auto" in schedulings and len(schedulings) > 1:
         raise ValueError("--scheduling: auto (the engine's own choice) goes alone; name sync,async to time both")
+    unknown = sorted(set(weight_formats) - {"auto", "fp8"})
+    if not weight_formats or unknown or len(set(weight_formats)) < len(weight_formats):
+        raise ValueError(f"--weight-format: {', '.join(unknown) or 'nothing or a repeat'} given; choose from auto, fp8")
     if not batch_sizes or min(batch_sizes) < 1 or prompt_len < 1 or new_tokens < 1:
         raise ValueError("--batch-sizes, --prompt-len and --new-tokens must be >= 1")
     note = progress or (lambda message: None)
@@ -169,35 +175,53 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
     else:
         decoder = random_decoder(shape, dev, dtype=dtype, seed=seed)
     results, summaries = [], {}
-    for fmt in kv_formats:
-        for scheduling in schedulings:
-            cfg = copy.deepcopy(engine_config) if engine_config is not None else EngineConfig()
-            cfg.kv.format = fmt
-            cfg.weight_format = weight_format
-            cfg.max_model_len = cfg.max_model_len or prompt_len + new_tokens
-            cfg.async_scheduling = {"sync": False, "async": True, "auto": "auto"}[scheduling]
-            engine = Engine.from_model(decoder, cfg, max_num_seqs=max(batch_sizes), seed=seed)
-            scheduling = "async" if engine.async_scheduling else "sync"
-            label = fmt if len(schedulings) == 1 else f"{fmt} {scheduling}"
-            summaries[label] = engine.summary
-            note(engine.summary)
-            for batch, row in run_engine(engine, prompts, new_tokens, seed, bandwidth).items():
-                row = {"kv_format": fmt, "scheduling": scheduling, "batch_size": batch, **row,
-                       **hf_rows.get(batch, {})}
-                row["speedup"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"] if hf else None
-                sync = [r for r in results if (r["kv_format"], r["scheduling"], r["batch_size"]) == (fmt, "sync", batch)]
-                row["speedup_vs_sync"] = row["engine_tokens_per_s"] / sync[0]["engine_tokens_per_s"] if sync else None
-                results.append(row)
-                note(f"{label} batch {batch}: {row['engine_tokens_per_s']:.0f} tokens/s")
-            del engine
-            _free(dev)
+    for weights in weight_formats:
+        for fmt in kv_formats:
+            for scheduling in schedulings:
+                results.extend(_engine_rows(decoder, engine_config, weights, fmt, scheduling, prompts, new_tokens,
+                                            seed, bandwidth, hf_rows, results, summaries, len(schedulings) > 1,
+                                            len(weight_formats) > 1, note))
+                _free(dev)
     return {
         "shape": shape,
         "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_heads,
                         "kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "vocab": args.vocab_size},
-        "prompt_len": prompt_len, "new_tokens": new_tokens, "weight_format": weight_format,
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "weight_formats": list(weight_formats),
         "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "seed": seed,
         "roofline_bandwidth_bytes_per_s": bandwidth,
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "engine_summaries": summaries, "results": results,
     }
+
+
+def _engine_rows(decoder, engine_config: EngineConfig | None, weights: str, fmt: str, scheduling: str, prompts: dict,
+                 new_tokens: int, seed: int, bandwidth: float | None, hf_rows: dict, earlier: list[dict],
+                 summaries: dict, name_scheduling: bool, name_weights: bool, note) -> list[dict]:
+    """The rows of one engine (weight format x KV format x scheduling), each with its ratios to
+    transformers and to the `earlier` rows it is compared with."""
+    cfg = copy.deepcopy(engine_config) if engine_config is not None else EngineConfig()
+    cfg.kv.format = fmt
+    cfg.weight_format = weights
+    cfg.max_model_len = cfg.max_model_len or len(next(iter(prompts.values()))[0]) + new_tokens
+    cfg.async_scheduling = {"sync": False, "async": True, "auto": "auto"}[scheduling]
+    engine = Engine.from_model(decoder, cfg, max_num_seqs=max(prompts), seed=seed)
+    scheduling = "async" if engine.async_scheduling else "sync"
+    label = " ".join([f"{weights} weights"] * name_weights + [fmt] + [scheduling] * name_scheduling)
+    summaries[label] = engine.summary
+    note(engine.summary)
+    rows = []
+    for batch, row in run_engine(engine, prompts, new_tokens, seed, bandwidth).items():
+        row = {"weight_format": weights, "kv_format": fmt, "scheduling": scheduling, "batch_size": batch, **row,
+               **hf_rows.get(batch, {})}
+        row["speedup"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"] if "hf_tokens_per_s" in row else None
+        key = (weights, fmt, batch)
+        sync = [r for r in earlier if (r["weight_format"], r["kv_format"], r["batch_size"]) == key and r["scheduling"] == "sync"]
+        row["speedup_vs_sync"] = row["engine_tokens_per_s"] / sync[0]["engine_tokens_per_s"] if sync else None
+        auto = [r for r in earlier if r["weight_format"] == "auto"
+                and (r["kv_format"], r["scheduling"], r["batch_size"]) == (fmt, scheduling, batch)]
+        row["speedup_vs_auto_weights"] = (row["engine_tokens_per_s"] / auto[0]["engine_tokens_per_s"]
+                                          if auto and weights != "auto" else None)
+        rows.append(row)
+        note(f"{label} batch {batch}: {row['engine_tokens_per_s']:.0f} tokens/s")
+    del engine
+    return rows

@@ -48,24 +48,30 @@ def num(value: float | None) -> str:
 
 def generate_table(res: dict) -> ResultTable:
     s = res["model_shape"]
+    weights = res.get("weight_formats") or [res.get("weight_format", "auto")]  # before: one weight format a run
     table = ResultTable(
         f"generate: {res['shape']} ({s['layers']} layers, hidden {s['hidden']}) {res['dtype']} on "
         f"{res['gpu'] or res['device']}, prompt {res['prompt_len']} + {res['new_tokens']} new tokens, "
-        f"weights {res['weight_format']}",
-        ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "prefill s", "decode step ms",
-         "of it host ms", "of byte roofline", "engine peak GiB", "HF peak GiB"]
-        + (["async vs sync"] if any(r.get("scheduling") == "async" for r in res["results"]) else []), labels=2)
-    async_rows = len(table.headers) > 12
+        f"weights {', '.join(weights)}",
+        (["weights"] if len(weights) > 1 else [])
+        + ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "prefill s", "decode step ms",
+           "of it host ms", "of byte roofline", "engine peak GiB", "HF peak GiB"]
+        + (["async vs sync"] if any(r.get("scheduling") == "async" for r in res["results"]) else [])
+        + (["vs auto weights"] if len(weights) > 1 else []), labels=2 + (len(weights) > 1))
+    async_rows = "async vs sync" in table.headers
     for r in res["results"]:
         roof = r.get("decode_of_roofline")
-        cells = [r["kv_format"] + (f" {r['scheduling']}" if async_rows else ""), str(r["batch_size"]),
-                 f"{r['engine_tokens_per_s']:,.0f}", f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
-                 f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
-                 num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r.get("decode_host_ms")),
-                 "-" if roof is None else f"{roof:.0%} of {r['decode_roofline_ms']:.2f} ms",
-                 num(r["engine_peak_gib"]), num(r.get("hf_peak_gib"))]
+        cells = ([r.get("weight_format", "auto")] if len(weights) > 1 else []) + [
+            r["kv_format"] + (f" {r['scheduling']}" if async_rows else ""), str(r["batch_size"]),
+            f"{r['engine_tokens_per_s']:,.0f}", f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
+            f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
+            num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r.get("decode_host_ms")),
+            "-" if roof is None else f"{roof:.0%} of {r['decode_roofline_ms']:.2f} ms",
+            num(r["engine_peak_gib"]), num(r.get("hf_peak_gib"))]
         if async_rows:
             cells.append(f"{r['speedup_vs_sync']:.2f}x" if r.get("speedup_vs_sync") is not None else "-")
+        if len(weights) > 1:
+            cells.append(f"{r['speedup_vs_auto_weights']:.2f}x" if r.get("speedup_vs_auto_weights") is not None else "-")
         table.add_row(*cells)
     return table
 
