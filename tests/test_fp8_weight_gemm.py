@@ -84,8 +84,15 @@ def test_matches_float64(m, n, k, config):
 
 
 @pytest.mark.parametrize("m,n,k,config", [(1, 48, 64, None), (17, 80, 256, GemmConfig(16, 32, 32, 4)),
-                                           (64, 96, 512, GemmConfig(64, 64, 64, 2))]
-                         + ([(m, 4096, 4096, None) for m in (3, 64, 256)] if CUDA else []))
+                                           (64, 96, 512, GemmConfig(64, 64, 64, 2)),
+                                           # tiles by the copy engine (TMA), ragged edges read as zeros
+                                           (17, 80, 256, GemmConfig(16, 32, 32, 4, tma=True)),
+                                           (40, 96, 512, GemmConfig(64, 64, 64, 2, tma=True))]
+                         + ([(m, 4096, 4096, None) for m in (3, 64, 256)]
+                            + [(m, n, k, GemmConfig(bm, 64, 256, split, 4, 3, tma=True))
+                               for m, n, k, bm, split in ((3, 4096, 4096, 16, 2), (64, 6144, 4096, 64, 1),
+                                                          (100, 4096, 12288, 128, 4), (128, 24576, 4096, 128, 1))]
+                            if CUDA else []))
 def test_fp8_activations_match_float64(m, n, k, config):
     """With ``x_scale`` the activations are e4m3 codes (one scale per row): the product is the one of the
     dequantized activations and weights, as the ``scaled_mm`` path computes it."""
@@ -137,23 +144,45 @@ def test_split_k_is_deterministic_and_reusable():
     _check(fp8_weight_matmul(x, codes, scale, bias, counters, GemmConfig(16, 32, 32, 1)), x, codes, scale, bias)
 
 
-def test_pick_config_fills_the_sms_with_k_slices():
-    # 8B o_proj at 64 tokens: 64 tiles of 64 channels on 132 SMs -> 2 slices (128 programs; 4 would be 256)
+def test_pick_config_feeds_small_token_tiles_by_tma_and_slices_k_for_the_rest():
+    # 8B o_proj at 64 tokens: one 64-token tile, TMA-fed, five 256-wide K blocks in flight, no K slices
     cfg = pick_config(64, 4096, 4096, 132)
-    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k) == (64, 64, 256, 2)
-    assert pick_config(64, 24576, 4096, 132).split_k == 1  # 384 tiles already fill them
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_stages, cfg.tma) == (64, 64, 256, 1, 5, True)
     assert pick_config(64, 24576, 4096, 132).block_k == 128  # gate|up: six times wider than deep
-    assert pick_config(256, 4096, 2048, 132, x_fp8=False).block_k == 128  # bf16 tiles: half as deep
-    assert pick_config(64, 2048, 6144, 132).split_k == 2  # 1.7B down_proj: 32 tiles, two slices of 3,072
+    assert pick_config(64, 24576, 4096, 132).num_stages == 4
     assert pick_config(3, 4096, 4096, 132).block_m == 16  # the tensor cores' smallest tile
+    assert pick_config(128, 4096, 4096, 132).block_m == 64  # 32 tiles of 128 tokens -> 64 of 64 ...
+    assert pick_config(128, 4096, 4096, 132).tma  # ... which TMA feeds
+    assert not pick_config(64, 4096, 4096, 132, x_fp8=False).tma  # bf16 activations: pointer-fed
+    # 128-token tiles are pointer-fed, with K slices where the tiles fill at most half the SMs
     assert pick_config(256, 24576, 4096, 132).block_m == 128  # 384 tiles of 128 tokens
     assert pick_config(256, 4096, 4096, 132).block_m == 128  # 128 tiles fill more than half
-    assert pick_config(128, 4096, 4096, 132).block_m == 64  # 32 tiles of 128 tokens -> 64 of 64
-    small = pick_config(1, 64, 48, 132)  # K = 48: 16-wide K blocks, too short to split
-    assert (small.block_k, small.split_k) == (16, 1)
+    qkv = pick_config(128, 6144, 4096, 132)  # 96 tiles of 128 tokens: 192 of 64 would take two waves
+    assert (qkv.block_m, qkv.tma, qkv.split_k) == (128, False, 1)
+    assert pick_config(256, 4096, 2048, 132, x_fp8=False).block_k == 128  # bf16 tiles: half as deep
+    down = pick_config(128, 2048, 6144, 132, x_fp8=False)  # bf16: 64 tiles of 64 x 64, two slices of 3,072
+    assert (down.block_m, down.split_k, down.tma) == (64, 2, False)
+    small = pick_config(1, 64, 48, 132)  # K = 48: 16-wide K blocks, too short to split, pointer-fed
+    assert (small.block_k, small.split_k, small.tma) == (16, 1, False)
     for m, n, k in ((64, 4096, 4096), (128, 4096, 12288), (256, 6144, 4096), (64, 2048, 6144)):
         cfg = pick_config(m, n, k, 132)
         assert k % (cfg.split_k * cfg.block_k) == 0 and k // cfg.split_k >= 8 * cfg.block_k
+
+
+def test_unaligned_operands_fall_back_from_tma_to_pointers():
+    """A row view that starts off a 16-byte boundary cannot be read by the copy engine: the launcher's own
+    tiles run pointer-fed (same result), an explicit TMA setting is refused."""
+    x, codes, scale, _ = _problem(9, 64, 256, seed=3, bias=False)
+    x_codes, x_scale = quantize_fp8(x.float())
+    padded = torch.zeros(9, 256 + 8, dtype=x_codes.dtype, device=DEVICE)
+    padded[:, 8:] = x_codes
+    shifted = padded[:, 8:]  # rows start 8 bytes in, stride 264: not 16-byte aligned
+    counters = torch.zeros(counter_slots(64, 16), dtype=torch.int32, device=DEVICE)
+    assert pick_config(9, 64, 256, 4 if not CUDA else 132).tma
+    want = fp8_weight_matmul(x_codes, codes, scale, None, counters, x_scale=x_scale)
+    assert torch.equal(fp8_weight_matmul(shifted, codes, scale, None, counters, x_scale=x_scale), want)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fp8_weight_matmul(shifted, codes, scale, None, counters, GemmConfig(16, 64, 128, tma=True), x_scale=x_scale)
 
 
 def test_bad_inputs_are_named():
@@ -173,4 +202,6 @@ def test_bad_inputs_are_named():
         fp8_weight_matmul(x, codes, scale, None, counters[:1], GemmConfig(16, 16, 16, 2))
     with pytest.raises(ValueError, match="not a multiple of split_k x block_k"):
         fp8_weight_matmul(x, codes, scale, None, counters, GemmConfig(16, 16, 32, 4))
+    with pytest.raises(ValueError, match="TMA tiles take e4m3 activations"):
+        fp8_weight_matmul(x, codes, scale, None, counters, GemmConfig(16, 16, 16, tma=True))
     assert fp8_weight_matmul(x[:0], codes, scale, None, counters).shape == (0, 32)

@@ -10,7 +10,8 @@ bandwidth of the weight bytes and its share of the copy bandwidth the byte roofl
     python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 64,128,256
 
 `--fp8` also times, on the same weights quantized to e4m3, the two FP8 products the engine has, both
-with the activations quantized per token by the Triton kernel: `torch._scaled_mm` and the Triton e4m3
+with the activations quantized per token by the Triton kernel: `torch._scaled_mm` (also with
+`use_fast_accum=True`, cuBLAS's FP8 running sum, as the Triton kernel sums) and the Triton e4m3
 GEMM (`kv4rl.kernels.fp8_weight_gemm`, `engine.fp8_gemm=triton`) with `pick_config`'s tiles. `--sweep`
 tries a grid of tile settings of the Triton kernel and prints the best per product for e4m3
 activations, for bf16 activations (weight-only) and on the BF16 weights (against cuBLAS).
@@ -46,29 +47,40 @@ def sweep_configs(m: int, k: int):
                         yield GemmConfig(bm, bn, bk, split, warps, stages)
 
 
-def table_configs(m: int, k: int):
-    """`--table`: e4m3 settings, each with the float32 add per K block and with one running FP8 sum."""
+def table_configs(m: int, k: int, tma: bool = False):
+    """`--table`: e4m3 settings, each with the float32 add per K block and with one running FP8 sum; with
+    `tma`, settings of the TMA-fed kernel (one running sum, deeper pipelines)."""
     for bm in sorted({min(128, max(16, 1 << (m - 1).bit_length())), 64} if m > 64 else {max(16, 1 << (m - 1).bit_length())}):
         for bn in (64, 128):
-            for bk, stages in ((128, 3), (128, 4), (256, 3)):
+            stages_by_k = ((128, 4), (128, 6), (256, 3), (256, 4), (256, 5)) if tma else ((128, 3), (128, 4), (256, 3))
+            for bk, stages in stages_by_k:
                 for split in (1, 2, 4):
                     if k % (split * bk) == 0 and k // split >= 2 * bk:
-                        for fast in (False, True):
-                            yield GemmConfig(bm, bn, bk, split, 4, stages, fast)
+                        for fast in (True,) if tma else (False, True):
+                            yield GemmConfig(bm, bn, bk, split, 4, stages, fast, tma)
 
 
-def time_table(x, w) -> dict:
-    """us of every `table_configs` setting of the e4m3 product (activation quantization included)."""
+def time_table(x, w, tma: bool = False) -> dict:
+    """us of every `table_configs` setting of the e4m3 product (activation quantization included), and of
+    `pick_config`'s ("pick")."""
     lin = FP8Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     lin.load_weight_(w)
     counters = torch.zeros(counter_slots(w.shape[0], x.shape[0]), dtype=torch.int32, device=w.device)
+    xq, xs = quantize_rows_fp8(x)
+    ref = fp8_weight_matmul(xq, lin.qweight, lin.weight_scale, None, counters, x_scale=xs).float()
     out = {}
-    for cfg in table_configs(x.shape[0], w.shape[1]):
+    for cfg in [None, *table_configs(x.shape[0], w.shape[1], tma)]:
         def call(cfg=cfg):
             xq, xs = quantize_rows_fp8(x)
             return fp8_weight_matmul(xq, lin.qweight, lin.weight_scale, None, counters, cfg, x_scale=xs)
+        name = "pick" if cfg is None else _short(cfg.__dict__) + (" fast" if cfg.fast_accum else "") + (" tma" if cfg.tma else "")
         try:
-            out[_short(cfg.__dict__) + (" fast" if cfg.fast_accum else "")] = 1e3 * _time_graph(call, calls=20, reps=10)
+            err = ((call().float() - ref).abs().max() / ref.abs().max()).item()
+            if err > 1e-2:
+                raise SystemExit(f"{name} off pick_config's product by {err:.3g} at {tuple(x.shape)} x {tuple(w.shape)}")
+            out[name] = 1e3 * _time_graph(call, calls=20, reps=10)
+        except SystemExit:
+            raise
         except Exception as e:  # out of shared memory
             print(f"  skipped {cfg}: {type(e).__name__}")
     return out
@@ -82,14 +94,14 @@ def _operands(x: torch.Tensor, fp8_x: bool):
     return codes, scale
 
 
-def warm(shape: str, rows: list[int], part: int, parts: int, table: bool = False) -> None:
+def warm(shape: str, rows: list[int], part: int, parts: int, table: bool = False, tma: bool = False) -> None:
     """Compile (into Triton's disk cache) every `parts`-th sweep setting from `part`: run in parallel
     processes before a sweep, so the timed run only loads kernels."""
     # M, N and K are runtime arguments (all multiples of 16 here), so one kernel serves a setting everywhere
     first = {}
     for m in rows:
         for k, _ in layer_shapes(shape).values():
-            for cfg in (table_configs if table else sweep_configs)(m, k):
+            for cfg in (table_configs(m, k, tma) if table else sweep_configs(m, k)):
                 first.setdefault(cfg, (m, k))
     todo = [(m, k, cfg) for cfg, (m, k) in sorted(first.items(), key=repr)][part::parts]
     for m, k, cfg in todo:
@@ -140,6 +152,16 @@ def time_fp8(x, w, sweep: bool) -> dict:
     ref = F.linear(x.float(), lin.dequantized_weight(torch.float32))
     out = {"scaled_mm_us": 1e3 * _time_graph(lambda: lin._scaled_mm(x), calls=20)}
     scaled = lin._scaled_mm(x)
+
+    def fast_scaled_mm():  # the same product with cuBLAS's fast accumulation (what the Triton kernel does)
+        codes, xs = quantize_rows_fp8(x)
+        return torch._scaled_mm(codes, lin.qweight.t(), scale_a=xs.view(-1, 1), scale_b=lin.weight_scale.view(1, -1),
+                                out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    err = ((fast_scaled_mm().float() - scaled.float()).abs().max() / scaled.float().abs().max()).item()
+    if err > 1e-2:
+        raise SystemExit(f"scaled_mm with fast accumulation off by {err:.3g} at {tuple(x.shape)} x {tuple(w.shape)}")
+    out["scaled_mm_fast_us"] = 1e3 * _time_graph(fast_scaled_mm, calls=20)
     lin.enable_decode_gemm()  # the engine's path with engine.fp8_gemm=triton: the same quantization, pick_config's tiles
     got = lin._scaled_mm(x)
     err = ((got.float() - scaled.float()).abs().max() / scaled.float().abs().max()).item()
@@ -181,11 +203,12 @@ def main() -> None:
     p.add_argument("--blas", default=None, metavar="LIBS",
                    help="also time the BF16 products under each of these BLAS libraries (e.g. cublas,cublaslt)")
     p.add_argument("--table", action="store_true", help="time every e4m3 setting of a small grid (JSON only)")
+    p.add_argument("--tma", action="store_true", help="with --table: the grid of the TMA-fed kernel")
     p.add_argument("--warm-only", default=None, metavar="I/N", help="compile the I-th of N parts of the sweep, time nothing")
     a = p.parse_args()
     if a.warm_only:
         part, parts = (int(v) for v in a.warm_only.split("/"))
-        warm(a.shape, [int(x) for x in a.rows.split(",")], part, parts, a.table)
+        warm(a.shape, [int(x) for x in a.rows.split(",")], part, parts, a.table, a.tma)
         return
     bw = copy_bandwidth(torch.device("cuda"))
     if bw is None:
@@ -196,7 +219,8 @@ def main() -> None:
     libs = a.blas.split(",") if a.blas else []
     default_lib = torch.backends.cuda.preferred_blas_library()
     for m in [int(x) for x in a.rows.split(",")]:
-        step_ms = roof_ms = fp8_step_ms = scaled_step_ms = best_step_ms = w8a8_step_ms = bf16w_step_ms = 0.0
+        table_pick_ms = table_best_ms = 0.0
+        step_ms = roof_ms = fp8_step_ms = scaled_step_ms = scaled_fast_step_ms = best_step_ms = w8a8_step_ms = bf16w_step_ms = 0.0
         lib_step_ms = dict.fromkeys(libs, 0.0)
         for name, (k, n) in layer_shapes(a.shape).items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -218,13 +242,15 @@ def main() -> None:
                 lib_step_ms[lib] += us / 1e3 * count
                 line += f" | {lib} {us:7.1f} us ({1e6 * sec / us:4.2f}x)"
             if a.table and name != "lm_head":
-                row["table_us"] = time_table(x, w)
+                row["table_us"] = time_table(x, w, a.tma)
                 best = min(row["table_us"], key=row["table_us"].get)
-                line += f" | table best {row['table_us'][best]:7.1f} us {best}"
+                line += f" | e4m3 pick_config {row['table_us']['pick']:7.1f} us, table best {row['table_us'][best]:7.1f} us {best}"
+                table_pick_ms += row["table_us"]["pick"] / 1e3 * count
+                table_best_ms += min(v for key, v in row["table_us"].items() if key != "pick") / 1e3 * count
             if a.fp8 and name != "lm_head":  # the engine keeps the LM head in bf16
                 row.update(time_fp8(x, w, a.sweep))
                 fp8_bytes = n * k
-                line += (f" | fp8 scaled_mm {row['scaled_mm_us']:7.1f} us, Triton e4m3 {row['decode_gemm_us']:7.1f} us "
+                line += (f" | fp8 scaled_mm {row['scaled_mm_us']:7.1f} us (fast accumulation {row['scaled_mm_fast_us']:7.1f}), Triton e4m3 {row['decode_gemm_us']:7.1f} us "
                          f"({fp8_bytes / row['decode_gemm_us'] / 1e6:4.2f} TB/s, {sec * 1e6 / row['decode_gemm_us']:4.2f}x bf16) "
                          f"{_short(row['decode_gemm_config'])}")
                 if a.sweep:
@@ -239,9 +265,11 @@ def main() -> None:
                 fp8_ms = row["decode_gemm_us"] / 1e3 * count
                 fp8_step_ms += fp8_ms
                 scaled_step_ms += row["scaled_mm_us"] / 1e3 * count
+                scaled_fast_step_ms += row["scaled_mm_fast_us"] / 1e3 * count
             elif a.fp8:
                 fp8_step_ms += 1e3 * sec * count
                 scaled_step_ms += 1e3 * sec * count
+                scaled_fast_step_ms += 1e3 * sec * count
                 best_step_ms += 1e3 * sec * count
                 w8a8_step_ms += 1e3 * sec * count
                 bf16w_step_ms += 1e3 * sec * count
@@ -249,11 +277,15 @@ def main() -> None:
             print(line)
         print(f"M={m:4d} all products of a step: {step_ms:.2f} ms against {roof_ms:.2f} ms of weight bytes "
               f"({100 * roof_ms / step_ms:.0f}%)")
+        if a.table:
+            print(f"M={m:4d} e4m3 block products of a step: pick_config {table_pick_ms:.2f} ms, the table's best per "
+                  f"product{' (TMA)' if a.tma else ''} {table_best_ms:.2f} ms ({table_pick_ms / table_best_ms:.2f}x)")
         for lib, ms in lib_step_ms.items():
             print(f"M={m:4d} all products under {lib}: {ms:.2f} ms ({step_ms / ms:.2f}x the default)")
         if a.fp8:
             print(f"M={m:4d} with FP8 block weights (LM head bf16): Triton e4m3 (pick_config) {fp8_step_ms:.2f} ms "
-                  f"({step_ms / fp8_step_ms:.2f}x bf16), scaled_mm {scaled_step_ms:.2f} ms ({step_ms / scaled_step_ms:.2f}x)")
+                  f"({step_ms / fp8_step_ms:.2f}x bf16), scaled_mm {scaled_step_ms:.2f} ms ({step_ms / scaled_step_ms:.2f}x), "
+                  f"scaled_mm with fast accumulation {scaled_fast_step_ms:.2f} ms ({step_ms / scaled_fast_step_ms:.2f}x)")
             if a.sweep:
                 print(f"M={m:4d} best settings: weight-only (bf16 activations) {best_step_ms:.2f} ms ({step_ms / best_step_ms:.2f}x bf16), "
                       f"e4m3 x e4m3 {w8a8_step_ms:.2f} ms ({step_ms / w8a8_step_ms:.2f}x); BF16 weights, the faster of "

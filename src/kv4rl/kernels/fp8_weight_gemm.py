@@ -21,6 +21,10 @@ Two activation forms:
 The accumulator is scaled per output channel (and per row), the bias added, and the sum rounded to the
 output dtype once.
 
+Operand feed: with e4m3 activations and token tiles of up to 64 rows (`pick_config`), the tiles are
+brought by the copy engine (TMA descriptors, `_fp8_gemm_tma_kernel`) with 4-5 stages in flight; rows and
+channels past the edge arrive as zeros. Other tiles are loaded through pointers (`_fp8_weight_gemm_kernel`).
+
 Split-K: products with few output tiles (o_proj and down_proj have 2,048-4,096 outputs) would leave most
 SMs idle. Their K range is cut into ``split_k`` slices whose float32 partials go to a workspace; the
 last program to finish a tile (a per-tile arrival counter in ``counters``) sums the slices in slice
@@ -31,6 +35,7 @@ the start), so products of different linears never share them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -53,6 +58,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     fast_accum: bool = True  # e4m3 activations: one running FP8 MMA sum over K, no float32 add per block
+    tma: bool = False  # e4m3 activations: tiles loaded by the copy engine (Hopper TMA descriptors)
 
 
 @triton.jit
@@ -91,6 +97,46 @@ def _fp8_weight_gemm_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
+    _finish_tile(acc, xs_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, pid_m, pid_n, pid_k, rm, rn,
+                 M, N, stride_om, HAS_BIAS, X_FP8, SPLIT_K, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    x_desc, w_desc, xs_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K, stride_om, k_per_split,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+):
+    # the e4m3 x e4m3 product of `_fp8_weight_gemm_kernel`, its tiles brought by the copy engine (TMA): no
+    # address arithmetic in the loop, and rows past the edge arrive as zeros
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    k_lo = pid_k * k_per_split
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        w = w_desc.load([off_n, k])  # [BLOCK_N, BLOCK_K]
+        x = tl.trans(x_desc.load([off_m, k]))  # [BLOCK_K, BLOCK_M], K-major as the FP8 MMA wants it
+        if EXACT:  # the interpreter's e4m3 products are not exact: widen (exact) first
+            acc = tl.dot(_dot_operand(w, EXACT), _dot_operand(x, EXACT), acc)
+        elif FAST_ACCUM:
+            acc = tl.dot(w, x, acc)
+        else:
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=BLOCK_K)
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    _finish_tile(acc, xs_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, pid_m, pid_n, pid_k, rm, rn,
+                 M, N, stride_om, HAS_BIAS, True, SPLIT_K, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _finish_tile(acc, xs_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, pid_m, pid_n, pid_k, rm, rn,
+                 M, N, stride_om, HAS_BIAS: tl.constexpr, X_FP8: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a finished tile, or with split-K its slice's partial; the last slice to arrive sums them."""
     out_mask = (rn < N)[:, None] & (rm < M)[None, :]
     offs = rm.to(tl.int64)[None, :] * N + rn[:, None]
     if SPLIT_K > 1:
@@ -128,24 +174,35 @@ _BLOCK_K_CHOICES = (128, 64, 32, 16)
 
 @functools.cache
 def pick_config(m: int, n: int, k: int, num_sms: int, x_fp8: bool = True) -> GemmConfig:
-    """Tiles for an [m, k] x [n, k]^T product, fitted to a timed grid of up to 36 settings over the Qwen3-1.7B
-    and 8B products at 64, 128 and 256 tokens (twenty-first session: 3% above the best per product in
-    sum): 64 output channels a program; the token tile that holds the rows (tensor-core minimum 16, at
-    most 128), halved to 64 where the programs would fill fewer than half the SMs; 256-wide K blocks,
-    128-wide for products four times wider than deep (gate|up); K slices while the programs fill at most
-    half the SMs and each slice keeps 8 K blocks. bf16 activations (`x_fp8` false) take twice the
-    shared memory a tile, so their K blocks stop at 128."""
+    """Tiles for an [m, k] x [n, k]^T product, fitted to timed grids over the Qwen3-1.7B and 8B products at
+    64, 128 and 256 tokens (twenty-first and twenty-second sessions): 64 output channels a program; the
+    token tile that holds the rows (tensor-core minimum 16, at most 128), halved to 64 where the programs
+    would fill fewer than half the SMs; 256-wide K blocks, 128-wide for products four times wider than deep
+    (gate|up).
+
+    Token tiles of up to 64 e4m3 rows are fed by TMA with 4-5 stages in flight and no K slices: 5-9% less
+    time over an 8B step's block products at 64 and 128 tokens than the pointer-fed kernel, and a split
+    gained at most 1% there. A 128-token tile stays pointer-fed (TMA was 8-12% slower for 8B gate|up), with
+    K slices while the programs fill at most half the SMs and each slice keeps 8 K blocks. bf16
+    activations (`x_fp8` false) take twice the shared memory a tile, so their K blocks stop at 128."""
     block_n = 64
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     if block_m > 64 and 2 * triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < num_sms:
         block_m = 64
     widest = 128 if n >= 4 * k or not x_fp8 else 256
     block_k = next(b for b in (256, *_BLOCK_K_CHOICES) if b <= widest and k % b == 0)
+    if x_fp8 and block_m <= 64 and block_k >= 128:
+        return GemmConfig(block_m, block_n, block_k, 1, num_warps=4, num_stages=5 if block_k == 256 else 4, tma=True)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = 1
     while 2 * tiles * split_k <= num_sms and k % (2 * split_k * block_k) == 0 and k // (2 * split_k) >= 8 * block_k:
         split_k *= 2
     return GemmConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=3)
+
+
+def tma_ready(x: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether the copy engine can read these operands: 16-byte aligned starts and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, codes))
 
 
 def gemm_problem(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -195,6 +252,10 @@ def fp8_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return out
     cfg = config or pick_config(m, n, k, _num_sms(x.device), x_scale is not None)
+    if cfg.tma and not tma_ready(x, codes):
+        if config is not None:
+            raise ValueError("fp8_weight_matmul: TMA tiles need 16-byte aligned operands and row strides")
+        cfg = dataclasses.replace(cfg, tma=False)  # the same tiles, pointer-fed
     if k % (cfg.split_k * cfg.block_k):
         raise ValueError(f"fp8_weight_matmul: K={k} is not a multiple of split_k x block_k = {cfg.split_k * cfg.block_k}")
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
@@ -205,6 +266,20 @@ def fp8_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         partials = torch.empty(cfg.split_k, m, n, device=x.device, dtype=torch.float32)
     else:
         partials = out  # not read
+    if cfg.tma:
+        if x_scale is None:
+            raise ValueError("fp8_weight_matmul: TMA tiles take e4m3 activations (x_scale)")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _fp8_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(codes, [cfg.block_n, cfg.block_k]),
+            x_scale, scale, bias if bias is not None else scale, out, partials, counters, m, n, k, out.stride(0),
+            k // cfg.split_k, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, EXACT=interpreting(),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_ACCUM=cfg.fast_accum,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
     _fp8_weight_gemm_kernel[grid](
         x, x_scale if x_scale is not None else scale, codes, scale, bias if bias is not None else scale, out,
         partials, counters, m, n, k, x.stride(0), out.stride(0), k // cfg.split_k,
