@@ -28,6 +28,7 @@
 #   bash tools/device_benches.sh step_profiles 2>&1 | tee $OUT/log.txt         # KV4 rollout step, generate 1.7B, B256 step profile (~6 min)
 #   bash tools/device_benches.sh fp8_decode_gemm 2>&1 | tee $OUT/log.txt      # Triton e4m3 GEMM: tests, tile grid, 8B step both paths (<10 min)
 #   bash tools/device_benches.sh fp8_inputs 2>&1 | tee $OUT/log.txt           # FP8 inputs from the norms/SwiGLU: tests, 8B step both ways (~6 min)
+#   bash tools/device_benches.sh fp8_tma 2>&1 | tee $OUT/log.txt              # TMA-fed e4m3 tiles: tests, grid, products, generate with FP8 weights (<10 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -334,7 +335,7 @@ fp8_decode_gemm() {  # issue 11 (twenty-first session): the Triton e4m3 GEMM at 
     done
 }
 
-fp8_inputs() {  # issue 11 (branch fp8-fused-quant): the norms and SwiGLU quantize the FP8 linears' inputs - GPU
+fp8_inputs() {  # issue 11 (twenty-second session): the norms and SwiGLU quantize the FP8 linears' inputs - GPU
     # tests (codes bit for bit, decoder hidden states equal with and without), then the whole 8B step both ways
     timeout 240 python -m pytest -q -p no:cacheprovider -rf tests/test_fp8_fused_inputs.py tests/test_fused_ops.py \
         tests/test_fp8_quant_kernel.py tests/gpu/test_fp8_quant_kernel_gpu.py tests/gpu/test_fp8_linear_gpu.py \
@@ -343,6 +344,23 @@ fp8_inputs() {  # issue 11 (branch fp8-fused-quant): the norms and SwiGLU quanti
         timeout 170 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --workloads early,mid,late,short $inputs \
             --json $OUT/decode_forward_8b$inputs.json 2>&1 | grep "│" | tail -16
     done
+}
+
+fp8_tma() {  # issue 11 (twenty-second session): the e4m3 GEMM's TMA-fed tiles - GPU tests, the timed TMA grid
+    # (compiled first in 14 processes) beside pick_config, the 8B products with pick_config against cuBLAS and
+    # scaled_mm, and what FP8 weights buy in `bench generate` on the 8B shape
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/test_fp8_weight_gemm.py tests/gpu/test_fp8_linear_gpu.py \
+        tests/test_fp8_fused_inputs.py > $OUT/fp8_tma_tests.txt 2>&1 &
+    for i in $(seq 0 13); do
+        timeout 150 python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 64,128 --table --tma --warm-only $i/14 > $OUT/warm_$i.txt 2>&1 &
+    done; wait; rm -f $OUT/warm_*.txt; tail -4 $OUT/fp8_tma_tests.txt
+    for shape in qwen3-8b qwen3-1.7b; do
+        timeout 150 python tools/gemm_decode_shapes.py --shape $shape --rows 64,128 --fp8 --table --tma \
+            --json $OUT/gemm_tma_$shape.json 2>&1 | grep -v skipped | tail -14
+    done
+    timeout 90 python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 16,64,128 --fp8 --json $OUT/gemm_pick_8b.json 2>&1 | grep "M=" | tail -3
+    timeout 200 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64,128 --prompt-len 128 --new-tokens 256 \
+        --kv-format bf16,kv4 --weight-format auto,fp8 --no-hf --json $OUT/generate_8b_fp8.json 2>&1 | grep "│" | tail -12
 }
 
 date
