@@ -11,6 +11,14 @@ import pytest
 import torch
 
 
+def fresh_generator() -> torch.Generator:
+    """A CPU generator on a fresh random seed, so each run tests new inputs. The seed is printed, and pytest
+    shows it beside a failure; `KV4RL_TEST_SEED=<seed>` replays that run's inputs."""
+    seed = int(os.environ.get("KV4RL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"random inputs from seed {seed} (replay: KV4RL_TEST_SEED={seed})")
+    return torch.Generator().manual_seed(seed)
+
+
 def make_checkpoint(path, model_type="qwen3", vocab=97, seed=0, **overrides):
     """Save a random-init tiny HF causal LM of `model_type` to `path`; returns the HF model."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config

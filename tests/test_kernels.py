@@ -21,6 +21,7 @@ if not CUDA:
 pytest.importorskip("triton")
 
 from kv4rl.kernels.decode_common import DecodeKind  # noqa: E402
+from tests.conftest import fresh_generator  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     fast_decode,
     make_format,
@@ -39,7 +40,7 @@ TOL = 2e-2 if CUDA else 1e-5
 
 @pytest.fixture
 def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return fresh_generator()
 
 
 def _splits(max_len: int):

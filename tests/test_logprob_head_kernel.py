@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs  # noqa: E402
 from kv4rl.kernels.logprob_head import BLOCK_V, fused_token_logprobs  # noqa: E402
+from tests.conftest import fresh_generator  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (batch, positions, vocab): on the CPU three vocabulary blocks, the last one ragged, and exactly one
@@ -27,7 +28,7 @@ SHAPES = [(1, 257, 151936), (3, 40, 2 * BLOCK_V + 3)] if CUDA else [(2, 6, 2 * B
 
 @pytest.fixture
 def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return fresh_generator()
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -19,6 +19,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton")
 
+from tests.conftest import fresh_generator  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     clone_cache,
     fast_prefill,
@@ -37,7 +38,7 @@ QUERY = [1, 3, 17, 20, 6, 1]
 
 @pytest.fixture
 def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    return fresh_generator()
 
 
 def _check(fmt, gen, prefix=PREFIX, query=QUERY, hq=HQ, fused_write=False, tol=1e-5):

@@ -2,11 +2,10 @@
 inputs, ragged rows up to 1000 tokens with and without a cached prefix, every format with kernels, the
 engine's whole prefill (fused writer with the formats' default rotations, kernel, KV4 side rows)."""
 
-import os
-
 import pytest
 import torch
 
+from tests.conftest import fresh_generator
 from tests.kernel_cases import clone_cache, fast_prefill, make_format, random_prefill_case, reference_prefill, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -17,7 +16,7 @@ TOL = 2e-2  # bf16 dot operands (q, codes, p·s), as the decode kernels' GPU tes
 
 @pytest.mark.parametrize("name", ["bf16", "fp8", "int4", "kv4"])
 def test_prefill_kernel_gpu_matches_reference(name):
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    gen = fresh_generator()
     fmt = make_format(name, 128, n_sink=16, n_recent=128)
     query = [1000, 1, 37, 128, 300, 513, 7, 999]
     prefix = [0, 600, 0, 200, 16, 0, 900, 1]
