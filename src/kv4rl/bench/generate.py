@@ -178,10 +178,20 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
     for weights in weight_formats:
         for fmt in kv_formats:
             for scheduling in schedulings:
-                results.extend(_engine_rows(decoder, engine_config, weights, fmt, scheduling, prompts, new_tokens,
-                                            seed, bandwidth, hf_rows, results, summaries, len(schedulings) > 1,
-                                            len(weight_formats) > 1, note))
+                engine = _engine(decoder, engine_config, weights, fmt, scheduling, prompt_len + new_tokens,
+                                 max(batch_sizes), seed)
+                scheduling = "async" if engine.async_scheduling else "sync"
+                label = " ".join([f"{weights} weights"] * (len(weight_formats) > 1) + [fmt]
+                                 + [scheduling] * (len(schedulings) > 1))
+                summaries[label] = engine.summary
+                note(engine.summary)
+                for batch, row in run_engine(engine, prompts, new_tokens, seed, bandwidth).items():
+                    results.append({"weight_format": weights, "kv_format": fmt, "scheduling": scheduling,
+                                    "batch_size": batch, **row, **hf_rows.get(batch, {})})
+                    note(f"{label} batch {batch}: {row['engine_tokens_per_s']:.0f} tokens/s")
+                del engine
                 _free(dev)
+    _add_ratios(results)
     return {
         "shape": shape,
         "model_shape": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_heads,
@@ -194,34 +204,29 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
     }
 
 
-def _engine_rows(decoder, engine_config: EngineConfig | None, weights: str, fmt: str, scheduling: str, prompts: dict,
-                 new_tokens: int, seed: int, bandwidth: float | None, hf_rows: dict, earlier: list[dict],
-                 summaries: dict, name_scheduling: bool, name_weights: bool, note) -> list[dict]:
-    """The rows of one engine (weight format x KV format x scheduling), each with its ratios to
-    transformers and to the `earlier` rows it is compared with."""
+
+def _engine(decoder, engine_config: EngineConfig | None, weights: str, fmt: str, scheduling: str,
+            max_model_len: int, max_num_seqs: int, seed: int) -> Engine:
+    """An engine on `decoder` with these weights, KV format and scheduling, the other settings from
+    `engine_config` (its `max_model_len` if set)."""
     cfg = copy.deepcopy(engine_config) if engine_config is not None else EngineConfig()
     cfg.kv.format = fmt
     cfg.weight_format = weights
-    cfg.max_model_len = cfg.max_model_len or len(next(iter(prompts.values()))[0]) + new_tokens
+    cfg.max_model_len = cfg.max_model_len or max_model_len
     cfg.async_scheduling = {"sync": False, "async": True, "auto": "auto"}[scheduling]
-    engine = Engine.from_model(decoder, cfg, max_num_seqs=max(prompts), seed=seed)
-    scheduling = "async" if engine.async_scheduling else "sync"
-    label = " ".join([f"{weights} weights"] * name_weights + [fmt] + [scheduling] * name_scheduling)
-    summaries[label] = engine.summary
-    note(engine.summary)
-    rows = []
-    for batch, row in run_engine(engine, prompts, new_tokens, seed, bandwidth).items():
-        row = {"weight_format": weights, "kv_format": fmt, "scheduling": scheduling, "batch_size": batch, **row,
-               **hf_rows.get(batch, {})}
-        row["speedup"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"] if "hf_tokens_per_s" in row else None
-        key = (weights, fmt, batch)
-        sync = [r for r in earlier if (r["weight_format"], r["kv_format"], r["batch_size"]) == key and r["scheduling"] == "sync"]
-        row["speedup_vs_sync"] = row["engine_tokens_per_s"] / sync[0]["engine_tokens_per_s"] if sync else None
-        auto = [r for r in earlier if r["weight_format"] == "auto"
-                and (r["kv_format"], r["scheduling"], r["batch_size"]) == (fmt, scheduling, batch)]
-        row["speedup_vs_auto_weights"] = (row["engine_tokens_per_s"] / auto[0]["engine_tokens_per_s"]
-                                          if auto and weights != "auto" else None)
-        rows.append(row)
-        note(f"{label} batch {batch}: {row['engine_tokens_per_s']:.0f} tokens/s")
-    del engine
-    return rows
+    return Engine.from_model(decoder, cfg, max_num_seqs=max_num_seqs, seed=seed)
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Each row's tokens/s over transformers' (`speedup`), over the sync row of its weights, KV format and
+    batch (`speedup_vs_sync`), and over the `auto`-weights row of its KV format, scheduling and batch
+    (`speedup_vs_auto_weights`); None where that row did not run."""
+    rate = {(r["weight_format"], r["kv_format"], r["scheduling"], r["batch_size"]): r["engine_tokens_per_s"]
+            for r in rows}
+    for r in rows:
+        own = r["engine_tokens_per_s"]
+        r["speedup"] = own / r["hf_tokens_per_s"] if "hf_tokens_per_s" in r else None
+        sync = rate.get((r["weight_format"], r["kv_format"], "sync", r["batch_size"]))
+        r["speedup_vs_sync"] = own / sync if sync and r["scheduling"] != "sync" else None
+        auto = rate.get(("auto", r["kv_format"], r["scheduling"], r["batch_size"]))
+        r["speedup_vs_auto_weights"] = own / auto if auto and r["weight_format"] != "auto" else None
