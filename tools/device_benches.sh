@@ -29,6 +29,7 @@
 #   bash tools/device_benches.sh fp8_decode_gemm 2>&1 | tee $OUT/log.txt      # Triton e4m3 GEMM: tests, tile grid, 8B step both paths (<10 min)
 #   bash tools/device_benches.sh fp8_inputs 2>&1 | tee $OUT/log.txt           # FP8 inputs from the norms/SwiGLU: tests, 8B step both ways (~6 min)
 #   bash tools/device_benches.sh fp8_tma 2>&1 | tee $OUT/log.txt              # TMA-fed e4m3 tiles: tests, grid, products, generate with FP8 weights (<10 min)
+#   bash tools/device_benches.sh short_profiles 2>&1 | tee $OUT/log.txt       # 8B generate steps at 128+256 tokens by kernel family: FP8 weights, KV4 (~5 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -362,6 +363,16 @@ fp8_tma() {  # issue 11 (twenty-second session): the e4m3 GEMM's TMA-fed tiles -
     timeout 90 python tools/gemm_decode_shapes.py --shape qwen3-8b --rows 16,64,128 --fp8 --json $OUT/gemm_pick_8b.json 2>&1 | grep "M=" | tail -3
     timeout 200 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64,128 --prompt-len 128 --new-tokens 256 \
         --kv-format bf16,kv4 --weight-format auto,fp8 --no-hf --json $OUT/generate_8b_fp8.json 2>&1 | grep "│" | tail -12
+}
+
+short_profiles() {  # issue 11 (twenty-second session's leads): where an 8B generate step at 128 + 256 tokens
+    # spends its time - with FP8 weights it is at 46-53% of its byte roofline (59-69% with BF16 weights), and KV4 was
+    # 0.96x BF16 at B16 there; B16 and B64, each weight format x KV format
+    for batch in 16 64; do
+        timeout 140 python tools/profile_generate.py --shape qwen3-8b --batch $batch --prompt-len 128 --new-tokens 256 \
+            --kv-formats bf16,kv4 --weight-formats auto,fp8 --top 12 --json $OUT/profile_generate_8b_b$batch.json 2>&1 \
+            | grep -v "^\[" | tail -64
+    done
 }
 
 date

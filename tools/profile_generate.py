@@ -1,8 +1,8 @@
 """Where a generate call's time goes: prefill vs decode steps, GPU kernels vs host, kernel by kernel.
 
 Runs the engine on one random-init model of a Qwen3 shape (as `kv4rl bench generate` does, without
-transformers), every sequence generating exactly `--new-tokens` tokens, once per KV format, under the
-torch profiler. Prints, per format: wall time split by step kind (steps that prefill prompt tokens,
+transformers), every sequence generating exactly `--new-tokens` tokens, once per KV format (and per
+weight format with `--weight-formats auto,fp8`), under the torch profiler. Prints, per format: wall time split by step kind (steps that prefill prompt tokens,
 pure decode steps), the GPU busy time inside each kind, and the top kernels by GPU time. Writes the
 same as JSON. Used for the step breakdown in bench/kernel_notes.md:
 
@@ -28,9 +28,10 @@ from kv4rl.engine.sequence import SamplingParams
 
 
 def profile_format(decoder, fmt: str, prompts, new_tokens: int, seed: int, top: int,
-                   max_batched: int | None) -> dict:
+                   max_batched: int | None, weights: str = "auto") -> dict:
     cfg = EngineConfig()
     cfg.kv.format = fmt
+    cfg.weight_format = weights
     cfg.max_model_len = len(prompts[0]) + new_tokens
     if max_batched:
         cfg.max_num_batched_tokens = max_batched
@@ -50,7 +51,7 @@ def profile_format(decoder, fmt: str, prompts, new_tokens: int, seed: int, top: 
     kernels = kernel_rows(prof)
     families = by_family(kernels)
     out = {
-        "kv_format": fmt, "summary": engine.summary, "wall_s": wall,
+        "kv_format": fmt, "weight_format": weights, "summary": engine.summary, "wall_s": wall,
         "tokens_per_s": len(prompts) * new_tokens / wall,
         "steps": len(steps), "prefill_steps": len(prefill), "decode_steps": len(decode),
         "prefill_wall_s": sum(s["latency_s"] for s in prefill),
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--kv-formats", default="bf16,kv4")
+    p.add_argument("--weight-formats", default="auto", help="comma-separated: auto (the model's dtype), fp8")
     p.add_argument("--max-batched-tokens", type=int, default=None)
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--seed", type=int, default=0)
@@ -79,11 +81,13 @@ def main() -> None:
     decoder = random_decoder(a.shape, dev, dtype=torch.bfloat16, seed=a.seed)
     prompts = random_prompts(qwen3_args(a.shape).vocab_size, a.batch, a.prompt_len, a.seed)
     results = []
-    for fmt in [f for f in a.kv_formats.split(",") if f]:
+    combos = [(w, f) for w in a.weight_formats.split(",") if w for f in a.kv_formats.split(",") if f]
+    for weights, fmt in combos:
         torch.cuda.empty_cache()
-        r = profile_format(decoder, fmt, prompts, a.new_tokens, a.seed, a.top, a.max_batched_tokens)
+        r = profile_format(decoder, fmt, prompts, a.new_tokens, a.seed, a.top, a.max_batched_tokens, weights)
         results.append(r)
-        print(f"\n== {a.shape} B{a.batch} {a.prompt_len}+{a.new_tokens} kv={fmt}: {r['tokens_per_s']:,.0f} tok/s, "
+        print(f"\n== {a.shape} B{a.batch} {a.prompt_len}+{a.new_tokens} weights={weights} kv={fmt}: "
+              f"{r['tokens_per_s']:,.0f} tok/s, "
               f"wall {r['wall_s']:.3f} s, {r['steps']} steps ({r['prefill_steps']} with prefill: "
               f"{r['prefill_wall_s']:.3f} s; {r['decode_steps']} decode: {r['decode_wall_s']:.3f} s, "
               f"median {r['decode_step_ms_median']:.2f} ms); GPU busy {r['gpu_busy_ms']:.1f} ms")
