@@ -29,3 +29,29 @@ def test_merge_rank_rows_by_hand():
     assert merged["iteration"] == 3 and merged["loss"] == pytest.approx(0.1) and merged["note"] == "x"
     assert merged["eval/mean@1"] is None
     assert merge_rank_rows([a]) is a
+
+
+def test_shutdown_frees_what_a_reference_cycle_still_holds_before_the_groups_go(monkeypatch):
+    """An object in a reference cycle (as an engine holding its tensor-parallel group can be) is freed
+    before the process groups are destroyed, not at interpreter exit after them."""
+    import gc
+
+    import kv4rl.distributed as distributed
+
+    events = []
+
+    class HoldsAGroup:
+        def __del__(self):
+            events.append("freed")
+
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: events.append("destroyed"))
+    gc.disable()  # no automatic collection in between: only shutdown's own
+    try:
+        holder = HoldsAGroup()
+        holder.cycle = holder
+        del holder
+        distributed.shutdown()
+    finally:
+        gc.enable()
+    assert events == ["freed", "destroyed"]
