@@ -127,3 +127,53 @@ def test_bench_generate_refuses_unknown_repeated_or_doubly_set_weight_formats():
         res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--no-hf", "--device", "cpu", *extra])
         assert res.exit_code == 2 and "--weight-format" in res.output or "engine.weight_format" in res.output, res.output
         assert words in res.output, res.output
+
+
+def test_bench_generate_repeats_transformers_and_takes_the_median(tmp_path):
+    """`--hf-repeats 3`: each batch's transformers run is timed three times; the row keeps the median run
+    (its tokens/s between the slowest and the fastest) and the ratio is over it."""
+    out = tmp_path / "gen.json"
+    res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--batch-sizes", "2", "--prompt-len", "3",
+                              "--new-tokens", "4", "--hf-repeats", "3", "--device", "cpu", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (x,) = json.loads(out.read_text())["results"]
+    assert x["hf_repeats"] == 3 and x["hf_tokens"] == 8
+    assert x["hf_tokens_per_s_min"] <= x["hf_tokens_per_s"] <= x["hf_tokens_per_s_max"]
+    assert abs(x["hf_tokens_per_s"] - x["hf_tokens"] / x["hf_s"]) < 1e-6 * x["hf_tokens_per_s"]  # one real run
+    assert abs(x["speedup"] - x["engine_tokens_per_s"] / x["hf_tokens_per_s"]) < 1e-9
+    assert f"{x['hf_tokens_per_s_min']:,.0f}-{x['hf_tokens_per_s_max']:,.0f}]" in res.output.replace("\n", "")
+    refused = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--hf-repeats", "0", "--device", "cpu"])
+    assert refused.exit_code == 2 and "--hf-repeats must be >= 1" in refused.output, refused.output
+
+
+def test_run_hf_times_every_batch_once_per_repeat_in_turn(monkeypatch):
+    """Repeats alternate over the batches (all batches, then again), so a drift in the machine's speed
+    reaches every batch alike; the median is the middle run by rate."""
+    import torch
+
+    import kv4rl.bench.generate as generate
+
+    calls, seconds = [], iter([4.0, 1.0, 2.0, 1.0, 3.0, 1.0])  # batch 2 runs take 4, 2, 3 s; batch 5 runs 1 s each
+
+    def fake_generate(model, prompts, new_tokens):
+        calls.append((len(prompts), new_tokens))
+        return torch.zeros(len(prompts), len(prompts[0]) + new_tokens)
+
+    class FakeTimer:
+        def __init__(self, device):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.seconds, self.peak_gib = next(seconds), None
+
+    monkeypatch.setattr(generate, "_hf_generate", fake_generate)
+    monkeypatch.setattr(generate, "_Timer", FakeTimer)
+    rows = generate.run_hf(None, {2: [[1]] * 2, 5: [[1]] * 5}, new_tokens=6, device=torch.device("cpu"), repeats=3)
+    warm = generate.WARMUP_TOKENS
+    assert calls == [(2, min(6, warm)), (5, min(6, warm))] + [(2, 6), (5, 6)] * 3
+    assert rows[2]["hf_s"] == 3.0 and rows[2]["hf_tokens_per_s"] == 12 / 3.0  # the middle of 12/4, 12/3, 12/2
+    assert (rows[2]["hf_tokens_per_s_min"], rows[2]["hf_tokens_per_s_max"]) == (3.0, 6.0)
+    assert rows[5]["hf_tokens_per_s"] == 30.0 and rows[5]["hf_repeats"] == 3

@@ -212,6 +212,8 @@ def generate(
         "--weight-format", help="comma-separated engine weights: auto (the model's dtype), fp8; with both, fp8 "
                                 "rows get their ratio to auto")] = "auto",
     hf: Annotated[bool, Option("--hf/--no-hf", help="also time transformers' generate")] = True,
+    hf_repeats: Annotated[int, Option(
+        "--hf-repeats", help="time transformers this many times per batch size; the ratio is over the median")] = 1,
     scheduling: Annotated[str, Option(
         "--scheduling", help="comma-separated engine schedulings: sync, async (engine.async_scheduling), or "
                              "auto alone (the engine's default: async on CUDA); async rows get their ratio to sync")] = "auto",
@@ -230,7 +232,7 @@ def generate(
         schedulings = option_list(scheduling, "--scheduling", known=("sync", "async", "auto"))
         if any(o.split("=", 1)[0].strip() == "engine.async_scheduling" for o in engine_overrides or []):
             raise ValueError("engine.async_scheduling is set by --scheduling here")
-        check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens))
+        check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--hf-repeats", hf_repeats))
         head_dim = shape_args(shape, qwen3_args).head_dim
         check_device(device)
         engine_cfg = engine_config(engine_overrides)
@@ -253,7 +255,7 @@ def generate(
             res = bench_generate(shape, batch_sizes=sizes, prompt_len=prompt_len, new_tokens=new_tokens,
                                  kv_formats=formats, weight_formats=weight_formats, hf=hf, device=device,
                                  engine_config=engine_cfg, seed=seed, schedulings=schedulings,
-                                 progress=stages.advance)
+                                 progress=stages.advance, hf_repeats=hf_repeats)
     except ValueError as exc:
         fail(str(exc))
     print_table(console, generate_table(res))

@@ -71,17 +71,29 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int) -> torch.Tens
     )
 
 
-def run_hf(model, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int, device: torch.device) -> dict:
-    """transformers `generate` per batch size: produced tokens, seconds, peak memory."""
+def run_hf(model, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int, device: torch.device,
+           repeats: int = 1) -> dict:
+    """transformers `generate` per batch size: produced tokens, seconds, peak memory. With `repeats` > 1
+    each batch runs that many times in turn (all batches, then again), and the row has the median rate
+    with its range (`hf_tokens_per_s_min`, `_max`): transformers' rate has varied by a third between
+    runs of the same command, so one timing cannot decide a ratio against it."""
     for prompts in prompts_by_batch.values():  # every batch's shapes once (one-time per-shape library costs)
         _hf_generate(model, prompts, min(new_tokens, WARMUP_TOKENS))
+    runs: dict[int, list[dict]] = {batch: [] for batch in prompts_by_batch}
+    for _ in range(repeats):
+        for batch, prompts in prompts_by_batch.items():
+            with _Timer(device) as t:
+                out = _hf_generate(model, prompts, new_tokens)
+            tokens = out.shape[0] * (out.shape[1] - len(prompts[0]))
+            runs[batch].append({"hf_tokens": tokens, "hf_s": t.seconds, "hf_tokens_per_s": tokens / t.seconds,
+                                "hf_peak_gib": t.peak_gib})
     rows = {}
-    for batch, prompts in prompts_by_batch.items():
-        with _Timer(device) as t:
-            out = _hf_generate(model, prompts, new_tokens)
-        tokens = out.shape[0] * (out.shape[1] - len(prompts[0]))
-        rows[batch] = {"hf_tokens": tokens, "hf_s": t.seconds, "hf_tokens_per_s": tokens / t.seconds,
-                       "hf_peak_gib": t.peak_gib}
+    for batch, timed in runs.items():
+        by_rate = sorted(timed, key=lambda r: r["hf_tokens_per_s"])
+        rows[batch] = dict(by_rate[(len(by_rate) - 1) // 2])  # the median run (the lower middle of an even count)
+        if repeats > 1:
+            rows[batch].update(hf_repeats=repeats, hf_tokens_per_s_min=by_rate[0]["hf_tokens_per_s"],
+                               hf_tokens_per_s_max=by_rate[-1]["hf_tokens_per_s"])
     return rows
 
 
@@ -133,7 +145,8 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
 def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128, new_tokens: int = 256,
                    kv_formats: list[str] = ("bf16",), weight_formats: list[str] = ("auto",), hf: bool = True,
                    device: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
-                   schedulings: list[str] = ("auto",), bandwidth: float | None = None, progress=None) -> dict:
+                   schedulings: list[str] = ("auto",), bandwidth: float | None = None, progress=None,
+                   hf_repeats: int = 1) -> dict:
     """Tokens/s of the engine (each KV format, each of `schedulings`: `sync`, `async` for
     `engine.async_scheduling`, or `auto` alone for the engine's own choice, named in the rows as what it
     resolved to) and of transformers on the same model and prompts; an async row also has its ratio to
@@ -143,7 +156,8 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
     row of its KV format, scheduling and batch (`speedup_vs_auto_weights`).
 
     `engine_config` supplies other engine settings; unless it sets `max_model_len`, that is
-    `prompt_len + new_tokens`. The model is bf16 on CUDA and float32 on CPU. `bandwidth` (bytes/s) sets
+    `prompt_len + new_tokens`. `hf_repeats` times transformers that many times per batch (`run_hf`), and
+    `speedup` is over the median. The model is bf16 on CUDA and float32 on CPU. `bandwidth` (bytes/s) sets
     the byte roofline's rate; by default the device's measured one (`roofline.copy_bandwidth`), if any.
     """
     unknown = sorted(set(schedulings) - {"sync", "async", "auto"})
@@ -154,8 +168,8 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
     unknown = sorted(set(weight_formats) - {"auto", "fp8"})
     if not weight_formats or unknown or len(set(weight_formats)) < len(weight_formats):
         raise ValueError(f"--weight-format: {', '.join(unknown) or 'nothing or a repeat'} given; choose from auto, fp8")
-    if not batch_sizes or min(batch_sizes) < 1 or prompt_len < 1 or new_tokens < 1:
-        raise ValueError("--batch-sizes, --prompt-len and --new-tokens must be >= 1")
+    if not batch_sizes or min(batch_sizes) < 1 or prompt_len < 1 or new_tokens < 1 or hf_repeats < 1:
+        raise ValueError("--batch-sizes, --prompt-len, --new-tokens and --hf-repeats must be >= 1")
     note = progress or (lambda message: None)
     dev = resolve_device(device)
     bandwidth = bandwidth or copy_bandwidth(dev)
@@ -168,7 +182,7 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
 
         note(f"transformers {transformers.__version__}: building {shape} on {dev}")
         hf_model = random_hf_qwen3(shape, dev, dtype=dtype, seed=seed, pad_token_id=PAD_TOKEN_ID)
-        hf_rows = run_hf(hf_model, prompts, new_tokens, dev)
+        hf_rows = run_hf(hf_model, prompts, new_tokens, dev, hf_repeats)
         decoder = decoder_from_hf(hf_model)
         del hf_model
         _free(dev)

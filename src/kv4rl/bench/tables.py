@@ -63,7 +63,7 @@ def generate_table(res: dict) -> ResultTable:
         roof = r.get("decode_of_roofline")
         cells = ([r.get("weight_format", "auto")] if len(weights) > 1 else []) + [
             r["kv_format"] + (f" {r['scheduling']}" if async_rows else ""), str(r["batch_size"]),
-            f"{r['engine_tokens_per_s']:,.0f}", f"{r['hf_tokens_per_s']:,.0f}" if "hf_tokens_per_s" in r else "-",
+            f"{r['engine_tokens_per_s']:,.0f}", _hf_rate(r),
             f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-", str(r["engine_steps"]),
             num(r.get("prefill_s")), num(r["decode_step_ms"]), num(r.get("decode_host_ms")),
             "-" if roof is None else f"{roof:.0%} of {r['decode_roofline_ms']:.2f} ms",
@@ -74,6 +74,15 @@ def generate_table(res: dict) -> ResultTable:
             cells.append(f"{r['speedup_vs_auto_weights']:.2f}x" if r.get("speedup_vs_auto_weights") is not None else "-")
         table.add_row(*cells)
     return table
+
+
+def _hf_rate(row: dict) -> str:
+    """transformers' tokens/s, with the range of its repeats when it ran more than once."""
+    if "hf_tokens_per_s" not in row:
+        return "-"
+    if "hf_tokens_per_s_min" not in row:
+        return f"{row['hf_tokens_per_s']:,.0f}"
+    return f"{row['hf_tokens_per_s']:,.0f} [{row['hf_tokens_per_s_min']:,.0f}-{row['hf_tokens_per_s_max']:,.0f}]"
 
 
 def decode_attn_table(res: dict) -> ResultTable:
