@@ -29,6 +29,7 @@
 #   bash tools/device_benches.sh fp8_decode_gemm 2>&1 | tee $OUT/log.txt      # Triton e4m3 GEMM: tests, tile grid, 8B step both paths (<10 min)
 #   bash tools/device_benches.sh fp8_inputs 2>&1 | tee $OUT/log.txt           # FP8 inputs from the norms/SwiGLU: tests, 8B step both ways (~6 min)
 #   bash tools/device_benches.sh fp8_tma 2>&1 | tee $OUT/log.txt              # TMA-fed e4m3 tiles: tests, grid, products, generate with FP8 weights (<10 min)
+#   bash tools/device_benches.sh generate_hf3 2>&1 | tee $OUT/log.txt         # bench generate 1.7B with transformers timed 3x per batch (~4 min)
 #   bash tools/device_benches.sh short_profiles 2>&1 | tee $OUT/log.txt       # 8B generate steps at 128+256 tokens by kernel family: FP8 weights, KV4 (~5 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -49,6 +50,12 @@ attn() {
 generate() {
     timeout 130 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
         --json $OUT/generate.json 2>&1 | grep "│" | tail -6
+}
+
+generate_hf3() {  # issue 11: the >= 15x-transformers target with transformers timed three times per batch (its rate
+    # varied by a third between runs; the ratio is over the median), 1.7B B64/B256, BF16 and KV4 (~4 min)
+    timeout 300 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 \
+        --hf-repeats 3 --json $OUT/generate_hf3.json 2>&1 | grep "│" | tail -6
 }
 
 generate_async() {  # issue 11: engine.async_scheduling (the next step launched before this one's tokens are
