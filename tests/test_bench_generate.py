@@ -27,6 +27,13 @@ def test_bench_generate_engine_and_transformers_generate_exact_token_counts(tmp_
         assert abs(x["speedup"] - x["engine_tokens_per_s"] / x["hf_tokens_per_s"]) < 1e-9
     assert set(r["engine_summaries"]) == {"bf16", "kv4"}
     assert "max_num_seqs x max_model_len" in r["engine_summaries"]["kv4"]
+    # each KV4 row over the BF16-cache row of its batch, the question users ask first
+    rows = {(x["kv_format"], x["batch_size"]): x for x in r["results"]}
+    for batch in (2, 3):
+        kv4, bf16 = rows["kv4", batch], rows["bf16", batch]
+        assert bf16["speedup_vs_bf16_kv"] is None
+        assert abs(kv4["speedup_vs_bf16_kv"] - kv4["engine_tokens_per_s"] / bf16["engine_tokens_per_s"]) < 1e-9
+    assert "vs bf16 KV" in res.output
 
 
 def test_bench_generate_without_transformers(tmp_path):

@@ -233,8 +233,9 @@ def _engine(decoder, engine_config: EngineConfig | None, weights: str, fmt: str,
 
 def _add_ratios(rows: list[dict]) -> None:
     """Each row's tokens/s over transformers' (`speedup`), over the sync row of its weights, KV format and
-    batch (`speedup_vs_sync`), and over the `auto`-weights row of its KV format, scheduling and batch
-    (`speedup_vs_auto_weights`); None where that row did not run."""
+    batch (`speedup_vs_sync`), over the `auto`-weights row of its KV format, scheduling and batch
+    (`speedup_vs_auto_weights`), and over the bf16-cache row of its weights, scheduling and batch
+    (`speedup_vs_bf16_kv`); None where that row did not run or is the row itself."""
     rate = {(r["weight_format"], r["kv_format"], r["scheduling"], r["batch_size"]): r["engine_tokens_per_s"]
             for r in rows}
     for r in rows:
@@ -244,3 +245,5 @@ def _add_ratios(rows: list[dict]) -> None:
         r["speedup_vs_sync"] = own / sync if sync and r["scheduling"] != "sync" else None
         auto = rate.get(("auto", r["kv_format"], r["scheduling"], r["batch_size"]))
         r["speedup_vs_auto_weights"] = own / auto if auto and r["weight_format"] != "auto" else None
+        bf16 = rate.get((r["weight_format"], "bf16", r["scheduling"], r["batch_size"]))
+        r["speedup_vs_bf16_kv"] = own / bf16 if bf16 and r["kv_format"] != "bf16" else None

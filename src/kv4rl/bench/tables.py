@@ -57,7 +57,9 @@ def generate_table(res: dict) -> ResultTable:
         + ["kv", "batch", "engine tok/s", "HF tok/s", "speedup", "steps", "prefill s", "decode step ms",
            "of it host ms", "of byte roofline", "engine peak GiB", "HF peak GiB"]
         + (["async vs sync"] if any(r.get("scheduling") == "async" for r in res["results"]) else [])
-        + (["vs auto weights"] if len(weights) > 1 else []), labels=2 + (len(weights) > 1))
+        + (["vs auto weights"] if len(weights) > 1 else [])
+        + (["vs bf16 KV"] if any(r.get("speedup_vs_bf16_kv") is not None for r in res["results"]) else []),
+        labels=2 + (len(weights) > 1))
     async_rows = "async vs sync" in table.headers
     for r in res["results"]:
         roof = r.get("decode_of_roofline")
@@ -70,8 +72,9 @@ def generate_table(res: dict) -> ResultTable:
             num(r["engine_peak_gib"]), num(r.get("hf_peak_gib"))]
         if async_rows:
             cells.append(f"{r['speedup_vs_sync']:.2f}x" if r.get("speedup_vs_sync") is not None else "-")
-        if len(weights) > 1:
-            cells.append(f"{r['speedup_vs_auto_weights']:.2f}x" if r.get("speedup_vs_auto_weights") is not None else "-")
+        for header, key in (("vs auto weights", "speedup_vs_auto_weights"), ("vs bf16 KV", "speedup_vs_bf16_kv")):
+            if header in table.headers:
+                cells.append(f"{r[key]:.2f}x" if r.get(key) is not None else "-")
         table.add_row(*cells)
     return table
 
