@@ -118,3 +118,23 @@ def test_step_layout_gives_each_sequence_its_own_blocks_for_its_context():
     assert (uniform["block_tables"] == perm).all() and uniform["num_blocks"] == 12
     with pytest.raises(ValueError, match="contexts"):
         step_layout(2, [3], block_size=8, vocab_size=50)
+
+
+def test_decode_forward_under_tensor_parallel_times_both_steps_with_the_same_fp8_settings(monkeypatch):
+    """The sharded step and rank 0's one-GPU step of the ratio run with the caller's FP8 product and
+    FP8-input settings (the TP path once dropped `--no-fp8-inputs`)."""
+    from types import SimpleNamespace
+
+    import kv4rl.bench.decode_forward as df
+    import kv4rl.distributed as distributed
+    import kv4rl.models.tensor_parallel as tensor_parallel
+
+    calls = []
+    monkeypatch.setattr(distributed, "init_from_torchrun", lambda device: None)
+    monkeypatch.setattr(distributed, "barrier", lambda group=None: None)
+    monkeypatch.setattr(tensor_parallel, "tensor_parallel_group", lambda size: SimpleNamespace(rank=0, size=size))
+    monkeypatch.setattr(df, "run_decode_forward", lambda *a, **kw: calls.append(kw) or {"results": []})
+    monkeypatch.setattr(df, "add_tp1_ratio", lambda res, one: None)
+    df.run_decode_forward_tp(["qwen3-8b"], ["late"], 2, True, fp8_gemm="scaled_mm", fp8_inputs=False)
+    assert [(kw["fp8_gemm"], kw["fp8_inputs"], "tp" in kw) for kw in calls] == [("scaled_mm", False, True),
+                                                                                ("scaled_mm", False, False)]

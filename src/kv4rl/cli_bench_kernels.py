@@ -23,7 +23,7 @@ def _need_cuda() -> None:
 
 
 def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out, merge_projections: bool,
-                       fp8_gemm: str) -> None:
+                       fp8_gemm: str, fp8_inputs: bool) -> None:
     """The tensor-parallel decode step on every rank; rank 0 prints, times one GPU and writes the JSON."""
     from kv4rl import distributed
     from kv4rl.bench.decode_forward import run_decode_forward_tp
@@ -31,7 +31,7 @@ def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out, m
     if distributed.launched_ranks() != size:
         fail(f"--tensor-parallel {size} runs under torchrun: torchrun --nproc-per-node {size} -m kv4rl.cli "
              f"bench decode-forward --tensor-parallel {size} ...")
-    res = run_decode_forward_tp(shape_list, work, size, fused_ops, merge_projections, fp8_gemm)
+    res = run_decode_forward_tp(shape_list, work, size, fused_ops, merge_projections, fp8_gemm, fp8_inputs)
     if res is not None:
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)
@@ -114,7 +114,8 @@ def register_kernel_benches(app: typer.Typer) -> None:
         check_output_path(json_out)
         _need_cuda()
         if tensor_parallel > 1:
-            _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out, merge_projections, fp8_gemm)
+            _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out, merge_projections, fp8_gemm,
+                               fp8_inputs)
             return
         cases = len(shape_list) * len(VARIANTS) * len(work)
         with StageProgress(console, "decode-forward") as stages:

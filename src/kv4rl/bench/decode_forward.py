@@ -186,7 +186,8 @@ def run_decode_forward(shapes: list[str], workloads: list[str], variants=VARIANT
 
 
 def run_decode_forward_tp(shapes: list[str], workloads: list[str], size: int, fused_ops: bool,
-                          merge_projections: bool = True, fp8_gemm: str = "auto") -> dict | None:
+                          merge_projections: bool = True, fp8_gemm: str = "auto",
+                          fp8_inputs: bool = True) -> dict | None:
     """Under torchrun: every rank times its shard's step; rank 0 then times one GPU in the same job and
     returns the rows with `speedup_vs_tp1` (the other ranks return None)."""
     from kv4rl import distributed
@@ -195,12 +196,12 @@ def run_decode_forward_tp(shapes: list[str], workloads: list[str], size: int, fu
     distributed.init_from_torchrun("cuda")
     tp = tensor_parallel_group(size)
     res = run_decode_forward(shapes, workloads, fused_ops=fused_ops, tp=tp, merge_projections=merge_projections,
-                             fp8_gemm=fp8_gemm)
+                             fp8_gemm=fp8_gemm, fp8_inputs=fp8_inputs)
     distributed.barrier()
     if tp.rank != 0:
         return None
     add_tp1_ratio(res, run_decode_forward(shapes, workloads, fused_ops=fused_ops, merge_projections=merge_projections,
-                                          fp8_gemm=fp8_gemm))
+                                          fp8_gemm=fp8_gemm, fp8_inputs=fp8_inputs))
     return res
 
 
