@@ -20,9 +20,9 @@ which dominate a CUDA-graph decode step; its codes and scales are ``quantize_fp8
 Triton e4m3 x e4m3 kernel of ``kv4rl.kernels.fp8_weight_gemm`` instead of ``torch._scaled_mm``: the same
 function, summed in the FP8 MMA's own running sum (fast accumulation: within a norm-relative 4e-3 of
 scaled_mm's float32 sum) with the bias added before the one rounding. An 8B step's block products take
-3.07 / 3.56 ms with it at 64 / 128 tokens, against scaled_mm's 4.39 / 4.29 ms and cuBLAS BF16's
-4.28 / 4.59 (twenty-first session); at 256 tokens the products alone were faster too (4.93 against 5.10
-ms) but the whole step was not, so larger products keep scaled_mm.
+2.88 / 3.25 ms with it at 64 / 128 tokens, against scaled_mm's 4.28 / 4.29 ms and cuBLAS BF16's
+4.24 / 4.67 (twenty-second session); at 256 tokens the products alone were faster too (4.93 against 5.10
+ms, twenty-first session) but the whole step was not, so larger products keep scaled_mm.
 """
 
 from __future__ import annotations
