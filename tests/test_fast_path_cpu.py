@@ -25,7 +25,9 @@ def ckpt(gqa_hd32_ckpt):
 
 
 def _scores(ckpt, backend: str, prompts, forced, max_num_seqs: int, reverse_batches: bool = False,
-            prefill: str = "torch", rotate: str = "auto", budget: int = 16384, split: bool | None = None):
+            prefill: str = "torch", rotate: str = "auto", budget: int = 16384, split: bool = False):
+    """`split`: False runs a mixed step's decode and prefill rows in one forward, as on the CPU; on CUDA
+    (with decode graphs) the engine would split it, and the mixed path these tests count would not run."""
     kv = KVConfig(format="kv4", group_size=32, n_sink=2, n_recent=3, block_size=4, rotate=rotate)
     engine = Engine(ckpt, EngineConfig(kv=kv, attention_backend=backend, prefill_backend=prefill, num_kv_blocks=64,
                                        max_model_len=64, max_num_batched_tokens=budget),
