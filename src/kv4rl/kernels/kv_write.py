@@ -28,8 +28,12 @@ from kv4rl.kernels import interpreting
 from kv4rl.kernels.decode_common import DecodeKind
 from kv4rl.quant.hadamard import hadamard_matrix
 
-BLOCK_ROWS = 16  # rows a program and its warps for decode-sized writes
-NUM_WARPS = 4
+# rows a program and its warps for decode-sized writes: a KV4 write of 16-256 tokens x 8 heads is one
+# latency chain per program (rotation, INT4 groups, INT8 copy; 16 programs at 16 tokens), which 8 warps
+# shorten: 5.30 -> 4.72 us at 16 tokens, 5.59 -> 4.60 at 128, 5.73 -> 4.93 at 256 against 4 (H200,
+# 2026-12-04, bench/RESULTS.md); 16 warps and 32-row tiles were slower
+BLOCK_ROWS = 16
+NUM_WARPS = 8
 LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_NUM_WARPS = 8192, 64, 8  # 15.2 -> 10.4 us at 1,024 tokens x 8 heads, 44 -> 36 at 4,096
 
 
