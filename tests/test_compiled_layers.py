@@ -52,6 +52,66 @@ def test_compiled_learner_takes_the_same_steps_as_the_eager_one(tiny_qwen3, monk
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == settled
 
 
+def test_two_model_shapes_in_one_process_keep_their_structure_static(tiny_qwen3, tmp_path, monkeypatch):
+    """Two learners of different shapes in one process (benchmark arms, the GPU suite in one run) compile one
+    layer code, whose automatic dynamic shapes made every size that differed symbolic: FSDP2's
+    `self_attn.head_dim` became an input `s19` (dynamo does not specialise an FSDP-managed module's ints), and
+    inductor's FlexAttention lowering failed on the head count `64 // s19` (H200, torch 2.11). The second
+    model's graphs keep its hidden size and head_dim static, a third length reuses both models' graphs, and
+    both compiled learners take their eager twins' steps."""
+    from tests.conftest import make_checkpoint
+
+    graphs = []  # per graph: placeholder source -> its sizes (int where static) or its symbolic value
+    aot_eager = torch._dynamo.backends.registry.lookup_backend("aot_eager")
+
+    def size(d):
+        if isinstance(d, int):
+            return d
+        expr = d.node.shape_env.replace(d.node.expr)  # after the guards that pinned it
+        return int(expr) if expr.is_number else str(expr)
+
+    def recording(gm, example_inputs):
+        graph = {}
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value, source = node.meta["example_value"], node.meta["grapharg"].source.name
+            if isinstance(value, torch.Tensor):
+                graph[source] = tuple(size(d) for d in value.shape)
+            elif isinstance(value, (torch.SymInt, torch.SymFloat)):
+                graph[source] = str(value)
+        graphs.append(graph)
+        return aot_eager(gm, example_inputs)
+
+    def structure(graph):
+        """(hidden size, head_dim, symbolic module attributes) that a graph was compiled for."""
+        return (graph["L['args'][0]"][-1], graph["L['kwargs']['position_embeddings'][0]"][-1],
+                {k: v for k, v in graph.items() if k.startswith("L['self']") and not isinstance(v, tuple)})
+
+    monkeypatch.setattr(compiled_layers, "BACKEND", recording)
+    torch._dynamo.reset()
+    make_checkpoint(tmp_path, hidden_size=128, head_dim=32)  # 4 query heads, 2 KV heads, as tiny_qwen3's
+    shapes = {"a": (tmp_path, 128, 32), "b": (tiny_qwen3[0], 64, 16)}
+    learners = {k: (make(path, True, grad_checkpointing=True),
+                    make(path, True, grad_checkpointing=True, compile_layers=True)) for k, (path, _, _) in shapes.items()}
+
+    def step(k, batch):
+        start = len(graphs)
+        eager, compiled = learners[k]
+        m_eager, m_compiled = eager.step(batch), compiled.step(batch)
+        assert m_compiled["grad_norm"] == pytest.approx(m_eager["grad_norm"], rel=1e-4), k
+        assert m_compiled["loss"] == pytest.approx(m_eager["loss"], rel=1e-4, abs=1e-6), k
+        for graph in graphs[start:]:
+            assert structure(graph) == (*shapes[k][1:], {}), k
+        return graphs[start:]
+
+    step("a", ragged_batch(1))
+    step("b", ragged_batch(1))
+    for width in (11, 14):
+        new = step("b", longer_batch(width))
+    assert new and all(isinstance(g["L['args'][0]"][1], str) for g in new)  # the sequence is symbolic
+    step("a", longer_batch(14))
+    assert step("a", longer_batch(19)) == [] and step("b", longer_batch(19)) == []  # every length reuses them
+
+
 def longer_batch(width):
     """Four rows padded to `width` tokens (ragged_batch's are 8 wide)."""
     g = torch.Generator().manual_seed(width)

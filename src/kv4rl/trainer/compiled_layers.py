@@ -13,6 +13,15 @@ micro-batch length changes it, so after a recompile or two every length reuses t
 `dynamic=True`: with every dimension symbolic, inductor's FlexAttention lowering on CUDA could not decide
 the head ratio (`64 // s19`) and failed (H200, 2026-12-02). 1.18-1.19x per fused 1.7B learner step
 there (bench/RESULTS.md, sixth session).
+
+Every model's layers run one code object, whose automatic dynamic shapes remember sizes across models.
+Dynamo specialises an unwrapped layer's int attributes, but not an FSDP2-managed one's
+(`torch._dynamo.config.skip_fsdp_guards`, on by default): once a second model of another shape compiled
+(the GPU suite in one process; two learners in one run), `self_attn.head_dim` became a graph input `s19`, and
+the same FlexAttention lowering failed on `64 // s19` heads (H200, torch 2.11). `compile_layers` turns that
+setting off, process-wide, so those ints are guarded constants as without FSDP: a model of a new shape
+compiles graphs of its own and only the sequence turns symbolic (the inputs' hidden size and head_dim
+become symbols that the static weight shapes pin at once).
 """
 
 from __future__ import annotations
@@ -50,6 +59,9 @@ def compile_layers(model: nn.Module) -> int:
                          "ModuleList to compile; set it to false")
     # every layer runs one code object, whose graphs dynamo counts together: see GRAPHS_PER_LAYER_CODE
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_LAYER_CODE)
+    # FSDP2-managed layers' int attributes (`head_dim`, ...) specialised and guarded like an unwrapped layer's, not
+    # left to automatic dynamic shapes: see the module docstring
+    torch._dynamo.config.skip_fsdp_guards = False
     for layer in layers:
         layer.compile(backend=BACKEND, dynamic=None)
     return len(layers)
