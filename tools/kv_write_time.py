@@ -4,9 +4,12 @@ prefill sizes, each a CUDA-graph replay (device tool; prints a table, optionally
 - `pair` (the engine's: K and V in one launch, `default_layout`) against `two` (one launch each in the
   16 rows x 4 warps layout, as before);
 - `--layouts 16x4,32x4,...`: the pair in other work layouts (rows a program x warps), the same codes;
-- `--fp32`: also the IEEE float32 rotation (float32 rows) the write used before the tensor-core dot.
+- `--fp32`: also the IEEE float32 rotation (float32 rows) the write used before the tensor-core dot;
+- `--parts`: what a KV4 write is made of, each as the engine launches it (K rotated, V not): with and
+  without the rotation and the INT8 copies, and the INT4, FP8 and BF16 formats' writes for scale.
 
     python tools/kv_write_time.py --tokens 64,128,256,4096 --layouts 8x2,16x4,32x4,32x8,64x8
+    python tools/kv_write_time.py --tokens 16,64,128 --parts
 """
 
 import argparse
@@ -56,18 +59,50 @@ def _time_size(fmt, n: int, hkv: int, layouts: list[tuple[int, int]], fp32: bool
     return row
 
 
+def _time_parts(n: int, hkv: int) -> dict:
+    """us a pair write of `n` tokens: KV4 with K rotated and every row protected, the same without the
+    rotation, without the INT8 copies, without both, and the INT4 / FP8 / BF16 formats (no rotation)."""
+    d = 128
+    row = {"tokens": n, "kv_heads": hkv}
+    k, v = (torch.randn(n, hkv, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+    cases = {"kv4": ("kv4", True, True), "kv4_no_rotation": ("kv4", False, True), "kv4_no_int8_copy": ("kv4", True, False),
+             "kv4_neither": ("kv4", False, False), "int4": ("int4", False, False), "fp8": ("fp8", False, False),
+             "bf16": ("bf16", False, False)}
+    for name, (fmt_name, rotate, protect) in cases.items():
+        fmt = get_kv_format(fmt_name, group_size=128) if fmt_name in ("kv4", "int4") else get_kv_format(fmt_name)
+        cache = fmt.allocate(2 * n, hkv, d, "cuda", num_seq_slots=n)
+        slots = torch.randperm(2 * n, device="cuda")[:n]
+        prot = torch.arange(n, device="cuda") * fmt.budget if protect else None
+        dests = {}
+        for prefix in ("k", "v"):
+            out, scale, zero = fmt.paged_tensors(cache, prefix)
+            side = (cache[f"{prefix}_prot_codes"], cache[f"{prefix}_prot_scale"]) if protect else (None, None)
+            dests[prefix] = KVDest(out, scale, zero, rotate and prefix == "k", *side)
+        write = functools.partial(write_kv_pair, k, v, slots, store=fmt.decode_kind, k_dest=dests["k"],
+                                  v_dest=dests["v"], group_size=128, protect_rows=prot)
+        row[f"{name}_us"] = 1e3 * _time_graph(write, calls=20)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="64,128,256,4096")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--layouts", default="", help="extra pair layouts, rows x warps (default: `default_layout`)")
     p.add_argument("--fp32", action="store_true", help="also float32 rows (the IEEE float32 rotation)")
+    p.add_argument("--parts", action="store_true", help="time the parts of a KV4 write instead (see above)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     fmt = get_kv_format("kv4", group_size=128)
     layouts = [_layout(t) for t in a.layouts.split(",") if t]
     results = []
     for n in [int(x) for x in a.tokens.split(",")]:
+        if a.parts:
+            row = _time_parts(n, a.kv_heads)
+            results.append(row)
+            print(f"{n:6d} tokens x {a.kv_heads} heads: " + ", ".join(f"{key[:-3]} {val:.2f} us" for key, val in row.items()
+                                                                     if key.endswith("_us")), flush=True)
+            continue
         row = _time_size(fmt, n, a.kv_heads, layouts, a.fp32)
         results.append(row)
         print(f"{n:6d} tokens x {a.kv_heads} heads: " + ", ".join(f"{key[:-3]} {val:.1f} us" for key, val in row.items()
