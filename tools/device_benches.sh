@@ -31,6 +31,7 @@
 #   bash tools/device_benches.sh fp8_tma 2>&1 | tee $OUT/log.txt              # TMA-fed e4m3 tiles: tests, grid, products, generate with FP8 weights (<10 min)
 #   bash tools/device_benches.sh generate_hf3 2>&1 | tee $OUT/log.txt         # bench generate 1.7B with transformers timed 3x per batch (~4 min)
 #   bash tools/device_benches.sh short_profiles 2>&1 | tee $OUT/log.txt       # 8B generate steps at 128+256 tokens by kernel family: FP8 weights, KV4 (~5 min)
+#   bash tools/device_benches.sh kv4_short 2>&1 | tee $OUT/log.txt            # KV4 vs BF16 at short 8B contexts: write tests, its parts, generate B16/B64 (~3 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -381,6 +382,15 @@ short_profiles() {  # issue 11 (twenty-second session's leads): where an 8B gene
             --kv-formats bf16,kv4 --weight-formats auto,fp8 --top 12 --json $OUT/profile_generate_8b_b$batch.json 2>&1 \
             | grep -v "^\[" | tail -64
     done
+}
+
+kv4_short() {  # issue 11: KV4 was 0.96x BF16 at 8B B16, 128 + 256 tokens (twenty-third session), its KV write
+    # 4.7 us a layer against BF16's 1.4: the write's GPU tests, its parts, and the generate point (~3 min)
+    timeout 60 python -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py -k write > $OUT/kv4_short_tests.txt 2>&1
+    tail -2 $OUT/kv4_short_tests.txt
+    timeout 60 python tools/kv_write_time.py --tokens 16,64,128,256 --parts --json $OUT/kv_write_parts.json
+    timeout 130 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
+        --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -6
 }
 
 date
