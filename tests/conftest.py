@@ -19,6 +19,12 @@ def fresh_generator() -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture
+def gen() -> torch.Generator:
+    """Fresh random inputs for a kernel test (`fresh_generator`: the seed printed, replayable)."""
+    return fresh_generator()
+
+
 def make_checkpoint(path, model_type="qwen3", vocab=97, seed=0, **overrides):
     """Save a random-init tiny HF causal LM of `model_type` to `path`; returns the HF model."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config

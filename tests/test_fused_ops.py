@@ -26,17 +26,12 @@ from kv4rl.engine.llm import Engine  # noqa: E402
 from kv4rl.kernels import fused_ops as fo  # noqa: E402
 from kv4rl.models import Decoder, ModelArgs  # noqa: E402
 from kv4rl.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
-from tests.conftest import fresh_generator, make_checkpoint  # noqa: E402
+from tests.conftest import make_checkpoint  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 EPS = 1e-6
 # float32 kernels against float64 references: a few float32 ulps
 TOL = {"rtol": 2e-5, "atol": 2e-6}
-
-
-@pytest.fixture
-def gen():
-    return fresh_generator()
 
 
 def _randn(*shape, gen, scale=1.0):

@@ -21,7 +21,6 @@ if not CUDA:
 pytest.importorskip("triton")
 
 from kv4rl.kernels.decode_common import DecodeKind  # noqa: E402
-from tests.conftest import fresh_generator  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     fast_decode,
     make_format,
@@ -36,11 +35,6 @@ SHAPE = (128, 8, 32, 16) if CUDA else (32, 2, 4, 4)
 LENS = ([1, 7, 16, 17, 150, 1000, 2049, 3001] if CUDA else [1, 3, 4, 5, 9, 17, 40])
 # float32 dot products under the interpreter; bf16 operands (and p, p·s rounded to bf16) on the GPU
 TOL = 2e-2 if CUDA else 1e-5
-
-
-@pytest.fixture
-def gen():
-    return fresh_generator()
 
 
 def _splits(max_len: int):

@@ -19,16 +19,10 @@ pytest.importorskip("triton")
 
 from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs  # noqa: E402
 from kv4rl.kernels.logprob_head import BLOCK_V, fused_token_logprobs  # noqa: E402
-from tests.conftest import fresh_generator  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # (batch, positions, vocab): on the CPU three vocabulary blocks, the last one ragged, and exactly one
 SHAPES = [(1, 257, 151936), (3, 40, 2 * BLOCK_V + 3)] if CUDA else [(2, 6, 2 * BLOCK_V + 3), (1, 3, BLOCK_V)]
-
-
-@pytest.fixture
-def gen():
-    return fresh_generator()
 
 
 @pytest.mark.parametrize("shape", SHAPES)

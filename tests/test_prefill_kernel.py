@@ -19,7 +19,6 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton")
 
-from tests.conftest import fresh_generator  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     clone_cache,
     fast_prefill,
@@ -34,11 +33,6 @@ HEAD_DIM, HKV, HQ, BLOCK = 32, 2, 4, 4
 # (prefix, new tokens) per row: fresh prompts, one-token rows, chunks after a cached prefix
 PREFIX = [0, 0, 5, 0, 11, 2]
 QUERY = [1, 3, 17, 20, 6, 1]
-
-
-@pytest.fixture
-def gen():
-    return fresh_generator()
 
 
 def _check(fmt, gen, prefix=PREFIX, query=QUERY, hq=HQ, fused_write=False, tol=1e-5):

@@ -27,14 +27,9 @@ from kv4rl.engine.config import EngineConfig, KVConfig  # noqa: E402
 from kv4rl.engine.llm import Engine  # noqa: E402
 from kv4rl.engine.sampler import sample, uniform_noise  # noqa: E402
 from kv4rl.engine.sequence import SamplingParams  # noqa: E402
-from tests.conftest import fresh_generator, make_checkpoint  # noqa: E402
+from tests.conftest import make_checkpoint  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-
-
-@pytest.fixture
-def gen():
-    return fresh_generator()
 
 
 @pytest.fixture
