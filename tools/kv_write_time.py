@@ -28,15 +28,23 @@ def _layout(text: str) -> tuple[int, int]:
     return int(rows), int(warps)
 
 
-def _time_size(fmt, n: int, hkv: int, layouts: list[tuple[int, int]], fp32: bool) -> dict:
-    d = 128
+def _destinations(fmt, n: int, hkv: int, d: int, rotate: tuple[bool, bool], protect: bool):
+    """A cache of `fmt` for `n` new tokens at random slots: (slots, protected rows or None, {k, v: KVDest}).
+    With `protect` every row also gets its INT8 copy, as a decode token (the newest) does."""
     cache = fmt.allocate(2 * n, hkv, d, "cuda", num_seq_slots=n)
     slots = torch.randperm(2 * n, device="cuda")[:n]
-    prot = torch.arange(n, device="cuda") * fmt.budget  # every row also protected (decode: the newest token)
+    prot = torch.arange(n, device="cuda") * fmt.budget if protect else None
     dests = {}
-    for prefix in ("k", "v"):
+    for prefix, rot in zip(("k", "v"), rotate):
         out, scale, zero = fmt.paged_tensors(cache, prefix)
-        dests[prefix] = KVDest(out, scale, zero, True, cache[f"{prefix}_prot_codes"], cache[f"{prefix}_prot_scale"])
+        side = (cache[f"{prefix}_prot_codes"], cache[f"{prefix}_prot_scale"]) if protect else (None, None)
+        dests[prefix] = KVDest(out, scale, zero, rot, *side)
+    return slots, prot, dests
+
+
+def _time_size(fmt, n: int, hkv: int, layouts: list[tuple[int, int]], fp32: bool) -> dict:
+    d = 128
+    slots, prot, dests = _destinations(fmt, n, hkv, d, (True, True), protect=True)
     k, v = (torch.randn(n, hkv, d, device="cuda").to(torch.bfloat16) for _ in range(2))
 
     def two(k=k, v=v):
@@ -70,14 +78,7 @@ def _time_parts(n: int, hkv: int) -> dict:
              "bf16": ("bf16", False, False)}
     for name, (fmt_name, rotate, protect) in cases.items():
         fmt = get_kv_format(fmt_name, group_size=128) if fmt_name in ("kv4", "int4") else get_kv_format(fmt_name)
-        cache = fmt.allocate(2 * n, hkv, d, "cuda", num_seq_slots=n)
-        slots = torch.randperm(2 * n, device="cuda")[:n]
-        prot = torch.arange(n, device="cuda") * fmt.budget if protect else None
-        dests = {}
-        for prefix in ("k", "v"):
-            out, scale, zero = fmt.paged_tensors(cache, prefix)
-            side = (cache[f"{prefix}_prot_codes"], cache[f"{prefix}_prot_scale"]) if protect else (None, None)
-            dests[prefix] = KVDest(out, scale, zero, rotate and prefix == "k", *side)
+        slots, prot, dests = _destinations(fmt, n, hkv, d, (rotate, False), protect)
         write = functools.partial(write_kv_pair, k, v, slots, store=fmt.decode_kind, k_dest=dests["k"],
                                   v_dest=dests["v"], group_size=128, protect_rows=prot)
         row[f"{name}_us"] = 1e3 * _time_graph(write, calls=20)

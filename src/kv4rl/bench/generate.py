@@ -218,7 +218,6 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
     }
 
 
-
 def _engine(decoder, engine_config: EngineConfig | None, weights: str, fmt: str, scheduling: str,
             max_model_len: int, max_num_seqs: int, seed: int) -> Engine:
     """An engine on `decoder` with these weights, KV format and scheduling, the other settings from
