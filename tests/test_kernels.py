@@ -373,6 +373,46 @@ def test_kv4_int8_item_beside_the_body_writes_the_bits_of_the_item_after_it(rota
     assert len(launches) == 6  # the beside runs took the programmatic launch
 
 
+@pytest.mark.skipif(not CUDA, reason="the CUDA kernels need a GPU")
+@pytest.mark.parametrize("subs", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("hkv", [8, 6, 1])
+def test_kv4_int8_item_cut_into_runs_per_head_matches_float64(subs, hkv, gen, monkeypatch):
+    """KV4's CUDA INT8 item with `subs` warps per KV head, each over its own run of whole tiles of the
+    protected rows (runs of one token, empty runs, a last short run), combined in the block: the float64
+    reference at every split grid, beside the body and after it."""
+    import kv4rl.kernels.fp8_decode_cuda as fc
+    from kv4rl.kernels.decode_attention import DecodeKernels
+
+    monkeypatch.setattr(fc, "SIDE_CONFIG", {**fc.SIDE_CONFIG, "subs": subs})
+    fmt = make_format("kv4", 128, n_sink=16, n_recent=128, rotate="k")
+    lens = [1, 2, 16, 17, 40, 143, 144, 145, 300, 2000]
+    cache, meta = random_paged_batch(fmt, lens, hkv, 128, 16, DEVICE, gen)
+    q = torch.randn(len(lens), 4 * hkv, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = reference_decode(fmt, cache, meta, q)
+    for max_splits, split in [(1, 2000), (8, 256), (32, 64)]:  # each grid covers the longest context
+        for beside in (True, False):
+            out = fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=torch.float32,
+                              kernels=DecodeKernels(int8_item_beside_body=beside))
+            assert not torch.isnan(out).any()
+            assert rel_err(out, ref) < TOL, (max_splits, beside)
+            for i in range(len(lens)):
+                assert rel_err(out[i], ref[i]) < 3 * TOL, (i, max_splits, beside)
+
+
+def test_kv4_int8_item_takes_more_warps_a_head_only_while_it_leaves_the_gpu_room():
+    """Warps per KV head of the INT8 item, as measured on an H200 (132 SMs, 8 KV heads): four at batch 16,
+    two at 64, one from 128 on; never more than `max_subs`, never fewer as the batch shrinks, and within
+    8 item warps per SM whenever it takes more than one."""
+    from kv4rl.kernels.fp8_decode_cuda import SIDE_WARPS_PER_SM, choose_subs
+
+    assert [choose_subs(b, 8, 132, 4) for b in (16, 64, 128, 256)] == [4, 2, 1, 1]
+    assert choose_subs(1, 8, 132, 2) == 2 and choose_subs(1, 8, 132, 1) == 1
+    for heads in (1, 4, 8, 32):
+        counts = [choose_subs(b, heads, 132, 8) for b in range(1, 300)]
+        assert counts == sorted(counts, reverse=True)
+        assert all(s == 1 or b * heads * s <= SIDE_WARPS_PER_SM * 132 for b, s in zip(range(1, 300), counts))
+
+
 def test_cuda_int4_kernel_split_grid_and_refusals():
     """One block per (split, sequence) of up to 8 KV heads, 2 resident per SM: the grid is sized to a
     whole number of waves; shapes the kernel cannot take name the reason."""

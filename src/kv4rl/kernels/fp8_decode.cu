@@ -27,7 +27,8 @@
 //
 // Compiled with -DSIDE_INT8 the same kernel is KV4's INT8 work item: codes are symmetric INT8 (same
 // row layout and float32 scales as FP8), one split per (KV head, sequence) over the sequence's protected
-// rows, and the epilogue merges its partial with the INT4 body's split partials and writes the output.
+// rows (its SUBS warps each over a run of whole tiles, combined through shared memory), and the epilogue
+// merges its partial with the INT4 body's split partials and writes the output.
 // The protected rows are contiguous: a sequence owns rows [slot * budget, (slot + 1) * budget) of the side
 // buffer (sinks first, then a ring of the recent positions), and at context L the valid ones are exactly
 // the first min(L, budget) (the ring has been filled in order), so attention, which does not care about
@@ -55,7 +56,10 @@ __device__ __forceinline__ void codes4_to_half2x2(u32 x, u32& lo, u32& hi) {
 #define STAGES 3
 #endif
 #ifndef WARPS
-#define WARPS 8  // per block: one per KV head of a (sequence, split)
+#define WARPS 8  // per block: SUBS per KV head of a (sequence, split)
+#endif
+#ifndef SUBS
+#define SUBS 1  // warps per KV head: the INT8 item's protected rows cut into SUBS runs of whole tiles
 #endif
 #ifndef LAZY
 #define LAZY 6.f  // log2 headroom of the lazy rescales
@@ -91,15 +95,21 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     const int* seq_slots, int budget, void* out, int stride_outb, int stride_outh, int out_f32, int rotate_q) {
     extern __shared__ __align__(16) u8 smem[];
     const int lane = threadIdx.x & 31;
-    const int h = blockIdx.z * WARPS + (threadIdx.x >> 5);
-    if (h >= num_kv_heads) return;
+    const int warp = threadIdx.x >> 5, sub = warp % SUBS;
+    const int h = blockIdx.z * (WARPS / SUBS) + warp / SUBS;
+    if (h >= num_kv_heads) return;  // all SUBS warps of the head alike
     const int s = blockIdx.x, b = blockIdx.y;
     const int L = context_lens[b];
     const int split = *split_ptr;
 #ifdef SIDE_INT8  // the protected rows [0, min(L, budget)); the INT4 body covers [start, L - end_off)
-    const int lo = 0, hi = L < budget ? L : budget;
+    // warp `sub` of the head takes the sub-th run of whole tiles (a short context is a serial chain of up to
+    // budget / 16 tiles for one warp otherwise: 9 tiles, ~13 us at 16 + 128 rows); runs past the end are empty
+    const int all_hi = L < budget ? L : budget;
+    const int run = 16 * ((((all_hi + 15) >> 4) + SUBS - 1) / SUBS);
+    const int lo = min(all_hi, sub * run), hi = min(all_hi, lo + run);
     const long long side_row0 = (long long)seq_slots[b] * budget;
 #else
+    (void)sub;
     const int end = L - end_off > start ? L - end_off : start;
     const int lo = start + s * split;
     const int hi = lo + split < end ? lo + split : end;
@@ -292,6 +302,49 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
         l1 += __shfl_xor_sync(0xffffffffu, l1, d);
     }
 #ifdef SIDE_INT8
+#if SUBS > 1
+    // the head's runs combined: each warp leaves its state in its own (drained) ring, the first adds the others
+    {
+        float* mine = (float*)ring;
+        __syncwarp();  // the last tile's shared reads are done before the ring is overwritten
+        if (sub) {
+            #pragma unroll
+            for (int e = 0; e < 8; ++e)
+                #pragma unroll
+                for (int c = 0; c < 4; ++c) mine[(4 * e + c) * 32 + lane] = acc[e][c];
+            const float st[6] = {m0, m1, mv0, mv1, l0, l1};
+            #pragma unroll
+            for (int k = 0; k < 6; ++k) mine[(32 + k) * 32 + lane] = st[k];
+        }
+        asm volatile("bar.sync %0, %1;" :: "r"(1 + warp / SUBS), "r"(32 * SUBS) : "memory");
+        if (sub) return;
+        for (int o = 1; o < SUBS; ++o) {
+            const float* other = (const float*)(smem + (warp + o) * (STAGES * STAGE_BYTES));
+            float mo[2] = {other[32 * 32 + lane], other[33 * 32 + lane]};
+            float vo[2] = {other[34 * 32 + lane], other[35 * 32 + lane]};
+            float lo_[2] = {other[36 * 32 + lane], other[37 * 32 + lane]};
+            float* m_[2] = {&m0, &m1};
+            float* mv_[2] = {&mv0, &mv1};
+            float* l_[2] = {&l0, &l1};
+            float ga[2], gb[2];
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) {  // a run without tokens has m = mv = -inf, l = 0, acc = 0
+                const float M = fmax_(*m_[c], mo[c]), MV = fmax_(*mv_[c], vo[c]);
+                const float fa = *m_[c] == NEG_INF ? 0.f : fast_exp2(*m_[c] - M);
+                const float fb = mo[c] == NEG_INF ? 0.f : fast_exp2(mo[c] - M);
+                ga[c] = *mv_[c] == NEG_INF ? 0.f : fast_exp2(*mv_[c] - MV);
+                gb[c] = vo[c] == NEG_INF ? 0.f : fast_exp2(vo[c] - MV);
+                *l_[c] = *l_[c] * fa + lo_[c] * fb;
+                *m_[c] = M;
+                *mv_[c] = MV;
+            }
+            #pragma unroll
+            for (int e = 0; e < 8; ++e)
+                #pragma unroll
+                for (int c = 0; c < 4; ++c) acc[e][c] = acc[e][c] * ga[c & 1] + other[(4 * e + c) * 32 + lane] * gb[c & 1];
+        }
+    }
+#endif
     // merge with the INT4 body's splits over [start, L - end_off): out = sum_s w_s o_s / sum_s w_s, once the
     // body's grid is done (launched as its programmatic dependent, this kernel may have started before)
     wait_for_prerequisite_grid();

@@ -9,6 +9,7 @@ Triton kernel serves instead. The same source compiled with -DSIDE_INT8 is KV4's
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,16 @@ STAGE_BYTES = 4224  # shared memory per pipeline stage and warp: K and V tiles, 
 # split), at most this many), cp.async stages, and the warps per SM that __launch_bounds__ sizes
 # registers for. Three stages of 8 warps fit twice in an SM's shared memory (2 x 101 KB).
 CONFIG = MappingProxyType({"warps": 8, "stages": 3, "warps_per_sm": 16})
+# KV4's INT8 item: up to `max_subs` warps per KV head, each over its own run of the protected rows (one warp
+# over all budget / 16 tiles is a serial chain: at 8B B16 x 256 it was most of the attention's 13.7 us, 11.9 with
+# two or four), combined in the block; a "subs" key fixes the count (tests, sweeps), otherwise `choose_subs`
+SIDE_CONFIG = MappingProxyType({"warps": 8, "stages": 3, "warps_per_sm": 16, "max_subs": 4})
+# The item's warps that `choose_subs` lets a step have per SM: more warps per head only add fixed costs (query
+# load and rotation, the combine) once the item fills the GPU, and it runs beside the body that needs the SMs.
+# 8B decode-attn, B16: 4 warps a head 0.0119 / 0.0653 ms (256 / 8192 tokens) against 0.0137 / 0.0879 with one;
+# B64: 2 warps 0.0174 / 0.1678 against 0.0174 / 0.1713, 4 warps 0.0251 at 256; 1.7B B256 generate: 4 warps
+# 4.23 ms a step against 3.82 with one (H200, 2026-12-04, bench/RESULTS.md)
+SIDE_WARPS_PER_SM = 8
 
 
 def problem(device: torch.device, head_dim: int, group: int, num_kv_heads: int, block_size: int) -> str | None:
@@ -61,12 +72,32 @@ def wave_pieces(num_kv_heads: int, num_sms: int) -> float:
     return cuda_source.wave_pieces(num_kv_heads, num_sms, CONFIG["warps"], CONFIG["warps_per_sm"])
 
 
+def choose_subs(batch: int, num_kv_heads: int, num_sms: int, max_subs: int) -> int:
+    """Warps per KV head of KV4's INT8 item: the most (a power of two up to `max_subs`) that keep the item's
+    warps within `SIDE_WARPS_PER_SM` per SM."""
+    subs = 1
+    while subs * 2 <= max_subs and batch * num_kv_heads * subs * 2 <= SIDE_WARPS_PER_SM * num_sms:
+        subs *= 2
+    return subs
+
+
 def shared_bytes(warps: int, stages: int) -> int:
     return warps * stages * STAGE_BYTES
 
 
-def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...], side: bool = False):
-    options = cuda_source.compile_options(warps, stages, min_blocks, strides, *(["-DSIDE_INT8"] if side else []))
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...], side: bool = False,
+            subs: int = 1):
+    extra = ["-DSIDE_INT8", f"-DSUBS={subs}"] if side else []
+    options = cuda_source.compile_options(warps, stages, min_blocks, strides, *extra)
     return cuda_source.compiled(device_index, SOURCE, KERNEL_NAME, options, shared_bytes(warps, stages))
 
 
@@ -97,7 +128,8 @@ def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None,
     scales; a sequence's rows start at seq_slot x (n_sink + n_recent)), merged with the INT4 body's split
     partials in work.o_part / lse_part (over [n_sink, L - n_recent)) into work.out. The body must be the
     kernel launched just before on this stream; `beside_body` launches the item as its programmatic
-    dependent (it then needs the raw query: the body's rotated copy may not exist yet when it starts)."""
+    dependent (it then needs the raw query: the body's rotated copy may not exist yet when it starts).
+    `config`: compile-time settings (default `SIDE_CONFIG`)."""
     out = work.out
     assert work.k.dtype == work.v.dtype == torch.int8 and side_problem(out) is None
     assert work.rotate_query or not beside_body, "beside the body the item must rotate the query itself"
@@ -109,7 +141,7 @@ def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None,
 def _launch(work: SplitLaunch, config: Mapping[str, int] | None, *, side: bool, num_splits: int, start: int,
             end_off: int, side_args: list, programmatic: bool = False) -> None:
     """One launch of the kernel (the FP8 body, or with `side` the INT8 item): the arguments both share."""
-    config = CONFIG if config is None else config
+    config = (SIDE_CONFIG if side else CONFIG) if config is None else config
     q, k, v, batch = cuda_source.kernel_query(work.q), work.k, work.v, work.batch
     k_scale, v_scale = work.k_scale, work.v_scale
     bsz, num_q_heads, _ = q.shape
@@ -117,16 +149,21 @@ def _launch(work: SplitLaunch, config: Mapping[str, int] | None, *, side: bool, 
     assert q.dtype == torch.bfloat16 and k_scale.dtype == v_scale.dtype == torch.float32
     assert v.stride() == k.stride() and v_scale.stride() == k_scale.stride()
     assert k.stride(-1) == 1 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
-    warps, stages, min_blocks = cuda_source.block_settings(config, num_kv_heads)
+    subs = 1
+    if side:
+        subs = config.get("subs") or choose_subs(bsz, num_kv_heads, _num_sms(q.device), config["max_subs"])
+    heads, stages, _ = cuda_source.block_settings({**config, "warps": max(1, config["warps"] // subs)}, num_kv_heads)
+    warps = heads * subs  # a block: `heads` KV heads of one (sequence, split), `subs` warps each
+    min_blocks = max(1, config["warps_per_sm"] // warps)
     bt = batch.block_tables
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     strides = (k.stride(0), k.stride(1), k_scale.stride(0), k_scale.stride(1))
-    kernel = _kernel(device, warps, stages, min_blocks, strides, side=side)
+    kernel = _kernel(device, warps, stages, min_blocks, strides, side=side, subs=subs)
     args = [q, q.stride(0), q.stride(1), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale,
             bt, bt.stride(0), batch.context_lens, batch.split_size,
             work.o_part, work.lse_part, num_q_heads, work.o_part.shape[2], num_kv_heads, num_q_heads // num_kv_heads,
             batch.block_size.bit_length() - 1, start, end_off, float(work.sm_scale * LOG2E), batch.seq_slots, *side_args]
-    launch = {"grid": (num_splits, bsz, math.ceil(num_kv_heads / warps)), "block": (32 * warps, 1, 1), "args": args,
+    launch = {"grid": (num_splits, bsz, math.ceil(num_kv_heads / heads)), "block": (32 * warps, 1, 1), "args": args,
               "shared_mem": shared_bytes(warps, stages)}
     if programmatic:
         cuda_source.launch_after_previous(kernel, **launch)
