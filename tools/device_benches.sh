@@ -32,6 +32,7 @@
 #   bash tools/device_benches.sh generate_hf3 2>&1 | tee $OUT/log.txt         # bench generate 1.7B with transformers timed 3x per batch (~4 min)
 #   bash tools/device_benches.sh short_profiles 2>&1 | tee $OUT/log.txt       # 8B generate steps at 128+256 tokens by kernel family: FP8 weights, KV4 (~5 min)
 #   bash tools/device_benches.sh kv4_short 2>&1 | tee $OUT/log.txt            # KV4 vs BF16 at short 8B contexts: write tests, its parts, generate B16/B64 (~3 min)
+#   bash tools/device_benches.sh kv4_item 2>&1 | tee $OUT/log.txt             # KV4's INT8 item, warps per head by batch vs one: tests, decode-attn, generate (~5 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -391,6 +392,23 @@ kv4_short() {  # issue 11: KV4 was 0.96x BF16 at 8B B16, 128 + 256 tokens (twent
     timeout 60 python tools/kv_write_time.py --tokens 16,64,128,256 --parts --json $OUT/kv_write_parts.json
     timeout 130 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
         --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -6
+}
+
+kv4_item() {  # issue 11 (twenty-fourth session): KV4's INT8 item with up to four warps per KV head (choose_subs) against
+    # one, its GPU tests, decode-attn at short and long contexts both ways, then the generate points that it changes
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py \
+        -k "cut_into_runs or cuda_int4 or beside or kv4 or more_warps" > $OUT/kv4_item_tests.txt 2>&1
+    tail -2 $OUT/kv4_item_tests.txt
+    for subs in 0 1; do  # 0: choose_subs (the default), 1: one warp a head (before)
+        timeout 70 python -c "import sys; import kv4rl.kernels.fp8_decode_cuda as f; \
+f.SIDE_CONFIG = {**f.SIDE_CONFIG, 'subs': $subs}; from kv4rl.cli import main; sys.argv = ['kv4rl'] + sys.argv[1:]; main()" \
+            bench decode-attn --shapes qwen3-8b --batches 16,64 --contexts 256,4096,16384 --formats bf16,kv4 \
+            --json $OUT/decode_attn_subs$subs.json 2>&1 | grep "│" | grep -v "bf16 " | tail -6 | sed "s/^/subs$subs /"
+    done
+    timeout 100 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
+        --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -4
+    timeout 100 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 --no-hf \
+        --json $OUT/generate_1p7b.json 2>&1 | grep "│" | tail -4
 }
 
 date
