@@ -62,6 +62,12 @@ def compile_layers(model: nn.Module) -> int:
     # FSDP2-managed layers' int attributes (`head_dim`, ...) specialised and guarded like an unwrapped layer's, not
     # left to automatic dynamic shapes: see the module docstring
     torch._dynamo.config.skip_fsdp_guards = False
+    # transformers >= 5.25 with its `kernels` package routes RoPE through a context variable that an attention
+    # forward sets and resets: under activation checkpointing dynamo refused that side effect and compiled
+    # nothing (no error: the layers silently ran eager). Not replaying it in the backward's recompute is
+    # harmless, the value is restored as the forward returns
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # older torch: no such flag
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
         layer.compile(backend=BACKEND, dynamic=None)
     return len(layers)
