@@ -87,9 +87,16 @@ def test_packed_and_padded_give_the_same_logprobs_gradients_and_update(tiny_qwen
     assert g_padded.keys() == g_packed.keys() and sum(float(g.abs().sum()) for g in g_padded.values()) > 0
     for name, grad in g_padded.items():
         torch.testing.assert_close(g_packed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # AdamW's first step moves an element by lr g / (|g| + eps), eps = 1e-8: a gradient at rounding-noise level
+    # (1e-9, the two paths summing in another order) moves by up to lr either way, so where both gradients are
+    # below 1e-7 the weights may differ by up to 2 lr a step; everywhere else they match
+    lr = 1e-3
     w_padded, w_packed = padded.state_dict(), packed.state_dict()
     for name, w in w_padded.items():
-        torch.testing.assert_close(w_packed[name], w, rtol=0, atol=1e-5, msg=name)
+        noise = ((g_padded[name].abs() < 1e-7) & (g_packed[name].abs() < 1e-7) if name in g_padded
+                 else torch.zeros_like(w, dtype=torch.bool))
+        torch.testing.assert_close(w_packed[name][~noise], w[~noise], rtol=0, atol=1e-5, msg=name)
+        assert float((w_packed[name] - w).abs().max()) <= 2 * lr * updates + 1e-5, name
     for key in ("loss", "grad_norm", "entropy", "num_tokens"):
         assert m_packed[key] == pytest.approx(m_padded[key], rel=1e-5), key
 
