@@ -27,15 +27,15 @@ STAGE_BYTES = 4224  # shared memory per pipeline stage and warp: K and V tiles, 
 # split), at most this many), cp.async stages, and the warps per SM that __launch_bounds__ sizes
 # registers for. Three stages of 8 warps fit twice in an SM's shared memory (2 x 101 KB).
 CONFIG = MappingProxyType({"warps": 8, "stages": 3, "warps_per_sm": 16})
-# KV4's INT8 item: up to `max_subs` warps per KV head, each over its own run of the protected rows (one warp
-# over all budget / 16 tiles is a serial chain: at 8B B16 x 256 it was most of the attention's 13.7 us, 11.9 with
-# two or four), combined in the block; a "subs" key fixes the count (tests, sweeps), otherwise `choose_subs`
+# KV4's INT8 item: up to `max_subs` warps per KV head, each over its own run of the protected rows, combined in
+# the block (one warp over all budget / 16 tiles is a serial chain, the layer's longest at short contexts: 12.7
+# of a B16 x 256 layer's ~19 us); a "subs" key fixes the count (tests, sweeps), otherwise `choose_subs`
 SIDE_CONFIG = MappingProxyType({"warps": 8, "stages": 3, "warps_per_sm": 16, "max_subs": 4})
 # The item's warps that `choose_subs` lets a step have per SM: more warps per head only add fixed costs (query
 # load and rotation, the combine) once the item fills the GPU, and it runs beside the body that needs the SMs.
-# 8B decode-attn, B16: 4 warps a head 0.0119 / 0.0653 ms (256 / 8192 tokens) against 0.0137 / 0.0879 with one;
-# B64: 2 warps 0.0174 / 0.1678 against 0.0174 / 0.1713, 4 warps 0.0251 at 256; 1.7B B256 generate: 4 warps
-# 4.23 ms a step against 3.82 with one (H200, 2026-12-04, bench/RESULTS.md)
+# 8B decode-attn, B16: 4 warps a head 0.0469 / 0.1014 ms (4,096 / 16,384 tokens) against 0.0708 / 0.1222 with one;
+# B64: 2 warps 0.0412 / 0.1678 (1,024 / 8,192) against 0.0450 / 0.1713, 4 warps 0.0251 at 256 against 0.0174;
+# 1.7B B256 generate: 4 warps 4.23 ms a step against 3.82 with one (H200, 2026-12-04, bench/RESULTS.md)
 SIDE_WARPS_PER_SM = 8
 
 
