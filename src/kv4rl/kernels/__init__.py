@@ -28,6 +28,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cuda_sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (its index, or the current device's): launch grids size themselves
+    to it."""
+    import torch
+
+    device = torch.device(device)
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def kernels_usable(device) -> bool:
     """The fast path needs Triton and a CUDA device (or the interpreter, which runs on CPU tensors)."""
     import torch

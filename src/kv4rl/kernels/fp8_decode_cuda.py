@@ -9,7 +9,6 @@ Triton kernel serves instead. The same source compiled with -DSIDE_INT8 is KV4's
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +16,7 @@ from types import MappingProxyType
 
 import torch
 
-from kv4rl.kernels import cuda_source
+from kv4rl.kernels import cuda_sm_count, cuda_source
 from kv4rl.kernels.decode_common import LOG2E, SplitLaunch
 
 SOURCE = Path(__file__).with_name("fp8_decode.cu")
@@ -85,15 +84,6 @@ def shared_bytes(warps: int, stages: int) -> int:
     return warps * stages * STAGE_BYTES
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _kernel(device_index: int, warps: int, stages: int, min_blocks: int, strides: tuple[int, ...], side: bool = False,
             subs: int = 1):
     extra = ["-DSIDE_INT8", f"-DSUBS={subs}"] if side else []
@@ -151,7 +141,7 @@ def _launch(work: SplitLaunch, config: Mapping[str, int] | None, *, side: bool, 
     assert k.stride(-1) == 1 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0
     subs = 1
     if side:
-        subs = config.get("subs") or choose_subs(bsz, num_kv_heads, _num_sms(q.device), config["max_subs"])
+        subs = config.get("subs") or choose_subs(bsz, num_kv_heads, cuda_sm_count(q.device), config["max_subs"])
     heads, stages, _ = cuda_source.block_settings({**config, "warps": max(1, config["warps"] // subs)}, num_kv_heads)
     warps = heads * subs  # a block: `heads` KV heads of one (sequence, split), `subs` warps each
     min_blocks = max(1, config["warps_per_sm"] // warps)

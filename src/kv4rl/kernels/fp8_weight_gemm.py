@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kv4rl.kernels import interpreting
+from kv4rl.kernels import cuda_sm_count, interpreting
 from kv4rl.kernels.decode_triton import _dot_operand
 
 
@@ -293,9 +293,4 @@ def fp8_weight_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the CPU interpreter: a few slices, so tests cover the split path
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return cuda_sm_count(device)

@@ -31,14 +31,13 @@ same; the margin is far above the float32 noise's tested error.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kv4rl.kernels import interpreting
+from kv4rl.kernels import cuda_sm_count, interpreting
 
 BLOCK_V = 1024
 NUM_WARPS = 8  # 164 against 176 us with 4 at 128 x 151,936 (bench/RESULTS.md)
@@ -171,11 +170,6 @@ def _gumbel_argmax_kernel(
         tl.store(sum_ptr + row * n_splits + split, total)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int | None, num_warps: int = NUM_WARPS,
             lse: bool = False, screen: bool = True):
     rows, vocab = x.shape
@@ -183,7 +177,7 @@ def _launch(x, seeds, steps, noise: bool, debug: bool, block: int, splits: int |
         x = x.contiguous()
     n_blocks = triton.cdiv(vocab, block)
     if splits is None:  # enough programs to fill the device a few times over
-        wanted = PROGRAMS_PER_SM * _num_sms(torch.device(x.device).index or torch.cuda.current_device()) if x.device.type == "cuda" else 1
+        wanted = PROGRAMS_PER_SM * cuda_sm_count(x.device) if x.device.type == "cuda" else 1
         splits = triton.cdiv(wanted, max(rows, 1))
     blocks_per_split = triton.cdiv(n_blocks, max(1, min(splits, n_blocks)))
     splits = triton.cdiv(n_blocks, blocks_per_split)
