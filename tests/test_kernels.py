@@ -379,10 +379,13 @@ def test_kv4_int8_item_beside_the_body_writes_the_bits_of_the_item_after_it(rota
 def test_kv4_int8_item_cut_into_runs_per_head_matches_float64(subs, hkv, gen, monkeypatch):
     """KV4's CUDA INT8 item with `subs` warps per KV head, each over its own run of whole tiles of the
     protected rows (runs of one token, empty runs, a last short run), combined in the block: the float64
-    reference at every split grid, beside the body and after it."""
+    reference at every split grid, beside the body and after it. One KV head is a shape the CUDA INT4 body
+    refuses (odd head count): there the Triton body and item serve, whatever `subs` says."""
     import kv4rl.kernels.fp8_decode_cuda as fc
     from kv4rl.kernels.decode_attention import DecodeKernels
 
+    expected = "triton" if hkv % 2 else "cuda"
+    assert DecodeKernels().body_kernel(DecodeKind.INT4, DEVICE, 128, 4, hkv, 16)[0] == expected
     monkeypatch.setattr(fc, "SIDE_CONFIG", {**fc.SIDE_CONFIG, "subs": subs})
     fmt = make_format("kv4", 128, n_sink=16, n_recent=128, rotate="k")
     lens = [1, 2, 16, 17, 40, 143, 144, 145, 300, 2000]
