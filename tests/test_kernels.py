@@ -392,7 +392,8 @@ def test_kv4_int8_item_cut_into_runs_per_head_matches_float64(subs, hkv, gen, mo
     cache, meta = random_paged_batch(fmt, lens, hkv, 128, 16, DEVICE, gen)
     q = torch.randn(len(lens), 4 * hkv, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     ref = reference_decode(fmt, cache, meta, q)
-    for max_splits, split in [(1, 2000), (8, 256), (32, 64)]:  # each grid covers the longest context
+    # each grid covers the longest context; 64 and 16 tokens a split give the merge 29 and 116 body splits
+    for max_splits, split in [(1, 2000), (8, 256), (32, 64), (128, 16)]:
         for beside in (True, False):
             out = fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=torch.float32,
                               kernels=DecodeKernels(int8_item_beside_body=beside))

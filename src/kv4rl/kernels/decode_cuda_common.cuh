@@ -96,6 +96,18 @@ __device__ __forceinline__ void let_dependents_launch() {
 #endif
 }
 
+// 16 bytes from global memory where `live`, zeros (and no memory traffic) elsewhere: a predicated load, so
+// a run of them can all be in flight without a branch between them. The memory clobber keeps it after the
+// waits and barriers before it.
+__device__ __forceinline__ U4 load16_if(const void* p, bool live) {
+    U4 x;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "l"(p), "r"((int)live) : "memory");
+    return x;
+}
+
 __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
