@@ -83,3 +83,27 @@ def test_fused_write_path(name, gen):
     ref_cache, fast_cache = _check(fmt, gen, fused_write=True, tol=5e-3)
     for key in ref_cache:
         assert torch.equal(ref_cache[key].nan_to_num(7.0), fast_cache[key].nan_to_num(7.0)), key
+
+
+@pytest.mark.parametrize("name", ["int4", "kv4"])
+def test_long_steps_launch_their_own_tiles(name, gen, monkeypatch):
+    """A step whose longest row reaches `LONG_PREFILL_CONTEXT` launches with `LONG_PREFILL_LAUNCH` (INT4
+    pages and KV4 each their own tiles, query tiles cut to match) and still computes the reference's
+    output; shorter steps and other kinds keep the defaults."""
+    from kv4rl.kernels import prefill_triton as pt
+    from kv4rl.kernels.decode_common import DecodeKind
+
+    side = name == "kv4"
+    short, long_cfg = pt.DEFAULT_PREFILL_LAUNCH[DecodeKind.INT4], pt.LONG_PREFILL_LAUNCH[(DecodeKind.INT4, side)]
+    assert long_cfg != short
+    assert pt.prefill_launch(DecodeKind.INT4, side, pt.LONG_PREFILL_CONTEXT - 1) == short
+    assert pt.prefill_launch(DecodeKind.INT4, side, pt.LONG_PREFILL_CONTEXT) == long_cfg
+    assert pt.prefill_launch(DecodeKind.BF16, False, 10**6) == pt.DEFAULT_PREFILL_LAUNCH[DecodeKind.BF16]
+
+    monkeypatch.setattr(pt, "LONG_PREFILL_CONTEXT", max(p + q for p, q in zip(PREFIX, QUERY)))
+    seen = []
+    real = pt.paged_prefill_attention
+    monkeypatch.setattr(pt, "paged_prefill_attention",
+                        lambda *a, **kw: (seen.append((a[3].launch, a[3].queries_per_tile)), real(*a, **kw))[1])
+    _check(make_format(name, HEAD_DIM, n_sink=2, n_recent=5), gen)
+    assert seen == [(long_cfg, long_cfg["BLOCK_M"] // (HQ // HKV))]

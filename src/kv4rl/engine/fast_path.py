@@ -230,7 +230,7 @@ class FastAttention:
     def prefill_host(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                      seq_slots: list[int], num_q_heads: int) -> dict[str, np.ndarray]:
         """Per-step arrays for rows computing `query_lens` new tokens that end at `context_lens`."""
-        from kv4rl.kernels.prefill_triton import DEFAULT_PREFILL_LAUNCH, prefill_tiles, queries_per_tile
+        from kv4rl.kernels.prefill_triton import prefill_tiles, queries_per_tile
 
         bs, n_rows = self.block_size, len(query_lens)
         qlens = np.asarray(query_lens, dtype=np.int64)
@@ -242,7 +242,7 @@ class FastAttention:
         row = np.repeat(np.arange(n_rows), qlens)
         starts = np.concatenate(([0], np.cumsum(qlens)))
         pos = (lens - qlens)[row] + np.arange(len(row)) - starts[:-1][row]
-        per_tile = queries_per_tile(DEFAULT_PREFILL_LAUNCH[self.kind]["BLOCK_M"], num_q_heads // self.num_kv_heads)
+        per_tile = queries_per_tile(self._prefill_launch(lens)["BLOCK_M"], num_q_heads // self.num_kv_heads)
         tile_seq, tile_query = prefill_tiles(query_lens, per_tile)
         out = {
             "positions": pos,
@@ -263,6 +263,11 @@ class FastAttention:
             out["keep_rows"] = rows[keep].astype(np.int64)
         return out
 
+    def _prefill_launch(self, context_lens: np.ndarray) -> dict:
+        from kv4rl.kernels.prefill_triton import prefill_launch
+
+        return prefill_launch(self.kind, self.side, int(context_lens.max()) if len(context_lens) else 0)
+
     def prefill_inputs(self, host: dict[str, np.ndarray]) -> PrefillInputs:
         from kv4rl.kernels.prefill_triton import PrefillBatch
 
@@ -270,7 +275,8 @@ class FastAttention:
         batch = PrefillBatch(block_tables=to(host["block_tables"]), context_lens=to(host["context_lens"]),
                              query_start=to(host["query_start"]), seq_slots=to(host["seq_slots"]),
                              tile_seq=to(host["tile_seq"]), tile_query=to(host["tile_query"]),
-                             queries_per_tile=int(host["queries_per_tile"]), block_size=self.block_size)
+                             queries_per_tile=int(host["queries_per_tile"]), block_size=self.block_size,
+                             launch=self._prefill_launch(host["context_lens"]))
         n = len(host["slots"])
         side = {}
         if self.side:

@@ -41,6 +41,22 @@ DEFAULT_PREFILL_LAUNCH = {
     DecodeKind.FP8: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     DecodeKind.INT4: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
 }
+# Steps whose longest row reaches LONG_PREFILL_CONTEXT tokens walk many key tiles per query tile, where other
+# tiles pay for INT4 pages. Measured on an H200 at Qwen3 heads (bench/RESULTS.md, twenty-fifth session):
+# KV4 1.12-1.18x and INT4 pages 1.37-1.60x at contexts of 1,280-2,304 tokens; 256 rows of 128 tokens ran
+# 4-7% slower with them, so short steps keep the defaults (contexts between 128 and 1,280 were not timed).
+LONG_PREFILL_CONTEXT = 1024
+LONG_PREFILL_LAUNCH = {  # (kind, KV4 side rows)
+    (DecodeKind.INT4, False): {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
+    (DecodeKind.INT4, True): {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+}
+
+
+def prefill_launch(kind: DecodeKind, side: bool, longest_context: int) -> dict:
+    """Launch settings of a prefill step whose longest row ends at `longest_context` tokens."""
+    if longest_context >= LONG_PREFILL_CONTEXT:
+        return LONG_PREFILL_LAUNCH.get((kind, side), DEFAULT_PREFILL_LAUNCH[kind])
+    return DEFAULT_PREFILL_LAUNCH[kind]
 
 
 @dataclass
@@ -61,6 +77,7 @@ class PrefillBatch:
     tile_query: torch.Tensor
     queries_per_tile: int
     block_size: int
+    launch: dict | None = None  # the kernel's settings (None: DEFAULT_PREFILL_LAUNCH); tiles are cut for them
 
 
 def queries_per_tile(block_m: int, group: int) -> int:
@@ -291,7 +308,7 @@ def paged_prefill_attention(
         raise ValueError("KV4 prefill needs both the side rows and the step's fresh INT8 rows")
     if side is not None and kind != DecodeKind.INT4:
         raise ValueError("side rows go with INT4 pages (KV4)")
-    cfg = DEFAULT_PREFILL_LAUNCH[kind] if launch is None else launch
+    cfg = launch or batch.launch or DEFAULT_PREFILL_LAUNCH[kind]
     group = num_q_heads // num_kv_heads
     per_tile = batch.queries_per_tile
     if per_tile * group > cfg["BLOCK_M"]:
