@@ -33,6 +33,7 @@
 #   bash tools/device_benches.sh short_profiles 2>&1 | tee $OUT/log.txt       # 8B generate steps at 128+256 tokens by kernel family: FP8 weights, KV4 (~5 min)
 #   bash tools/device_benches.sh kv4_short 2>&1 | tee $OUT/log.txt            # KV4 vs BF16 at short 8B contexts: write tests, its parts, generate B16/B64 (~3 min)
 #   bash tools/device_benches.sh kv4_item 2>&1 | tee $OUT/log.txt             # KV4's INT8 item, warps per head by batch vs one: tests, decode-attn, generate (~5 min)
+#   bash tools/device_benches.sh prefill_long 2>&1 | tee $OUT/log.txt         # prefill launch settings by step length, 8B B16 4096+512 (~5 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -411,8 +412,18 @@ f.SIDE_CONFIG = {**f.SIDE_CONFIG, 'subs': $subs}; from kv4rl.cli import main; sy
         --json $OUT/generate_1p7b.json 2>&1 | grep "│" | tail -4
 }
 
+prefill_long() {  # issue 11 (twenty-fifth session): the prefill kernel's launch settings per format and step length
+    # (LONG_PREFILL_LAUNCH from 1,024 tokens), its GPU tests, then a long-prompt generate where KV4's prefill shows
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py \
+        tests/gpu/test_prefill_engine_gpu.py > $OUT/prefill_tests.txt 2>&1; tail -2 $OUT/prefill_tests.txt
+    timeout 240 python tools/prefill_launch_sweep.py --formats kv4,int4 --q-heads 32,16 --json $OUT/prefill_sweep.json
+    timeout 90 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16 --prompt-len 4096 --new-tokens 512 \
+        --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_b16_long.json 2>&1 | grep "│" | tail -2
+}
+
 date
 for stage in "${@:-tests attn generate forward}"; do
     $stage
 done
+
 date
