@@ -87,6 +87,18 @@ __device__ __forceinline__ void codes4_to_half2x2(u32 x, u32& lo, u32& hi) {
 // so the 16-byte reads of rows (g, g+1) and of rows (2j, 2j+2, ...) hit distinct banks.
 __device__ __forceinline__ int tile_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
+// o[0..16) += w * p[0..16) (float32, read where `live`: see load16_if)
+__device__ __forceinline__ void add_weighted16(float (&o)[16], const float* p, bool live, float w) {
+    #pragma unroll
+    for (int e = 0; e < 16; e += 4) {
+        const U4 x = load16_if(p + e, live);
+        o[e] += w * bits_to_float(x.x);
+        o[e + 1] += w * bits_to_float(x.y);
+        o[e + 2] += w * bits_to_float(x.z);
+        o[e + 3] += w * bits_to_float(x.w);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_split(
     const u16* q, int stride_qb, int stride_qh, const u8* k, const u8* v, const float* ks, const float* vs,
     const int* block_tables, int stride_bt, const int* context_lens, const int* split_ptr,
@@ -390,14 +402,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
         for (int e = 0; e < 16; ++e) o[e] *= den;
         if (n_main == 1) {
             const float w = fast_exp2(lse_part[part0] - mx);
-            #pragma unroll
-            for (int e = 0; e < 16; e += 4) {
-                const U4 x = load16_if(op0 + e, true);
-                o[e] += w * bits_to_float(x.x);
-                o[e + 1] += w * bits_to_float(x.y);
-                o[e + 2] += w * bits_to_float(x.z);
-                o[e + 3] += w * bits_to_float(x.w);
-            }
+            add_weighted16(o, op0, true, w);
             den += w;
         }
         for (int sp0 = 0; n_main > 1 && sp0 < n_main; sp0 += 8) {
@@ -406,15 +411,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
             for (int t = 0; t < 8; ++t) {  // past the last split: weight 0, nothing read
                 const float w = __shfl_sync(peers, mine, 4 * t + j);
                 const bool live = sp0 + t < n_main;
-                const float* op = op0 + (sp0 + t) * HEAD_DIM;
-                #pragma unroll
-                for (int e = 0; e < 16; e += 4) {
-                    const U4 x = load16_if(op + e, live);
-                    o[e] += w * bits_to_float(x.x);
-                    o[e + 1] += w * bits_to_float(x.y);
-                    o[e + 2] += w * bits_to_float(x.z);
-                    o[e + 3] += w * bits_to_float(x.w);
-                }
+                add_weighted16(o, op0 + (sp0 + t) * HEAD_DIM, live, w);
                 den += w;
             }
         }
