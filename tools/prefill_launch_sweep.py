@@ -1,7 +1,8 @@
 """Time the prefill kernel's launch settings (tiles, warps, stages) per KV format at Qwen3 head shapes
 (device tool): each setting runs the engine's prefill of one layer (fused write + attention), its output
-compared with the first setting's, and prints the fastest per case against `DEFAULT_PREFILL_LAUNCH`.
-`prefill_launch` picks `LONG_PREFILL_LAUNCH` from this tool's numbers (bench/RESULTS.md).
+compared with the first setting's, and prints the fastest per case against `DEFAULT_PREFILL_LAUNCH`, marking
+the one the engine launches there (`prefill_launch`, which picks `LONG_PREFILL_LAUNCH` from this tool's
+numbers, bench/RESULTS.md). Timed eagerly with CUDA events, as the numbers recorded there were.
 
     python tools/prefill_launch_sweep.py --formats kv4,int4 --q-heads 32,16 --json /tmp/sweep.json
     python tools/prefill_launch_sweep.py --grid full --formats kv4 --cases 4:0:2048,16:2048:256
@@ -51,16 +52,20 @@ def sweep_case(name: str, num_q_heads: int, rows: int, prefix: int, new: int, se
     fmt = make_format(name, HEAD_DIM, n_sink=16, n_recent=128)
     kind = fmt.decode_kind
     default = dict(prefill_triton.DEFAULT_PREFILL_LAUNCH[kind])
+    engine = prefill_triton.prefill_launch(kind, fmt.has_side_rows, prefix + new)  # what the engine launches
+    long_from = prefill_triton.LONG_PREFILL_CONTEXT
     cache0, meta, q, k, v = random_prefill_case(fmt, [prefix] * rows, [new] * rows, KV_HEADS, num_q_heads, HEAD_DIM,
                                                 BLOCK_SIZE, dev, torch.Generator().manual_seed(0))
     flops = 4 * rows * num_q_heads * HEAD_DIM * (new * prefix + new * new / 2)
     results, first = [], None
+    # each setting stands in for the defaults, and no step counts as long, so the engine's query tiles and
+    # launch both follow it
+    prefill_triton.LONG_PREFILL_CONTEXT = sys.maxsize
     try:
-        for setting in [default] + [s for s in settings if s != default]:
-            prefill_triton.DEFAULT_PREFILL_LAUNCH[kind] = setting  # what the engine's tiles and launch read
+        for setting in [default] + [s for s in [engine] + settings if s != default]:
+            prefill_triton.DEFAULT_PREFILL_LAUNCH[kind] = setting
             fast = FastAttention(fmt, KV_HEADS, HEAD_DIM, BLOCK_SIZE, dev, num_q_heads=num_q_heads)
             inputs = prefill_inputs(fast, fmt, meta, num_q_heads)
-            inputs.batch.launch = setting  # also above LONG_PREFILL_CONTEXT
             cache = {key: t.clone() for key, t in cache0.items()}
             try:
                 out = fast.prefill(cache, q, k, v, inputs).float()
@@ -70,10 +75,11 @@ def sweep_case(name: str, num_q_heads: int, rows: int, prefix: int, new: int, se
                 continue
             first = out if first is None else first
             results.append({"format": name, "num_q_heads": num_q_heads, "rows": rows, "prefix": prefix, "new": new,
-                            "launch": setting, "default": setting == default, "ms": ms, "tflops": flops / ms / 1e9,
+                            "launch": setting, "default": setting == default, "engine": setting == engine, "ms": ms, "tflops": flops / ms / 1e9,
                             "max_abs_diff_vs_default": (out - first).abs().max().item()})
     finally:
         prefill_triton.DEFAULT_PREFILL_LAUNCH[kind] = default
+        prefill_triton.LONG_PREFILL_CONTEXT = long_from
     return results
 
 
@@ -97,8 +103,9 @@ def main() -> None:
                 print(f"{name} {hq}/{KV_HEADS} heads, {rows} x ({prefix} + {new}): default {base['ms']:.3f} ms "
                       f"({base['tflops']:.0f} TFLOP/s)", flush=True)
                 for r in sorted(results, key=lambda r: r["ms"])[: args.top]:
+                    mark = "  (engine's)" if r["engine"] else ""
                     print(f"   {r['ms']:.3f} ms  {base['ms'] / r['ms']:.2f}x  diff {r['max_abs_diff_vs_default']:.1e}  "
-                          f"{r['launch']}")
+                          f"{r['launch']}{mark}")
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": everything}, indent=1))
 
