@@ -23,6 +23,7 @@ import torch
 from kv4rl.engine.block_table_mirror import BlockTableMirror
 from kv4rl.engine.host_copy import to_device
 from kv4rl.engine.sequence import Sequence
+from kv4rl.kernels import cuda_sm_count
 from kv4rl.kernels.decode_common import DecodeBatch, DecodeKind
 
 if TYPE_CHECKING:  # the kernels import Triton, which a CPU-only install may lack
@@ -109,8 +110,7 @@ class FastAttention:
         self.device = device
         self.max_splits = max_splits
         self.side = kv_format.has_side_rows
-        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                        if device.type == "cuda" else 4)
+        self.num_sms = cuda_sm_count(device) if device.type == "cuda" else 4
         self.tables = BlockTableMirror()  # decode rows' block tables, extended by appends only
         self.body_kernel = None  # 'cuda' or 'triton' for INT4/FP8 bodies (needs the query heads to decide)
         if self.kind in (DecodeKind.INT4, DecodeKind.FP8) and num_q_heads is not None:

@@ -31,7 +31,6 @@ same; the margin is far above the float32 noise's tested error.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
