@@ -178,7 +178,7 @@ def _int8_range(acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, lo, hi, h, first,
                 EXACT: tl.constexpr):
     """KV4's INT8 copies over [lo, hi), for the queries that protect each key: this step's tokens from
     the fresh rows (packed row qs + p - first), older ones from the sequence's side rows."""
-    offs_d2 = tl.arange(0, D // 2)
+    offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -195,17 +195,19 @@ def _int8_range(acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, lo, hi, h, first,
                            tl.load(pks_ptr + prow * stride_pss + h * stride_psh, mask=mask_n & ~fresh, other=0.0))
         v_scale = tl.where(fresh, tl.load(fvs_ptr + frow * stride_fss + h * stride_fsh, mask=mask_n & fresh, other=0.0),
                            tl.load(pvs_ptr + prow * stride_pss + h * stride_psh, mask=mask_n & ~fresh, other=0.0))
-        k_e = tl.load(k_base[None, :] + 2 * offs_d2[:, None], mask=mask_n[None, :], other=0)  # [D/2, N]
-        k_o = tl.load(k_base[None, :] + 2 * offs_d2[:, None] + 1, mask=mask_n[None, :], other=0)
-        qk = tl.dot(q_e, _dot_operand(k_e, EXACT)) + tl.dot(q_o, _dot_operand(k_o, EXACT))
+        # whole rows (D contiguous bytes a key), then even / odd channels in registers: byte gathers at a
+        # stride of 2 were most of a short prompt's prefill
+        k_rows = tl.load(k_base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0)  # [N, D]
+        k_e, k_o = tl.split(tl.reshape(k_rows, [BLOCK_N, D // 2, 2]))  # [N, D/2] each
+        qk = tl.dot(q_e, _dot_operand(tl.trans(k_e), EXACT)) + tl.dot(q_o, _dot_operand(tl.trans(k_o), EXACT))
         qk = qk * k_scale[None, :]
         d = qpos[:, None] - offs_n[None, :]
         valid = mask_n[None, :] & (d >= 0) & ((offs_n[None, :] < N_SINK) | (d < N_RECENT))
         qk = tl.where(valid, qk * sm_scale_log2, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
         pv = _dot_operand(p * v_scale[None, :], EXACT)
-        v_e = tl.load(v_base[:, None] + 2 * offs_d2[None, :], mask=mask_n[:, None], other=0)  # [N, D/2]
-        v_o = tl.load(v_base[:, None] + 2 * offs_d2[None, :] + 1, mask=mask_n[:, None], other=0)
+        v_rows = tl.load(v_base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0)  # [N, D]
+        v_e, v_o = tl.split(tl.reshape(v_rows, [BLOCK_N, D // 2, 2]))  # [N, D/2] each
         acc_e = acc_e * alpha[:, None] + tl.dot(pv, _dot_operand(v_e, EXACT))
         acc_o = acc_o * alpha[:, None] + tl.dot(pv, _dot_operand(v_o, EXACT))
         z_acc = z_acc * alpha  # the INT4 pass's zero-point sum shares the running max
