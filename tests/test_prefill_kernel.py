@@ -107,3 +107,30 @@ def test_long_steps_launch_their_own_tiles(name, gen, monkeypatch):
                         lambda *a, **kw: (seen.append((a[3].launch, a[3].queries_per_tile)), real(*a, **kw))[1])
     _check(make_format(name, HEAD_DIM, n_sink=2, n_recent=5), gen)
     assert seen == [(long_cfg, long_cfg["BLOCK_M"] // (HQ // HKV))]
+
+
+@pytest.mark.parametrize("name,rotate", [("kv4", "k"), ("kv4", "kv"), ("int4", "kv")])
+def test_rotated_formats_through_the_engine_prefill(name, rotate, gen):
+    """With a Hadamard rotation the engine rotates the step's queries (and, when values rotate, the
+    outputs back) with the write's kernel, not the reference's float32 matmul. The output stays the
+    reference's up to the fused write's rounding: the interpreter casts float32 to bf16 by truncation, which
+    moves codes (0.010-0.040 with either rotation of the queries); a missing rotation errs by ~1."""
+    _check(make_format(name, HEAD_DIM, n_sink=2, n_recent=5, rotate=rotate), gen, fused_write=True, tol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotate_rows_matches_float64(dtype, gen):
+    """`rotate_rows` (the prefill's query rotation) is the float64 rotation of every row and head, rounded
+    to the input dtype: within one rounding step (the interpreter truncates float32 to bf16) plus float32
+    accumulation."""
+    from kv4rl.kernels.kv_write import rotate_rows
+    from kv4rl.quant import hadamard_matrix
+
+    x = (torch.randn(7, 3, HEAD_DIM, generator=gen) * 3).to(dtype)
+    got = rotate_rows(x, torch.arange(7)).double()
+    hadamard = hadamard_matrix(HEAD_DIM, torch.float64)
+    exact = x.double() @ hadamard
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+    accumulation = HEAD_DIM * 2**-24 * (x.double().abs() @ hadamard.abs())
+    assert got.shape == x.shape
+    assert ((got - exact).abs() <= ulp * exact.abs() + accumulation).all()

@@ -30,7 +30,7 @@ FULL = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
 
 
 def _settings(grid: str) -> list[dict]:
-    rows = FULL if grid == "full" else CANDIDATES
+    rows = {"full": FULL, "candidates": CANDIDATES, "engine": []}[grid]
     return [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s} for m, n, w, s in rows]
 
 
@@ -88,7 +88,8 @@ def main() -> None:
     p.add_argument("--formats", default="kv4,int4")
     p.add_argument("--q-heads", default="32,16", help="query heads (8 KV heads): 32 is Qwen3-8B's, 16 Qwen3-1.7B's")
     p.add_argument("--cases", default="256:0:128,8:0:2048,16:2048:256,64:1024:256", help="rows:prefix:new,...")
-    p.add_argument("--grid", choices=("candidates", "full"), default="candidates")
+    p.add_argument("--grid", choices=("engine", "candidates", "full"), default="candidates",
+                   help="engine: only the defaults and the engine's own choice (to compare code, not settings)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args()

@@ -1,6 +1,7 @@
 """The prefill kernel on CUDA at a real head shape (head_dim 128, 32 query / 8 KV heads), fresh random
 inputs, ragged rows up to 1000 tokens with and without a cached prefix, every format with kernels, the
-engine's whole prefill (fused writer with the formats' default rotations, kernel, KV4 side rows)."""
+engine's whole prefill (fused writer with the formats' default rotations and KV4 with both rotated, kernel,
+the query and output rotations, KV4 side rows)."""
 
 import pytest
 import torch
@@ -14,10 +15,11 @@ DEVICE = torch.device("cuda")
 TOL = 2e-2  # bf16 dot operands (q, codes, p·s), as the decode kernels' GPU tests
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8", "int4", "kv4"])
-def test_prefill_kernel_gpu_matches_reference(name):
+@pytest.mark.parametrize("name,rotate", [("bf16", "auto"), ("fp8", "auto"), ("int4", "auto"), ("kv4", "auto"),
+                                         ("kv4", "kv")])
+def test_prefill_kernel_gpu_matches_reference(name, rotate):
     gen = fresh_generator()
-    fmt = make_format(name, 128, n_sink=16, n_recent=128)
+    fmt = make_format(name, 128, n_sink=16, n_recent=128, rotate=rotate)
     query = [1000, 1, 37, 128, 300, 513, 7, 999]
     prefix = [0, 600, 0, 200, 16, 0, 900, 1]
     cache, meta, q, k, v = random_prefill_case(fmt, prefix, query, 8, 32, 128, 16, DEVICE, gen)

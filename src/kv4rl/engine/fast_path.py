@@ -85,7 +85,7 @@ class PrefillInputs:
     """What the prefill kernel needs for one step's multi-token rows (the tokens packed row by row)."""
 
     slots: torch.Tensor  # [N] long: cache slot of each new token
-    fresh_rows: torch.Tensor | None  # KV4: [N] long 0..N-1, each token's row of the step's INT8 copies
+    token_rows: torch.Tensor  # [N] long 0..N-1: each token's own row (KV4's step INT8 copies, the query rotation)
     keep_tokens: torch.Tensor | None  # KV4: packed index of the tokens protected at the step's end ...
     keep_rows: torch.Tensor | None  # ... and the side row each is stored to after the attention
     batch: PrefillBatch
@@ -280,9 +280,8 @@ class FastAttention:
         n = len(host["slots"])
         side = {}
         if self.side:
-            side = {"fresh_rows": torch.arange(n, device=self.device), "keep_tokens": to(host["keep_tokens"]),
-                    "keep_rows": to(host["keep_rows"])}
-        return PrefillInputs(slots=to(host["slots"]), fresh_rows=side.get("fresh_rows"),
+            side = {"keep_tokens": to(host["keep_tokens"]), "keep_rows": to(host["keep_rows"])}
+        return PrefillInputs(slots=to(host["slots"]), token_rows=torch.arange(n, device=self.device),
                              keep_tokens=side.get("keep_tokens"), keep_rows=side.get("keep_rows"), batch=batch)
 
     def prefill(self, cache: dict, q, k, v, inputs: PrefillInputs) -> torch.Tensor:
@@ -299,10 +298,10 @@ class FastAttention:
                      for p in ("k", "v")}
         write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", fresh),
                       v_dest=self._dest(cache, "v", fresh), group_size=self.head_dim,
-                      protect_rows=inputs.fresh_rows if fresh is not None else None)
+                      protect_rows=inputs.token_rows if fresh is not None else None)
         kc, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
         vc, v_scale, v_zero = self.fmt.paged_tensors(cache, "v")
-        out = paged_prefill_attention(self.fmt.prepare_query(q), kc, vc, inputs.batch, kind=self.kind,
+        out = paged_prefill_attention(self._rotated(q, inputs), kc, vc, inputs.batch, kind=self.kind,
                                       k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
                                       side=self.fmt.side_tensors(cache), fresh=fresh)
         if fresh is not None:
@@ -310,4 +309,11 @@ class FastAttention:
                 codes, scale = fresh[prefix]
                 cache[f"{prefix}_prot_codes"][inputs.keep_rows] = codes[inputs.keep_tokens]
                 cache[f"{prefix}_prot_scale"][inputs.keep_rows] = scale[inputs.keep_tokens]
-        return self.fmt.finish_output(out)
+        return self._rotated(out, inputs) if self.fmt.rotate == "kv" else out
+
+    def _rotated(self, x: torch.Tensor, inputs: PrefillInputs) -> torch.Tensor:
+        """The step's packed queries (or, with rotated values, outputs) rotated like the keys, by the write's
+        rotation (`prepare_query` / `finish_output` do it in float32 for the reference path)."""
+        from kv4rl.kernels.kv_write import rotate_rows
+
+        return rotate_rows(x, inputs.token_rows) if self.fmt.rotate != "none" else x

@@ -66,7 +66,7 @@ class PrefillGraphs:
         self.tile_seq = torch.full((self.num_tiles(max_tokens),), MAX_ROWS, **i32)
         self.tile_query = torch.zeros(self.num_tiles(max_tokens), **i32)
         self.ends = torch.zeros(MAX_ROWS, **long)
-        self.fresh_rows = torch.arange(max_tokens, **long) if fast.side else None
+        self.token_rows = torch.arange(max_tokens, **long)
         self.keep_tokens = torch.zeros(max_tokens, **long) if fast.side else None
         self.keep_rows = torch.zeros(max_tokens, **long) if fast.side else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -94,7 +94,7 @@ class PrefillGraphs:
                              tile_seq=self.tile_seq[:n_tiles], tile_query=self.tile_query[:n_tiles],
                              queries_per_tile=self.per_tile, block_size=self.fast.block_size)
         side = self.fast.side
-        return PrefillInputs(slots=self.slots[:tokens], fresh_rows=self.fresh_rows[:tokens] if side else None,
+        return PrefillInputs(slots=self.slots[:tokens], token_rows=self.token_rows[:tokens],
                              keep_tokens=self.keep_tokens[:tokens] if side else None,
                              keep_rows=self.keep_rows[:tokens] if side else None, batch=batch)
 

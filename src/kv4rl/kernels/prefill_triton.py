@@ -18,8 +18,8 @@ else from the INT4 page. The INT8 copy of a token written this step comes from `
 token's INT8 codes, one row per packed token, written by the fused writer before the launch); older
 positions come from the sequence's side rows, which still hold the previous step's window because the
 caller stores this step's protected rows only after the launch. So a program runs the INT4 pass over
-[n_sink, last - n_recent] and the INT8 passes over the sinks and the recent window of its queries, all
-into one softmax, each masked by the per-query rule.
+[n_sink, last - n_recent] and the INT8 passes over the sinks and the recent window of its queries (one pass
+where they touch), all into one softmax, each masked by the per-query rule.
 """
 
 from __future__ import annotations
@@ -264,12 +264,18 @@ def _prefill_kernel(
                 k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, stride_ks, stride_kh, stride_ss, stride_sh,
                 bt_ptr, stride_bt, sm_scale_log2, SIDE, N_SINK, N_RECENT, BLOCK_N, D, BLOCK_SIZE, EXACT)
             seq_row0 = tl.load(slots_ptr + b).to(tl.int64) * (N_SINK + N_RECENT)
-            acc_e, acc_o, z_acc, m_i, l_i = _int8_range(  # the sinks
-                acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, 0, tl.minimum(last + 1, N_SINK), h, first, qs, seq_row0,
+            # where the tile's recent window reaches down to the sinks (every query of a short row), the two
+            # INT8 ranges touch: one pass over [0, last] instead of a key tile for the sinks alone
+            recent_lo = tl.maximum(lo_q - N_RECENT + 1, N_SINK)
+            joined = recent_lo <= N_SINK
+            sink_hi = tl.where(joined, last + 1, tl.minimum(last + 1, N_SINK))
+            recent_lo = tl.where(joined, last + 1, recent_lo)
+            acc_e, acc_o, z_acc, m_i, l_i = _int8_range(  # the sinks (and the window when joined)
+                acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, 0, sink_hi, h, first, qs, seq_row0,
                 pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
                 fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2, N_SINK, N_RECENT, BLOCK_N, D, EXACT)
             acc_e, acc_o, z_acc, m_i, l_i = _int8_range(  # the recent window of the tile's queries
-                acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, tl.maximum(lo_q - N_RECENT + 1, N_SINK), last + 1, h,
+                acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, recent_lo, last + 1, h,
                 first, qs, seq_row0, pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
                 fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2, N_SINK, N_RECENT, BLOCK_N, D, EXACT)
         else:
