@@ -134,3 +134,19 @@ def test_rotate_rows_matches_float64(dtype, gen):
     accumulation = HEAD_DIM * 2**-24 * (x.double().abs() @ hadamard.abs())
     assert got.shape == x.shape
     assert ((got - exact).abs() <= ulp * exact.abs() + accumulation).all()
+
+
+@pytest.mark.parametrize("d", [32, 6])
+def test_side_row_copy_in_words_equals_indexing(d, gen):
+    """The KV4 prefill's copy of the protected INT8 rows (8-byte words where the rows allow, bytes
+    otherwise) stores what plain indexing stores, into a slice of a larger buffer, touching nothing else."""
+    from kv4rl.engine.fast_path import _copy_rows
+
+    src = torch.randint(-127, 128, (9, 3, d), generator=gen, dtype=torch.int8)
+    buffer = torch.randint(-127, 128, (2, 12, 3, d), generator=gen, dtype=torch.int8)
+    dst, expect = buffer[1], buffer[1].clone()
+    dst_rows, src_rows = torch.tensor([11, 0, 4, 7]), torch.tensor([8, 2, 2, 5])
+    expect[dst_rows] = src[src_rows]
+    before = buffer[0].clone()
+    _copy_rows(dst, dst_rows, src, src_rows)
+    assert torch.equal(dst, expect) and torch.equal(buffer[0], before)
