@@ -34,6 +34,7 @@
 #   bash tools/device_benches.sh kv4_short 2>&1 | tee $OUT/log.txt            # KV4 vs BF16 at short 8B contexts: write tests, its parts, generate B16/B64 (~3 min)
 #   bash tools/device_benches.sh kv4_item 2>&1 | tee $OUT/log.txt             # KV4's INT8 item, warps per head by batch vs one: tests, decode-attn, generate (~5 min)
 #   bash tools/device_benches.sh prefill_long 2>&1 | tee $OUT/log.txt         # prefill launch settings by step length, 8B B16 4096+512 (~5 min)
+#   bash tools/device_benches.sh prefill_short 2>&1 | tee $OUT/log.txt        # short-prompt prefill by kernel, KV4 vs BF16, 8B short generate (~5 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -419,6 +420,18 @@ prefill_long() {  # issue 11 (twenty-fifth session): the prefill kernel's launch
     timeout 240 python tools/prefill_launch_sweep.py --formats kv4,int4 --q-heads 32,16 --json $OUT/prefill_sweep.json
     timeout 90 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16 --prompt-len 4096 --new-tokens 512 \
         --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_b16_long.json 2>&1 | grep "│" | tail -2
+}
+
+prefill_short() {  # issue 11 (twenty-sixth session): a short prompt's KV4 prefill (every key in the INT8 window)
+    # against BF16's, kernel by kernel; the prefill GPU tests; the engine's settings per case; 8B short generate
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py \
+        tests/gpu/test_prefill_engine_gpu.py > $OUT/prefill_tests.txt 2>&1; tail -2 $OUT/prefill_tests.txt
+    timeout 60 python tools/profile_prefill.py --formats kv4,bf16 --q-heads 32 --cases 256:0:128,8:0:2048 \
+        --json $OUT/prefill_profile.json
+    timeout 100 python tools/prefill_launch_sweep.py --formats kv4,bf16 --q-heads 32,16 --grid engine --top 1 \
+        --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_engine_settings.json
+    timeout 120 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
+        --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -6
 }
 
 date
