@@ -35,6 +35,7 @@
 #   bash tools/device_benches.sh kv4_item 2>&1 | tee $OUT/log.txt             # KV4's INT8 item, warps per head by batch vs one: tests, decode-attn, generate (~5 min)
 #   bash tools/device_benches.sh prefill_long 2>&1 | tee $OUT/log.txt         # prefill launch settings by step length, 8B B16 4096+512 (~5 min)
 #   bash tools/device_benches.sh prefill_short 2>&1 | tee $OUT/log.txt        # short-prompt prefill by kernel, KV4 vs BF16, 8B short generate (~5 min)
+#   bash tools/device_benches.sh prefill_variants 2>&1 | tee $OUT/log.txt     # prefill kernel sources in tools/_variants/ against main's (~1 min each)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -428,10 +429,27 @@ prefill_short() {  # issue 11 (twenty-sixth session): a short prompt's KV4 prefi
         tests/gpu/test_prefill_engine_gpu.py > $OUT/prefill_tests.txt 2>&1; tail -2 $OUT/prefill_tests.txt
     timeout 60 python tools/profile_prefill.py --formats kv4,bf16 --q-heads 32 --cases 256:0:128,8:0:2048 \
         --json $OUT/prefill_profile.json
-    timeout 100 python tools/prefill_launch_sweep.py --formats kv4,bf16 --q-heads 32,16 --grid engine --top 1 \
+    timeout 100 python tools/prefill_launch_sweep.py --formats kv4,bf16 --q-heads 32,16 --grid engine --top 2 \
         --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_engine_settings.json
     timeout 120 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
         --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -6
+}
+
+prefill_variants() {  # A/B of prefill kernel sources in one call: before the call, put each candidate as
+    # tools/_variants/NAME.py (e.g. `git show wip/prefill-fresh-passes:src/kv4rl/kernels/prefill_triton.py`; the
+    # device gets the working tree, not .git). Each, and main's, runs the kernel's GPU test, then the engine's
+    # settings at short and long KV4 prompts; main's file is put back at the end
+    local kernel=src/kv4rl/kernels/prefill_triton.py
+    cp $kernel /tmp/prefill_main.py
+    for f in /tmp/prefill_main.py tools/_variants/*.py; do
+        local name=$(basename $f .py)
+        cp $f $kernel
+        echo "=== $name"
+        timeout 100 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py 2>&1 | tail -1
+        timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32 --grid engine --top 2 \
+            --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_variant_$name.json
+    done
+    cp /tmp/prefill_main.py $kernel
 }
 
 date
