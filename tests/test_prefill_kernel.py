@@ -150,3 +150,23 @@ def test_side_row_copy_in_words_equals_indexing(d, gen):
     before = buffer[0].clone()
     _copy_rows(dst, dst_rows, src, src_rows)
     assert torch.equal(dst, expect) and torch.equal(buffer[0], before)
+
+
+@pytest.mark.parametrize("long_tiles", [False, True])
+def test_kv4_at_a_real_head_shape(long_tiles, gen, monkeypatch):
+    """Qwen3's head shape (128 channels, 4 query heads per KV head, 16-token blocks) with the engine's KV4
+    windows (16 sinks, 128 recent): rows that start fresh, continue a cached prefix past the window, and
+    decode one token, under the default tiles and the long prompts' (so both launch shapes are checked
+    off the GPU too)."""
+    from kv4rl.kernels import prefill_triton as pt
+
+    if long_tiles:
+        monkeypatch.setattr(pt, "LONG_PREFILL_CONTEXT", 1)
+    fmt = make_format("kv4", 128, n_sink=16, n_recent=128)
+    query, prefix = [150, 1, 37, 20], [0, 200, 16, 150]
+    cache, meta, q, k, v = random_prefill_case(fmt, prefix, query, 2, 8, 128, 16, DEVICE, gen)
+    ref = reference_prefill(fmt, clone_cache(cache), meta, q, k, v)
+    out = fast_prefill(fmt, clone_cache(cache), meta, q, k, v, fused_write=False)
+    starts = torch.cumsum(torch.tensor([0] + query), 0).tolist()
+    for i in range(len(query)):
+        assert rel_err(out[starts[i]:starts[i + 1]], ref[starts[i]:starts[i + 1]]) < 1e-5, i
