@@ -442,6 +442,7 @@ prefill_variants() {  # A/B of prefill kernel sources in one call: before the ca
     local kernel=src/kv4rl/kernels/prefill_triton.py
     cp $kernel /tmp/prefill_main.py
     for f in /tmp/prefill_main.py tools/_variants/*.py; do
+        [ -e "$f" ] || continue  # no candidates: main's alone
         local name=$(basename $f .py)
         cp $f $kernel
         echo "=== $name"
