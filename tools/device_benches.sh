@@ -36,6 +36,7 @@
 #   bash tools/device_benches.sh prefill_long 2>&1 | tee $OUT/log.txt         # prefill launch settings by step length, 8B B16 4096+512 (~5 min)
 #   bash tools/device_benches.sh prefill_short 2>&1 | tee $OUT/log.txt        # short-prompt prefill by kernel, KV4 vs BF16, 8B short generate (~5 min)
 #   bash tools/device_benches.sh prefill_variants 2>&1 | tee $OUT/log.txt     # prefill kernel sources in tools/_variants/ against main's (~1 min each)
+#   bash tools/device_benches.sh targets_8b 2>&1 | tee $OUT/log.txt           # issue 11's 8B points: B128 full memory, memory-limited B256, whole step (<10 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -451,6 +452,18 @@ prefill_variants() {  # A/B of prefill kernel sources in one call: before the ca
             --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_variant_$name.json
     done
     cp /tmp/prefill_main.py $kernel
+}
+
+targets_8b() {  # issue 11's 8B targets as the issue states them, BF16 and KV4 in one process each: B128 512+1024 at
+    # full memory (KV4 >= 1.4x), B256 512+2048 with the pool in 45% of the GPU (BF16 holds 128 sequences, KV4
+    # all 256: >= 2.2x), the whole decode step at B64 x 8,192 (>= 2.2x). Last run in the twenty-second session
+    timeout 170 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 128 --prompt-len 512 --new-tokens 1024 \
+        --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_b128_full.json 2>&1 | grep "│" | tail -3
+    timeout 240 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 256 --prompt-len 512 --new-tokens 2048 \
+        --kv-format bf16,kv4 --no-hf engine.gpu_memory_fraction=0.45 --json $OUT/generate_8b_memlimit.json 2>&1 \
+        | grep "│" | tail -3
+    timeout 130 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --json $OUT/decode_forward_8b.json 2>&1 \
+        | grep "│" | tail -14
 }
 
 date
