@@ -36,6 +36,7 @@
 #   bash tools/device_benches.sh prefill_long 2>&1 | tee $OUT/log.txt         # prefill launch settings by step length, 8B B16 4096+512 (~5 min)
 #   bash tools/device_benches.sh prefill_short 2>&1 | tee $OUT/log.txt        # short-prompt prefill by kernel, KV4 vs BF16, 8B short generate (~5 min)
 #   bash tools/device_benches.sh prefill_variants 2>&1 | tee $OUT/log.txt     # prefill kernel sources in tools/_variants/ against main's (~1 min each)
+#   bash tools/device_benches.sh write_variants 2>&1 | tee $OUT/log.txt       # KV write sources in tools/_write_variants/ against main's (~2 min each)
 #   bash tools/device_benches.sh targets_8b 2>&1 | tee $OUT/log.txt           # issue 11's 8B points: B128 full memory, memory-limited B256, whole step (<10 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -436,22 +437,44 @@ prefill_short() {  # issue 11 (twenty-sixth session): a short prompt's KV4 prefi
         --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -6
 }
 
-prefill_variants() {  # A/B of prefill kernel sources in one call: before the call, put each candidate as
-    # tools/_variants/NAME.py (e.g. `git show wip/prefill-fresh-passes:src/kv4rl/kernels/prefill_triton.py`; the
-    # device gets the working tree, not .git). Each, and main's, runs the kernel's GPU test, then the engine's
-    # settings at short and long KV4 prompts; main's file is put back at the end
-    local kernel=src/kv4rl/kernels/prefill_triton.py
-    cp $kernel /tmp/prefill_main.py
-    for f in /tmp/prefill_main.py tools/_variants/*.py; do
+_variants() {  # $1: the source file that candidates replace, $2: their folder, $3: the function run for each
+    # (given its name; "main" first). The device gets the working tree, not .git: put each candidate in the
+    # folder before the call, e.g. `git show wip/NAME:src/kv4rl/kernels/prefill_triton.py > tools/_variants/NAME.py`
+    local target=$1 dir=$2 each=$3
+    cp $target /tmp/variant_main.py
+    for f in /tmp/variant_main.py $dir/*.py; do
         [ -e "$f" ] || continue  # no candidates: main's alone
         local name=$(basename $f .py)
-        cp $f $kernel
+        name=${name#variant_}
+        cp $f $target
         echo "=== $name"
-        timeout 100 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py 2>&1 | tail -1
-        timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32 --grid engine --top 2 \
-            --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_variant_$name.json
+        $each $name
     done
-    cp /tmp/prefill_main.py $kernel
+    cp /tmp/variant_main.py $target
+}
+
+_prefill_variant() {
+    timeout 100 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py 2>&1 | tail -1
+    timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32 --grid engine --top 2 \
+        --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_variant_$1.json
+}
+
+prefill_variants() {  # A/B of prefill kernel sources in tools/_variants/ against main's, in one call: the kernel's
+    # GPU test, then the engine's settings at short and long KV4 prompts
+    _variants src/kv4rl/kernels/prefill_triton.py tools/_variants _prefill_variant
+}
+
+_write_variant() {
+    timeout 60 python -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py -k write 2>&1 | tail -1
+    timeout 60 python tools/kv_write_time.py --tokens 16,64,128 --parts --json $OUT/write_variant_$1.json
+    local formats=kv4; [ $1 = main ] && formats=bf16,kv4
+    timeout 120 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16 --prompt-len 128 --new-tokens 256 \
+        --kv-format $formats --no-hf --json $OUT/write_variant_generate_$1.json 2>&1 | grep "│" | tail -2
+}
+
+write_variants() {  # A/B of KV write sources in tools/_write_variants/ against main's: the write's GPU tests, its
+    # parts at decode sizes, and 8B B16 short, where KV4's write is the gap to BF16 (BF16 with main's only)
+    _variants src/kv4rl/kernels/kv_write.py tools/_write_variants _write_variant
 }
 
 targets_8b() {  # issue 11's 8B targets as the issue states them, BF16 and KV4 in one process each: B128 512+1024 at
