@@ -26,9 +26,10 @@ from tests.kernel_cases import make_format, prefill_inputs, random_prefill_case 
 KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 
 
-def profile_case(name: str, num_q_heads: int, rows: int, prefix: int, new: int, calls: int = 5) -> list[dict]:
+def profile_case(name: str, num_q_heads: int, rows: int, prefix: int, new: int, calls: int = 5,
+                 device: str = "cuda") -> list[dict]:
     """Kernels of `calls` prefill calls on one random case, GPU ms per call."""
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     fmt = make_format(name, HEAD_DIM, n_sink=16, n_recent=128)
     cache, meta, q, k, v = random_prefill_case(fmt, [prefix] * rows, [new] * rows, KV_HEADS, num_q_heads, HEAD_DIM,
                                                BLOCK_SIZE, dev, torch.Generator().manual_seed(0))
