@@ -199,8 +199,9 @@ def write_kv_pair(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, stor
 def rotate_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x[N, H, D] times the orthonormal Hadamard matrix, row by row, as the write rotates keys: one pass
     over the rows (bf16: the exact ±1 products summed in float32 on the tensor cores, rounded once to
-    bf16). The prefill's queries take it, where the reference `rotate` (a float32 copy, an IEEE float32
-    matmul, a copy back) was a large part of a short prompt's KV4 prefill. `rows` is arange(N) on x's
+    bf16). The prefill's queries take it instead of the reference `rotate` (a float32 copy, an IEEE float32
+    matmul, a copy back); with the joined INT8 pass it took a KV4 prefill layer from 4.55 to 3.24 ms at 8B
+    heads, 256 x 128 (bench/RESULTS.md, the two not timed apart). `rows` is arange(N) on x's
     device (the write's slots: row i to out[i]); `out` defaults to a new tensor like x."""
     out = torch.empty_like(x) if out is None else out
     _launch((x,), (KVDest(out, rotate=True),), rows, DecodeKind.BF16, x.shape[-1], None, None, None)

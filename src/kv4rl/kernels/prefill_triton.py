@@ -196,7 +196,7 @@ def _int8_range(acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, lo, hi, h, first,
         v_scale = tl.where(fresh, tl.load(fvs_ptr + frow * stride_fss + h * stride_fsh, mask=mask_n & fresh, other=0.0),
                            tl.load(pvs_ptr + prow * stride_pss + h * stride_psh, mask=mask_n & ~fresh, other=0.0))
         # whole rows (D contiguous bytes a key), then even / odd channels in registers: byte gathers at a
-        # stride of 2 cost 5-16% of a KV4 prefill layer (H200, bench/RESULTS.md twenty-sixth session)
+        # stride of 2 cost 5-14% of a KV4 prefill layer (H200, bench/RESULTS.md twenty-sixth session)
         k_rows = tl.load(k_base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0)  # [N, D]
         k_e, k_o = tl.split(tl.reshape(k_rows, [BLOCK_N, D // 2, 2]))  # [N, D/2] each
         qk = tl.dot(q_e, _dot_operand(tl.trans(k_e), EXACT)) + tl.dot(q_o, _dot_operand(tl.trans(k_o), EXACT))
