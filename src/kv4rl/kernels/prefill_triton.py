@@ -171,13 +171,45 @@ def _int4_range(acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, q_sum, qpos, lo, hi, b,
 
 
 @triton.jit
-def _int8_range(acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, lo, hi, h, first, qs, seq_row0,
-                pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
-                fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
-                N_SINK: tl.constexpr, N_RECENT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                EXACT: tl.constexpr):
-    """KV4's INT8 copies over [lo, hi), for the queries that protect each key: this step's tokens from
-    the fresh rows (packed row qs + p - first), older ones from the sequence's side rows."""
+def _int4_range_whole(acc, z_acc, m_i, l_i, q, q_sum, qpos, lo, hi, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+                      stride_ks, stride_kh, stride_ss, stride_sh, bt_ptr, stride_bt, sm_scale_log2,
+                      N_SINK: tl.constexpr, N_RECENT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr):
+    """KV4's INT4 pages over [lo, hi) in the whole layout: each tile's nibbles interleaved back into channel
+    order ([N, D]), so the query and the accumulator stay whole and one dot serves each product."""
+    offs_d2 = tl.arange(0, D // 2)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        rows = _load_paged_rows(bt_ptr, stride_bt, b, offs_n, mask_n, BLOCK_SIZE)
+        base = rows * stride_ks + h * stride_kh
+        srow = rows * stride_ss + h * stride_sh
+        kc = tl.load(k_ptr + base[:, None] + offs_d2[None, :], mask=mask_n[:, None], other=0)  # [N, D/2]
+        k = tl.reshape(tl.join(kc & 0xF, kc >> 4), [BLOCK_N, D])  # channel 2j low nibble, 2j+1 high
+        qk = tl.dot(q, _dot_operand(tl.trans(k), EXACT))
+        k_scale = tl.load(ks_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
+        k_zero = tl.load(kz_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
+        qk = qk * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
+        valid = mask_n[None, :] & (offs_n[None, :] >= N_SINK) & (qpos[:, None] - offs_n[None, :] >= N_RECENT)
+        qk = tl.where(valid, qk * sm_scale_log2, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+        v_scale = tl.load(vs_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
+        v_zero = tl.load(vz_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
+        vc = tl.load(v_ptr + base[:, None] + offs_d2[None, :], mask=mask_n[:, None], other=0)  # [N, D/2]
+        v = tl.reshape(tl.join(vc & 0xF, vc >> 4), [BLOCK_N, D])
+        acc = acc * alpha[:, None] + tl.dot(_dot_operand(p * v_scale[None, :], EXACT), _dot_operand(v, EXACT))
+        z_acc = z_acc * alpha + tl.sum(p * v_zero[None, :], 1)
+    return acc, z_acc, m_i, l_i
+
+
+@triton.jit
+def _int8_range_whole(acc, z_acc, m_i, l_i, q, qpos, lo, hi, h, first, qs, seq_row0,
+                      pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
+                      fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
+                      N_SINK: tl.constexpr, N_RECENT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                      EXACT: tl.constexpr):
+    """KV4's INT8 copies over [lo, hi) in the whole layout: BF16's loop on int8 rows (fresh rows for this
+    step's tokens, side rows for older ones), one dot each way."""
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -195,23 +227,16 @@ def _int8_range(acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, lo, hi, h, first,
                            tl.load(pks_ptr + prow * stride_pss + h * stride_psh, mask=mask_n & ~fresh, other=0.0))
         v_scale = tl.where(fresh, tl.load(fvs_ptr + frow * stride_fss + h * stride_fsh, mask=mask_n & fresh, other=0.0),
                            tl.load(pvs_ptr + prow * stride_pss + h * stride_psh, mask=mask_n & ~fresh, other=0.0))
-        # whole rows (D contiguous bytes a key), then even / odd channels in registers: byte gathers at a
-        # stride of 2 cost 5-14% of a KV4 prefill layer (H200, bench/RESULTS.md twenty-sixth session)
-        k_rows = tl.load(k_base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0)  # [N, D]
-        k_e, k_o = tl.split(tl.reshape(k_rows, [BLOCK_N, D // 2, 2]))  # [N, D/2] each
-        qk = tl.dot(q_e, _dot_operand(tl.trans(k_e), EXACT)) + tl.dot(q_o, _dot_operand(tl.trans(k_o), EXACT))
-        qk = qk * k_scale[None, :]
+        kt = tl.load(k_base[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0)  # [D, N]
+        qk = tl.dot(q, _dot_operand(kt, EXACT)) * k_scale[None, :]
         d = qpos[:, None] - offs_n[None, :]
         valid = mask_n[None, :] & (d >= 0) & ((offs_n[None, :] < N_SINK) | (d < N_RECENT))
         qk = tl.where(valid, qk * sm_scale_log2, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
-        pv = _dot_operand(p * v_scale[None, :], EXACT)
-        v_rows = tl.load(v_base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0)  # [N, D]
-        v_e, v_o = tl.split(tl.reshape(v_rows, [BLOCK_N, D // 2, 2]))  # [N, D/2] each
-        acc_e = acc_e * alpha[:, None] + tl.dot(pv, _dot_operand(v_e, EXACT))
-        acc_o = acc_o * alpha[:, None] + tl.dot(pv, _dot_operand(v_o, EXACT))
+        vt = tl.load(v_base[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(_dot_operand(p * v_scale[None, :], EXACT), _dot_operand(vt, EXACT))
         z_acc = z_acc * alpha  # the INT4 pass's zero-point sum shares the running max
-    return acc_e, acc_o, z_acc, m_i, l_i
+    return acc, z_acc, m_i, l_i
 
 
 @triton.jit
@@ -248,7 +273,38 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    if KIND == 2:
+    if KIND == 2 and SIDE:  # KV4, whole layout: query and accumulator in channel order
+        offs_d = tl.arange(0, D)
+        q_f = tl.load(q_rows + offs_d[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
+        q_sum = tl.sum(q_f, 1)
+        q = _dot_operand(q_f, EXACT)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        z_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, z_acc, m_i, l_i = _int4_range_whole(
+            acc, z_acc, m_i, l_i, q, q_sum, qpos, N_SINK, last - N_RECENT + 1, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr,
+            kz_ptr, vz_ptr, stride_ks, stride_kh, stride_ss, stride_sh, bt_ptr, stride_bt, sm_scale_log2,
+            N_SINK, N_RECENT, BLOCK_N, D, BLOCK_SIZE, EXACT)
+        seq_row0 = tl.load(slots_ptr + b).to(tl.int64) * (N_SINK + N_RECENT)
+        # where the tile's recent window reaches down to the sinks (every query of a short row), the two
+        # INT8 ranges touch: one pass over [0, last] instead of a key tile for the sinks alone
+        recent_lo = tl.maximum(lo_q - N_RECENT + 1, N_SINK)
+        joined = recent_lo <= N_SINK
+        sink_hi = tl.where(joined, last + 1, tl.minimum(last + 1, N_SINK))
+        recent_lo = tl.where(joined, last + 1, recent_lo)
+        acc, z_acc, m_i, l_i = _int8_range_whole(  # the sinks (and the window when joined)
+            acc, z_acc, m_i, l_i, q, qpos, 0, sink_hi, h, first, qs, seq_row0,
+            pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
+            fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
+            N_SINK, N_RECENT, BLOCK_N, D, EXACT)
+        acc, z_acc, m_i, l_i = _int8_range_whole(  # the recent window of the tile's queries
+            acc, z_acc, m_i, l_i, q, qpos, recent_lo, last + 1, h, first, qs, seq_row0,
+            pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
+            fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
+            N_SINK, N_RECENT, BLOCK_N, D, EXACT)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(o_rows + offs_d[None, :], ((acc + z_acc[:, None]) / l_safe[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=mask_m[:, None])
+    elif KIND == 2:
         offs_d2 = tl.arange(0, D // 2)
         q_e = tl.load(q_rows + 2 * offs_d2[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
         q_o = tl.load(q_rows + 2 * offs_d2[None, :] + 1, mask=mask_m[:, None], other=0.0).to(tl.float32)
@@ -258,31 +314,10 @@ def _prefill_kernel(
         acc_e = tl.zeros([BLOCK_M, D // 2], dtype=tl.float32)
         acc_o = tl.zeros([BLOCK_M, D // 2], dtype=tl.float32)
         z_acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if SIDE:
-            acc_e, acc_o, z_acc, m_i, l_i = _int4_range(
-                acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, q_sum, qpos, N_SINK, last - N_RECENT + 1, b, h,
-                k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, stride_ks, stride_kh, stride_ss, stride_sh,
-                bt_ptr, stride_bt, sm_scale_log2, SIDE, N_SINK, N_RECENT, BLOCK_N, D, BLOCK_SIZE, EXACT)
-            seq_row0 = tl.load(slots_ptr + b).to(tl.int64) * (N_SINK + N_RECENT)
-            # where the tile's recent window reaches down to the sinks (every query of a short row), the two
-            # INT8 ranges touch: one pass over [0, last] instead of a key tile for the sinks alone
-            recent_lo = tl.maximum(lo_q - N_RECENT + 1, N_SINK)
-            joined = recent_lo <= N_SINK
-            sink_hi = tl.where(joined, last + 1, tl.minimum(last + 1, N_SINK))
-            recent_lo = tl.where(joined, last + 1, recent_lo)
-            acc_e, acc_o, z_acc, m_i, l_i = _int8_range(  # the sinks (and the window when joined)
-                acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, 0, sink_hi, h, first, qs, seq_row0,
-                pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
-                fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2, N_SINK, N_RECENT, BLOCK_N, D, EXACT)
-            acc_e, acc_o, z_acc, m_i, l_i = _int8_range(  # the recent window of the tile's queries
-                acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, qpos, recent_lo, last + 1, h,
-                first, qs, seq_row0, pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
-                fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2, N_SINK, N_RECENT, BLOCK_N, D, EXACT)
-        else:
-            acc_e, acc_o, z_acc, m_i, l_i = _int4_range(
-                acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, q_sum, qpos, 0, last + 1, b, h,
-                k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, stride_ks, stride_kh, stride_ss, stride_sh,
-                bt_ptr, stride_bt, sm_scale_log2, SIDE, N_SINK, N_RECENT, BLOCK_N, D, BLOCK_SIZE, EXACT)
+        acc_e, acc_o, z_acc, m_i, l_i = _int4_range(
+            acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, q_sum, qpos, 0, last + 1, b, h,
+            k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, stride_ks, stride_kh, stride_ss, stride_sh,
+            bt_ptr, stride_bt, sm_scale_log2, SIDE, N_SINK, N_RECENT, BLOCK_N, D, BLOCK_SIZE, EXACT)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         tl.store(o_rows + 2 * offs_d2[None, :], ((acc_e + z_acc[:, None]) / l_safe[:, None]).to(o_ptr.dtype.element_ty),
                  mask=mask_m[:, None])
