@@ -206,27 +206,31 @@ def _int4_range_whole(acc, z_acc, m_i, l_i, q, q_sum, qpos, lo, hi, b, h, k_ptr,
 def _int8_range_whole(acc, z_acc, m_i, l_i, q, qpos, lo, hi, h, first, qs, seq_row0,
                       pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
                       fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
-                      N_SINK: tl.constexpr, N_RECENT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                      EXACT: tl.constexpr):
-    """KV4's INT8 copies over [lo, hi) in the whole layout: BF16's loop on int8 rows (fresh rows for this
-    step's tokens, side rows for older ones), one dot each way."""
+                      FRESH: tl.constexpr, N_SINK: tl.constexpr, N_RECENT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      D: tl.constexpr, EXACT: tl.constexpr):
+    """KV4's INT8 copies over [lo, hi) in the whole layout, from one source: FRESH, this step's tokens
+    (packed row qs + p - first, a fixed stride per key), else the sequence's side rows. BF16's loop on int8
+    rows, one dot each way."""
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        fresh = offs_n >= first
-        if N_RECENT > 0:
-            in_seq = tl.where(offs_n < N_SINK, offs_n, N_SINK + (offs_n - N_SINK) % N_RECENT)
+        if FRESH:
+            row = (qs + offs_n - first).to(tl.int64)
+            k_base = fk_ptr + row * stride_fs + h * stride_fh
+            v_base = fv_ptr + row * stride_fs + h * stride_fh
+            k_scale = tl.load(fks_ptr + row * stride_fss + h * stride_fsh, mask=mask_n, other=0.0)
+            v_scale = tl.load(fvs_ptr + row * stride_fss + h * stride_fsh, mask=mask_n, other=0.0)
         else:
-            in_seq = offs_n
-        frow = (qs + offs_n - first).to(tl.int64)
-        prow = seq_row0 + in_seq.to(tl.int64)
-        k_base = tl.where(fresh, fk_ptr + frow * stride_fs + h * stride_fh, pk_ptr + prow * stride_ps + h * stride_ph)
-        v_base = tl.where(fresh, fv_ptr + frow * stride_fs + h * stride_fh, pv_ptr + prow * stride_ps + h * stride_ph)
-        k_scale = tl.where(fresh, tl.load(fks_ptr + frow * stride_fss + h * stride_fsh, mask=mask_n & fresh, other=0.0),
-                           tl.load(pks_ptr + prow * stride_pss + h * stride_psh, mask=mask_n & ~fresh, other=0.0))
-        v_scale = tl.where(fresh, tl.load(fvs_ptr + frow * stride_fss + h * stride_fsh, mask=mask_n & fresh, other=0.0),
-                           tl.load(pvs_ptr + prow * stride_pss + h * stride_psh, mask=mask_n & ~fresh, other=0.0))
+            if N_RECENT > 0:
+                in_seq = tl.where(offs_n < N_SINK, offs_n, N_SINK + (offs_n - N_SINK) % N_RECENT)
+            else:
+                in_seq = offs_n
+            row = seq_row0 + in_seq.to(tl.int64)
+            k_base = pk_ptr + row * stride_ps + h * stride_ph
+            v_base = pv_ptr + row * stride_ps + h * stride_ph
+            k_scale = tl.load(pks_ptr + row * stride_pss + h * stride_psh, mask=mask_n, other=0.0)
+            v_scale = tl.load(pvs_ptr + row * stride_pss + h * stride_psh, mask=mask_n, other=0.0)
         kt = tl.load(k_base[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0)  # [D, N]
         qk = tl.dot(q, _dot_operand(kt, EXACT)) * k_scale[None, :]
         d = qpos[:, None] - offs_n[None, :]
@@ -237,6 +241,27 @@ def _int8_range_whole(acc, z_acc, m_i, l_i, q, qpos, lo, hi, h, first, qs, seq_r
         acc = acc * alpha[:, None] + tl.dot(_dot_operand(p * v_scale[None, :], EXACT), _dot_operand(vt, EXACT))
         z_acc = z_acc * alpha  # the INT4 pass's zero-point sum shares the running max
     return acc, z_acc, m_i, l_i
+
+
+@triton.jit
+def _int8_passes_whole(acc, z_acc, m_i, l_i, q, qpos, lo, hi, h, first, qs, seq_row0,
+                       pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
+                       fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
+                       N_SINK: tl.constexpr, N_RECENT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                       EXACT: tl.constexpr):
+    """An INT8 range [lo, hi) in two passes split at the step's first token: older keys from the side
+    rows, this step's from the fresh rows (a new prompt's range is all fresh)."""
+    mid = tl.minimum(tl.maximum(first, lo), hi)
+    acc, z_acc, m_i, l_i = _int8_range_whole(
+        acc, z_acc, m_i, l_i, q, qpos, lo, mid, h, first, qs, seq_row0,
+        pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
+        fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
+        False, N_SINK, N_RECENT, BLOCK_N, D, EXACT)
+    return _int8_range_whole(
+        acc, z_acc, m_i, l_i, q, qpos, mid, hi, h, first, qs, seq_row0,
+        pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
+        fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
+        True, N_SINK, N_RECENT, BLOCK_N, D, EXACT)
 
 
 @triton.jit
@@ -291,12 +316,12 @@ def _prefill_kernel(
         joined = recent_lo <= N_SINK
         sink_hi = tl.where(joined, last + 1, tl.minimum(last + 1, N_SINK))
         recent_lo = tl.where(joined, last + 1, recent_lo)
-        acc, z_acc, m_i, l_i = _int8_range_whole(  # the sinks (and the window when joined)
+        acc, z_acc, m_i, l_i = _int8_passes_whole(  # the sinks (and the window when joined)
             acc, z_acc, m_i, l_i, q, qpos, 0, sink_hi, h, first, qs, seq_row0,
             pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
             fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
             N_SINK, N_RECENT, BLOCK_N, D, EXACT)
-        acc, z_acc, m_i, l_i = _int8_range_whole(  # the recent window of the tile's queries
+        acc, z_acc, m_i, l_i = _int8_passes_whole(  # the recent window of the tile's queries
             acc, z_acc, m_i, l_i, q, qpos, recent_lo, last + 1, h, first, qs, seq_row0,
             pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
             fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
