@@ -85,28 +85,31 @@ def test_fused_write_path(name, gen):
         assert torch.equal(ref_cache[key].nan_to_num(7.0), fast_cache[key].nan_to_num(7.0)), key
 
 
-@pytest.mark.parametrize("name", ["int4", "kv4"])
-def test_long_steps_launch_their_own_tiles(name, gen, monkeypatch):
-    """A step whose longest row reaches `LONG_PREFILL_CONTEXT` launches with `LONG_PREFILL_LAUNCH` (INT4
-    pages and KV4 each their own tiles, query tiles cut to match) and still computes the reference's
-    output; shorter steps and other kinds keep the defaults."""
+def test_long_steps_launch_their_own_tiles(gen, monkeypatch):
+    """INT4 pages: a step whose longest row reaches `LONG_PREFILL_CONTEXT` launches with `LONG_PREFILL_LAUNCH`
+    (query tiles cut to match) and still computes the reference's output; shorter steps keep the defaults.
+    KV4 and BF16 launch their defaults at every length, KV4's its own tiles."""
     from kv4rl.kernels import prefill_triton as pt
     from kv4rl.kernels.decode_common import DecodeKind
 
-    side = name == "kv4"
-    short, long_cfg = pt.DEFAULT_PREFILL_LAUNCH[DecodeKind.INT4], pt.LONG_PREFILL_LAUNCH[(DecodeKind.INT4, side)]
+    short, long_cfg = pt.DEFAULT_PREFILL_LAUNCH[(DecodeKind.INT4, False)], pt.LONG_PREFILL_LAUNCH[(DecodeKind.INT4, False)]
     assert long_cfg != short
-    assert pt.prefill_launch(DecodeKind.INT4, side, pt.LONG_PREFILL_CONTEXT - 1) == short
-    assert pt.prefill_launch(DecodeKind.INT4, side, pt.LONG_PREFILL_CONTEXT) == long_cfg
-    assert pt.prefill_launch(DecodeKind.BF16, False, 10**6) == pt.DEFAULT_PREFILL_LAUNCH[DecodeKind.BF16]
+    assert pt.prefill_launch(DecodeKind.INT4, False, pt.LONG_PREFILL_CONTEXT - 1) == short
+    assert pt.prefill_launch(DecodeKind.INT4, False, pt.LONG_PREFILL_CONTEXT) == long_cfg
+    kv4 = pt.DEFAULT_PREFILL_LAUNCH[(DecodeKind.INT4, True)]
+    assert kv4 != short
+    assert pt.prefill_launch(DecodeKind.INT4, True, 1) == pt.prefill_launch(DecodeKind.INT4, True, 10**6) == kv4
+    assert pt.prefill_launch(DecodeKind.BF16, False, 10**6) == pt.DEFAULT_PREFILL_LAUNCH[(DecodeKind.BF16, False)]
 
     monkeypatch.setattr(pt, "LONG_PREFILL_CONTEXT", max(p + q for p, q in zip(PREFIX, QUERY)))
     seen = []
     real = pt.paged_prefill_attention
     monkeypatch.setattr(pt, "paged_prefill_attention",
                         lambda *a, **kw: (seen.append((a[3].launch, a[3].queries_per_tile)), real(*a, **kw))[1])
-    _check(make_format(name, HEAD_DIM, n_sink=2, n_recent=5), gen)
-    assert seen == [(long_cfg, long_cfg["BLOCK_M"] // (HQ // HKV))]
+    _check(make_format("int4", HEAD_DIM, n_sink=2, n_recent=5), gen)
+    _check(make_format("kv4", HEAD_DIM, n_sink=2, n_recent=5), gen)
+    group = HQ // HKV
+    assert seen == [(long_cfg, long_cfg["BLOCK_M"] // group), (kv4, kv4["BLOCK_M"] // group)]
 
 
 @pytest.mark.parametrize("name,rotate", [("kv4", "k"), ("kv4", "kv"), ("int4", "kv")])
@@ -152,16 +155,17 @@ def test_side_row_copy_in_words_equals_indexing(d, gen):
     assert torch.equal(dst, expect) and torch.equal(buffer[0], before)
 
 
-@pytest.mark.parametrize("long_tiles", [False, True])
-def test_kv4_at_a_real_head_shape(long_tiles, gen, monkeypatch):
+@pytest.mark.parametrize("launch", [(64, 64), (128, 32)])
+def test_kv4_at_a_real_head_shape(launch, gen, monkeypatch):
     """Qwen3's head shape (128 channels, 4 query heads per KV head, 16-token blocks) with the engine's KV4
     windows (16 sinks, 128 recent): rows that start fresh, continue a cached prefix past the window, and
-    decode one token, under the default tiles and the long prompts' (so both launch shapes are checked
-    off the GPU too)."""
+    decode one token, under KV4's tiles and the other formats' (so both launch shapes are checked off the
+    GPU too)."""
     from kv4rl.kernels import prefill_triton as pt
+    from kv4rl.kernels.decode_common import DecodeKind
 
-    if long_tiles:
-        monkeypatch.setattr(pt, "LONG_PREFILL_CONTEXT", 1)
+    tiles = {"BLOCK_M": launch[0], "BLOCK_N": launch[1], "num_warps": 4, "num_stages": 2}
+    monkeypatch.setitem(pt.DEFAULT_PREFILL_LAUNCH, (DecodeKind.INT4, True), tiles)
     fmt = make_format("kv4", 128, n_sink=16, n_recent=128)
     query, prefix = [150, 1, 37, 20], [0, 200, 16, 150]
     cache, meta, q, k, v = random_prefill_case(fmt, prefix, query, 2, 8, 128, 16, DEVICE, gen)

@@ -437,6 +437,34 @@ prefill_short() {  # issue 11 (twenty-sixth session): a short prompt's KV4 prefi
         --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -6
 }
 
+prefill_whole() {  # issue 11 (twenty-seventh session): KV4 prefill in one whole layout with one-source INT8 passes -
+    # the prefill and engine GPU tests, the layer by kernel, the launch candidates, 8B short and 1.7B generate
+    timeout 240 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py \
+        tests/gpu/test_prefill_engine_gpu.py tests/gpu/test_prefill_graphs_gpu.py tests/gpu/test_engine_fast_path_gpu.py \
+        > $OUT/prefill_whole_tests.txt 2>&1; tail -2 $OUT/prefill_whole_tests.txt
+    timeout 60 python tools/profile_prefill.py --formats kv4,bf16 --q-heads 32 --cases 256:0:128,8:0:2048 \
+        --json $OUT/prefill_profile.json
+    timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32,16 --grid candidates --top 3 \
+        --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_candidates.json
+    timeout 120 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
+        --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -6
+    timeout 100 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 --no-hf \
+        --json $OUT/generate_1p7b.json 2>&1 | grep "│" | tail -6
+}
+kv4_tiles() {  # issue 11 (twenty-seventh session): KV4's prefill at 128 x 32 tiles at every length - the prefill
+    # GPU tests, the candidates at 1.7B heads (8B's in prefill_whole), generate at both shapes, 8B B128 full
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py \
+        tests/gpu/test_prefill_engine_gpu.py tests/gpu/test_prefill_graphs_gpu.py > $OUT/kv4_tiles_tests.txt 2>&1
+    tail -2 $OUT/kv4_tiles_tests.txt
+    timeout 100 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 16 --grid candidates --top 3 \
+        --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_candidates_1p7b.json
+    timeout 100 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 64,256 --kv-format bf16,kv4 --no-hf \
+        --json $OUT/generate_1p7b.json 2>&1 | grep "│" | tail -6
+    timeout 120 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
+        --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_short.json 2>&1 | grep "│" | tail -6
+    timeout 170 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 128 --prompt-len 512 --new-tokens 1024 \
+        --kv-format bf16,kv4 --no-hf --json $OUT/generate_8b_b128_full.json 2>&1 | grep "│" | tail -3
+}
 _variants() {  # $1: the source file that candidates replace, $2: their folder, $3: the function run for each
     # (given its name; "main" first). The device gets the working tree, not .git: put each candidate in the
     # folder before the call, e.g. `git show wip/NAME:src/kv4rl/kernels/prefill_triton.py > tools/_variants/NAME.py`

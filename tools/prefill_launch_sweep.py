@@ -25,7 +25,7 @@ from kv4rl.kernels import prefill_triton  # noqa: E402
 from tests.kernel_cases import make_format, prefill_inputs, random_prefill_case  # noqa: E402
 
 KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
-CANDIDATES = [(128, 32, 4, 2), (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2)]
+CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 2), (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 2), (128, 64, 4, 2)]
 FULL = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
 
 
@@ -50,9 +50,9 @@ def sweep_case(name: str, num_q_heads: int, rows: int, prefix: int, new: int, se
     """One (format, heads, rows x (prefix + new)) case under the default and each of `settings`."""
     dev = torch.device("cuda")
     fmt = make_format(name, HEAD_DIM, n_sink=16, n_recent=128)
-    kind = fmt.decode_kind
+    kind = (fmt.decode_kind, fmt.has_side_rows)
     default = dict(prefill_triton.DEFAULT_PREFILL_LAUNCH[kind])
-    engine = prefill_triton.prefill_launch(kind, fmt.has_side_rows, prefix + new)  # what the engine launches
+    engine = prefill_triton.prefill_launch(*kind, prefix + new)  # what the engine launches
     long_from = prefill_triton.LONG_PREFILL_CONTEXT
     cache0, meta, q, k, v = random_prefill_case(fmt, [prefix] * rows, [new] * rows, KV_HEADS, num_q_heads, HEAD_DIM,
                                                 BLOCK_SIZE, dev, torch.Generator().manual_seed(0))

@@ -50,7 +50,8 @@ class PrefillGraphs:
         self.model, self.caches, self.fast = model, caches, fast
         self.buckets = prefill_buckets(max_tokens)
         self.num_q_heads = num_q_heads
-        self.per_tile = queries_per_tile(DEFAULT_PREFILL_LAUNCH[fast.kind]["BLOCK_M"], num_q_heads // fast.num_kv_heads)
+        launch = DEFAULT_PREFILL_LAUNCH[(fast.kind, fast.side)]  # what the kernel takes when a batch names none
+        self.per_tile = queries_per_tile(launch["BLOCK_M"], num_q_heads // fast.num_kv_heads)
         self.replay = replay
         dev = fast.device
         long = {"dtype": torch.long, "device": dev}

@@ -34,29 +34,29 @@ from kv4rl.kernels import interpreting
 from kv4rl.kernels.decode_common import LOG2E, DecodeKind
 from kv4rl.kernels.decode_triton import _dot_operand, _load_paged_rows
 
-# Tile shapes per kind (M rows = queries x GQA heads); what a short sweep on an H200 at Qwen3 heads chose
-# is recorded in bench/kernel_notes.md.
+# Tile shapes per (kind, KV4 side rows) (M rows = queries x GQA heads), chosen by tools/prefill_launch_sweep.py
+# on an H200 at Qwen3 heads (bench/RESULTS.md). KV4 runs 128 x 32 at every length: with its INT8 passes in
+# channel order it was 1.17-1.32x faster than 64 x 64 at 128-2,048 tokens (twenty-seventh session).
 DEFAULT_PREFILL_LAUNCH = {
-    DecodeKind.BF16: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    DecodeKind.FP8: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    DecodeKind.INT4: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    (DecodeKind.BF16, False): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    (DecodeKind.FP8, False): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    (DecodeKind.INT4, False): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    (DecodeKind.INT4, True): {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
 }
-# Steps whose longest row reaches LONG_PREFILL_CONTEXT tokens walk many key tiles per query tile, where other
-# tiles pay for INT4 pages. Measured on an H200 at Qwen3 heads (bench/RESULTS.md, twenty-fifth session):
-# KV4 1.12-1.18x and INT4 pages 1.37-1.60x at contexts of 1,280-2,304 tokens; 256 rows of 128 tokens ran
-# 4-7% slower with them, so short steps keep the defaults (contexts between 128 and 1,280 were not timed).
+# Steps whose longest row reaches LONG_PREFILL_CONTEXT tokens walk many key tiles per query tile, where INT4
+# pages pay for other tiles: 1.37-1.60x at contexts of 1,280-2,304 tokens on an H200 at Qwen3 heads, 4-7%
+# slower at 128 (bench/RESULTS.md, twenty-fifth session; 128-1,280 not timed), so short steps keep the defaults.
 LONG_PREFILL_CONTEXT = 1024
 LONG_PREFILL_LAUNCH = {  # (kind, KV4 side rows)
     (DecodeKind.INT4, False): {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-    (DecodeKind.INT4, True): {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
 }
 
 
 def prefill_launch(kind: DecodeKind, side: bool, longest_context: int) -> dict:
     """Launch settings of a prefill step whose longest row ends at `longest_context` tokens."""
-    if longest_context >= LONG_PREFILL_CONTEXT:
-        return LONG_PREFILL_LAUNCH.get((kind, side), DEFAULT_PREFILL_LAUNCH[kind])
-    return DEFAULT_PREFILL_LAUNCH[kind]
+    if longest_context >= LONG_PREFILL_CONTEXT and (kind, side) in LONG_PREFILL_LAUNCH:
+        return LONG_PREFILL_LAUNCH[(kind, side)]
+    return DEFAULT_PREFILL_LAUNCH[(kind, side)]
 
 
 @dataclass
@@ -376,7 +376,7 @@ def paged_prefill_attention(
         raise ValueError("KV4 prefill needs both the side rows and the step's fresh INT8 rows")
     if side is not None and kind != DecodeKind.INT4:
         raise ValueError("side rows go with INT4 pages (KV4)")
-    cfg = launch or batch.launch or DEFAULT_PREFILL_LAUNCH[kind]
+    cfg = launch or batch.launch or DEFAULT_PREFILL_LAUNCH[(kind, side is not None)]
     group = num_q_heads // num_kv_heads
     per_tile = batch.queries_per_tile
     if per_tile * group > cfg["BLOCK_M"]:
