@@ -10,8 +10,10 @@ products as in the decode kernels (`decode_triton`):
 
     score = s · (q · c) + z · Σq     out = Σ (p s) c + Σ p z     (INT4: codes c, scale s, zero z)
 
-INT4 bytes hold channel 2j in the low nibble and 2j+1 in the high one, so INT4 and KV4 programs keep
-the query, the accumulator and the output as even and odd channels.
+INT4 bytes hold channel 2j in the low nibble and 2j+1 in the high one, so plain INT4 programs keep the
+query, the accumulator and the output as even and odd channels. KV4 programs keep channel order: their
+INT4 pass interleaves each tile's nibbles back (a join), so the INT8 passes, which see most of a short
+prompt's keys, run one dot each way as BF16's do.
 
 KV4 (`KV4Format`): a query at q reads key p from its INT8 copy when p < n_sink or q - p < n_recent,
 else from the INT4 page. The INT8 copy of a token written this step comes from `fresh` (every new
@@ -19,7 +21,8 @@ token's INT8 codes, one row per packed token, written by the fused writer before
 positions come from the sequence's side rows, which still hold the previous step's window because the
 caller stores this step's protected rows only after the launch. So a program runs the INT4 pass over
 [n_sink, last - n_recent] and the INT8 passes over the sinks and the recent window of its queries (one pass
-where they touch), all into one softmax, each masked by the per-query rule.
+where they touch), all into one softmax, each masked by the per-query rule. An INT8 range is split at the
+step's first token, so each pass reads one source (fresh rows or side rows) at a fixed stride.
 """
 
 from __future__ import annotations
