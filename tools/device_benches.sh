@@ -481,6 +481,32 @@ _variants() {  # $1: the source file that candidates replace, $2: their folder, 
     cp /tmp/variant_main.py $target
 }
 
+tree_variants() {  # A/B of candidates that change several files: each folder tools/_trees/NAME/ holds its
+    # changed files at their repository paths (e.g. `git diff --name-only main wip/X | while read f; do mkdir -p
+    # tools/_trees/X/$(dirname $f); git show wip/X:$f > tools/_trees/X/$f; done`); main runs first, then each
+    # candidate laid over it, then main's files are put back. $1: the function run for each (given its name)
+    local each=$1 backup=/tmp/tree_main
+    rm -rf $backup; mkdir -p $backup
+    local files=$(cd tools/_trees && find . -mindepth 2 -type f | cut -d/ -f3- | sort -u)
+    for f in $files; do mkdir -p $backup/$(dirname $f); cp $f $backup/$f; done  # candidates only change files
+    echo "=== main"; $each main
+    for dir in tools/_trees/*/; do
+        local name=$(basename $dir)
+        cp -r $dir. .
+        echo "=== $name"; $each $name
+        for f in $files; do cp $backup/$f $f; done
+    done
+}
+prefill_trees() {  # prefill candidates that change more than the kernel file (tools/_trees/, see tree_variants)
+    tree_variants _prefill_tree
+}
+_prefill_tree() {
+    timeout 100 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py 2>&1 | tail -1
+    timeout 60 python tools/profile_prefill.py --formats kv4 --q-heads 32 --cases 256:0:128,8:0:2048 \
+        --json $OUT/prefill_tree_profile_$1.json 2>&1 | grep -v -e Warn -e _warn_once
+    timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32 --grid engine --top 1 \
+        --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_tree_$1.json
+}
 _prefill_variant() {
     timeout 100 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py 2>&1 | tail -1
     timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32 --grid engine --top 2 \
