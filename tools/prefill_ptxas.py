@@ -35,7 +35,7 @@ STRIDE_16 = ("stride_qn", "stride_qh", "stride_ks", "stride_kh", "stride_ps", "s
 def _pointer_types(kind: int) -> dict[str, str]:
     page = {0: "*bf16", 1: "*fp8e4nv", 2: "*i8"}[kind]
     scale = "*fp32" if kind == 1 else "*fp16"
-    types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": page, "v_ptr": page}
+    types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "k_ptr": page, "v_ptr": page, "rot_ptr": "*bf16"}
     types |= dict.fromkeys(("ks_ptr", "vs_ptr", "kz_ptr", "vz_ptr"), scale)
     types |= dict.fromkeys(("pk_ptr", "pv_ptr", "fk_ptr", "fv_ptr"), "*i8")
     types |= dict.fromkeys(("pks_ptr", "pvs_ptr", "fks_ptr", "fvs_ptr"), "*fp32")
@@ -43,8 +43,9 @@ def _pointer_types(kind: int) -> dict[str, str]:
     return types
 
 
-def compile_ptx(module, kind_name: str, launch: tuple[int, int, int, int], group: int = 4) -> str:
-    """PTX of `module._prefill_kernel` for one kind and (BLOCK_M, BLOCK_N, warps, stages)."""
+def compile_ptx(module, kind_name: str, launch: tuple[int, int, int, int], group: int = 4, rotate: str = "q") -> str:
+    """PTX of `module._prefill_kernel` for one kind and (BLOCK_M, BLOCK_N, warps, stages); `rotate` (q, qo
+    or none) applies to kernels that rotate queries and outputs themselves."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,7 +56,9 @@ def compile_ptx(module, kind_name: str, launch: tuple[int, int, int, int], group
     names = fn.arg_names
     const = {"KIND": kind, "G": group, "QM": block_m // group, "BLOCK_M": block_m, "BLOCK_N": block_n, "D": 128,
              "BLOCK_SIZE": 16, "SIDE": side, "N_SINK": 16 if side else 0, "N_RECENT": 128 if side else 0,
-             "EXACT": False} | dict.fromkeys(INT_ONE, 1)
+             "EXACT": False, "ROTATE_Q": "q" in rotate, "ROTATE_O": "o" in rotate, "SIGNS": True,
+             "RSQRT_D": 128**-0.5} | dict.fromkeys(INT_ONE, 1)
+    const = {k: v for k, v in const.items() if k in names}  # older kernels take fewer settings
     pointers = _pointer_types(kind)
     signature = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "sm_scale_log2" else "i32")
                  for n in names}
@@ -88,6 +91,8 @@ def main() -> None:
                    help="the prefill module to compile (another version of it, to compare)")
     p.add_argument("--kinds", default="kv4,bf16")
     p.add_argument("--launches", nargs="+", default=["64,64,4,2", "128,32,4,2"], help="BLOCK_M,BLOCK_N,warps,stages")
+    p.add_argument("--rotate", default="q", choices=("none", "q", "qo"),
+                   help="for kernels that rotate queries (q) and outputs (o) themselves; KV4's engine default is q")
     p.add_argument("--ptxas", default=shutil.which("ptxas") or str(Path(shutil.which("nvcc") or "nvcc").parent / "ptxas"))
     args = p.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -102,7 +107,7 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for launch in args.launches:
             cfg = tuple(int(x) for x in launch.split(","))
-            r = ptxas_resources(compile_ptx(module, kind, cfg), args.ptxas)
+            r = ptxas_resources(compile_ptx(module, kind, cfg, rotate=args.rotate), args.ptxas)
             print(f"{kind:5s} {launch:12s} {r['registers']:4d} registers  spills {r['spill_stores']:5d} B stored "
                   f"{r['spill_loads']:5d} B loaded  stack {r['stack']} B")
 
