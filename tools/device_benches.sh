@@ -507,6 +507,16 @@ _prefill_tree() {
     timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32 --grid engine --top 1 \
         --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_tree_$1.json
 }
+prefill_trees_short() {  # prefill_trees at a short prompt only, plus 8B B64 short generate (KV4)
+    tree_variants _prefill_tree_short
+}
+_prefill_tree_short() {
+    timeout 60 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py 2>&1 | tail -1
+    timeout 40 python tools/profile_prefill.py --formats kv4 --q-heads 32 --cases 256:0:128 \
+        --json $OUT/prefill_tree_profile_$1.json 2>&1 | grep -v -e Warn -e _warn_once
+    timeout 60 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 64 --prompt-len 128 --new-tokens 256 \
+        --kv-format kv4 --no-hf --json $OUT/prefill_tree_generate_$1.json 2>&1 | grep "│" | tail -1
+}
 _prefill_variant() {
     timeout 100 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_prefill_kernel_gpu.py 2>&1 | tail -1
     timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32 --grid engine --top 2 \
