@@ -85,6 +85,32 @@ def test_fused_write_path(name, gen):
         assert torch.equal(ref_cache[key].nan_to_num(7.0), fast_cache[key].nan_to_num(7.0)), key
 
 
+@pytest.mark.parametrize("head_dim,n_sink,n_recent,prefix,query,direct", [
+    (HEAD_DIM, 2, 5, [0, 0, 3, 2], [7, 1, 4, 3], True),  # every row ends within n_sink + n_recent tokens
+    (HEAD_DIM, 2, 5, [0, 3], [7, 5], False),  # one row's ring wraps by one token
+    (128, 16, 128, [0, 16, 100], [128, 128, 44], True),  # Qwen3's heads and the engine's windows
+])
+def test_kv4_steps_inside_the_window_write_side_rows_directly(head_dim, n_sink, n_recent, prefix, query, direct,
+                                                                gen, monkeypatch):
+    """A KV4 step whose rows all end within n_sink + n_recent tokens stores the INT8 copies straight into the
+    side rows and reads them there (no step buffer, no copies after it); one token more and it takes the
+    buffer. Either way the output is the reference's and the cache (pages, side rows) equals its bit for bit."""
+    from kv4rl.kernels import prefill_triton as pt
+
+    fmt = make_format("kv4", head_dim, n_sink=n_sink, n_recent=n_recent, rotate="none")
+    cache, meta, q, k, v = random_prefill_case(fmt, prefix, query, HKV, HQ, head_dim, BLOCK, DEVICE, gen)
+    seen, real = [], pt.paged_prefill_attention
+    monkeypatch.setattr(pt, "paged_prefill_attention",
+                        lambda *a, **kw: (seen.append(kw["fresh_in_side"]), real(*a, **kw))[1])
+    ref_cache, fast_cache = clone_cache(cache), clone_cache(cache)
+    ref = reference_prefill(fmt, ref_cache, meta, q, k, v)
+    out = fast_prefill(fmt, fast_cache, meta, q, k, v, fused_write=True)
+    assert seen == [direct]
+    assert rel_err(out, ref) < 5e-3, rel_err(out, ref)
+    for key in ref_cache:
+        assert torch.equal(ref_cache[key].nan_to_num(7.0), fast_cache[key].nan_to_num(7.0)), key
+
+
 def test_long_steps_launch_their_own_tiles(gen, monkeypatch):
     """INT4 pages: a step whose longest row reaches `LONG_PREFILL_CONTEXT` launches with `LONG_PREFILL_LAUNCH`
     (query tiles cut to match) and still computes the reference's output; shorter steps keep the defaults.

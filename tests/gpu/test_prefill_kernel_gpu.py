@@ -36,3 +36,29 @@ def test_prefill_kernel_gpu_matches_reference(name, rotate):
         written = torch.isfinite(ref_cache[key].float()) if ref_cache[key].dtype.is_floating_point else None
         if written is not None and ref_cache[key].dtype != torch.float8_e4m3fn:
             assert torch.equal(written, torch.isfinite(fast_cache[key].float())), key
+
+
+@pytest.mark.parametrize("rotate", ["auto", "kv"])
+def test_kv4_short_steps_through_the_side_rows_gpu(rotate):
+    """A KV4 step whose rows all end within the sinks and the window (128-token prompts, a continuation to
+    144 tokens) writes its INT8 copies straight into the side rows and reads them there
+    (`PrefillInputs.direct`); the output and the side rows match the reference's."""
+    from kv4rl.kernels import prefill_triton as pt
+
+    gen = fresh_generator()
+    fmt = make_format("kv4", 128, n_sink=16, n_recent=128, rotate=rotate)
+    query, prefix = [128, 128, 7, 44, 1], [0, 0, 16, 100, 143]
+    cache, meta, q, k, v = random_prefill_case(fmt, prefix, query, 8, 32, 128, 16, DEVICE, gen)
+    seen, real = [], pt.paged_prefill_attention
+    pt.paged_prefill_attention = lambda *a, **kw: (seen.append(kw["fresh_in_side"]), real(*a, **kw))[1]
+    try:
+        ref_cache, fast_cache = clone_cache(cache), clone_cache(cache)
+        ref = reference_prefill(fmt, ref_cache, meta, q, k, v)
+        out = fast_prefill(fmt, fast_cache, meta, q, k, v)
+    finally:
+        pt.paged_prefill_attention = real
+    assert seen == [True]
+    assert rel_err(out, ref) < TOL, rel_err(out, ref)
+    for key in ("k_prot_scale", "v_prot_scale"):  # rows nobody wrote stay NaN in both
+        assert torch.equal(torch.isfinite(fast_cache[key]), torch.isfinite(ref_cache[key])), key
+        assert rel_err(fast_cache[key].nan_to_num(0.0), ref_cache[key].nan_to_num(0.0)) < TOL, key

@@ -89,6 +89,10 @@ class PrefillInputs:
     keep_tokens: torch.Tensor | None  # KV4: packed index of the tokens protected at the step's end ...
     keep_rows: torch.Tensor | None  # ... and the side row each is stored to after the attention
     batch: PrefillBatch
+    # KV4: every row ends within n_sink + n_recent tokens, so each position has a side row of its own (the
+    # ring has not wrapped) and every new token is kept: the write stores the INT8 copies straight into the
+    # side rows (`keep_rows`, one per token in order) and the kernel reads them there, without a step buffer
+    direct: bool = False
 
 
 def _copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
@@ -274,6 +278,7 @@ class FastAttention:
             rows = self.fmt.side_rows(torch.from_numpy(out["seq_slots"][row].astype(np.int64)), p).numpy()
             out["keep_tokens"] = np.nonzero(keep)[0].astype(np.int64)
             out["keep_rows"] = rows[keep].astype(np.int64)
+            out["direct"] = np.asarray(bool(len(lens)) and bool((lens <= self.fmt.n_sink + self.fmt.n_recent).all()))
         return out
 
     def _prefill_launch(self, context_lens: np.ndarray) -> dict:
@@ -295,28 +300,33 @@ class FastAttention:
         if self.side:
             side = {"keep_tokens": to(host["keep_tokens"]), "keep_rows": to(host["keep_rows"])}
         return PrefillInputs(slots=to(host["slots"]), token_rows=torch.arange(n, device=self.device),
-                             keep_tokens=side.get("keep_tokens"), keep_rows=side.get("keep_rows"), batch=batch)
+                             keep_tokens=side.get("keep_tokens"), keep_rows=side.get("keep_rows"), batch=batch,
+                             direct=bool(host.get("direct", False)))
 
     def prefill(self, cache: dict, q, k, v, inputs: PrefillInputs) -> torch.Tensor:
-        """Write the rows' new K/V (KV4: their INT8 copies to a step buffer), attend each query causally over
-        its sequence's cache, then (KV4) store the copies protected at the step's end in the side rows."""
+        """Write the rows' new K/V (KV4: their INT8 copies to a step buffer, or straight to the side rows when
+        `inputs.direct`), attend each query causally over its sequence's cache, then (KV4, from the buffer)
+        store the copies protected at the step's end in the side rows."""
         from kv4rl.kernels.kv_write import write_kv_pair
         from kv4rl.kernels.prefill_triton import paged_prefill_attention
 
         num_tokens = k.shape[0]
-        fresh = None
-        if self.side:
+        fresh = int8_rows = protect_rows = None
+        if self.side and inputs.direct:
+            int8_rows = {p: (cache[f"{p}_prot_codes"], cache[f"{p}_prot_scale"]) for p in ("k", "v")}
+            protect_rows = inputs.keep_rows
+        elif self.side:
             fresh = {p: (torch.empty(num_tokens, self.num_kv_heads, self.head_dim, dtype=torch.int8, device=k.device),
                          torch.empty(num_tokens, self.num_kv_heads, dtype=torch.float32, device=k.device))
                      for p in ("k", "v")}
-        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", fresh),
-                      v_dest=self._dest(cache, "v", fresh), group_size=self.head_dim,
-                      protect_rows=inputs.token_rows if fresh is not None else None)
+            int8_rows, protect_rows = fresh, inputs.token_rows
+        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", int8_rows),
+                      v_dest=self._dest(cache, "v", int8_rows), group_size=self.head_dim, protect_rows=protect_rows)
         kc, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
         vc, v_scale, v_zero = self.fmt.paged_tensors(cache, "v")
         out = paged_prefill_attention(self._rotated(q, inputs), kc, vc, inputs.batch, kind=self.kind,
                                       k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
-                                      side=self.fmt.side_tensors(cache), fresh=fresh)
+                                      side=self.fmt.side_tensors(cache), fresh=fresh, fresh_in_side=inputs.direct)
         if fresh is not None:
             for prefix in ("k", "v"):
                 codes, scale = fresh[prefix]

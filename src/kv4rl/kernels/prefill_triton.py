@@ -251,10 +251,14 @@ def _int8_passes_whole(acc, z_acc, m_i, l_i, q, qpos, lo, hi, h, first, qs, seq_
                        pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
                        fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
                        N_SINK: tl.constexpr, N_RECENT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                       EXACT: tl.constexpr):
+                       EXACT: tl.constexpr, FRESH_IN_SIDE: tl.constexpr):
     """An INT8 range [lo, hi) in two passes split at the step's first token: older keys from the side
-    rows, this step's from the fresh rows (a new prompt's range is all fresh)."""
-    mid = tl.minimum(tl.maximum(first, lo), hi)
+    rows, this step's from the fresh rows (a new prompt's range is all fresh). FRESH_IN_SIDE: the step's
+    copies are in the side rows already, one pass there."""
+    if FRESH_IN_SIDE:
+        mid = hi
+    else:
+        mid = tl.minimum(tl.maximum(first, lo), hi)
     acc, z_acc, m_i, l_i = _int8_range_whole(
         acc, z_acc, m_i, l_i, q, qpos, lo, mid, h, first, qs, seq_row0,
         pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
@@ -278,7 +282,7 @@ def _prefill_kernel(
     o_ptr, stride_on, stride_oh, sm_scale_log2,
     KIND: tl.constexpr, G: tl.constexpr, QM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SIDE: tl.constexpr, N_SINK: tl.constexpr, N_RECENT: tl.constexpr,
-    EXACT: tl.constexpr,
+    EXACT: tl.constexpr, FRESH_IN_SIDE: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -323,12 +327,12 @@ def _prefill_kernel(
             acc, z_acc, m_i, l_i, q, qpos, 0, sink_hi, h, first, qs, seq_row0,
             pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
             fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
-            N_SINK, N_RECENT, BLOCK_N, D, EXACT)
+            N_SINK, N_RECENT, BLOCK_N, D, EXACT, FRESH_IN_SIDE)
         acc, z_acc, m_i, l_i = _int8_passes_whole(  # the recent window of the tile's queries
             acc, z_acc, m_i, l_i, q, qpos, recent_lo, last + 1, h, first, qs, seq_row0,
             pk_ptr, pv_ptr, pks_ptr, pvs_ptr, stride_ps, stride_ph, stride_pss, stride_psh,
             fk_ptr, fv_ptr, fks_ptr, fvs_ptr, stride_fs, stride_fh, stride_fss, stride_fsh, sm_scale_log2,
-            N_SINK, N_RECENT, BLOCK_N, D, EXACT)
+            N_SINK, N_RECENT, BLOCK_N, D, EXACT, FRESH_IN_SIDE)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         tl.store(o_rows + offs_d[None, :], ((acc + z_acc[:, None]) / l_safe[:, None]).to(o_ptr.dtype.element_ty),
                  mask=mask_m[:, None])
@@ -367,16 +371,18 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     k_zero: torch.Tensor | None = None, v_zero: torch.Tensor | None = None,
     side: dict | None = None, fresh: dict | None = None, sm_scale: float | None = None,
-    out: torch.Tensor | None = None, launch: dict | None = None,
+    out: torch.Tensor | None = None, launch: dict | None = None, fresh_in_side: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the packed queries q[N, Hq, D] (already rotated like the keys) over each row's
     paged cache, which already holds the step's tokens. `k`/`v` and scales as in `paged_decode_attention`.
     KV4: `side` is `KVFormat.side_tensors` and `fresh` = {"k": (codes [N, Hkv, D] int8, scale [N, Hkv]),
-    "v": ...}, the INT8 copies of the step's tokens. Returns [N, Hq, D] in q's dtype (or into `out`)."""
+    "v": ...}, the INT8 copies of the step's tokens, or `fresh_in_side` when the write stored them in the side
+    rows already (no row's ring wraps in the step: `PrefillInputs.direct`). Returns [N, Hq, D] in q's dtype
+    (or into `out`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if (side is None) != (fresh is None):
-        raise ValueError("KV4 prefill needs both the side rows and the step's fresh INT8 rows")
+    if (side is None) != (fresh is None and not fresh_in_side) or (fresh is not None and fresh_in_side):
+        raise ValueError("KV4 prefill needs the side rows and the step's INT8 rows: `fresh`, or `fresh_in_side`")
     if side is not None and kind != DecodeKind.INT4:
         raise ValueError("side rows go with INT4 pages (KV4)")
     cfg = launch or batch.launch or DEFAULT_PREFILL_LAUNCH[(kind, side is not None)]
@@ -394,7 +400,7 @@ def paged_prefill_attention(
     s_strides = (0, 0) if k_scale is None else (k_scale.stride(0), k_scale.stride(1))
     if side is not None:
         pk, pv, pks, pvs = side["k"], side["v"], side["k_scale"], side["v_scale"]
-        (fk, fks), (fv, fvs) = fresh["k"], fresh["v"]
+        (fk, fks), (fv, fvs) = ((pk, pks), (pv, pvs)) if fresh_in_side else (fresh["k"], fresh["v"])
         n_sink, n_recent = side["n_sink"], side["n_recent"]
         side_args = (pk, pv, pks, pvs, pk.stride(0), pk.stride(1), pks.stride(0), pks.stride(1),
                      fk, fv, fks, fvs, fk.stride(0), fk.stride(1), fks.stride(0), fks.stride(1))
@@ -412,6 +418,6 @@ def paged_prefill_attention(
         out, out.stride(0), out.stride(1), sm_scale * LOG2E,
         KIND=int(kind), G=group, QM=per_tile, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], D=head_dim,
         BLOCK_SIZE=batch.block_size, SIDE=side is not None, N_SINK=n_sink, N_RECENT=n_recent,
-        EXACT=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EXACT=interpreting(), FRESH_IN_SIDE=fresh_in_side, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
