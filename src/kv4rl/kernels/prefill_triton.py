@@ -22,7 +22,9 @@ positions come from the sequence's side rows, which still hold the previous step
 caller stores this step's protected rows only after the launch. So a program runs the INT4 pass over
 [n_sink, last - n_recent] and the INT8 passes over the sinks and the recent window of its queries (one pass
 where they touch), all into one softmax, each masked by the per-query rule. An INT8 range is split at the
-step's first token, so each pass reads one source (fresh rows or side rows) at a fixed stride.
+step's first token, so each pass reads one source (fresh rows or side rows) at a fixed stride. When no
+row's ring has wrapped (every row ends within n_sink + n_recent tokens), the caller writes the step's copies
+straight into the side rows and the INT8 passes read only those (`fresh_in_side`).
 """
 
 from __future__ import annotations
