@@ -41,7 +41,8 @@ from kv4rl.kernels.decode_triton import _dot_operand, _load_paged_rows
 
 # Tile shapes per (kind, KV4 side rows) (M rows = queries x GQA heads), chosen by tools/prefill_launch_sweep.py
 # on an H200 at Qwen3 heads (bench/RESULTS.md). KV4 runs 128 x 32 at every length: with its INT8 passes in
-# channel order it was 1.17-1.32x faster than 64 x 64 at 128-2,048 tokens (twenty-seventh session).
+# channel order it was 1.13-1.32x faster than 64 x 64 at 128-2,048 tokens at 8B heads, within 5% of the best at
+# 1.7B heads (twenty-seventh session).
 DEFAULT_PREFILL_LAUNCH = {
     (DecodeKind.BF16, False): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     (DecodeKind.FP8, False): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
