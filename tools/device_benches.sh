@@ -37,6 +37,10 @@
 #   bash tools/device_benches.sh prefill_short 2>&1 | tee $OUT/log.txt        # short-prompt prefill by kernel, KV4 vs BF16, 8B short generate (~5 min)
 #   bash tools/device_benches.sh prefill_variants 2>&1 | tee $OUT/log.txt     # prefill kernel sources in tools/_variants/ against main's (~1 min each)
 #   bash tools/device_benches.sh write_variants 2>&1 | tee $OUT/log.txt       # KV write sources in tools/_write_variants/ against main's (~2 min each)
+#   bash tools/device_benches.sh prefill_whole 2>&1 | tee $OUT/log.txt        # prefill + engine GPU tests, layer by kernel, tiles, generate 8B short and 1.7B (~6 min)
+#   bash tools/device_benches.sh kv4_tiles 2>&1 | tee $OUT/log.txt            # prefill GPU tests, tiles at 1.7B heads, generate 1.7B / 8B short / 8B B128 (~5 min)
+#   bash tools/device_benches.sh prefill_trees 2>&1 | tee $OUT/log.txt        # multi-file candidates in tools/_trees/NAME/ against main's (~1 min each)
+#   bash tools/device_benches.sh prefill_trees_short 2>&1 | tee $OUT/log.txt  # the same at a short prompt, with 8B B64 short generate (~40 s each)
 #   bash tools/device_benches.sh targets_8b 2>&1 | tee $OUT/log.txt           # issue 11's 8B points: B128 full memory, memory-limited B256, whole step (<10 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
