@@ -278,7 +278,8 @@ class FastAttention:
             rows = self.fmt.side_rows(torch.from_numpy(out["seq_slots"][row].astype(np.int64)), p).numpy()
             out["keep_tokens"] = np.nonzero(keep)[0].astype(np.int64)
             out["keep_rows"] = rows[keep].astype(np.int64)
-            out["direct"] = np.asarray(bool(len(lens)) and bool((lens <= self.fmt.n_sink + self.fmt.n_recent).all()))
+            inside = bool(len(lens)) and bool((lens <= self.fmt.n_sink + self.fmt.n_recent).all())
+            out["direct"] = np.asarray(inside and bool(keep.all()))  # keep_rows is then one row per token, in order
         return out
 
     def _prefill_launch(self, context_lens: np.ndarray) -> dict:
