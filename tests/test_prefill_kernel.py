@@ -115,19 +115,20 @@ def test_long_steps_launch_their_own_tiles(gen, monkeypatch):
     """INT4 pages: a step whose longest row reaches `LONG_PREFILL_CONTEXT` launches with `LONG_PREFILL_LAUNCH`
     (query tiles cut to match) and still computes the reference's output; shorter steps keep the defaults.
     KV4 and BF16 launch their defaults at every length, KV4's its own tiles."""
+    from kv4rl.kernels import prefill_plan as plan
     from kv4rl.kernels import prefill_triton as pt
     from kv4rl.kernels.decode_common import DecodeKind
 
-    short, long_cfg = pt.DEFAULT_PREFILL_LAUNCH[(DecodeKind.INT4, False)], pt.LONG_PREFILL_LAUNCH[(DecodeKind.INT4, False)]
+    short, long_cfg = plan.DEFAULT_PREFILL_LAUNCH[(DecodeKind.INT4, False)], plan.LONG_PREFILL_LAUNCH[(DecodeKind.INT4, False)]
     assert long_cfg != short
-    assert pt.prefill_launch(DecodeKind.INT4, False, pt.LONG_PREFILL_CONTEXT - 1) == short
-    assert pt.prefill_launch(DecodeKind.INT4, False, pt.LONG_PREFILL_CONTEXT) == long_cfg
-    kv4 = pt.DEFAULT_PREFILL_LAUNCH[(DecodeKind.INT4, True)]
+    assert plan.prefill_launch(DecodeKind.INT4, False, plan.LONG_PREFILL_CONTEXT - 1) == short
+    assert plan.prefill_launch(DecodeKind.INT4, False, plan.LONG_PREFILL_CONTEXT) == long_cfg
+    kv4 = plan.DEFAULT_PREFILL_LAUNCH[(DecodeKind.INT4, True)]
     assert kv4 != short
-    assert pt.prefill_launch(DecodeKind.INT4, True, 1) == pt.prefill_launch(DecodeKind.INT4, True, 10**6) == kv4
-    assert pt.prefill_launch(DecodeKind.BF16, False, 10**6) == pt.DEFAULT_PREFILL_LAUNCH[(DecodeKind.BF16, False)]
+    assert plan.prefill_launch(DecodeKind.INT4, True, 1) == plan.prefill_launch(DecodeKind.INT4, True, 10**6) == kv4
+    assert plan.prefill_launch(DecodeKind.BF16, False, 10**6) == plan.DEFAULT_PREFILL_LAUNCH[(DecodeKind.BF16, False)]
 
-    monkeypatch.setattr(pt, "LONG_PREFILL_CONTEXT", max(p + q for p, q in zip(PREFIX, QUERY)))
+    monkeypatch.setattr(plan, "LONG_PREFILL_CONTEXT", max(p + q for p, q in zip(PREFIX, QUERY)))
     seen = []
     real = pt.paged_prefill_attention
     monkeypatch.setattr(pt, "paged_prefill_attention",
@@ -187,11 +188,11 @@ def test_kv4_at_a_real_head_shape(launch, gen, monkeypatch):
     windows (16 sinks, 128 recent): rows that start fresh, continue a cached prefix past the window, and
     decode one token, under KV4's tiles and the other formats' (so both launch shapes are checked off the
     GPU too)."""
-    from kv4rl.kernels import prefill_triton as pt
+    from kv4rl.kernels import prefill_plan as plan
     from kv4rl.kernels.decode_common import DecodeKind
 
     tiles = {"BLOCK_M": launch[0], "BLOCK_N": launch[1], "num_warps": 4, "num_stages": 2}
-    monkeypatch.setitem(pt.DEFAULT_PREFILL_LAUNCH, (DecodeKind.INT4, True), tiles)
+    monkeypatch.setitem(plan.DEFAULT_PREFILL_LAUNCH, (DecodeKind.INT4, True), tiles)
     fmt = make_format("kv4", 128, n_sink=16, n_recent=128)
     query, prefix = [150, 1, 37, 20], [0, 200, 16, 150]
     cache, meta, q, k, v = random_prefill_case(fmt, prefix, query, 2, 8, 128, 16, DEVICE, gen)

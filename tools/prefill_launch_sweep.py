@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv4rl.engine.fast_path import FastAttention  # noqa: E402
-from kv4rl.kernels import prefill_triton  # noqa: E402
+from kv4rl.kernels import prefill_plan  # noqa: E402
 from tests.kernel_cases import make_format, prefill_inputs, random_prefill_case  # noqa: E402
 
 KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
@@ -51,19 +51,19 @@ def sweep_case(name: str, num_q_heads: int, rows: int, prefix: int, new: int, se
     dev = torch.device("cuda")
     fmt = make_format(name, HEAD_DIM, n_sink=16, n_recent=128)
     kind = (fmt.decode_kind, fmt.has_side_rows)
-    default = dict(prefill_triton.DEFAULT_PREFILL_LAUNCH[kind])
-    engine = prefill_triton.prefill_launch(*kind, prefix + new)  # what the engine launches
-    long_from = prefill_triton.LONG_PREFILL_CONTEXT
+    default = dict(prefill_plan.DEFAULT_PREFILL_LAUNCH[kind])
+    engine = prefill_plan.prefill_launch(*kind, prefix + new)  # what the engine launches
+    long_from = prefill_plan.LONG_PREFILL_CONTEXT
     cache0, meta, q, k, v = random_prefill_case(fmt, [prefix] * rows, [new] * rows, KV_HEADS, num_q_heads, HEAD_DIM,
                                                 BLOCK_SIZE, dev, torch.Generator().manual_seed(0))
     flops = 4 * rows * num_q_heads * HEAD_DIM * (new * prefix + new * new / 2)
     results, first = [], None
     # each setting stands in for the defaults, and no step counts as long, so the engine's query tiles and
     # launch both follow it
-    prefill_triton.LONG_PREFILL_CONTEXT = sys.maxsize
+    prefill_plan.LONG_PREFILL_CONTEXT = sys.maxsize
     try:
         for setting in [default] + [s for s in [engine] + settings if s != default]:
-            prefill_triton.DEFAULT_PREFILL_LAUNCH[kind] = setting
+            prefill_plan.DEFAULT_PREFILL_LAUNCH[kind] = setting
             fast = FastAttention(fmt, KV_HEADS, HEAD_DIM, BLOCK_SIZE, dev, num_q_heads=num_q_heads)
             inputs = prefill_inputs(fast, fmt, meta, num_q_heads)
             cache = {key: t.clone() for key, t in cache0.items()}
@@ -78,8 +78,8 @@ def sweep_case(name: str, num_q_heads: int, rows: int, prefix: int, new: int, se
                             "launch": setting, "default": setting == default, "engine": setting == engine, "ms": ms, "tflops": flops / ms / 1e9,
                             "max_abs_diff_vs_default": (out - first).abs().max().item()})
     finally:
-        prefill_triton.DEFAULT_PREFILL_LAUNCH[kind] = default
-        prefill_triton.LONG_PREFILL_CONTEXT = long_from
+        prefill_plan.DEFAULT_PREFILL_LAUNCH[kind] = default
+        prefill_plan.LONG_PREFILL_CONTEXT = long_from
     return results
 
 

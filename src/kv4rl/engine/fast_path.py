@@ -28,7 +28,7 @@ from kv4rl.kernels.decode_common import DecodeBatch, DecodeKind
 
 if TYPE_CHECKING:  # the kernels import Triton, which a CPU-only install may lack
     from kv4rl.kernels.decode_attention import DecodeKernels
-    from kv4rl.kernels.prefill_triton import PrefillBatch
+    from kv4rl.kernels.prefill_plan import PrefillBatch
 
 DEFAULT_MAX_SPLITS = 32
 # The engine's split grid holds this many times the splits a batch of equal contexts needs, so a batch
@@ -247,7 +247,7 @@ class FastAttention:
     def prefill_host(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                      seq_slots: list[int], num_q_heads: int) -> dict[str, np.ndarray]:
         """Per-step arrays for rows computing `query_lens` new tokens that end at `context_lens`."""
-        from kv4rl.kernels.prefill_triton import prefill_tiles, queries_per_tile
+        from kv4rl.kernels.prefill_plan import prefill_tiles, queries_per_tile
 
         bs, n_rows = self.block_size, len(query_lens)
         qlens = np.asarray(query_lens, dtype=np.int64)
@@ -283,12 +283,12 @@ class FastAttention:
         return out
 
     def _prefill_launch(self, context_lens: np.ndarray) -> dict:
-        from kv4rl.kernels.prefill_triton import prefill_launch
+        from kv4rl.kernels.prefill_plan import prefill_launch
 
         return prefill_launch(self.kind, self.side, int(context_lens.max()) if len(context_lens) else 0)
 
     def prefill_inputs(self, host: dict[str, np.ndarray]) -> PrefillInputs:
-        from kv4rl.kernels.prefill_triton import PrefillBatch
+        from kv4rl.kernels.prefill_plan import PrefillBatch
 
         to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)
         batch = PrefillBatch(block_tables=to(host["block_tables"]), context_lens=to(host["context_lens"]),

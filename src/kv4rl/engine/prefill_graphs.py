@@ -45,7 +45,7 @@ class PrefillGraphs:
 
     def __init__(self, model, caches: list[dict], fast: FastAttention, max_tokens: int, max_blocks: int,
                  num_q_heads: int, replay: bool = True):
-        from kv4rl.kernels.prefill_triton import DEFAULT_PREFILL_LAUNCH, queries_per_tile
+        from kv4rl.kernels.prefill_plan import DEFAULT_PREFILL_LAUNCH, queries_per_tile
 
         self.model, self.caches, self.fast = model, caches, fast
         self.buckets = prefill_buckets(max_tokens)
@@ -87,7 +87,7 @@ class PrefillGraphs:
         return next((b for b in self.buckets if b >= tokens), None)
 
     def _inputs(self, tokens: int) -> PrefillInputs:
-        from kv4rl.kernels.prefill_triton import PrefillBatch
+        from kv4rl.kernels.prefill_plan import PrefillBatch
 
         n_tiles = self.num_tiles(tokens)
         batch = PrefillBatch(block_tables=self.block_tables, context_lens=self.context_lens,

@@ -29,8 +29,6 @@ straight into the side rows and the INT8 passes read only those (`fresh_in_side`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -38,70 +36,7 @@ import triton.language as tl
 from kv4rl.kernels import interpreting
 from kv4rl.kernels.decode_common import LOG2E, DecodeKind
 from kv4rl.kernels.decode_triton import _dot_operand, _load_paged_rows
-
-# Tile shapes per (kind, KV4 side rows) (M rows = queries x GQA heads), chosen by tools/prefill_launch_sweep.py
-# on an H200 at Qwen3 heads (bench/RESULTS.md). KV4 runs 128 x 32 at every length: with its INT8 passes in
-# channel order it was 1.13-1.32x faster than 64 x 64 at 128-2,048 tokens at 8B heads, within 5% of the best at
-# 1.7B heads (twenty-seventh session).
-DEFAULT_PREFILL_LAUNCH = {
-    (DecodeKind.BF16, False): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    (DecodeKind.FP8, False): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    (DecodeKind.INT4, False): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    (DecodeKind.INT4, True): {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-}
-# Steps whose longest row reaches LONG_PREFILL_CONTEXT tokens walk many key tiles per query tile, where INT4
-# pages pay for other tiles: 1.37-1.60x at contexts of 1,280-2,304 tokens on an H200 at Qwen3 heads, 4-7%
-# slower at 128 (bench/RESULTS.md, twenty-fifth session; 128-1,280 not timed), so short steps keep the defaults.
-LONG_PREFILL_CONTEXT = 1024
-LONG_PREFILL_LAUNCH = {  # (kind, KV4 side rows)
-    (DecodeKind.INT4, False): {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-}
-
-
-def prefill_launch(kind: DecodeKind, side: bool, longest_context: int) -> dict:
-    """Launch settings of a prefill step whose longest row ends at `longest_context` tokens."""
-    if longest_context >= LONG_PREFILL_CONTEXT and (kind, side) in LONG_PREFILL_LAUNCH:
-        return LONG_PREFILL_LAUNCH[(kind, side)]
-    return DEFAULT_PREFILL_LAUNCH[(kind, side)]
-
-
-@dataclass
-class PrefillBatch:
-    """Per-step inputs shared by every layer (int32 device tensors).
-
-    block_tables[B, W], context_lens[B] (tokens cached after the step's write), query_start[B + 1]
-    (row b's new tokens are packed rows query_start[b]..query_start[b + 1] - 1), seq_slots[B] (KV4's side
-    rows); tile_seq[T] / tile_query[T]: the sequence and first query of each program's query tile of
-    `queries_per_tile` queries (see `prefill_tiles`).
-    """
-
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    query_start: torch.Tensor
-    seq_slots: torch.Tensor
-    tile_seq: torch.Tensor
-    tile_query: torch.Tensor
-    queries_per_tile: int
-    block_size: int
-    launch: dict | None = None  # the kernel's settings (None: DEFAULT_PREFILL_LAUNCH); tiles are cut for them
-
-
-def queries_per_tile(block_m: int, group: int) -> int:
-    """Queries of one tile: all G heads of each query fit in the M rows."""
-    if group > block_m:
-        raise ValueError(f"prefill kernel: {group} query heads per KV head exceed BLOCK_M={block_m}")
-    return block_m // group
-
-
-def prefill_tiles(query_lens: list[int], per_tile: int) -> tuple[list[int], list[int]]:
-    """(sequence, first query) of every query tile, longest sequences' tiles first (they walk the most keys)."""
-    order = sorted(range(len(query_lens)), key=lambda b: -query_lens[b])
-    seqs, firsts = [], []
-    for b in order:
-        for q0 in range(0, query_lens[b], per_tile):
-            seqs.append(b)
-            firsts.append(q0)
-    return seqs, firsts
+from kv4rl.kernels.prefill_plan import DEFAULT_PREFILL_LAUNCH, PrefillBatch
 
 
 @triton.jit
@@ -145,9 +80,9 @@ def _plain_range(acc, m_i, l_i, q, qpos, lo, hi, b, h, k_ptr, v_ptr, ks_ptr, vs_
 @triton.jit
 def _int4_range(acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, q_sum, qpos, lo, hi, b, h, k_ptr, v_ptr, ks_ptr, vs_ptr,
                 kz_ptr, vz_ptr, stride_ks, stride_kh, stride_ss, stride_sh, bt_ptr, stride_bt, sm_scale_log2,
-                SIDE: tl.constexpr, N_SINK: tl.constexpr, N_RECENT: tl.constexpr, BLOCK_N: tl.constexpr,
-                D: tl.constexpr, BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr):
-    """INT4 pages over [lo, hi): causal, and with KV4's side rows only the keys a query does not protect."""
+                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr):
+    """Plain INT4 pages over [lo, hi), causal, with the query and accumulator as even and odd channels (KV4
+    takes `_int4_range_whole`)."""
     offs_d2 = tl.arange(0, D // 2)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -160,10 +95,7 @@ def _int4_range(acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, q_sum, qpos, lo, hi, b,
         k_scale = tl.load(ks_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
         k_zero = tl.load(kz_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
         qk = qk * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
-        if SIDE:
-            valid = mask_n[None, :] & (offs_n[None, :] >= N_SINK) & (qpos[:, None] - offs_n[None, :] >= N_RECENT)
-        else:
-            valid = mask_n[None, :] & (offs_n[None, :] <= qpos[:, None])
+        valid = mask_n[None, :] & (offs_n[None, :] <= qpos[:, None])
         qk = tl.where(valid, qk * sm_scale_log2, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
         v_scale = tl.load(vs_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
@@ -352,7 +284,7 @@ def _prefill_kernel(
         acc_e, acc_o, z_acc, m_i, l_i = _int4_range(
             acc_e, acc_o, z_acc, m_i, l_i, q_e, q_o, q_sum, qpos, 0, last + 1, b, h,
             k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, stride_ks, stride_kh, stride_ss, stride_sh,
-            bt_ptr, stride_bt, sm_scale_log2, SIDE, N_SINK, N_RECENT, BLOCK_N, D, BLOCK_SIZE, EXACT)
+            bt_ptr, stride_bt, sm_scale_log2, BLOCK_N, D, BLOCK_SIZE, EXACT)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         tl.store(o_rows + 2 * offs_d2[None, :], ((acc_e + z_acc[:, None]) / l_safe[:, None]).to(o_ptr.dtype.element_ty),
                  mask=mask_m[:, None])
