@@ -85,7 +85,8 @@ class PrefillInputs:
     """What the prefill kernel needs for one step's multi-token rows (the tokens packed row by row)."""
 
     slots: torch.Tensor  # [N] long: cache slot of each new token
-    token_rows: torch.Tensor  # [N] long 0..N-1: each token's own row (KV4's step INT8 copies, the query rotation)
+    token_rows: torch.Tensor | None  # [N] long 0..N-1, each token's own row: KV4's step INT8 copies, the query
+    # rotation (None for formats that need neither)
     keep_tokens: torch.Tensor | None  # KV4: packed index of the tokens protected at the step's end ...
     keep_rows: torch.Tensor | None  # ... and the side row each is stored to after the attention
     batch: PrefillBatch
@@ -300,7 +301,8 @@ class FastAttention:
         side = {}
         if self.side:
             side = {"keep_tokens": to(host["keep_tokens"]), "keep_rows": to(host["keep_rows"])}
-        return PrefillInputs(slots=to(host["slots"]), token_rows=torch.arange(n, device=self.device),
+        rows = torch.arange(n, device=self.device) if self.side or self.fmt.rotate != "none" else None
+        return PrefillInputs(slots=to(host["slots"]), token_rows=rows,
                              keep_tokens=side.get("keep_tokens"), keep_rows=side.get("keep_rows"), batch=batch,
                              direct=bool(host.get("direct", False)))
 
