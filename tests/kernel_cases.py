@@ -73,9 +73,9 @@ def reference_decode(fmt, cache, meta: AttnMetadata, q: torch.Tensor) -> torch.T
 
 
 def fast_decode(fmt, cache, meta: AttnMetadata, q: torch.Tensor, max_splits: int, split_size: int,
-                out_dtype=None, kernels=None):
+                out_dtype=None, kernels=None, rotated: bool = False):
     """The engine's Triton path (`FastAttention.attend`) on the same cache, with a chosen split grid
-    (and `kernels`: launch settings, default the tuned ones)."""
+    (and `kernels`: launch settings, default the tuned ones; `rotated`: q is rotated like the keys)."""
     from kv4rl.engine.fast_path import DecodeInputs, FastAttention
     from kv4rl.kernels.decode_attention import DecodeBatch
 
@@ -87,7 +87,8 @@ def fast_decode(fmt, cache, meta: AttnMetadata, q: torch.Tensor, max_splits: int
     fast = FastAttention(fmt, cache[next(iter(cache))].shape[1], q.shape[-1], meta.block_size, device,
                          num_q_heads=q.shape[1], kernels=kernels)
     out = None if out_dtype is None else torch.empty(q.shape, dtype=out_dtype, device=device)
-    return fast.attend(cache, q, DecodeInputs(slots=meta.slot_mapping, protect_rows=None, batch=batch), out=out)
+    return fast.attend(cache, q, DecodeInputs(slots=meta.slot_mapping, protect_rows=None, batch=batch), out=out,
+                       rotated=rotated)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

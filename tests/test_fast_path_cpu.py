@@ -25,12 +25,13 @@ def ckpt(gqa_hd32_ckpt):
 
 
 def _scores(ckpt, backend: str, prompts, forced, max_num_seqs: int, reverse_batches: bool = False,
-            prefill: str = "torch", rotate: str = "auto", budget: int = 16384, split: bool = False):
+            prefill: str = "torch", rotate: str = "auto", budget: int = 16384, split: bool = False,
+            fused_ops: bool | str = "auto"):
     """`split`: False runs a mixed step's decode and prefill rows in one forward, as on the CPU; on CUDA
     (with decode graphs) the engine would split it, and the mixed path these tests count would not run."""
     kv = KVConfig(format="kv4", group_size=32, n_sink=2, n_recent=3, block_size=4, rotate=rotate)
     engine = Engine(ckpt, EngineConfig(kv=kv, attention_backend=backend, prefill_backend=prefill, num_kv_blocks=64,
-                                       max_model_len=64, max_num_batched_tokens=budget),
+                                       max_model_len=64, max_num_batched_tokens=budget, fused_ops=fused_ops),
                     dtype="bfloat16", max_num_seqs=max_num_seqs)
     engine.runner.split_mixed_steps = split
     engine.mixed_steps = 0
@@ -68,6 +69,42 @@ def test_fast_path_matches_the_reference_path(ckpt, case):
         assert torch.isfinite(f).all()
         assert float((f - r).norm() / r.norm()) < 3e-2  # bf16 model; see tests/gpu for real shapes
     assert fast_engine.scheduler.blocks.num_free_blocks == fast_engine.scheduler.blocks.num_blocks
+
+
+def test_fused_forward_hands_the_kernels_rotated_queries_and_keys(ckpt, monkeypatch):
+    """With the fused ops the RoPE kernel rotates q and k into KV4's key space (`rotates_qk`): the decode
+    and prefill kernels then rotate neither. Against the same fused engine with the rotations left to the
+    kernels (the write rotates the keys, `rotate_rows` the prefill's queries), and the all-reference one."""
+    from kv4rl.engine.fast_path import FastAttention
+
+    seen = []
+    for name in ("decode", "prefill"):
+        original = getattr(FastAttention, name)
+
+        def recording(self, *args, _original=original, _name=name, **kwargs):
+            seen.append((_name, bool(args[5] if len(args) > 5 else kwargs.get("rotated", False))))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(FastAttention, name, recording)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (5, 9, 6)]
+    forced = [torch.randint(0, 90, (n,), generator=gen).tolist() for n in (6, 3, 5)]
+    _, ref = _scores(ckpt, "torch", prompts, forced, 2)
+    results = {}
+    for in_rope in (True, False):
+        seen.clear()
+        if not in_rope:
+            monkeypatch.setattr(FastAttention, "qk_rotation_in_rope", False)
+        engine, results[in_rope] = _scores(ckpt, "triton", prompts, forced, 2, prefill="triton", fused_ops=True)
+        assert engine.model.fused_ops and engine.runner.fast.fmt.rotate == "k"
+        assert {("decode", in_rope), ("prefill", in_rope)} == set(seen), seen
+    # the interpreter truncates the fused norms' and RoPE's bf16 roundings (a rotation's too): both fused
+    # engines sit 3-8% from the reference, and within 1% of each other
+    for r, in_rope, in_kernels in zip(ref, results[True], results[False]):
+        assert torch.isfinite(in_rope).all()
+        error_rope, error_kernels = (float((x - r).norm() / r.norm()) for x in (in_rope, in_kernels))
+        assert error_rope < 1e-1 and error_rope < error_kernels + 5e-3
+        assert float((in_rope - in_kernels).norm() / in_kernels.norm()) < 2e-2
 
 
 def test_mixed_steps_split_into_a_decode_forward_and_a_prefill_forward_match_the_reference(ckpt):

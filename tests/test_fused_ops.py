@@ -93,6 +93,30 @@ def test_qk_norm_rope_matches_eager(head_dim, heads, scaling, qk_norm, gen):
     torch.testing.assert_close(k_out.double(), rotary.apply_rotary(k_ref, positions), **TOL)
 
 
+@pytest.mark.parametrize("head_dim,heads,tokens", [(32, (4, 2), None), (128, (16, 8), 4), (128, (32, 8), 8)])
+def test_qk_norm_rope_rotates_like_the_kv_cache(head_dim, heads, tokens, gen):
+    """`rotate=True`: each normed, RoPE'd head times the orthonormal Hadamard matrix (float64 reference),
+    with several tokens a program and a ragged last program (7 tokens)."""
+    from kv4rl.quant.hadamard import rotate
+
+    (hq, hk), n = heads, 7
+    rotary = RotaryEmbedding(head_dim, 40960, 1e6, None, device=DEVICE)
+    q, k = _randn(n, hq, head_dim, gen=gen, scale=2.0), _randn(n, hk, head_dim, gen=gen, scale=2.0)
+    qw, kw = (_randn(head_dim, gen=gen) * 0.3 + 1 for _ in range(2))
+    positions = torch.tensor([0, 1, 7, 1000, 32767, 40959, 5], device=DEVICE)
+    q_out, k_out = fo.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions, rotate=True,
+                                   tokens_per_program=tokens)
+    for out, x, w in ((q_out, q, qw), (k_out, k, kw)):
+        with torch.no_grad():  # the cached Hadamard matrix may be an inference tensor from an earlier test
+            ref = rotate(rotary.apply_rotary(_eager_norm(w)(x.double()), positions))
+        torch.testing.assert_close(out.double(), ref, **TOL)
+    plain, _ = fo.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions)
+    assert (q_out - plain).abs().max() > 0.1  # the rotation is not a no-op
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        fo.qk_norm_rope(q[..., :24], k[..., :24], None, None, EPS, rotary.cos[:, :12], rotary.sin[:, :12],
+                        positions, rotate=True)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 def test_silu_mul_matches_eager(gen):
     """1500 elements: a partial last block; gates out to where exp(-x) overflows float32."""
@@ -185,6 +209,24 @@ def test_float16_norms_within_an_ulp_or_two(gen):
     q_norm.weight.copy_(1 + 0.3 * torch.randn(128, generator=gen))
     q_out, _ = fo.qk_norm_rope(q, k, q_norm.weight, q_norm.weight, EPS, rotary.cos, rotary.sin, positions)
     assert float((q_out != rotary.apply_rotary(q_norm(q), positions)).float().mean()) < 1e-3
+
+
+@half_only
+@torch.inference_mode()
+def test_float16_rotation_rounds_once(gen):
+    """The rotation inside `qk_norm_rope` sums the exact ±1 products in float32, then scales and rounds
+    (as the KV write rotates bf16 keys): the float64 rotation of the RoPE'd heads rounded once to float16,
+    up to the float32 sums and scaling (rarely an ulp)."""
+    from kv4rl.quant.hadamard import rotate
+
+    rotary = RotaryEmbedding(128, 40960, 1e6, None)
+    q, k = ((2 * torch.randn(64, h, 128, generator=gen)).half() for h in (16, 8))
+    positions = torch.randint(0, 40960, (64,), generator=gen)
+    plain = fo.rope(q, k, rotary.cos, rotary.sin, positions)
+    rotated = fo.qk_norm_rope(q, k, None, None, 0.0, rotary.cos, rotary.sin, positions, rotate=True)
+    for before, after in zip(plain, rotated):
+        ulps = _ulps(after, rotate(before.double()).half())
+        assert float(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 1e-3
 
 
 def test_kernels_compile_for_hopper_with_eager_arithmetic():

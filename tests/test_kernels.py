@@ -350,9 +350,11 @@ def test_cuda_int4_kernel_rotations_and_head_shapes(name, rotate, hq, hkv, gen):
 def test_kv4_int8_item_beside_the_body_writes_the_bits_of_the_item_after_it(rotate, gen, monkeypatch):
     """Launched as the INT4 body's programmatic dependent, rotating the raw query itself, KV4's INT8 item
     writes exactly what it writes launched after the body from the body's rotated query, at several split
-    grids (its merge must see every split's partial), bf16 and float32 outputs."""
+    grids (its merge must see every split's partial), bf16 and float32 outputs. The same with a query
+    rotated before (the fused forward's RoPE kernel does it): beside and after alike, no rotation in either."""
     import kv4rl.kernels.cuda_source as cs
     from kv4rl.kernels.decode_attention import DecodeKernels
+    from kv4rl.kernels.kv_write import rotate_rows
 
     launches = []
     real = cs.launch_after_previous
@@ -361,16 +363,19 @@ def test_kv4_int8_item_beside_the_body_writes_the_bits_of_the_item_after_it(rota
     lens = [1, 17, 36, 37, 300, 1500, 4000]
     cache, meta = random_paged_batch(fmt, lens, 8, 128, 16, DEVICE, gen)
     q = torch.randn(len(lens), 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q_rotated = rotate_rows(q, torch.arange(len(lens), device=DEVICE))
     ref = reference_decode(fmt, cache, meta, q)
     for max_splits, split in [(1, 4000), (8, 512), (32, 128)]:
         for dtype in (torch.bfloat16, torch.float32):
-            outs = []
-            for beside in (True, False):
-                kernels = DecodeKernels(int8_item_beside_body=beside)
-                outs.append(fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=dtype, kernels=kernels))
-            assert torch.equal(outs[0], outs[1]), (max_splits, dtype)
-            assert rel_err(outs[0].float(), ref) < TOL
-    assert len(launches) == 6  # the beside runs took the programmatic launch
+            for query, rotated in ((q, False), (q_rotated, True)):
+                outs = []
+                for beside in (True, False):
+                    kernels = DecodeKernels(int8_item_beside_body=beside)
+                    outs.append(fast_decode(fmt, cache, meta, query, max_splits, split, out_dtype=dtype,
+                                            kernels=kernels, rotated=rotated))
+                assert torch.equal(outs[0], outs[1]), (max_splits, dtype, rotated)
+                assert rel_err(outs[0].float(), ref) < TOL
+    assert len(launches) == 12  # the beside runs took the programmatic launch
 
 
 @pytest.mark.skipif(not CUDA, reason="the CUDA kernels need a GPU")

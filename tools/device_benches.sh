@@ -42,6 +42,7 @@
 #   bash tools/device_benches.sh prefill_trees 2>&1 | tee $OUT/log.txt        # multi-file candidates in tools/_trees/NAME/ against main's (~1 min each)
 #   bash tools/device_benches.sh prefill_trees_short 2>&1 | tee $OUT/log.txt  # the same at a short prompt, with 8B B64 short generate (~40 s each)
 #   bash tools/device_benches.sh targets_8b 2>&1 | tee $OUT/log.txt           # issue 11's 8B points: B128 full memory, memory-limited B256, whole step (<10 min)
+#   bash tools/device_benches.sh rope_rotation 2>&1 | tee $OUT/log.txt      # q/k rotated in the RoPE kernel: settings, write layouts, generate vs tools/_trees/ (~6 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -510,6 +511,22 @@ _prefill_tree() {
         --json $OUT/prefill_tree_profile_$1.json 2>&1 | grep -v -e Warn -e _warn_once
     timeout 90 python tools/prefill_launch_sweep.py --formats kv4 --q-heads 32 --grid engine --top 1 \
         --cases 256:0:128,64:0:256,64:1024:256,8:0:2048 --json $OUT/prefill_tree_$1.json
+}
+rope_rotation() {  # issue 11: KV4's key rotation in the fused RoPE kernel. Its launch settings, the KV4 write
+    # without a rotation by layout at prefill sizes, then generate (8B short B16/B64, 1.7B B256) with the
+    # working tree ("main" below) and each tree of tools/_trees/ (e.g. the files before the change)
+    timeout 90 python tools/rope_time.py --tokens 16,64,256,4096,32768 --q-heads 32 \
+        --settings 1x4,2x4,4x4,8x4,16x4,1x8,4x8,8x8 --json $OUT/rope_time.json
+    timeout 90 python tools/kv_write_time.py --tokens 4096,32768 --rotate none \
+        --layouts 16x8,32x8,64x4,64x8,128x4,128x8,256x8 --json $OUT/kv_write_prefill.json
+    tree_variants _rope_generate
+}
+_rope_generate() {
+    local formats=kv4; [ $1 = main ] && formats=bf16,kv4
+    timeout 150 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
+        --kv-format $formats --no-hf --json $OUT/rope_generate_8b_$1.json 2>&1 | grep "│"
+    timeout 100 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 256 --kv-format kv4 --no-hf \
+        --json $OUT/rope_generate_1p7b_$1.json 2>&1 | grep "│"
 }
 prefill_trees_short() {  # prefill_trees at a short prompt only, plus 8B B64 short generate (KV4)
     tree_variants _prefill_tree_short

@@ -42,9 +42,10 @@ def _destinations(fmt, n: int, hkv: int, d: int, rotate: tuple[bool, bool], prot
     return slots, prot, dests
 
 
-def _time_size(fmt, n: int, hkv: int, layouts: list[tuple[int, int]], fp32: bool) -> dict:
+def _time_size(fmt, n: int, hkv: int, layouts: list[tuple[int, int]], fp32: bool, rotate: str = "kv") -> dict:
+    """`rotate`: which of K and V the pair layouts rotate ("none": keys rotated before, by the fused RoPE)."""
     d = 128
-    slots, prot, dests = _destinations(fmt, n, hkv, d, (True, True), protect=True)
+    slots, prot, dests = _destinations(fmt, n, hkv, d, (rotate != "none", rotate == "kv"), protect=True)
     k, v = (torch.randn(n, hkv, d, device="cuda").to(torch.bfloat16) for _ in range(2))
 
     def two(k=k, v=v):
@@ -92,6 +93,7 @@ def main() -> None:
     p.add_argument("--layouts", default="", help="extra pair layouts, rows x warps (default: `default_layout`)")
     p.add_argument("--fp32", action="store_true", help="also float32 rows (the IEEE float32 rotation)")
     p.add_argument("--parts", action="store_true", help="time the parts of a KV4 write instead (see above)")
+    p.add_argument("--rotate", default="kv", choices=["kv", "k", "none"], help="what the pair layouts rotate")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     fmt = get_kv_format("kv4", group_size=128)
@@ -104,7 +106,7 @@ def main() -> None:
             print(f"{n:6d} tokens x {a.kv_heads} heads: " + ", ".join(f"{key[:-3]} {val:.2f} us" for key, val in row.items()
                                                                      if key.endswith("_us")), flush=True)
             continue
-        row = _time_size(fmt, n, a.kv_heads, layouts, a.fp32)
+        row = _time_size(fmt, n, a.kv_heads, layouts, a.fp32, a.rotate)
         results.append(row)
         print(f"{n:6d} tokens x {a.kv_heads} heads: " + ", ".join(f"{key[:-3]} {val:.1f} us" for key, val in row.items()
                                                                  if key.endswith("_us"))

@@ -97,6 +97,28 @@ def test_qk_norm_rope_within_the_norms_ulps():
         assert float((diff > 0).float().mean()) < 1e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 8])
+@torch.inference_mode()
+def test_rotated_qk_norm_rope_is_the_kv_writes_rotation(tokens):
+    """`rotate=True` in bf16: the heads of the unrotated kernel rotated as the KV write rotates keys
+    (`rotate_rows`: the same exact ±1 products summed in float32, scaled, rounded once), up to the order
+    of the float32 sums (rarely an ulp); N = 256 + 3 tokens, a ragged last program with 8 a program."""
+    from kv4rl.kernels.fused_ops import qk_norm_rope
+    from kv4rl.kernels.kv_write import rotate_rows
+
+    gen = _gen(5)
+    rotary, q, k, positions = _qk(gen)
+    q, k, positions = torch.cat((q, q[:3])), torch.cat((k, k[:3])), torch.cat((positions, positions[:3]))
+    q_norm, k_norm = _norm_module(D, gen), _norm_module(D, gen)
+    args = (q, k, q_norm.weight, k_norm.weight, EPS, rotary.cos, rotary.sin, positions)
+    rows = torch.arange(q.shape[0], device="cuda")
+    for plain, rotated in zip(qk_norm_rope(*args), qk_norm_rope(*args, rotate=True, tokens_per_program=tokens)):
+        want = rotate_rows(plain, rows)
+        diff = (rotated.float() - want.float()).abs()
+        assert (diff <= _ulp(want.abs())).all(), f"{int((diff > _ulp(want.abs())).sum())} elements beyond an ulp"
+        assert float((diff > 0).float().mean()) < 1e-3
+
+
 @torch.inference_mode()
 def test_silu_mul_is_bit_identical():
     from kv4rl.kernels.fused_ops import silu_mul

@@ -88,8 +88,10 @@ class DecodeGraphs:
     def _run_model(self, bs: int) -> torch.Tensor:
         inputs = self._inputs(bs)
 
-        def attention(layer: int, q, k, v):
-            return self.fast.decode(self.caches[layer], q, k, v, inputs)
+        def attention(layer: int, q, k, v, rotated: bool = False):
+            return self.fast.decode(self.caches[layer], q, k, v, inputs, rotated)
+
+        attention.rotates_qk = self.fast.rotates_qk
 
         hidden = self.model(self.ids[:bs], self.positions[:bs], attention)
         return self.model.compute_logits(hidden)

@@ -135,6 +135,18 @@ class FastAttention:
             self.body_kernel = self.kernels.body_kernel(self.kind, device, head_dim, num_q_heads // num_kv_heads,
                                                         num_kv_heads, block_size)[0]
 
+    # the fused forward rotates q and k in its RoPE kernel where the cache rotates keys (`rotates_qk`); False
+    # leaves the rotations to the write and the attention, as the eager forward does (tests compare the two)
+    qk_rotation_in_rope = True
+
+    @property
+    def rotates_qk(self) -> bool:
+        """The cache stores Hadamard-rotated keys, so the model's fused forward may hand q and k over rotated
+        already (`rotated=True` below; `qk_norm_rope(rotate=True)` does it in the RoPE kernel's registers):
+        then neither the KV write rotates the keys nor the attention the queries. For a prefill that saves
+        a pass over the queries of its own."""
+        return self.fmt.rotate != "none" and self.qk_rotation_in_rope
+
     def num_splits(self, batch_size: int) -> int:
         """The split grid for a batch of this size (fixed per CUDA-graph bucket)."""
         from kv4rl.kernels.decode_attention import choose_num_splits
@@ -210,39 +222,45 @@ class FastAttention:
                             batch=batch)
 
     # ---- per layer --------------------------------------------------------------------------------
-    def write(self, cache: dict, k: torch.Tensor, v: torch.Tensor, inputs: DecodeInputs) -> None:
+    def write(self, cache: dict, k: torch.Tensor, v: torch.Tensor, inputs: DecodeInputs, rotated: bool = False
+              ) -> None:
+        """`rotated`: k is rotated already (see `rotates_qk`)."""
         from kv4rl.kernels.kv_write import write_kv_pair
 
         side = {p: (cache[f"{p}_prot_codes"], cache[f"{p}_prot_scale"]) for p in ("k", "v")} if self.side else None
-        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", side),
-                      v_dest=self._dest(cache, "v", side), group_size=self.head_dim,
+        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", side, rotated),
+                      v_dest=self._dest(cache, "v", side, rotated), group_size=self.head_dim,
                       protect_rows=inputs.protect_rows if self.side else None)
 
-    def _dest(self, cache: dict, prefix: str, side: dict | None):
-        """Where the write puts K or V: its pages, its rotation, and (KV4) the INT8 rows `side[prefix]`."""
+    def _dest(self, cache: dict, prefix: str, side: dict | None, rotated: bool):
+        """Where the write puts K or V: its pages, its rotation (none for keys that come `rotated`), and (KV4)
+        the INT8 rows `side[prefix]`."""
         from kv4rl.kernels.kv_write import KVDest
 
         out, scale, zero = self.fmt.paged_tensors(cache, prefix)
         rotate = self.fmt.rotate == "kv" or (prefix == "k" and self.fmt.rotate == "k")
         codes, scales = side[prefix] if side is not None else (None, None)
-        return KVDest(out, scale, zero, rotate, codes, scales)
+        return KVDest(out, scale, zero, rotate and not (prefix == "k" and rotated), codes, scales)
 
-    def attend(self, cache: dict, q: torch.Tensor, inputs: DecodeInputs, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """q[B, Hq, D] over each row's cached context; `out` (e.g. float32) receives the result."""
+    def attend(self, cache: dict, q: torch.Tensor, inputs: DecodeInputs, out: torch.Tensor | None = None,
+               rotated: bool = False) -> torch.Tensor:
+        """q[B, Hq, D] (`rotated`: like the keys already) over each row's cached context; `out` (e.g.
+        float32) receives the result."""
         from kv4rl.kernels.decode_attention import paged_decode_attention
 
         k, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
         v, v_scale, v_zero = self.fmt.paged_tensors(cache, "v")
         out = paged_decode_attention(q, k, v, inputs.batch, kind=self.kind, k_scale=k_scale, v_scale=v_scale,
                                      k_zero=k_zero, v_zero=v_zero, side=self.fmt.side_tensors(cache), out=out,
-                                     rotate_query=self.fmt.rotate != "none", kernels=self.kernels)
+                                     rotate_query=self.fmt.rotate != "none" and not rotated,
+                                     query_rotated=rotated, kernels=self.kernels)
         return self.fmt.finish_output(out)
 
-    def decode(self, cache: dict, q, k, v, inputs: DecodeInputs) -> torch.Tensor:
-        """Write the rows' new K/V, then attend each row's query over its sequence's whole context."""
-        self.write(cache, k, v, inputs)
-        return self.attend(cache, q, inputs)
+    def decode(self, cache: dict, q, k, v, inputs: DecodeInputs, rotated: bool = False) -> torch.Tensor:
+        """Write the rows' new K/V, then attend each row's query over its sequence's whole context
+        (`rotated`: q and k come rotated, see `rotates_qk`)."""
+        self.write(cache, k, v, inputs, rotated)
+        return self.attend(cache, q, inputs, rotated=rotated)
 
     # ---- multi-token rows (prefill kernel) --------------------------------------------------------
     def prefill_host(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -306,10 +324,11 @@ class FastAttention:
                              keep_tokens=side.get("keep_tokens"), keep_rows=side.get("keep_rows"), batch=batch,
                              direct=bool(host.get("direct", False)))
 
-    def prefill(self, cache: dict, q, k, v, inputs: PrefillInputs) -> torch.Tensor:
+    def prefill(self, cache: dict, q, k, v, inputs: PrefillInputs, rotated: bool = False) -> torch.Tensor:
         """Write the rows' new K/V (KV4: their INT8 copies to a step buffer, or straight to the side rows when
         `inputs.direct`), attend each query causally over its sequence's cache, then (KV4, from the buffer)
-        store the copies protected at the step's end in the side rows."""
+        store the copies protected at the step's end in the side rows. `rotated`: q and k come rotated (see
+        `rotates_qk`)."""
         from kv4rl.kernels.kv_write import write_kv_pair
         from kv4rl.kernels.prefill_triton import paged_prefill_attention
 
@@ -323,12 +342,13 @@ class FastAttention:
                          torch.empty(num_tokens, self.num_kv_heads, dtype=torch.float32, device=k.device))
                      for p in ("k", "v")}
             int8_rows, protect_rows = fresh, inputs.token_rows
-        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", int8_rows),
-                      v_dest=self._dest(cache, "v", int8_rows), group_size=self.head_dim, protect_rows=protect_rows)
+        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", int8_rows, rotated),
+                      v_dest=self._dest(cache, "v", int8_rows, rotated), group_size=self.head_dim,
+                      protect_rows=protect_rows)
         kc, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
         vc, v_scale, v_zero = self.fmt.paged_tensors(cache, "v")
-        out = paged_prefill_attention(self._rotated(q, inputs), kc, vc, inputs.batch, kind=self.kind,
-                                      k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
+        q = q if rotated else self._rotated(q, inputs)
+        out = paged_prefill_attention(q, kc, vc, inputs.batch, kind=self.kind, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
                                       side=self.fmt.side_tensors(cache), fresh=fresh, fresh_in_side=inputs.direct)
         if fresh is not None:
             for prefix in ("k", "v"):

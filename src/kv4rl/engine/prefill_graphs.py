@@ -102,8 +102,10 @@ class PrefillGraphs:
     def _run_model(self, tokens: int) -> torch.Tensor:
         inputs = self._inputs(tokens)
 
-        def attention(layer: int, q, k, v):
-            return self.fast.prefill(self.caches[layer], q, k, v, inputs)
+        def attention(layer: int, q, k, v, rotated: bool = False):
+            return self.fast.prefill(self.caches[layer], q, k, v, inputs, rotated)
+
+        attention.rotates_qk = self.fast.rotates_qk
 
         hidden = self.model(self.ids[:tokens], self.positions[:tokens], attention)
         return self.model.compute_logits(hidden[self.ends])

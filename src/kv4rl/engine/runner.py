@@ -257,18 +257,21 @@ class ModelRunner:
         if meta is not None:
             pos_t = torch.cat((pos_t, meta.positions))
 
-        def attention(layer: int, q, k, v):
+        def attention(layer: int, q, k, v, rotated: bool = False):
             cache = self.caches[layer]
             parts = []
             if num_decode:
-                parts.append(self.fast.decode(cache, q[:num_decode], k[:num_decode], v[:num_decode], inputs))
+                parts.append(self.fast.decode(cache, q[:num_decode], k[:num_decode], v[:num_decode], inputs, rotated))
             if prefill is not None:
-                parts.append(self.fast.prefill(cache, q[num_decode:], k[num_decode:], v[num_decode:], prefill))
+                parts.append(self.fast.prefill(cache, q[num_decode:], k[num_decode:], v[num_decode:], prefill,
+                                               rotated))
             elif meta is not None:
                 parts.append(reference_paged_attention(q[num_decode:], k[num_decode:], v[num_decode:], cache,
                                                        self.kv_format, meta))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+        # the reference path rotates its own q and k
+        attention.rotates_qk = self.fast is not None and self.fast.rotates_qk and meta is None
         hidden = self.model(ids_t, pos_t, attention)
         last = torch.arange(num_decode, device=self.device)
         if rest:

@@ -121,7 +121,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     k_zero: torch.Tensor | None = None, v_zero: torch.Tensor | None = None,
     side: dict | None = None, sm_scale: float | None = None, out: torch.Tensor | None = None,
-    rotate_query: bool = False, kernels: DecodeKernels | None = None,
+    rotate_query: bool = False, query_rotated: bool = False, kernels: DecodeKernels | None = None,
 ) -> torch.Tensor:
     """Attention of q[B, Hq, D] (one decode query per sequence) over each sequence's cached context.
 
@@ -129,7 +129,9 @@ def paged_decode_attention(
     with `k_scale`… [slots, Hkv(, 1)] alongside. `side` (KV4) holds the INT8 protected rows
     {k, v, k_scale, v_scale, n_sink, n_recent}; the paged body then covers [n_sink, L - n_recent).
     `rotate_query`: the keys are Hadamard-rotated and q is not yet (the CUDA INT4 kernel rotates it
-    in registers; elsewhere it is rotated first). Returns [B, Hq, D] in q's dtype.
+    in registers; elsewhere it is rotated first). `query_rotated`: the keys are rotated and so is q
+    already (with KV4's CUDA kernels the INT8 item then starts beside the body without rotating anything).
+    Returns [B, Hq, D] in q's dtype.
     """
     kernels = DecodeKernels() if kernels is None else kernels
     bsz, num_q_heads, head_dim = q.shape
@@ -148,11 +150,12 @@ def paged_decode_attention(
         q_in = q = rotate(q)
     if out is None:
         out = torch.empty_like(q)
-    # KV4 with the CUDA INT4 body: its INT8 twin rotates the raw query itself and starts beside the body;
-    # otherwise the body hands the rotated query over (q_rot) and the item runs after it
+    # KV4 with the CUDA INT4 body: its INT8 twin rotates the raw query itself (or takes the one rotated
+    # before) and starts beside the body; otherwise the body hands the rotated query over (q_rot) and the
+    # item runs after it
     side_cuda = side is not None and use_cuda and fp8_decode_cuda.side_problem(out) is None
-    beside = (side_cuda and in_kernel and kernels.int8_item_beside_body
-              and cuda_source.programmatic_launch_problem(q.device) is None)
+    beside = (side_cuda and (in_kernel or (query_rotated and kind == DecodeKind.INT4))
+              and kernels.int8_item_beside_body and cuda_source.programmatic_launch_problem(q.device) is None)
     q_rot = torch.empty_like(q) if in_kernel and side is not None and not beside else None
     # the body first: with an in-kernel rotation and q_rot it also hands the INT8 item the rotated query
     body = SplitLaunch(q_in, kind, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part,
@@ -166,7 +169,8 @@ def paged_decode_attention(
     if side is not None:  # the protected INT8 rows, merged with the body's splits into `out`
         item = SplitLaunch(q if q_rot is None else q_rot, DecodeKind.INT8_SIDE, side["k"], side["v"],
                            side["k_scale"], side["v_scale"], None, None, batch, o_part, lse_part, num_splits=1,
-                           sm_scale=sm_scale, n_sink=n_sink, n_recent=n_recent, out=out, rotate_query=beside)
+                           sm_scale=sm_scale, n_sink=n_sink, n_recent=n_recent, out=out,
+                           rotate_query=beside and in_kernel)
         if side_cuda:  # with the CUDA INT4 body: its 8-bit twin
             fp8_decode_cuda.launch_int8_side(item, beside_body=beside)
         else:

@@ -118,11 +118,11 @@ def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None,
     scales; a sequence's rows start at seq_slot x (n_sink + n_recent)), merged with the INT4 body's split
     partials in work.o_part / lse_part (over [n_sink, L - n_recent)) into work.out. The body must be the
     kernel launched just before on this stream; `beside_body` launches the item as its programmatic
-    dependent (it then needs the raw query: the body's rotated copy may not exist yet when it starts).
+    dependent (its query must then exist before the body runs: the raw one it rotates itself, or one rotated
+    earlier, never the body's rotated copy, which may not exist yet when the item starts).
     `config`: compile-time settings (default `SIDE_CONFIG`)."""
     out = work.out
     assert work.k.dtype == work.v.dtype == torch.int8 and side_problem(out) is None
-    assert work.rotate_query or not beside_body, "beside the body the item must rotate the query itself"
     _launch(work, config, side=True, num_splits=1, start=work.n_sink, end_off=work.n_recent,
             side_args=[work.n_sink + work.n_recent, out, out.stride(0), out.stride(1), int(out.dtype == torch.float32),
                        int(work.rotate_query)], programmatic=beside_body)

@@ -16,7 +16,6 @@ the rotation's float32 summation order.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import triton.language as tl
 
 from kv4rl.kernels import interpreting
 from kv4rl.kernels.decode_common import DecodeKind
-from kv4rl.quant.hadamard import hadamard_matrix
+from kv4rl.quant.hadamard import hadamard_matrix, hadamard_signs
 
 # rows a program and its warps for decode-sized writes: a KV4 write of 16-256 tokens x 8 heads is one
 # latency chain per program (rotation, INT4 groups, INT8 copy; 16 programs at 16 tokens), which 8 warps
@@ -225,7 +224,7 @@ def _launch(xs: tuple[torch.Tensor, ...], dests: tuple[KVDest, ...], slots: torc
     signs = rotate and xs[0].dtype == torch.bfloat16
     rot = xs[0]
     if signs:
-        rot = _hadamard_signs(head_dim, xs[0].device)
+        rot = hadamard_signs(head_dim, torch.bfloat16, xs[0].device)
     elif rotate:
         rot = hadamard_matrix(head_dim, torch.float32, xs[0].device)
     first, second = dests[0], dests[-1]
@@ -252,7 +251,3 @@ def _launch(xs: tuple[torch.Tensor, ...], dests: tuple[KVDest, ...], slots: torc
     )
 
 
-@functools.cache
-def _hadamard_signs(n: int, device: torch.device) -> torch.Tensor:
-    """The ±1 Sylvester matrix in bf16 (the orthonormal one times sqrt(n), every entry exact)."""
-    return (hadamard_matrix(n, torch.float64) * math.sqrt(n)).round().to(torch.bfloat16).to(device)

@@ -25,7 +25,9 @@ from kv4rl.models.checkpoint_slots import LoadTarget, store
 from kv4rl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from kv4rl.models.tensor_parallel import TensorParallel, shard_args, shard_targets
 
-# (layer_idx, q[N, Hq, D], k[N, Hkv, D], v[N, Hkv, D]) -> out[N, Hq, D]
+# (layer_idx, q[N, Hq, D], k[N, Hkv, D], v[N, Hkv, D]) -> out[N, Hq, D]. An attention whose cache stores
+# Hadamard-rotated keys may say `rotates_qk = True`: the fused forward (`kv4rl.models.fused`) then rotates
+# q and k in its RoPE kernel and calls it with `rotated=True`; the eager forward never does.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -100,7 +100,10 @@ def _attention(attn, x_NC, positions_N, rotary, attention, layer_idx):
         assert attn.k_norm.eps == eps, "q_norm and k_norm share one eps in the fused kernel"
     else:
         weights, eps = (None, None), 0.0
-    q_NHD, k_NHD = qk_norm_rope(q_NHD, k_NHD, *weights, eps, rotary.cos, rotary.sin, positions_N)
-    out_NHD = attention(layer_idx, q_NHD, k_NHD, v_NHD)
+    # an engine attention over rotated keys takes q and k rotated in the RoPE kernel (decoder.AttentionFn)
+    rotate = getattr(attention, "rotates_qk", False)
+    q_NHD, k_NHD = qk_norm_rope(q_NHD, k_NHD, *weights, eps, rotary.cos, rotary.sin, positions_N, rotate=rotate)
+    out_NHD = attention(layer_idx, q_NHD, k_NHD, v_NHD, rotated=True) if rotate else attention(
+        layer_idx, q_NHD, k_NHD, v_NHD)
     out_NC = attn.o_proj(out_NHD.reshape(num_tokens, -1))
     return out_NC if attn.reduce is None else attn.reduce(out_NC)

@@ -33,6 +33,15 @@ def hadamard_matrix(
     return _cached_hadamard(n, dtype, torch.device(device if device is not None else "cpu"))
 
 
+@functools.lru_cache(maxsize=64)
+def hadamard_signs(n: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None
+                   ) -> torch.Tensor:
+    """The ±1 Sylvester matrix (`hadamard_matrix` times sqrt(n)), exact in every float dtype: kernels
+    multiply by it, summing the exact products in float32, then scale by 1/sqrt(n)."""
+    signs = hadamard_matrix(n, torch.float64) * math.sqrt(n)
+    return signs.round().to(dtype=dtype, device=torch.device(device if device is not None else "cpu"))
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x @ H`` along the last dim; also its own inverse. bf16/fp16 inputs are rotated in float32."""
     compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
