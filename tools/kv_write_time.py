@@ -58,7 +58,7 @@ def _time_size(fmt, n: int, hkv: int, layouts: list[tuple[int, int]], fp32: bool
         write_kv_pair(k, v, slots, store=fmt.decode_kind, k_dest=dests["k"], v_dest=dests["v"], group_size=128,
                       protect_rows=prot, block_rows=rows, num_warps=warps)
 
-    row = {"tokens": n, "kv_heads": hkv, "default_layout": "x".join(map(str, default_layout(n * hkv))), "two_us": 1e3 * _time_graph(two, calls=20),
+    row = {"tokens": n, "kv_heads": hkv, "default_layout": "x".join(map(str, default_layout(n * hkv, rotate != "none"))), "two_us": 1e3 * _time_graph(two, calls=20),
            "pair_us": 1e3 * _time_graph(pair, calls=20)}
     for rows, warps in layouts:
         row[f"pair_{rows}x{warps}_us"] = 1e3 * _time_graph(functools.partial(pair, rows, warps), calls=20)

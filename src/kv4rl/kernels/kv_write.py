@@ -34,11 +34,16 @@ from kv4rl.quant.hadamard import hadamard_matrix, hadamard_signs
 BLOCK_ROWS = 16
 NUM_WARPS = 8
 LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_NUM_WARPS = 8192, 64, 8  # 15.2 -> 10.4 us at 1,024 tokens x 8 heads, 44 -> 36 at 4,096
+# without a rotation (keys rotated by the fused RoPE) no dot shares the sign matrix among a program's rows, and
+# smaller programs win: KV4 at 32,768 tokens x 8 heads 218 -> 168 us, at 4,096 27.0 -> 22.5 (bench/RESULTS.md)
+LARGE_PLAIN_BLOCK_ROWS = 32
 
 
-def default_layout(num_rows: int) -> tuple[int, int]:
-    """(rows a program, warps) for a write of `num_rows` (token, KV head) rows."""
-    return (LARGE_BLOCK_ROWS, LARGE_NUM_WARPS) if num_rows >= LARGE_ROWS else (BLOCK_ROWS, NUM_WARPS)
+def default_layout(num_rows: int, rotate: bool = True) -> tuple[int, int]:
+    """(rows a program, warps) for a write of `num_rows` (token, KV head) rows (`rotate`: any of them rotated)."""
+    if num_rows < LARGE_ROWS:
+        return BLOCK_ROWS, NUM_WARPS
+    return (LARGE_BLOCK_ROWS if rotate else LARGE_PLAIN_BLOCK_ROWS), LARGE_NUM_WARPS
 
 
 @triton.jit
@@ -235,7 +240,7 @@ def _launch(xs: tuple[torch.Tensor, ...], dests: tuple[KVDest, ...], slots: torc
     pc = [d.prot_codes if protect else d.out for d in (first, second)]
     ps = [d.prot_scale if protect else d.out for d in (first, second)]
     num_rows = num_tokens * num_kv_heads
-    auto_rows, auto_warps = default_layout(num_rows)
+    auto_rows, auto_warps = default_layout(num_rows, rotate)
     block_rows, num_warps = block_rows or auto_rows, num_warps or auto_warps
     grid = (triton.cdiv(num_rows, block_rows), len(xs))
     _kv_write_kernel[grid](
