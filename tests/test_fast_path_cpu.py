@@ -97,6 +97,7 @@ def test_fused_forward_hands_the_kernels_rotated_queries_and_keys(ckpt, monkeypa
             monkeypatch.setattr(FastAttention, "qk_rotation_in_rope", False)
         engine, results[in_rope] = _scores(ckpt, "triton", prompts, forced, 2, prefill="triton", fused_ops=True)
         assert engine.model.fused_ops and engine.runner.fast.fmt.rotate == "k"
+        assert ("rotate k, in the RoPE kernel" in engine.summary) == in_rope, engine.summary
         assert {("decode", in_rope), ("prefill", in_rope)} == set(seen), seen
     # the interpreter truncates the fused norms' and RoPE's bf16 roundings (a rotation's too): both fused
     # engines sit 3-8% from the reference, and within 1% of each other

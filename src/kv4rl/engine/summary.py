@@ -13,8 +13,11 @@ if TYPE_CHECKING:
 
 def engine_summary(engine: Engine, max_num_seqs: int) -> str:
     plan, block_size, args, tp = engine.plan, engine.config.kv.block_size, engine.args, engine.tp
+    fast = engine.runner.fast
+    in_rope = engine.fused_ops and fast is not None and fast.rotates_qk  # q and k rotated by the fused RoPE
     return (
-        f"engine: kv format {plan.kv_format_name.value} (rotate {engine.kv_format.rotate}), "
+        f"engine: kv format {plan.kv_format_name.value} (rotate {engine.kv_format.rotate}"
+        f"{', in the RoPE kernel' if in_rope else ''}), "
         f"{engine.bytes_per_token:.1f} bytes/token at context {engine.max_model_len}, pool {engine.pool_tokens} tokens "
         f"({engine.runner.num_blocks} blocks x {block_size}) for up to {max_num_seqs} sequences, "
         f"{memory.format_bytes(engine.pool_bytes)} (sized by {engine.pool_sizing}), {plan.weights_desc}, "
