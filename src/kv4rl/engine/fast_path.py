@@ -348,8 +348,9 @@ class FastAttention:
         kc, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
         vc, v_scale, v_zero = self.fmt.paged_tensors(cache, "v")
         q = q if rotated else self._rotated(q, inputs)
-        out = paged_prefill_attention(q, kc, vc, inputs.batch, kind=self.kind, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero,
-                                      side=self.fmt.side_tensors(cache), fresh=fresh, fresh_in_side=inputs.direct)
+        out = paged_prefill_attention(q, kc, vc, inputs.batch, kind=self.kind, k_scale=k_scale, v_scale=v_scale,
+                                      k_zero=k_zero, v_zero=v_zero, side=self.fmt.side_tensors(cache), fresh=fresh,
+                                      fresh_in_side=inputs.direct)
         if fresh is not None:
             for prefix in ("k", "v"):
                 codes, scale = fresh[prefix]

@@ -261,7 +261,8 @@ class ModelRunner:
             cache = self.caches[layer]
             parts = []
             if num_decode:
-                parts.append(self.fast.decode(cache, q[:num_decode], k[:num_decode], v[:num_decode], inputs, rotated))
+                parts.append(self.fast.decode(cache, q[:num_decode], k[:num_decode], v[:num_decode], inputs,
+                                              rotated))
             if prefill is not None:
                 parts.append(self.fast.prefill(cache, q[num_decode:], k[num_decode:], v[num_decode:], prefill,
                                                rotated))
