@@ -43,6 +43,7 @@
 #   bash tools/device_benches.sh prefill_trees_short 2>&1 | tee $OUT/log.txt  # the same at a short prompt, with 8B B64 short generate (~40 s each)
 #   bash tools/device_benches.sh targets_8b 2>&1 | tee $OUT/log.txt           # issue 11's 8B points: B128 full memory, memory-limited B256, whole step (<10 min)
 #   bash tools/device_benches.sh rope_rotation 2>&1 | tee $OUT/log.txt      # q/k rotated in the RoPE kernel: settings, write layouts, generate vs tools/_trees/ (~6 min)
+#   bash tools/device_benches.sh rope_trees 2>&1 | tee $OUT/log.txt         # RoPE-kernel candidates in tools/_trees/ against main's (~2 min each)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -527,6 +528,20 @@ _rope_generate() {
         --kv-format $formats --no-hf --json $OUT/rope_generate_8b_$1.json 2>&1 | grep "│"
     timeout 100 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 256 --kv-format kv4 --no-hf \
         --json $OUT/rope_generate_1p7b_$1.json 2>&1 | grep "│"
+}
+rope_trees() {  # issue 11: RoPE-kernel candidates in tools/_trees/NAME/ (wip/rope-row-blocks, wip/rope-write-fused)
+    # against main's: each one's fused-op GPU tests, its RoPE settings, the short prefill layer with RoPE counted,
+    # generate 8B short B16/B64 (BF16 with main's files only)
+    tree_variants _rope_tree
+}
+_rope_tree() {
+    timeout 90 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_fused_ops_gpu.py 2>&1 | tail -1
+    timeout 60 python tools/rope_time.py --tokens 16,256,4096,32768 --q-heads 32 --json $OUT/rope_tree_$1.json
+    timeout 40 python tools/profile_prefill.py --formats kv4 --q-heads 32 --cases 256:0:128 --rope in-rope --top 4 \
+        --json $OUT/rope_tree_profile_$1.json 2>&1 | grep -v -e Warn -e _warn_once
+    local formats=kv4; [ $1 = main ] && formats=bf16,kv4
+    timeout 150 python -m kv4rl.cli bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 \
+        --kv-format $formats --no-hf --json $OUT/rope_tree_generate_$1.json 2>&1 | grep "│"
 }
 prefill_trees_short() {  # prefill_trees at a short prompt only, plus 8B B64 short generate (KV4)
     tree_variants _prefill_tree_short
