@@ -88,7 +88,7 @@ def test_a_split_checkpoint_of_another_layout_is_refused_before_touching_the_run
     from typer.testing import CliRunner
 
     from kv4rl.cli import app
-    from kv4rl.loop import find_restore
+    from kv4rl.run_setup import find_restore
 
     run_dir, _, _ = resumed
     snapshot = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))

@@ -35,38 +35,19 @@ from kv4rl.models.hf_weights import check_model_folder
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
-from kv4rl.run_folder import RunFolder, RunFolderError, check_new_run
+from kv4rl.run_folder import RunFolder, check_new_run
+from kv4rl.run_setup import Restore, build_learner, find_restore, resolve_model_dir, task_of_model
 from kv4rl.telemetry.attribution import MismatchAttribution
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, summarize_run
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
-from kv4rl.trainer.checkpoint import check_resume_world, find_resume_checkpoint, run_of, save_checkpoint
+from kv4rl.trainer.checkpoint import check_resume_world, save_checkpoint
 from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.learner import Learner
 from kv4rl.trainer.learner_options import check_learner_options
 
 log = logging.getLogger(__name__)
-
-
-def _task_of(model_dir: Path):
-    # imported here: kv4rl.models.testbed loads transformers' modeling code (and with it triton.language),
-    # which `import kv4rl.loop` should not do (the CPU kernel tests switch Triton to its interpreter first)
-    from kv4rl.models.testbed import task_of
-
-    return task_of(model_dir)
-
-
-def resolve_model_dir(cfg: RunConfig, progress: bool = True) -> Path:
-    if cfg.model.testbed is not None:
-        from kv4rl.models.testbed import testbed_model_dir
-
-        return testbed_model_dir(cfg.model.testbed, progress=progress, device=cfg.device)
-    if cfg.model.path is None:
-        from kv4rl.models.tiny import tiny_model_dir
-
-        return tiny_model_dir(progress=progress)
-    return Path(cfg.model.path)
 
 
 @dataclass
@@ -83,32 +64,6 @@ class Setup:
     start_iteration: int
     attribution: MismatchAttribution | None = None
     model_sha256: str | None = None  # the starting model's fingerprint (rank 0 only), in every metrics row
-
-
-@dataclass
-class Restore:
-    """What a resume starts from: the checkpoint folder, its trainer state and the run it belongs to."""
-
-    path: Path
-    state: dict
-    run_id: str | None
-
-
-def find_restore(cfg: RunConfig) -> Restore:
-    """The newest intact checkpoint of `cfg.run_dir`; a folder with none cannot be resumed."""
-    found = find_resume_checkpoint(cfg.run_dir)
-    if found is None:
-        raise RunFolderError(
-            f"--resume {cfg.run_dir}: no checkpoint yet (the run stopped before its first save, every "
-            f"checkpoint.save_every={cfg.checkpoint.save_every} iterations); to start it over, run "
-            f"`kv4rl train -c {cfg.run_dir / 'config.yaml'} --overwrite`")
-    path, state = found
-    written = state.get("placement", "colocated")
-    if written != cfg.rollout.placement:  # the two keep different state (in-flight rollouts vs stream place)
-        raise ConfigError(f"--resume {cfg.run_dir}: {path.name} was written by a {written} run (rollout.placement="
-                          f"{written}) and this one is rollout.placement={cfg.rollout.placement}; resume it as it "
-                          f"was written, or start a new run from its policy with model.path={path}")
-    return Restore(path, state, run_of(path))
 
 
 def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup:
@@ -141,7 +96,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         barrier()
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
-                               task=_task_of(base_dir))
+                               task=task_of_model(base_dir))
     policy_dir = base_dir if restore is None else restore.path
     check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     if cfg.trainer.offload or cfg.trainer.offload_optimizer:  # before the engine loads: minutes at 8B
@@ -167,19 +122,6 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
              base_dir, s.start_iteration, learner.attention,
              "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded", learner.options_desc)
     return s
-
-
-def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torch.device, group=None) -> Learner:
-    """The learner; `group`: its ranks when they are not the whole job (split placement)."""
-    t = cfg.trainer
-    return Learner(policy_dir, base_dir, algo=cfg.algo, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
-                   grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-                   updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
-                   device=device, grad_checkpointing=t.grad_checkpointing, fsdp=t.fsdp, offload=t.offload,
-                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every,
-                   attention=t.attention, group=group, fuse_elementwise=t.fuse_elementwise,
-                   compile_layers=t.compile_layers, fused_logprobs=t.fused_logprobs,
-                   offload_optimizer=t.offload_optimizer)
 
 
 def restore_state(s: Setup, state: dict, path: Path) -> None:

@@ -54,7 +54,7 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
     Fresh: the folders are `<out_dir>/<name>-s<seed>` of the config (name from the file or `name=`).
     Resume: `--resume runs/<name>` continues `runs/<name>-s<seed>` for each seed.
     """
-    from kv4rl.loop import find_restore
+    from kv4rl.run_setup import find_restore
 
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds: {seeds} repeats a seed; each seed is one run folder")

@@ -2,7 +2,7 @@
 weight format), with the engine and the learner on one device.
 
 Each arm drives the training loop's own `loop.run_iteration` (the loop's phase timers, its learner
-built by `loop.build_learner`, the weight refresh and, by default, the engine's sleep/wake around the
+built by `run_setup.build_learner`, the weight refresh and, by default, the engine's sleep/wake around the
 update) on random-init weights of a model shape, so the phases are the ones a `kv4rl train` run logs:
 rollout, reward (with advantages), update, weight sync (FP8 re-quantization included for fp8
 weights), sleep/wake (pool freed and re-allocated, graphs re-captured), and `other` (what
@@ -228,7 +228,8 @@ def _peak(device: torch.device) -> int | None:
 
 def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: ProgressFn) -> dict:
     """Build the arm's learner and engine, warm up one iteration, time the rest; one result row."""
-    from kv4rl.loop import Setup, build_learner, run_iteration
+    from kv4rl.loop import Setup, run_iteration
+    from kv4rl.run_setup import build_learner
 
     work, device = bench.workload, resolve_device(cfg.device)
     label = cfg.name.removeprefix("bench-")

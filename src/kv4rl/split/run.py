@@ -22,10 +22,10 @@ from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, barrier, current
 from kv4rl.engine.placement import resolve_device
 from kv4rl.graceful_stop import GracefulStop
-from kv4rl.loop import Restore, _task_of, build_learner, find_restore, resolve_model_dir
 from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.rollout.build import build_rollout
 from kv4rl.run_folder import RunFolder, check_new_run
+from kv4rl.run_setup import Restore, build_learner, find_restore, resolve_model_dir, task_of_model
 from kv4rl.split.channel import EngineLink, HeadLink, SplitGroups, make_groups, weight_manifest
 from kv4rl.split.engine_side import EngineSide, run_engine
 from kv4rl.split.learner_side import LearnerSide, run_learner
@@ -113,7 +113,7 @@ def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.devi
             base_dir, restore: Restore | None, stop: GracefulStop) -> dict:
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
-                               task=_task_of(base_dir))
+                               task=task_of_model(base_dir))
     policy_dir = base_dir if restore is None else restore.path
     formatter, reward_fn, llm, collector = build_rollout(
         cfg, source, base_dir, policy_dir, device, Ranks(engine, cfg.rollout.engine_ranks), show_progress=False)

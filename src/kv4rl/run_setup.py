@@ -1,0 +1,78 @@
+"""What both placements of a run build the same way: the model folder, the learner, and a resume's start.
+
+`kv4rl.loop` (engine and learner on every rank) and `kv4rl.split.run` (engines and learner on different
+ranks) share these, so they live apart from either loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kv4rl.config import ConfigError, RunConfig
+from kv4rl.run_folder import RunFolderError
+from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of
+from kv4rl.trainer.learner import Learner
+
+
+def task_of_model(model_dir: Path):
+    """The task a testbed folder was built for, or None (then the problem source uses its default task):
+    what a run trains on when `data.train` names no file."""
+    # imported here: kv4rl.models.testbed loads transformers' modeling code (and with it triton.language),
+    # which `import kv4rl.loop` should not do (the CPU kernel tests switch Triton to its interpreter first)
+    from kv4rl.models.testbed import task_of
+
+    return task_of(model_dir)
+
+
+def resolve_model_dir(cfg: RunConfig, progress: bool = True) -> Path:
+    if cfg.model.testbed is not None:
+        from kv4rl.models.testbed import testbed_model_dir
+
+        return testbed_model_dir(cfg.model.testbed, progress=progress, device=cfg.device)
+    if cfg.model.path is None:
+        from kv4rl.models.tiny import tiny_model_dir
+
+        return tiny_model_dir(progress=progress)
+    return Path(cfg.model.path)
+
+
+@dataclass
+class Restore:
+    """What a resume starts from: the checkpoint folder, its trainer state and the run it belongs to."""
+
+    path: Path
+    state: dict
+    run_id: str | None
+
+
+def find_restore(cfg: RunConfig) -> Restore:
+    """The newest intact checkpoint of `cfg.run_dir`; a folder with none cannot be resumed."""
+    found = find_resume_checkpoint(cfg.run_dir)
+    if found is None:
+        raise RunFolderError(
+            f"--resume {cfg.run_dir}: no checkpoint yet (the run stopped before its first save, every "
+            f"checkpoint.save_every={cfg.checkpoint.save_every} iterations); to start it over, run "
+            f"`kv4rl train -c {cfg.run_dir / 'config.yaml'} --overwrite`")
+    path, state = found
+    written = state.get("placement", "colocated")
+    if written != cfg.rollout.placement:  # the two keep different state (in-flight rollouts vs stream place)
+        raise ConfigError(f"--resume {cfg.run_dir}: {path.name} was written by a {written} run (rollout.placement="
+                          f"{written}) and this one is rollout.placement={cfg.rollout.placement}; resume it as it "
+                          f"was written, or start a new run from its policy with model.path={path}")
+    return Restore(path, state, run_of(path))
+
+
+def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torch.device, group=None) -> Learner:
+    """The learner; `group`: its ranks when they are not the whole job (split placement)."""
+    t = cfg.trainer
+    return Learner(policy_dir, base_dir, algo=cfg.algo, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
+                   grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
+                   updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
+                   device=device, grad_checkpointing=t.grad_checkpointing, fsdp=t.fsdp, offload=t.offload,
+                   max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every,
+                   attention=t.attention, group=group, fuse_elementwise=t.fuse_elementwise,
+                   compile_layers=t.compile_layers, fused_logprobs=t.fused_logprobs,
+                   offload_optimizer=t.offload_optimizer)
