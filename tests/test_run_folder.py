@@ -3,6 +3,8 @@ aside, a failed start (each cause) leaves the folder byte for byte as it was, re
 only the run's own checkpoints, and a resume works in place and reports the whole run."""
 
 import json
+import re
+import shlex
 import shutil
 
 import pytest
@@ -108,14 +110,31 @@ def test_retention_deletes_only_this_runs_checkpoints(run, tmp_path):
     assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
 
 
-def test_resume_without_a_checkpoint_refuses_and_says_how_to_start_over(run):
+def test_resume_without_a_checkpoint_refuses_and_its_start_over_command_acts_on_that_folder(copied, finished):
+    """The folder is a copy whose config.yaml names the original run: the command the error suggests must
+    start over in the copy, not move the original aside."""
+    run = copied
     shutil.rmtree(run / "checkpoints")
-    before = tree_state(run)
+    before, original = tree_state(run), tree_state(finished)
     res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
     assert res.exit_code == 2
-    text = " ".join(res.output.split())
-    assert "no checkpoint yet" in text and f"-c {run / 'config.yaml'} --overwrite" in text
-    assert tree_state(run) == before
+    assert "no checkpoint yet" in res.output and tree_state(run) == before
+    command = re.search(r"to start it over, run `kv4rl train ([^`]*)`", " ".join(res.output.split())).group(1)
+    res = train_cli(*shlex.split(command), *SMALL, "trainer.iterations=1")
+    assert res.exit_code == 0, res.output
+    assert tree_state(finished) == original and not list(finished.parent.glob("base.old-*"))
+    (aside,) = run.parent.glob("run.old-*")
+    assert tree_state(aside) == before  # the copy was set aside, whole, and the new run trained in its place
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0]
+
+
+def test_resume_of_a_missing_folder_or_a_file_says_which(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    res = train_cli("--resume", str(tmp_path / "nothing"), "--no-progress")
+    assert res.exit_code == 2 and "no such folder" in res.output
+    res = train_cli("--resume", str(tmp_path / "afile"), "--no-progress")
+    assert res.exit_code == 2 and "is a file, not a run folder" in res.output
+    assert (tmp_path / "afile").read_text() == "x"
 
 
 def test_copied_run_folder_resumes_in_place(copied, finished):
@@ -128,7 +147,7 @@ def test_copied_run_folder_resumes_in_place(copied, finished):
     assert "name: run\n" in (run / "config.yaml").read_text()
     assert tree_state(finished) == original  # the folder it was copied from is untouched
     res = train_cli("--resume", str(run), "name=elsewhere", "--no-progress")
-    assert res.exit_code == 2 and "leave them out" in res.output
+    assert res.exit_code == 2 and "name comes from the folder resumed; leave it out" in " ".join(res.output.split())
 
 
 def test_summary_after_resume_covers_the_whole_run(run):

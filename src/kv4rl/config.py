@@ -211,7 +211,8 @@ class RunConfig:
             (self.data.pool_size >= 0, "data.pool_size must be >= 0"),
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
             (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
-            (bool(self.name) and "/" not in self.name, "name must be a non-empty folder name"),
+            (bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
+             f"name={self.name!r}: must be a folder name (not empty, '.' or '..', no '/')"),
         ]
         for ok, message in checks:
             if not ok:

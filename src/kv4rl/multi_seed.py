@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kv4rl.config import RunConfig, load_config
+from kv4rl.config_loader import apply_overrides
 from kv4rl.engine.config import EngineConfig
 from kv4rl.run_folder import check_new_run, config_for_resume
 
@@ -58,6 +59,8 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
 
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds: {seeds} repeats a seed; each seed is one run folder")
+    if "seed" in apply_overrides({}, overrides):
+        raise ValueError("--seeds sets each run's seed; leave seed= out")
     runs = []
     if resume is not None:
         for seed in seeds:

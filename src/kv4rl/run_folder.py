@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kv4rl.config import RunConfig, load_config, save_config
 from kv4rl.config_loader import ConfigError, apply_overrides
+from kv4rl.paths import file_in_path
 from kv4rl.telemetry.metrics import JsonlWriter
 from kv4rl.trainer.checkpoint import clear_stale_temps
 
@@ -39,6 +40,10 @@ def check_new_run(run_dir: Path, overwrite: bool) -> None:
     """Refuse, before any work, to train into a folder holding a run unless `overwrite`."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunFolderError(f"{run_dir} is a file, not a run folder")
+    blocking = file_in_path(run_dir.parent)
+    if blocking is not None:
+        raise RunFolderError(f"{run_dir}: cannot create the run folder, {blocking} is a file "
+                             f"(out_dir={run_dir.parent})")
     held = run_contents(run_dir)
     if held and not overwrite:
         raise RunFolderError(
@@ -65,12 +70,17 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
     `name`/`out_dir` its config.yaml recorded (they are rewritten at the first iteration).
     """
     saved = folder / "config.yaml"
+    if not folder.exists():
+        raise RunFolderError(f"--resume {folder}: no such folder")
+    if not folder.is_dir():
+        raise RunFolderError(f"--resume {folder}: is a file, not a run folder")
     if not saved.is_file():
         raise RunFolderError(f"--resume {folder}: no config.yaml there (is it a run folder?)")
-    moved = set(apply_overrides({}, overrides)) & {"name", "out_dir"}
+    moved = sorted(set(apply_overrides({}, overrides)) & {"name", "out_dir"})
     if moved:
-        raise ConfigError(f"--resume {folder}: {'/'.join(sorted(moved))} come from the folder resumed; "
-                          f"leave them out (copy the folder to resume it elsewhere)")
+        raise ConfigError(f"--resume {folder}: {' and '.join(moved)} {'come' if len(moved) > 1 else 'comes'} "
+                          f"from the folder resumed; leave {'them' if len(moved) > 1 else 'it'} out (copy the "
+                          f"folder to resume it elsewhere)")
     place = folder if folder.name not in ("", ".", "..") else folder.resolve()
     cfg = load_config(saved, overrides)
     cfg.name, cfg.out_dir = place.name, str(place.parent)

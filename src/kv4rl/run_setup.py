@@ -6,6 +6,7 @@ ranks) share these, so they live apart from either loop.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,10 +53,12 @@ def find_restore(cfg: RunConfig) -> Restore:
     """The newest intact checkpoint of `cfg.run_dir`; a folder with none cannot be resumed."""
     found = find_resume_checkpoint(cfg.run_dir)
     if found is None:
+        # the folder given is the run, whatever name/out_dir its config.yaml recorded: say so in the command
+        start_over = shlex.join(["kv4rl", "train", "-c", str(cfg.run_dir / "config.yaml"),
+                                 f"out_dir={cfg.run_dir.parent}", f"name={cfg.run_dir.name}", "--overwrite"])
         raise RunFolderError(
             f"--resume {cfg.run_dir}: no checkpoint yet (the run stopped before its first save, every "
-            f"checkpoint.save_every={cfg.checkpoint.save_every} iterations); to start it over, run "
-            f"`kv4rl train -c {cfg.run_dir / 'config.yaml'} --overwrite`")
+            f"checkpoint.save_every={cfg.checkpoint.save_every} iterations); to start it over, run `{start_over}`")
     path, state = found
     written = state.get("placement", "colocated")
     if written != cfg.rollout.placement:  # the two keep different state (in-flight rollouts vs stream place)
