@@ -58,3 +58,29 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    ("", "holds no settings"),
+    ("# only a comment\n", "holds no settings"),
+    ("name: a\ntrainer: {lr: 1.0e-5}\nname: b\n", "key 'name' is given twice in one mapping (line 3, column 1)"),
+    ("trainer:\n  lr: 1.0e-5\n  lr: 2.0e-5\n", "key 'lr' is given twice"),
+    ("trainer: {iterations: [\n", "is not valid YAML: "),
+    (b"\xffname: a\n", "is not UTF-8 text"),
+    ("trainer:\n  lr: .inf\n", "trainer.lr: expected a finite number"),
+    ("trainer:\n  grad_clip: .nan\n", "trainer.grad_clip: expected a finite number"),
+])
+def test_a_config_file_that_would_be_misread_names_the_file_and_the_problem(tmp_path, content, needle):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert needle in message and "\n" not in message, message
+    if "trainer." not in needle:
+        assert str(path) in message
+
+
+def test_a_folder_given_as_the_config_file_is_named_as_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder; give a YAML file"):
+        load_config(tmp_path)

@@ -60,11 +60,11 @@ def test_a_failing_seed_fails_the_command_with_a_table(testbed_cache, tmp_path, 
 
 def test_bad_seed_options_are_refused_before_any_work(tmp_path) -> None:
     for args, needle in [(["--seeds", "0,x"], "--seeds: 'x' is not an integer"),
-                         (["--seeds", "1,1"], "repeats a seed"),
+                         (["--seeds", "1,1"], "'1' is given twice"),
                          (["--seeds", "-1"], "--seeds: every value must be >= 0"),
                          (["--seeds", "0,1", "--parallel", "0"], "--parallel must be >= 1"),
                          (["--parallel", "2"], "give --seeds too"),
-                         (["--seeds", "0", "--resume", str(tmp_path / "ms")], "no config.yaml")]:
+                         (["--seeds", "0", "--resume", str(tmp_path / "ms")], "ms-s0: no such folder")]:
         res = seeds_cli(tmp_path, *args) if "--resume" not in args else \
             runner.invoke(app, ["train", *args])
         assert res.exit_code == 2, (args, res.output)

@@ -219,3 +219,29 @@ def test_a_run_resumed_onto_another_build_is_flagged(tmp_path):
     res = runner.invoke(app, ["plot", "curves", str(tmp_path / "kv-s0"), "--require-same-model",
                               "--out", str(tmp_path / "d.png")])
     assert res.exit_code == 2 and not (tmp_path / "d.png").exists()
+
+
+def test_figure_and_json_paths_are_checked_before_anything_is_written(runs):
+    """A suffix matplotlib cannot write, a folder, or a path under a file: refused, and no PNG, CSV or JSON
+    appears anywhere (the old behaviour plotted first and failed after)."""
+    (runs / "afile").write_text("")
+    (runs / "adir").mkdir()
+    before = sorted(p.relative_to(runs) for p in runs.rglob("*"))
+    cases = [(["--out", str(runs / "c.txt")], "cannot write a '.txt' figure"),
+             (["--out", str(runs / "afile" / "c.png")], "afile is a file"),
+             (["--out", str(runs / "adir")], "is a directory"),
+             (["--json", str(runs / "adir")], "is a directory"),
+             (["--out", str(runs / "c.png"), "--json", str(runs / "afile" / "s.json")], "afile is a file")]
+    for args, needle in cases:
+        res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--metric", EVAL, *args])
+        assert res.exit_code == 2 and squash(needle) in squash(res.output), (args, res.output)
+    res = runner.invoke(app, ["plot", "iteration-time", str(runs / "ppo-s0"), "--out", str(runs / "t.svgx")])
+    assert res.exit_code == 2 and "cannot write a '.svgx' figure" in " ".join(res.output.split())
+    assert sorted(p.relative_to(runs) for p in runs.rglob("*")) == before
+
+
+def test_a_figure_path_without_a_suffix_is_a_png_and_is_named_as_written(runs):
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--metric", EVAL, "--out", str(runs / "fig")])
+    assert res.exit_code == 0, res.output
+    assert (runs / "fig.png").read_bytes()[:4] == b"\x89PNG" and (runs / "fig.csv").is_file()
+    assert f"wrote {runs / 'fig.png'} and {runs / 'fig.csv'}" in " ".join(res.output.split())

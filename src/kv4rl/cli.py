@@ -17,12 +17,16 @@ from kv4rl.cli_bench import bench_app
 from kv4rl.cli_common import (
     check_at_least,
     check_device,
+    check_figure_path,
     check_output_path,
     console,
     fail,
+    finite_float,
     option_list,
+    say,
     warn,
     write_json,
+    wrote,
 )
 from kv4rl.cli_eval import eval_cmd
 from kv4rl.cli_sim import sim_app
@@ -97,8 +101,7 @@ def train(
         return
     _print_table(f"run {summary['run_dir']}", summary)
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
-        console.print(f"stopped by {summary['stopped_by']}; continue with: kv4rl train --resume "
-                      f"{summary['run_dir']}", highlight=False)
+        say(f"stopped by {summary['stopped_by']}; continue with: kv4rl train --resume {summary['run_dir']}")
 
 
 def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | None, overrides: list[str],
@@ -121,7 +124,7 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
     console.print(f"{len(runs)} seeds, {at_once} at a time", highlight=False)
-    multi_seed.launch(runs, at_once, announce=lambda line: console.print(line, highlight=False, soft_wrap=True))
+    multi_seed.launch(runs, at_once, announce=say)
     table = ResultTable("seeds", ["seed", "run folder", "status", "iterations", "last accuracy", "seconds", "log"])
     for row in multi_seed.summary_rows(runs):
         table.add_row(*row)
@@ -199,10 +202,17 @@ def plot_rollout_trace_cmd(
         if not (run / "rollout_trace.jsonl").is_file():
             fail(f"{run}: no rollout_trace.jsonl (is it a run folder?)")
     try:
-        path = plot_rollout_trace(runs, out or runs[0] / "rollout_trace.png", (first, last))
+        check_at_least(0, ("--from", first))
+        if last <= first:
+            raise ValueError(f"--to {last} must be above --from {first}")
     except ValueError as exc:
         fail(str(exc))
-    console.print(f"wrote {path}")
+    out = check_figure_path(out or runs[0] / "rollout_trace.png", "--out")
+    try:
+        path = plot_rollout_trace(runs, out, (first, last))
+    except ValueError as exc:
+        fail(str(exc))
+    wrote(path)
 
 
 def _curves_table(metric: str, ema: float, summary: dict) -> ResultTable:
@@ -224,7 +234,8 @@ def plot_curves_cmd(
     runs: list[str] | None = typer.Argument(
         None, help="run folders or globs; folders named NAME-s<seed> form arm NAME"),
     metric: str = typer.Option("accuracy", "--metric", "-m", help="metrics.jsonl key, e.g. reward_mean, eval/mean@1"),
-    ema: float = typer.Option(0.9, "--ema", help="EMA decay per seed: s_t = ema*s_(t-1) + (1-ema)*x_t; 0: raw"),
+    ema: float = typer.Option(0.9, "--ema", parser=finite_float,
+        help="EMA decay per seed: s_t = ema*s_(t-1) + (1-ema)*x_t; 0: raw"),
     arm: list[str] | None = typer.Option(None, "--arm", help="NAME=GLOB: the runs of one arm, named (repeatable)"),
     out: Path = typer.Option(Path("curves.png"), "--out", "-o", help="PNG path; the CSV goes beside it"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the per-arm summary here"),
@@ -238,6 +249,8 @@ def plot_curves_cmd(
     from kv4rl.telemetry.curves import curve_rows, learning_curves, model_warnings
     from kv4rl.telemetry.plots import plot_curves, write_csv
 
+    out = check_figure_path(out, "--out", csv_beside=True, create=False)  # made below, once nothing refuses
+    check_output_path(json_out, create=False)
     try:
         last = until if until in (None, "common") else option_list(until, "--until", int, minimum=0)[0]
         curves, summary = learning_curves(runs or [], arm or [], metric, ema, last)
@@ -246,13 +259,15 @@ def plot_curves_cmd(
     mixed = model_warnings(summary)
     if mixed and require_same_model:
         fail(f"--require-same-model: {' | '.join(mixed)}")
+    check_figure_path(out, "--out", csv_beside=True)
+    check_output_path(json_out)
     png = plot_curves(curves, metric, ema, summary["band"], out)
     csv_path = write_csv(curve_rows(curves), out.with_suffix(".csv"))
     print_table(console, _curves_table(metric, ema, summary))
     for line in mixed:  # under the table, where it is read
         warn(line)
     write_json(summary, json_out)
-    console.print(f"wrote {png} and {csv_path}" + (f" and {json_out}" if json_out else ""))
+    wrote(png, csv_path, json_out)
 
 
 @plot_app.command("iteration-time")
@@ -265,13 +280,15 @@ def plot_iteration_time_cmd(
     from kv4rl.telemetry.phases import phase_rows
     from kv4rl.telemetry.plots import plot_iteration_time, write_csv
 
+    out = check_figure_path(out, "--out", csv_beside=True)
     try:
+        check_at_least(0, ("--skip", skip))
         rows = phase_rows(runs, skip)
     except ValueError as exc:
         fail(str(exc))
     png = plot_iteration_time(rows, out)
     csv_path = write_csv(rows, out.with_suffix(".csv"))
-    console.print(f"wrote {png} and {csv_path}")
+    wrote(png, csv_path)
 
 
 @plot_app.command("mismatch")
@@ -283,14 +300,14 @@ def plot_mismatch_cmd(
     from kv4rl.telemetry.mismatch_curves import mismatch_rows
     from kv4rl.telemetry.plots import plot_mismatch, write_csv
 
+    out = check_figure_path(out, "--out", csv_beside=True)
     try:
         rows = mismatch_rows(runs)
     except ValueError as exc:
         fail(str(exc))
-    check_output_path(out, "--out")
     png = plot_mismatch(rows, out)
     csv_path = write_csv(rows, out.with_suffix(".csv"))
-    console.print(f"wrote {png} and {csv_path}")
+    wrote(png, csv_path)
 
 
 def main() -> None:  # pragma: no cover

@@ -22,14 +22,17 @@ from typer import Option
 from kv4rl.cli_common import (
     check_at_least,
     check_device,
+    check_figure_path,
     check_kv_formats,
     check_output_path,
     console,
     engine_config,
     fail,
+    finite_float,
     option_list,
     shape_args,
     write_json,
+    wrote,
 )
 from kv4rl.cli_bench_kernels import register_kernel_benches
 from kv4rl.cli_bench_learner import register_learner_benches
@@ -85,7 +88,7 @@ def fidelity(
     n: Annotated[int, Option("--n", help="number of prompts")] = 16,
     max_new_tokens: Annotated[int | None, Option(
         "--max-new-tokens", help="response length (default: 256, capped by the model's context)")] = None,
-    temperature: Annotated[float, Option("--temperature")] = 1.0,
+    temperature: Annotated[float, Option("--temperature", parser=finite_float)] = 1.0,
     ignore_eos: Annotated[bool, Option(
         "--ignore-eos/--stop-at-eos", help="sample every response to its full length, or stop at EOS",
     )] = True,
@@ -166,7 +169,8 @@ def pool(
         help="engine.kv settings, e.g. engine.kv.group_size=64 engine.kv.n_recent=256")] = None,
     shape: Annotated[str, Option("--shape", help="model shape (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b)")]
     = "qwen3-8b",
-    memory_gib: Annotated[float, Option("--memory-gib", help="memory given to the KV pool")] = 40.0,
+    memory_gib: Annotated[float, Option("--memory-gib", parser=finite_float,
+        help="memory given to the KV pool")] = 40.0,
     formats: Annotated[str, Option("--formats", help="comma-separated KV formats")] = ALL_FORMATS,
     max_num_seqs: Annotated[int, Option(
         "--max-num-seqs", help="running sequences (KV4 reserves INT8 rows for each)")] = 256,
@@ -233,7 +237,11 @@ def generate(
         if any(o.split("=", 1)[0].strip() == "engine.async_scheduling" for o in engine_overrides or []):
             raise ValueError("engine.async_scheduling is set by --scheduling here")
         check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--hf-repeats", hf_repeats))
-        head_dim = shape_args(shape, qwen3_args).head_dim
+        shape_cfg = shape_args(shape, qwen3_args)
+        head_dim = shape_cfg.head_dim
+        if prompt_len + new_tokens > shape_cfg.max_position_embeddings:
+            raise ValueError(f"--prompt-len + --new-tokens = {prompt_len + new_tokens} exceeds the model's context "
+                             f"of {shape_cfg.max_position_embeddings} tokens")
         check_device(device)
         engine_cfg = engine_config(engine_overrides)
         if any(o.split("=", 1)[0].strip() == "engine.weight_format" for o in engine_overrides or []):
@@ -278,14 +286,16 @@ def bench_rollout_cmd(
     repeats: Annotated[int, Option("--repeats", help="timed repeats per format and mode, after a warm-up")] = 3,
     batches: Annotated[int, Option("--batches", help="learner batches timed in each repeat")] = 1,
     kv_budget_gib: Annotated[float | None, Option(
-        "--kv-budget-gib", help="KV pool of every format in GiB (default: engine.gpu_memory_fraction on CUDA, "
-                                "every slot at full length elsewhere)")] = None,
+        "--kv-budget-gib", parser=finite_float,
+        help="KV pool of every format in GiB (default: engine.gpu_memory_fraction on CUDA, every slot at full length "
+             "elsewhere)")] = None,
     quota: Annotated[int, Option("--quota-groups", help="prompt groups per learner batch")] = 8,
     group: Annotated[int, Option("--group-size", help="responses per prompt")] = 4,
     slots: Annotated[int, Option("--max-slots", help="decode slots (engine max_num_seqs)")] = 16,
     prompt_len: Annotated[int, Option("--prompt-len")] = 16,
     median_len: Annotated[int, Option("--median-len", help="median response length")] = 8,
-    sigma: Annotated[float, Option("--sigma", help="log-normal tail of response lengths")] = 1.0,
+    sigma: Annotated[float, Option("--sigma", parser=finite_float,
+        help="log-normal tail of response lengths")] = 1.0,
     max_len: Annotated[int, Option("--max-len", help="longest response")] = 40,
     device: Annotated[str, Option("--device")] = "auto",
     seed: Annotated[int, Option("--seed")] = 0,
@@ -311,9 +321,8 @@ def bench_rollout_cmd(
         plan = prepare(bench)
     except ValueError as exc:
         fail(str(exc))
-    if not validate_only:
-        check_output_path(json_out, "--json")
-        check_output_path(png, "--png")
+    png = check_figure_path(png, "--png", create=not validate_only)
+    check_output_path(json_out, "--json", create=not validate_only)
     for fmt in bench.formats:
         console.print(f"[dim]{plan.pool_line(fmt)}[/]", highlight=False, soft_wrap=True)
     if validate_only:
@@ -333,7 +342,7 @@ def bench_rollout_cmd(
         from kv4rl.telemetry.plots import plot_rollout_corners
 
         pools = {r["format"]: r["pool_bytes"] for r in res["results"]}
-        console.print(f"wrote {plot_rollout_corners(traces, pools, png)}")
+        wrote(plot_rollout_corners(traces, pools, png))
 
 
 register_kernel_benches(bench_app)

@@ -13,13 +13,16 @@ from kv4rl.bench.tables import iteration_table, learner_table
 from kv4rl.cli_common import (
     check_at_least,
     check_device,
+    check_figure_path,
     check_output_path,
     console,
     engine_config,
     fail,
+    finite_float,
     option_list,
     shape_args,
     write_json,
+    wrote,
 )
 from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import print_table
@@ -49,7 +52,8 @@ def register_learner_benches(app: typer.Typer) -> None:
                                 "(default: quota-groups x group-size)")] = None,
         prompt_len: Annotated[int, Option("--prompt-len")] = 128,
         median_len: Annotated[int, Option("--median-len", help="median response length")] = 1024,
-        sigma: Annotated[float, Option("--sigma", help="log-normal tail of response lengths")] = 1.0,
+        sigma: Annotated[float, Option("--sigma", parser=finite_float,
+            help="log-normal tail of response lengths")] = 1.0,
         max_len: Annotated[int, Option("--max-len", help="longest response")] = 8192,
         micro_batch_size: Annotated[int, Option(
             "--micro-batch-size", help="learner sequences per forward/backward")] = 1,
@@ -79,7 +83,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         fused_logprobs: Annotated[bool | None, Option(
             "--fused-logprobs/--no-fused-logprobs", help="trainer.fused_logprobs: the log-prob head in two Triton "
                                                          "passes over the logits (default: on for CUDA)")] = None,
-        lr: Annotated[float, Option("--lr", help="learner learning rate")] = 1e-6,
+        lr: Annotated[float, Option("--lr", parser=finite_float, help="learner learning rate")] = 1e-6,
         sleep: Annotated[bool, Option(
             "--sleep/--no-sleep", help="engine frees its KV pool during the update (engine.sleep_between_rollouts)")]
         = True,
@@ -113,11 +117,11 @@ def register_learner_benches(app: typer.Typer) -> None:
             configs = prepare(bench)
         except ValueError as exc:
             fail(str(exc))
+        png = check_figure_path(png, "--png", csv_beside=True, create=not validate_only)
+        check_output_path(json_out, "--json", create=not validate_only)
         if validate_only:
             console.print("options valid; stopping before any work (--validate-only)")
             return
-        check_output_path(json_out, "--json")
-        check_output_path(png, "--png")
         def finished(partial: dict) -> None:  # each arm as it ends: a time limit keeps what ran
             r = partial["results"][-1]
             console.print(f"[dim]{len(partial['results'])}/{len(bench.arms)} {r['arm']}: "
@@ -140,7 +144,7 @@ def register_learner_benches(app: typer.Typer) -> None:
             title = (f"{res['model']} on {res['gpu'] or res['device']}: seconds per RL iteration by phase\n"
                      f"{w['quota_groups']}x{w['group_size']} responses, lengths median {w['median_len']} max "
                      f"{w['max_len']}, {'sleep/wake' if res['sleep'] else 'no sleep'}")
-            console.print(f"wrote {plot_iteration_time(rows, png, title)} and {write_csv(rows, png.with_suffix('.csv'))}")
+            wrote(plot_iteration_time(rows, png, title), write_csv(rows, png.with_suffix(".csv")))
 
 
     @app.command("learner")
@@ -154,7 +158,8 @@ def register_learner_benches(app: typer.Typer) -> None:
         prompt_len: Annotated[int, Option("--prompt-len", help="prompt tokens of every row")] = 256,
         seq_len: Annotated[int, Option("--seq-len", help="uniform: tokens of every row, prompt included")] = 4096,
         median_len: Annotated[int, Option("--median-len", help="lognormal: median response length")] = 1024,
-        sigma: Annotated[float, Option("--sigma", help="lognormal: shape of the length tail")] = 1.0,
+        sigma: Annotated[float, Option("--sigma", parser=finite_float,
+            help="lognormal: shape of the length tail")] = 1.0,
         max_len: Annotated[int, Option("--max-len", help="lognormal: longest response")] = 8192,
         micro_batch_size: Annotated[int, Option("--micro-batch-size", help="rows per padded micro-batch")] = 4,
         max_tokens: Annotated[int, Option("--max-tokens", help="tokens per packed micro-batch")] = 16384,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -18,21 +19,34 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kv4rl.config_loader import ConfigError
+from kv4rl.paths import file_in_path
 
 console = Console()
 
 
 def fail(message: str) -> NoReturn:
     """Print one error line and exit with status 2 (bad input), the convention of every command."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)  # one line, unwrapped
+    # escaped: a path or value in [brackets] is text, not rich markup
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # one line, unwrapped
     raise typer.Exit(2)
 
 
 def warn(message: str) -> None:
     """One warning line: the command goes on, but the user should know (e.g. a clamped length)."""
-    console.print(f"[bold yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def say(message: str) -> None:
+    """A plain line (paths written, counts) that may hold user text: no markup, no highlighting."""
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def wrote(*paths: Path | None) -> None:
+    """Name the files a command wrote, as they are on disk (None: not asked for)."""
+    say("wrote " + " and ".join(str(p) for p in paths if p is not None))
 
 
 def engine_config(overrides: list[str] | None):
@@ -53,6 +67,14 @@ def write_json(res: dict, json_out: Path | None) -> None:
         json_out.write_text(json.dumps(res, indent=2) + "\n")
 
 
+def finite_float(text: str) -> float:
+    """A float option's parser: `inf` and `nan` parse as floats but no option means them."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
 def check_device(device: str, option: str = "--device") -> None:
     """Refuse a device that torch would reject only after the model has loaded, or CUDA where there is none."""
     from kv4rl.engine.placement import resolve_device
@@ -65,19 +87,56 @@ def check_device(device: str, option: str = "--device") -> None:
         raise ValueError(f"{option}: {exc}") from None
 
 
-def check_output_path(path: Path | None, option: str = "--json") -> None:
-    """Make sure a result file can be written before the work that fills it: create its folder, and
-    refuse a path that is a directory or cannot be written."""
+def check_output_path(path: Path | None, option: str = "--json", *, create: bool = True) -> None:
+    """Make sure a result file can be written before the work that fills it: refuse a path that is a
+    directory, lies under a file or cannot be written, and (`create`) make its missing folders. Without
+    `create` (a dry run, or checks that may still refuse) nothing is made."""
     if path is None:
         return
     if path.is_dir():
         fail(f"{option} {path}: is a directory; give a file path")
+    blocking = file_in_path(path.parent)
+    if blocking is not None:
+        fail(f"{option} {path}: cannot create its folder {path.parent} ({blocking} is a file)")
+    if not create:
+        existing = next(part for part in (path.parent, *path.parent.parents) if part.exists())
+        if not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            fail(f"{option} {path}: cannot be written (no permission)")
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a parent is a file, or no permission
+    except OSError as exc:  # no permission, read-only file system
         fail(f"{option} {path}: cannot create its folder {path.parent} ({exc.strerror or exc})")
     if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         fail(f"{option} {path}: cannot be written (no permission)")
+
+
+def image_formats() -> list[str]:
+    """File suffixes matplotlib can write a figure as (png, pdf, svg, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def check_figure_path(path: Path | None, option: str, *, csv_beside: bool = False,
+                      create: bool = True) -> Path | None:
+    """The figure file a command will write, checked before its work: without a suffix it is a PNG (as
+    matplotlib would make it, so the name printed is the file's), and a suffix matplotlib cannot write is
+    refused. The file, and with `csv_beside` the CSV of its numbers next to it, must be writable
+    (`check_output_path`; `create`: make the missing folders)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        fail(f"{option} {path}: is a directory; give a file path")
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    elif path.suffix[1:].lower() not in image_formats():
+        fail(f"{option} {path}: matplotlib cannot write a '{path.suffix}' figure "
+             f"(use one of: {', '.join(image_formats())})")
+    check_output_path(path, option, create=create)
+    if csv_beside:
+        check_output_path(path.with_suffix(".csv"), f"{option} (its CSV beside it)", create=create)
+    return path
 
 
 def check_at_least(minimum: float, *options: tuple[str, float | None]) -> None:
@@ -89,21 +148,26 @@ def check_at_least(minimum: float, *options: tuple[str, float | None]) -> None:
 
 def option_list(text: str, option: str, cast: Callable = str, *, minimum: float | None = None,
                 known: tuple[str, ...] | list[str] | None = None) -> list:
-    """A comma-separated option as a list, refused when empty, unparsable, below `minimum` or unknown."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
+    """A comma-separated option as a list, refused when empty, unparsable, below `minimum`, unknown, or
+    with an empty item or a repeated value (each value is one row of work; a repeat would be timed twice)."""
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
         raise ValueError(f"{option} is empty")
+    if not all(items):
+        raise ValueError(f"{option} {text!r}: an empty item between commas")
     values = []
     for item in items:
         try:
             value = cast(item)
         except ValueError:
-            kind = {int: "an integer", float: "a number"}.get(cast, "a valid value")
+            kind = {int: "an integer", float: "a number", finite_float: "a finite number"}.get(cast, "a valid value")
             raise ValueError(f"{option}: {item!r} is not {kind}") from None
         if minimum is not None and value < minimum:
             raise ValueError(f"{option}: every value must be >= {minimum}, got {item}")
         if known is not None and value not in known:
             raise ValueError(f"{option}: unknown value '{item}' (known: {', '.join(known)})")
+        if value in values:
+            raise ValueError(f"{option} {text!r}: {item!r} is given twice")
         values.append(value)
     return values
 

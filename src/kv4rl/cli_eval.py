@@ -22,6 +22,7 @@ from kv4rl.cli_common import (
     console,
     engine_config,
     fail,
+    finite_float,
     warn,
     write_json,
 )
@@ -100,7 +101,7 @@ def eval_cmd(
     n: int = typer.Option(0, "--n", "--num-problems",
                           help="evaluate the first n problems (0: all; embedded task: 256); under torchrun give "
                                "--num-problems, since torchrun takes --n for an abbreviation of its own options"),
-    temperature: float = typer.Option(1.0, "--temperature"),
+    temperature: float = typer.Option(1.0, "--temperature", parser=finite_float),
     max_new_tokens: int | None = typer.Option(
         None, "--max-new-tokens",
         help="response limit (default: 1024, embedded task: 16, longmul testbed: 2048; capped by the context)"),
@@ -133,6 +134,8 @@ def eval_cmd(
         fail(str(exc))
     check_output_path(json_out)
     check_output_path(samples_out, "--samples")
+    if json_out is not None and samples_out is not None and json_out.resolve() == samples_out.resolve():
+        fail(f"--json and --samples both name {json_out}; the samples would overwrite the metrics, give two files")
     ranks = distributed.init_from_torchrun(device)
     try:
         res, settings, results, problems = _run(engine_cfg, list(engine_overrides or []), ranks, model, data, k, n,

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from kv4rl.cli_common import check_output_path, console, fail
+from kv4rl.cli_common import check_figure_path, check_output_path, console, fail, finite_float, option_list, wrote
 from kv4rl.data.prompts import check_template
 from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import ResultTable, print_table
@@ -31,13 +31,7 @@ DEFAULT_SWEEP = ",".join(f"{0.5 + 0.1 * i:.1f}" for i in range(16))  # 0.5 … 2
 
 
 def _floats(text: str, option: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{option}: {text!r} is not a comma-separated list of numbers") from None
-    if not values:
-        raise ValueError(f"{option} is empty")
-    return values
+    return option_list(text, option, finite_float)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -60,9 +54,11 @@ def _clip_bias_table(result: dict) -> ResultTable:
 
 @sim_app.command("clip-bias")
 def clip_bias_cmd(
-    rho: Annotated[float, typer.Option("--rho", help="importance ratio ρ = π/π_old of the token")] = 1.5,
-    eps: Annotated[float, typer.Option("--eps", help="symmetric clip width ε")] = 0.2,
-    sigma: Annotated[float, typer.Option("--sigma", help="advantage noise: A = ±σ, true advantage 0")] = 1.0,
+    rho: Annotated[float, typer.Option("--rho", parser=finite_float,
+        help="importance ratio ρ = π/π_old of the token")] = 1.5,
+    eps: Annotated[float, typer.Option("--eps", parser=finite_float, help="symmetric clip width ε")] = 0.2,
+    sigma: Annotated[float, typer.Option("--sigma", parser=finite_float,
+        help="advantage noise: A = ±σ, true advantage 0")] = 1.0,
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples per ρ")] = 200_000,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     sweep_rho: Annotated[str, typer.Option(
@@ -81,7 +77,7 @@ def clip_bias_cmd(
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out, "--json")
-    check_output_path(png_out, "--png")
+    png_out = check_figure_path(png_out, "--png")
     try:
         result = clip_bias(rho, eps, sigma, samples, seed)
         swept = sweep(rhos, eps, sigma, samples, seed + 1)
@@ -94,11 +90,11 @@ def clip_bias_cmd(
                   f"{result['noclip']['mean']:+.4f}")
     if json_out is not None:
         _write_json(json_out, {**result, "sweep": swept})
-        console.print(f"wrote {json_out}")
+        wrote(json_out)
     if png_out is not None:
         points = swept + ([result] if all(r["rho"] != rho for r in swept) else [])
         plot(points, png_out)
-        console.print(f"wrote {png_out}")
+        wrote(png_out)
 
 
 def _variance_table(summary: dict) -> ResultTable:
@@ -124,9 +120,10 @@ def correction_variance_cmd(
     n_prompts: Annotated[int, typer.Option("--n-prompts")] = 16,
     samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt", "-G")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 16,
-    temperature: Annotated[float, typer.Option("--temperature")] = 1.0,
+    temperature: Annotated[float, typer.Option("--temperature", parser=finite_float)] = 1.0,
     stale_lr: Annotated[float, typer.Option(
-        "--stale-lr", help="stale:K: AdamW learning rate of each step (use the run's trainer.lr)")] = 1e-4,
+        "--stale-lr", parser=finite_float,
+        help="stale:K: AdamW learning rate of each step (use the run's trainer.lr)")] = 1e-4,
     stale_batch_size: Annotated[int, typer.Option(
         "--stale-batch-size", help="stale:K: problems per step")] = 16,
     engine: Annotated[list[str] | None, typer.Option(
@@ -148,7 +145,7 @@ def correction_variance_cmd(
         except ValueError as exc:
             fail(str(exc))
     check_output_path(json_out, "--json")
-    check_output_path(png_out, "--png")
+    png_out = check_figure_path(png_out, "--png")
     try:
         if model is None:
             from kv4rl.models.tiny import tiny_model_dir
@@ -171,7 +168,7 @@ def correction_variance_cmd(
                   f"KL(μ‖π) (k3) {ratio['kl_mu_pi_k3']:.4e}")
     if json_out is not None:
         _write_json(json_out, summary)
-        console.print(f"wrote {json_out}")
+        wrote(json_out)
     if png_out is not None:
         plot(summary, png_out)
-        console.print(f"wrote {png_out}")
+        wrote(png_out)

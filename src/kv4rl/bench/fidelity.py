@@ -63,6 +63,8 @@ def parse_allocations(text: str) -> list[tuple[int, int]]:
         sink, plus, recent = item.partition("+")
         if not plus or not sink.strip().isdigit() or not recent.strip().isdigit():
             raise ValueError(f"--allocations: {item!r} is not SINK+RECENT (e.g. 16+128)")
+        if (int(sink), int(recent)) in out:
+            raise ValueError(f"--allocations: {item!r} is given twice")
         out.append((int(sink), int(recent)))
     if not out:
         raise ValueError("--allocations is empty")
