@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -17,6 +18,19 @@ def fresh_generator() -> torch.Generator:
     seed = int(os.environ.get("KV4RL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"random inputs from seed {seed} (replay: KV4RL_TEST_SEED={seed})")
     return torch.Generator().manual_seed(seed)
+
+
+def assert_plain_modes(folder: Path, scratch: Path) -> None:
+    """`folder` and everything under it have the permission bits a plain mkdir() or open() gives a folder
+    or file made in `scratch`: what this process's umask allows, no more private (safetensors writes 0600,
+    `tempfile.mkdtemp` makes 0700)."""
+    (scratch / "plain-folder").mkdir()
+    (scratch / "plain-file").write_text("")
+    want = {is_dir: stat.S_IMODE((scratch / ("plain-folder" if is_dir else "plain-file")).stat().st_mode)
+            for is_dir in (True, False)}
+    wrong = {str(p.relative_to(folder)): oct(stat.S_IMODE(p.stat().st_mode))
+             for p in [folder, *folder.rglob("*")] if stat.S_IMODE(p.stat().st_mode) != want[p.is_dir()]}
+    assert not wrong, f"{wrong}; plain folder {oct(want[True])}, plain file {oct(want[False])}"
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -278,6 +280,23 @@ def test_folder_errors(saved, tmp_path):
     (no_weights / "model.safetensors").unlink()
     with pytest.raises(ModelFolderError, match="no \\*.safetensors"):
         load_model(no_weights)
+
+
+@pytest.mark.parametrize("keep", [0, 50, -100], ids=["empty", "cut_in_header", "cut_in_tensor_data"])
+def test_a_truncated_weight_file_is_named(tmp_path, keep):
+    """A copy cut short (an interrupted download or save), also after a header that parses: named as a
+    ModelFolderError, which commands report in one line, not a safetensors traceback."""
+    from kv4rl.models.tiny import tiny_model_dir
+
+    folder = shutil.copytree(tiny_model_dir(progress=False), tmp_path / "model")
+    weights = folder / "model.safetensors"
+    os.truncate(weights, keep if keep >= 0 else weights.stat().st_size + keep)
+    for check in (check_model_folder, load_model):
+        with pytest.raises(ModelFolderError) as error:
+            check(folder)
+        message = str(error.value)
+        assert message.startswith(f"{weights}: not a readable safetensors file (") and "\n" not in message
+        assert message.endswith("is the copy complete?")
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from kv4rl.trainer.checkpoint import (
 )
 from kv4rl.trainer.learner import Learner
 from kv4rl.trainer.optimizer_checkpoint import OPTIMIZER_DIR, SHARDED, OptimizerShardError, shards_problem
-from tests.conftest import make_checkpoint
+from tests.conftest import assert_plain_modes, make_checkpoint
 from tests.gloo_ranks import run_on_gloo_ranks
 
 LENGTHS = [(5, 9), (5, 3), (7, 14), (7, 2), (4, 6), (4, 11), (6, 1), (6, 8)]  # (prompt, response) per row
@@ -143,6 +143,12 @@ def test_checkpoint_holds_a_transformers_folder_and_one_shard_per_rank(two_ranks
     expected = ranks[0]["after_first"]["weights"]
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_checkpoint_files_have_the_modes_of_a_plain_open(two_ranks, tmp_path):
+    """model.safetensors too (safetensors writes it 0600), and the shards rank 1 wrote."""
+    run_dir, _ = two_ranks
+    assert_plain_modes(checkpoint_root(run_dir) / "iter_000001", tmp_path)
 
 
 def test_a_save_failing_on_one_rank_leaves_no_checkpoint(two_ranks):

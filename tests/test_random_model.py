@@ -8,6 +8,7 @@ from kv4rl.engine.config import EngineConfig, KVConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.sequence import SamplingParams
 from kv4rl.models.decoder import Decoder
+from tests.conftest import assert_plain_modes
 from tests.test_engine import greedy_reference, prompts
 
 # "Number of Parameters (Non-Embedding)" on the Qwen3 model cards, in billions (rounded as published)
@@ -97,3 +98,6 @@ def test_random_model_folders_are_cached_by_shape_seed_and_device(tmp_path):
         assert all(w.dtype == torch.bfloat16 and w.shape == weights[n].shape for n, w in gpu_weights.items())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["random-qwen3-tiny-L2-seed3"] + (["random-qwen3-tiny-L2-seed3-cuda"] if torch.cuda.is_available() else []))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    assert_plain_modes(folder, scratch)  # not the private ones of mkdtemp and safetensors

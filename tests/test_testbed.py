@@ -19,11 +19,12 @@ from kv4rl.data.longmul import LongMulTask, solution
 from kv4rl.data.source import ProblemSource
 from kv4rl.data.synthetic import ArithmeticTask
 from kv4rl.models import testbed
+from tests.conftest import assert_plain_modes
 
 runner = CliRunner()
 
 
-def test_build_writes_a_complete_folder_that_records_task_and_size(testbed_cache) -> None:
+def test_build_writes_a_complete_folder_that_records_task_and_size(testbed_cache, tmp_path) -> None:
     cache, path = testbed_cache
     assert path == cache / f"{testbed.VERSION_TAG}-longmul-test"
     assert [p.name for p in cache.iterdir()] == [path.name]  # no staging folder left
@@ -39,6 +40,7 @@ def test_build_writes_a_complete_folder_that_records_task_and_size(testbed_cache
     assert sum(p.numel() for p in model.parameters()) == record["parameters"]
     assert [p.name for p in path.glob("*.safetensors")] == ["model.safetensors"]
     assert record["weights_sha256"] == _sha256(b"model.safetensors" + (path / "model.safetensors").read_bytes())
+    assert_plain_modes(path, tmp_path)  # not the private ones of mkdtemp and safetensors
 
 
 def _sha256(data: bytes) -> str:

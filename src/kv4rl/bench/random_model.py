@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kv4rl.file_modes import honour_umask
 from kv4rl.models.args import ModelArgs
 from kv4rl.models.decoder import Decoder
 from kv4rl.models.layers import RMSNorm
@@ -161,6 +162,7 @@ def make_random_qwen3(out_dir: str | Path, shape: str = "qwen3-0.6b", *, num_lay
             torch.manual_seed(seed)
             model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out_dir)
+    honour_umask(*out_dir.glob("*.safetensors"))  # safetensors writes them 0600
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -182,6 +184,7 @@ def random_model_dir(shape: str, num_layers: int | None = None, seed: int = 0,
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:
         make_random_qwen3(staging, shape, num_layers=layers, seed=seed, device=device)
+        honour_umask(staging)  # mkdtemp made it private; others read the cache
         if not final.exists():
             os.replace(staging, final)
     finally:

@@ -13,6 +13,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from kv4rl.file_modes import honour_umask
+from kv4rl.paths import file_in_path
+
 
 def move_into_place(staging: Path, final: Path, is_complete: Callable[[Path], bool], tag: str) -> None:
     """Rename `staging` to `final` unless a complete `final` is already there (then keep that one)."""
@@ -35,11 +38,15 @@ def cached_build(parent: Path, tag: str, build: Callable[[Path], None], is_compl
     final = parent / tag
     if is_complete(final):
         return final
+    blocking = file_in_path(parent)
+    if blocking is not None:
+        raise ValueError(f"the kv4rl cache {parent} cannot be created: {blocking} is a file (point --cache-dir "
+                         f"or $KV4RL_CACHE at a folder)")
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable like any other
     try:
         build(staging)
+        honour_umask(staging)  # mkdtemp made it private, safetensors its weights; others read the cache
         move_into_place(staging, final, is_complete, tag)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

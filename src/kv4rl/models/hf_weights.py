@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kv4rl.models.args import ModelArgs
 from kv4rl.models.checkpoint_slots import store
@@ -29,10 +29,17 @@ class ModelFolderError(ValueError):
 
 def read_model_args(model_dir: str | Path) -> ModelArgs:
     model_dir = Path(model_dir)
+    if model_dir.is_file():
+        raise ModelFolderError(f"model folder {model_dir} is a file; give the folder holding config.json and "
+                               f"the *.safetensors weights")
     if not model_dir.is_dir():
         raise ModelFolderError(f"model folder {model_dir} does not exist")
     config_path = model_dir / "config.json"
     if not config_path.is_file():
+        latest = model_dir / "checkpoints" / "latest"
+        if latest.is_file():  # a kv4rl run folder: its policies are in its checkpoints
+            raise ModelFolderError(f"{model_dir} is a run folder, not a model folder; give one of its checkpoints, "
+                                   f"e.g. the newest: {model_dir / 'checkpoints' / latest.read_text().strip()}")
         raise ModelFolderError(f"{model_dir}: config.json is missing")
     try:
         config = json.loads(config_path.read_text())
@@ -61,12 +68,18 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """name -> (file, shape), read from the headers only."""
+    """name -> (file, shape), read from the headers only. Opening a file also checks that its header's
+    tensors cover the file's bytes exactly, so a truncated copy (an interrupted download or save) is
+    named here rather than failing mid-load or loading garbage."""
     shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for path in files:
-        with safe_open(path, framework="pt") as reader:
-            for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
-                shapes[name] = (path, tuple(reader.get_slice(name).get_shape()))
+        try:
+            with safe_open(path, framework="pt") as reader:
+                for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    shapes[name] = (path, tuple(reader.get_slice(name).get_shape()))
+        except (SafetensorError, OSError) as error:
+            raise ModelFolderError(
+                f"{path}: not a readable safetensors file ({error}); is the copy complete?") from error
     return shapes
 
 

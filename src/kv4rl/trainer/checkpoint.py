@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from kv4rl.distributed import barrier, from_main
-from kv4rl.models.hf_weights import ModelFolderError, check_model_folder, weight_files
+from kv4rl.file_modes import honour_umask
+from kv4rl.models.hf_weights import ModelFolderError, check_model_folder
 from kv4rl.trainer.optimizer_checkpoint import SHARDED, optimizer_format, shards_problem
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
     write_files(tmp)
     torch.save({"iteration": iteration, **state}, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": iteration}) + "\n")
+    honour_umask(tmp)  # safetensors writes model.safetensors 0600, unlike every other file here
     replaced = _make_room(final, run_id) if final.exists() else None
     os.replace(tmp, final)
     if replaced is not None:
@@ -109,16 +111,22 @@ def _make_room(final: Path, run_id: str) -> Path | None:
     """Move an existing folder of this iteration out of the way. This run's own (a damaged save a
     resume passed over) goes to a temporary name, deleted after the swap; another run's is kept
     under a new name."""
-    if run_of(final) == run_id:
+    writer = run_of(final)
+    if writer == run_id:
         old = final.with_name(f"{TMP_PREFIX}old_{final.name}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
+        log.warning("replaced %s, a save of this run that a resume passed over as damaged, with a new one", final)
         return old
     k = 1
     while (kept := final.with_name(f"{final.name}.other-run-{k}")).exists():
         k += 1
     os.replace(final, kept)
-    log.warning("%s was written by another run; kept it as %s", final, kept.name)
+    if writer is None:
+        log.warning("%s does not say which run wrote it (%s unreadable or missing); kept it as %s", final,
+                    META_FILE, kept.name)
+    else:
+        log.warning("%s was written by another run; kept it as %s", final, kept.name)
     return None
 
 
@@ -148,21 +156,14 @@ def _one_line(error: Exception) -> str:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why the files of checkpoint `path` cannot be resumed from (naming the file), or None."""
-    from safetensors import SafetensorError, safe_open
-
+    """Why the files of checkpoint `path` cannot be resumed from (naming the file), or None. The weight
+    files' headers, and that they cover each file's bytes, are checked by `check_model_folder`."""
     for file in sorted(path.glob("*.json")):
         try:
             json.loads(file.read_text())
         except (ValueError, OSError) as error:
             return f"{file} is not valid JSON ({_one_line(error)})"
     try:
-        for file in weight_files(path):
-            try:
-                with safe_open(file, framework="pt") as reader:
-                    reader.metadata()
-            except (SafetensorError, OSError) as error:
-                return f"{file} is unreadable ({_one_line(error)})"
         check_model_folder(path)
     except ModelFolderError as error:
         return _one_line(error)
