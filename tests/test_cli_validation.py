@@ -5,6 +5,8 @@ checked by making the work itself fail loudly (exit status 1) if it is ever reac
 import importlib
 import json
 import logging
+import os
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
@@ -178,6 +180,20 @@ def test_bench_fidelity_names_a_prompt_longer_than_the_models_context(gsm8k_file
             f"is {boxed_prompt_length(GSM8K_ROWS[0])} tokens", "64 positions")
 
 
+def test_a_truncated_weight_file_is_named_in_one_line_before_any_work(tmp_path, monkeypatch):
+    """Not safetensors' traceback: the file named, and the likely cause (an interrupted copy)."""
+    import kv4rl.engine.llm
+    from kv4rl.models.tiny import tiny_model_dir
+
+    monkeypatch.setattr(kv4rl.engine.llm.Engine, "__init__", _work_started)
+    folder = shutil.copytree(tiny_model_dir(progress=False), tmp_path / "model")
+    os.truncate(folder / "model.safetensors", 50)
+    needles = (f"{folder / 'model.safetensors'}: not a readable safetensors file", "is the copy complete?")
+    refused(["eval", "--model", str(folder)], *needles)
+    refused(["train", f"model.path={folder}", f"out_dir={tmp_path / 'runs'}", "device=cpu", "--no-progress"],
+            *needles)
+
+
 def tiny_setup(overrides):
     from kv4rl.config import load_config
     from kv4rl.data.prompts import PromptFormatter
@@ -236,3 +252,82 @@ def test_config_refuses_a_prompt_template_that_would_not_format(template):
 
     with pytest.raises(ConfigError, match="data.prompt_template"):
         load_config(base={"data": {"prompt_template": template}})
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["bench", "generate", "--batch-sizes", "64,64"], ["--batch-sizes '64,64'", "'64' is given twice"]),
+    (["bench", "generate", "--kv-format", "bf16,"], ["--kv-format 'bf16,'", "empty item"]),
+    (["bench", "pool", "--formats", "bf16,,kv4"], ["--formats", "empty item"]),
+    (["bench", "fidelity", "--allocations", "4+12,4+12"], ["--allocations", "'4+12' is given twice"]),
+    (["sim", "clip-bias", "--sweep-rho", "1,1.0"], ["--sweep-rho", "given twice"]),
+    (["sim", "clip-bias", "--sweep-rho", "1,inf"], ["--sweep-rho", "'inf' is not a finite number"]),
+    (["bench", "generate", "--shape", "qwen3-tiny", "--prompt-len", "500", "--new-tokens", "13"],
+     ["--prompt-len + --new-tokens = 513", "context of 512 tokens"]),
+    (["eval", "--json", "same.json", "--samples", "./same.json"], ["--json and --samples both name same.json"]),
+    (["sim", "clip-bias", "--png", "clip.txt"], ["--png clip.txt", "cannot write a '.txt' figure", "png"]),
+    (["bench", "iteration", "--png", "it.txt"], ["--png it.txt", "'.txt' figure"]),
+    (["train", "--seeds", "1,2", "seed=5"], ["--seeds sets each run's seed; leave seed= out"]),
+    (["train", "name=."], ["name='.'", "must be a folder name"]),
+    (["train", "name=.."], ["name='..'", "must be a folder name"]),
+    (["train", "trainer.lr=.inf"], ["trainer.lr: expected a finite number"]),
+])
+def test_repeats_empty_items_non_finite_numbers_and_clashing_paths_are_refused(no_work, args, needles, tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refused(args, *needles)
+    assert not list(tmp_path.iterdir())  # nothing written, no folder made
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "pool", "--memory-gib", "inf"], ["bench", "pool", "--memory-gib", "nan"],
+    ["eval", "--temperature", "nan"], ["sim", "clip-bias", "--sigma", "inf"], ["plot", "curves", "--ema", "nan"],
+])
+def test_a_float_option_refuses_inf_and_nan_as_it_parses(no_work, args):
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and "is not a finite number" in res.output and args[-2] in res.output, res.output
+
+
+def test_an_error_message_keeps_square_brackets(tmp_path):
+    """Error lines are printed as text: a path like math[v2].jsonl is not rich markup."""
+    refused(["eval", "--data", str(tmp_path / "math[v2].jsonl")], "math[v2].jsonl")
+    refused(["sim", "clip-bias", "--png", str(tmp_path / "[x]" / "clip.txt")], "[x]")
+
+
+def test_train_into_an_out_dir_under_a_file_is_refused_before_any_work(no_work, tmp_path):
+    (tmp_path / "afile").write_text("keep")
+    refused(["train", f"out_dir={tmp_path / 'afile'}"], "cannot create the run folder", f"{tmp_path / 'afile'} is a file")
+    refused(["train", "--seeds", "0,1", f"out_dir={tmp_path / 'afile' / 'sub'}"], "is a file")
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_a_cache_or_model_path_that_is_a_file_or_a_run_folder_is_named(no_work, tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("keep")
+    refused(["build-model", "--size", "test", "--cache-dir", str(tmp_path / "afile" / "sub")],
+            f"--cache-dir {tmp_path / 'afile' / 'sub'}: cannot be created", f"{tmp_path / 'afile'} is a file")
+    monkeypatch.setenv("KV4RL_CACHE", str(tmp_path / "afile"))
+    refused(["build-model", "--size", "test"], "($KV4RL_CACHE)", "is a file")
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_a_model_path_that_is_a_file_or_a_run_folder_says_what_to_give(tmp_path):
+    from kv4rl.models.hf_weights import ModelFolderError, read_model_args
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ModelFolderError, match="is a file; give the folder holding config.json"):
+        read_model_args(tmp_path / "afile")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_000004").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("iter_000004\n")
+    with pytest.raises(ModelFolderError, match="is a run folder, not a model folder") as info:
+        read_model_args(run)
+    assert str(run / "checkpoints" / "iter_000004") in str(info.value)
+
+
+def test_cached_build_refuses_a_cache_under_a_file_before_building(tmp_path):
+    from kv4rl.models.cache_install import cached_build
+
+    (tmp_path / "afile").write_text("keep")
+    built = []
+    with pytest.raises(ValueError, match="is a file"):
+        cached_build(tmp_path / "afile" / "cache", "tag", built.append, lambda p: False, "a test build")
+    assert not built and (tmp_path / "afile").read_text() == "keep"

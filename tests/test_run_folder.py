@@ -162,3 +162,12 @@ def test_summary_after_resume_covers_the_whole_run(run):
     assert summary["iterations"] == 4 and summary["resumed_from"] == 2
     assert summary["reward_first"] == rows[0]["reward_mean"] and summary["reward_last"] == rows[3]["reward_mean"]
     assert summary["accuracy_first5"] == pytest.approx(sum(r["accuracy"] for r in rows) / 4, abs=1e-12)
+
+
+def test_resume_of_a_finished_run_without_more_iterations_says_how_to_train_longer(run):
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "iter_000002 has done 2 iterations and trainer.iterations=2" in text, text
+    assert "give trainer.iterations above 2" in text
+    assert tree_state(run) == before

@@ -149,6 +149,8 @@ def build_model_cmd(
     """Build (or reload from the cache) a testbed model: a task's supervised warm-up stopped where RL has
     room to learn. Train on it with `kv4rl train model.testbed=<task>-<size>` (or model.path=<folder>)."""
     from kv4rl.models.testbed import TESTBEDS, check_testbed, read_metadata, testbed_model_dir
+    from kv4rl.models.tiny import default_cache_dir
+    from kv4rl.paths import file_in_path
 
     name = f"{task}-{size}"
     try:
@@ -157,11 +159,19 @@ def build_model_cmd(
             raise ValueError(f"--task: unknown task '{task}' (known: {', '.join(known_tasks)})")
         check_testbed(name, "--task/--size")
         check_device(device)
+        cache = cache_dir if cache_dir is not None else default_cache_dir()
+        blocking = file_in_path(cache)
+        if blocking is not None:
+            where = f"--cache-dir {cache}" if cache_dir is not None else f"the kv4rl cache {cache} ($KV4RL_CACHE)"
+            raise ValueError(f"{where}: cannot be created, {blocking} is a file")
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out)
     started = time.perf_counter()
-    path = testbed_model_dir(name, cache_dir, progress=True, device=device)
+    try:
+        path = testbed_model_dir(name, cache_dir, progress=True, device=device)
+    except ValueError as exc:
+        fail(str(exc))
     record = read_metadata(path) or {}
     built = record.get("build_seconds") if time.perf_counter() - started > 1.0 else None
     shown = {"testbed": name, "path": str(path), "built now": built is not None,
