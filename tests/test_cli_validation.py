@@ -270,6 +270,14 @@ def test_config_refuses_a_prompt_template_that_would_not_format(template):
     (["train", "name=."], ["name='.'", "must be a folder name"]),
     (["train", "name=.."], ["name='..'", "must be a folder name"]),
     (["train", "trainer.lr=.inf"], ["trainer.lr: expected a finite number"]),
+    (["sim", "clip-bias", "--eps", "1.5"], ["--eps must be in [0, 1), got 1.5"]),
+    (["sim", "clip-bias", "--samples", "1"], ["--samples must be >= 2"]),
+    (["sim", "correction-variance", "--engine", "engine.kv.format=kv4"], ["give the key without 'engine.'",
+                                                                          "'kv.format=kv4'"]),
+    (["bench", "fidelity", "--group-size", "0"], ["--group-size must be >= 1"]),
+    (["bench", "fidelity", "--random-layers", "2"], ["--random-layers", "give --random-init too"]),
+    (["bench", "learner", "--num-seqs", "0"], ["--num-seqs must be >= 1"]),
+    (["bench", "learner", "--shape", "qwen3-tiny", "--workload", "uniform"], ["512 positions", "lower --seq-len"]),
 ])
 def test_repeats_empty_items_non_finite_numbers_and_clashing_paths_are_refused(no_work, args, needles, tmp_path,
                                                                              monkeypatch):

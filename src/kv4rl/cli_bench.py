@@ -52,13 +52,14 @@ ALL_FORMATS = "bf16,fp8,int4,kv4,nvfp4,mxfp4"
 
 def _check_fidelity_options(formats: str, allocations: str | None, reference: str, n: int,
                             max_new_tokens: int | None, batch_size: int, context: int, template: str | None,
-                            random_layers: int | None) -> list[str]:
+                            random_layers: int | None, group_size: int | None) -> list[str]:
     """The --formats list, after refusing any bad option before a model is built or loaded."""
     from kv4rl.bench.fidelity import parse_allocations
     from kv4rl.data.prompts import check_template
 
     check_at_least(1, ("--n", n), ("--batch-size", batch_size), ("--context", context),
-                   ("--max-new-tokens", max_new_tokens), ("--random-layers", random_layers))
+                   ("--max-new-tokens", max_new_tokens), ("--random-layers", random_layers),
+                   ("--group-size", group_size))
     format_list = option_list(formats, "--formats")
     check_kv_formats(format_list, "--formats")
     check_kv_formats([reference], "--reference")
@@ -122,8 +123,10 @@ def fidelity(
     try:
         if model is not None and random_init is not None:
             raise ValueError("pass either --model or --random-init, not both")
+        if random_layers is not None and random_init is None:
+            raise ValueError("--random-layers sets the layers of a --random-init model; give --random-init too")
         format_list = _check_fidelity_options(formats, allocations, reference, n, max_new_tokens, batch_size,
-                                              context, template, random_layers)
+                                              context, template, random_layers, group_size)
         check_at_least(0, ("--temperature", temperature))
         check_device(device)
         if dtype not in ("auto", "float32", "bfloat16", "float16"):

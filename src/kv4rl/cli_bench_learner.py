@@ -199,6 +199,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         switch = {"off": False, "on": True}
         try:
             shape_args(shape, qwen3_args)
+            check_at_least(1, ("--num-seqs", num_seqs))  # None: the workload's default
             work = LearnerWorkload(kind=workload, num_seqs=num_seqs or (32 if workload == "lognormal" else 16),
                                    prompt_len=prompt_len, seq_len=seq_len, median_len=median_len, sigma=sigma,
                                    max_len=max_len, seed=seed)

@@ -74,6 +74,12 @@ def clip_bias_cmd(
         rhos = _floats(sweep_rho, "--sweep-rho")
         if min(rhos) <= 0:
             raise ValueError(f"--sweep-rho: every ρ must be > 0, got {min(rhos):g}")
+        for ok, message in [(rho > 0, f"--rho must be > 0, got {rho:g}"),
+                            (0 <= eps < 1, f"--eps must be in [0, 1), got {eps:g}"),
+                            (sigma >= 0, f"--sigma must be >= 0, got {sigma:g}"),
+                            (samples >= 2, f"--samples must be >= 2, got {samples}")]:
+            if not ok:
+                raise ValueError(message)
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out, "--json")
@@ -136,14 +142,22 @@ def correction_variance_cmd(
     """Variance of the future-KL credit F_t^H per horizon for a fixed (π, μ) (figure A-9c)."""
     from transformers.utils import logging as hf_logging
 
-    from kv4rl.sim.correction_variance import Settings, measure, parse_behavior, parse_horizons, plot
+    from kv4rl.sim.correction_variance import (
+        Settings,
+        check_engine_overrides,
+        measure,
+        parse_behavior,
+        parse_horizons,
+        plot,
+    )
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the table
-    if template is not None:
-        try:
+    try:
+        if template is not None:
             check_template(template, "--template")
-        except ValueError as exc:
-            fail(str(exc))
+        check_engine_overrides(engine)
+    except ValueError as exc:
+        fail(str(exc))
     check_output_path(json_out, "--json")
     png_out = check_figure_path(png_out, "--png")
     try:

@@ -69,7 +69,9 @@ class LearnerWorkload:
         if self.kind == "lognormal" and self.median_len > self.max_len:
             raise ValueError(f"--median-len {self.median_len} exceeds --max-len {self.max_len}")
         if self.longest() > max_positions:
-            raise ValueError(f"rows of up to {self.longest()} tokens exceed the model's {max_positions} positions")
+            which = "--seq-len" if self.kind == "uniform" else "--prompt-len + --max-len"
+            raise ValueError(f"rows of up to {self.longest()} tokens exceed the model's {max_positions} positions "
+                             f"(lower {which})")
 
     def response_lengths(self) -> list[int]:
         if self.kind == "uniform":

@@ -137,10 +137,19 @@ def behavior_engine_config(behavior: Behavior, max_model_len: int, overrides: li
                 f"'{FP8_WEIGHTS_FIELD}' setting yet (expected engine.{FP8_WEIGHTS_FIELD}=fp8)"
             )
         data[FP8_WEIGHTS_FIELD] = "fp8"
+    check_engine_overrides(overrides)
     data = apply_overrides(data, list(overrides or []))
     config = from_dict(EngineConfig, data, prefix="engine")
     config.validate()
     return config
+
+
+def check_engine_overrides(overrides: list[str] | None) -> None:
+    """`--engine` keys are the engine section's own: `engine.kv.format=...` would read as engine.engine.kv."""
+    prefixed = [o for o in overrides or [] if o.strip().startswith("engine.")]
+    if prefixed:
+        raise ValueError(f"--engine {prefixed[0]!r}: give the key without 'engine.' "
+                         f"(e.g. {prefixed[0].strip().removeprefix('engine.')!r})")
 
 
 def _autocast(device: torch.device):
