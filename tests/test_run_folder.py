@@ -164,10 +164,17 @@ def test_summary_after_resume_covers_the_whole_run(run):
     assert summary["accuracy_first5"] == pytest.approx(sum(r["accuracy"] for r in rows) / 4, abs=1e-12)
 
 
-def test_resume_of_a_finished_run_without_more_iterations_says_how_to_train_longer(run):
+def test_resume_of_a_finished_run_prints_its_summary_builds_nothing_and_says_how_to_train_longer(run, monkeypatch):
+    import kv4rl.loop
+
+    def built(*args, **kwargs):
+        raise AssertionError("a finished run's resume built the model, engine and learner")
+
+    monkeypatch.setattr(kv4rl.loop, "build", built)
     before = tree_state(run)
     res = train_cli("--resume", str(run), "--no-progress")
     text = " ".join(res.output.split())
-    assert res.exit_code == 2 and "iter_000002 has done 2 iterations and trainer.iterations=2" in text, text
-    assert "give trainer.iterations above 2" in text
+    assert res.exit_code == 0, res.output
+    assert "warning: nothing trained: iter_000002 has done 2 iterations and trainer.iterations=2" in text, text
+    assert "give trainer.iterations above 2" in text and f"run {run}" in text
     assert tree_state(run) == before

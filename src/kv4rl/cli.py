@@ -99,7 +99,10 @@ def train(
         fail(str(exc))
     if not ranks.main:
         return
+    note = summary.pop("nothing_trained", None)
     _print_table(f"run {summary['run_dir']}", summary)
+    if note is not None:
+        warn(note)
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
         say(f"stopped by {summary['stopped_by']}; continue with: kv4rl train --resume {summary['run_dir']}")
 

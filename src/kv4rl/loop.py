@@ -36,7 +36,14 @@ from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_folder import RunFolder, check_new_run
-from kv4rl.run_setup import Restore, build_learner, find_restore, resolve_model_dir, task_of_model
+from kv4rl.run_setup import (
+    Restore,
+    build_learner,
+    find_restore,
+    nothing_to_train,
+    resolve_model_dir,
+    task_of_model,
+)
 from kv4rl.telemetry.attribution import MismatchAttribution
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, summarize_run
@@ -236,6 +243,9 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
     sink = MetricsSink(cfg) if main else None  # checks the optional viewers before the folder is touched
     if resume:
         restore = find_restore(cfg)
+        note = nothing_to_train(cfg, restore)
+        if note is not None:
+            return {**summarize_run(cfg.run_dir, restore.state["iteration"]), "nothing_trained": note}
     else:
         check_new_run(cfg.run_dir, overwrite)
         restore = None

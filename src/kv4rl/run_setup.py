@@ -65,12 +65,17 @@ def find_restore(cfg: RunConfig) -> Restore:
         raise ConfigError(f"--resume {cfg.run_dir}: {path.name} was written by a {written} run (rollout.placement="
                           f"{written}) and this one is rollout.placement={cfg.rollout.placement}; resume it as it "
                           f"was written, or start a new run from its policy with model.path={path}")
-    done = state.get("iteration", 0)
-    if done >= cfg.trainer.iterations:  # it would load everything and train nothing
-        raise ConfigError(f"--resume {cfg.run_dir}: {path.name} has done {done} iterations and trainer.iterations="
-                          f"{cfg.trainer.iterations} asks for no more; to train longer, give trainer.iterations "
-                          f"above {done}")
     return Restore(path, state, run_of(path))
+
+
+def nothing_to_train(cfg: RunConfig, restore: Restore) -> str | None:
+    """Why a resume would train nothing (its checkpoint is at trainer.iterations already), or None. Such a
+    resume prints the run's summary without building a model, engine or learner."""
+    done = restore.state.get("iteration", 0)
+    if done < cfg.trainer.iterations:
+        return None
+    return (f"nothing trained: {restore.path.name} has done {done} iterations and trainer.iterations="
+            f"{cfg.trainer.iterations} asks for no more; to train longer, give trainer.iterations above {done}")
 
 
 def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torch.device, group=None) -> Learner:

@@ -25,7 +25,14 @@ from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.rollout.build import build_rollout
 from kv4rl.run_folder import RunFolder, check_new_run
-from kv4rl.run_setup import Restore, build_learner, find_restore, resolve_model_dir, task_of_model
+from kv4rl.run_setup import (
+    Restore,
+    build_learner,
+    find_restore,
+    nothing_to_train,
+    resolve_model_dir,
+    task_of_model,
+)
 from kv4rl.split.channel import EngineLink, HeadLink, SplitGroups, make_groups, weight_manifest
 from kv4rl.split.engine_side import EngineSide, run_engine
 from kv4rl.split.learner_side import LearnerSide, run_learner
@@ -77,6 +84,10 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     check_split(cfg, ranks.world)
     restore = find_restore(cfg) if resume else None
     if restore is not None:
+        note = nothing_to_train(cfg, restore)
+        if note is not None:
+            summary = {**summarize_run(cfg.run_dir, restore.state["iteration"]), "nothing_trained": note}
+            return (summary if ranks.main else None), None
         check_split_resume(cfg, restore.path, restore.state, ranks.world)
     k = cfg.rollout.engine_ranks
     learners = ranks.world - k
