@@ -289,7 +289,7 @@ def plot_iteration_time_cmd(
     out: Path = typer.Option(Path("iteration_time.png"), "--out", "-o", help="PNG path; the CSV goes beside it"),
     skip: int = typer.Option(0, "--skip", help="leave out the iterations before this one (warm-up)"),
 ) -> None:
-    """Stacked bars of the mean time per phase (rollout, reward, update, sync, other) per run."""
+    """Stacked bars of the mean time per phase (rollout, reward, update, sync, sleep/wake, other) per run."""
     from kv4rl.telemetry.phases import phase_rows
     from kv4rl.telemetry.plots import plot_iteration_time, write_csv
 
