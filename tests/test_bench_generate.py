@@ -129,7 +129,7 @@ def test_bench_generate_times_fp8_weights_beside_the_models_own_in_one_run(tmp_p
 
 
 def test_bench_generate_refuses_unknown_repeated_or_doubly_set_weight_formats():
-    for extra, words in ((["--weight-format", "auto,int4"], "'int4'"), (["--weight-format", "fp8,fp8"], "repeat"),
+    for extra, words in ((["--weight-format", "auto,int4"], "'int4'"), (["--weight-format", "fp8,fp8"], "given twice"),
                          (["--weight-format", "fp8", "engine.weight_format=fp8"], "engine.weight_format")):
         res = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--no-hf", "--device", "cpu", *extra])
         assert res.exit_code == 2 and "--weight-format" in res.output or "engine.weight_format" in res.output, res.output

@@ -183,7 +183,7 @@ def test_speedups_are_ratios_of_medians_with_extreme_range():
 
 @pytest.mark.parametrize("args, message", [
     (["--formats", "bf16,kv5"], "--formats: unknown kv5"),
-    (["--formats", "bf16,bf16"], "names one twice"),
+    (["--formats", "bf16,bf16"], "'bf16' is given twice"),
     (["--modes", "sync,async"], "--modes: unknown async"),
     (["--shape", "qwen3-99b"], "unknown model shape 'qwen3-99b'"),
     (["--repeats", "0"], "--repeats and --batches must be >= 1"),
