@@ -84,3 +84,13 @@ def test_a_config_file_that_would_be_misread_names_the_file_and_the_problem(tmp_
 def test_a_folder_given_as_the_config_file_is_named_as_a_folder(tmp_path):
     with pytest.raises(ConfigError, match="is a folder; give a YAML file"):
         load_config(tmp_path)
+
+
+def test_an_override_into_a_key_the_file_set_to_a_value_names_both(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer: 5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["trainer.iterations=1"])
+    assert "'trainer' is already the value 5 (from the config file or an earlier override)" in str(info.value)
+    with pytest.raises(ConfigError, match="'trainer.lr' is already the value 0.1"):
+        load_config(None, ["trainer.lr=0.1", "trainer.lr.x=1"])

@@ -152,10 +152,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for text in overrides:
         path, value = parse_override(text)
         node = data
-        for part in path[:-1]:
+        for depth, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override '{text}': '{part}' is a value, not a section")
+            if not isinstance(child, dict):  # set so by the config file or an earlier override
+                raise ConfigError(f"override '{text}': '{'.'.join(path[:depth + 1])}' is already the value "
+                                  f"{child!r} (from the config file or an earlier override), not a section")
             node = child
         node[path[-1]] = value
     return data
