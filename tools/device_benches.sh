@@ -488,9 +488,9 @@ _variants() {  # $1: the source file that candidates replace, $2: their folder, 
 }
 
 tree_variants() {  # A/B of candidates that change several files: each folder tools/_trees/NAME/ holds its
-    # changed files at their repository paths (e.g. `git diff --name-only main wip/X | while read f; do mkdir -p
-    # tools/_trees/X/$(dirname $f); git show wip/X:$f > tools/_trees/X/$f; done`); main runs first, then each
-    # candidate laid over it, then main's files are put back. $1: the function run for each (given its name)
+    # changed files at their repository paths (`bash tools/lay_trees.sh wip/X wip/Y` writes them from branches
+    # rebased on main); main runs first, then each candidate laid over it, then main's files are put back.
+    # $1: the function run for each (given its name)
     local each=$1 backup=/tmp/tree_main
     rm -rf $backup; mkdir -p $backup
     local files=$(cd tools/_trees && find . -mindepth 2 -type f | cut -d/ -f3- | sort -u)
