@@ -90,3 +90,42 @@ def test_seeds_sharing_a_gpu_each_get_a_share_counted_against_their_own_memory(m
     cpu = runs("cpu")
     multi_seed.share_device(cpu, 3)
     assert all(r.args == [f"seed={r.seed}"] for r in cpu)
+
+
+def test_a_signal_stops_the_sweep_the_waiting_seeds_never_start_and_the_hint_resumes_the_saved_ones(
+        tmp_path, monkeypatch) -> None:
+    """SIGINT during a sweep run one seed at a time: the running seed gets it (and ends as a real run would,
+    exit 0), the waiting seed is not started, the table says so, and the hint names both cases."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+
+    started = []
+
+    def fake_start(run):  # a child that, like `kv4rl train`, ends cleanly on SIGINT
+        run.log.parent.mkdir(parents=True, exist_ok=True)
+        run.log.write_text("")
+        run.process = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                                        "signal.signal(signal.SIGINT, lambda *a: sys.exit(0))\n"
+                                        "time.sleep(60)"])
+        run.seconds = 0.0
+        started.append(run.seed)
+
+    monkeypatch.setattr(multi_seed, "_start", fake_start)
+    runs = [multi_seed.SeedRun(s, load_config(None, [f"out_dir={tmp_path}", f"name=sw-s{s}"]), [],
+                               tmp_path / f"sw-s{s}.log") for s in (0, 1)]
+    (tmp_path / "sw-s0" / "checkpoints").mkdir(parents=True)  # seed 0 saved a checkpoint before the signal
+    lines = []
+    threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    multi_seed.launch(runs, 1, announce=lines.append)
+    assert started == [0]
+    assert [multi_seed.status_of(r) for r in runs] == ["stopped (SIGINT)", "not started (SIGINT)"]
+    assert "SIGINT: seeds 1 will not start" in lines
+    hint = multi_seed.continue_hint(runs)
+    assert f"continue with: kv4rl train --seeds 0 --resume {tmp_path / 'sw'}" in hint
+    assert "seeds 1 have no checkpoint: start them with the same command and --seeds 1" in hint

@@ -132,7 +132,9 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
     for row in multi_seed.summary_rows(runs):
         table.add_row(*row)
     print_table(console, table)
-    failed = [r.seed for r in runs if r.returncode != 0]
+    if any(r.stopped_by for r in runs):
+        say(f"stopped; {multi_seed.continue_hint(runs)}")
+    failed = [r.seed for r in runs if r.returncode not in (0, None)]
     if failed:
         console.print(f"[bold red]error:[/] seeds {', '.join(map(str, failed))} failed; see their logs",
                       highlight=False, soft_wrap=True)

@@ -39,6 +39,7 @@ class SeedRun:
     args: list[str]  # `kv4rl train` arguments of the child
     log: Path  # where the child writes while it runs
     returncode: int | None = None
+    stopped_by: str | None = None  # the signal that stopped the sweep while this seed ran or waited
     seconds: float = 0.0
     final_log: Path | None = None
     process: subprocess.Popen | None = field(default=None, repr=False)
@@ -105,15 +106,23 @@ def share_device(runs: list[SeedRun], parallel: int) -> None:
 
 
 def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:
-    """Run every seed's child, at most `parallel` at a time; SIGINT/SIGTERM are passed on to the children
-    (each then stops after its iteration with a checkpoint, as a single run does)."""
+    """Run every seed's child, at most `parallel` at a time. SIGINT/SIGTERM stop the sweep: they are passed
+    on to the running children (each then stops after its iteration with a checkpoint, as a single run
+    does) and the seeds still waiting are not started; `--seeds ... --resume` continues all of them."""
     pending, active = list(runs), []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def forward(signum, frame) -> None:
+        name = signal.Signals(signum).name
         for run in active:
             if run.process is not None and run.process.poll() is None:
                 run.process.send_signal(signum)
+                run.stopped_by = name
+        for run in pending:
+            run.stopped_by = name
+        if pending:
+            announce(f"{name}: seeds {', '.join(str(r.seed) for r in pending)} will not start")
+        pending.clear()
 
     for s in previous:
         signal.signal(s, forward)
@@ -128,8 +137,7 @@ def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:
             for run in [r for r in active if r.process.poll() is not None]:
                 active.remove(run)
                 _finish(run)
-                state = "finished" if run.returncode == 0 else f"failed (exit {run.returncode})"
-                announce(f"seed {run.seed}: {state} in {run.seconds:.0f} s, log {run.final_log}")
+                announce(f"seed {run.seed}: {status_of(run)} in {run.seconds:.0f} s, log {run.final_log}")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -160,6 +168,31 @@ def _finish(run: SeedRun) -> None:
     run.final_log = target
 
 
+def status_of(run: SeedRun) -> str:
+    """finished, stopped (a signal ended it with a checkpoint, or it never started), or failed."""
+    if run.returncode is None:
+        return f"not started ({run.stopped_by})" if run.stopped_by else "not started"
+    if run.returncode != 0:
+        return f"failed (exit {run.returncode})"
+    return f"stopped ({run.stopped_by})" if run.stopped_by else "finished"
+
+
+def continue_hint(runs: list[SeedRun]) -> str:
+    """How to go on after a stopped sweep: `--seeds ... --resume runs/<name>` for the seeds with a checkpoint
+    (it takes the folder of the seeds' common name), the first command again for those without one."""
+    saved = [r for r in runs if (r.cfg.run_dir / "checkpoints").is_dir()]
+    fresh = [r for r in runs if r not in saved]
+    parts = []
+    if saved:
+        first = saved[0]
+        base = first.cfg.run_dir.with_name(first.cfg.name.removesuffix(f"-s{first.seed}"))
+        parts.append(f"continue with: kv4rl train --seeds {','.join(str(r.seed) for r in saved)} --resume {base}")
+    if fresh:
+        parts.append(f"seeds {','.join(str(r.seed) for r in fresh)} have no checkpoint: start them with the same "
+                     f"command and --seeds {','.join(str(r.seed) for r in fresh)}")
+    return "; ".join(parts)
+
+
 def summary_rows(runs: list[SeedRun]) -> list[list[str]]:
     """One row per seed: seed, folder, status, iterations logged, last accuracy, seconds, log."""
     from kv4rl.telemetry.metrics import read_jsonl
@@ -169,8 +202,8 @@ def summary_rows(runs: list[SeedRun]) -> list[list[str]]:
         metrics = run.cfg.run_dir / "metrics.jsonl"
         lines = read_jsonl(metrics) if metrics.is_file() and run.returncode is not None else []
         last = lines[-1] if lines else {}
-        status = "finished" if run.returncode == 0 else f"failed (exit {run.returncode})"
+        status = status_of(run)
         accuracy = last.get("accuracy")
         rows.append([str(run.seed), str(run.cfg.run_dir), status, str(len(lines)),
-                     "-" if accuracy is None else f"{accuracy:.3f}", f"{run.seconds:.0f}", str(run.final_log)])
+                     "-" if accuracy is None else f"{accuracy:.3f}", f"{run.seconds:.0f}", "-" if run.final_log is None else str(run.final_log)])
     return rows
