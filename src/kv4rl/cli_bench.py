@@ -24,6 +24,7 @@ from kv4rl.cli_common import (
     check_device,
     check_figure_path,
     check_kv_formats,
+    check_not_an_input,
     check_output_path,
     console,
     engine_config,
@@ -134,6 +135,7 @@ def fidelity(
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out)
+    check_not_an_input({"--json": json_out}, {"--data": data})
     try:
         if random_init is not None:
             from kv4rl.bench.random_model import random_model_dir

@@ -111,6 +111,19 @@ def check_output_path(path: Path | None, option: str = "--json", *, create: bool
         fail(f"{option} {path}: cannot be written (no permission)")
 
 
+def check_not_an_input(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
+    """Refuse an output path that names an input file (or another output): writing the results would
+    replace the user's data, e.g. `--samples` over the `--data` file being evaluated."""
+    seen: dict[Path, str] = {path.resolve(): option for option, path in inputs.items() if path is not None}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        other = seen.get(path.resolve())
+        if other is not None:
+            fail(f"{option} {path} is also {other}; writing it would replace that file, give another path")
+        seen[path.resolve()] = option
+
+
 def image_formats() -> list[str]:
     """File suffixes matplotlib can write a figure as (png, pdf, svg, ...)."""
     from matplotlib.backend_bases import FigureCanvasBase

@@ -18,6 +18,7 @@ import typer
 from kv4rl.cli_common import (
     check_at_least,
     check_device,
+    check_not_an_input,
     check_output_path,
     console,
     engine_config,
@@ -134,8 +135,7 @@ def eval_cmd(
         fail(str(exc))
     check_output_path(json_out)
     check_output_path(samples_out, "--samples")
-    if json_out is not None and samples_out is not None and json_out.resolve() == samples_out.resolve():
-        fail(f"--json and --samples both name {json_out}; the samples would overwrite the metrics, give two files")
+    check_not_an_input({"--json": json_out, "--samples": samples_out}, {"--data": data})
     ranks = distributed.init_from_torchrun(device)
     try:
         res, settings, results, problems = _run(engine_cfg, list(engine_overrides or []), ranks, model, data, k, n,

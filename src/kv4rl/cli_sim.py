@@ -16,7 +16,16 @@ from typing import Annotated
 
 import typer
 
-from kv4rl.cli_common import check_figure_path, check_output_path, console, fail, finite_float, option_list, wrote
+from kv4rl.cli_common import (
+    check_figure_path,
+    check_not_an_input,
+    check_output_path,
+    console,
+    fail,
+    finite_float,
+    option_list,
+    wrote,
+)
 from kv4rl.data.prompts import check_template
 from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import ResultTable, print_table
@@ -160,6 +169,7 @@ def correction_variance_cmd(
         fail(str(exc))
     check_output_path(json_out, "--json")
     png_out = check_figure_path(png_out, "--png")
+    check_not_an_input({"--json": json_out, "--png": png_out}, {"--data": data})
     try:
         if model is None:
             from kv4rl.models.tiny import tiny_model_dir
