@@ -88,3 +88,19 @@ def test_resume_clears_temporary_folders_of_an_interrupted_save(runs, tmp_path):
     res = train_cli("--resume", str(run), "trainer.iterations=3", "checkpoint.save_every=5", "--no-progress")
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in root.iterdir()) == ["iter_000002", "iter_000003", "latest"]
+
+
+def test_a_damaged_newer_checkpoint_is_set_aside_not_counted_by_retention(runs, tmp_path, caplog):
+    """Resumed from iter_1 past a damaged iter_2, with keep_last=1: retention used to count the damaged
+    iter_2 among the run's newest, keeping it and deleting intact ones. It is renamed at the run's first
+    write instead (kept, byte for byte), and retention sees only the new saves."""
+    part, _ = runs
+    run = shutil.copytree(part, tmp_path / "run")
+    truncate(run / "checkpoints" / "iter_000002" / "model.safetensors")
+    damaged = tree_state(run / "checkpoints" / "iter_000002")
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "checkpoint.keep_last=1", "--no-progress")
+    assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["iter_000002.damaged", "iter_000003", "latest"], names
+    assert tree_state(run / "checkpoints" / "iter_000002.damaged") == damaged
+    assert "set aside the damaged checkpoints newer than the one resumed from, as iter_000002.damaged" in caplog.text

@@ -20,7 +20,7 @@ from kv4rl.config import RunConfig, load_config, save_config
 from kv4rl.config_loader import ConfigError, apply_overrides
 from kv4rl.paths import file_in_path
 from kv4rl.telemetry.metrics import JsonlWriter
-from kv4rl.trainer.checkpoint import clear_stale_temps
+from kv4rl.trainer.checkpoint import clear_stale_temps, set_aside_newer
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,11 @@ class RunFolder:
         if stale:
             log.warning("removed unfinished checkpoint saves in %s: %s", self.path / "checkpoints",
                         ", ".join(stale))
+        if self.resume_from is not None:
+            damaged = set_aside_newer(self.path, self.resume_from)
+            if damaged:
+                log.warning("set aside the damaged checkpoints newer than the one resumed from, as %s",
+                            ", ".join(damaged))
         save_config(self.cfg, self.path / "config.yaml")
         self.opened = True
 

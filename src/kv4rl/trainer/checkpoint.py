@@ -137,6 +137,24 @@ def _prune(run_dir: Path, run_id: str, iteration: int, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def set_aside_newer(run_dir: Path, iteration: int) -> list[str]:
+    """Rename every `iter_N` newer than `iteration`, the checkpoint a resume starts from, to
+    `iter_N.damaged[-k]`; returns the new names. A resume takes the newest intact checkpoint, so each of
+    these was passed over as damaged: renamed, retention no longer counts them among the run's newest
+    (it kept them and deleted intact older ones) and no later resume tries them again. Never deleted."""
+    moved = []
+    for i, path in checkpoints(run_dir):
+        if i <= iteration:
+            continue
+        k, target = 1, path.with_name(f"{path.name}.damaged")
+        while target.exists():
+            k += 1
+            target = path.with_name(f"{path.name}.damaged-{k}")
+        os.replace(path, target)
+        moved.append(target.name)
+    return moved
+
+
 def clear_stale_temps(run_dir: Path) -> list[str]:
     """Delete the temporary folders and pointer files an interrupted save left; returns their names."""
     root = checkpoint_root(run_dir)
