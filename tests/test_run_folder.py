@@ -178,3 +178,16 @@ def test_resume_of_a_finished_run_prints_its_summary_builds_nothing_and_says_how
     assert "warning: nothing trained: iter_000002 has done 2 iterations and trainer.iterations=2" in text, text
     assert "give trainer.iterations above 2" in text and f"run {run}" in text
     assert tree_state(run) == before
+
+
+def test_resume_refuses_another_starting_model(run, tmp_path):
+    """model.path on --resume swapped the reference model and the rows' fingerprint mid-run, silently."""
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), f"model.path={tmp_path / 'other-model'}", "trainer.iterations=3",
+                    "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "model.path cannot change on resume" in text, text
+    assert f"change model.path in {run / 'config.yaml'}" in text
+    res = train_cli("--resume", str(run), "model.testbed=longmul-test", "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 2 and "model.testbed cannot change on resume" in " ".join(res.output.split())
+    assert tree_state(run) == before

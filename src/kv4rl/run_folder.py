@@ -81,6 +81,17 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
         raise ConfigError(f"--resume {folder}: {' and '.join(moved)} {'come' if len(moved) > 1 else 'comes'} "
                           f"from the folder resumed; leave {'them' if len(moved) > 1 else 'it'} out (copy the "
                           f"folder to resume it elsewhere)")
+    given = apply_overrides({}, overrides).get("model", {})
+    swapped = sorted(set(given) & {"path", "testbed"}) if isinstance(given, dict) else []
+    if swapped:
+        saved_model = load_config(saved).model
+        if any(getattr(saved_model, key) != given[key] for key in swapped):
+            keys = " and ".join(f"model.{key}" for key in swapped)
+            raise ConfigError(
+                f"--resume {folder}: {keys} cannot change on resume: the run's starting model is its reference "
+                f"(kl_ref) and its fingerprint in every row. To train this run's checkpoint under another setup, "
+                f"start a new run with model.path={folder / 'checkpoints' / '<iter_N>'}; if the model folder "
+                f"only moved, change model.path in {saved}")
     place = folder if folder.name not in ("", ".", "..") else folder.resolve()
     cfg = load_config(saved, overrides)
     cfg.name, cfg.out_dir = place.name, str(place.parent)
