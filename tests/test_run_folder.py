@@ -191,3 +191,13 @@ def test_resume_refuses_another_starting_model(run, tmp_path):
     res = train_cli("--resume", str(run), "model.testbed=longmul-test", "trainer.iterations=3", "--no-progress")
     assert res.exit_code == 2 and "model.testbed cannot change on resume" in " ".join(res.output.split())
     assert tree_state(run) == before
+
+
+def test_resume_of_a_partial_run_as_sync_is_refused_before_any_work(tmp_path):
+    """It used to start, then fail in the collector with 'scheduler produced an empty batch'."""
+    run = new_run(tmp_path, "p", "rollout.mode=partial", "trainer.iterations=1", "checkpoint.save_every=1")
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), "rollout.mode=sync", "trainer.iterations=2", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "rollout.mode=sync cannot take over a partial run" in text, text
+    assert tree_state(run) == before

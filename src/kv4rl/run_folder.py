@@ -81,7 +81,13 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
         raise ConfigError(f"--resume {folder}: {' and '.join(moved)} {'come' if len(moved) > 1 else 'comes'} "
                           f"from the folder resumed; leave {'them' if len(moved) > 1 else 'it'} out (copy the "
                           f"folder to resume it elsewhere)")
-    given = apply_overrides({}, overrides).get("model", {})
+    given_all = apply_overrides({}, overrides)
+    rollout = given_all.get("rollout", {})
+    if isinstance(rollout, dict) and rollout.get("mode") == "sync" and load_config(saved).rollout.mode == "partial":
+        raise ConfigError(f"--resume {folder}: rollout.mode=sync cannot take over a partial run: its checkpoints "
+                          f"hold responses in flight that a sync collection does not carry; resume it as partial "
+                          f"(switching sync -> partial works)")
+    given = given_all.get("model", {})
     swapped = sorted(set(given) & {"path", "testbed"}) if isinstance(given, dict) else []
     if swapped:
         saved_model = load_config(saved).model
