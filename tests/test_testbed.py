@@ -135,10 +135,16 @@ def test_train_on_the_test_testbed_recipe(testbed_cache, tmp_path, monkeypatch) 
     cache, _ = testbed_cache
     monkeypatch.setenv("KV4RL_CACHE", str(cache))
     res = runner.invoke(app, ["train", "--config", "recipes/testbed_longmul_test.yaml", f"out_dir={tmp_path}",
-                              "trainer.iterations=1", "rollout.max_new_tokens=96", "--no-progress"])
+                              "trainer.iterations=1", "rollout.max_new_tokens=96", "checkpoint.save_every=1",
+                              "--no-progress"])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in (tmp_path / "testbed-longmul-test" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["response_len_mean"] > 16  # longer than the arithmetic task allows
+    # its checkpoint keeps the task: evaluated or trained from, it is a longmul model, not the arithmetic one
+    (checkpoint,) = (tmp_path / "testbed-longmul-test" / "checkpoints").glob("iter_*")
+    task = testbed.task_of(checkpoint)
+    assert isinstance(task, LongMulTask) and task == testbed.task_of(testbed_cache[1])
+    assert testbed.read_metadata(checkpoint)["checkpoint_of"] == str(testbed_cache[1])
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -71,6 +71,7 @@ class Setup:
     start_iteration: int
     attribution: MismatchAttribution | None = None
     model_sha256: str | None = None  # the starting model's fingerprint (rank 0 only), in every metrics row
+    base_dir: Path | None = None  # the starting model's folder (a testbed's record goes into each checkpoint)
 
 
 def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup:
@@ -123,6 +124,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
               RolloutPipeline(collector, cfg.staleness), 0, MismatchAttribution.from_config(cfg, engine, learner))
     if restore is not None:
         restore_state(s, restore.state, restore.path)
+    s.base_dir = base_dir
     if ranks.main:  # the config's model, also on resume: a resume onto another build shows in the rows
         s.model_sha256 = row_fingerprint(base_dir)
     log.info("device %s, model %s, start iteration %d, learner attention %s (%s micro-batches), %s", device,
@@ -314,8 +316,12 @@ def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
     state = {"learner": s.learner.checkpoint_state(), **resume_state(s, done)}
 
     def write_files(path: Path) -> None:
+        from kv4rl.models.testbed import carry_record  # not at import: it loads transformers' modeling code
+
         s.learner.save_pretrained(path, state=weights)
         s.formatter.tokenizer.save_pretrained(path)
+        if s.base_dir is not None:
+            carry_record(s.base_dir, path)
 
     return save_checkpoint(folder.path if folder else None, done, write_files, state,
                            folder.run_id if folder else None, s.cfg.checkpoint.keep_last, s.learner.write_shards)

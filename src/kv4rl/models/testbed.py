@@ -142,6 +142,16 @@ def read_metadata(model_dir: str | Path) -> dict | None:
     return metadata if isinstance(metadata, dict) else None
 
 
+def carry_record(base_dir: str | Path, checkpoint_dir: str | Path) -> None:
+    """Copy a testbed's record into a checkpoint of a run that started from it, so the checkpoint keeps its
+    task (prompts, verifier, eval length) when evaluated or trained from. The build statistics in it are the
+    starting model's; `checkpoint_of` says which that was. Nothing for a model that is not a testbed."""
+    metadata = read_metadata(base_dir)
+    if metadata is not None:
+        metadata.setdefault("checkpoint_of", str(base_dir))
+        (Path(checkpoint_dir) / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
 def task_of(model_dir: str | Path) -> ArithmeticTask | LongMulTask | None:
     """The task a testbed folder was built for (None for a folder that is not a testbed)."""
     metadata = read_metadata(model_dir)

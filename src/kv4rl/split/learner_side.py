@@ -43,6 +43,7 @@ class LearnerSide:
     groups: SplitGroups
     link: HeadLink | None  # the head's only
     consumed: Consumed | None = None  # the head's only: the stream positions taken, for checkpoints
+    base_dir: Path | None = None  # the starting model's folder (a testbed's record goes into each checkpoint)
 
     @property
     def head(self) -> bool:
@@ -172,8 +173,12 @@ def save(s: LearnerSide, folder: RunFolder | None, done: int) -> Path | None:
     state = checkpoint_state(dist.get_world_size(), s.groups.engines, s.learner.checkpoint_state(), s.consumed)
 
     def write_files(to: Path) -> None:
+        from kv4rl.models.testbed import carry_record
+
         s.learner.save_pretrained(to, state=weights)
         s.tokenizer.save_pretrained(to)
+        if s.base_dir is not None:
+            carry_record(s.base_dir, to)
 
     # every learner rank joins the save (its collectives run on the learner group); rank 0 writes
     return save_checkpoint(folder.path if folder is not None else None, done, write_files, state,

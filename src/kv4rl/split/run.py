@@ -155,7 +155,7 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
         learner.load_checkpoint_state(restore.state["learner"], restore.path)
     link = HeadLink(groups, weight_manifest(learner.model.named_parameters())) if head else None
     consumed = Consumed(cfg.rollout.engine_ranks, restore.state["stream"] if restore else None) if head else None
-    side = LearnerSide(cfg, learner, tokenizer, groups, link, consumed)
+    side = LearnerSide(cfg, learner, tokenizer, groups, link, consumed, base_dir)
     folder = RunFolder(cfg, restore.run_id if restore else None, start if restore else None, overwrite,
                        model_sha256) if head else None
     try:
