@@ -116,3 +116,10 @@ def test_shared_eval_sets_load(name, num_rows, first_id):
     assert len({p.id for p in problems}) == num_rows
     assert all(p.answer.strip() and p.problem.strip() for p in problems)
     assert all(p.meta["source"] for p in problems)
+
+
+def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + '{"problem": "1+1", "answer": "2"}\n{"problem": "é", "answer": 3}\n'.encode())
+    rows = load_jsonl(path)
+    assert [(r.problem, r.answer, r.id) for r in rows] == [("1+1", "2", "bom.jsonl:1"), ("é", "3", "bom.jsonl:2")]

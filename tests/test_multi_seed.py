@@ -43,7 +43,9 @@ def test_an_existing_run_for_one_seed_stops_every_seed_before_any_work(tmp_path)
     before = tree_state(tmp_path)
     res = seeds_cli(tmp_path, "--seeds", "0,1")
     assert res.exit_code == 2
-    assert f"{held} already holds a run" in " ".join(res.output.split())
+    text = " ".join(res.output.split())
+    assert f"{held} already holds a run" in text
+    assert f"kv4rl train --seeds 0,1 --resume {tmp_path / 'ms'}" in text  # the sweep's hint, not one seed's
     assert tree_state(tmp_path) == before  # seed 0 did not start either
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from kv4rl.config import RunConfig, load_config
 from kv4rl.config_loader import apply_overrides
 from kv4rl.engine.config import EngineConfig
-from kv4rl.run_folder import check_new_run, config_for_resume
+from kv4rl.run_folder import RunFolderError, check_new_run, config_for_resume
 
 LOG_NAME = "train.log"
 
@@ -74,7 +74,16 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
     for seed in seeds:
         mine = [*overrides, f"seed={seed}", f"name={seed_name(base.name, seed)}"]
         cfg = load_config(config, mine)
-        check_new_run(cfg.run_dir, overwrite)
+        try:
+            check_new_run(cfg.run_dir, overwrite)
+        except RunFolderError as exc:
+            if not cfg.run_dir.is_dir():
+                raise
+            # the hint is the sweep's, not one seed's: --resume of the common name continues every seed
+            raise RunFolderError(
+                f"{cfg.run_dir} already holds a run; continue the seeds with `kv4rl train --seeds "
+                f"{','.join(map(str, seeds))} --resume {Path(base.out_dir) / base.name}`, give another name=..., "
+                f"or start over with --overwrite (the old runs are moved aside, not deleted)") from exc
         args = (["--config", str(config)] if config is not None else []) + mine
         runs.append(SeedRun(seed, cfg, args + (["--overwrite"] if overwrite else []) + extra_args, _log_path(cfg)))
     return runs

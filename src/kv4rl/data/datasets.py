@@ -30,6 +30,7 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
         raise DatasetError(f"dataset file {path} does not exist") from None
     except OSError as exc:
         raise DatasetError(f"cannot read dataset file {path}: {exc}") from None
+    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors on Windows write
     problems: list[Problem] = []
     first_line_of_id: dict[str, int] = {}
     for line_number, line_bytes in enumerate(raw.splitlines(), start=1):
