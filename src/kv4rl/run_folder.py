@@ -81,27 +81,28 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
         raise ConfigError(f"--resume {folder}: {' and '.join(moved)} {'come' if len(moved) > 1 else 'comes'} "
                           f"from the folder resumed; leave {'them' if len(moved) > 1 else 'it'} out (copy the "
                           f"folder to resume it elsewhere)")
-    given_all = apply_overrides({}, overrides)
-    rollout = given_all.get("rollout", {})
-    if isinstance(rollout, dict) and rollout.get("mode") == "sync" and load_config(saved).rollout.mode == "partial":
+    place = folder if folder.name not in ("", ".", "..") else folder.resolve()
+    cfg = load_config(saved, overrides)
+    _check_kept_on_resume(folder, load_config(saved), cfg)
+    cfg.name, cfg.out_dir = place.name, str(place.parent)
+    return cfg.validate()
+
+
+def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
+    """Refuse overrides a run cannot take midway: another starting model (the reference of kl_ref and the
+    fingerprint in every row would change under it), or a partial run continued as sync (its checkpoints
+    hold responses in flight that a sync collection does not carry)."""
+    swapped = [f"model.{key}" for key in ("path", "testbed") if getattr(cfg.model, key) != getattr(saved.model, key)]
+    if swapped:
+        raise ConfigError(
+            f"--resume {folder}: {' and '.join(swapped)} cannot change on resume: the run's starting model is its "
+            f"reference (kl_ref) and its fingerprint in every row. To train this run's checkpoint under another "
+            f"setup, start a new run with model.path={folder / 'checkpoints' / '<iter_N>'}; if the model folder "
+            f"only moved, change model.path in {folder / 'config.yaml'}")
+    if saved.rollout.mode == "partial" and cfg.rollout.mode == "sync":
         raise ConfigError(f"--resume {folder}: rollout.mode=sync cannot take over a partial run: its checkpoints "
                           f"hold responses in flight that a sync collection does not carry; resume it as partial "
                           f"(switching sync -> partial works)")
-    given = given_all.get("model", {})
-    swapped = sorted(set(given) & {"path", "testbed"}) if isinstance(given, dict) else []
-    if swapped:
-        saved_model = load_config(saved).model
-        if any(getattr(saved_model, key) != given[key] for key in swapped):
-            keys = " and ".join(f"model.{key}" for key in swapped)
-            raise ConfigError(
-                f"--resume {folder}: {keys} cannot change on resume: the run's starting model is its reference "
-                f"(kl_ref) and its fingerprint in every row. To train this run's checkpoint under another setup, "
-                f"start a new run with model.path={folder / 'checkpoints' / '<iter_N>'}; if the model folder "
-                f"only moved, change model.path in {saved}")
-    place = folder if folder.name not in ("", ".", "..") else folder.resolve()
-    cfg = load_config(saved, overrides)
-    cfg.name, cfg.out_dir = place.name, str(place.parent)
-    return cfg.validate()
 
 
 class RunFolder:
