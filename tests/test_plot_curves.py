@@ -245,3 +245,18 @@ def test_a_figure_path_without_a_suffix_is_a_png_and_is_named_as_written(runs):
     assert res.exit_code == 0, res.output
     assert (runs / "fig.png").read_bytes()[:4] == b"\x89PNG" and (runs / "fig.csv").is_file()
     assert f"wrote {runs / 'fig.png'} and {runs / 'fig.csv'}" in " ".join(res.output.split())
+
+
+def test_a_glob_leaves_out_runs_set_aside_by_overwrite(runs):
+    """`train --overwrite` moves a seed's old run to ppo-s0.old-<time>; `ppo-s*` must not plot it as an arm."""
+    write_run(runs / "ppo-s0.old-20261204-232817", eval_rows({1: 0.0}))
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--metric", EVAL, "--out", str(runs / "c.png"),
+                              "--json", str(runs / "c.json")])
+    assert res.exit_code == 0, res.output
+    assert list(json.loads((runs / "c.json").read_text())["arms"]) == ["ppo"]
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s0.old-*"), "--metric", EVAL,
+                              "--out", str(runs / "d.png")])
+    assert res.exit_code == 2 and "set aside by --overwrite (name one to plot it)" in " ".join(res.output.split())
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s0.old-20261204-232817"), "--metric", EVAL,
+                              "--out", str(runs / "e.png")])
+    assert res.exit_code == 0, res.output

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from kv4rl.paths import SET_ASIDE
 from kv4rl.telemetry.metrics import read_jsonl
 from tests.small_runs import SMALL, new_run, tiny_weights_sha256, train_cli, tree_state
 
@@ -57,7 +58,7 @@ def test_overwrite_moves_the_old_run_aside_and_says_where(run, caplog):
     res = train_cli(f"out_dir={run.parent}", "name=run", *SMALL, "trainer.iterations=1", "--overwrite")
     assert res.exit_code == 0, res.output
     siblings = [p for p in run.parent.iterdir() if p.name.startswith("run.old-")]
-    assert len(siblings) == 1
+    assert len(siblings) == 1 and SET_ASIDE.search(siblings[0].name)  # what plot curves' globs leave out
     assert tree_state(siblings[0]) == before  # the old run, untouched, under its new name
     assert str(siblings[0]) in caplog.text
     assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0]

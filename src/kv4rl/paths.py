@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+# what `kv4rl train --overwrite` appends to the run folder it moves aside (`run_folder.set_aside`)
+SET_ASIDE = re.compile(r"\.old-\d{8}-\d{6}(-\d+)?$")
 
 
 def file_in_path(folder: Path) -> Path | None:

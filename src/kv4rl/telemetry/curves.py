@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kv4rl.paths import SET_ASIDE
 from kv4rl.telemetry.metrics import read_jsonl
 
 SEED_SUFFIX = re.compile(r"-s\d+$")
@@ -79,14 +80,18 @@ def worst_drop(curve: list[float]) -> float:
 
 
 def expand(pattern: str) -> list[Path]:
-    """A run folder, or a glob over run folders (sorted); errors name what did not match."""
+    """A run folder, or a glob over run folders (sorted); errors name what did not match. A glob leaves out
+    the runs `--overwrite` set aside (`<name>.old-<time>`), which `runs/<name>-s*` would otherwise take as
+    extra arms; named alone, such a folder is plotted."""
     path = Path(pattern)
     if path.is_dir():
         found = [path]
     else:
-        found = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_dir())
+        matched = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_dir())
+        found = [p for p in matched if not SET_ASIDE.search(p.name)]
         if not found:
-            raise ValueError(f"{pattern}: matches no run folder")
+            raise ValueError(f"{pattern}: matches no run folder" + (
+                f" but {len(matched)} set aside by --overwrite (name one to plot it)" if matched else ""))
     for run in found:
         if not (run / "metrics.jsonl").is_file():
             raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
