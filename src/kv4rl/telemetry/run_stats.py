@@ -35,7 +35,7 @@ def summarize_run(run_dir: Path, resumed_from: int | None) -> dict:
         head, tail = rows[:5], rows[-5:]
         acc = lambda rs: sum(r["accuracy"] for r in rs) / len(rs)
         out.update({
-            "iteration_seconds": sum(r.get("time_total") or 0.0 for r in rows),
+            "seconds_in_iterations": sum(r.get("time_total") or 0.0 for r in rows),  # the total, every iteration
             "accuracy_first5": acc(head),
             "accuracy_last5": acc(tail),
             "reward_first": rows[0]["reward_mean"],
