@@ -10,7 +10,6 @@ The commands only parse, print and write files; the numbers come from `kv4rl.sim
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -24,6 +23,7 @@ from kv4rl.cli_common import (
     fail,
     finite_float,
     option_list,
+    write_json,
     wrote,
 )
 from kv4rl.data.prompts import check_template
@@ -37,15 +37,6 @@ sim_app = typer.Typer(
 )
 
 DEFAULT_SWEEP = ",".join(f"{0.5 + 0.1 * i:.1f}" for i in range(16))  # 0.5 … 2.0
-
-
-def _floats(text: str, option: str) -> list[float]:
-    return option_list(text, option, finite_float)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _clip_bias_table(result: dict) -> ResultTable:
@@ -80,7 +71,7 @@ def clip_bias_cmd(
     from kv4rl.sim.clip_bias import clip_bias, plot, sweep
 
     try:
-        rhos = _floats(sweep_rho, "--sweep-rho")
+        rhos = option_list(sweep_rho, "--sweep-rho", finite_float)
         if min(rhos) <= 0:
             raise ValueError(f"--sweep-rho: every ρ must be > 0, got {min(rhos):g}")
         for ok, message in [(rho > 0, f"--rho must be > 0, got {rho:g}"),
@@ -104,7 +95,7 @@ def clip_bias_cmd(
                   f"{result['closed_form']['clip_mean_per_unit_ratio']:+.4f}); unclipped mean "
                   f"{result['noclip']['mean']:+.4f}")
     if json_out is not None:
-        _write_json(json_out, {**result, "sweep": swept})
+        write_json({**result, "sweep": swept}, json_out)
         wrote(json_out)
     if png_out is not None:
         points = swept + ([result] if all(r["rho"] != rho for r in swept) else [])
@@ -191,7 +182,7 @@ def correction_variance_cmd(
     console.print(f"c_t = log π − log μ: mean {ratio['mean']:+.4e}, var {ratio['var']:.4e}, "
                   f"KL(μ‖π) (k3) {ratio['kl_mu_pi_k3']:.4e}")
     if json_out is not None:
-        _write_json(json_out, summary)
+        write_json(summary, json_out)
         wrote(json_out)
     if png_out is not None:
         plot(summary, png_out)

@@ -40,9 +40,10 @@ from kv4rl.run_setup import (
     Restore,
     build_learner,
     find_restore,
-    nothing_to_train,
+    finished_summary,
     resolve_model_dir,
     task_of_model,
+    write_policy_files,
 )
 from kv4rl.telemetry.attribution import MismatchAttribution
 from kv4rl.telemetry.progress import TrainProgress
@@ -245,9 +246,9 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
     sink = MetricsSink(cfg) if main else None  # checks the optional viewers before the folder is touched
     if resume:
         restore = find_restore(cfg)
-        note = nothing_to_train(cfg, restore)
-        if note is not None:
-            return {**summarize_run(cfg.run_dir, restore.state["iteration"]), "nothing_trained": note}
+        finished = finished_summary(cfg, restore)
+        if finished is not None:
+            return finished
     else:
         check_new_run(cfg.run_dir, overwrite)
         restore = None
@@ -316,12 +317,7 @@ def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
     state = {"learner": s.learner.checkpoint_state(), **resume_state(s, done)}
 
     def write_files(path: Path) -> None:
-        from kv4rl.models.testbed import carry_record  # not at import: it loads transformers' modeling code
-
-        s.learner.save_pretrained(path, state=weights)
-        s.formatter.tokenizer.save_pretrained(path)
-        if s.base_dir is not None:
-            carry_record(s.base_dir, path)
+        write_policy_files(path, s.learner, s.formatter.tokenizer, weights, s.base_dir)
 
     return save_checkpoint(folder.path if folder else None, done, write_files, state,
                            folder.run_id if folder else None, s.cfg.checkpoint.keep_last, s.learner.write_shards)

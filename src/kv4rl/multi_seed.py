@@ -214,5 +214,6 @@ def summary_rows(runs: list[SeedRun]) -> list[list[str]]:
         status = status_of(run)
         accuracy = last.get("accuracy")
         rows.append([str(run.seed), str(run.cfg.run_dir), status, str(len(lines)),
-                     "-" if accuracy is None else f"{accuracy:.3f}", f"{run.seconds:.0f}", "-" if run.final_log is None else str(run.final_log)])
+                     "-" if accuracy is None else f"{accuracy:.3f}", f"{run.seconds:.0f}",
+                     "-" if run.final_log is None else str(run.final_log)])
     return rows

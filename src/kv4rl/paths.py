@@ -1,4 +1,5 @@
-"""Checks on user-given paths that every command shares (a result file, a run folder's parent)."""
+"""Paths every command shares: checks on user-given ones (a result file, a run folder's parent) and the names
+things set aside get."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ def file_in_path(folder: Path) -> Path | None:
         if part.exists():
             return None if part.is_dir() else part
     return None
+
+
+def free_sibling(path: Path, suffix: str) -> Path:
+    """`path` renamed with `suffix`, or with `suffix-k` (k = 2, 3, ...) when that exists: where something
+    moved aside goes without touching what an earlier move left there."""
+    target, k = path.with_name(f"{path.name}{suffix}"), 1
+    while target.exists():
+        k += 1
+        target = path.with_name(f"{path.name}{suffix}-{k}")
+    return target

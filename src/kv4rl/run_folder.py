@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kv4rl.config import RunConfig, load_config, save_config
 from kv4rl.config_loader import ConfigError, apply_overrides
-from kv4rl.paths import file_in_path
+from kv4rl.paths import file_in_path, free_sibling
 from kv4rl.telemetry.metrics import JsonlWriter
 from kv4rl.trainer.checkpoint import clear_stale_temps, set_aside_newer
 
@@ -54,11 +54,7 @@ def check_new_run(run_dir: Path, overwrite: bool) -> None:
 
 def set_aside(run_dir: Path) -> Path:
     """Rename `run_dir` to a new sibling `<name>.old-<time>[-k]`; returns the new path."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target, k = run_dir.with_name(f"{run_dir.name}.old-{stamp}"), 1
-    while target.exists():
-        k += 1
-        target = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{k}")
+    target = free_sibling(run_dir, f".old-{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(run_dir, target)
     return target
 

@@ -14,6 +14,7 @@ import torch
 
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.run_folder import RunFolderError
+from kv4rl.telemetry.run_stats import summarize_run
 from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of
 from kv4rl.trainer.learner import Learner
 
@@ -68,14 +69,28 @@ def find_restore(cfg: RunConfig) -> Restore:
     return Restore(path, state, run_of(path))
 
 
-def nothing_to_train(cfg: RunConfig, restore: Restore) -> str | None:
-    """Why a resume would train nothing (its checkpoint is at trainer.iterations already), or None. Such a
-    resume prints the run's summary without building a model, engine or learner."""
+def finished_summary(cfg: RunConfig, restore: Restore) -> dict | None:
+    """The run's summary when its checkpoint is at trainer.iterations already (a resume would train
+    nothing), with `nothing_trained` saying how to train longer; None when iterations remain. Such a
+    resume returns this without building a model, engine or learner."""
     done = restore.state.get("iteration", 0)
     if done < cfg.trainer.iterations:
         return None
-    return (f"nothing trained: {restore.path.name} has done {done} iterations and trainer.iterations="
-            f"{cfg.trainer.iterations} asks for no more; to train longer, give trainer.iterations above {done}")
+    return {**summarize_run(cfg.run_dir, done),
+            "nothing_trained": f"nothing trained: {restore.path.name} has done {done} iterations and "
+                               f"trainer.iterations={cfg.trainer.iterations} asks for no more; to train longer, "
+                               f"give trainer.iterations above {done}"}
+
+
+def write_policy_files(path: Path, learner: Learner, tokenizer, weights: dict, base_dir: Path | None) -> None:
+    """A checkpoint's Hugging Face folder: the policy's `weights` (gathered already), the tokenizer, and a
+    testbed's record when the run started from one, so the checkpoint keeps its task."""
+    from kv4rl.models.testbed import carry_record  # not at import: it loads transformers' modeling code
+
+    learner.save_pretrained(path, state=weights)
+    tokenizer.save_pretrained(path)
+    if base_dir is not None:
+        carry_record(base_dir, path)
 
 
 def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torch.device, group=None) -> Learner:

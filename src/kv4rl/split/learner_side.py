@@ -21,6 +21,7 @@ import torch.distributed as dist
 from kv4rl.algo.advantages import compute_advantages
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.run_folder import RunFolder
+from kv4rl.run_setup import write_policy_files
 from kv4rl.split.channel import HeadLink, SplitGroups
 from kv4rl.split.resume import Consumed, checkpoint_state
 from kv4rl.telemetry.progress import TrainProgress
@@ -173,12 +174,7 @@ def save(s: LearnerSide, folder: RunFolder | None, done: int) -> Path | None:
     state = checkpoint_state(dist.get_world_size(), s.groups.engines, s.learner.checkpoint_state(), s.consumed)
 
     def write_files(to: Path) -> None:
-        from kv4rl.models.testbed import carry_record
-
-        s.learner.save_pretrained(to, state=weights)
-        s.tokenizer.save_pretrained(to)
-        if s.base_dir is not None:
-            carry_record(s.base_dir, to)
+        write_policy_files(to, s.learner, s.tokenizer, weights, s.base_dir)
 
     # every learner rank joins the save (its collectives run on the learner group); rank 0 writes
     return save_checkpoint(folder.path if folder is not None else None, done, write_files, state,

@@ -29,7 +29,7 @@ from kv4rl.run_setup import (
     Restore,
     build_learner,
     find_restore,
-    nothing_to_train,
+    finished_summary,
     resolve_model_dir,
     task_of_model,
 )
@@ -84,10 +84,9 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     check_split(cfg, ranks.world)
     restore = find_restore(cfg) if resume else None
     if restore is not None:
-        note = nothing_to_train(cfg, restore)
-        if note is not None:
-            summary = {**summarize_run(cfg.run_dir, restore.state["iteration"]), "nothing_trained": note}
-            return (summary if ranks.main else None), None
+        finished = finished_summary(cfg, restore)
+        if finished is not None:
+            return (finished if ranks.main else None), None
         check_split_resume(cfg, restore.path, restore.state, ranks.world)
     k = cfg.rollout.engine_ranks
     learners = ranks.world - k

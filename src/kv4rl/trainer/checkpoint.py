@@ -27,6 +27,7 @@ import torch.distributed as dist
 from kv4rl.distributed import barrier, from_main
 from kv4rl.file_modes import honour_umask
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder
+from kv4rl.paths import free_sibling
 from kv4rl.trainer.optimizer_checkpoint import SHARDED, optimizer_format, shards_problem
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,7 @@ def set_aside_newer(run_dir: Path, iteration: int) -> list[str]:
     for i, path in checkpoints(run_dir):
         if i <= iteration:
             continue
-        k, target = 1, path.with_name(f"{path.name}.damaged")
-        while target.exists():
-            k += 1
-            target = path.with_name(f"{path.name}.damaged-{k}")
+        target = free_sibling(path, ".damaged")
         os.replace(path, target)
         moved.append(target.name)
     return moved
