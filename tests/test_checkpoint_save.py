@@ -1,5 +1,5 @@
-"""`save_checkpoint` over a folder of the same iteration already there: this run's own (a damaged save
-a resume passed over) is replaced and said so; another run's, or one whose writer cannot be read, is
+"""`save_checkpoint` over a folder of the same iteration already there: this run's own (an earlier save
+at that iteration) is replaced and said so; another run's, or one whose writer cannot be read, is
 kept under a new name, with a warning that says which of the two it was."""
 
 import json
@@ -22,13 +22,13 @@ def _existing(run_dir, meta: str | None):
     return folder
 
 
-def test_this_runs_damaged_save_is_replaced_with_a_warning(tmp_path, caplog):
+def test_this_runs_earlier_save_is_replaced_with_a_warning(tmp_path, caplog):
     _existing(tmp_path, json.dumps({"run_id": "me", "iteration": 3}))
     with caplog.at_level(logging.WARNING):
         final = _save(tmp_path, "me")
     assert (final / "model.txt").read_text() == "me"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_000003", "latest"]
-    assert "replaced" in caplog.text and "passed over as damaged" in caplog.text
+    assert "replaced" in caplog.text and "an earlier save of this run" in caplog.text
 
 
 def test_another_runs_save_is_kept_and_named_as_another_runs(tmp_path, caplog):

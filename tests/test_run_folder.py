@@ -6,12 +6,16 @@ import json
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import yaml
 
+from kv4rl.config import load_config
 from kv4rl.paths import SET_ASIDE
+from kv4rl.run_folder import FolderInUse, RunFolder, config_for_resume, lock_folder, unlock_folder
 from kv4rl.telemetry.metrics import read_jsonl
 from tests.small_runs import SMALL, new_run, tiny_weights_sha256, train_cli, tree_state
 
@@ -202,3 +206,83 @@ def test_resume_of_a_partial_run_as_sync_is_refused_before_any_work(tmp_path):
     text = " ".join(res.output.split())
     assert res.exit_code == 2 and "rollout.mode=sync cannot take over a partial run" in text, text
     assert tree_state(run) == before
+
+
+# Another process that holds a folder's lock as `kv4rl train` does: flock on the folder's own descriptor.
+HOLD = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('locked', flush=True); time.sleep(600)")
+PROBE = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+         "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+         "except BlockingIOError:\n    print('busy')")
+
+
+@pytest.fixture
+def hold():
+    """`hold(folder)` locks `folder` from another process until the test ends; returns its pid."""
+    held = []
+
+    def start(folder):
+        proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+        held.append(proc)
+        assert proc.stdout.readline().strip() == "locked"
+        return proc.pid
+
+    yield start
+    for proc in held:
+        proc.kill()
+        proc.wait()
+
+
+def _probe(folder) -> str:
+    return subprocess.run([sys.executable, "-c", PROBE, str(folder)], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("how", ["resume", "overwrite", "new run"])
+def test_train_into_a_folder_another_process_writes_refuses_before_any_work_and_names_its_pid(run, hold, how):
+    pid = hold(run)
+    before = tree_state(run.parent)
+    if how == "resume":
+        res = train_cli("--resume", str(run), "trainer.iterations=4", "--no-progress")
+    else:
+        res = train_cli(f"out_dir={run.parent}", "name=run", *SMALL, *(["--overwrite"] if how == "overwrite" else []))
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert f"{run} is in use: another process (pid {pid})" in text and "Traceback" not in text
+    assert tree_state(run.parent) == before
+
+
+def test_the_writing_process_holds_the_folder_until_it_closes(tmp_path):
+    cfg = load_config(overrides=[f"out_dir={tmp_path}", "name=run", "device=cpu"])
+    folder = RunFolder(cfg, None, None, overwrite=False)
+    folder.write({"iteration": 0}, [])
+    assert _probe(tmp_path / "run") == "busy"
+    folder.close()
+    assert _probe(tmp_path / "run") == "free"
+
+
+def test_a_resume_that_another_process_overtook_changes_nothing_at_its_first_write(run, hold):
+    """Both passed the check at start; the other took the lock first. Unguarded, this resume from iter_1
+    would set the other's iter_2 aside as damaged and cut metrics.jsonl back to its first row."""
+    cfg = config_for_resume(run, [])
+    folder = RunFolder(cfg, "someone", 1, overwrite=False)
+    hold(run)
+    before = tree_state(run)
+    with pytest.raises(FolderInUse, match="is in use"):
+        folder.write({"iteration": 1}, [])
+    folder.close()
+    assert tree_state(run) == before
+
+
+def test_checks_of_a_folder_do_not_exclude_each_other_but_a_writer_excludes_them(tmp_path):
+    """All ranks of a torchrun job check the run folder at once at start: their checks must not collide."""
+    checks = [lock_folder(tmp_path, shared=True) for _ in range(2)]
+    assert None not in checks
+    with pytest.raises(FolderInUse):
+        lock_folder(tmp_path)
+    for fd in checks:
+        unlock_folder(fd)
+    writer = lock_folder(tmp_path)
+    with pytest.raises(FolderInUse):
+        lock_folder(tmp_path, shared=True)
+    unlock_folder(writer)

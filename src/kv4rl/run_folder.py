@@ -6,6 +6,11 @@ with `--resume`, pick another `name=`, or `--overwrite`, which renames the old f
 and never deletes it). Nothing is written until the run's first iteration has succeeded: every
 start-up check (model, data, engine, learner, the first rollout and update) runs first, so a start
 that fails leaves an existing folder byte for byte as it was.
+
+One process at a time: the writing process holds an exclusive lock on the folder itself (`flock` on
+its descriptor, so no file is written and the lock ends with the process). A second `train` or
+`--resume` into a folder in use stops before any work and names the holder's pid; without the lock,
+two processes would set each other's checkpoints aside as damaged and interleave their metrics.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ import os
 import time
 import uuid
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: folders are not locked
+    fcntl = None
 
 from kv4rl.config import RunConfig, load_config, save_config
 from kv4rl.config_loader import ConfigError, apply_overrides
@@ -31,15 +41,75 @@ class RunFolderError(ValueError):
     """The run folder cannot be used as asked (it holds another run, or has nothing to resume)."""
 
 
+class FolderInUse(RunFolderError):
+    """Another process holds the run folder's lock."""
+
+
 def run_contents(run_dir: Path) -> list[str]:
     """Which of a run's files `run_dir` holds (empty: it holds no run and may be trained into)."""
     return [name for name in RUN_FILES if (run_dir / name).exists()]
 
 
+def lock_folder(folder: Path, shared: bool = False) -> int | None:
+    """Take `folder`'s exclusive lock for this process; returns the descriptor that holds it (`unlock_folder`
+    releases it), or None where the folder cannot be locked (it is then not guarded). Raises FolderInUse,
+    naming the holder, if another process holds it. `shared` only tests for a writer: shared locks do not
+    exclude each other, so the ranks of one torchrun job can all check at once."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:  # unreadable: whatever is done in it next reports that
+        log.debug("cannot lock %s (%s)", folder, exc)
+        return None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FolderInUse(f"{folder} is in use: {_holder(folder)} is training into it, and two processes writing "
+                          f"one run folder would set each other's checkpoints aside and mix their metrics; wait "
+                          f"for it to stop") from None
+    except OSError as exc:  # e.g. a network file system without flock
+        os.close(fd)
+        log.debug("cannot lock %s (%s); not guarded against a second writer", folder, exc)
+        return None
+    return fd
+
+
+def unlock_folder(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor of the lock releases it
+
+
+def check_not_in_use(folder: Path) -> None:
+    """Refuse, before any work, a run folder another process is writing (see `lock_folder`)."""
+    if folder.is_dir():
+        unlock_folder(lock_folder(folder, shared=True))
+
+
+def _holder(folder: Path) -> str:
+    """'another process (pid N)', the pid read from Linux's lock table where it lists the folder's lock."""
+    try:
+        inode = os.stat(folder).st_ino
+        with open("/proc/locks") as table:
+            for line in table:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                    return f"another process (pid {fields[4]})"
+    except OSError:
+        pass
+    return "another process"
+
+
 def check_new_run(run_dir: Path, overwrite: bool) -> None:
-    """Refuse, before any work, to train into a folder holding a run unless `overwrite`."""
+    """Refuse, before any work, to train into a folder holding a run unless `overwrite`, or into a folder another
+    process is writing."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunFolderError(f"{run_dir} is a file, not a run folder")
+    try:
+        check_not_in_use(run_dir)
+    except FolderInUse as exc:
+        raise FolderInUse(f"{exc}, or train into another folder with name=...") from None
     blocking = file_in_path(run_dir.parent)
     if blocking is not None:
         raise RunFolderError(f"{run_dir}: cannot create the run folder, {blocking} is a file "
@@ -72,6 +142,10 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
         raise RunFolderError(f"--resume {folder}: is a file, not a run folder")
     if not saved.is_file():
         raise RunFolderError(f"--resume {folder}: no config.yaml there (is it a run folder?)")
+    try:
+        check_not_in_use(folder)
+    except FolderInUse as exc:
+        raise FolderInUse(f"--resume {exc} before resuming") from None
     moved = sorted(set(apply_overrides({}, overrides)) & {"name", "out_dir"})
     if moved:
         raise ConfigError(f"--resume {folder}: {' and '.join(moved)} {'come' if len(moved) > 1 else 'comes'} "
@@ -115,21 +189,32 @@ class RunFolder:
         self.resume_from = resume_from
         self.overwrite = overwrite
         self.opened = False
+        self.lock: int | None = None
         self.moved_to: Path | None = None
         self.metrics = JsonlWriter(self.path / "metrics.jsonl", resume_from=resume_from)
         self.trace = JsonlWriter(self.path / "rollout_trace.jsonl", resume_from=resume_from)
 
     def open(self) -> None:
-        """Make the folder this run's: set an old run aside (--overwrite), clear temporary folders
-        an interrupted save left, and write config.yaml. Runs once, at the first write."""
+        """Make the folder this run's: take its lock (held until `close`), set an old run aside (--overwrite),
+        clear temporary folders an interrupted save left, and write config.yaml. Runs once, at the first
+        write. Every check is made again under the lock: another process may have started meanwhile."""
         if self.opened:
             return
         if self.resume_from is None:
-            check_new_run(self.path, self.overwrite)  # again: another process may have started meanwhile
+            check_new_run(self.path, self.overwrite)
             if run_contents(self.path):
-                self.moved_to = set_aside(self.path)
+                held = lock_folder(self.path)  # the lock moves with the old folder and is then let go
+                try:
+                    self.moved_to = set_aside(self.path)
+                finally:
+                    unlock_folder(held)
                 log.warning("moved the previous run in %s to %s", self.path, self.moved_to)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.lock = lock_folder(self.path)
+        if self.resume_from is None and run_contents(self.path):
+            self.close()
+            raise RunFolderError(f"{self.path}: another process started a run there meanwhile; nothing was "
+                                 f"written, train into another folder with name=...")
         stale = clear_stale_temps(self.path)
         if stale:
             log.warning("removed unfinished checkpoint saves in %s: %s", self.path / "checkpoints",
@@ -152,3 +237,5 @@ class RunFolder:
     def close(self) -> None:
         self.metrics.close()
         self.trace.close()
+        unlock_folder(self.lock)
+        self.lock = None

@@ -109,15 +109,16 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
 
 
 def _make_room(final: Path, run_id: str) -> Path | None:
-    """Move an existing folder of this iteration out of the way. This run's own (a damaged save a
-    resume passed over) goes to a temporary name, deleted after the swap; another run's is kept
-    under a new name."""
+    """Move an existing folder of this iteration out of the way. This run's own goes to a temporary name,
+    deleted after the swap (a resume sets its damaged newer saves aside before its first write, and the run
+    folder's lock keeps a second process out, so this is a save the run makes again, e.g. a direct call of
+    `save`); another run's is kept under a new name."""
     writer = run_of(final)
     if writer == run_id:
         old = final.with_name(f"{TMP_PREFIX}old_{final.name}")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-        log.warning("replaced %s, a save of this run that a resume passed over as damaged, with a new one", final)
+        log.warning("replaced %s, an earlier save of this run at the same iteration, with a new one", final)
         return old
     k = 1
     while (kept := final.with_name(f"{final.name}.other-run-{k}")).exists():
