@@ -169,6 +169,29 @@ def test_summary_after_resume_covers_the_whole_run(run):
     assert summary["accuracy_first5"] == pytest.approx(sum(r["accuracy"] for r in rows) / 4, abs=1e-12)
 
 
+def test_summary_of_a_resume_stopped_before_its_first_iteration_leaves_out_the_rows_it_would_replace(run, monkeypatch):
+    """iter_2 damaged: the resume starts from iter_1, so metrics.jsonl's row 1 is one its first write replaces."""
+    import kv4rl.loop
+    from kv4rl.graceful_stop import GracefulStop
+    from kv4rl.loop import train
+
+    class StoppedAtOnce(GracefulStop):
+        def __enter__(self):
+            super().__enter__()
+            self.requested = "SIGTERM"
+            return self
+
+    (run / "checkpoints" / "iter_000002" / "trainer_state.pt").write_bytes(b"torn")
+    monkeypatch.setattr(kv4rl.loop, "GracefulStop", StoppedAtOnce)
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [0, 1]
+    summary = train(load_config(run / "config.yaml", ["trainer.iterations=4"]), resume=True, show_progress=False)
+    assert summary["resumed_from"] == 1 and summary["stopped_by"] == "SIGTERM after iteration 1"
+    assert summary["iterations"] == 1 and summary["reward_last"] == rows[0]["reward_mean"]
+    assert summary["seconds_in_iterations"] == pytest.approx(rows[0]["time_total"])
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1]  # nothing written
+
+
 def test_resume_of_a_finished_run_prints_its_summary_builds_nothing_and_says_how_to_train_longer(run, monkeypatch):
     import kv4rl.loop
 

@@ -266,9 +266,9 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
             close = getattr(s.reward_fn, "close", None)
             if close is not None:
                 close()
-    summary = summarize_run(cfg.run_dir, s.start_iteration if resume else None)
     if folder is None:
-        return summary
+        return summarize_run(cfg.run_dir, s.start_iteration if resume else None)
+    summary = summarize_run(cfg.run_dir, s.start_iteration if resume else None, written=folder.opened)
     if folder.moved_to is not None:
         summary["previous_run_moved_to"] = str(folder.moved_to)
     if stop.requested:

@@ -76,7 +76,7 @@ def finished_summary(cfg: RunConfig, restore: Restore) -> dict | None:
     done = restore.state.get("iteration", 0)
     if done < cfg.trainer.iterations:
         return None
-    return {**summarize_run(cfg.run_dir, done),
+    return {**summarize_run(cfg.run_dir, done, written=False),
             "nothing_trained": f"nothing trained: {restore.path.name} has done {done} iterations and "
                                f"trainer.iterations={cfg.trainer.iterations} asks for no more; to train longer, "
                                f"give trainer.iterations above {done}"}

@@ -166,7 +166,7 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
             sink.close()
     if not head:
         return None, None
-    summary = summarize_run(cfg.run_dir, start if restore else None)
+    summary = summarize_run(cfg.run_dir, start if restore else None, written=folder.opened)
     unconsumed = [g for batch in end["unconsumed_batches"] for g in batch]
     held = [g for report in end["engines"] for g in report["held"]]
     summary.update(engine_ranks=cfg.rollout.engine_ranks, groups_sent_unconsumed=len(unconsumed),

@@ -24,10 +24,14 @@ def collection_stats(trace: list[dict], max_slots: int) -> dict:
             "slot_util": sum(t["batch_size"] for t in trace) / (len(trace) * max_slots)}
 
 
-def summarize_run(run_dir: Path, resumed_from: int | None) -> dict:
-    """The whole run as recorded in metrics.jsonl (a resumed run included from iteration 0)."""
+def summarize_run(run_dir: Path, resumed_from: int | None, written: bool = True) -> dict:
+    """The whole run as recorded in metrics.jsonl (a resumed run included from iteration 0). A resume that
+    has not `written` yet (stopped before its first iteration) leaves out the rows from `resumed_from` on:
+    they are of iterations after its checkpoint, which its first write replaces."""
     path = run_dir / "metrics.jsonl"
     rows = [row for _, row in read_lines(path)] if path.is_file() else []
+    if resumed_from is not None and not written:
+        rows = [row for row in rows if row.get("iteration", -1) < resumed_from]
     out: dict = {"iterations": len(rows)}
     if resumed_from is not None:
         out["resumed_from"] = resumed_from
