@@ -49,6 +49,32 @@ def test_sleep_frees_every_pool_tensor_and_wake_samples_as_before(tiny_qwen3, fm
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
+def test_nvfp4_keeps_its_calibrated_scales_across_sleep(tiny_qwen3):
+    """NVFP4 calibrates one scale per layer and K/V on the first write and keeps it for the engine's life.
+    A wake that re-calibrated it on the recompute prefill (other data) changed every later token's KV."""
+    path, _ = tiny_qwen3
+    ps = prompts(4, 97, seed=0)
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def run(sleep_after):
+        engine = make_engine(path, "nvfp4", sleep=sleep_after is not None)
+        seqs = [engine.add_request(p, params, sample_seed=100 + i) for i, p in enumerate(ps)]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps == sleep_after:
+                engine.sleep()
+                engine.wake()
+        scales = [(float(c["k_tensor_scale"]), float(c["v_tensor_scale"])) for c in engine.runner.caches]
+        return [s.output_ids for s in seqs], scales
+
+    plain, plain_scales = run(None)
+    slept, slept_scales = run(4)
+    assert all(k > 0 and v > 0 for k, v in plain_scales)
+    assert slept_scales == plain_scales and slept == plain
+
+
 def test_requests_in_flight_survive_sleep_by_recompute(tiny_qwen3):
     """Sleep mid-generation: running sequences are preempted (KV dropped), re-prefilled after wake,
     and finish with the tokens of an uninterrupted run (log-probs equal up to the prefill's rounding)."""

@@ -60,6 +60,7 @@ class ModelRunner:
         self.split_mixed_steps: bool | None = None
         self.num_split_steps = 0
         self._recapture: tuple[int, ...] = ()
+        self._calibration: list[dict[str, torch.Tensor]] = []  # per layer, kept by `sleep` for `wake`
         self.allocate(num_blocks)
 
     def allocate(self, num_blocks: int, capture: tuple[int, ...] = ()) -> None:
@@ -99,7 +100,9 @@ class ModelRunner:
         return self.caches is not None
 
     def sleep(self) -> None:
-        """Free the pool and graphs until `wake` (the engine preempts every sequence first)."""
+        """Free the pool and graphs until `wake` (the engine preempts every sequence first); what the KV
+        format calibrated once (NVFP4's per-layer scales) is kept for the new pool."""
+        self._calibration = [self.kv_format.calibration(cache) for cache in self.caches]
         self._recapture = self.release()
 
     def wake(self) -> None:
@@ -110,6 +113,10 @@ class ModelRunner:
         if self.profile is not None and self.profile.plan.pool_blocks.value is None:
             num_blocks, self.pool_sizing = _memory_sized(self.profile, self.model, self.device)
         self.allocate(num_blocks, self._recapture)
+        for cache, kept in zip(self.caches, self._calibration):
+            for key, value in kept.items():
+                cache[key].copy_(value)
+        self._calibration = []
 
     @classmethod
     def build(cls, model, plan: EnginePlan, config: EngineConfig, device: torch.device,

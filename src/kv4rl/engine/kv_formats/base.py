@@ -113,6 +113,12 @@ class KVFormat:
         shape = (num_slots, num_kv_heads, head_dim, device)
         return {**self.allocate_part("k", *shape), **self.allocate_part("v", *shape)}
 
+    def calibration(self, cache: dict) -> dict[str, torch.Tensor]:
+        """The tensors of one layer's cache that are calibrated once and kept for the engine's life, not
+        per token (none for most formats): the engine carries them over when it frees and re-allocates
+        the pool (`sleep` / `wake`), so sampling after a wake matches an engine that never slept."""
+        return {}
+
     def copy_slots(self, cache: dict, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy-on-write of a shared block: every slot-indexed tensor's entries `src` -> `dst`."""
         for key, tensor in cache.items():
