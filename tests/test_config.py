@@ -36,6 +36,8 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("engine.kv.format=int3", "engine.kv.format"),
     ("rollout.group_size=1", "rollout.group_size"),
     ("rollout.temperature=0", "rollout.temperature"),
+    ("rollout.temperature=1e-9", "rollout.temperature must be at least 1e-05"),
+    ("eval.temperature=-1", "eval.temperature must be 0 \\(greedy\\) or at least"),
     ("algo.eps_low=1.5", "algo.eps_low"),
     ("trainer.betas=[0.9]", "trainer.betas"),
     ("data.prompt_template=hello", "data.prompt_template"),

@@ -109,3 +109,83 @@ def test_sampling_is_independent_of_batching_and_preemption(tiny_qwen3):
     for key in alone:
         assert alone[key][0] == batched[key][0] == squeezed[key][0]
         assert torch.allclose(torch.tensor(alone[key][1]), torch.tensor(squeezed[key][1]), atol=1e-5)
+
+
+def _engine(path, max_model_len=64):
+    return Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=max_model_len), device="cpu",
+                  dtype="float32")
+
+
+def test_a_resumed_response_that_already_stops_generates_nothing(tiny_qwen3):
+    """The resumed tokens are checked against the stop conditions before any step, as each sampled token is."""
+    from kv4rl.engine.sequence import Completion
+
+    path, _ = tiny_qwen3
+    engine = _engine(path, max_model_len=20)
+
+    def resume(prompt, tokens, params):
+        part = Completion(seq_id=0, prompt_ids=prompt, token_ids=tokens, logprobs=[-0.5] * len(tokens),
+                          versions=[0] * len(tokens), finish_reason="length")
+        seq = engine.add_request(prompt, params, resume_from=part)
+        returned = []
+        while engine.has_unfinished():
+            returned += engine.step()
+        assert returned == [seq]  # returned by a step, as a request that stopped there would be
+        return seq
+
+    greedy = dict(temperature=0, ignore_eos=True)
+    full = resume([1, 2, 3], [10, 11, 12, 13], SamplingParams(max_tokens=4, **greedy))  # max_tokens reached
+    at_limit = resume(list(range(10)), list(range(10, 20)), SamplingParams(max_tokens=30, **greedy))  # 20 tokens
+    stopped = resume([1, 2, 3], [7, 42], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(42,)))
+    assert (full.output_ids, full.finish_reason) == ([10, 11, 12, 13], "length")
+    assert (len(at_limit), at_limit.finish_reason) == (20, "length")
+    assert (stopped.output_ids, stopped.finish_reason) == ([7, 42], "stop")
+    going_on = resume([1, 2, 3], [7, 42], SamplingParams(max_tokens=4, **greedy))  # no stop: two more tokens
+    assert going_on.output_ids[:2] == [7, 42] and len(going_on.output_ids) == 4
+
+
+def test_generate_refuses_tags_that_do_not_match_the_prompts(tiny_qwen3):
+    path, _ = tiny_qwen3
+    with pytest.raises(ValueError, match="1 tags for 3 prompts"):
+        _engine(path).generate(prompts(3, 97, seed=0), SamplingParams(max_tokens=2), tags=["a"])
+
+
+def test_abort_of_a_finished_request_keeps_its_finish_reason(tiny_qwen3):
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    seq = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.abort(seq)
+    assert seq.finish_reason == "length" and seq.output_ids and not engine.has_unfinished()
+
+
+def test_any_int_is_a_sampling_seed_and_seeds_in_range_keep_their_stream(tiny_qwen3):
+    from kv4rl.engine.sampler import as_int64, request_seed
+
+    from kv4rl.engine.sampler import splitmix64
+
+    assert as_int64(2**64 + 5) == 5 and as_int64(2**63) == -(2**63) and as_int64(-7) == -7
+    # a seed whose mix fits int64 keeps the stream it had before seeds were wrapped
+    assert request_seed(5, 3) == int(splitmix64(torch.tensor([5 * 1_000_003 + 3]))) & (2**62 - 1)
+    assert 0 <= request_seed(10**13, 3) < 2**62  # 10**13 * 1_000_003 overflows int64: it raised
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    big = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True, seed=10**13))[0]
+    assert len(big.token_ids) == 3
+    a = engine.add_request([1, 2, 3], params, sample_seed=2**64 + 11)
+    b = engine.add_request([1, 2, 3], params, sample_seed=11)
+    while engine.has_unfinished():
+        engine.step()
+    assert a.output_ids == b.output_ids  # the same stream (log-probs: two rows of one batch, equal to rounding)
+    assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0, 1e-45, 1e-6])
+def test_temperatures_the_engine_cannot_sample_at_are_refused(temperature):
+    """NaN sampled token 0 at every step with NaN log-probs, and 1e-45 overflowed the scaled logits."""
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or at least 1e-05"):
+        SamplingParams(temperature=temperature).validate()
+    for fine in (0.0, 1e-5, 2.0):
+        SamplingParams(temperature=fine).validate()

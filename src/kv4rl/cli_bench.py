@@ -22,6 +22,7 @@ from typer import Option
 from kv4rl.cli_common import (
     check_at_least,
     check_device,
+    check_temperature,
     check_figure_path,
     check_kv_formats,
     check_not_an_input,
@@ -128,7 +129,7 @@ def fidelity(
             raise ValueError("--random-layers sets the layers of a --random-init model; give --random-init too")
         format_list = _check_fidelity_options(formats, allocations, reference, n, max_new_tokens, batch_size,
                                               context, template, random_layers, group_size)
-        check_at_least(0, ("--temperature", temperature))
+        check_temperature("--temperature", temperature)
         check_device(device)
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: '{dtype}' is not auto, float32, bfloat16 or float16")

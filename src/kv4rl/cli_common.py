@@ -159,6 +159,15 @@ def check_at_least(minimum: float, *options: tuple[str, float | None]) -> None:
             raise ValueError(f"{option} must be >= {minimum}, got {value}")
 
 
+def check_temperature(option: str, value: float) -> None:
+    """Refuse a sampling temperature the engine cannot sample at (see `temperature_problem`)."""
+    from kv4rl.engine.sequence import temperature_problem
+
+    problem = temperature_problem(option, value)
+    if problem:
+        raise ValueError(problem)
+
+
 def option_list(text: str, option: str, cast: Callable = str, *, minimum: float | None = None,
                 known: tuple[str, ...] | list[str] | None = None) -> list:
     """A comma-separated option as a list, refused when empty, unparsable, below `minimum`, unknown, or

@@ -18,6 +18,7 @@ import typer
 from kv4rl.cli_common import (
     check_at_least,
     check_device,
+    check_temperature,
     check_not_an_input,
     check_output_path,
     console,
@@ -39,7 +40,8 @@ def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int 
     from kv4rl.rewards import registered_rewards
 
     check_at_least(1, ("--k", k), ("--max-new-tokens", max_new_tokens))
-    check_at_least(0, ("--n", n), ("--temperature", temperature))
+    check_at_least(0, ("--n", n))
+    check_temperature("--temperature", temperature)
     if reward != "auto" and reward not in registered_rewards():
         raise ValueError(f"--reward: unknown reward '{reward}' (known: auto, {', '.join(registered_rewards())})")
     if template is not None:

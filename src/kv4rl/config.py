@@ -20,6 +20,7 @@ from kv4rl.config_loader import ConfigError, apply_overrides, from_dict, merge, 
 from kv4rl.data.prompts import check_template
 from kv4rl.data.source import DEFAULT_POOL_SIZE
 from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.sequence import temperature_problem
 from kv4rl.rollout.config import RolloutConfig, StalenessConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "save_config"]
@@ -205,6 +206,8 @@ class RunConfig:
             (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
             (self.eval.every >= 0, "eval.every must be >= 0"),
             (self.eval.k >= 1, "eval.k must be >= 1"),
+            (temperature_problem("eval.temperature", self.eval.temperature) is None,
+             temperature_problem("eval.temperature", self.eval.temperature)),
             (self.telemetry.attribution_every >= 0, "telemetry.attribution_every must be >= 0 (0: off)"),
             (self.telemetry.attribution_samples >= 1, "telemetry.attribution_samples must be >= 1"),
             (self.data.eval_size >= 1, "data.eval_size must be >= 1"),

@@ -26,7 +26,7 @@ from kv4rl.engine.merged_linears import merged_state_dict, unmerged_state_dict
 from kv4rl.engine.placement import place_model
 from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
-from kv4rl.engine.sampler import request_seed
+from kv4rl.engine.sampler import as_int64, request_seed
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.summary import engine_summary
 from kv4rl.engine.run_ahead import LaunchedStep, copy_to_host, rows_ahead, schedule_ahead, tally
@@ -131,23 +131,34 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tag: Any = None,
                     sample_seed: int | None = None, resume_from: Completion | None = None) -> Sequence:
-        """Queue one request. `sample_seed` fixes its random stream (default: drawn from the engine's).
+        """Queue one request. `sample_seed` (any int, taken modulo 2**64) fixes its random stream (default:
+        drawn from the engine's).
 
         `resume_from` continues a partially generated response (tokens, log-probs and versions kept);
-        its KV is recomputed by the prefill.
+        its KV is recomputed by the prefill. One that already meets a stop condition under `params` (its
+        last token a stop token, `max_tokens` or `max_model_len` reached) generates nothing: it is
+        finished at once with that reason and returned by the next `step`.
         """
         params.validate()
         if not prompt_ids:
             raise ValueError("empty prompt")
         if sample_seed is None:
             sample_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
-        seq = Sequence(list(prompt_ids), params, tag=tag, sample_seed=sample_seed)
+        seq = Sequence(list(prompt_ids), params, tag=tag, sample_seed=as_int64(sample_seed))
         if resume_from is not None:
             seq.output_ids = list(resume_from.token_ids)
             seq.output_logprobs = list(resume_from.logprobs)
             seq.output_versions = list(resume_from.versions)
+            reason = self.scheduler.stop_reason(seq, self._stop_ids(params))
+            if reason is not None:
+                seq.status, seq.finish_reason = Status.FINISHED, reason
+                self._backlog.append(seq)
+                return seq
         self.scheduler.add(seq)
         return seq
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        return self.eos_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
 
     def abort(self, seq: Sequence) -> None:
         """Remove an unfinished request (its blocks are freed); it is never returned by `step`."""
@@ -258,8 +269,7 @@ class Engine:
                 seq.resolve_pending(tok, lp)
             else:
                 seq.append(tok, lp, self.version)
-            stop_ids = self.eos_ids if seq.params.stop_token_ids is None else frozenset(seq.params.stop_token_ids)
-            reason = self.scheduler.stop_reason(seq, stop_ids)
+            reason = self.scheduler.stop_reason(seq, self._stop_ids(seq.params))
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
@@ -289,6 +299,8 @@ class Engine:
         params = params or SamplingParams()
         prompts = list(prompts)
         tags = list(tags) if tags is not None else [None] * len(prompts)
+        if len(tags) != len(prompts):
+            raise ValueError(f"generate got {len(tags)} tags for {len(prompts)} prompts")
         if sample_seeds is not None:
             seeds = list(sample_seeds)
             if len(seeds) != len(prompts):

@@ -120,7 +120,14 @@ def sample(
     return tokens, logprobs
 
 
+def as_int64(value: int) -> int:
+    """`value` modulo 2**64 as a signed 64-bit integer, the form the noise's int64 arithmetic takes (any
+    Python int is a seed; those already in range are unchanged)."""
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
+
+
 def request_seed(seed: int, index: int) -> int:
     """A well-mixed 62-bit sampling seed for request `index` of a call seeded with `seed`."""
-    mixed = splitmix64(torch.tensor([seed * 1_000_003 + index], dtype=torch.long))
+    mixed = splitmix64(torch.tensor([as_int64(seed * 1_000_003 + index)], dtype=torch.long))
     return int(mixed) & (2**62 - 1)

@@ -285,6 +285,9 @@ class Scheduler:
             self._preempt(seq)
 
     def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished request; a finished one keeps its finish reason (nothing to abort)."""
+        if seq.status is Status.FINISHED:
+            return
         if seq.status is Status.RUNNING:
             self._release(seq)
         elif seq.status is Status.WAITING:

@@ -8,6 +8,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+MIN_TEMPERATURE = 1e-5  # the smallest positive temperature: float32 logits / 1e-5 stay finite
+
+
+def temperature_problem(name: str, value: float, greedy: bool = True) -> str | None:
+    """Why `value` cannot be the sampling temperature `name` (None: it can): 0 means greedy where `greedy`
+    allows it; otherwise it must be finite and at least MIN_TEMPERATURE (below it, or NaN, the scaled
+    logits overflow and every log-prob is NaN)."""
+    if greedy and value == 0:
+        return None
+    if MIN_TEMPERATURE <= value < float("inf"):
+        return None
+    allowed = f"0 (greedy) or at least {MIN_TEMPERATURE}" if greedy else f"at least {MIN_TEMPERATURE}"
+    return f"{name} must be {allowed} and finite, got {value}"
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """How to sample one request. `temperature == 0` is greedy; `top_k <= 0` and `top_p == 1` are off.
@@ -21,12 +36,13 @@ class SamplingParams:
     top_k: int = 0
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
-    ignore_eos: bool = False
-    seed: int | None = None  # generate(): reseed the engine's generator first
+    ignore_eos: bool = False  # no stop token ends it (the EOS ids or `stop_token_ids`), only the length limits
+    seed: int | None = None  # generate(): request i samples with `request_seed(seed, i)`, whatever else runs
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        problem = temperature_problem("temperature", self.temperature)
+        if problem:
+            raise ValueError(problem)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:

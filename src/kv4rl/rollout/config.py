@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kv4rl.engine.sequence import MIN_TEMPERATURE, temperature_problem
+
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
@@ -38,6 +40,8 @@ class RolloutConfig:
             (self.max_slots >= 1, "rollout.max_slots must be >= 1"),
             (self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
             (self.temperature > 0, "rollout.temperature must be > 0 for RL (greedy has no behaviour log-probs)"),
+            (temperature_problem("rollout.temperature", self.temperature, greedy=False) is None,
+             f"rollout.temperature must be at least {MIN_TEMPERATURE}, got {self.temperature}"),
             (0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]"),
             (self.engine_ranks >= 1, f"rollout.engine_ranks must be >= 1, got {self.engine_ranks}"),
         ]

@@ -44,6 +44,7 @@ from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.synthetic import target_text
 from kv4rl.data.types import Problem
 from kv4rl.engine.config import EngineConfig
+from kv4rl.engine.sequence import MIN_TEMPERATURE
 from kv4rl.telemetry.progress import StageReport
 
 FP8_WEIGHTS_FIELD = "weight_format"  # the EngineConfig key that selects FP8 engine weights
@@ -256,8 +257,8 @@ class Settings:
             (self.samples_per_prompt >= 1,
              f"--samples-per-prompt must be >= 1, got {self.samples_per_prompt}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
-            (self.temperature > 0,
-             f"--temperature must be > 0 (greedy sampling has no log μ), got {self.temperature}"),
+            (self.temperature >= MIN_TEMPERATURE,
+             f"--temperature must be at least {MIN_TEMPERATURE} (greedy sampling has no log μ), got {self.temperature}"),
             (self.stale_lr > 0, f"--stale-lr must be > 0, got {self.stale_lr}"),
             (self.stale_batch_size >= 1, f"--stale-batch-size must be >= 1, got {self.stale_batch_size}"),
             (bool(self.horizons), "--horizons is empty"),
