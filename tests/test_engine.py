@@ -133,7 +133,7 @@ def test_a_resumed_response_that_already_stops_generates_nothing(tiny_qwen3):
         assert returned == [seq]  # returned by a step, as a request that stopped there would be
         return seq
 
-    greedy = dict(temperature=0, ignore_eos=True)
+    greedy = {"temperature": 0, "ignore_eos": True}
     full = resume([1, 2, 3], [10, 11, 12, 13], SamplingParams(max_tokens=4, **greedy))  # max_tokens reached
     at_limit = resume(list(range(10)), list(range(10, 20)), SamplingParams(max_tokens=30, **greedy))  # 20 tokens
     stopped = resume([1, 2, 3], [7, 42], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(42,)))
