@@ -290,6 +290,8 @@ def test_plot_rollout_trace_side_by_side(tmp_path):
         assert {t["iteration"] for t in trace} == {0, 1}
         assert all(t["batch_size"] <= 16 and t["latency_s"] > 0 and t["kv_bytes"] > 0 for t in trace)
         runs.append(str(cfg.run_dir))
+    torn = cfg.run_dir / "rollout_trace.jsonl"  # a kill mid-write: the plot draws the whole rows
+    torn.write_bytes(torn.read_bytes()[:-20])
     png = tmp_path / "trace.png"
     res = runner.invoke(app, ["plot", "rollout-trace", *runs, "--out", str(png)])
     assert res.exit_code == 0, res.output

@@ -260,3 +260,21 @@ def test_a_glob_leaves_out_runs_set_aside_by_overwrite(runs):
     res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s0.old-20261204-232817"), "--metric", EVAL,
                               "--out", str(runs / "e.png")])
     assert res.exit_code == 0, res.output
+
+
+def test_a_run_whose_last_row_a_crash_cut_short_is_plotted_from_its_whole_rows(runs, caplog):
+    """A kill mid-write leaves half a JSON line; every plot command refused such a run ("Expecting value")."""
+    metrics = runs / "ppo-s0" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + json.dumps({"iteration": 8, "loss": 0.8, "time_total": 1.0})[:25])
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s0"), "--metric", EVAL,
+                              "--out", str(runs / "c.png")])
+    assert res.exit_code == 0, res.output
+    assert {int(r["iteration"]) for r in read_csv(runs / "c.csv")} <= set(range(8))
+    assert f"{metrics}:9 is not a JSON row (cut short?); skipped" in caplog.text
+    phases = {"time_rollout": 1.0, "time_reward": 0.0, "time_update": 1.0, "time_sync": 0.0, "time_total": 2.0}
+    write_run(runs / "t", [{"iteration": 0, **phases}])
+    (runs / "t" / "metrics.jsonl").write_text((runs / "t" / "metrics.jsonl").read_text() + '{"iteration": 1, "ti')
+    res = runner.invoke(app, ["plot", "iteration-time", str(runs / "t"), "--out", str(runs / "t.png")])
+    assert res.exit_code == 0, res.output
+    assert [int(r["iterations"]) for r in read_csv(runs / "t.csv")] == [1] * 6
