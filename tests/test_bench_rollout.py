@@ -179,6 +179,12 @@ def test_speedups_are_ratios_of_medians_with_extreme_range():
     no_reference = [_row("kv4", "sync", 1.0, 1.0, 1.0)]
     add_speedups(no_reference)
     assert no_reference[0]["speedup_vs_bf16_sync"] is None
+    own_slots = [_row("bf16@2", "sync", 4.0, 4.0, 4.0), _row("kv4", "sync", 2.0, 2.0, 2.0)]
+    add_speedups(own_slots)  # bf16 at its own slots is still the reference (every speedup was None)
+    assert [r["speedup_vs_bf16_sync"] for r in own_slots] == [1.0, pytest.approx(2.0)]
+    both = [_row("bf16@2", "sync", 4.0, 4.0, 4.0), _row("bf16", "sync", 8.0, 8.0, 8.0)]
+    add_speedups(both)  # bf16 at the common slots first
+    assert [r["speedup_vs_bf16_sync"] for r in both] == [pytest.approx(2.0), 1.0]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -60,3 +60,21 @@ def test_eval_accepts_engine_kv_settings(tmp_path):
     assert res.exit_code == 2 and "engine.kv." in res.output  # the defaults do not fit this tiny model
     res = runner.invoke(app, ["eval", "--n", "4", "trainer.lr=1"])
     assert res.exit_code == 2 and "engine" in res.output
+
+
+def test_every_help_text_shows_as_written():
+    """Typer renders help through rich markup: a '[@...]' or '[word]' span would vanish from --help (the
+    `--arms` help lost its '@slots' syntax that way). Escaped brackets ('\\[') show as '['."""
+    import typer
+    from rich.markup import render
+
+    from kv4rl.cli import app
+
+    stack, hidden = [("kv4rl", typer.main.get_command(app))], []
+    while stack:
+        path, command = stack.pop()
+        stack += [(f"{path} {name}", sub) for name, sub in getattr(command, "commands", {}).items()]
+        for name, text in [("", command.help or "")] + [(p.name, getattr(p, "help", None) or "") for p in command.params]:
+            if render(text).plain != text.replace("\\[", "["):
+                hidden.append(f"{path} {name}")
+    assert not hidden

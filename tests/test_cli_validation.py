@@ -45,7 +45,7 @@ def no_work(monkeypatch):
                          ("kv4rl.bench.pool", "bench_pool"), ("kv4rl.bench.fidelity", "run_fidelity"),
                          ("kv4rl.bench.decode_attn", "run_decode_attn"),
                          ("kv4rl.bench.decode_forward", "run_decode_forward"), ("kv4rl.sim.clip_bias", "clip_bias"),
-                         ("kv4rl.bench.iteration", "bench_iteration"),
+                         ("kv4rl.bench.iteration", "bench_iteration"), ("kv4rl.bench.rollout", "bench_rollout"),
                          ("kv4rl.sim.correction_variance", "measure")]:
         monkeypatch.setattr(importlib.import_module(module), name, _work_started)
 
@@ -122,8 +122,14 @@ def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, arg
     (["bench", "iteration", "engine.kv.format=fp8"], ["engine.kv.format is set by --arms"]),
     (["bench", "iteration", "engine.sleep_between_rollouts=false"], ["--sleep/--no-sleep"]),
     (["bench", "iteration", "engine.kv.group_size=48"], ["--arms kv4+partial", "group_size"]),
+    (["bench", "iteration", "--attention", "ring"], ["--attention must be one of auto, sdpa, flex", "'ring'"]),
+    (["bench", "rollout", "--device", "foo"], ["--device: 'foo' is not auto, cpu, cuda or cuda:N"]),
+    (["bench", "pool", "engine.kv.format=fp8"], ["engine.kv.format is set by --formats"]),
+    (["bench", "pool", "engine.num_kv_blocks=5"], ["engine.num_kv_blocks: only engine.kv.* settings"]),
     (["sim", "clip-bias", "--sweep-rho", "1,-1"], ["--sweep-rho"]),
     (["sim", "correction-variance", "--template", "hello"], ["--template"]),
+    (["sim", "correction-variance", "--device", "foo"], ["--device: 'foo' is not auto, cpu, cuda or cuda:N"]),
+    (["sim", "correction-variance", "--temperature", "1e-9"], ["--temperature must be at least 1e-05"]),
 ])
 def test_bench_and_sim_refuse_a_bad_option_before_any_work(no_work, args, needles):
     refused(args, *needles)
@@ -344,3 +350,23 @@ def test_cached_build_refuses_a_cache_under_a_file_before_building(tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         cached_build(tmp_path / "afile" / "cache", "tag", built.append, lambda p: False, "a test build")
     assert not built and (tmp_path / "afile").read_text() == "keep"
+
+
+def test_a_refusal_leaves_no_json_folder_behind(no_work, tmp_path):
+    """Each of these refused only after `--json`'s missing folder had been made, leaving it empty."""
+    import torch
+
+    from kv4rl.kernels import kernels_usable
+
+    cases = [["bench", "generate", "--shape", "qwen3-tiny", "--scheduling", "auto,sync"],
+             ["bench", "iteration", "--shape", "qwen3-tiny", "--max-len", "24", "--median-len", "6",
+              "--attention", "flex"],
+             ["sim", "correction-variance", "--n-prompts", "0"]]
+    if not torch.cuda.is_available():
+        cases += [["bench", "decode-attn"], ["bench", "decode-forward"]]
+        if not kernels_usable("cpu"):
+            cases.append(["bench", "iteration", "--shape", "qwen3-tiny", "--max-len", "24", "--median-len", "6",
+                          "--fused-logprobs"])
+    for i, args in enumerate(cases):
+        refused([*args, "--json", str(tmp_path / f"out{i}" / "r.json")])
+    assert not list(tmp_path.iterdir())

@@ -194,6 +194,13 @@ def pool(
         check_at_least(1, ("--max-num-seqs", max_num_seqs), ("--context", context))
         format_list = option_list(formats, "--formats")
         engine_cfg = engine_config(engine_overrides)
+        for override in engine_overrides or []:  # the pool is sized from engine.kv alone; others would be ignored
+            key = override.split("=", 1)[0].strip()
+            if key == "engine.kv.format":
+                raise ValueError("engine.kv.format is set by --formats here")
+            if not key.startswith("engine.kv."):
+                raise ValueError(f"{key}: only engine.kv.* settings shape the pool here (memory by --memory-gib, "
+                                 f"sequences by --max-num-seqs, context by --context)")
         check_kv_formats(format_list, "--formats", engine_cfg, head_dim=shape_args(shape, qwen3_args).head_dim,
                          max_model_len=context)
     except ValueError as exc:
@@ -232,7 +239,7 @@ def generate(
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Engine tokens/s vs transformers' generate on one random-init model, same weights and prompts."""
-    from kv4rl.bench.generate import bench_generate
+    from kv4rl.bench.generate import bench_generate, check_variants
     from kv4rl.bench.random_model import qwen3_args
 
     try:
@@ -240,6 +247,7 @@ def generate(
         sizes = option_list(batch_sizes, "--batch-sizes", int, minimum=1)
         formats = option_list(kv_format, "--kv-format")
         schedulings = option_list(scheduling, "--scheduling", known=("sync", "async", "auto"))
+        check_variants(schedulings, weight_formats)
         if any(o.split("=", 1)[0].strip() == "engine.async_scheduling" for o in engine_overrides or []):
             raise ValueError("engine.async_scheduling is set by --scheduling here")
         check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--hf-repeats", hf_repeats))
@@ -318,6 +326,7 @@ def bench_rollout_cmd(
 
     try:
         overrides = engine_overrides or []
+        check_device(device)
         bench = RolloutBench(
             formats=tuple(option_list(formats, "--formats")), modes=tuple(option_list(modes, "--modes")), repeats=repeats, batches=batches,
             workload=Workload(quota_groups=quota, group_size=group, max_slots=slots, prompt_len=prompt_len,

@@ -64,8 +64,9 @@ def register_kernel_benches(app: typer.Typer) -> None:
             context_list = option_list(contexts, "--contexts", int, minimum=1)
         except ValueError as exc:
             fail(str(exc))
-        check_output_path(json_out)
+        check_output_path(json_out, create=False)
         _need_cuda()
+        check_output_path(json_out)  # its missing folders, now that nothing refuses
         cases = len(shape_list) * len(batch_list) * len(context_list) * len(fmt_list)
         with StageProgress(console, "decode-attn") as stages:
             stages(f"timing {cases} kernel cases (each also against SDPA)", 0, cases)
@@ -111,8 +112,9 @@ def register_kernel_benches(app: typer.Typer) -> None:
                 raise ValueError(problem)
         except ValueError as exc:
             fail(str(exc))
-        check_output_path(json_out)
+        check_output_path(json_out, create=False)
         _need_cuda()
+        check_output_path(json_out)  # its missing folders, now that nothing refuses
         if tensor_parallel > 1:
             _decode_forward_tp(shape_list, work, fused_ops, tensor_parallel, json_out, merge_projections, fp8_gemm,
                                fp8_inputs)

@@ -41,7 +41,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         arms: Annotated[str, Option(
             "--arms", help="comma-separated arms, each KV format + rollout mode [+ fp8w for FP8 engine weights] "
                            "[+ awake: the engine does not sleep and carried responses keep their KV] "
-                           "[@slots: that arm's decode slots], e.g. bf16+sync,kv4+partial@256,kv4+partial+awake; "
+                           "\\[@slots: that arm's decode slots], e.g. bf16+sync,kv4+partial@256,kv4+partial+awake; "
                            "speedups are against the first")]
         = "bf16+sync,kv4+partial",
         iterations: Annotated[int, Option("--iterations", help="timed iterations per arm, after one warm-up")] = 2,

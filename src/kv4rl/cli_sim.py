@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from kv4rl.cli_common import (
+    check_device,
     check_figure_path,
     check_not_an_input,
     check_output_path,
@@ -152,20 +153,11 @@ def correction_variance_cmd(
     )
 
     hf_logging.disable_progress_bar()  # weight-loading bars would bury the table
-    try:
+    try:  # every option, before anything is made or loaded
         if template is not None:
             check_template(template, "--template")
         check_engine_overrides(engine)
-    except ValueError as exc:
-        fail(str(exc))
-    check_output_path(json_out, "--json")
-    png_out = check_figure_path(png_out, "--png")
-    check_not_an_input({"--json": json_out, "--png": png_out}, {"--data": data})
-    try:
-        if model is None:
-            from kv4rl.models.tiny import tiny_model_dir
-
-            model = tiny_model_dir()
+        check_device(device)
         settings = Settings(
             model_dir=model, behavior=parse_behavior(behavior), horizons=parse_horizons(horizons),
             data=str(data) if data else None, template=template, n_prompts=n_prompts,
@@ -173,6 +165,17 @@ def correction_variance_cmd(
             seed=seed, device=device, stale_lr=stale_lr, stale_batch_size=stale_batch_size,
             engine_overrides=list(engine or []),
         )
+        settings.validate()
+    except ValueError as exc:
+        fail(str(exc))
+    check_output_path(json_out, "--json")
+    png_out = check_figure_path(png_out, "--png")
+    check_not_an_input({"--json": json_out, "--png": png_out}, {"--data": data})
+    try:
+        if settings.model_dir is None:
+            from kv4rl.models.tiny import tiny_model_dir
+
+            settings.model_dir = tiny_model_dir()
         with StageProgress(console, "correction-variance") as stages:
             summary = measure(settings, progress=stages).summary
     except ValueError as exc:

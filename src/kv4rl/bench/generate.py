@@ -142,6 +142,18 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
     return rows
 
 
+def check_variants(schedulings: list[str], weight_formats: list[str]) -> None:
+    """Refuse scheduling and weight-format lists the bench cannot time (ValueError naming the option)."""
+    unknown = sorted(set(schedulings) - {"sync", "async", "auto"})
+    if not schedulings or unknown:
+        raise ValueError(f"--scheduling: {', '.join(unknown) or 'nothing'} given; choose from sync, async, auto")
+    if "auto" in schedulings and len(schedulings) > 1:
+        raise ValueError("--scheduling: auto (the engine's own choice) goes alone; name sync,async to time both")
+    unknown = sorted(set(weight_formats) - {"auto", "fp8"})
+    if not weight_formats or unknown or len(set(weight_formats)) < len(weight_formats):
+        raise ValueError(f"--weight-format: {', '.join(unknown) or 'nothing or a repeat'} given; choose from auto, fp8")
+
+
 def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128, new_tokens: int = 256,
                    kv_formats: list[str] = ("bf16",), weight_formats: list[str] = ("auto",), hf: bool = True,
                    device: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
@@ -160,14 +172,7 @@ def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128,
     `speedup` is over the median. The model is bf16 on CUDA and float32 on CPU. `bandwidth` (bytes/s) sets
     the byte roofline's rate; by default the device's measured one (`roofline.copy_bandwidth`), if any.
     """
-    unknown = sorted(set(schedulings) - {"sync", "async", "auto"})
-    if not schedulings or unknown:
-        raise ValueError(f"--scheduling: {', '.join(unknown) or 'nothing'} given; choose from sync, async, auto")
-    if "auto" in schedulings and len(schedulings) > 1:
-        raise ValueError("--scheduling: auto (the engine's own choice) goes alone; name sync,async to time both")
-    unknown = sorted(set(weight_formats) - {"auto", "fp8"})
-    if not weight_formats or unknown or len(set(weight_formats)) < len(weight_formats):
-        raise ValueError(f"--weight-format: {', '.join(unknown) or 'nothing or a repeat'} given; choose from auto, fp8")
+    check_variants(schedulings, weight_formats)
     if not batch_sizes or min(batch_sizes) < 1 or prompt_len < 1 or new_tokens < 1 or hf_repeats < 1:
         raise ValueError("--batch-sizes, --prompt-len, --new-tokens and --hf-repeats must be >= 1")
     note = progress or (lambda message: None)

@@ -44,10 +44,12 @@ from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.placement import resolve_device, resolve_dtype
+from kv4rl.kernels import kernels_usable
 from kv4rl.rewards.base import RewardResult
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.telemetry.phases import PHASES, means_of, rows_of
+from kv4rl.trainer.attention import CHOICES as ATTENTION_CHOICES
 from kv4rl.trainer.compiled_layers import compiles_by_default, forget_compiled_graphs
 from kv4rl.trainer.fused_elementwise import fuses_by_default
 from kv4rl.trainer.learner_options import fused_logprobs_by_default
@@ -192,6 +194,14 @@ def prepare(bench: IterationBench) -> dict[str, RunConfig]:
     if bench.offload_optimizer and device.type != "cuda":
         raise ValueError(f"--offload-optimizer streams AdamW's moments between pinned CPU memory and the GPU; on "
                          f"device {device} they already are in CPU memory")
+    if bench.attention not in ATTENTION_CHOICES:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, got '{bench.attention}'")
+    if bench.attention == "flex" and device.type != "cuda":
+        raise ValueError(f"--attention flex needs a CUDA device (FlexAttention has no backward pass on {device}); "
+                         f"use --attention auto or sdpa")
+    if bench.fused_logprobs and not kernels_usable(device):
+        raise ValueError(f"--fused-logprobs runs Triton kernels, which need a CUDA device (and Triton); on device "
+                         f"{device} use --no-fused-logprobs")
     return {arm.label: run_config(bench, arm) for arm in bench.arms}
 
 

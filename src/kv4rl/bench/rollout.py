@@ -49,9 +49,11 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Each row's time against the bf16 sync corner: the ratio of medians, and the range between the
+    """Each row's time against the bf16 sync corner (bf16 at the common slots, else at its own `bf16@N`): the ratio
+    of medians, and the range between the
     ratio of the reference's fastest to the row's slowest repeat and the reverse (None without it)."""
-    ref = next((r for r in rows if (r["format"], r["mode"]) == REFERENCE), None)
+    ref = next((r for r in rows if (r["format"], r["mode"]) == REFERENCE), None) or next(  # else bf16@<slots>
+        (r for r in rows if (r["format"].split("@")[0], r["mode"]) == REFERENCE), None)
     for r in rows:
         if ref is None:
             r["speedup_vs_bf16_sync"] = r["speedup_min"] = r["speedup_max"] = None

@@ -236,7 +236,7 @@ def stale_policy(model, batches: list[list[Problem]], formatter: PromptFormatter
 
 @dataclass(kw_only=True)
 class Settings:
-    model_dir: Path
+    model_dir: Path | None  # None: the embedded tiny model (the CLI fills it in after the checks)
     behavior: Behavior
     horizons: list[int | None] = field(default_factory=lambda: [1, 4, 16, 64, None])
     data: str | None = None
