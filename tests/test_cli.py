@@ -78,3 +78,29 @@ def test_every_help_text_shows_as_written():
             if render(text).plain != text.replace("\\[", "["):
                 hidden.append(f"{path} {name}")
     assert not hidden
+
+
+def test_ctrl_c_says_so_and_names_the_json_that_holds_part_of_the_results(tmp_path, monkeypatch, capsys):
+    """typer turned Ctrl-C into a silent exit 130, while the --json file held only the rows finished so far."""
+    import sys
+
+    import pytest
+
+    import kv4rl.bench.rollout
+    from kv4rl.cli import main
+
+    def interrupted(plan, progress=None, on_result=None):
+        on_result({"complete": False, "results": [{"format": "bf16", "mode": "sync", "rollout_s": 1.0}]})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kv4rl.bench.rollout, "bench_rollout", interrupted)
+    out = tmp_path / "r.json"
+    out.write_text('{"mine": 1}\n')
+    monkeypatch.setattr(sys, "argv", ["kv4rl", "bench", "rollout", "--shape", "qwen3-tiny", "--device", "cpu",
+                                      "--json", str(out)])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    assert stopped.value.code == 130
+    assert f'interrupted (Ctrl-C): {out} holds the rows finished before it ("complete": false)' in capsys.readouterr().err
+    assert json.loads(out.read_text())["complete"] is False
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # written whole, through a temporary file

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import typer
 
 from kv4rl.cli_bench import bench_app
 from kv4rl.cli_common import (
+    error_line,
     check_at_least,
     check_device,
     check_figure_path,
@@ -325,11 +327,26 @@ def plot_mismatch_cmd(
     wrote(png, csv_path)
 
 
-def main() -> None:  # pragma: no cover
+def main() -> None:
+    """The `kv4rl` command: the app, with a config error that escaped a command as one line (exit 2), and one
+    line after Ctrl-C, which typer turns into a silent exit 130."""
     try:
         app()
     except ConfigError as exc:
-        fail(str(exc))
+        error_line(str(exc))
+        sys.exit(2)
+    except SystemExit as exc:
+        if exc.code == 130:  # Ctrl-C: typer exits with 130 and says nothing
+            say_interrupted()
+        raise
+
+
+def say_interrupted() -> None:
+    """One line on stderr after Ctrl-C: that the command stopped, and which --json files hold only part."""
+    from kv4rl.cli_common import PARTIAL_JSON
+
+    kept = "; ".join(f"{path} holds the rows finished before it (\"complete\": false)" for path in sorted(PARTIAL_JSON))
+    print(f"interrupted (Ctrl-C){': ' + kept if kept else ''}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

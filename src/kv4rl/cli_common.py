@@ -27,10 +27,14 @@ from kv4rl.paths import file_in_path
 console = Console()
 
 
+def error_line(message: str) -> None:
+    """Print one error line, unwrapped; escaped, so a path or value in [brackets] is text, not rich markup."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def fail(message: str) -> NoReturn:
     """Print one error line and exit with status 2 (bad input), the convention of every command."""
-    # escaped: a path or value in [brackets] is text, not rich markup
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # one line, unwrapped
+    error_line(message)
     raise typer.Exit(2)
 
 
@@ -61,10 +65,22 @@ def engine_config(overrides: list[str] | None):
     return from_dict(EngineConfig, data.get("engine", {}), prefix="engine")
 
 
+PARTIAL_JSON: set[Path] = set()  # files whose last write held only the rows finished so far ("complete": false)
+
+
 def write_json(res: dict, json_out: Path | None) -> None:
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    """Write `res` as JSON, whole or not at all (a temporary file renamed over the target), so a kill during
+    the write never leaves half a file; remembers a partial result for the interrupt message (`main`)."""
+    if json_out is None:
+        return
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = json_out.with_name(f".{json_out.name}.tmp")
+    tmp.write_text(json.dumps(res, indent=2) + "\n")
+    os.replace(tmp, json_out)
+    if res.get("complete") is False:
+        PARTIAL_JSON.add(json_out)
+    else:
+        PARTIAL_JSON.discard(json_out)
 
 
 def finite_float(text: str) -> float:
