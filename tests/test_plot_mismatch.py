@@ -35,7 +35,8 @@ def test_csv_holds_one_row_per_run_iteration_and_source(tmp_path):
     ])
     write_run(tmp_path / "bf16", [attribution_row(1, 10, 0.0)])  # every term exactly 0: no line, still CSV
     out = tmp_path / "fig" / "mismatch.png"
-    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "kv4"), str(tmp_path / "bf16"), "-o", str(out)])
+    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "kv4"), str(tmp_path / "bf16"),
+                              str(tmp_path / "kv4" / "."), "-o", str(out)])  # kv4 named twice: drawn once
     assert res.exit_code == 0, res.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with out.with_suffix(".csv").open() as f:

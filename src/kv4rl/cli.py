@@ -195,6 +195,7 @@ def build_model_cmd(
     shown["weights_sha256"] = model_fingerprint(path)  # a build of an older version: computed now
     _print_table("testbed model", shown)
     write_json({**record, **shown}, json_out)
+    wrote(json_out)
 
 
 app.command("eval")(eval_cmd)

@@ -167,6 +167,7 @@ def fidelity(
     print_table(console, fidelity_table(res))
     console.print(f"KL order: {kl_order(res['results'])}")
     write_json({**res, "data": str(data) if data else "embedded", "template": template, "seed": seed}, json_out)
+    wrote(json_out)
 
 
 @bench_app.command()
@@ -213,6 +214,7 @@ def pool(
         fail(str(exc))
     print_table(console, pool_table(res, shape, memory_gib, max_num_seqs, context))
     write_json(res, json_out)
+    wrote(json_out)
 
 
 @bench_app.command()
@@ -282,6 +284,7 @@ def generate(
         fail(str(exc))
     print_table(console, generate_table(res))
     write_json(res, json_out)
+    wrote(json_out)
 
 
 @bench_app.command("rollout")
@@ -353,6 +356,7 @@ def bench_rollout_cmd(
         res, traces = bench_rollout(plan, progress=lambda what, done: stages(what, done, 1), on_result=finished)
     print_table(console, rollout_table(res))
     write_json(res, json_out)
+    wrote(json_out)
     if png is not None:
         from kv4rl.telemetry.plots import plot_rollout_corners
 

@@ -10,7 +10,7 @@ import typer
 from typer import Option
 
 from kv4rl.bench.tables import decode_attn_table, decode_forward_table
-from kv4rl.cli_common import check_at_least, check_output_path, console, fail, option_list, write_json
+from kv4rl.cli_common import check_at_least, check_output_path, console, fail, option_list, write_json, wrote
 from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import print_table
 
@@ -35,6 +35,7 @@ def _decode_forward_tp(shape_list, work, fused_ops: bool, size: int, json_out, m
     if res is not None:
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)
+        wrote(json_out)
     distributed.barrier()
     distributed.shutdown()
 
@@ -74,6 +75,7 @@ def register_kernel_benches(app: typer.Typer) -> None:
                 f"{r['shape']} {r['format']} B{r['batch']} L{r['context']}: {r['ms']:.4f} ms"))
         print_table(console, decode_attn_table(res))
         write_json(res, json_out)
+        wrote(json_out)
 
 
     @app.command("decode-forward")
@@ -127,3 +129,4 @@ def register_kernel_benches(app: typer.Typer) -> None:
                 f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)
+        wrote(json_out)

@@ -136,6 +136,7 @@ def register_learner_benches(app: typer.Typer) -> None:
             console.print(f"[dim]{r['arm']}: {r['engine_summary']}[/]", highlight=False, soft_wrap=True)
         print_table(console, iteration_table(res))
         write_json(res, json_out)
+        wrote(json_out)
         if png is not None:
             from kv4rl.bench.iteration import figure_rows
             from kv4rl.telemetry.plots import plot_iteration_time, write_csv
@@ -250,3 +251,4 @@ def register_learner_benches(app: typer.Typer) -> None:
                                 on_result=finished)
         print_table(console, learner_table(res))
         write_json(res, json_out)
+        wrote(json_out)

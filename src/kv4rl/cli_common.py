@@ -49,8 +49,10 @@ def say(message: str) -> None:
 
 
 def wrote(*paths: Path | None) -> None:
-    """Name the files a command wrote, as they are on disk (None: not asked for)."""
-    say("wrote " + " and ".join(str(p) for p in paths if p is not None))
+    """Name the files a command wrote, as they are on disk (None: not asked for; nothing said without any)."""
+    written = [str(p) for p in paths if p is not None]
+    if written:
+        say("wrote " + " and ".join(written))
 
 
 def engine_config(overrides: list[str] | None):

@@ -27,6 +27,7 @@ from kv4rl.cli_common import (
     finite_float,
     warn,
     write_json,
+    wrote,
 )
 from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import metric_table, print_table
@@ -151,6 +152,7 @@ def eval_cmd(
         return
     print_table(console, metric_table("evaluation", res))
     write_json({**res, **settings}, json_out)
+    wrote(json_out)
     _write_samples(samples_out, problems, results)
 
 

@@ -170,7 +170,7 @@ def _budget_blocks(fmt: str, fp: KVFootprint, gib: float, slots: int, max_model_
     blocks = fp.blocks_in(int(gib * GIB), slots)
     if blocks < longest:
         need = fp.total_bytes(longest, slots) / GIB
-        raise ValueError(f"--kv-budget-gib {gib:g}: {fmt} needs {need:.4f} GiB for one sequence of "
+        raise ValueError(f"--kv-budget-gib {gib:g}: {fmt} needs {need:.3g} GiB for one sequence of "
                          f"{max_model_len} tokens plus the rows of {slots} slots")
     return min(blocks, slots * longest)
 

@@ -26,8 +26,11 @@ def mismatch_rows(runs: list[Path]) -> list[dict]:
     if not runs:
         raise ValueError("no runs given: name one or more run folders")
     out = []
-    for run in runs:
-        path = Path(run) / "metrics.jsonl"
+    given: dict[Path, Path] = {}
+    for run in runs:  # a folder named twice is drawn once
+        given.setdefault(Path(run).resolve(), Path(run))
+    for run in given.values():
+        path = run / "metrics.jsonl"
         if not path.is_file():
             raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
         logged = sorted((r for r in read_jsonl(path) if r.get(TOKENS_KEY)), key=lambda r: r["iteration"])
@@ -36,7 +39,7 @@ def mismatch_rows(runs: list[Path]) -> list[dict]:
                              "(train with telemetry.attribution_every=N to log it)")
         for row in logged:
             for source in (*SOURCES, "total"):
-                out.append({"run": Path(run).name, "iteration": row["iteration"], "source": source,
+                out.append({"run": run.name, "iteration": row["iteration"], "source": source,
                             **{stat: row[metric_key(source, stat)] for stat in STATS},
                             "tokens": row[TOKENS_KEY]})
     return out
