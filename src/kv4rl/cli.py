@@ -211,7 +211,7 @@ def plot_rollout_trace_cmd(
     runs: list[Path] = typer.Argument(..., help="run folders (e.g. a sync run and a partial run)"),
     out: Path | None = typer.Option(None, "--out", "-o", help="PNG path (default: <first run>/rollout_trace.png)"),
     first: int = typer.Option(0, "--from", help="first iteration to show"),
-    last: int = typer.Option(10**9, "--to", help="show iterations before this one"),
+    last: int | None = typer.Option(None, "--to", help="show iterations before this one (default: to the end)"),
 ) -> None:
     """Per-step rollout trace (batch size, context, resident KV, latency), runs side by side."""
     from kv4rl.telemetry.plots import plot_rollout_trace
@@ -221,13 +221,13 @@ def plot_rollout_trace_cmd(
             fail(f"{run}: no rollout_trace.jsonl (is it a run folder?)")
     try:
         check_at_least(0, ("--from", first))
-        if last <= first:
+        if last is not None and last <= first:
             raise ValueError(f"--to {last} must be above --from {first}")
     except ValueError as exc:
         fail(str(exc))
     out = check_figure_path(out or runs[0] / "rollout_trace.png", "--out")
     try:
-        path = plot_rollout_trace(runs, out, (first, last))
+        path = plot_rollout_trace(runs, out, (first, last if last is not None else float("inf")))
     except ValueError as exc:
         fail(str(exc))
     wrote(path)

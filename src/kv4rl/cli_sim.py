@@ -40,6 +40,11 @@ sim_app = typer.Typer(
 DEFAULT_SWEEP = ",".join(f"{0.5 + 0.1 * i:.1f}" for i in range(16))  # 0.5 … 2.0
 
 
+def _signed(x: float) -> str:
+    """+0.0000 for a zero of either sign (a closed form at σ = 0 gives -0.0, printed as -0.0000)."""
+    return f"{x + 0.0:+.4f}"
+
+
 def _clip_bias_table(result: dict) -> ResultTable:
     exact = result["closed_form"]
     inputs = f"ρ={result['rho']:g}, ε={result['eps']:g}, σ={result['sigma']:g}"
@@ -48,7 +53,7 @@ def _clip_bias_table(result: dict) -> ResultTable:
                         ["branch", "mean (MC ± se)", "mean (exact)", "var (MC ± se)", "var (exact)"])
     for branch in ("clip", "noclip"):
         mc, se = result[branch], result["stderr"][branch]
-        table.add_row(branch, f"{mc['mean']:+.4f} ± {se['mean']:.4f}", f"{exact[branch]['mean']:+.4f}",
+        table.add_row(branch, f"{_signed(mc['mean'])} ± {se['mean']:.4f}", _signed(exact[branch]['mean']),
                       f"{mc['var']:.4f} ± {se['var']:.4f}", f"{exact[branch]['var']:.4f}")
     return table
 
@@ -92,9 +97,9 @@ def clip_bias_cmd(
         fail(str(exc))
     print_table(console, _clip_bias_table(result))
     shift = result["clip"]["mean"] / rho
-    console.print(f"clipped mean shift per unit ratio: {shift:+.4f} (exact "
-                  f"{result['closed_form']['clip_mean_per_unit_ratio']:+.4f}); unclipped mean "
-                  f"{result['noclip']['mean']:+.4f}")
+    console.print(f"clipped mean shift per unit ratio: {_signed(shift)} (exact "
+                  f"{_signed(result['closed_form']['clip_mean_per_unit_ratio'])}); unclipped mean "
+                  f"{_signed(result['noclip']['mean'])}")
     if json_out is not None:
         write_json({**result, "sweep": swept}, json_out)
         wrote(json_out)

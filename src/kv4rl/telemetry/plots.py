@@ -75,7 +75,7 @@ def plot_iteration_time(rows: list[dict], out_png: Path, title: str = "time per 
     return _save(fig, out_png)
 
 
-def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[int, int] | None = None) -> Path:
+def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[int, float] | None = None) -> Path:
     """Figure B-2 style: per decode step, active batch size and mean context length, nominal resident
     KV bytes, and step latency; one column per run (e.g. sync and partial side by side)."""
     plt = _pyplot()
