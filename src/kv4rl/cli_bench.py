@@ -33,6 +33,7 @@ from kv4rl.cli_common import (
     finite_float,
     option_list,
     shape_args,
+    warn,
     write_json,
     wrote,
 )
@@ -133,8 +134,17 @@ def fidelity(
         check_device(device)
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: '{dtype}' is not auto, float32, bfloat16 or float16")
-    except ValueError as exc:
-        fail(str(exc))
+        # the cache options (the group's default comes from the model's head_dim, checked once it is loaded)
+        KVConfig(block_size=block_size, group_size=group_size or 128, rotate=rotate).validate()
+        if group_size is not None:
+            from kv4rl.engine.kv_formats.int4 import check_group_size
+
+            check_group_size(group_size)
+    except ValueError as exc:  # named by this command's options, not the engine keys they set
+        fail(str(exc).replace("engine.kv.block_size", "--block-size").replace("engine.kv.group_size", "--group-size")
+             .replace("engine.kv.rotate", "--rotate"))
+    if allocations is not None and "kv4" not in format_list:
+        warn("--allocations sets KV4's sink + recent rows; no kv4 in --formats, so it changes nothing")
     check_output_path(json_out)
     check_not_an_input({"--json": json_out}, {"--data": data})
     try:
@@ -205,7 +215,7 @@ def pool(
         check_kv_formats(format_list, "--formats", engine_cfg, head_dim=shape_args(shape, qwen3_args).head_dim,
                          max_model_len=context)
     except ValueError as exc:
-        fail(str(exc))
+        fail(str(exc).replace("the context limit engine.max_model_len=", "--context "))
     check_output_path(json_out)
     try:
         res = bench_pool(shape, memory_gib=memory_gib, formats=format_list, max_num_seqs=max_num_seqs,

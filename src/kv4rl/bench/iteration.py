@@ -170,6 +170,8 @@ def prepare(bench: IterationBench) -> dict[str, RunConfig]:
         raise ValueError(f"--iterations must be >= 1, got {bench.iterations}")
     if bench.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {bench.micro_batch_size}")
+    if bench.max_tokens_per_micro_batch is not None and bench.max_tokens_per_micro_batch < 1:
+        raise ValueError(f"--max-tokens-per-micro-batch must be >= 1, got {bench.max_tokens_per_micro_batch}")
     if not bench.lr > 0:
         raise ValueError(f"--lr must be > 0, got {bench.lr}")
     for key, owner in (("engine.kv.format", "--arms"), ("engine.weight_format", "--arms"),
