@@ -7,9 +7,9 @@ from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.learner import Learner
 
 
-def make_learner(path, micro, ckpt):
+def make_learner(path, micro, ckpt, updates=1):
     return Learner(path, None, algo=AlgoConfig(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9,
-                   micro_batch_size=micro, updates_per_batch=1, temperature=1.0, device=torch.device("cpu"),
+                   micro_batch_size=micro, updates_per_batch=updates, temperature=1.0, device=torch.device("cpu"),
                    grad_checkpointing=ckpt)
 
 
@@ -36,3 +36,16 @@ def test_micro_batching_and_checkpointing_leave_the_update_unchanged(tiny_qwen3)
             assert torch.allclose(grads[k], ref[k], atol=1e-6, rtol=1e-4), k
         assert abs(metrics["grad_norm"] - ref_metrics["grad_norm"]) < 1e-4 * ref_metrics["grad_norm"]
     assert ref_metrics["num_tokens"] == 14
+
+
+def test_each_update_of_a_batch_is_one_optimizer_step_whatever_the_rows(tiny_qwen3):
+    """4 rows in 3 updates: 3 AdamW steps (over rows [0, 1], [2], [3]); `chunk` split them 2 + 2, two steps."""
+    import pytest
+
+    path, _ = tiny_qwen3
+    b = batch()
+    learner = make_learner(path, 4, False, updates=3)
+    learner.step(b)
+    assert int(next(iter(learner.optimizer.state.values()))["step"]) == 3
+    with pytest.raises(ValueError, match="updates_per_batch=5 optimizer steps need at least as many rows"):
+        make_learner(path, 4, False, updates=5).step(b)

@@ -183,7 +183,14 @@ class RunConfig:
             (self.trainer.warmup_iters >= 0, "trainer.warmup_iters must be >= 0"),
             (self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
             (self.trainer.updates_per_batch >= 1, "trainer.updates_per_batch must be >= 1"),
+            (self.trainer.updates_per_batch <= self.rollout.quota_groups * self.rollout.group_size,
+             f"trainer.updates_per_batch={self.trainer.updates_per_batch} optimizer steps need at least as many "
+             f"responses in the learner batch (rollout.quota_groups x rollout.group_size = "
+             f"{self.rollout.quota_groups * self.rollout.group_size})"),
             (self.trainer.grad_clip > 0, "trainer.grad_clip must be > 0"),
+            (self.trainer.weight_decay >= 0, f"trainer.weight_decay must be >= 0, got {self.trainer.weight_decay}"),
+            (all(0 <= b < 1 for b in self.trainer.betas),
+             f"trainer.betas must each be in [0, 1) (AdamW's moment decays), got {list(self.trainer.betas)}"),
             (self.trainer.max_tokens_per_micro_batch is None or self.trainer.max_tokens_per_micro_batch >= 1,
              "trainer.max_tokens_per_micro_batch must be >= 1 (or null: padded micro-batches)"),
             (self.trainer.attention in ("auto", "sdpa", "flex"),

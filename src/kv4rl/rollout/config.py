@@ -43,6 +43,7 @@ class RolloutConfig:
             (temperature_problem("rollout.temperature", self.temperature, greedy=False) is None,
              f"rollout.temperature must be at least {MIN_TEMPERATURE}, got {self.temperature}"),
             (0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+            (self.top_k >= 0, f"rollout.top_k must be >= 0 (0: off), got {self.top_k}"),
             (self.engine_ranks >= 1, f"rollout.engine_ranks must be >= 1, got {self.engine_ranks}"),
         ]
         for ok, message in checks:

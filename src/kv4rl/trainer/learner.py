@@ -264,7 +264,12 @@ class Learner:
         mask = batch.response_mask
         before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration)
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
-        rows = torch.arange(len(batch), device=self.device).chunk(self.updates_per_batch)
+        if len(batch) < self.updates_per_batch:
+            raise ValueError(f"trainer.updates_per_batch={self.updates_per_batch} optimizer steps need at least as many "
+                             f"rows in the learner batch, which has {len(batch)} here")
+        # exactly updates_per_batch mini-batches, sizes within one row of each other (`chunk` made fewer when the
+        # rows do not split evenly: 8 rows in 6 updates gave 4 steps)
+        rows = torch.arange(len(batch), device=self.device).tensor_split(self.updates_per_batch)
         for update, mini_rows in enumerate(rows):
             mini = batch.select(mini_rows)
             num_seqs = float((mini.response_mask.sum(1) > 0).sum())
