@@ -243,6 +243,25 @@ def test_train_warns_once_when_max_new_tokens_runs_past_the_context(caplog):
     assert not caplog.records
 
 
+def test_an_engine_max_model_len_that_is_given_is_checked_as_the_models_context_is(gsm8k_file, caplog):
+    """A given engine.max_model_len skipped every check: beyond the model's positions it crashed in RoPE with an
+    IndexError, below a prompt it failed in the first rollout without naming the key, and it cut responses
+    without the warning."""
+    from kv4rl.config import ConfigError
+    from kv4rl.rollout.build import max_model_len
+
+    cfg, source, formatter = tiny_setup(["engine.max_model_len=200"])
+    with pytest.raises(ConfigError, match="engine.max_model_len=200 exceeds the model's context of 64 positions"):
+        max_model_len(cfg, source, formatter, 64)
+    cfg, source, formatter = tiny_setup([f"data.train={gsm8k_file}", "engine.max_model_len=60"])
+    with pytest.raises(ValueError, match=f"data.train {gsm8k_file}: prompt 0 .* but engine.max_model_len is 60 positions"):
+        max_model_len(cfg, source, formatter, 64)
+    cfg, source, formatter = tiny_setup(["engine.max_model_len=12", "rollout.max_new_tokens=16"])
+    with caplog.at_level(logging.WARNING):
+        assert max_model_len(cfg, source, formatter, 64) == 12
+    assert "exceed engine.max_model_len of 12 positions" in caplog.text
+
+
 def test_eval_warns_when_max_new_tokens_runs_past_the_context_and_records_the_cut(tmp_path):
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(3)))

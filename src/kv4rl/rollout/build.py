@@ -25,21 +25,29 @@ log = logging.getLogger(__name__)
 
 
 def max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter, model_max: int) -> int:
-    """Longest prompt of the data (embedded task: a sample, with headroom) plus the response limit.
+    """`engine.max_model_len` as given, else the longest prompt of the data (embedded task: a sample, with
+    headroom) plus the response limit.
 
-    A prompt that fills the model's context is refused here, by name, before any generation; a response
-    limit that runs past the context is cut to it with one warning line, as inference engines do.
+    A context beyond the model's positions, or a prompt that fills the context, is refused here, by name,
+    before any generation; a response limit that runs past the context is cut to it with one warning line,
+    as inference engines do.
     """
+    given = cfg.engine.max_model_len
+    if given is not None and given > model_max:
+        raise ConfigError(f"engine.max_model_len={given} exceeds the model's context of {model_max} positions "
+                          f"(max_position_embeddings); give at most {model_max}, or null to size it from the data")
+    limit, limit_name = (model_max, "the model's context") if given is None else (given, "engine.max_model_len")
     train_name = f"data.train {cfg.data.train}" if cfg.data.train else "the embedded task"
     eval_name = f"data.eval {cfg.data.eval}" if cfg.data.eval else train_name
-    longest = max(longest_prompt(formatter, problems, model_max, "the model's context", what)
+    longest = max(longest_prompt(formatter, problems, limit, limit_name, what)
                   for what, problems in ((train_name, source.train or source.batch(0, 64)),
                                          (eval_name, source.eval_problems(cfg.data.eval_size))))
     warning = overrun_warning(longest, cfg.rollout.max_new_tokens,
-                              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", model_max,
-                              "the model's context")
+                              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", limit, limit_name)
     if warning:
         log.warning(warning)
+    if given is not None:
+        return given
     headroom = 2 * longest if source.train_embedded else longest
     return min(model_max, headroom + cfg.rollout.max_new_tokens + 1)
 
@@ -59,8 +67,7 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
     reward_fn = get_reward(reward_name, timeout_s=cfg.reward.timeout_s) if reward_name == "math_verify" \
         else get_reward(reward_name)
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
-    if engine_cfg.max_model_len is None:
-        engine_cfg.max_model_len = max_model_len(cfg, source, formatter, model_max)
+    engine_cfg.max_model_len = max_model_len(cfg, source, formatter, model_max)
     reserve = 0
     if update_memory is not None and not engine_cfg.sleep_between_rollouts:
         reserve = update_memory(engine_cfg.max_model_len)
