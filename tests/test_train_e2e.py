@@ -80,3 +80,27 @@ def test_resume_with_partial_rollouts_in_flight_equals_uninterrupted(tmp_path):
     b = load_file(part.run_dir / "checkpoints" / "iter_000006" / "model.safetensors")
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_an_nvfp4_run_resumes_with_its_calibrated_scales(tmp_path):
+    """NVFP4 calibrates one scale per layer and K/V on the engine's first write. A resumed engine calibrated
+    again on other prompts, so its cache (and every later row's mismatch, and the weights) differed."""
+    common = ["engine.kv.format=nvfp4", "rollout.quota_groups=4", "rollout.group_size=8", "trainer.lr=1e-3",
+              "trainer.warmup_iters=0", "checkpoint.save_every=2"]
+    full = small_run(tmp_path, "full", "trainer.iterations=4", *common)
+    train(full, show_progress=False)
+    part = small_run(tmp_path, "part", "trainer.iterations=2", *common)
+    train(part, show_progress=False)
+    state = torch.load(part.run_dir / "checkpoints" / "iter_000002" / "trainer_state.pt", weights_only=False)
+    (scales,) = state["engine_kv_calibration"]  # one rank
+    assert all(float(layer["k_tensor_scale"]) > 0 and float(layer["v_tensor_scale"]) > 0 for layer in scales)
+    train(load_config(part.run_dir / "config.yaml", ["trainer.iterations=4"]), resume=True, show_progress=False)
+
+    rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for key in ("reward_mean", "mismatch_abs_mean", "ratio_max"):
+        assert [r[key] for r in rows] == [r[key] for r in ref], key
+    a = load_file(full.run_dir / "checkpoints" / "iter_000004" / "model.safetensors")
+    b = load_file(part.run_dir / "checkpoints" / "iter_000004" / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

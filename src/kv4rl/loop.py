@@ -142,6 +142,9 @@ def restore_state(s: Setup, state: dict, path: Path) -> None:
     if state.get("engine_weights") is not None:  # the engine was behind the learner (refresh_every)
         s.engine.load_weights_state(state["engine_weights"], state["engine_version"])
     s.engine.version = state["engine_version"]
+    calibrations = state.get("engine_kv_calibration")
+    if calibrations is not None:  # NVFP4's scales, per rank's engine
+        s.engine.load_kv_calibration(calibrations[current().rank if len(calibrations) > 1 else 0])
     s.pipeline.load_state_dict(state["pipeline_ranks"][current().rank] if state.get("world", 1) > 1
                                else state["pipeline"])
 
@@ -325,12 +328,15 @@ def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
 
 def resume_state(s: Setup, done: int) -> dict:
     """What a checkpoint needs beyond the learner: the engine's version (and weights if it lags the
-    learner) and every in-flight rollout, so a resumed run hands the learner the same batches."""
+    learner), what its KV format calibrated (NVFP4's scales, per rank) and every in-flight rollout, so a
+    resumed run hands the learner the same batches."""
     behind = s.engine.version != done
     pipelines = gather_objects(s.pipeline.state_dict())
+    calibrations = gather_objects(s.engine.kv_calibration())
     out = {
         "engine_version": s.engine.version,
         "engine_weights": s.engine.weights_state() if behind else None,
+        "engine_kv_calibration": None if calibrations[0] is None else calibrations,
         "pipeline": pipelines[0],
     }
     if len(pipelines) > 1:  # each rank's own collector: restored by the rank of the same number

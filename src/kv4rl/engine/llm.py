@@ -384,6 +384,19 @@ class Engine:
         self.version = version
         self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
 
+    def kv_calibration(self) -> list[dict[str, torch.Tensor]] | None:
+        """What the KV format calibrated once per layer (NVFP4's per-tensor scales), on the CPU, for a checkpoint;
+        None for formats that calibrate nothing. A resumed engine given it (`load_kv_calibration`) quantizes
+        its cache as the saved one did, instead of calibrating on other prompts."""
+        per_layer = self.runner.kv_calibration()
+        if not any(per_layer):
+            return None
+        return [{key: value.cpu() for key, value in kept.items()} for kept in per_layer]
+
+    def load_kv_calibration(self, per_layer: list[dict[str, torch.Tensor]]) -> None:
+        self.runner.load_kv_calibration([{key: value.to(self.device) for key, value in kept.items()}
+                                         for kept in per_layer])
+
     def weights_state(self) -> dict[str, torch.Tensor]:
         """The engine's weights under its own names, those of unmerged projections whether merged or not
         (`merged_linears.unmerged_state_dict`), on CPU (FP8 codes and scales stay exact)."""

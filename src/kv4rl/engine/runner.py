@@ -102,7 +102,7 @@ class ModelRunner:
     def sleep(self) -> None:
         """Free the pool and graphs until `wake` (the engine preempts every sequence first); what the KV
         format calibrated once (NVFP4's per-layer scales) is kept for the new pool."""
-        self._calibration = [self.kv_format.calibration(cache) for cache in self.caches]
+        self._calibration = self.kv_calibration()
         self._recapture = self.release()
 
     def wake(self) -> None:
@@ -113,10 +113,24 @@ class ModelRunner:
         if self.profile is not None and self.profile.plan.pool_blocks.value is None:
             num_blocks, self.pool_sizing = _memory_sized(self.profile, self.model, self.device)
         self.allocate(num_blocks, self._recapture)
-        for cache, kept in zip(self.caches, self._calibration):
+        self.load_kv_calibration(self._calibration)
+        self._calibration = []
+
+    def kv_calibration(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, what the KV format calibrated once (`KVFormat.calibration`; NVFP4's scales), also while
+        asleep: `sleep` / `wake` and checkpoints carry it, so the cache quantizes as before."""
+        if self.caches is None:
+            return [{key: value.clone() for key, value in kept.items()} for kept in self._calibration]
+        return [self.kv_format.calibration(cache) for cache in self.caches]
+
+    def load_kv_calibration(self, per_layer: list[dict[str, torch.Tensor]]) -> None:
+        """Put back what `kv_calibration` returned (into the pool, or kept for `wake` while asleep)."""
+        if self.caches is None:
+            self._calibration = [{key: value.clone() for key, value in kept.items()} for kept in per_layer]
+            return
+        for cache, kept in zip(self.caches, per_layer, strict=True):
             for key, value in kept.items():
                 cache[key].copy_(value)
-        self._calibration = []
 
     @classmethod
     def build(cls, model, plan: EnginePlan, config: EngineConfig, device: torch.device,
