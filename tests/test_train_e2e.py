@@ -74,7 +74,9 @@ def test_resume_with_partial_rollouts_in_flight_equals_uninterrupted(tmp_path):
 
     rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
     ref = [json.loads(line) for line in (full.run_dir / "metrics.jsonl").read_text().splitlines()]
-    for key in ("iteration", "groups", "reward_mean", "staleness_hist", "response_len_mean"):
+    assert ref[-1]["preemptions"] > ref[2]["preemptions"] > 0  # running totals: a resume continues them
+    for key in ("iteration", "groups", "reward_mean", "staleness_hist", "response_len_mean", "preemptions",
+                "dropped_stale"):
         assert [r[key] for r in rows] == [r[key] for r in ref], key
     a = load_file(full.run_dir / "checkpoints" / "iter_000006" / "model.safetensors")
     b = load_file(part.run_dir / "checkpoints" / "iter_000006" / "model.safetensors")

@@ -142,9 +142,12 @@ def restore_state(s: Setup, state: dict, path: Path) -> None:
     if state.get("engine_weights") is not None:  # the engine was behind the learner (refresh_every)
         s.engine.load_weights_state(state["engine_weights"], state["engine_version"])
     s.engine.version = state["engine_version"]
+    rank = current().rank
+    if state.get("engine_preemptions") is not None:  # a running total over the run, as dropped_stale is
+        s.engine.scheduler.num_preemptions = state["engine_preemptions"][rank]
     calibrations = state.get("engine_kv_calibration")
     if calibrations is not None:  # NVFP4's scales, per rank's engine
-        s.engine.load_kv_calibration(calibrations[current().rank if len(calibrations) > 1 else 0])
+        s.engine.load_kv_calibration(calibrations[rank if len(calibrations) > 1 else 0])
     s.pipeline.load_state_dict(state["pipeline_ranks"][current().rank] if state.get("world", 1) > 1
                                else state["pipeline"])
 
@@ -337,6 +340,7 @@ def resume_state(s: Setup, done: int) -> dict:
         "engine_version": s.engine.version,
         "engine_weights": s.engine.weights_state() if behind else None,
         "engine_kv_calibration": None if calibrations[0] is None else calibrations,
+        "engine_preemptions": gather_objects(s.engine.num_preemptions),
         "pipeline": pipelines[0],
     }
     if len(pipelines) > 1:  # each rank's own collector: restored by the rank of the same number
