@@ -124,10 +124,10 @@ def test_reward_is_the_fraction_of_odd_token_ids():
 def test_packed_learner_options_are_checked_before_any_work(tmp_path):
     res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "32",
                               "--attention", "flex", "--json", str(tmp_path / "no.json")])
-    assert res.exit_code != 0 and "trainer.attention=flex needs a CUDA device" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "--attention flex needs a CUDA device" in " ".join(res.output.split())
     assert not (tmp_path / "no.json").exists()
     res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "0"])
-    assert res.exit_code != 0 and "max_tokens_per_micro_batch" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "--max-tokens-per-micro-batch must be >= 1" in " ".join(res.output.split())
 
 
 def test_offload_is_refused_on_the_cpu_before_any_work(tmp_path):
