@@ -102,3 +102,17 @@ def test_fused_logprobs_is_refused_before_any_work_where_its_kernels_cannot_run(
                                    "--prompt-len", "4", "--fused-logprobs", "off,on", "--json", str(out)])
     assert bad.exit_code != 0 and "trainer.fused_logprobs=true runs Triton kernels" in bad.output
     assert not out.exists()
+
+
+def test_the_table_says_when_a_row_is_longer_than_the_packing_limit_and_shows_mfu_only_on_a_gpu(tmp_path):
+    """--max-tokens 8 with rows of 12 tokens: each row is a micro-batch of its own, which the title said was
+    "<= 8 tokens"; MFU against an H200's peak meant nothing on the CPU."""
+    out = tmp_path / "learner.json"
+    res = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--steps", "1",
+                                   "--num-seqs", "2", "--prompt-len", "4", "--seq-len", "12", "--max-tokens", "8",
+                                   "--checkpointing", "off", "--reference", "off", "--json", str(out)], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "<= 8 tokens (packed, a longer row (up to 12) alone)" in text and "MFU only on a GPU" in text
+    assert "%" in text  # the padding column
+    assert json.loads(out.read_text())["results"][1]["micro_batches"] == 2

@@ -172,13 +172,16 @@ def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
 
 def learner_table(res: dict) -> ResultTable:
     w = res["workload"]
+    longest = max(res["sequence_lengths"], default=0)
+    alone = (f", a longer row (up to {longest:,}) alone" if longest > res["max_tokens_per_micro_batch"] else "")
     work = (f"{res['num_seqs']} x {w['seq_len']} tokens" if w["kind"] == "uniform" else
             f"{res['num_seqs']} responses after {w['prompt_len']}-token prompts, log-normal median "
             f"{w['median_len']} sigma {w['sigma']:g} max {w['max_len']}")
     table = ResultTable(
         f"learner step: {res['shape']} on {res['gpu'] or res['device']} — {work}; {res['tokens']:,} real tokens, "
         f"padded width {res['padded_width']}; micro-batches of {res['micro_batch_size']} rows (padded) or "
-        f"<= {res['max_tokens_per_micro_batch']:,} tokens (packed); mean of {res['steps']} steps after a warm-up",
+        f"<= {res['max_tokens_per_micro_batch']:,} tokens (packed{alone}); mean of {res['steps']} steps after a "
+        f"warm-up{'' if res['gpu'] else '; MFU only on a GPU (its peak is an H100/H200 figure)'}",
         ["layout", "attention", "ckpt", "ref", "fused", "compiled", "logprob head", "micro-batches", "padding", "s / step",
          "tokens/s", "MFU", "MFU vs 780T", "peak GiB"], labels=7)
     for r in res["results"]:
@@ -188,6 +191,6 @@ def learner_table(res: dict) -> ResultTable:
             "on" if r.get("fuse_elementwise") else "off", "on" if r.get("compile_layers") else "off",
             "triton" if r.get("fused_logprobs") else "torch", str(r["micro_batches"]), f"{r['padding_fraction']:.1%}",
             f"{r['step_s']:.3f}" if timed else r["error"], f"{r['tokens_per_s']:,.0f}" if timed else "-",
-            f"{r['mfu']:.1%}" if timed else "-", f"{r['mfu_780']:.1%}" if timed else "-",
+            f"{r['mfu']:.1%}" if timed and res["gpu"] else "-", f"{r['mfu_780']:.1%}" if timed and res["gpu"] else "-",
             "n/a" if not timed or r["peak_gib"] is None else num(r["peak_gib"]))
     return table
