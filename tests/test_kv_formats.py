@@ -362,6 +362,20 @@ def test_fidelity_is_zero_for_the_reference_itself_and_positive_for_kv4(ckpt):
     assert kv4["bytes_per_token"] < same["bytes_per_token"]
 
 
+def test_a_kv4_reference_takes_the_default_allocation_of_a_short_context(ckpt):
+    """The engine's 16 + 128 protected rows exceed a short context, and nothing set the reference's: a kv4
+    reference could never run there. It takes `default_allocation` of the context, and is then exactly itself."""
+    from kv4rl.bench.fidelity import default_allocation
+
+    path, _ = ckpt
+    ps = prompts(2, seed=7)
+    res = run_fidelity(path, ps, [Variant("kv4", *default_allocation(max(map(len, ps)) + 8))], reference="kv4",
+                       kv=KVConfig(group_size=32, block_size=BLOCK), max_new_tokens=8, device="cpu",
+                       dtype="float32", batch_size=2)
+    (same,) = res["results"]
+    assert res["reference_allocation"] == same["allocation"] and same["kl_mean"] == 0.0 and same["top1_agree"] == 1.0
+
+
 def test_parse_allocations():
     assert parse_allocations("16+128, 0+144") == [(16, 128), (0, 144)]
     for bad in ("16-128", "a+1", "16+"):

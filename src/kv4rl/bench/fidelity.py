@@ -136,6 +136,12 @@ def _score_in_chunks(engine: Engine, prompts, responses, batch_size: int):
         yield from engine.score_tokens(prompts[chunk], responses[chunk])
 
 
+def reference_variant(reference: str, max_model_len: int) -> Variant:
+    """The reference cache; a kv4 reference keeps the default sink + recent rows for this context (the engine's
+    16 + 128 do not fit a short one, and nothing else sets them for the reference)."""
+    return Variant(reference, *default_allocation(max_model_len)) if reference == "kv4" else Variant(reference)
+
+
 def _check_settings(prompts, variants, reference, kv, args, max_model_len: int) -> None:
     """Fail on a bad option before any model work."""
     if not prompts:
@@ -149,7 +155,7 @@ def _check_settings(prompts, variants, reference, kv, args, max_model_len: int) 
             f"longest prompt + --max-new-tokens = {max_model_len} tokens exceed the model's context of "
             f"{args.max_position_embeddings} positions"
         )
-    for variant in variants:
+    for variant in [reference_variant(reference, max_model_len), *variants]:
         EngineConfig(kv=variant.kv_config(kv), max_model_len=max_model_len).validate()
         kv_format_from_config(variant.kv_config(kv)).check(args.head_dim, max_model_len)
 
@@ -190,7 +196,7 @@ def run_fidelity(
         return fmt.bytes_per_token(args.num_kv_heads, args.head_dim, context_len) * args.num_layers
 
     say(f"sampling {len(prompts)} responses with the {reference} cache")
-    ref_engine = engine_for(Variant(reference))
+    ref_engine = engine_for(reference_variant(reference, max_model_len))
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
                             seed=seed)
     responses = [c.token_ids for c in ref_engine.generate(prompts, params)]
@@ -210,6 +216,7 @@ def run_fidelity(
     return {
         "model": str(model_dir),
         "reference": reference,
+        "reference_allocation": reference_variant(reference, max_model_len).allocation,
         "device": str(resolve_device(device)),
         "dtype": model_dtype,
         "num_prompts": len(prompts),
