@@ -17,8 +17,9 @@ Padding never reaches a loss or a gradient, even when it holds NaN or ±inf.
 
 Metrics are Python floats describing this call's valid tokens. To combine micro-batches
 (`combine_metrics`), names ending in `_max` or `absmax` take the max (all of them describe
-non-negative quantities, so an empty micro-batch reports 0); every other name is a mean weighted
-by the micro-batch's valid-token count.
+non-negative quantities, so an empty micro-batch reports 0); a name `<x>_std` (a standard deviation
+over valid tokens, logged beside `<x>_mean`) is the std over all of them, from each part's mean and
+std; every other name is a mean weighted by the micro-batch's valid-token count.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LOSSES", "FutureKLSettings", "LossFn", "LossInputs", "PPOClipSettings", "combine_metrics",
            "future_kl_credit", "future_kl_loss", "get_loss", "ppo_clip_loss", "register_loss"]
+
+
+LOG_RATIO_LIMIT = 80.0
 
 
 def future_kl_credit(log_ratio: Tensor, mask: Tensor, horizon: int | None) -> Tensor:
@@ -69,10 +73,18 @@ def combine_metrics(parts: Sequence[tuple[dict[str, float], float]]) -> dict[str
     merged = {}
     for key in keys:
         present = [(m[key], w) for m, w in parts if key in m]
+        weight = sum(w for _, w in present)
         if key.endswith(("_max", "absmax")):
             merged[key] = max(value for value, _ in present)
+        elif key.endswith("_std") and all(key.removesuffix("_std") + "_mean" in m for m, _ in parts if key in m):
+            # the second moments add: Var = Σ w (σ² + μ²) / W − μ̄² (a mean of the parts' stds left out the
+            # spread between micro-batches)
+            mean_key = key.removesuffix("_std") + "_mean"
+            moments = [(m[key], m[mean_key], w) for m, w in parts if key in m]
+            mean = sum(mu * w for _, mu, w in moments) / weight if weight else 0.0
+            second = sum((sd * sd + mu * mu) * w for sd, mu, w in moments) / weight if weight else 0.0
+            merged[key] = max(second - mean * mean, 0.0) ** 0.5
         else:
-            weight = sum(w for _, w in present)
             merged[key] = sum(v * w for v, w in present) / weight if weight else 0.0
     return merged
 
@@ -141,7 +153,9 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     else:
         old_logprobs = inp.need("behavior_logprobs")
     log_ratio = torch.where(valid, inp.logprobs - old_logprobs.detach(), 0)
-    ratio = torch.exp(log_ratio)
+    # e^88.7 overflows float32, and an infinite ratio made a clipped token's gradient and an A = 0 token's loss
+    # NaN; past ±LOG_RATIO_LIMIT (e^80 ≈ 5.5e34, far beyond any clip range) the ratio is held there
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     adv = torch.where(valid, inp.advantages.detach(), 0)
     clipped_ratio = ratio.clamp(1.0 - s.eps_low, 1.0 + s.eps_high)
     surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
