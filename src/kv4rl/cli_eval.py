@@ -62,7 +62,7 @@ def _eval_context(formatter, problems, what: str, engine_len: int | None, model_
     if engine_len is not None and engine_len > model_len:
         raise ValueError(f"engine.max_model_len={engine_len} exceeds the model's context of {model_len} positions")
     limit = engine_len or model_len
-    limit_name = f"engine.max_model_len={engine_len}" if engine_len else "the model's context"
+    limit_name = "engine.max_model_len" if engine_len else "the model's context"
     longest = longest_prompt(formatter, problems, limit, limit_name, what)
     warning = overrun_warning(longest, max_new_tokens, f"--max-new-tokens {max_new_tokens}", limit, limit_name)
     if warning and say_warning:
