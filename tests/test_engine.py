@@ -189,3 +189,31 @@ def test_temperatures_the_engine_cannot_sample_at_are_refused(temperature):
         SamplingParams(temperature=temperature).validate()
     for fine in (0.0, 1e-5, 2.0):
         SamplingParams(temperature=fine).validate()
+
+
+def test_generate_leaves_requests_already_in_the_engine_waiting_and_hands_each_back_once(tiny_qwen3):
+    """A periodic eval calls generate while a collector's partial responses are in flight: they must neither be
+    advanced by its steps (that moved the rollout's batch boundaries) nor finished and dropped (groups lost)."""
+    path, _ = tiny_qwen3
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+
+    def run(interrupt):
+        engine = _engine(path)
+        owned = [engine.add_request(p, params, sample_seed=50 + i) for i, p in enumerate(prompts(3, 97, seed=3))]
+        returned = []
+        for _ in range(2):
+            returned += engine.step()
+        lengths = [len(s.output_ids) for s in owned]
+        if interrupt:
+            out = engine.generate(prompts(4, 97, seed=9), SamplingParams(max_tokens=3, ignore_eos=True, seed=1))
+            assert [len(c.token_ids) for c in out] == [3] * 4
+            assert [len(s.output_ids) for s in owned] == lengths  # not advanced while parked
+        while engine.has_unfinished():
+            returned += engine.step()
+        return owned, returned
+
+    plain, plain_returned = run(False)
+    parked, parked_returned = run(True)
+    assert sorted(map(id, parked_returned)) == sorted(map(id, parked))  # each exactly once, no stranger
+    assert [s.output_ids for s in parked] == [s.output_ids for s in plain]
+    assert [s.finish_reason for s in parked] == ["length"] * 3

@@ -106,3 +106,21 @@ def test_an_nvfp4_run_resumes_with_its_calibrated_scales(tmp_path):
     b = load_file(part.run_dir / "checkpoints" / "iter_000004" / "model.safetensors")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_periodic_eval_leaves_a_partial_runs_training_stream_unchanged(tmp_path):
+    """The eval's `generate` stepped the engine until every request finished, the collector's partial responses
+    too, and dropped their completions: groups 4, 5, 10, 11 were never delivered and nothing counted them. Now
+    those requests wait through the eval (preempted, recomputed after), so the rollout goes on as without it."""
+    common = ["trainer.iterations=3", "data.eval_size=8", "rollout.mode=partial", "rollout.max_slots=8",
+              "rollout.quota_groups=4", "rollout.group_size=4", "rollout.carry=recompute"]
+    plain = small_run(tmp_path, "plain", *common)
+    train(plain, show_progress=False)
+    evaluated = small_run(tmp_path, "evaluated", *common, "eval.every=1", "eval.k=2")
+    train(evaluated, show_progress=False)
+    rows = [json.loads(line) for line in (evaluated.run_dir / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (plain.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(r["groups"]) for r in ref] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [r["eval/policy_version"] for r in rows] == [1, 2, 3]  # after each update's refresh
+    for key in ("groups", "reward_mean", "response_len_mean", "staleness_hist", "dropped_stale"):
+        assert [r[key] for r in rows] == [r[key] for r in ref], key

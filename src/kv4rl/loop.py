@@ -229,13 +229,17 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
 
 def run_eval(s: Setup, it: int) -> dict:
     """The periodic evaluation: each engine samples its share of the problems (`kv4rl.eval.data_parallel`,
-    as `kv4rl eval` under torchrun does), rank 0 gets the metrics over all of them; {} on other ranks."""
+    as `kv4rl eval` under torchrun does), rank 0 gets the metrics over all of them; {} on other ranks. It
+    samples with the engine's weights, `eval/policy_version` (behind the learner between refreshes when
+    `staleness.refresh_every` > 1); requests in flight wait through it (`Engine.generate`)."""
     cfg = s.cfg
     problems = s.source.eval_problems(cfg.data.eval_size)
     res, _ = evaluate_ranks(s.engine, s.formatter, problems, s.reward_fn, current(), k=cfg.eval.k,
                             temperature=cfg.eval.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
                             seed=cfg.seed + 1_000 + it)
-    return {} if res is None else {f"eval/{k}": v for k, v in res.items()}
+    if res is None:
+        return {}
+    return {**{f"eval/{k}": v for k, v in res.items()}, "eval/policy_version": s.engine.version}
 
 
 def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, overwrite: bool = False) -> dict:

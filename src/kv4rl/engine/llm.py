@@ -293,6 +293,12 @@ class Engine:
     ) -> list[Completion]:
         """Run prompts to completion; results in input order. `progress(n_done)` is called per finish.
 
+        Requests already in the engine (a collector's partial rollouts) wait while it runs: the running ones
+        are preempted (their KV recomputed when they go on, as after `sleep`) and all are queued again ahead
+        of anything else afterwards, so a periodic eval neither advances them nor moves the batch boundaries
+        of the rollout it interrupts. One that stopped in the step in flight is returned by the next `step`.
+        (Stepping them along, generate returned their completions to nobody, and their groups were lost.)
+
         `sample_seeds` (one per prompt) fixes each request's random stream and takes precedence over
         `params.seed`, so a prompt samples the same tokens whatever else is in the call (a sharded eval
         seeds by the problem's place in the whole set)."""
@@ -309,17 +315,46 @@ class Engine:
             seeds = [None] * len(prompts)
         else:
             seeds = [request_seed(params.seed, i) for i in range(len(prompts))]
-        seqs = [self.add_request(self._encode(p), params, t, s) for p, t, s in zip(prompts, tags, seeds)]
-        done = 0
-        while self.has_unfinished():
-            done += len(self.step())
-            if progress is not None:
-                progress(done)
+        encoded = [self._encode(p) for p in prompts]
+        params.validate()  # bad input is refused before any request is parked
+        if not all(encoded):
+            raise ValueError("empty prompt")
+        parked = self._park_requests()
+        seqs: list[Sequence] = []
+        try:
+            for p, t, s in zip(encoded, tags, seeds):
+                seqs.append(self.add_request(p, params, t, s))
+            done = 0
+            while any(seq.status is not Status.FINISHED for seq in seqs):
+                done += len(self.step())
+                if progress is not None:
+                    progress(done)
+            self.drain()
+            mine = set(seqs)
+            self._backlog = [seq for seq in self._backlog if seq not in mine]
+        except BaseException:
+            for seq in seqs:  # none of this call's requests outlives it
+                if seq.status is not Status.FINISHED:
+                    self.abort(seq)
+            raise
+        finally:
+            self.scheduler.waiting.extendleft(reversed(parked))
         out = [Completion.from_sequence(s) for s in seqs]
         if self.tokenizer is not None:
             for c in out:
                 c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return out
+
+    def _park_requests(self) -> list[Sequence]:
+        """Take every unfinished request out of the queue (the running ones preempted first) for `generate`;
+        those that stopped in the step in flight stay in the backlog for the next `step`."""
+        self.drain()
+        if not self.scheduler.has_unfinished():
+            return []
+        self.scheduler.preempt_all()
+        parked = list(self.scheduler.waiting)
+        self.scheduler.waiting.clear()
+        return parked
 
     @torch.inference_mode()
     def score_tokens(self, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
@@ -385,8 +420,8 @@ class Engine:
         self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
 
     def kv_calibration(self) -> list[dict[str, torch.Tensor]] | None:
-        """What the KV format calibrated once per layer (NVFP4's per-tensor scales), on the CPU, for a checkpoint;
-        None for formats that calibrate nothing. A resumed engine given it (`load_kv_calibration`) quantizes
+        """What the KV format calibrated once per layer (NVFP4's per-tensor scales), on the CPU, for a
+        checkpoint; None for formats that calibrate nothing. A resumed engine given it (`load_kv_calibration`) quantizes
         its cache as the saved one did, instead of calibrating on other prompts."""
         per_layer = self.runner.kv_calibration()
         if not any(per_layer):
