@@ -123,3 +123,28 @@ def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + '{"problem": "1+1", "answer": "2"}\n{"problem": "é", "answer": 3}\n'.encode())
     rows = load_jsonl(path)
     assert [(r.problem, r.answer, r.id) for r in rows] == [("1+1", "2", "bom.jsonl:1"), ("é", "3", "bom.jsonl:2")]
+
+
+def test_a_numeric_answer_keeps_the_digits_the_file_wrote_without_an_exponent(tmp_path):
+    """str(1e20) is '1e+20', which math-verify reads as e + 20: no response could score."""
+    path = tmp_path / "n.jsonl"
+    path.write_bytes(b'{"problem": "a", "answer": 1e20, "w": 0.5}\n{"problem": "b", "answer": 0.00001}\n'
+                     b'{"problem": "c", "answer": 2.50}\n{"problem": "d", "answer": -3E2}\n')
+    rows = load_jsonl(path)
+    assert [p.answer for p in rows] == ["100000000000000000000", "0.00001", "2.50", "-300"]
+    assert rows[0].meta == {"w": 0.5} and json.dumps(rows[0].meta) == '{"w": 0.5}'
+
+
+def test_a_key_given_twice_in_a_row_is_refused(tmp_path):
+    path = write_lines(tmp_path, ['{"problem": "p", "answer": "2", "answer": "3"}'])
+    with pytest.raises(DatasetError, match=r"set.jsonl:1: key 'answer' is given twice"):
+        load_jsonl(path)
+
+
+def test_a_carriage_return_inside_a_row_is_whitespace_and_crlf_lines_count_once(tmp_path):
+    path = tmp_path / "cr.jsonl"
+    path.write_bytes(b'{"problem": "p",\r"answer": "1"}\r\n{"problem": "q", "answer": "2"}\r\nnot json\r\n')
+    with pytest.raises(DatasetError, match=r"cr.jsonl:3: not valid JSON"):  # the editor's line 3
+        load_jsonl(path)
+    path.write_bytes(b'{"problem": "p",\r"answer": "1"}\r\n{"problem": "q", "answer": "2"}\r\n')
+    assert [(p.answer, p.id) for p in load_jsonl(path)] == [("1", "cr.jsonl:1"), ("2", "cr.jsonl:2")]

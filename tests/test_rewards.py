@@ -130,6 +130,27 @@ def test_math_verify_correct_incorrect_and_missing(math_reward):
     assert result.stats == {"no_answer": 2.0, "timeouts": 0.0, "errors": 0.0}
 
 
+def test_math_verify_reads_the_latex_it_misparsed_in_training_golds(math_reward):
+    """Golds of this shape (from the MATH training set) scored a right answer 0, and three a wrong one 1: a
+    trailing period made math-verify read a matrix as -1, `\\frac\\pi 2` as 2, `\\phantom -1` as -1."""
+    cases = [  # (gold, a right answer, a wrong one)
+        (r"-\frac{5}{3}.", r"-\frac{5}{3}", "7"),
+        (r"\text{(E)},", r"\text{(E)}", r"\text{(A)}"),
+        (r"2007 + \frac\pi 2", r"2007+\frac{\pi}{2}", "2"),
+        (r"\begin{pmatrix} -1 & 0 \\ 0 & -1 \end{pmatrix}.", r"\begin{pmatrix} -1 & 0 \\ 0 & -1 \end{pmatrix}", "-1"),
+        (r"\begin{pmatrix} 1 & -1 \\ 1 & \phantom -1 \end{pmatrix}", r"\begin{pmatrix} 1 & -1 \\ 1 & 1 \end{pmatrix}",
+         "-1"),
+        (r"\dfrac{1}{29,\!322,\!216}", r"\frac{1}{29322216}", "7"),
+        (r"\dfrac{2469}{20,\!000}", r"\frac{2469}{20000}", r"\frac{2469}{20}"),
+    ]
+    golds = [gold for gold, _, _ in cases for _ in range(2)]
+    responses = [f"\\boxed{{{answer}}}" for _, right, wrong in cases for answer in (right, wrong)]
+    assert math_reward(responses, golds).scores == [1.0, 0.0] * len(cases)
+    # and written with the gold's own quirks, a model's answer is read the same way
+    assert math_reward([r"\boxed{2007 + \frac\pi 2.}", r"\boxed{\frac{1}{29,\!322,\!216}}"],
+                       [r"2007+\frac{\pi}{2}", r"\frac{1}{29322216}"]).scores == [1.0, 1.0]
+
+
 def test_math_verify_unparseable_gold_counts_as_error(math_reward):
     result = math_reward([r"\boxed{1}", r"\boxed{1}"], ["\\\\", "1"])
     assert result.scores == [0.0, 1.0]

@@ -74,14 +74,22 @@ def test_prompt_and_target_text() -> None:
         ("\\boxed{16", "16", 0.0),  # unclosed
         ("\\boxed{}", "16", 0.0),
         ("\\boxed{16.0}", "16", 0.0),
-        ("\\boxed{+16}", "16", 0.0),
+        ("\\boxed{+16}", "16", 1.0),  # a sign, as the exact reward takes it
+        ("\\fbox{16}", "16", 1.0),
+        ("\\boxed {16}", "16", 1.0),
+        ("\\boxed{16} \\boxed {15}", "16", 0.0),  # the last box, with a space before its brace
         ("\\boxed{1 6}", "16", 0.0),
         ("\\boxed{16 apples}", "16", 0.0),
         ("\\boxed{--16}", "-16", 0.0),
     ],
 )
 def test_verify(response: str, answer: str, expected: float) -> None:
+    """The warm-up's accuracy check and the `exact` reward RL trains on give the same score (they differed on
+    `+16`, `\\fbox` and a space before the brace)."""
+    from kv4rl.rewards import get_reward
+
     assert verify(response, answer) == expected
+    assert get_reward("exact")([response], [answer]).scores == [expected]
 
 
 def test_verify_rejects_a_non_integer_answer() -> None:

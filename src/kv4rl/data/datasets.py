@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,28 @@ __all__ = ["DatasetError", "load_jsonl"]
 
 class DatasetError(ValueError):
     """A dataset file is missing or malformed; the message names the file (and line)."""
+
+
+class _WrittenFloat(float):
+    """A JSON number with a fraction or exponent, remembering how the file wrote it (`text`)."""
+
+    def __new__(cls, text: str) -> _WrittenFloat:
+        value = super().__new__(cls, text)
+        value.text = text
+        return value
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json keeps the last of a repeated key silently)."""
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return row
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
@@ -33,7 +56,8 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
     raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors on Windows write
     problems: list[Problem] = []
     first_line_of_id: dict[str, int] = {}
-    for line_number, line_bytes in enumerate(raw.splitlines(), start=1):
+    # lines end at LF (CRLF's CR is whitespace to JSON); a lone CR is whitespace too, not a line break
+    for line_number, line_bytes in enumerate(raw.split(b"\n"), start=1):
         if not line_bytes.strip():
             continue
         where = f"{path}:{line_number}"
@@ -51,11 +75,13 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
 
 def _parse_row(line_bytes: bytes, where: str, *, default_id: str) -> Problem:
     try:
-        row = json.loads(line_bytes.decode("utf-8"))
+        row = json.loads(line_bytes.decode("utf-8"), parse_float=_WrittenFloat, object_pairs_hook=_object)
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{where}: not valid UTF-8 ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except _DuplicateKey as exc:
+        raise DatasetError(f"{where}: key {exc.args[0]!r} is given twice in one object") from None
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
     problem = _required_text(row, "problem", where, allow_number=False)
@@ -73,6 +99,8 @@ def _required_text(row: dict[str, Any], key: str, where: str, *, allow_number: b
     if allow_number and is_number:
         if not math.isfinite(value):
             raise DatasetError(f"{where}: field {key!r} is not a finite number: {value!r}")
+        if isinstance(value, _WrittenFloat):  # as written, without an exponent: math-verify reads 1e+20 as e + 20
+            return format(Decimal(value.text), "f")
         return str(value)
     if not isinstance(value, str):
         expected = "a string or a number" if allow_number else "a string"

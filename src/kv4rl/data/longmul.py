@@ -11,7 +11,7 @@ response multiplies `a` by each digit of `b` from the lowest, one digit of `a` a
 carry, then adds each shifted partial product into the running sum, one column at a time:
 
     4217*6=(7*6+0=42)(1*6+4=10)(2*6+1=13)(4*6+1=25)=25302 4217*8=(...)=33736
-    25302+337360=(2+0+0=2)(0+6+0=6)(3+3+0=6)(5+7+0=12)(2+3+1=6)(0+3+0=3)=362662 ... \\boxed{1627862}
+    25302+337360=(2+0+0=2)(0+6+0=6)(3+3+0=6)(5+7+0=12)(2+3+1=6)(0+3+0=3)=362662 ... \\boxed{1627762}
 
 Each step `(x*d+c=v)` / `(x+y+c=v)` keeps `v mod 10` as the next digit and carries `v // 10`; the last
 step's `v` is written whole, so the line's value is that `v` followed by the kept digits in reverse.

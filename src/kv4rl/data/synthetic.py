@@ -46,30 +46,18 @@ def evaluate(operands: list[int], operators: list[str]) -> int:
     return total + sign * product
 
 
-def _boxed_contents(response: str) -> str | None:
-    start = response.rfind(BOXED_PREFIX)
-    if start < 0:
-        return None
-    body_start = start + len(BOXED_PREFIX)
-    end = response.find("}", body_start)
-    return None if end < 0 else response[body_start:end]
-
-
 def verify(response: str, answer: str) -> float:
-    """1.0 iff the last `\\boxed{...}` in `response` holds exactly the integer `answer`, else 0.0.
-
-    The boxed text must be an optionally negative run of digits (surrounding whitespace allowed);
-    anything else in the box (`16.0`, `+16`, `16 apples`) or a missing/unclosed box scores 0.0.
+    """1.0 iff the last box of `response` holds the integer `answer`, else 0.0: the `exact` reward's rule,
+    which RL is trained on (`kv4rl.rewards.math.exact_match` of `extract_boxed`), so the warm-up's measured
+    accuracy is the reward's. A sign (`+16`) is allowed; `16.0`, `16 apples` or no closed box score 0.0.
     """
+    from kv4rl.rewards.base import extract_boxed
+    from kv4rl.rewards.math import exact_match
+
     if _INTEGER.fullmatch(answer.strip()) is None:
         raise ValueError(f"answer must be an integer string, got {answer!r}")
-    contents = _boxed_contents(response)
-    if contents is None:
-        return 0.0
-    contents = contents.strip()
-    if _INTEGER.fullmatch(contents) is None:
-        return 0.0
-    return 1.0 if int(contents) == int(answer) else 0.0
+    contents = extract_boxed(response)
+    return float(contents is not None and exact_match(contents, answer))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
