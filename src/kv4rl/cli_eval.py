@@ -115,7 +115,8 @@ def eval_cmd(
         None, "--template", help="prompt template with {problem} (default: the boxed-answer instruction for --data)"),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="apply the tokenizer's chat template"),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under torchrun: cuda:LOCAL_RANK)"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="sampling seed; without --data it also draws the embedded "
+                                               "task's problems"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the results and settings here"),
     samples_out: Path | None = typer.Option(
         None, "--samples", help="also write one JSON line per problem: its samples' scores, lengths and texts"),
