@@ -49,30 +49,35 @@ def test_sleep_frees_every_pool_tensor_and_wake_samples_as_before(tiny_qwen3, fm
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
+def run_with_sleep(path, fmt, ps, params, sleep_after, check=None):
+    """Generate `ps` (request i seeded 100 + i), sleeping and waking after step `sleep_after` (None: never);
+    `check(engine, seqs, when)` runs just before the sleep and just after it. Returns the engine and requests."""
+    engine = make_engine(path, fmt, sleep=sleep_after is not None)
+    seqs = [engine.add_request(p, params, sample_seed=100 + i) for i, p in enumerate(ps)]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == sleep_after:
+            if check is not None:
+                check(engine, seqs, "before")
+            engine.sleep()
+            if check is not None:
+                check(engine, seqs, "asleep")
+            engine.wake()
+    return engine, seqs
+
+
 def test_nvfp4_keeps_its_calibrated_scales_across_sleep(tiny_qwen3):
     """NVFP4 calibrates one scale per layer and K/V on the first write and keeps it for the engine's life.
     A wake that re-calibrated it on the recompute prefill (other data) changed every later token's KV."""
     path, _ = tiny_qwen3
-    ps = prompts(4, 97, seed=0)
-    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-
-    def run(sleep_after):
-        engine = make_engine(path, "nvfp4", sleep=sleep_after is not None)
-        seqs = [engine.add_request(p, params, sample_seed=100 + i) for i, p in enumerate(ps)]
-        steps = 0
-        while engine.has_unfinished():
-            engine.step()
-            steps += 1
-            if steps == sleep_after:
-                engine.sleep()
-                engine.wake()
-        scales = [(float(c["k_tensor_scale"]), float(c["v_tensor_scale"])) for c in engine.runner.caches]
-        return [s.output_ids for s in seqs], scales
-
-    plain, plain_scales = run(None)
-    slept, slept_scales = run(4)
-    assert all(k > 0 and v > 0 for k, v in plain_scales)
-    assert slept_scales == plain_scales and slept == plain
+    ps, params = prompts(4, 97, seed=0), SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = [run_with_sleep(path, "nvfp4", ps, params, sleep_after) for sleep_after in (None, 4)]
+    (plain, plain_seqs), (slept, slept_seqs) = runs
+    scales = [[(float(c["k_tensor_scale"]), float(c["v_tensor_scale"])) for c in e.runner.caches] for e, _ in runs]
+    assert all(k > 0 and v > 0 for k, v in scales[0]) and scales[1] == scales[0]
+    assert [s.output_ids for s in slept_seqs] == [s.output_ids for s in plain_seqs]
 
 
 def test_requests_in_flight_survive_sleep_by_recompute(tiny_qwen3):
@@ -82,22 +87,16 @@ def test_requests_in_flight_survive_sleep_by_recompute(tiny_qwen3):
     ps = prompts(6, 97, seed=4)
     params = SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True)
 
-    def run(sleep_after):
-        engine = make_engine(path, sleep=sleep_after is not None)
-        seqs = [engine.add_request(p, params, sample_seed=100 + i) for i, p in enumerate(ps)]
-        steps = 0
-        while engine.has_unfinished():
-            engine.step()
-            steps += 1
-            if steps == sleep_after:
-                assert all(s.num_cached_tokens > 0 for s in engine.scheduler.running)
-                engine.sleep()
-                assert not engine.scheduler.running and all(not s.block_table for s in seqs)
-                engine.wake()
-        return seqs, engine.num_preemptions
+    def check(engine, seqs, when):
+        if when == "before":
+            assert all(s.num_cached_tokens > 0 for s in engine.scheduler.running)
+        else:
+            assert not engine.scheduler.running and all(not s.block_table for s in seqs)
 
-    plain, none = run(None)
-    slept, preempted = run(5)
+    engine, plain = run_with_sleep(path, "fp32", ps, params, None)
+    none = engine.num_preemptions
+    engine, slept = run_with_sleep(path, "fp32", ps, params, 5, check)
+    preempted = engine.num_preemptions
     assert none == 0 and preempted == len(ps)
     for a, b in zip(plain, slept):
         assert a.output_ids == b.output_ids and a.output_versions == b.output_versions
