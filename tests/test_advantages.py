@@ -93,3 +93,20 @@ def test_advantage_registry_and_config():
         AdvantageConfig(estimator="rloo").validate()
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         compute_advantages(torch.zeros(4), 2, AdvantageConfig(estimator="rloo"))
+
+
+def test_baseline_noise_of_a_group_is_the_same_on_any_rank_and_at_any_place_in_the_batch():
+    """Each data-parallel rank drew its noise from one generator seeded by the iteration alone, so every rank
+    drew the same signs and a 2-rank run trained differently from one process."""
+    from kv4rl.algo.advantages import noise_key, perturb_baseline
+
+    keys = [noise_key(0, 5, g) for g in range(4)]
+    whole = perturb_baseline(torch.zeros(8), 0.5, group_keys=keys)  # one process: 4 groups of 2
+    rank0 = perturb_baseline(torch.zeros(4), 0.5, group_keys=[keys[0], keys[2]])
+    rank1 = perturb_baseline(torch.zeros(4), 0.5, group_keys=[keys[3], keys[1]])  # another order
+    assert set(whole.tolist()) <= {-0.5, 0.5}
+    by_group = whole.view(4, 2)
+    assert torch.equal(rank0.view(2, 2), by_group[[0, 2]]) and torch.equal(rank1.view(2, 2), by_group[[3, 1]])
+    assert not torch.equal(rank0, rank1)  # the ranks' draws differ (they were equal)
+    many = perturb_baseline(torch.zeros(4000), 1.0, group_keys=[noise_key(0, 5, g) for g in range(2000)])
+    assert abs(float(many.mean())) < 0.05  # fair signs

@@ -31,6 +31,19 @@ def test_merge_rank_rows_by_hand():
     assert merge_rank_rows([a]) is a
 
 
+def test_merged_stds_counts_and_staleness_mean_are_those_of_all_ranks_responses():
+    """Rank a's rewards {0, 1}, rank b's {1, 1}: over all four the std is sqrt(3/16); the mean of the ranks'
+    stds (0.5 and 0) was 0.25. Counts add (the mean halved them) and staleness_mean follows the merged hist."""
+    a = {"reward_mean": 0.5, "reward_std": 0.5, "reward_no_answer": 1.0, "staleness_mean": 2 / 7,
+         "staleness_hist": {"0": 5, "1": 2}}
+    b = {"reward_mean": 1.0, "reward_std": 0.0, "reward_no_answer": 3.0, "staleness_mean": 9 / 5,
+         "staleness_hist": {"1": 1, "2": 4}}
+    merged = merge_rank_rows([a, b])
+    assert merged["reward_mean"] == 0.75 and merged["reward_std"] == pytest.approx((3 / 16) ** 0.5, rel=1e-12)
+    assert merged["reward_no_answer"] == 4.0
+    assert merged["staleness_mean"] == pytest.approx((0 * 5 + 1 * 3 + 2 * 4) / 12, rel=1e-12)
+
+
 def test_shutdown_frees_what_a_reference_cycle_still_holds_before_the_groups_go(monkeypatch):
     """An object in a reference cycle (as an engine holding its tensor-parallel group can be) is freed
     before the process groups are destroyed, not at interpreter exit after them."""

@@ -73,3 +73,18 @@ def test_second_signal_stops_at_once(tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGTERM
     assert not (tmp_path / "twice" / "checkpoints").exists()  # it did not wait for the iteration to end
+
+
+def test_a_stop_signal_seen_on_another_rank_is_named_in_the_summary(tmp_path, monkeypatch):
+    """Under torchrun a signal on rank 1 stops rank 0 too, after the same iteration; rank 0's summary said
+    nothing of it (it read like a finished run) and printed no way to continue."""
+    import kv4rl.loop
+    from kv4rl.config import load_config
+
+    seen = iter([False, True])  # rank 0 sees no signal of its own; the other rank's arrives at iteration 1
+    monkeypatch.setattr(kv4rl.loop, "any_rank", lambda local: local or next(seen))
+    cfg = load_config(overrides=[f"out_dir={tmp_path}", "name=r", "device=cpu", "trainer.iterations=5",
+                                 "rollout.quota_groups=2", "rollout.group_size=2", "checkpoint.save_every=1"])
+    summary = kv4rl.loop.train(cfg, show_progress=False)
+    assert summary["stopped_by"] == "a stop signal on another rank after iteration 1"
+    assert summary["iterations"] == 1

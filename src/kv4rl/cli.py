@@ -106,7 +106,8 @@ def train(
     if note is not None:
         warn(note)
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
-        say(f"stopped by {summary['stopped_by']}; continue with: kv4rl train --resume {summary['run_dir']}")
+        launch = "kv4rl train" if ranks.world == 1 else f"torchrun --nproc-per-node {ranks.world} -m kv4rl.cli train"
+        say(f"stopped by {summary['stopped_by']}; continue with: {launch} --resume {summary['run_dir']}")
 
 
 def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | None, overrides: list[str],

@@ -106,9 +106,11 @@ _SUMMED = frozenset({"preemptions", "dropped_stale", "tokens_per_s"})
 
 def merge_rank_rows(rows: list[dict]) -> dict:
     """One metrics row from each rank's row of the same iteration (every rank holds an equal share of
-    the groups): counts and throughput add up, wall times and maxima take the slowest or largest, the
-    staleness histograms add, the groups join, and the rest (means over responses, or learner
-    metrics that are already global) average."""
+    the groups): counts (the engine's running totals, the reward's `reward_<count>` diagnostics) and
+    throughput add up, wall times and maxima take the slowest or largest, the staleness histograms add
+    (and `staleness_mean` is theirs), the groups join, a `<x>_std` beside `<x>_mean` is the std over every
+    rank's responses, and the rest (means over responses, or learner metrics that are already global)
+    average. (A mean of the ranks' stds left out the spread between ranks, and averaged counts halved.)"""
     if len(rows) == 1:
         return rows[0]
     out: dict = {}
@@ -124,12 +126,19 @@ def merge_rank_rows(rows: list[dict]) -> dict:
             out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
         elif isinstance(first, bool) or not isinstance(first, int | float) or any(v is None for v in values):
             out[key] = first
-        elif key in _SUMMED:
+        elif key in _SUMMED or (key.startswith("reward_") and key not in ("reward_mean", "reward_std")):
             out[key] = sum(values)
+        elif key.endswith("_std") and key.removesuffix("_std") + "_mean" in rows[0]:
+            means = [row[key.removesuffix("_std") + "_mean"] for row in rows]
+            second = sum(sd * sd + mu * mu for sd, mu in zip(values, means)) / len(values)
+            out[key] = max(second - (sum(means) / len(means)) ** 2, 0.0) ** 0.5
         elif key.startswith("time_") or key.endswith(("_max", "absmax")):
             out[key] = max(values)
         elif key == "iteration":
             out[key] = first
         else:
             out[key] = sum(values) / len(values)
+    if "staleness_hist" in out and "staleness_mean" in out:
+        tokens = sum(out["staleness_hist"].values())
+        out["staleness_mean"] = sum(int(age) * n for age, n in out["staleness_hist"].items()) / max(tokens, 1)
     return out

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kv4rl.algo.advantages import compute_advantages
+from kv4rl.algo.advantages import compute_advantages, noise_key
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.source import ProblemSource
@@ -95,8 +95,10 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         raise ConfigError(f"engine.tensor_parallel={cfg.engine.tensor_parallel} does not divide the "
                           f"{ranks.world} ranks torchrun started")
     if cfg.rollout.quota_groups % ranks.world:
+        why = ("each engine's groups are shared out among its tensor-parallel ranks for the learner"
+               if cfg.engine.tensor_parallel > 1 else "each data-parallel rank collects and learns on an equal share")
         raise ConfigError(f"rollout.quota_groups={cfg.rollout.quota_groups} must split evenly over the {ranks.world} "
-                          "ranks (each engine's groups are shared out among its tensor-parallel ranks for the learner)")
+                          f"ranks ({why})")
     engine_ranks = Ranks(ranks.rank // cfg.engine.tensor_parallel, ranks.world // cfg.engine.tensor_parallel)
     if not ranks.main:  # rank 0 builds a missing embedded model or testbed into the cache first
         barrier()
@@ -171,8 +173,8 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     answers = [g.problem.answer for g in groups for _ in g.completions]
     reward = s.reward_fn(texts, answers)
     rewards = torch.tensor(reward.scores, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(cfg.seed * 7_654_321 + it)
-    advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, generator=gen)
+    keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process
+    advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, group_keys=keys)
     times["time_reward"] = time.perf_counter() - t1
 
     sleep = s.engine.config.sleep_between_rollouts
@@ -299,6 +301,7 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
     with TrainProgress(end, s.start_iteration, enabled=show_progress) as bar:
         for it in range(s.start_iteration, end):
             if any_rank(bool(stop.requested)):
+                stop.requested = stop.requested or "a stop signal on another rank"  # said in the summary
                 break
             row, trace = run_iteration(s, it)
             if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):

@@ -65,17 +65,35 @@ def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True
     return torch.where(flat_groups, torch.zeros_like(centered), centered).reshape(-1)
 
 
-def perturb_baseline(adv: Tensor, sigma: float, generator: torch.Generator | None = None) -> Tensor:
+def perturb_baseline(adv: Tensor, sigma: float, generator: torch.Generator | None = None,
+                     group_keys: list[int] | None = None) -> Tensor:
     """`adv + ξ` with `ξ = ±sigma`, each sign with probability ½, independently per response.
 
-    Apply it to per-response advantages (1-D), before broadcasting over tokens.
+    Apply it to per-response advantages (1-D, whole groups in order), before broadcasting over tokens.
+    `group_keys` (one non-negative int per group, e.g. from `noise_key`) draws each group's signs from its
+    own key, so a response's noise does not depend on which rank holds its group or where in the batch it
+    sits (drawn from one generator per rank, every data-parallel rank drew the same signs); else from
+    `generator`, in batch order.
     """
     if adv.dim() != 1:
         raise ValueError(f"perturb_baseline expects per-response advantages (1-D), got {tuple(adv.shape)}")
     if sigma < 0:
         raise ValueError(f"baseline noise sigma must be >= 0, got {sigma}")
-    signs = torch.randint(0, 2, adv.shape, generator=generator, device=adv.device).to(adv.dtype) * 2 - 1
+    if group_keys is None:
+        bits = torch.randint(0, 2, adv.shape, generator=generator)
+    else:
+        if not group_keys or adv.numel() % len(group_keys):
+            raise ValueError(f"{adv.numel()} advantages do not split into {len(group_keys)} groups")
+        size = adv.numel() // len(group_keys)
+        bits = torch.cat([torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(key))
+                          for key in group_keys])
+    signs = bits.to(device=adv.device, dtype=adv.dtype) * 2 - 1
     return adv + sigma * signs
+
+
+def noise_key(seed: int, iteration: int, group_index: int) -> int:
+    """The baseline-noise key of one group of one update (`perturb_baseline`), a non-negative 63-bit int."""
+    return hash((seed, iteration, group_index)) & (2**63 - 1)  # ints hash the same in every process
 
 
 @register_advantage("grpo")
@@ -91,6 +109,7 @@ def compute_advantages(
     group_size: int,
     cfg: AdvantageConfig,
     generator: torch.Generator | None = None,
+    group_keys: list[int] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Run the configured estimator, then the optional ±σ baseline perturbation.
 
@@ -103,7 +122,7 @@ def compute_advantages(
         )
     adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg)
     if cfg.baseline_noise > 0:
-        adv = perturb_baseline(adv, cfg.baseline_noise, generator)
+        adv = perturb_baseline(adv, cfg.baseline_noise, generator, group_keys)
     rewards_f = rewards.double()
     adv_f = adv.double()
     metrics.update(

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kv4rl.algo.advantages import compute_advantages
+from kv4rl.algo.advantages import compute_advantages, noise_key
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.run_folder import RunFolder
 from kv4rl.run_setup import write_policy_files
@@ -73,8 +73,8 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     check_versions(it, groups, cfg.staleness.max_versions)
     completions = [c for g in groups for c in g.completions]
     rewards = torch.tensor([x for m in messages for x in m["scores"]], dtype=torch.float32)
-    gen = torch.Generator().manual_seed(cfg.seed * 7_654_321 + it)
-    advantages, adv_metrics = compute_advantages(rewards, cfg.rollout.group_size, cfg.advantage, generator=gen)
+    keys = [noise_key(cfg.seed, it, g.index) for g in groups]
+    advantages, adv_metrics = compute_advantages(rewards, cfg.rollout.group_size, cfg.advantage, group_keys=keys)
     rows = [(g.prompt_ids, c.token_ids, c.logprobs, c.versions) for g in groups for c in g.completions]
     adv = advantages.tolist()
     ranks = dist.get_world_size(s.groups.learner)
@@ -96,7 +96,7 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
         "dropped_stale": sum(m["dropped_stale"] for m in messages),
         "engine_version_min": min(m["version"] for m in messages),
         "groups": sorted(g.index for g in groups),
-        **{f"reward_{k}": sum(m["reward_stats"][k] for m in messages) / engines for k in messages[0]["reward_stats"]},
+        **{f"reward_{k}": sum(m["reward_stats"][k] for m in messages) for k in messages[0]["reward_stats"]},  # counts
         **adv_metrics,
         **{k: max(m[k] for m in messages) for k in ("time_rollout", "time_reward", "time_engine_wait",
                                                     "time_engine_sync")},

@@ -14,7 +14,7 @@ def staleness_stats(update: int, completions) -> dict:
     for a in ages:
         hist[str(a)] = hist.get(str(a), 0) + 1
     return {"staleness_mean": sum(ages) / max(len(ages), 1), "staleness_max": max(ages, default=0),
-            "staleness_hist": hist}
+            "staleness_hist": dict(sorted(hist.items(), key=lambda item: int(item[0])))}
 
 
 def collection_stats(trace: list[dict], max_slots: int) -> dict:
