@@ -420,3 +420,25 @@ def test_llama3_inv_freq_against_float64_definition():
         bands.add(band)
         assert ours[i].item() == pytest.approx(expected, rel=1e-6)
     assert bands == {"kept", "stretched", "blended"}
+
+
+def test_a_tied_config_over_a_different_head_in_the_file_is_refused(tmp_path):
+    """The engine took the embedding as the head, transformers untied them and took the file's: a run trained
+    with a learner-engine mismatch of ~6.8 nats per token and no warning. A head equal to the embedding is fine."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kv4rl.models.tiny import tiny_model_dir
+
+    folder = shutil.copytree(tiny_model_dir(progress=False), tmp_path / "model")
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True
+    weights = load_file(folder / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    save_file({**weights, "lm_head.weight": embed.clone()}, folder / "model.safetensors", metadata={"format": "pt"})
+    check_model_folder(folder)  # the same tensor written twice: what some exports do
+    head = embed.clone()
+    head[-1, 0] += 1.0  # one value in the last row
+    save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFolderError, match="ties the embeddings .* holds? an lm_head.weight that differs"):
+        check_model_folder(folder)

@@ -168,3 +168,34 @@ def test_build_model_reports_a_cached_build(testbed_cache, tmp_path) -> None:
     record = json.loads(out.read_text())
     assert record["path"] == str(path) and record["built now"] is False and record["testbed"] == "longmul-test"
     assert record["weights_sha256"] == _sha256(b"model.safetensors" + (path / "model.safetensors").read_bytes())
+
+
+def test_a_checkpoint_carries_the_task_but_not_the_starting_models_fingerprint(tmp_path) -> None:
+    """The carried record held the testbed's weights_sha256, which a run from the checkpoint then recorded as its
+    own starting model's fingerprint (plot curves could not tell it from a run on the testbed)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kv4rl.models.fingerprint import model_fingerprint, weights_sha256
+
+    base, checkpoint = tmp_path / "base", tmp_path / "iter_000003"
+    for folder, value in ((base, 0.0), (checkpoint, 1.0)):
+        folder.mkdir()
+        save_file({"w": torch.full((4,), value)}, folder / "model.safetensors")
+    record = {"task": "longmul", "weights_sha256": weights_sha256(base)}
+    (base / testbed.METADATA_FILE).write_text(json.dumps(record))
+    testbed.carry_record(base, checkpoint)
+    carried = testbed.read_metadata(checkpoint)
+    assert carried["task"] == "longmul" and carried["checkpoint_of"] == str(base) and "weights_sha256" not in carried
+    assert model_fingerprint(checkpoint) == weights_sha256(checkpoint) != model_fingerprint(base)
+
+
+def test_build_model_says_built_now_for_a_fresh_build_however_fast(tmp_path) -> None:
+    """`arith-test` builds in under a second, which the old rule (more than 1 s elapsed) reported as cached."""
+    out = tmp_path / "build.json"
+    args = ["build-model", "--task", "arith", "--size", "test", "--cache-dir", str(tmp_path / "cache"), "--json", str(out)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["built now"] is True
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0 and json.loads(out.read_text())["built now"] is False

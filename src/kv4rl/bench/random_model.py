@@ -21,6 +21,7 @@ from torch import nn
 
 from kv4rl.file_modes import honour_umask
 from kv4rl.models.args import ModelArgs
+from kv4rl.models.cache_install import clear_abandoned
 from kv4rl.models.decoder import Decoder
 from kv4rl.models.layers import RMSNorm
 
@@ -181,12 +182,16 @@ def random_model_dir(shape: str, num_layers: int | None = None, seed: int = 0,
     if final.is_dir():  # only ever renamed into place once complete
         return final
     parent.mkdir(parents=True, exist_ok=True)
+    clear_abandoned(parent, final.name)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:
         make_random_qwen3(staging, shape, num_layers=layers, seed=seed, device=device)
         honour_umask(staging)  # mkdtemp made it private; others read the cache
-        if not final.exists():
+        try:
             os.replace(staging, final)
+        except OSError:
+            if not final.is_dir():  # else another process installed the same model first: keep its copy
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final

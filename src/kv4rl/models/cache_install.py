@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,13 +24,32 @@ def move_into_place(staging: Path, final: Path, is_complete: Callable[[Path], bo
         if is_complete(final):  # another process finished first; keep its copy
             return
         discard = Path(tempfile.mkdtemp(prefix=f".{tag}.old-", dir=final.parent))
-        os.replace(final, discard / "model")
+        try:
+            os.replace(final, discard / "model")
+        except FileNotFoundError:
+            pass  # another process moved the stale folder aside first
         shutil.rmtree(discard, ignore_errors=True)
     try:
         os.replace(staging, final)
     except OSError:
         if not is_complete(final):  # lost a race to a concurrent build only if that build is complete
             raise
+
+
+ABANDONED_AFTER_S = 24 * 3600  # no build takes a day: an older staging folder's process is gone
+
+
+def clear_abandoned(parent: Path, tag: str) -> None:
+    """Remove staging (`.tag.tmp-*`) and discarded (`.tag.old-*`) folders older than a day: a build killed
+    with SIGKILL leaves its staging folder, weights and all, and nothing else ever removes it."""
+    now = time.time()
+    for pattern in (f".{tag}.tmp-*", f".{tag}.old-*"):
+        for folder in parent.glob(pattern):
+            try:
+                if now - folder.stat().st_mtime > ABANDONED_AFTER_S:
+                    shutil.rmtree(folder, ignore_errors=True)
+            except OSError:
+                pass  # removed meanwhile
 
 
 def cached_build(parent: Path, tag: str, build: Callable[[Path], None], is_complete: Callable[[Path], bool],
@@ -43,6 +63,7 @@ def cached_build(parent: Path, tag: str, build: Callable[[Path], None], is_compl
         raise ValueError(f"the kv4rl cache {parent} cannot be created: {blocking} is a file (point --cache-dir "
                          f"or $KV4RL_CACHE at a folder)")
     parent.mkdir(parents=True, exist_ok=True)
+    clear_abandoned(parent, tag)
     staging = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=parent))
     try:
         build(staging)

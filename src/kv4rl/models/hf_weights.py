@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from kv4rl.models.args import ModelArgs
 from kv4rl.models.checkpoint_slots import store
-from kv4rl.models.decoder import Decoder
+from kv4rl.models.decoder import TIED_HEAD_NAME, Decoder
 from kv4rl.models.tensor_parallel import TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -90,6 +90,25 @@ def _validated_names(model: Decoder, model_dir: Path, shapes: dict) -> list[str]
         raise ModelFolderError(f"{model_dir}: {error}") from error
 
 
+def _check_tied_head(model_dir: Path, args: ModelArgs, shapes: dict, rows: int = 8192) -> None:
+    """A config that ties the embeddings over files that also hold a different `lm_head.weight`: the engine
+    uses the embedding as the head, transformers (the learner) unties them and uses the file's head, so the
+    two ran different models without a word. Compared `rows` at a time (only such folders pay for it)."""
+    embed = "model.embed_tokens.weight"
+    if not args.tie_word_embeddings or TIED_HEAD_NAME not in shapes or embed not in shapes:
+        return
+    (head_file, head_shape), (embed_file, _) = shapes[TIED_HEAD_NAME], shapes[embed]
+    with safe_open(head_file, framework="pt") as heads, safe_open(embed_file, framework="pt") as embeds:
+        head, table = heads.get_slice(TIED_HEAD_NAME), embeds.get_slice(embed)
+        for start in range(0, head_shape[0], rows):
+            if not torch.equal(head[start:start + rows], table[start:start + rows]):
+                raise ModelFolderError(
+                    f"{model_dir}: config.json ties the embeddings (tie_word_embeddings: true), but its weights "
+                    f"hold an {TIED_HEAD_NAME} that differs from {embed}; the engine would use the embedding as "
+                    f"the head and transformers the file's head. Set tie_word_embeddings to false, or remove "
+                    f"{TIED_HEAD_NAME}")
+
+
 def _has_tokenizer(model_dir: Path) -> bool:
     return any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")) or all(
         (model_dir / name).is_file() for name in ("vocab.json", "merges.txt")
@@ -106,6 +125,7 @@ def check_model_folder(model_dir: str | Path) -> ModelArgs:
     shapes = tensor_shapes(weight_files(model_dir))
     with torch.device("meta"):
         _validated_names(Decoder(args), model_dir, shapes)
+    _check_tied_head(model_dir, args, shapes)
     if not _has_tokenizer(model_dir):
         raise ModelFolderError(
             f"{model_dir}: no tokenizer files (need tokenizer.json, tokenizer.model, or vocab.json + merges.txt)"

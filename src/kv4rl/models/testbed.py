@@ -145,9 +145,12 @@ def read_metadata(model_dir: str | Path) -> dict | None:
 def carry_record(base_dir: str | Path, checkpoint_dir: str | Path) -> None:
     """Copy a testbed's record into a checkpoint of a run that started from it, so the checkpoint keeps its
     task (prompts, verifier, eval length) when evaluated or trained from. The build statistics in it are the
-    starting model's; `checkpoint_of` says which that was. Nothing for a model that is not a testbed."""
+    starting model's; `checkpoint_of` says which that was. Its `weights_sha256` is left out: it names the
+    starting weights, and a run from the checkpoint recorded it as its own fingerprint (the checkpoint's is
+    computed from its files when it is used). Nothing for a model that is not a testbed."""
     metadata = read_metadata(base_dir)
     if metadata is not None:
+        metadata.pop("weights_sha256", None)
         metadata.setdefault("checkpoint_of", str(base_dir))
         (Path(checkpoint_dir) / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 
