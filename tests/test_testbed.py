@@ -199,3 +199,16 @@ def test_build_model_says_built_now_for_a_fresh_build_however_fast(tmp_path) -> 
     assert json.loads(out.read_text())["built now"] is True
     res = runner.invoke(app, args)
     assert res.exit_code == 0 and json.loads(out.read_text())["built now"] is False
+
+
+def test_a_changed_prompt_template_or_warm_up_optimizer_makes_the_cached_build_stale(testbed_cache, monkeypatch):
+    """The recipe that keys the cache left out what lives in code (the template, the solution format, AdamW's
+    settings): a changed template reused the stale build, where the tiny model rebuilt."""
+    _, path = testbed_cache
+    spec = testbed.SPECS["longmul-test"]
+    assert testbed.is_complete(path, spec)
+    monkeypatch.setattr(testbed, "PROMPT_TEMPLATE", "Q: {problem}\nA:")
+    assert not testbed.is_complete(path, spec)
+    monkeypatch.undo()
+    monkeypatch.setattr(testbed, "WARMUP_OPTIMIZER", {**testbed.WARMUP_OPTIMIZER, "grad_clip": 0.5})
+    assert not testbed.is_complete(path, spec)

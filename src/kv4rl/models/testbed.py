@@ -77,8 +77,16 @@ class TestbedSpec:
         return TASK_TYPES[self.task](**self.task_settings)
 
     def recipe(self) -> dict:
-        return json.loads(json.dumps({k: v for k, v in asdict(self).items() if k != "cpu_threads"}))
+        """Everything that shapes the built weights, the cache key (a change rebuilds): the spec, and the
+        warm-up's prompt template, worked-solution format (one example) and optimizer settings, which live
+        in code (a changed template reused the stale build)."""
+        task = self.make_task()
+        build = {"prompt_template": PROMPT_TEMPLATE, "optimizer": WARMUP_OPTIMIZER,
+                 "solution_example": target_text(task, task.problems(1, seed=0)[0])}
+        return json.loads(json.dumps({**{k: v for k, v in asdict(self).items() if k != "cpu_threads"}, **build}))
 
+
+WARMUP_OPTIMIZER = {"weight_decay": 0.01, "betas": (0.9, 0.95), "grad_clip": 1.0}  # AdamW of the warm-up
 
 _GPU_SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 128, "intermediate_size": 1536, "max_position_embeddings": 4096}
@@ -332,8 +340,8 @@ def _warm_up(spec: TestbedSpec, model: Qwen3ForCausalLM, tokenizer, bar, device:
     held_out = task.problems(256, seed=spec.eval_seed + 1) if spec.target_accuracy is not None else []
     estimate = None
     cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01,
-                                  betas=(0.9, 0.95), fused=cuda)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, fused=cuda,
+                                  weight_decay=WARMUP_OPTIMIZER["weight_decay"], betas=WARMUP_OPTIMIZER["betas"])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _learning_rate_factor(spec))
     task_id = bar.add_task(f"building {spec.name}: warm-up", total=spec.steps)
     losses: list[float] = []
@@ -347,7 +355,7 @@ def _warm_up(spec: TestbedSpec, model: Qwen3ForCausalLM, tokenizer, bar, device:
             loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), WARMUP_OPTIMIZER["grad_clip"])
         optimizer.step()
         schedule.step()
         bar.advance(task_id)
