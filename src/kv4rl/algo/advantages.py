@@ -93,7 +93,8 @@ def perturb_baseline(adv: Tensor, sigma: float, generator: torch.Generator | Non
 
 def noise_key(seed: int, iteration: int, group_index: int) -> int:
     """The baseline-noise key of one group of one update (`perturb_baseline`), a non-negative 63-bit int."""
-    return hash((seed, iteration, group_index)) & (2**63 - 1)  # ints hash the same in every process
+    # plain integer arithmetic: the same key in every process and Python version (unlike hash())
+    return ((seed * 1_000_003 + iteration) * 1_000_033 + group_index) % 2**63
 
 
 @register_advantage("grpo")
