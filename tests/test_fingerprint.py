@@ -35,6 +35,20 @@ def test_fingerprint_is_sha256_over_sorted_names_and_bytes(tmp_path) -> None:
     assert fingerprint.weights_sha256(model) != expected
 
 
+def test_a_sharded_folder_is_fingerprinted_over_the_shards_its_index_names(tmp_path) -> None:
+    """The loader reads only the shards the index names; a stray `consolidated.safetensors` beside them changed
+    the fingerprint though not one loaded weight."""
+    a, b = b"first shard", b"second shard"
+    index = {"weight_map": {"x": "model-00002-of-00002.safetensors", "y": "model-00001-of-00002.safetensors",
+                            "z": "model-00001-of-00002.safetensors"}}
+    model = _folder(tmp_path / "m", {"model-00001-of-00002.safetensors": a, "model-00002-of-00002.safetensors": b,
+                                     "model.safetensors.index.json": json.dumps(index).encode()})
+    expected = hashlib.sha256(b"model-00001-of-00002.safetensors" + a + b"model-00002-of-00002.safetensors" + b)
+    assert fingerprint.weights_sha256(model) == expected.hexdigest()
+    (model / "consolidated.safetensors").write_bytes(b"the same weights in one file")
+    assert fingerprint.weights_sha256(model) == expected.hexdigest()
+
+
 def test_a_build_record_is_trusted_and_large_or_empty_folders_get_none(tmp_path, monkeypatch) -> None:
     model = _folder(tmp_path / "m", {"model.safetensors": b"x" * 100})
     (model / "kv4rl_testbed.json").write_text(json.dumps({"weights_sha256": "ab" * 32}))

@@ -2,7 +2,8 @@
 
 Several processes may build the same cached model at once (parallel runs, tests); each builds in
 its own staging folder and renames it into place. The first complete folder wins; an incomplete or
-stale one (an older recipe, a manual edit) is moved aside and dropped, never half-replaced.
+stale one (files missing, an older recipe or version) is moved aside and dropped, never half-replaced.
+Weights are not hashed at each start, so a folder edited by hand in place is not detected.
 """
 
 from __future__ import annotations

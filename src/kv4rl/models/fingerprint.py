@@ -5,8 +5,9 @@ bit-reproducible, so two machines build different starting models under the same
 Runs record the fingerprint of their starting model (`model_sha256` in every metrics row) so that
 `kv4rl plot curves` can tell when a figure compares runs of different builds.
 
-Definition: sha256 over the folder's `*.safetensors` files sorted by name, feeding each file's name
-(UTF-8) and then its bytes; hex. Built models store it in their build record (`weights_sha256`);
+Definition: sha256 over the folder's weight files sorted by name, feeding each file's name (UTF-8) and
+then its bytes; hex. The weight files are those its `model.safetensors.index.json` names, as the loader
+reads them, else every `*.safetensors` (a stray file beside the shards changes nothing loaded, nor this). Built models store it in their build record (`weights_sha256`);
 other folders are hashed when a run starts, unless their weights exceed `MAX_HASHED_BYTES`.
 """
 
@@ -29,7 +30,13 @@ ROW_CHARS = 16  # what a metrics row keeps: plenty to tell builds apart
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
-    return sorted(Path(model_dir).glob("*.safetensors"), key=lambda p: p.name)
+    model_dir = Path(model_dir)
+    try:
+        index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+        shards = {model_dir / name for name in index["weight_map"].values()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        shards = set(model_dir.glob("*.safetensors"))
+    return sorted(shards, key=lambda p: p.name)
 
 
 def weights_sha256(model_dir: str | Path) -> str:
