@@ -212,3 +212,15 @@ def test_a_changed_prompt_template_or_warm_up_optimizer_makes_the_cached_build_s
     monkeypatch.undo()
     monkeypatch.setattr(testbed, "WARMUP_OPTIMIZER", {**testbed.WARMUP_OPTIMIZER, "grad_clip": 0.5})
     assert not testbed.is_complete(path, spec)
+
+
+@pytest.mark.slow
+def test_eval_of_a_testbed_defaults_to_the_limit_its_build_measured_with(testbed_cache, tmp_path) -> None:
+    """The longmul default of 2,048 new tokens overran the test size's 512 positions and warned on every call."""
+    _, path = testbed_cache
+    out = tmp_path / "eval.json"
+    res = runner.invoke(app, ["eval", "--model", str(path), "--n", "2", "--k", "1", "--device", "cpu",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "warning" not in res.output
+    assert json.loads(out.read_text())["max_new_tokens"] == testbed.read_metadata(path)["eval_max_new_tokens"]

@@ -108,7 +108,8 @@ def eval_cmd(
     temperature: float = typer.Option(1.0, "--temperature", parser=finite_float),
     max_new_tokens: int | None = typer.Option(
         None, "--max-new-tokens",
-        help="response limit (default: 1024, embedded task: 16, longmul testbed: 2048; capped by the context)"),
+        help="response limit (default: 1024, embedded task: 16, a testbed: the limit its build measured with; "
+             "capped by the context)"),
     reward: str = typer.Option(
         "auto", "--reward", help="reward function (auto: exact for the embedded task, math_verify for --data)"),
     template: str | None = typer.Option(
@@ -169,7 +170,7 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     from kv4rl.engine.llm import Engine
     from kv4rl.eval.data_parallel import evaluate_ranks
     from kv4rl.models.hf_weights import check_model_folder
-    from kv4rl.models.testbed import task_of
+    from kv4rl.models.testbed import read_metadata, task_of
     from kv4rl.rewards import get_reward
 
     model = model if model is not None else _default_model(ranks.main)
@@ -179,6 +180,8 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     problems = source.eval_problems(n or (256 if data is None else 10**9))
     tokenizer = AutoTokenizer.from_pretrained(model)
     formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
+    if max_new_tokens is None and task is not None:  # the limit the testbed's build measured with (fits it)
+        max_new_tokens = (read_metadata(model) or {}).get("eval_max_new_tokens")
     max_new_tokens = max_new_tokens or (1024 if not source.embedded else 2048 if isinstance(task, LongMulTask)
                                         else 16)
     engine_cfg.max_model_len = _eval_context(formatter, problems, f"--data {data}" if data else "embedded task",
