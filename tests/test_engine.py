@@ -217,3 +217,15 @@ def test_generate_leaves_requests_already_in_the_engine_waiting_and_hands_each_b
     assert sorted(map(id, parked_returned)) == sorted(map(id, parked))  # each exactly once, no stranger
     assert [s.output_ids for s in parked] == [s.output_ids for s in plain]
     assert [s.finish_reason for s in parked] == ["length"] * 3
+
+
+def test_a_request_that_stopped_before_generate_is_handed_back_by_the_step_after_it(tiny_qwen3):
+    """Stopped in the step in flight (async scheduling), it waited in the backlog, which generate's own first
+    step emptied into nowhere."""
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    seq = engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()  # it stops at its first token and is returned here
+    engine._backlog.append(seq)  # as a drain would have kept it, had the step been in flight
+    engine.generate([[4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.step() == [seq]

@@ -296,7 +296,8 @@ class Engine:
         Requests already in the engine (a collector's partial rollouts) wait while it runs: the running ones
         are preempted (their KV recomputed when they go on, as after `sleep`) and all are queued again ahead
         of anything else afterwards, so a periodic eval neither advances them nor moves the batch boundaries
-        of the rollout it interrupts. One that stopped in the step in flight is returned by the next `step`.
+        of the rollout it interrupts. One that stopped before (in the step in flight) is returned by the
+        `step` after `generate`.
         (Stepping them along, generate returned their completions to nobody, and their groups were lost.)
 
         `sample_seeds` (one per prompt) fixes each request's random stream and takes precedence over
@@ -319,19 +320,16 @@ class Engine:
         params.validate()  # bad input is refused before any request is parked
         if not all(encoded):
             raise ValueError("empty prompt")
-        parked = self._park_requests()
+        parked, stopped = self._park_requests()
         seqs: list[Sequence] = []
         try:
             for p, t, s in zip(encoded, tags, seeds):
                 seqs.append(self.add_request(p, params, t, s))
             done = 0
-            while any(seq.status is not Status.FINISHED for seq in seqs):
+            while done < len(seqs):  # only this call's requests run, so every one a step returns is its own
                 done += len(self.step())
                 if progress is not None:
                     progress(done)
-            self.drain()
-            mine = set(seqs)
-            self._backlog = [seq for seq in self._backlog if seq not in mine]
         except BaseException:
             for seq in seqs:  # none of this call's requests outlives it
                 if seq.status is not Status.FINISHED:
@@ -339,22 +337,23 @@ class Engine:
             raise
         finally:
             self.scheduler.waiting.extendleft(reversed(parked))
+            self._backlog = stopped + self._backlog
         out = [Completion.from_sequence(s) for s in seqs]
         if self.tokenizer is not None:
             for c in out:
                 c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return out
 
-    def _park_requests(self) -> list[Sequence]:
-        """Take every unfinished request out of the queue (the running ones preempted first) for `generate`;
-        those that stopped in the step in flight stay in the backlog for the next `step`."""
+    def _park_requests(self) -> tuple[list[Sequence], list[Sequence]]:
+        """For `generate`: every unfinished request out of the queue (the running ones preempted first), and
+        those that stopped in the step in flight out of the backlog, for the `step` after `generate`
+        (its own steps would return them to nobody)."""
         self.drain()
-        if not self.scheduler.has_unfinished():
-            return []
+        stopped, self._backlog = self._backlog, []
         self.scheduler.preempt_all()
         parked = list(self.scheduler.waiting)
         self.scheduler.waiting.clear()
-        return parked
+        return parked, stopped
 
     @torch.inference_mode()
     def score_tokens(self, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
