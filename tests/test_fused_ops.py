@@ -93,10 +93,10 @@ def test_qk_norm_rope_matches_eager(head_dim, heads, scaling, qk_norm, gen):
     torch.testing.assert_close(k_out.double(), rotary.apply_rotary(k_ref, positions), **TOL)
 
 
-@pytest.mark.parametrize("head_dim,heads,tokens", [(32, (4, 2), None), (128, (16, 8), 4), (128, (32, 8), 8)])
-def test_qk_norm_rope_rotates_like_the_kv_cache(head_dim, heads, tokens, gen):
+@pytest.mark.parametrize("head_dim,heads,rows", [(32, (4, 2), None), (128, (16, 8), 16), (128, (32, 8), 64)])
+def test_qk_norm_rope_rotates_like_the_kv_cache(head_dim, heads, rows, gen):
     """`rotate=True`: each normed, RoPE'd head times the orthonormal Hadamard matrix (float64 reference),
-    with several tokens a program and a ragged last program (7 tokens)."""
+    over blocks of (token, head) rows that end mid-token and a ragged last block (7 tokens)."""
     from kv4rl.quant.hadamard import rotate
 
     (hq, hk), n = heads, 7
@@ -105,7 +105,7 @@ def test_qk_norm_rope_rotates_like_the_kv_cache(head_dim, heads, tokens, gen):
     qw, kw = (_randn(head_dim, gen=gen) * 0.3 + 1 for _ in range(2))
     positions = torch.tensor([0, 1, 7, 1000, 32767, 40959, 5], device=DEVICE)
     q_out, k_out = fo.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions, rotate=True,
-                                   tokens_per_program=tokens)
+                                   block_rows=rows)
     for out, x, w in ((q_out, q, qw), (k_out, k, kw)):
         with torch.no_grad():  # the cached Hadamard matrix may be an inference tensor from an earlier test
             ref = rotate(rotary.apply_rotary(_eager_norm(w)(x.double()), positions))

@@ -46,10 +46,9 @@ def kernels(dtype: str) -> dict:
     silu_ptrs = {"g_ptr": act, "u_ptr": act, "o_ptr": act}
     rope_ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "qw_ptr", "kw_ptr", "qo_ptr", "ko_ptr"), act),
                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "sign_ptr": act}
-    rope_consts = {"BLOCK_HQ": Q_HEADS, "BLOCK_HK": KV_HEADS, "HALF": HEAD_DIM // 2, "BLOCK_HALF": HEAD_DIM // 2,
-                   "ROTATE": False, "RSQRT_D": HEAD_DIM**-0.5, "EXACT": False, "TOKENS": 1}
-    # with the rotation into a KV4 cache's key space: dots need 16 rows, prefill steps share the signs
-    rotated_consts = {**rope_consts, "BLOCK_HK": max(16, KV_HEADS), "ROTATE": True, "TOKENS": 4}
+    rope_consts = {"BLOCK_HQ": Q_HEADS, "BLOCK_HK": KV_HEADS, "HALF": HEAD_DIM // 2, "BLOCK_HALF": HEAD_DIM // 2}
+    # with the rotation into a KV4 cache's key space, over blocks of (token, head) rows
+    rotated_consts = {"BLOCK_R": fo.ROTATED_ROWS, "HALF": HEAD_DIM // 2, "RSQRT_D": HEAD_DIM**-0.5, "EXACT": False}
     return {
         "rms_norm": _compile(fo._rms_norm_kernel, norm_ptrs, {"HAS_RESIDUAL": False, "BLOCK_C": HIDDEN,
                                                               "FP8_OUT": False, "RECIPROCAL": True}),
@@ -63,7 +62,7 @@ def kernels(dtype: str) -> dict:
                                  num_warps=fo.row_launch(INTERMEDIATE)[1]),
         "qk_norm_rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": True, **rope_consts}),
         "rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": False, **rope_consts}),
-        "qk_norm_rope_rotated": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": True, **rotated_consts}),
+        "qk_norm_rope_rotated": _compile(fo._qk_norm_rope_rows_kernel, rope_ptrs, {"NORM": True, **rotated_consts}),
         "silu_mul": _compile(fo._silu_mul_kernel, silu_ptrs,
                              {"LIBDEVICE": True, "BLOCK": fo._SILU_BLOCK}),
         # FP8Linear's input quantizer as it runs on CUDA, at down_proj's K (two chunks of 4096)

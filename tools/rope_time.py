@@ -1,7 +1,7 @@
 """Time the fused q/k norm + RoPE kernel (CUDA graphs), with and without the cache's Hadamard rotation, over
 tokens a program and warps, at Qwen3 head shapes. Prints us a call per setting and writes JSON.
 
-    python tools/rope_time.py --tokens 16,64,4096,32768 --q-heads 32 --settings 1x4,2x4,4x4,8x4,1x8,8x8
+    python tools/rope_time.py --tokens 16,64,4096,32768 --q-heads 32 --settings 16x4,32x4,64x4,128x4,64x8,128x8
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="16,64,4096,32768")
     p.add_argument("--q-heads", type=int, default=32)
-    p.add_argument("--settings", default="1x4,2x4,4x4,8x4,1x8,8x8", help="tokens a program x warps")
+    p.add_argument("--settings", default="16x4,32x4,64x4,128x4,64x8,128x8",
+                   help="(token, head) rows a program x warps")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     rotary = RotaryEmbedding(128, 40960, 1e6, None, device="cuda")
@@ -38,8 +39,8 @@ def main() -> None:
         call = functools.partial(fused_ops.qk_norm_rope, q, k, w, w, 1e-6, rotary.cos, rotary.sin, pos)
         row = {"tokens": n, "plain_us": 1e3 * _time_graph(call)}
         for setting in a.settings.split(","):
-            tokens, warps = (int(x) for x in setting.split("x"))
-            rotated = functools.partial(call, rotate=True, tokens_per_program=tokens, num_warps=warps)
+            rows, warps = (int(x) for x in setting.split("x"))
+            rotated = functools.partial(call, rotate=True, block_rows=rows, num_warps=warps)
             row[f"rotated_{setting}_us"] = 1e3 * _time_graph(rotated)
         results.append(row)
         print(f"{n:6d} tokens x {a.q_heads}+8 heads: " + ", ".join(f"{key[:-3]} {val:.1f} us" for key, val in row.items()

@@ -97,12 +97,12 @@ def test_qk_norm_rope_within_the_norms_ulps():
         assert float((diff > 0).float().mean()) < 1e-3
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("rows", [16, 64, 128])
 @torch.inference_mode()
-def test_rotated_qk_norm_rope_is_the_kv_writes_rotation(tokens):
+def test_rotated_qk_norm_rope_is_the_kv_writes_rotation(rows):
     """`rotate=True` in bf16: the heads of the unrotated kernel rotated as the KV write rotates keys
     (`rotate_rows`: the same exact ±1 products summed in float32, scaled, rounded once), up to the order
-    of the float32 sums (rarely an ulp); N = 256 + 3 tokens, a ragged last program with 8 a program."""
+    of the float32 sums (rarely an ulp); N = 256 + 3 tokens, blocks of `rows` (token, head) rows."""
     from kv4rl.kernels.fused_ops import qk_norm_rope
     from kv4rl.kernels.kv_write import rotate_rows
 
@@ -112,7 +112,7 @@ def test_rotated_qk_norm_rope_is_the_kv_writes_rotation(tokens):
     q_norm, k_norm = _norm_module(D, gen), _norm_module(D, gen)
     args = (q, k, q_norm.weight, k_norm.weight, EPS, rotary.cos, rotary.sin, positions)
     rows = torch.arange(q.shape[0], device="cuda")
-    for plain, rotated in zip(qk_norm_rope(*args), qk_norm_rope(*args, rotate=True, tokens_per_program=tokens)):
+    for plain, rotated in zip(qk_norm_rope(*args), qk_norm_rope(*args, rotate=True, block_rows=rows)):
         want = rotate_rows(plain, rows)
         diff = (rotated.float() - want.float()).abs()
         assert (diff <= _ulp(want.abs())).all(), f"{int((diff > _ulp(want.abs())).sum())} elements beyond an ulp"
