@@ -37,8 +37,9 @@ from kv4rl.quant.fp8 import FP8_E4M3_MAX
 from kv4rl.quant.hadamard import hadamard_signs
 
 _SILU_BLOCK = 1024
-# (token, head) rows a program of the rotated q/k norm + RoPE (tools/rope_time.py)
-ROTATED_ROWS = 64
+# (token, head) rows a program of the rotated q/k norm + RoPE (tools/rope_time.py): a prefill's, and a decode
+# step's (fewer rows, more programs: 16 tokens x 40 heads make 40 programs of 16, 10 of 64)
+ROTATED_ROWS, ROTATED_ROWS_SMALL, SMALL_ROWS = 64, 16, 8192
 _MAX_ROW_BLOCK = 4096
 
 
@@ -295,8 +296,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     `rotate`: each head is then multiplied by the orthonormal Hadamard matrix (D a power of two), the
     rotation a KV4/INT4 cache stores keys in, as the KV write computes it: the engine's attention then
     neither rotates the queries nor the keys again (a prefill's query rotation was a pass over q of its
-    own). That launch works over blocks of `block_rows` (token, head) rows (default `ROTATED_ROWS`) so
-    each tensor-core dot has rows enough; `num_warps` is its launch's (default 4; tools/rope_time.py).
+    own). That launch works over blocks of `block_rows` (token, head) rows (default `ROTATED_ROWS`, or
+    `ROTATED_ROWS_SMALL` below `SMALL_ROWS` query rows) so each tensor-core dot has rows enough;
+    `num_warps` is its launch's (default 4; tools/rope_time.py).
     """
     n, hq, d = q.shape
     hk = k.shape[1]
@@ -321,7 +323,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         return q_out, k_out
     qw, kw = (q_weight.contiguous(), k_weight.contiguous()) if norm else (q, k)  # unread without the norm
     if rotate:
-        rows = block_rows or ROTATED_ROWS
+        rows = block_rows or (ROTATED_ROWS if n * hq >= SMALL_ROWS else ROTATED_ROWS_SMALL)
         q_blocks = triton.cdiv(n * hq, rows)
         _qk_norm_rope_rows_kernel[(q_blocks + triton.cdiv(n * hk, rows),)](
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), qw, kw, q_out, k_out,
