@@ -111,9 +111,9 @@ def test_rotated_qk_norm_rope_is_the_kv_writes_rotation(rows):
     q, k, positions = torch.cat((q, q[:3])), torch.cat((k, k[:3])), torch.cat((positions, positions[:3]))
     q_norm, k_norm = _norm_module(D, gen), _norm_module(D, gen)
     args = (q, k, q_norm.weight, k_norm.weight, EPS, rotary.cos, rotary.sin, positions)
-    rows = torch.arange(q.shape[0], device="cuda")
+    tokens = torch.arange(q.shape[0], device="cuda")
     for plain, rotated in zip(qk_norm_rope(*args), qk_norm_rope(*args, rotate=True, block_rows=rows)):
-        want = rotate_rows(plain, rows)
+        want = rotate_rows(plain, tokens)
         diff = (rotated.float() - want.float()).abs()
         assert (diff <= _ulp(want.abs())).all(), f"{int((diff > _ulp(want.abs())).sum())} elements beyond an ulp"
         assert float((diff > 0).float().mean()) < 1e-3
