@@ -297,6 +297,34 @@ def test_pair_write_equals_two_single_writes(name, rotate, block_rows, num_warps
             assert torch.equal(a, b), (key, label)
 
 
+@pytest.mark.parametrize("name", ["bf16", "int4", "kv4"] + (["fp8"] if CUDA else []))
+@pytest.mark.parametrize("block_rows,num_warps", [(1, 1), (2, 1), (4, 1), (4, 2), (8, 1), (8, 2)])
+def test_unrotated_write_in_small_programs(name, block_rows, num_warps, gen):
+    """A write that rotates nothing (keys rotated by the fused RoPE) has no dot needing 16 rows, so it may
+    run programs of 1-8 rows: each row's codes, scales and INT8 copy are computed alone, so the caches equal
+    those of the default layout's single writes (checked against the reference above) bit for bit."""
+    from kv4rl.kernels import kv_write
+
+    fmt, _, fast, (meta, k, v, prot) = _write_both(name, gen, rotate="none", with_inputs=True)
+    head_dim, hkv, _, block = SHAPE
+    slots = torch.cat((meta.slot_mapping, torch.tensor([-1], device=DEVICE)))
+    pad = lambda x: torch.cat((x, x[:1] * 0 + 7)).to(DEVICE)
+    cache = fmt.allocate(12 * block, hkv, head_dim, DEVICE, num_seq_slots=4)
+    dest = {}
+    for prefix in ("k", "v"):
+        pages, scale, zero = fmt.paged_tensors(cache, prefix)
+        side = (cache[f"{prefix}_prot_codes"], cache[f"{prefix}_prot_scale"]) if prot is not None else (None, None)
+        dest[prefix] = kv_write.KVDest(pages, scale, zero, False, *side)
+    kv_write.write_kv_pair(pad(k), pad(v), slots, store=fmt.decode_kind, k_dest=dest["k"], v_dest=dest["v"],
+                           group_size=getattr(fmt, "group_size", head_dim), protect_rows=prot,
+                           block_rows=block_rows, num_warps=num_warps)
+    for key in fast:
+        a, b = fast[key], cache[key]
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), key
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_write_rotation_of_each_input_dtype_matches_float64(dtype, gen):
     """bf16 rows rotate against the exact ±1 matrix on the tensor cores, float32 rows through the IEEE
