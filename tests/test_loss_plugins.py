@@ -8,6 +8,7 @@ import subprocess
 import sys
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,7 +200,7 @@ def test_registration_refuses_what_would_make_keys_or_inputs_ambiguous(toy_loss)
         register_loss("clash", settings=Clash)
     with pytest.raises(ValueError, match=r"'algo\.loss_agg' already belongs to 'all losses'"):
         register_loss("shared", settings=Shared)
-    with pytest.raises(TypeError, match="toy_other.*needs a default"):
+    with pytest.raises(ValueError, match=r"'algo\.toy_other' needs a default"):
         register_loss("nodefault", settings=NoDefault)
     with pytest.raises(ValueError, match=r"unknown inputs \['entropy'\]"):
         register_loss("wants_entropy", inputs={"entropy", "versions"})
@@ -218,6 +219,7 @@ def test_kl_ref_coef_needs_a_loss_that_reads_reference_logprobs(toy_loss):
 
 PLUGIN_MODULE = """
 from dataclasses import dataclass
+from pathlib import Path
 
 from kv4rl.algo.registry import register_loss
 
@@ -245,7 +247,7 @@ def test_algo_plugins_imports_the_module_that_registers_a_loss(tmp_path, monkeyp
     finally:
         LOSSES.pop("file_loss", None)
         sys.modules.pop("file_loss_plugin", None)
-    with pytest.raises(ConfigError, match=r"unknown config key 'algo\.my_knob'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo\.my_knob'.*needs that module in algo\.plugins"):
         load_config(overrides=["algo.my_knob=3"])  # without the plugin the key means nothing
     with pytest.raises(ConfigError, match=r"algo\.plugins: cannot import 'no_such_plugin'"):
         load_config(overrides=["algo.plugins=[no_such_plugin]"])
@@ -255,3 +257,74 @@ def test_algo_plugins_imports_the_module_that_registers_a_loss(tmp_path, monkeyp
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run" / "config.yaml")], check=True,
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
     assert out.stdout.split() == ["file_loss", "3.0"]
+
+
+def test_a_plugin_that_fails_inside_is_told_apart_from_one_not_found(tmp_path, monkeypatch):
+    """A plug-in module found on the path whose own import of a dependency fails is named as found (the
+    path hint would send the user to the wrong module), and a settings class without a default is a config
+    error (one line from the CLI, exit 2), not a TypeError traceback."""
+    (tmp_path / "needs_dep_plugin.py").write_text("import no_such_dependency_xyz  # noqa\n")
+    (tmp_path / "no_default_plugin.py").write_text(
+        "from dataclasses import dataclass\nfrom kv4rl.algo.registry import register_loss\n\n"
+        "@dataclass\nclass S:\n    knob_without_default: float\n\n"
+        "@register_loss('no_default_loss', settings=S)\ndef f(inp, cfg):\n    return inp.logprobs.sum(), {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(ConfigError, match=r"'needs_dep_plugin' was found, but importing it failed: "
+                                              r"No module named 'no_such_dependency_xyz'"):
+            load_config(overrides=["algo.plugins=[needs_dep_plugin]"])
+        with pytest.raises(ConfigError, match=r"'algo\.knob_without_default' needs a default"):
+            load_config(overrides=["algo.plugins=[no_default_plugin]"])
+    finally:
+        for name in ("needs_dep_plugin", "no_default_plugin"):
+            sys.modules.pop(name, None)
+    with pytest.raises(ConfigError, match=r"cannot import 'no_such_pkg\.plugin'.*Python path"):
+        load_config(overrides=["algo.plugins=[no_such_pkg.plugin]"])
+
+
+def _readme_loss_module() -> str:
+    """The README's "Writing your own loss" example, as a user would copy it."""
+    readme = (Path(kv4rl.__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("# my_losses.py\n")
+    return readme[start:readme.index("```", start)]
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+def test_the_readme_example_loss_adds_up_over_micro_batches(tmp_path, monkeypatch, loss_agg):
+    """The README's `stale_pg`, loaded through `algo.plugins` as documented: its loss on a batch equals the
+    sum over micro-batches of whole rows (full-batch denominators, as the learner passes them), and its
+    weights are the hand-worked decay^(age within the row). Its first version took the age from the newest
+    version in the micro-batch, so two micro-batches weighted the same tokens differently."""
+    (tmp_path / "readme_losses.py").write_text(_readme_loss_module())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        algo = load_config(overrides=["algo.plugins=[readme_losses]", "algo.loss=stale_pg", "algo.stale_decay=0.5",
+                                      f"algo.loss_agg={loss_agg}"]).algo
+        fn = LOSSES["stale_pg"].fn
+        # rows: versions 5,5 | 3,3,(pad) | 2,3,4 | 4,(pad),(pad); the row ages are 0,0 | 0,0 | 2,1,0 | 0
+        versions = torch.tensor([[5, 5, -1], [3, 3, -1], [2, 3, 4], [4, -1, -1]])
+        mask = (versions >= 0).float()
+        logprobs = torch.tensor([[-0.5, -1.0, 0.0], [-2.0, -0.25, 0.0], [-1.0, -3.0, -0.5], [-0.75, 0.0, 0.0]],
+                                dtype=torch.float64, requires_grad=True)
+        advantages = torch.tensor([1.0, -0.5, 2.0, 0.25], dtype=torch.float64)[:, None].expand(4, 3) * mask
+        num_tokens, num_seqs = float(mask.sum()), 4.0
+
+        def run(rows):
+            inp = LossInputs(logprobs=logprobs[rows], advantages=advantages[rows], mask=mask[rows],
+                             versions=versions[rows], num_tokens=num_tokens, num_seqs=num_seqs)
+            return fn(inp, algo)
+
+        whole, metrics = run(slice(None))
+        parts = run(slice(0, 2))[0] + run(slice(2, 4))[0]
+        weights = torch.tensor([[1, 1, 0], [1, 1, 0], [0.25, 0.5, 1], [1, 0, 0]], dtype=torch.float64)
+        per_token = -(weights * advantages * logprobs.detach())
+        if loss_agg == "token_mean":
+            want = per_token.sum() / num_tokens
+        else:
+            want = (per_token.sum(1) / mask.sum(1)).sum() / num_seqs
+        assert float(whole) == pytest.approx(float(want), rel=1e-12)
+        assert float(parts) == pytest.approx(float(whole), rel=1e-12)
+        assert metrics["stale_weight_mean"] == pytest.approx(float(weights.sum() / mask.sum()), rel=1e-12)
+    finally:
+        LOSSES.pop("stale_pg", None)
+        sys.modules.pop("readme_losses", None)

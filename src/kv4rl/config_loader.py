@@ -112,7 +112,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
         if name not in schema:
-            raise ConfigError(f"unknown config key '{key}' (known here: {', '.join(schema)})")
+            hint = ("; a key of a loss in your own module needs that module in algo.plugins"
+                    if prefix == "algo" else "")
+            raise ConfigError(f"unknown config key '{key}' (known here: {', '.join(schema)}){hint}")
         kwargs[name] = _coerce(value, schema[name], key)
     return cls(**kwargs)
 

@@ -112,10 +112,10 @@ def _check_input_names(loss: str, names: Iterable[str]) -> None:
 
 def _check_settings(name: str, settings: type) -> None:
     if not dataclasses.is_dataclass(settings):
-        raise TypeError(f"loss '{name}': settings must be a dataclass, got {settings!r}")
+        raise ValueError(f"loss '{name}': settings must be a dataclass, got {settings!r}")
     for f in dataclasses.fields(settings):
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise TypeError(f"loss '{name}': setting '{f.name}' needs a default")
+            raise ValueError(f"loss '{name}': setting 'algo.{f.name}' needs a default")
         owner = "all losses" if f.name in COMMON_KEYS else key_owner(f.name)
         if owner is not None:
             raise ValueError(f"loss '{name}': key 'algo.{f.name}' already belongs to {owner!r}")
@@ -169,4 +169,12 @@ def import_plugins(modules: Iterable[str]) -> None:
         try:
             importlib.import_module(module)
         except ImportError as exc:
+            missing = getattr(exc, "name", None)
+            if isinstance(exc, ModuleNotFoundError) and missing and not _is_module_or_parent(missing, module):
+                raise ValueError(f"algo.plugins: {module!r} was found, but importing it failed: {exc}") from exc
             raise ValueError(f"algo.plugins: cannot import {module!r} ({exc}); is it on the Python path?") from exc
+
+
+def _is_module_or_parent(name: str, module: str) -> bool:
+    """Whether `name` is `module` or a package it sits in (then `module` itself was not found)."""
+    return module == name or module.startswith(name + ".")
