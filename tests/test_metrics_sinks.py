@@ -33,6 +33,8 @@ def test_viewer_asked_for_but_not_installed_fails_before_the_run_folder(tmp_path
 def test_scalars_keep_numbers_only():
     row = {"iteration": 3, "loss": 0.5, "steps": 2, "ok": True, "hist": {"0": 1}, "groups": [1], "name": "x"}
     assert scalars(row) == {"loss": 0.5, "steps": 2.0}
+    # metrics.jsonl stores a non-finite value as null; the viewers got inf / nan where the record had none
+    assert scalars({"iteration": 1, "a": math.inf, "b": -math.inf, "c": math.nan, "d": 1.5}) == {"d": 1.5}
 
 
 def read_events(run_dir) -> dict[str, list[tuple[int, float]]]:

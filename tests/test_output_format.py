@@ -203,6 +203,27 @@ def test_train_bar_keeps_count_eta_reward_and_accuracy(width):
     assert ("gn 0.50" in line) == (width > 100)  # the least important figure goes first
 
 
+def test_piped_training_prints_a_line_per_iteration():
+    """Piped, the bar draws nothing, so a run printed nothing until its summary; now each iteration is one line
+    with its count (from the resumed start) and figures, and a terminal gets no such lines."""
+    console = piped()
+    bar = TrainProgress(20, 5, console=console)
+    with bar:
+        bar.update(TRAIN_ROW)
+        bar.update(dict(TRAIN_ROW, reward_mean=0.5))
+    lines = console.file.getvalue().splitlines()
+    assert lines == ["train 6/20  rew 0.250  acc 0.125  eval@4 0.300  len 5.5  1234 tok/s  ent 1.234  gn 0.50",
+                     "train 7/20  rew 0.500  acc 0.125  eval@4 0.300  len 5.5  1234 tok/s  ent 1.234  gn 0.50"]
+    quiet = piped()
+    with TrainProgress(20, 0, enabled=False, console=quiet) as off:
+        off.update(TRAIN_ROW)
+    assert quiet.file.getvalue() == ""
+    tty = terminal()
+    bar = TrainProgress(20, 0, console=tty)
+    bar.update(TRAIN_ROW)
+    assert "train 1/20" not in tty.file.getvalue()
+
+
 def test_stage_bar_counts_and_estimates_at_80_columns():
     clock = Clock()
     console = terminal(clock=clock)

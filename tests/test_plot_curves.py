@@ -198,7 +198,7 @@ def test_runs_from_different_models_are_flagged_and_can_be_refused(tmp_path):
 
 def test_runs_from_one_model_give_one_group_and_no_warning(tmp_path):
     write_run(tmp_path / "kv-s0", model_rows(A, A))
-    write_run(tmp_path / "kv-s1", model_rows(A))
+    write_run(tmp_path / "kv-s1", model_rows(A, A))  # as long as kv-s0 (shorter seeds are warned about)
     res = runner.invoke(app, ["plot", "curves", str(tmp_path / "kv-s*"), "--require-same-model",
                               "--out", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json")])
     assert res.exit_code == 0, res.output
@@ -278,3 +278,76 @@ def test_a_run_whose_last_row_a_crash_cut_short_is_plotted_from_its_whole_rows(r
     res = runner.invoke(app, ["plot", "iteration-time", str(runs / "t"), "--out", str(runs / "t.png")])
     assert res.exit_code == 0, res.output
     assert [int(r["iterations"]) for r in read_csv(runs / "t.csv")] == [1] * 6
+
+
+def test_no_output_may_replace_a_runs_records_or_another_output(runs):
+    """`--json runs/ppo-s0/metrics.jsonl` replaced the training log with the summary, and `--json` equal to
+    the CSV replaced the curve numbers: refused, nothing written, the run's files as they were."""
+    log = (runs / "ppo-s0" / "metrics.jsonl").read_bytes()
+    (runs / "ppo-s0" / "config.yaml").write_text("name: ppo-s0\n")
+    before = sorted(p.relative_to(runs) for p in runs.rglob("*"))
+    cases = [(["--json", str(runs / "ppo-s0" / "metrics.jsonl")], "metrics.jsonl of run"),
+             (["--json", str(runs / "ppo-s0" / "config.yaml")], "config.yaml of run"),
+             (["--out", str(runs / "q.png"), "--json", str(runs / "q.csv")], "is also the CSV beside --out"),
+             (["--out", str(runs / "q.png"), "--json", str(runs / "q.png")], "is also --out")]
+    for args, needle in cases:
+        res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--metric", EVAL, *args])
+        assert res.exit_code == 2 and squash(needle) in squash(res.output), (args, res.output)
+    assert sorted(p.relative_to(runs) for p in runs.rglob("*")) == before
+    assert (runs / "ppo-s0" / "metrics.jsonl").read_bytes() == log
+
+
+@pytest.mark.parametrize("line,needle", [("1.5", "a JSON float, not a metrics row"),
+                                         ('{"accuracy": 0.5}', "a row without an integer 'iteration'"),
+                                         ('{"iteration": 1, "accuracy": 0.5}', "iteration 1 again (first at line 2)")])
+def test_a_metrics_file_kv4rl_did_not_write_is_refused_naming_the_line(tmp_path, line, needle):
+    """A bare number or a row without an iteration was a traceback; an iteration written twice was drawn as a
+    second seed (n_seeds 2 for one run, and its EMA ran over the duplicate)."""
+    write_run(tmp_path / "a-s0", [{"iteration": 0, "accuracy": 0.25}, {"iteration": 1, "accuracy": 0.75}])
+    with (tmp_path / "a-s0" / "metrics.jsonl").open("a") as f:
+        f.write(line + "\n")
+    for args in (["curves", str(tmp_path / "a-s0")], ["iteration-time", str(tmp_path / "a-s0")],
+                 ["mismatch", str(tmp_path / "a-s0")]):
+        res = runner.invoke(app, ["plot", *args, "--out", str(tmp_path / "o.png")])
+        assert res.exit_code == 2 and squash(f"metrics.jsonl:3: {needle}") in squash(res.output), (args, res.output)
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_non_finite_numbers_written_by_hand_are_skipped_as_nulls(tmp_path):
+    """NaN / Infinity (JSON extensions kv4rl never writes: it stores null) made every mean NaN; they count as
+    nulls, so the curve is the EMA of the finite values (0.5, 0.7 with decay 0.5: 0.5, 0.6)."""
+    (tmp_path / "n-s0").mkdir()
+    (tmp_path / "n-s0" / "metrics.jsonl").write_text(
+        '{"iteration": 0, "accuracy": NaN}\n{"iteration": 1, "accuracy": 0.5}\n'
+        '{"iteration": 2, "accuracy": Infinity}\n{"iteration": 3, "accuracy": 0.7}\n')
+    res = runner.invoke(app, ["plot", "curves", str(tmp_path / "n-s0"), "--ema", "0.5",
+                              "--out", str(tmp_path / "n.png"), "--json", str(tmp_path / "n.json")])
+    assert res.exit_code == 0, res.output
+    rows = read_csv(tmp_path / "n.csv")
+    assert [(int(r["iteration"]), float(r["mean"])) for r in rows] == [(1, 0.5), (3, pytest.approx(0.6))]
+    assert json.loads((tmp_path / "n.json").read_text())["arms"]["n"]["final_mean"] == pytest.approx(0.6)
+
+
+def test_seeds_that_end_at_different_iterations_are_warned_about(tmp_path):
+    """Seed 0 at 0.8 for iterations 0-2, seed 1 at 0.2 for 0-5: the mean curve falls 0.3 when seed 0 stops,
+    a drop no seed had; the command says so and names --until common, which removes it."""
+    write_run(tmp_path / "f-s0", [{"iteration": i, "accuracy": 0.8} for i in range(3)])
+    write_run(tmp_path / "f-s1", [{"iteration": i, "accuracy": 0.2} for i in range(6)])
+    args = ["plot", "curves", str(tmp_path / "f-s*"), "--ema", "0", "--out", str(tmp_path / "f.png")]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0 and squash("last logged iterations differ (2 to 5)") in squash(res.output)
+    assert "--until common" in " ".join(res.output.split())
+    res = runner.invoke(app, [*args, "--until", "common", "--json", str(tmp_path / "f.json")])
+    assert res.exit_code == 0 and "warning" not in res.output
+    assert json.loads((tmp_path / "f.json").read_text())["arms"]["f"]["worst_drop_mean_curve"] == 0.0
+
+
+def test_iteration_time_refusals_leave_no_folder_and_a_run_named_twice_is_one_bar(tmp_path):
+    res = runner.invoke(app, ["plot", "iteration-time", str(tmp_path / "nope"), "--out", str(tmp_path / "g" / "t.png")])
+    assert res.exit_code == 2 and not (tmp_path / "g").exists()
+    phases = {"time_rollout": 1.0, "time_reward": 0.0, "time_update": 2.0, "time_sync": 0.0, "time_total": 4.0}
+    write_run(tmp_path / "r", [{"iteration": 0, **phases}])
+    res = runner.invoke(app, ["plot", "iteration-time", str(tmp_path / "r"), str(tmp_path / "r" / "."),
+                              "--out", str(tmp_path / "t.png")])
+    assert res.exit_code == 0, res.output
+    assert {r["run"] for r in read_csv(tmp_path / "t.csv")} == {"r"} and len(read_csv(tmp_path / "t.csv")) == 6

@@ -61,3 +61,26 @@ def test_runs_without_attribution_are_named(tmp_path):
     res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "nothing"), "-o", str(tmp_path / "m.png")])
     assert res.exit_code != 0 and "no metrics.jsonl" in res.output
     assert not (tmp_path / "m.png").exists()
+
+
+def test_two_runs_with_one_folder_name_stay_apart(tmp_path):
+    """runs/b-s0 and dup/b-s0 were both labelled b-s0: one panel, their points joined into one zig-zag line."""
+    write_run(tmp_path / "runs" / "b-s0", [attribution_row(1, 10, 0.5)])
+    write_run(tmp_path / "dup" / "b-s0", [attribution_row(1, 10, 0.25)])
+    out = tmp_path / "m.png"
+    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "runs" / "b-s0"), str(tmp_path / "dup" / "b-s0"),
+                              "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    with out.with_suffix(".csv").open() as f:
+        labels = [r["run"] for r in csv.DictReader(f)]
+    assert labels == [str(tmp_path / "runs" / "b-s0")] * 7 + [str(tmp_path / "dup" / "b-s0")] * 7
+
+
+def test_attribution_that_ran_but_attributed_nothing_is_told_apart_from_none(tmp_path):
+    """Attribution on, every response older than its window: the error said to turn attribution on."""
+    write_run(tmp_path / "c", [{"iteration": 2, "mismatch/attributed_tokens": 0, "mismatch/skipped_responses": 16},
+                               {"iteration": 5, "mismatch/attributed_tokens": 0, "mismatch/skipped_responses": 8}])
+    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "c"), "-o", str(tmp_path / "m.png")])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "attribution ran at 2 iteration(s) (first 2) but attributed no tokens" in text
+    assert "24 responses were skipped" in text and "attribution_every" not in text

@@ -186,7 +186,7 @@ def test_summary_of_a_resume_stopped_before_its_first_iteration_leaves_out_the_r
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["iteration"] for r in rows] == [0, 1]
     summary = train(load_config(run / "config.yaml", ["trainer.iterations=4"]), resume=True, show_progress=False)
-    assert summary["resumed_from"] == 1 and summary["stopped_by"] == "SIGTERM after iteration 1"
+    assert summary["resumed_from"] == 1 and summary["stopped_by"] == "SIGTERM after iteration 0"
     assert summary["iterations"] == 1 and summary["reward_last"] == rows[0]["reward_mean"]
     assert summary["seconds_in_iterations"] == pytest.approx(rows[0]["time_total"])
     assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1]  # nothing written

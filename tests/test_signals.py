@@ -86,5 +86,5 @@ def test_a_stop_signal_seen_on_another_rank_is_named_in_the_summary(tmp_path, mo
     cfg = load_config(overrides=[f"out_dir={tmp_path}", "name=r", "device=cpu", "trainer.iterations=5",
                                  "rollout.quota_groups=2", "rollout.group_size=2", "checkpoint.save_every=1"])
     summary = kv4rl.loop.train(cfg, show_progress=False)
-    assert summary["stopped_by"] == "a stop signal on another rank after iteration 1"
+    assert summary["stopped_by"] == "a stop signal on another rank after iteration 0"
     assert summary["iterations"] == 1

@@ -20,6 +20,7 @@ from kv4rl.cli_common import (
     check_device,
     check_figure_path,
     check_output_path,
+    check_plot_outputs,
     console,
     fail,
     finite_float,
@@ -268,7 +269,7 @@ def plot_curves_cmd(
                                             "same model weights (their metrics rows' model_sha256)"),
 ) -> None:
     """Learning curves: per arm, the mean over seeds of each seed's EMA curve, with a min-max band."""
-    from kv4rl.telemetry.curves import curve_rows, learning_curves, model_warnings
+    from kv4rl.telemetry.curves import coverage_warnings, curve_rows, learning_curves, model_warnings
     from kv4rl.telemetry.plots import plot_curves, write_csv
 
     out = check_figure_path(out, "--out", csv_beside=True, create=False)  # made below, once nothing refuses
@@ -278,9 +279,11 @@ def plot_curves_cmd(
         curves, summary = learning_curves(runs or [], arm or [], metric, ema, last)
     except ValueError as exc:
         fail(str(exc))
+    check_plot_outputs(out, [s.run for c in curves for s in c.seeds], json_out)
     mixed = model_warnings(summary)
     if mixed and require_same_model:
         fail(f"--require-same-model: {' | '.join(mixed)}")
+    mixed += coverage_warnings(summary)
     check_figure_path(out, "--out", csv_beside=True)
     check_output_path(json_out)
     png = plot_curves(curves, metric, ema, summary["band"], out)
@@ -302,12 +305,14 @@ def plot_iteration_time_cmd(
     from kv4rl.telemetry.phases import phase_rows
     from kv4rl.telemetry.plots import plot_iteration_time, write_csv
 
-    out = check_figure_path(out, "--out", csv_beside=True)
+    out = check_figure_path(out, "--out", csv_beside=True, create=False)  # made below, once nothing refuses
     try:
         check_at_least(0, ("--skip", skip))
         rows = phase_rows(runs, skip)
     except ValueError as exc:
         fail(str(exc))
+    check_plot_outputs(out, runs)
+    check_figure_path(out, "--out", csv_beside=True)
     png = plot_iteration_time(rows, out)
     csv_path = write_csv(rows, out.with_suffix(".csv"))
     wrote(png, csv_path)
@@ -322,11 +327,13 @@ def plot_mismatch_cmd(
     from kv4rl.telemetry.mismatch_curves import mismatch_rows
     from kv4rl.telemetry.plots import plot_mismatch, write_csv
 
-    out = check_figure_path(out, "--out", csv_beside=True)
+    out = check_figure_path(out, "--out", csv_beside=True, create=False)  # made below, once nothing refuses
     try:
         rows = mismatch_rows(runs)
     except ValueError as exc:
         fail(str(exc))
+    check_plot_outputs(out, runs)
+    check_figure_path(out, "--out", csv_beside=True)
     png = plot_mismatch(rows, out)
     csv_path = write_csv(rows, out.with_suffix(".csv"))
     wrote(png, csv_path)

@@ -142,6 +142,16 @@ def check_not_an_input(outputs: dict[str, Path | None], inputs: dict[str, Path |
         seen[path.resolve()] = option
 
 
+def check_plot_outputs(figure: Path, runs: list[Path], json_out: Path | None = None) -> None:
+    """A plot's figure, the CSV beside it and its JSON must be three files, none of them a record of the runs
+    it reads (`RUN_FILES`: `--json runs/a-s0/metrics.jsonl` replaced the training log)."""
+    from kv4rl.run_folder import RUN_FILES
+
+    inputs = {f"{name} of run {run}": Path(run) / name for run in runs for name in RUN_FILES}
+    check_not_an_input({"--out": figure, "the CSV beside --out": figure.with_suffix(".csv"), "--json": json_out},
+                       inputs)
+
+
 def image_formats() -> list[str]:
     """File suffixes matplotlib can write a figure as (png, pdf, svg, ...)."""
     from matplotlib.backend_bases import FigureCanvasBase

@@ -285,7 +285,8 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
         summary["previous_run_moved_to"] = str(folder.moved_to)
     if stop.requested:
         written = folder.opened or restore is not None
-        summary["stopped_by"] = f"{stop.requested} after iteration {last}" if written else \
+        # `last` counts iterations done; metrics rows number them from 0
+        summary["stopped_by"] = f"{stop.requested} after iteration {last - 1}" if written else \
             f"{stop.requested} before the first iteration (nothing written)"
     return summary
 

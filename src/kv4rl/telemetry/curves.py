@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kv4rl.paths import SET_ASIDE
-from kv4rl.telemetry.metrics import read_jsonl
+from kv4rl.telemetry.metrics import read_metrics
 
 SEED_SUFFIX = re.compile(r"-s\d+$")
 BAND = "min-max over seeds"
@@ -143,7 +143,7 @@ def _numeric_keys(rows: list[dict]) -> list[str]:
 
 
 def load_seed(run: Path, metric: str, decay: float, until: int | None = None) -> SeedCurve:
-    rows = [r for r in read_jsonl(run / "metrics.jsonl") if until is None or r["iteration"] <= until]
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if until is None or r["iteration"] <= until]
     logged = [r for r in rows if metric in r]
     if not logged:
         raise ValueError(f"{run}: metric '{metric}' not in metrics.jsonl; numeric keys there: "
@@ -185,6 +185,7 @@ def summarize(curve: ArmCurve) -> dict:
         "runs": [str(s.run) for s in curve.seeds],
         "n_seeds": len(curve.seeds),
         "last_iteration": curve.iterations[-1] if curve.iterations else None,
+        "last_iteration_per_seed": [s.iterations[-1] for s in curve.seeds],
         "final_mean": mean,
         "final_std": std,
         "final_per_seed": finals,
@@ -217,6 +218,19 @@ def model_warnings(summary: dict) -> list[str]:
     return out
 
 
+def coverage_warnings(summary: dict) -> list[str]:
+    """Arms whose seeds end at different iterations: past the first end the mean is over fewer seeds (a seed
+    that stops can make a drop no seed had) and the final value mixes iterations."""
+    out = []
+    for name, arm in summary["arms"].items():
+        ends = arm["last_iteration_per_seed"]
+        if len(set(ends)) > 1:
+            out.append(f"arm {name}: its seeds' last logged iterations differ ({min(ends)} to {max(ends)}); past "
+                       f"{min(ends)} the mean is over fewer seeds and the final values mix iterations "
+                       "(--until common cuts every run at the last iteration all have)")
+    return out
+
+
 def curve_rows(curves: list[ArmCurve]) -> list[dict]:
     """The CSV rows: one per (arm, iteration)."""
     return [{"iteration": it, "arm": c.name, "mean": m, "low": lo, "high": hi, "n_seeds": n}
@@ -225,7 +239,7 @@ def curve_rows(curves: list[ArmCurve]) -> list[dict]:
 
 def last_common_iteration(arms: list[Arm]) -> int:
     """The last iteration that every run of every arm has logged."""
-    return min(max((r["iteration"] for r in read_jsonl(run / "metrics.jsonl")), default=-1)
+    return min(max((r["iteration"] for r in read_metrics(run / "metrics.jsonl")), default=-1)
                for a in arms for run in a.runs)
 
 

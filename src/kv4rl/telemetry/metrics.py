@@ -56,16 +56,26 @@ class JsonlWriter:
             self._file.close()
 
 
-def read_lines(path: Path) -> list[tuple[str, dict]]:
-    """(line, row) pairs; a line that does not parse (torn by a kill mid-write) is skipped with a warning."""
-    out = []
+def _parsed(path: Path):
+    """(line number, line, value) of each line that parses; a torn one (a kill mid-write) is skipped with a warning."""
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            out.append((line, json.loads(line)))
+            yield number, line, json.loads(line)
         except json.JSONDecodeError:
             log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
+
+
+def read_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) pairs; a line that does not parse (torn by a kill mid-write), or is not a JSON object, is
+    skipped with a warning."""
+    out = []
+    for number, line, row in _parsed(path):
+        if isinstance(row, dict):
+            out.append((line, row))
+        else:
+            log.warning("%s:%d is %s, not a JSON object row; skipped", path, number, type(row).__name__)
     return out
 
 
@@ -73,3 +83,29 @@ def read_jsonl(path: Path) -> list[dict]:
     """The rows of a JSONL log, a line torn by a kill skipped with a warning (see `read_lines`): the plots of a
     run that crashed mid-write draw every whole row."""
     return [row for _, row in read_lines(path)]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl for the plots: rows in file order, each an object with an integer `iteration`
+    met once (what `JsonlWriter` writes; a file edited or joined by hand that breaks this is refused, naming
+    the line, rather than drawn wrong), non-finite numbers read as null as the writer stores them. A torn
+    line is skipped with a warning (`read_lines`)."""
+    rows, seen = [], {}
+    for number, _, row in _parsed(path):
+        it = row.get("iteration") if isinstance(row, dict) else None
+        if not isinstance(it, int) or isinstance(it, bool):
+            what = "a row without an integer 'iteration'" if isinstance(row, dict) else f"a JSON {type(row).__name__}"
+            raise ValueError(f"{path}:{number}: {what}, not a metrics row")
+        if it in seen:
+            raise ValueError(f"{path}:{number}: iteration {it} again (first at line {seen[it]}); kv4rl writes each "
+                             "iteration once, so the file was joined or edited by hand")
+        seen[it] = number
+        rows.append({k: _clean(v) for k, v in row.items()})
+    return rows
+
+
+def run_labels(runs: list[Path]) -> list[str]:
+    """How plots name runs: by folder name, or by the paths as given when two folders share a name (their
+    rows would otherwise merge into one curve)."""
+    names = [Path(r).name for r in runs]
+    return names if len(set(names)) == len(names) else [str(r) for r in runs]

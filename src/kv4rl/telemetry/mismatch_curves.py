@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kv4rl.telemetry.metrics import read_jsonl
+from kv4rl.telemetry.metrics import read_metrics, run_labels
 
 # The chain's terms in order, from the learner's side to the engine's recorded log-prob.
 SOURCES = ("learner", "staleness", "kv_cache", "weights", "truncation", "kernels")
@@ -29,17 +29,26 @@ def mismatch_rows(runs: list[Path]) -> list[dict]:
     given: dict[Path, Path] = {}
     for run in runs:  # a folder named twice is drawn once
         given.setdefault(Path(run).resolve(), Path(run))
-    for run in given.values():
+    runs = list(given.values())
+    labels = run_labels(runs)
+    for label, run in zip(labels, runs):
         path = run / "metrics.jsonl"
         if not path.is_file():
             raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
-        logged = sorted((r for r in read_jsonl(path) if r.get(TOKENS_KEY)), key=lambda r: r["iteration"])
+        rows = sorted(read_metrics(path), key=lambda r: r["iteration"])
+        logged = [r for r in rows if r.get(TOKENS_KEY)]
         if not logged:
+            ran = [r for r in rows if TOKENS_KEY in r]
+            if ran:
+                skipped = sum(r.get("mismatch/skipped_responses") or 0 for r in ran)
+                raise ValueError(f"{run}: attribution ran at {len(ran)} iteration(s) (first {ran[0]['iteration']}) but "
+                                 f"attributed no tokens; {skipped} responses were skipped (a response that spans two "
+                                 "weight versions is skipped, docs/method.md)")
             raise ValueError(f"{run}: no mismatch attribution in metrics.jsonl "
                              "(train with telemetry.attribution_every=N to log it)")
         for row in logged:
             for source in (*SOURCES, "total"):
-                out.append({"run": run.name, "iteration": row["iteration"], "source": source,
+                out.append({"run": label, "iteration": row["iteration"], "source": source,
                             **{stat: row[metric_key(source, stat)] for stat in STATS},
                             "tokens": row[TOKENS_KEY]})
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kv4rl.telemetry.metrics import read_jsonl
+from kv4rl.telemetry.metrics import read_metrics, run_labels
 
 PHASES = ("time_rollout", "time_reward", "time_update", "time_sync", "time_sleep_wake")
 OPTIONAL = {"time_sleep_wake": 0.0}  # phases older metrics files lack, and their value there
@@ -22,7 +22,7 @@ def phase_means(run: Path, skip: int = 0) -> dict[str, float]:
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run}: no metrics.jsonl (is it a run folder?)")
-    rows = [r for r in read_jsonl(path) if r["iteration"] >= skip]
+    rows = [r for r in read_metrics(path) if r["iteration"] >= skip]
     if not rows:
         raise ValueError(f"{run}: no iterations at or after {skip}")
     return means_of(rows, str(run))
@@ -51,7 +51,8 @@ def rows_of(label: str, means: dict[str, float]) -> list[dict]:
 
 def phase_rows(runs: list[Path], skip: int = 0) -> list[dict]:
     """The CSV rows: one per (run, phase) (see `rows_of`)."""
-    labels = [Path(r).name for r in runs]
-    if len(set(labels)) < len(labels):
-        labels = [str(r) for r in runs]
-    return [row for label, run in zip(labels, runs) for row in rows_of(label, phase_means(run, skip))]
+    given: dict[Path, Path] = {}
+    for run in runs:  # a folder named twice is drawn once
+        given.setdefault(Path(run).resolve(), Path(run))
+    runs = list(given.values())
+    return [row for label, run in zip(run_labels(runs), runs) for row in rows_of(label, phase_means(run, skip))]

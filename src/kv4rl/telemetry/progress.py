@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Self
 
+from rich import get_console
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
@@ -105,10 +106,16 @@ def train_stats(row: dict) -> list[str]:
 
 
 class TrainProgress:
+    """The training bar on a terminal; piped (a log file, CI), one line per iteration instead, since a bar
+    that draws nothing left a piped run silent until its summary."""
+
     def __init__(self, total: int, start: int, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
-        self.progress = Progress(*_fixed_columns("[bold]train"), _FittedField("stats"),
-                                 console=console, disable=not enabled)
+        self.total, self.done = total, start
+        console = console or get_console()
+        self.lines = enabled and not console.is_terminal
+        self.progress = Progress(*_fixed_columns("[bold]train"), _FittedField("stats"), console=console,
+                                 disable=not enabled or self.lines)
         self.task = self.progress.add_task("train", total=total, completed=start, stats=FittedItems([]))
 
     def __enter__(self) -> Self:
@@ -119,7 +126,11 @@ class TrainProgress:
         self.progress.stop()
 
     def update(self, row: dict) -> None:
+        self.done += 1
         self.progress.update(self.task, advance=1, stats=FittedItems(train_stats(row)))
+        if self.lines:
+            self.progress.console.print(f"train {self.done}/{self.total}{ITEM_GAP}{ITEM_GAP.join(train_stats(row))}",
+                                        highlight=False, soft_wrap=True)
 
 
 class StageProgress:

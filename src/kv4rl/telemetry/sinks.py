@@ -18,6 +18,7 @@ it already holds keep their first values, which a deterministic resume reproduce
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import time
 from pathlib import Path
@@ -32,9 +33,10 @@ def installed(package: str) -> bool:
 
 
 def scalars(row: dict) -> dict[str, float]:
-    """The row's numeric scalars (bools and nested dicts/lists left out), without the step itself."""
+    """The row's numeric scalars (bools and nested dicts/lists left out), without the step itself; a non-finite
+    value is left out too, as metrics.jsonl stores it as null."""
     return {k: float(v) for k, v in row.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration" and math.isfinite(v)}
 
 
 class MetricsSink:
