@@ -54,3 +54,18 @@ def test_bad_arguments(kwargs):
     args = {"rho": 1.5, "eps": 0.2, "sigma": 1.0, "n_samples": 100} | kwargs
     with pytest.raises(ValueError):
         clip_bias(**args)
+
+
+def test_each_result_records_the_seed_that_reproduces_it(tmp_path):
+    """The JSON held no seed, and the sweep's points use seed + 1 + i: each result names its own, and the
+    same seed gives the same draws."""
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+
+    results = sweep([0.5, 1.5], eps=0.2, sigma=1.0, n_samples=1_000, seed=7)
+    assert [r["seed"] for r in results] == [7, 8]
+    assert clip_bias(1.5, 0.2, 1.0, 1_000, seed=8) == results[1]
+    res = CliRunner().invoke(app, ["sim", "clip-bias", "--samples", "1000", "--json", str(tmp_path / "a.png"),
+                                   "--png", str(tmp_path / "a.png")])
+    assert res.exit_code == 2 and "--json" in res.output and not (tmp_path / "a.png").exists()

@@ -116,7 +116,10 @@ def test_engine_sampled_from_the_stale_policy(checkpoint, stale2):
     policy = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     source = ProblemSource(None, None, seed=5)
     formatter = PromptFormatter(AutoTokenizer.from_pretrained(checkpoint), source.default_template)
-    batches = [source.batch(1 + k, 4) for k in range(2)]
+    # the problems after the 3 measured ones, 4 a step (batch(1 + k, 4) would be 4..11: with more measured
+    # prompts than a step's batch, the measured ones were trained on)
+    batches = [[source.problem_at(3 + 4 * k + j) for j in range(4)] for k in range(2)]
+    assert not {p.id for b in batches for p in b} & {p.id for p in source.batch(0, 3)}
     mu = stale_policy(policy, batches, formatter, lr=3e-3).double()
     again = stale_policy(policy, batches, formatter, lr=3e-3)
     for a, b in zip(mu.parameters(), again.parameters(), strict=True):
@@ -140,9 +143,11 @@ def test_parsers_reject_bad_input():
     for bad in ("stale:", "stale:-1", "stale:x", "fp16", ""):
         with pytest.raises(ValueError, match="--behavior"):
             parse_behavior(bad)
-    for bad in ("0", "1,abc", "2,2", ""):
+    for bad in ("0", "1,abc", "2,2", "", " ", "\u0663"):  # U+0663: an Arabic-Indic 3, which int() reads
         with pytest.raises(ValueError, match="--horizons"):
             parse_horizons(bad)
+    with pytest.raises(ValueError, match="--horizons is empty"):
+        parse_horizons("")
     with pytest.raises(ValueError, match="--temperature"):
         settings("unused", "stale:1", temperature=0.0).validate()
     with pytest.raises(ValueError, match="engine.kv.nosuch"):

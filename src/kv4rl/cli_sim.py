@@ -62,7 +62,8 @@ def _clip_bias_table(result: dict) -> ResultTable:
 def clip_bias_cmd(
     rho: Annotated[float, typer.Option("--rho", parser=finite_float,
         help="importance ratio ρ = π/π_old of the token")] = 1.5,
-    eps: Annotated[float, typer.Option("--eps", parser=finite_float, help="symmetric clip width ε")] = 0.2,
+    eps: Annotated[float, typer.Option("--eps", parser=finite_float,
+        help="symmetric clip width ε, in [0, 1) (the lower bound 1-ε stays positive)")] = 0.2,
     sigma: Annotated[float, typer.Option("--sigma", parser=finite_float,
         help="advantage noise: A = ±σ, true advantage 0")] = 1.0,
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples per ρ")] = 200_000,
@@ -90,6 +91,7 @@ def clip_bias_cmd(
         fail(str(exc))
     check_output_path(json_out, "--json")
     png_out = check_figure_path(png_out, "--png")
+    check_not_an_input({"--json": json_out, "--png": png_out}, {})
     try:
         result = clip_bias(rho, eps, sigma, samples, seed)
         swept = sweep(rhos, eps, sigma, samples, seed + 1)
@@ -139,7 +141,8 @@ def correction_variance_cmd(
     stale_batch_size: Annotated[int, typer.Option(
         "--stale-batch-size", help="stale:K: problems per step")] = 16,
     engine: Annotated[list[str] | None, typer.Option(
-        "--engine", help="engine key for μ, repeatable: kv.n_sink=4, kv.n_recent=12, kv.format=kv4")] = None,
+        "--engine", help="engine key for μ, repeatable (KV4 on the embedded model: kv.n_sink=4, kv.n_recent=4, "
+                         "kv.group_size=32, as its context is ~20 tokens and head_dim 32)")] = None,
     device: Annotated[str, typer.Option("--device")] = "auto",
     seed: Annotated[int, typer.Option("--seed")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the numbers here")] = None,

@@ -15,7 +15,7 @@ Closed forms (X the coefficient, ε the symmetric clip width):
 - No clipping, any ρ: E[X] = 0, Var[X] = ρ²σ².
 
 So outside the trust region clipping turns zero-mean noise into a systematic push (towards ratio 1)
-and hides half of the noise (variance ρ²σ²/4 instead of ρ²σ²). At exactly ρ = 1±ε the closed form
+and hides three quarters of the noise (variance ρ²σ²/4 instead of ρ²σ²). At exactly ρ = 1±ε the closed form
 counts the token as unclipped; autograd's tie-breaking there may differ.
 """
 
@@ -73,7 +73,7 @@ def _moments(samples: torch.Tensor) -> tuple[dict, dict]:
 def clip_bias(rho: float, eps: float, sigma: float, n_samples: int = 200_000, seed: int = 0) -> dict:
     """Monte-Carlo mean and variance of the coefficient with and without clipping.
 
-    Returns `{"rho", "eps", "sigma", "n_samples", "clip": {"mean", "var"}, "noclip": {...},
+    Returns `{"rho", "eps", "sigma", "n_samples", "seed", "clip": {"mean", "var"}, "noclip": {...},
     "stderr": {"clip": {...}, "noclip": {...}}, "closed_form": closed_form(rho, eps, sigma)}`.
     """
     if not rho > 0:
@@ -94,6 +94,7 @@ def clip_bias(rho: float, eps: float, sigma: float, n_samples: int = 200_000, se
         "eps": eps,
         "sigma": sigma,
         "n_samples": n_samples,
+        "seed": seed,
         "clip": clip_stats,
         "noclip": noclip_stats,
         "stderr": {"clip": clip_err, "noclip": noclip_err},

@@ -12,14 +12,16 @@ response. Variances are population variances (divided by the token count), in fl
 
 - `stale:K` — the checkpoint after K AdamW steps (fresh optimizer state, no weight decay, learning
   rate `stale_lr`) on the supervised cross-entropy of the task's reference responses
-  (`\\boxed{answer}` then EOS), one batch of `stale_batch_size` problems per step, drawn from
-  iterations 1…K of the problem source (the measured prompts are iteration 0). AdamW moves every
+  (`\\boxed{answer}` then EOS), one batch of `stale_batch_size` problems per step, the problems of
+  the source that follow the `n_prompts` measured ones (μ is never trained on what it is measured on). AdamW moves every
   weight by about `stale_lr` per step whatever the gradient scale, so K steps at the run's
   `trainer.lr` stand for a policy K learner updates old (default 1e-4: of 1e-4, 3e-4 and 1e-3, the
   largest rate at which RL on the embedded tiny model stayed stable). Deterministic given the seed.
   K = 0 is μ = π through the engine: c_t is then only engine-vs-transformers rounding.
 - `kv4` — the checkpoint in the engine with the KV4 cache (`engine.kv.format: kv4`).
-- `fp8` — the checkpoint in the engine with FP8 weights (`engine.weight_format: fp8`).
+- `fp8` — the checkpoint in the engine with FP8 weights (`engine.weight_format: fp8`): e4m3 weights with a
+  scale per output channel, and each token's activations quantized to e4m3 too (`FP8Linear`), which is
+  most of μ's distance from π on the embedded tiny model.
 
 Engine overrides (`kv.n_sink=4`, keys under `engine.`) apply on top of the behaviour's settings, so a
 KV4 allocation can be fitted to a short context, and `stale:K` composes with a quantized cache.
@@ -76,11 +78,13 @@ def parse_behavior(text: str) -> Behavior:
 def parse_horizons(text: str) -> list[int | None]:
     """`1,4,16,full` -> [1, 4, 16, None] (None: the full tail)."""
     horizons: list[int | None] = []
+    if not text.strip():
+        raise ValueError("--horizons is empty; give e.g. 1,4,16,full")
     for raw in text.split(","):
         item = raw.strip()
         if item == "full":
             horizons.append(None)
-        elif item.isdigit() and int(item) >= 1:
+        elif item.isascii() and item.isdigit() and int(item) >= 1:
             horizons.append(int(item))
         else:
             raise ValueError(f"--horizons: {item!r} is not an integer >= 1 or 'full'")
@@ -316,11 +320,13 @@ def measure(settings: Settings, progress: StageReport | None = None) -> Measurem
     except BehaviorUnavailableError:
         raise
     except ValueError as exc:
-        raise ValueError(f"{exc} (set engine keys for μ with --engine, e.g. --engine kv.n_recent=8)") from exc
+        raise ValueError(f"{exc} (engine keys for μ are set with --engine KEY=VALUE, keys of engine.)") from exc
     policy = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32).to(device).eval()
     policy.requires_grad_(False)
     if settings.behavior.kind == "stale" and settings.behavior.steps > 0:
-        batches = [source.batch(1 + k, settings.stale_batch_size) for k in range(settings.behavior.steps)]
+        size = settings.stale_batch_size  # after the measured problems (batch(1 + k) overlapped them past 16)
+        batches = [[source.problem_at(settings.n_prompts + k * size + j) for j in range(size)]
+                   for k in range(settings.behavior.steps)]
         behavior_model = stale_policy(policy, batches, formatter, settings.stale_lr, progress)
         engine.load_weights(behavior_model.state_dict(), version=settings.behavior.steps)
         del behavior_model
