@@ -44,6 +44,7 @@
 #   bash tools/device_benches.sh targets_8b 2>&1 | tee $OUT/log.txt           # issue 11's 8B points: B128 full memory, memory-limited B256, whole step (<10 min)
 #   bash tools/device_benches.sh rope_rotation 2>&1 | tee $OUT/log.txt      # q/k rotated in the RoPE kernel: settings, write layouts, generate vs tools/_trees/ (~6 min)
 #   bash tools/device_benches.sh rope_trees 2>&1 | tee $OUT/log.txt         # RoPE-kernel candidates in tools/_trees/ against main's (~2 min each)
+#   bash tools/device_benches.sh write_small 2>&1 | tee $OUT/log.txt        # unrotated decode KV writes in 1-16-row programs (~1 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -529,6 +530,15 @@ _rope_generate() {
     timeout 100 python -m kv4rl.cli bench generate --shape qwen3-1.7b --batch-sizes 256 --kv-format kv4 --no-hf \
         --json $OUT/rope_generate_1p7b_$1.json 2>&1 | grep "│"
 }
+write_small() {  # issue 11 (thirty-first session's lead): a decode-sized KV write that rotates nothing (keys rotated by the
+    # fused RoPE) in programs of 1-16 rows: the small-program test, then the layouts at 16-256 tokens (the default is
+    # 16 rows x 8 warps, chosen when the write still rotated and its dot needed 16 rows); ~1 min
+    timeout 90 python -m pytest -q -p no:cacheprovider -rf tests/test_kernels.py -k "small_programs or pair_write or fused_write" \
+        2>&1 | tail -2
+    timeout 90 python tools/kv_write_time.py --tokens 16,64,256 --rotate none \
+        --layouts 1x1,2x1,4x1,4x2,8x1,8x2,8x4,16x4,16x8 --json $OUT/write_small.json
+}
+
 rope_trees() {  # issue 11: RoPE-kernel candidates in tools/_trees/NAME/ (wip/rope-row-blocks, wip/rope-write-fused)
     # against main's: each one's fused-op GPU tests, its RoPE settings, the short prefill layer with RoPE counted,
     # generate 8B short B16/B64 (BF16 with main's files only)
