@@ -11,7 +11,8 @@ import pytest
 
 from kv4rl.data.char_tokenizer import UNK, build_char_tokenizer
 from kv4rl.data.longmul import LongMulTask, solution, verify
-from kv4rl.models.testbed import SPECS, solution_lengths
+from kv4rl.models.testbed import SPECS
+from kv4rl.models.warmup import solution_lengths
 from kv4rl.rewards import get_reward
 
 LINE = re.compile(r"(\d+)([*+])(\d+)=((?:\([^)]*\))+)=(\d+)")

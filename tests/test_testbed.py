@@ -18,7 +18,7 @@ from kv4rl.config import ConfigError, load_config
 from kv4rl.data.longmul import LongMulTask, solution
 from kv4rl.data.source import ProblemSource
 from kv4rl.data.synthetic import ArithmeticTask
-from kv4rl.models import testbed
+from kv4rl.models import testbed, warmup
 from tests.conftest import assert_plain_modes
 
 runner = CliRunner()
@@ -96,9 +96,9 @@ def test_solution_probability_matches_a_float64_sum_per_problem(testbed_cache) -
     tokenizer = AutoTokenizer.from_pretrained(path)
     task = testbed.SPECS["longmul-test"].make_task()
     problems = task.problems(6, seed=4)
-    encode = testbed._Encoder(tokenizer)
-    got = testbed.solution_probability(model, encode, task, problems, tokenizer.pad_token_id,
-                                       tokenizer.eos_token_id, torch.device("cpu"), batch_size=4)
+    encode = warmup.CharEncoder(tokenizer)
+    got = warmup.solution_probability(model, encode, task, problems, tokenizer.pad_token_id,
+                                      tokenizer.eos_token_id, torch.device("cpu"), batch_size=4)
     expected = []
     for p in problems:
         prompt = tokenizer.encode(f"{p.problem}=")
