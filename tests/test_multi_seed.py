@@ -45,7 +45,9 @@ def test_an_existing_run_for_one_seed_stops_every_seed_before_any_work(tmp_path)
     assert res.exit_code == 2
     text = " ".join(res.output.split())
     assert f"{held} already holds a run" in text
-    assert f"kv4rl train --seeds 0,1 --resume {tmp_path / 'ms'}" in text  # the sweep's hint, not one seed's
+    # the sweep's hint, seed by seed (a --resume of both failed: seed 0 has no folder, seed 1 no checkpoint)
+    assert "start seed 0 with the same command and --seeds 0" in text
+    assert "seed 1 has a run but no checkpoint: start it again with the same command, --seeds 1 and --overwrite" in text
     assert tree_state(tmp_path) == before  # seed 0 did not start either
 
 
@@ -129,5 +131,107 @@ def test_a_signal_stops_the_sweep_the_waiting_seeds_never_start_and_the_hint_res
     assert [multi_seed.status_of(r) for r in runs] == ["stopped (SIGINT)", "not started (SIGINT)"]
     assert "SIGINT: seeds 1 will not start" in lines
     hint = multi_seed.continue_hint(runs)
-    assert f"continue with: kv4rl train --seeds 0 --resume {tmp_path / 'sw'}" in hint
-    assert "seeds 1 have no checkpoint: start them with the same command and --seeds 1" in hint
+    assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'sw'}" in hint
+    assert "start seed 1 with the same command and --seeds 1" in hint
+
+
+def _fake_child(code: str):
+    """A `_start` whose child runs `code` (a Python snippet) instead of `kv4rl train`."""
+    import subprocess
+    import sys
+
+    from kv4rl import multi_seed
+
+    def start(run):
+        run.config_before = multi_seed._config_identity(run.cfg.run_dir)
+        run.log.parent.mkdir(parents=True, exist_ok=True)
+        run.log.write_text("the child's output\n")
+        run.process = subprocess.Popen([sys.executable, "-c", code])
+        run.seconds = 0.0
+
+    return start
+
+
+def test_a_seed_that_never_wrote_its_folder_leaves_whoever_holds_it_alone(tmp_path, monkeypatch) -> None:
+    """A user's own run sits in a waiting seed's folder (or --overwrite had an old run there) and the seed's
+    child fails before its first iteration: its log was appended to that run's train.log and the table showed
+    that run's iterations as the seed's. Now the log stays beside, the table shows none, the folder is as it was."""
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+
+    theirs = tmp_path / "sw-s0"
+    theirs.mkdir()
+    (theirs / "config.yaml").write_text("seed: 0\n")
+    (theirs / "metrics.jsonl").write_text('{"iteration": 0, "accuracy": 0.5}\n{"iteration": 1, "accuracy": 0.75}\n')
+    (theirs / "train.log").write_text("their log\n")
+    before = tree_state(tmp_path)
+    monkeypatch.setattr(multi_seed, "_start", _fake_child("import sys; sys.exit(2)"))
+    run = multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0"]), ["seed=0"],
+                             tmp_path / "sw-s0.log")
+    multi_seed.launch([run], 1, announce=lambda line: None)
+    assert run.final_log == tmp_path / "sw-s0.log" and (tmp_path / "sw-s0.log").read_text() == "the child's output\n"
+    assert multi_seed.summary_rows([run])[0][2:5] == ["failed (exit 2)", "0", "-"]
+    (tmp_path / "sw-s0.log").unlink()
+    assert tree_state(tmp_path) == before
+
+    # a child that does write its folder (a new config.yaml) is read when it ends
+    monkeypatch.setattr(multi_seed, "_start", _fake_child(
+        f"import pathlib; d = pathlib.Path({str(tmp_path / 'sw-s1')!r}); d.mkdir(); (d / 'config.yaml').write_text('x'); "
+        "(d / 'metrics.jsonl').write_text('{\"iteration\": 0, \"accuracy\": 0.25}\\n')"))
+    mine = multi_seed.SeedRun(1, load_config(None, [f"out_dir={tmp_path}", "name=sw-s1"]), ["seed=1"],
+                              tmp_path / "sw-s1.log")
+    multi_seed.launch([mine], 1, announce=lambda line: None)
+    assert mine.final_log == tmp_path / "sw-s1" / "train.log"
+    assert multi_seed.summary_rows([mine])[0][2:5] == ["finished", "1", "0.250"]
+
+
+def test_a_seed_the_sweeps_signal_killed_is_stopped_not_failed(tmp_path, monkeypatch) -> None:
+    """Ctrl-C before a child had set up its own handler (exit 130), or a second signal (killed): the table said
+    "failed" and the sweep exited 1 as if the seed had crashed."""
+    import os
+    import signal
+    import threading
+
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+
+    monkeypatch.setattr(multi_seed, "_start", _fake_child("import time; time.sleep(60)"))
+    runs = [multi_seed.SeedRun(s, load_config(None, [f"out_dir={tmp_path}", f"name=sw-s{s}"]), [f"seed={s}"],
+                               tmp_path / f"sw-s{s}.log") for s in (0, 1)]
+    threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    multi_seed.launch(runs, 1, announce=lambda line: None)
+    assert multi_seed.status_of(runs[0]) == f"stopped (SIGINT, exit {-signal.SIGINT})"
+    assert multi_seed.failed(runs) == []
+
+
+def test_a_seed_folder_in_use_is_named_with_its_process_and_resumed_seeds_keep_the_child_flags(
+        tmp_path, monkeypatch) -> None:
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+    from kv4rl.run_folder import FolderInUse
+
+    def in_use(run_dir, overwrite):
+        raise FolderInUse(f"{run_dir} is in use (pid 4242)")
+
+    monkeypatch.setattr(multi_seed, "check_new_run", in_use)
+    with pytest.raises(FolderInUse, match="pid 4242"):
+        multi_seed.plan_runs([0, 1], None, [f"out_dir={tmp_path}", "name=sw"], None, True, ["--no-progress"])
+    monkeypatch.setattr(multi_seed, "config_for_resume", lambda folder, overrides: load_config(None, [
+        f"out_dir={tmp_path}", f"name={folder.name}"]))
+    monkeypatch.setattr("kv4rl.run_setup.find_restore", lambda cfg: None)
+    runs = multi_seed.plan_runs([0], None, [], tmp_path / "sw", False, ["--no-progress", "--verbose"])
+    assert runs[0].args == ["--resume", str(tmp_path / "sw-s0"), "--no-progress", "--verbose"]
+
+
+def test_the_hint_says_what_each_seed_folder_allows(tmp_path) -> None:
+    from kv4rl.multi_seed import how_to_go_on
+
+    (tmp_path / "h-s0" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "h-s1").mkdir()
+    (tmp_path / "h-s1" / "metrics.jsonl").write_text("")
+    folders = {s: tmp_path / f"h-s{s}" for s in (0, 1, 2, 3)}
+    assert how_to_go_on(folders, tmp_path / "h") == [
+        f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'h'}",
+        "start seeds 2,3 with the same command and --seeds 2,3",
+        "seed 1 has a run but no checkpoint: start it again with the same command, --seeds 1 and --overwrite "
+        "(the old folder is moved aside, not deleted)"]

@@ -137,7 +137,7 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
     print_table(console, table)
     if any(r.stopped_by for r in runs):
         say(f"stopped; {multi_seed.continue_hint(runs)}")
-    failed = [r.seed for r in runs if r.returncode not in (0, None)]
+    failed = multi_seed.failed(runs)
     if failed:
         console.print(f"[bold red]error:[/] seeds {', '.join(map(str, failed))} failed; see their logs",
                       highlight=False, soft_wrap=True)

@@ -9,7 +9,8 @@ folder checked (fresh: holds no run unless --overwrite; resume: has a checkpoint
 Each child is `kv4rl train` itself with `seed=<s> name=<name>-s<s>` appended to the overrides (they
 win over the config file), writing its output to `<out_dir>/<name>-s<seed>.log` while it runs. When it
 ends, the log moves into its run folder as `train.log` (appended on resume); a seed that failed before
-its first iteration has no folder (or its old one untouched), so its log stays beside it. On CUDA the
+its first iteration has no folder (or its old one untouched, or another process's), so its log stays
+beside it: a child counts as having started only if it wrote the folder's config.yaml itself. On CUDA the
 children share the device: each gets `engine.gpu_memory_fraction` divided by the number running at once,
 counted against its own memory only (`engine.gpu_memory_scope=process`), since they all start together.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 from kv4rl.config import RunConfig, load_config
 from kv4rl.config_loader import apply_overrides
 from kv4rl.engine.config import EngineConfig
-from kv4rl.run_folder import RunFolderError, check_new_run, config_for_resume
+from kv4rl.run_folder import FolderInUse, RunFolderError, check_new_run, config_for_resume, run_contents
 
 LOG_NAME = "train.log"
 
@@ -42,11 +43,38 @@ class SeedRun:
     stopped_by: str | None = None  # the signal that stopped the sweep while this seed ran or waited
     seconds: float = 0.0
     final_log: Path | None = None
+    replaces: bool = False  # --overwrite of a folder holding a run: the child moves it aside
     process: subprocess.Popen | None = field(default=None, repr=False)
+    config_before: tuple | None = None  # the folder's config.yaml (inode, mtime) when the child started
+    iterations: int = 0  # read from its metrics.jsonl when it ended, if it wrote the folder
+    last_accuracy: float | None = None
 
 
 def seed_name(name: str, seed: int) -> str:
     return f"{name}-s{seed}"
+
+
+def _seeds(seeds: list[int]) -> str:
+    return f"seed{'s' if len(seeds) > 1 else ''} {','.join(map(str, seeds))}"
+
+
+def how_to_go_on(folders: dict[int, Path], base: Path) -> list[str]:
+    """What each seed's folder allows next: `--resume` of the sweep for those with a checkpoint, the same
+    command for those without a folder, and `--overwrite` for a folder holding a run but no checkpoint
+    (a resume refuses it and a fresh start does too)."""
+    saved = [s for s, d in folders.items() if (d / "checkpoints").is_dir()]
+    held = [s for s, d in folders.items() if s not in saved and run_contents(d)]
+    absent = [s for s in folders if s not in saved and s not in held]
+    parts = []
+    if saved:
+        parts.append(f"continue {_seeds(saved)} with: kv4rl train --seeds {','.join(map(str, saved))} --resume {base}")
+    if absent:
+        parts.append(f"start {_seeds(absent)} with the same command and --seeds {','.join(map(str, absent))}")
+    if held:
+        parts.append(f"{_seeds(held)} ha{'ve' if len(held) > 1 else 's'} a run but no checkpoint: start "
+                     f"{'them' if len(held) > 1 else 'it'} again with the same command, --seeds "
+                     f"{','.join(map(str, held))} and --overwrite (the old folder is moved aside, not deleted)")
+    return parts
 
 
 def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resume: Path | None,
@@ -68,7 +96,7 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
             folder = resume.with_name(seed_name(resume.name, seed))
             cfg = config_for_resume(folder, overrides)
             find_restore(cfg)  # refuses a folder with no checkpoint
-            runs.append(SeedRun(seed, cfg, ["--resume", str(folder), *overrides], _log_path(cfg)))
+            runs.append(SeedRun(seed, cfg, ["--resume", str(folder), *overrides, *extra_args], _log_path(cfg)))
         return runs
     base = load_config(config, overrides)
     for seed in seeds:
@@ -76,16 +104,20 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
         cfg = load_config(config, mine)
         try:
             check_new_run(cfg.run_dir, overwrite)
+        except FolderInUse:
+            raise  # names the process writing it; no hint of ours would work before it ends
         except RunFolderError as exc:
             if not cfg.run_dir.is_dir():
                 raise
-            # the hint is the sweep's, not one seed's: --resume of the common name continues every seed
+            # the hint is the sweep's, not one seed's: what each seed's folder allows
+            folders = {s: cfg.run_dir.with_name(seed_name(base.name, s)) for s in seeds}
+            steps = how_to_go_on(folders, Path(base.out_dir) / base.name)
             raise RunFolderError(
-                f"{cfg.run_dir} already holds a run; continue the seeds with `kv4rl train --seeds "
-                f"{','.join(map(str, seeds))} --resume {Path(base.out_dir) / base.name}`, give another name=..., "
-                f"or start over with --overwrite (the old runs are moved aside, not deleted)") from exc
+                f"{cfg.run_dir} already holds a run; {'; '.join(steps)}; or give another name=..., or start every "
+                f"seed over with --overwrite (the old runs are moved aside, not deleted)") from exc
         args = (["--config", str(config)] if config is not None else []) + mine
-        runs.append(SeedRun(seed, cfg, args + (["--overwrite"] if overwrite else []) + extra_args, _log_path(cfg)))
+        runs.append(SeedRun(seed, cfg, args + (["--overwrite"] if overwrite else []) + extra_args, _log_path(cfg),
+                            replaces=overwrite and bool(run_contents(cfg.run_dir))))
     return runs
 
 
@@ -141,7 +173,8 @@ def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:
                 run = pending.pop(0)
                 _start(run)
                 active.append(run)
-                announce(f"seed {run.seed}: started, log {run.log}")
+                aside = f"; the run in {run.cfg.run_dir} is moved aside ({run.cfg.name}.old-<time>)" if run.replaces else ""
+                announce(f"seed {run.seed}: started, log {run.log}{aside}")
             time.sleep(0.2)
             for run in [r for r in active if r.process.poll() is not None]:
                 active.remove(run)
@@ -152,7 +185,16 @@ def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:
             signal.signal(s, handler)
 
 
+def _config_identity(folder: Path) -> tuple | None:
+    try:
+        stat = (folder / "config.yaml").stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
 def _start(run: SeedRun) -> None:
+    run.config_before = _config_identity(run.cfg.run_dir)
     run.log.parent.mkdir(parents=True, exist_ok=True)
     handle = run.log.open("a")  # never truncate: a log left by an earlier failed start stays
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -167,9 +209,16 @@ def _finish(run: SeedRun) -> None:
     run.returncode = run.process.returncode
     run.seconds = time.perf_counter() - run.seconds
     folder = run.cfg.run_dir
-    if not (folder / "config.yaml").is_file():  # never started: its log stays beside the (absent) folder
+    resumed = run.args[:1] == ["--resume"]  # its own folder, checked to hold its checkpoint
+    config_now = _config_identity(folder)
+    if config_now is None or (not resumed and config_now == run.config_before):
+        # it never wrote the folder: the log stays beside it, whoever's run the folder holds
         run.final_log = run.log
         return
+    from kv4rl.telemetry.metrics import read_jsonl
+
+    rows = read_jsonl(folder / "metrics.jsonl") if (folder / "metrics.jsonl").is_file() else []
+    run.iterations, run.last_accuracy = len(rows), (rows[-1].get("accuracy") if rows else None)  # now, not later
     target = folder / LOG_NAME
     with target.open("a") as out:
         out.write(run.log.read_text())
@@ -181,39 +230,30 @@ def status_of(run: SeedRun) -> str:
     """finished, stopped (a signal ended it with a checkpoint, or it never started), or failed."""
     if run.returncode is None:
         return f"not started ({run.stopped_by})" if run.stopped_by else "not started"
-    if run.returncode != 0:
-        return f"failed (exit {run.returncode})"
+    if run.returncode != 0:  # a signal the sweep passed on ends it as stopped, whatever the child's code
+        return f"stopped ({run.stopped_by}, exit {run.returncode})" if run.stopped_by else f"failed (exit {run.returncode})"
     return f"stopped ({run.stopped_by})" if run.stopped_by else "finished"
 
 
 def continue_hint(runs: list[SeedRun]) -> str:
-    """How to go on after a stopped sweep: `--seeds ... --resume runs/<name>` for the seeds with a checkpoint
-    (it takes the folder of the seeds' common name), the first command again for those without one."""
-    saved = [r for r in runs if (r.cfg.run_dir / "checkpoints").is_dir()]
-    fresh = [r for r in runs if r not in saved]
-    parts = []
-    if saved:
-        first = saved[0]
-        base = first.cfg.run_dir.with_name(first.cfg.name.removesuffix(f"-s{first.seed}"))
-        parts.append(f"continue with: kv4rl train --seeds {','.join(str(r.seed) for r in saved)} --resume {base}")
-    if fresh:
-        parts.append(f"seeds {','.join(str(r.seed) for r in fresh)} have no checkpoint: start them with the same "
-                     f"command and --seeds {','.join(str(r.seed) for r in fresh)}")
-    return "; ".join(parts)
+    """How to go on after a stopped sweep (`how_to_go_on` over its seeds' folders)."""
+    first = runs[0]
+    base = first.cfg.run_dir.with_name(first.cfg.name.removesuffix(f"-s{first.seed}"))
+    return "; ".join(how_to_go_on({r.seed: r.cfg.run_dir for r in runs}, base))
+
+
+def failed(runs: list[SeedRun]) -> list[int]:
+    """Seeds that ended badly on their own (not stopped by a signal the sweep passed on)."""
+    return [r.seed for r in runs if r.returncode not in (0, None) and not r.stopped_by]
 
 
 def summary_rows(runs: list[SeedRun]) -> list[list[str]]:
-    """One row per seed: seed, folder, status, iterations logged, last accuracy, seconds, log."""
-    from kv4rl.telemetry.metrics import read_jsonl
-
+    """One row per seed: seed, folder, status, iterations logged, last accuracy, seconds, log (the numbers
+    read when the seed ended, from its folder only if it wrote it)."""
     rows = []
     for run in runs:
-        metrics = run.cfg.run_dir / "metrics.jsonl"
-        lines = read_jsonl(metrics) if metrics.is_file() and run.returncode is not None else []
-        last = lines[-1] if lines else {}
-        status = status_of(run)
-        accuracy = last.get("accuracy")
-        rows.append([str(run.seed), str(run.cfg.run_dir), status, str(len(lines)),
+        accuracy = run.last_accuracy
+        rows.append([str(run.seed), str(run.cfg.run_dir), status_of(run), str(run.iterations),
                      "-" if accuracy is None else f"{accuracy:.3f}", f"{run.seconds:.0f}",
                      "-" if run.final_log is None else str(run.final_log)])
     return rows
