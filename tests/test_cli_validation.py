@@ -393,3 +393,40 @@ def test_a_refusal_leaves_no_json_folder_behind(no_work, tmp_path):
     for i, args in enumerate(cases):
         refused([*args, "--json", str(tmp_path / f"out{i}" / "r.json")])
     assert not list(tmp_path.iterdir())
+
+
+def test_a_home_path_in_a_config_key_is_expanded(monkeypatch, tmp_path):
+    """`model.path=~/x` is one word to the shell, which leaves its `~` alone: the folder was "not found"."""
+    from kv4rl.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(overrides=["model.path=~/models/m", "data.train=~/d.jsonl", "data.eval=~/e.jsonl",
+                                 "out_dir=~/runs"])
+    assert (cfg.model.path, cfg.data.train, cfg.data.eval, cfg.out_dir) == (
+        f"{tmp_path}/models/m", f"{tmp_path}/d.jsonl", f"{tmp_path}/e.jsonl", f"{tmp_path}/runs")
+    assert load_config(overrides=["data.train=gsm8k~x.jsonl"]).data.train == "gsm8k~x.jsonl"  # only a leading ~
+
+
+def test_library_warnings_read_like_the_clis_own(capsys):
+    """`train` printed a library warning as `kv4rl.rollout.build: ...` where `eval` printed `warning: ...`."""
+    import logging
+
+    from kv4rl.cli_common import _LogLines
+
+    record = logging.LogRecord("kv4rl.rollout.build", logging.WARNING, __file__, 1, "cut to %d tokens", (8,), None)
+    assert _LogLines().format(record) == "warning: cut to 8 tokens"
+    record = logging.LogRecord("kv4rl.engine.llm", logging.INFO, __file__, 1, "engine plan", (), None)
+    assert _LogLines().format(record) == "kv4rl.engine.llm: engine plan"
+
+
+def test_an_unquoted_template_override_is_told_to_be_quoted():
+    """`data.prompt_template=Problem: {problem}` is YAML for a mapping; the error showed the mapping only."""
+    from kv4rl.config import ConfigError, load_config
+
+    for value in ("Problem: {problem}", "{problem}"):
+        with pytest.raises(ConfigError, match=r"data\.prompt_template: .* quote it"):
+            load_config(overrides=[f"data.prompt_template={value}"])
+    assert load_config(overrides=["data.prompt_template='Q: {problem}'"]).data.prompt_template == "Q: {problem}"
+    with pytest.raises(ConfigError) as refused:
+        load_config(overrides=["trainer.lr=[1]"])
+    assert "quote it" not in str(refused.value)  # a number key is not told to quote

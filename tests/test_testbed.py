@@ -223,4 +223,6 @@ def test_eval_of_a_testbed_defaults_to_the_limit_its_build_measured_with(testbed
                               "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "warning" not in res.output
-    assert json.loads(out.read_text())["max_new_tokens"] == testbed.read_metadata(path)["eval_max_new_tokens"]
+    record = json.loads(out.read_text())
+    assert record["max_new_tokens"] == testbed.read_metadata(path)["eval_max_new_tokens"]
+    assert record["data"] == "testbed task longmul-test"  # it said "embedded" of longmul problems

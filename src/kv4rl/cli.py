@@ -7,7 +7,6 @@ Any config key can be overridden as `section.key=value` after the options.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import typer
 
 from kv4rl.cli_bench import bench_app
 from kv4rl.cli_common import (
+    setup_logging,
     error_line,
     check_at_least,
     check_device,
@@ -77,7 +77,7 @@ def train(
 
     from kv4rl import distributed
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    setup_logging(verbose)
     if seeds is not None or parallel is not None:
         if distributed.launched_ranks() > 1:
             fail("--seeds starts its own processes; run it without torchrun")

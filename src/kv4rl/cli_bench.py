@@ -12,7 +12,6 @@ and `learner` (the training side) in `kv4rl.cli_bench_learner`.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +19,7 @@ import typer
 from typer import Option
 
 from kv4rl.cli_common import (
+    setup_logging,
     check_at_least,
     check_device,
     check_temperature,
@@ -122,7 +122,7 @@ def fidelity(
     from kv4rl.engine.config import KVConfig
     from kv4rl.models.hf_weights import check_model_folder
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    setup_logging(verbose)
     try:
         if model is not None and random_init is not None:
             raise ValueError("pass either --model or --random-init, not both")

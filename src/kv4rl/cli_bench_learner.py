@@ -21,6 +21,7 @@ from kv4rl.cli_common import (
     finite_float,
     option_list,
     shape_args,
+    warn,
     write_json,
     wrote,
 )
@@ -122,6 +123,12 @@ def register_learner_benches(app: typer.Typer) -> None:
         if validate_only:
             console.print("options valid; stopping before any work (--validate-only)")
             return
+        from kv4rl.engine.placement import resolve_device
+
+        if shape != "qwen3-tiny" and resolve_device(device).type != "cuda":
+            warn(f"--shape {shape} is a real model's size: on the CPU its random weights take GBs and an iteration "
+                 "takes hours; --shape qwen3-tiny runs in seconds")
+
         def finished(partial: dict) -> None:  # each arm as it ends: a time limit keeps what ran
             r = partial["results"][-1]
             console.print(f"[dim]{len(partial['results'])}/{len(bench.arms)} {r['arm']}: "
@@ -195,7 +202,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         from kv4rl.bench.random_model import qwen3_args
         from kv4rl.engine.placement import resolve_device
         from kv4rl.trainer.fused_elementwise import fuses_by_default
-        from kv4rl.trainer.learner_options import check_learner_options
+        from kv4rl.kernels import kernels_usable
 
         switch = {"off": False, "on": True}
         try:
@@ -218,8 +225,9 @@ def register_learner_benches(app: typer.Typer) -> None:
                                                            known=list(switch))]
             head_list = [switch[v] for v in option_list(fused_logprobs or cuda_default, "--fused-logprobs",
                                                         known=list(switch))]
-            if True in head_list:
-                check_learner_options(dev, fsdp=True, offload=False, fused_logprobs=True)
+            if True in head_list and not kernels_usable(dev):
+                raise ValueError(f"--fused-logprobs on runs Triton kernels, which need a CUDA device (and Triton); "
+                                 f"on device {dev} use --fused-logprobs off")
             attention_list = option_list(attention or ("sdpa,flex" if dev.type == "cuda" else "sdpa"), "--attention",
                                          known=["sdpa", "flex"])
             if "flex" in attention_list and dev.type != "cuda":

@@ -8,6 +8,8 @@ Kept apart from `cli.py` so that the sub-command modules (`cli_bench`, `cli_sim`
 
 from __future__ import annotations
 
+import logging
+
 import copy
 import json
 import math
@@ -140,6 +142,26 @@ def check_not_an_input(outputs: dict[str, Path | None], inputs: dict[str, Path |
         if other is not None:
             fail(f"{option} {path} is also {other}; writing it would replace that file, give another path")
         seen[path.resolve()] = option
+
+
+class _LogLines(logging.Formatter):
+    """A warning reads as the CLI's own (`warning: ...`, as `warn` prints); with -v the INFO lines keep the
+    module that said them."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            return f"error: {message}"
+        if record.levelno >= logging.WARNING:
+            return f"warning: {message}"
+        return f"{record.name}: {message}"
+
+
+def setup_logging(verbose: bool) -> None:
+    """Library log records on stderr: warnings always, the INFO lines (engine plan, learner setup) with -v."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LogLines())
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
 
 
 def check_plot_outputs(figure: Path, runs: list[Path], json_out: Path | None = None) -> None:

@@ -186,14 +186,20 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
                                         else 16)
     engine_cfg.max_model_len = _eval_context(formatter, problems, f"--data {data}" if data else "embedded task",
                                              engine_cfg.max_model_len, model_len, max_new_tokens, ranks.main)
-    engine = Engine(model, engine_cfg, device=device, seed=seed, tokenizer=tokenizer)
+    # no more slots than requests: on the CPU the pool holds every slot at max_model_len (4.6 GiB for 32
+    # requests of a 135M model at 256 slots)
+    engine = Engine(model, engine_cfg, device=device, seed=seed, tokenizer=tokenizer,
+                    max_num_seqs=max(1, min(256, len(problems) * k)))
     reward_name = source.default_reward if reward == "auto" else reward
     stages = StageProgress(console, "eval") if ranks.main else contextlib.nullcontext()
     with get_reward(reward_name) as reward_fn, stages:
         res, results = evaluate_ranks(engine, formatter, problems, reward_fn, ranks, k=k, temperature=temperature,
                                       max_new_tokens=max_new_tokens, seed=seed, progress=stages if ranks.main else None)
     if res is not None:
-        res = {"model": str(model), "data": str(data) if data else "embedded", **res}
+        # a testbed folder is evaluated on its own task: say which, not "embedded"
+        named = str(data) if data else (f"testbed task {(read_metadata(model) or {}).get('testbed', type(task).__name__)}"
+                                        if task is not None else "embedded")
+        res = {"model": str(model), "data": named, **res}
     settings = {"reward": reward_name, "template": formatter.template, "chat_template": chat,
                 "temperature": temperature, "max_new_tokens": max_new_tokens,
                 "max_model_len": engine.max_model_len, "seed": seed, "engine": overrides,

@@ -8,6 +8,7 @@ entry point used by the CLI and by `--resume` (which reloads the run folder's sa
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -259,7 +260,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = merge(data, read_yaml(path))
     data = apply_overrides(data, list(overrides or []))
     _import_loss_plugins(data)
-    return from_dict(RunConfig, data).validate()
+    return _expand_home(from_dict(RunConfig, data)).validate()
+
+
+def _expand_home(cfg: RunConfig) -> RunConfig:
+    """`~` in the path keys means the home folder, as in a shell (`model.path=~/x` is one word to the shell,
+    which expands only a leading `~`, so it arrived unexpanded); config.yaml records the expanded path."""
+    home = lambda v: os.path.expanduser(v) if isinstance(v, str) and v.startswith("~") else v  # noqa: E731
+    cfg.model.path, cfg.data.train, cfg.data.eval = home(cfg.model.path), home(cfg.data.train), home(cfg.data.eval)
+    cfg.out_dir = home(cfg.out_dir)
+    return cfg
 
 
 def _import_loss_plugins(data: dict[str, Any]) -> None:

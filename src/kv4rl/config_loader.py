@@ -34,6 +34,14 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _quote_hint(value: Any, tp: Any) -> str:
+    """A text key given `{problem}` or `Label: {x}` unquoted: YAML read a mapping, so say to quote it."""
+    wants_text = str in get_args(tp) or tp is str
+    if wants_text and isinstance(value, (dict, list)):
+        return " (the value was read as YAML, which made it a mapping or list; quote it, e.g. key='Q: {problem}')"
+    return ""
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Return `value` checked against annotation `tp`, or raise ConfigError naming `key`."""
     origin = get_origin(tp)
@@ -47,7 +55,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arm, key)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key}: {value!r} is not of type {_type_name(tp)}")
+        raise ConfigError(f"{key}: {value!r} is not of type {_type_name(tp)}{_quote_hint(value, tp)}")
     if tp is type(None):
         if value is None:
             return None
