@@ -430,3 +430,12 @@ def test_an_unquoted_template_override_is_told_to_be_quoted():
     with pytest.raises(ConfigError) as refused:
         load_config(overrides=["trainer.lr=[1]"])
     assert "quote it" not in str(refused.value)  # a number key is not told to quote
+
+
+def test_eval_makes_no_output_folder_when_its_data_is_refused(tmp_path):
+    """`--json sub/x.json` with a data file missing a field: the error came after `sub/` was made."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1", "answer": "2"}\n')
+    refused(["eval", "--data", str(rows), "--json", str(tmp_path / "sub" / "x.json"),
+             "--samples", str(tmp_path / "other" / "s.jsonl")], "missing field 'problem'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]

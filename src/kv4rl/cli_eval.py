@@ -138,8 +138,8 @@ def eval_cmd(
                              f"start with `torchrun --nproc-per-node {engine_cfg.tensor_parallel} -m kv4rl.cli eval ...`")
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
-    check_output_path(json_out)
-    check_output_path(samples_out, "--samples")
+    check_output_path(json_out, create=False)  # folders made once the data and model have loaded
+    check_output_path(samples_out, "--samples", create=False)
     check_not_an_input({"--json": json_out, "--samples": samples_out}, {"--data": data})
     ranks = distributed.init_from_torchrun(device)
     try:
@@ -153,6 +153,8 @@ def eval_cmd(
     if not ranks.main:
         return
     print_table(console, metric_table("evaluation", res))
+    check_output_path(json_out)
+    check_output_path(samples_out, "--samples")
     write_json({**res, **settings}, json_out)
     wrote(json_out)
     _write_samples(samples_out, problems, results)
