@@ -29,6 +29,7 @@ def test_closed_forms_by_hand():
     assert above["clip_mean_per_unit_ratio"] == -0.5
     below = closed_form(0.5, 0.2, 2.0)
     assert below["clip"] == {"mean": 0.5, "var": 0.25}
+    assert str(closed_form(1.5, 0.2, 0.0)["clip"]["mean"]) == "0.0"  # was -0.0 in the JSON
     inside = closed_form(1.1, 0.2, 2.0)
     assert inside["clip"] == inside["noclip"] == {"mean": 0.0, "var": pytest.approx(4.84)}
 

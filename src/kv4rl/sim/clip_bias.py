@@ -36,7 +36,7 @@ def closed_form(rho: float, eps: float, sigma: float) -> dict:
     """Exact mean and variance of the coefficient with and without clipping (module docstring)."""
     noclip = {"mean": 0.0, "var": (rho * sigma) ** 2}
     if rho > 1.0 + eps:
-        clip, regime = {"mean": -rho * sigma / 2, "var": (rho * sigma) ** 2 / 4}, "above"
+        clip, regime = {"mean": -rho * sigma / 2 + 0.0, "var": (rho * sigma) ** 2 / 4}, "above"  # + 0.0: no -0.0
     elif rho < 1.0 - eps:
         clip, regime = {"mean": rho * sigma / 2, "var": (rho * sigma) ** 2 / 4}, "below"
     else:
