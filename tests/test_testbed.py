@@ -18,7 +18,7 @@ from kv4rl.config import ConfigError, load_config
 from kv4rl.data.longmul import LongMulTask, solution
 from kv4rl.data.source import ProblemSource
 from kv4rl.data.synthetic import ArithmeticTask
-from kv4rl.models import testbed, warmup
+from kv4rl.models import testbed, testbed_spec, warmup
 from tests.conftest import assert_plain_modes
 
 runner = CliRunner()
@@ -207,10 +207,10 @@ def test_a_changed_prompt_template_or_warm_up_optimizer_makes_the_cached_build_s
     _, path = testbed_cache
     spec = testbed.SPECS["longmul-test"]
     assert testbed.is_complete(path, spec)
-    monkeypatch.setattr(testbed, "PROMPT_TEMPLATE", "Q: {problem}\nA:")
+    monkeypatch.setattr(testbed_spec, "PROMPT_TEMPLATE", "Q: {problem}\nA:")
     assert not testbed.is_complete(path, spec)
     monkeypatch.undo()
-    monkeypatch.setattr(testbed, "WARMUP_OPTIMIZER", {**testbed.WARMUP_OPTIMIZER, "grad_clip": 0.5})
+    monkeypatch.setattr(testbed_spec, "WARMUP_OPTIMIZER", {**testbed_spec.WARMUP_OPTIMIZER, "grad_clip": 0.5})
     assert not testbed.is_complete(path, spec)
 
 

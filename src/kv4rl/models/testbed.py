@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -29,11 +29,12 @@ from rich.console import Console
 
 from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.longmul import LongMulTask
-from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask
+from kv4rl.data.synthetic import ArithmeticTask
 from kv4rl.models.cache_install import cached_build
 from kv4rl.models.fingerprint import weights_sha256
+from kv4rl.models.testbed_spec import TASK_TYPES, TestbedSpec
 from kv4rl.models.tiny import _progress_bar, _torch_threads, _transformers_progress_off, default_cache_dir
-from kv4rl.models.warmup import WARMUP_OPTIMIZER, measure, target_text, warm_up
+from kv4rl.models.warmup import measure, warm_up
 
 if TYPE_CHECKING:  # the modeling module loads triton.language at import: kept out of `import kv4rl.loop`,
     # so kernel tests can still switch Triton to its interpreter before it loads (tests/conftest.py)
@@ -42,48 +43,6 @@ if TYPE_CHECKING:  # the modeling module loads triton.language at import: kept o
 VERSION_TAG = "testbed-v1"
 METADATA_FILE = "kv4rl_testbed.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", METADATA_FILE)
-TASK_TYPES = {"arith": ArithmeticTask, "longmul": LongMulTask}
-
-
-@dataclass(frozen=True, kw_only=True)
-class TestbedSpec:
-    """Everything that shapes one testbed's model; its JSON form keys the cache."""
-
-    task: str
-    size: str
-    task_settings: dict
-    model_shape: dict
-    steps: int
-    batch_size: int
-    learning_rate: float
-    lr_warmup_steps: int
-    eval_problems: int
-    # Stop the warm-up once the held-out probability of sampling the exact worked solution (a lower bound
-    # on sampled accuracy, `solution_probability`) reaches this, checked every `check_every` steps; None:
-    # run all `steps`. Stopping on the measured value keeps the starting accuracy in RL's useful band on
-    # any hardware, where a fixed step count would land anywhere from 0 to 100% (the task is learnable).
-    target_accuracy: float | None = None
-    check_every: int = 25
-    seed: int = 0
-    eval_seed: int = 10_001  # held out: training problems come from random.Random(seed)
-    cpu_threads: int | None = 1  # see tiny.BUILD_THREADS; None: leave torch's setting
-
-    @property
-    def name(self) -> str:
-        return f"{self.task}-{self.size}"
-
-    def make_task(self) -> ArithmeticTask | LongMulTask:
-        return TASK_TYPES[self.task](**self.task_settings)
-
-    def recipe(self) -> dict:
-        """Everything that shapes the built weights, the cache key (a change rebuilds): the spec, and the
-        warm-up's prompt template, worked-solution format (one example) and optimizer settings, which live
-        in code (a changed template reused the stale build)."""
-        task = self.make_task()
-        build = {"prompt_template": PROMPT_TEMPLATE, "optimizer": WARMUP_OPTIMIZER,
-                 "solution_example": target_text(task, task.problems(1, seed=0)[0])}
-        return json.loads(json.dumps({**{k: v for k, v in asdict(self).items() if k != "cpu_threads"}, **build}))
-
 
 
 _GPU_SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -13,56 +13,27 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from kv4rl.data.char_tokenizer import build_char_tokenizer
-from kv4rl.data.longmul import LongMulTask
-from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask
+from kv4rl.data.synthetic import PROMPT_TEMPLATE
 from kv4rl.data.types import Problem
+from kv4rl.models.testbed_spec import WARMUP_OPTIMIZER, TestbedSpec, target_text
 
 if TYPE_CHECKING:  # the modeling module loads triton.language at import (see kv4rl.models.testbed)
     from transformers import PreTrainedTokenizerBase, Qwen3ForCausalLM
 
 
-class WarmupSpec(Protocol):
-    """What the warm-up reads of a `kv4rl.models.testbed.TestbedSpec` (which satisfies it)."""
-
-    name: str
-    model_shape: dict
-    steps: int
-    batch_size: int
-    learning_rate: float
-    lr_warmup_steps: int
-    eval_problems: int
-    target_accuracy: float | None
-    check_every: int
-    seed: int
-    eval_seed: int
-
-    def make_task(self) -> LongMulTask | ArithmeticTask: ...
-
-WARMUP_OPTIMIZER = {"weight_decay": 0.01, "betas": (0.9, 0.95), "grad_clip": 1.0}  # AdamW of the warm-up
-
-
-def target_text(task, problem: Problem) -> str:
-    """The response the warm-up teaches: the task's worked solution (arith: the boxed answer)."""
-    if isinstance(task, LongMulTask):
-        return task.target(problem)
-    from kv4rl.data.synthetic import target_text as boxed
-
-    return boxed(problem.answer)
-
-
-def solution_lengths(spec: WarmupSpec, n: int, seed: int) -> list[int]:
+def solution_lengths(spec: TestbedSpec, n: int, seed: int) -> list[int]:
     """Token lengths (EOS included) of the worked solutions of `n` problems: the generator's own lengths."""
     encode = CharEncoder(build_char_tokenizer())
     task = spec.make_task()
     return [len(encode(target_text(task, p))) + 1 for p in task.problems(n, seed=seed)]
 
 
-def learning_rate_factor(spec: WarmupSpec):
+def learning_rate_factor(spec: TestbedSpec):
     def factor(step: int) -> float:
         # linear ramp, then cosine down to 10%: the end point moves little from step to step
         ramp = min(1.0, (step + 1) / spec.lr_warmup_steps)
@@ -128,7 +99,7 @@ def solution_probability(model, encode, task, problems: list[Problem], pad_id: i
     return total / len(problems)
 
 
-def warm_up(spec: WarmupSpec, model: Qwen3ForCausalLM, tokenizer, bar, device: torch.device) -> dict:
+def warm_up(spec: TestbedSpec, model: Qwen3ForCausalLM, tokenizer, bar, device: torch.device) -> dict:
     """Supervised steps on freshly drawn problems (loss on the response tokens only), until `spec.steps` or
     `spec.target_accuracy`. Returns the losses, the steps taken and the last accuracy estimate."""
     rng = random.Random(spec.seed)
@@ -172,7 +143,7 @@ def warm_up(spec: WarmupSpec, model: Qwen3ForCausalLM, tokenizer, bar, device: t
     return {"losses": losses, "steps": spec.steps, "estimate": estimate}
 
 
-def measure(model_dir: Path, spec: WarmupSpec, device: torch.device) -> dict:
+def measure(model_dir: Path, spec: TestbedSpec, device: torch.device) -> dict:
     """Accuracy (sampled at temperature 1 and greedy) and mean response length on held-out problems, through
     the rollout engine with the exact reward: what the first RL iteration will see."""
     from transformers import AutoTokenizer
