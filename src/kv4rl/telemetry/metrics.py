@@ -104,6 +104,14 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def distinct_runs(runs: list[Path]) -> list[Path]:
+    """The run folders in the order given, a folder named twice (`runs/a`, `runs/a/.`) kept once."""
+    given: dict[Path, Path] = {}
+    for run in runs:
+        given.setdefault(Path(run).resolve(), Path(run))
+    return list(given.values())
+
+
 def run_labels(runs: list[Path]) -> list[str]:
     """How plots name runs: by folder name, or by the paths as given when two folders share a name (their
     rows would otherwise merge into one curve)."""

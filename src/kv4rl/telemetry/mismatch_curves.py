@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kv4rl.telemetry.metrics import read_metrics, run_labels
+from kv4rl.telemetry.metrics import distinct_runs, read_metrics, run_labels
 
 # The chain's terms in order, from the learner's side to the engine's recorded log-prob.
 SOURCES = ("learner", "staleness", "kv_cache", "weights", "truncation", "kernels")
@@ -26,10 +26,7 @@ def mismatch_rows(runs: list[Path]) -> list[dict]:
     if not runs:
         raise ValueError("no runs given: name one or more run folders")
     out = []
-    given: dict[Path, Path] = {}
-    for run in runs:  # a folder named twice is drawn once
-        given.setdefault(Path(run).resolve(), Path(run))
-    runs = list(given.values())
+    runs = distinct_runs(runs)  # a folder named twice is drawn once
     labels = run_labels(runs)
     for label, run in zip(labels, runs):
         path = run / "metrics.jsonl"

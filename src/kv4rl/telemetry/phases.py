@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kv4rl.telemetry.metrics import read_metrics, run_labels
+from kv4rl.telemetry.metrics import distinct_runs, read_metrics, run_labels
 
 PHASES = ("time_rollout", "time_reward", "time_update", "time_sync", "time_sleep_wake")
 OPTIONAL = {"time_sleep_wake": 0.0}  # phases older metrics files lack, and their value there
@@ -51,8 +51,5 @@ def rows_of(label: str, means: dict[str, float]) -> list[dict]:
 
 def phase_rows(runs: list[Path], skip: int = 0) -> list[dict]:
     """The CSV rows: one per (run, phase) (see `rows_of`)."""
-    given: dict[Path, Path] = {}
-    for run in runs:  # a folder named twice is drawn once
-        given.setdefault(Path(run).resolve(), Path(run))
-    runs = list(given.values())
+    runs = distinct_runs(runs)  # a folder named twice is drawn once
     return [row for label, run in zip(run_labels(runs), runs) for row in rows_of(label, phase_means(run, skip))]
