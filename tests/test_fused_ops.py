@@ -24,6 +24,7 @@ from kv4rl.config import load_config  # noqa: E402
 from kv4rl.engine.config import EngineConfig, KVConfig  # noqa: E402
 from kv4rl.engine.llm import Engine  # noqa: E402
 from kv4rl.kernels import fused_ops as fo  # noqa: E402
+from kv4rl.kernels import rope as kr  # noqa: E402
 from kv4rl.models import Decoder, ModelArgs  # noqa: E402
 from kv4rl.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from tests.conftest import make_checkpoint  # noqa: E402
@@ -84,10 +85,10 @@ def test_qk_norm_rope_matches_eager(head_dim, heads, scaling, qk_norm, gen):
     if qk_norm:
         qw, kw = (_randn(head_dim, gen=gen) * 0.3 + 1 for _ in range(2))
         q_ref, k_ref = _eager_norm(qw)(q.double()), _eager_norm(kw)(k.double())
-        q_out, k_out = fo.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions)
+        q_out, k_out = kr.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions)
     else:
         q_ref, k_ref = q.double(), k.double()
-        q_out, k_out = fo.rope(q, k, rotary.cos, rotary.sin, positions)
+        q_out, k_out = kr.rope(q, k, rotary.cos, rotary.sin, positions)
     assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.is_contiguous()
     torch.testing.assert_close(q_out.double(), rotary.apply_rotary(q_ref, positions), **TOL)
     torch.testing.assert_close(k_out.double(), rotary.apply_rotary(k_ref, positions), **TOL)
@@ -104,16 +105,16 @@ def test_qk_norm_rope_rotates_like_the_kv_cache(head_dim, heads, rows, gen):
     q, k = _randn(n, hq, head_dim, gen=gen, scale=2.0), _randn(n, hk, head_dim, gen=gen, scale=2.0)
     qw, kw = (_randn(head_dim, gen=gen) * 0.3 + 1 for _ in range(2))
     positions = torch.tensor([0, 1, 7, 1000, 32767, 40959, 5], device=DEVICE)
-    q_out, k_out = fo.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions, rotate=True,
+    q_out, k_out = kr.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions, rotate=True,
                                    block_rows=rows)
     for out, x, w in ((q_out, q, qw), (k_out, k, kw)):
         with torch.no_grad():  # the cached Hadamard matrix may be an inference tensor from an earlier test
             ref = rotate(rotary.apply_rotary(_eager_norm(w)(x.double()), positions))
         torch.testing.assert_close(out.double(), ref, **TOL)
-    plain, _ = fo.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions)
+    plain, _ = kr.qk_norm_rope(q, k, qw, kw, EPS, rotary.cos, rotary.sin, positions)
     assert (q_out - plain).abs().max() > 0.1  # the rotation is not a no-op
     with pytest.raises(ValueError, match="power-of-two head_dim"):
-        fo.qk_norm_rope(q[..., :24], k[..., :24], None, None, EPS, rotary.cos[:, :12], rotary.sin[:, :12],
+        kr.qk_norm_rope(q[..., :24], k[..., :24], None, None, EPS, rotary.cos[:, :12], rotary.sin[:, :12],
                         positions, rotate=True)
 
 
@@ -141,9 +142,9 @@ def test_wrappers_reject_mismatched_inputs():
     x = torch.zeros(2, 8, 32, device=DEVICE)
     table = torch.zeros(4, 16, device=DEVICE)
     with pytest.raises(ValueError, match="both norm weights"):
-        fo.qk_norm_rope(x, x, torch.ones(32, device=DEVICE), None, EPS, table, table, torch.zeros(2).long())
+        kr.qk_norm_rope(x, x, torch.ones(32, device=DEVICE), None, EPS, table, table, torch.zeros(2).long())
     with pytest.raises(ValueError, match="cos/sin"):
-        fo.rope(x, x, table[:, :8], table[:, :8], torch.zeros(2, dtype=torch.long, device=DEVICE))
+        kr.rope(x, x, table[:, :8], table[:, :8], torch.zeros(2, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="weight"):
         fo.rms_norm(x, torch.ones(8, device=DEVICE), EPS)
     with pytest.raises(ValueError, match="silu_mul"):
@@ -168,7 +169,7 @@ def test_float16_rope_and_residual_sum_are_bit_identical(gen):
     rotary = RotaryEmbedding(128, 40960, 1e6, None)
     q, k = ((2 * torch.randn(32, h, 128, generator=gen)).half() for h in (16, 8))
     positions = torch.randint(0, 40960, (32,), generator=gen)
-    q_out, k_out = fo.rope(q, k, rotary.cos, rotary.sin, positions)
+    q_out, k_out = kr.rope(q, k, rotary.cos, rotary.sin, positions)
     assert torch.equal(q_out, rotary.apply_rotary(q, positions))
     assert torch.equal(k_out, rotary.apply_rotary(k, positions))
     x, residual = torch.randn(8, 2048, generator=gen).half(), (4 * torch.randn(8, 2048, generator=gen)).half()
@@ -207,7 +208,7 @@ def test_float16_norms_within_an_ulp_or_two(gen):
     positions = torch.randint(0, 40960, (16,), generator=gen)
     q_norm = RMSNorm(128, EPS, dtype=torch.float16)
     q_norm.weight.copy_(1 + 0.3 * torch.randn(128, generator=gen))
-    q_out, _ = fo.qk_norm_rope(q, k, q_norm.weight, q_norm.weight, EPS, rotary.cos, rotary.sin, positions)
+    q_out, _ = kr.qk_norm_rope(q, k, q_norm.weight, q_norm.weight, EPS, rotary.cos, rotary.sin, positions)
     assert float((q_out != rotary.apply_rotary(q_norm(q), positions)).float().mean()) < 1e-3
 
 
@@ -222,8 +223,8 @@ def test_float16_rotation_rounds_once(gen):
     rotary = RotaryEmbedding(128, 40960, 1e6, None)
     q, k = ((2 * torch.randn(64, h, 128, generator=gen)).half() for h in (16, 8))
     positions = torch.randint(0, 40960, (64,), generator=gen)
-    plain = fo.rope(q, k, rotary.cos, rotary.sin, positions)
-    rotated = fo.qk_norm_rope(q, k, None, None, 0.0, rotary.cos, rotary.sin, positions, rotate=True)
+    plain = kr.rope(q, k, rotary.cos, rotary.sin, positions)
+    rotated = kr.qk_norm_rope(q, k, None, None, 0.0, rotary.cos, rotary.sin, positions, rotate=True)
     for before, after in zip(plain, rotated):
         ulps = _ulps(after, rotate(before.double()).half())
         assert float(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 1e-3

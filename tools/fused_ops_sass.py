@@ -1,4 +1,4 @@
-"""Compile the fused elementwise kernels (kv4rl.kernels.fused_ops) and the FP8 activation quantizer
+"""Compile the fused elementwise kernels (kv4rl.kernels.fused_ops, kv4rl.kernels.rope) and the FP8 activation quantizer
 (kv4rl.kernels.fp8_quant) for Hopper (sm_90) on any machine at Qwen3-1.7B's shapes, print each one's
 registers and SASS opcode counts, and check in the PTX that the arithmetic stayed eager's: every float
 add/sub/mul carries an explicit `.rn` (which ptxas may not contract into an FMA), no `fma` on
@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 
 from kv4rl.kernels import fp8_quant as fq
 from kv4rl.kernels import fused_ops as fo
+from kv4rl.kernels import rope as kr
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2048, 16, 8, 128, 6144
 
@@ -48,7 +49,7 @@ def kernels(dtype: str) -> dict:
                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "sign_ptr": act}
     rope_consts = {"BLOCK_HQ": Q_HEADS, "BLOCK_HK": KV_HEADS, "HALF": HEAD_DIM // 2, "BLOCK_HALF": HEAD_DIM // 2}
     # with the rotation into a KV4 cache's key space, over blocks of (token, head) rows
-    rotated_consts = {"BLOCK_R": fo.ROTATED_ROWS, "HALF": HEAD_DIM // 2, "RSQRT_D": HEAD_DIM**-0.5, "EXACT": False}
+    rotated_consts = {"BLOCK_R": kr.ROTATED_ROWS, "HALF": HEAD_DIM // 2, "RSQRT_D": HEAD_DIM**-0.5, "EXACT": False}
     return {
         "rms_norm": _compile(fo._rms_norm_kernel, norm_ptrs, {"HAS_RESIDUAL": False, "BLOCK_C": HIDDEN,
                                                               "FP8_OUT": False, "RECIPROCAL": True}),
@@ -60,9 +61,9 @@ def kernels(dtype: str) -> dict:
         "silu_mul_fp8": _compile(fo._silu_mul_fp8_kernel, {**silu_ptrs, "o_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
                                  {"LIBDEVICE": True, "RECIPROCAL": True, "BLOCK": fo.row_launch(INTERMEDIATE)[0]},
                                  num_warps=fo.row_launch(INTERMEDIATE)[1]),
-        "qk_norm_rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": True, **rope_consts}),
-        "rope": _compile(fo._qk_norm_rope_kernel, rope_ptrs, {"NORM": False, **rope_consts}),
-        "qk_norm_rope_rotated": _compile(fo._qk_norm_rope_rows_kernel, rope_ptrs, {"NORM": True, **rotated_consts}),
+        "qk_norm_rope": _compile(kr._qk_norm_rope_kernel, rope_ptrs, {"NORM": True, **rope_consts}),
+        "rope": _compile(kr._qk_norm_rope_kernel, rope_ptrs, {"NORM": False, **rope_consts}),
+        "qk_norm_rope_rotated": _compile(kr._qk_norm_rope_rows_kernel, rope_ptrs, {"NORM": True, **rotated_consts}),
         "silu_mul": _compile(fo._silu_mul_kernel, silu_ptrs,
                              {"LIBDEVICE": True, "BLOCK": fo._SILU_BLOCK}),
         # FP8Linear's input quantizer as it runs on CUDA, at down_proj's K (two chunks of 4096)

@@ -40,7 +40,7 @@ def profile_case(name: str, num_q_heads: int, rows: int, prefix: int, new: int, 
     inputs = prefill_inputs(fast, fmt, meta, num_q_heads)
     layer = lambda: fast.prefill(cache, q, k, v, inputs)
     if rope is not None:
-        from kv4rl.kernels.fused_ops import qk_norm_rope
+        from kv4rl.kernels.rope import qk_norm_rope
         from kv4rl.models.layers import RotaryEmbedding
 
         rotary = RotaryEmbedding(HEAD_DIM, 40960, 1e6, None, device=dev)

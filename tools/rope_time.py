@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv4rl.bench.decode_attn import _time_graph  # noqa: E402
-from kv4rl.kernels import fused_ops  # noqa: E402
+from kv4rl.kernels import rope  # noqa: E402
 from kv4rl.models.layers import RotaryEmbedding  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def main() -> None:
         q = torch.randn(n, a.q_heads, 128, device="cuda").to(torch.bfloat16)
         k = torch.randn(n, 8, 128, device="cuda").to(torch.bfloat16)
         pos = torch.arange(n, device="cuda") % 40960
-        call = functools.partial(fused_ops.qk_norm_rope, q, k, w, w, 1e-6, rotary.cos, rotary.sin, pos)
+        call = functools.partial(rope.qk_norm_rope, q, k, w, w, 1e-6, rotary.cos, rotary.sin, pos)
         row = {"tokens": n, "plain_us": 1e3 * _time_graph(call)}
         for setting in a.settings.split(","):
             rows, warps = (int(x) for x in setting.split("x"))

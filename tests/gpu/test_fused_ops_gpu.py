@@ -71,7 +71,7 @@ def _qk(gen):
 
 @torch.inference_mode()
 def test_rope_is_bit_identical():
-    from kv4rl.kernels.fused_ops import rope
+    from kv4rl.kernels.rope import rope
 
     rotary, q, k, positions = _qk(_gen(1))
     q_out, k_out = rope(q, k, rotary.cos, rotary.sin, positions)
@@ -83,7 +83,7 @@ def test_rope_is_bit_identical():
 def test_qk_norm_rope_within_the_norms_ulps():
     """A normalised element one ulp off moves both rotated elements that use it by about an ulp of the
     head's values: bounded by four ulps of the head's largest output."""
-    from kv4rl.kernels.fused_ops import qk_norm_rope
+    from kv4rl.kernels.rope import qk_norm_rope
 
     gen = _gen(2)
     rotary, q, k, positions = _qk(gen)
@@ -103,7 +103,7 @@ def test_rotated_qk_norm_rope_is_the_kv_writes_rotation(rows):
     """`rotate=True` in bf16: the heads of the unrotated kernel rotated as the KV write rotates keys
     (`rotate_rows`: the same exact ±1 products summed in float32, scaled, rounded once), up to the order
     of the float32 sums (rarely an ulp); N = 256 + 3 tokens, blocks of `rows` (token, head) rows."""
-    from kv4rl.kernels.fused_ops import qk_norm_rope
+    from kv4rl.kernels.rope import qk_norm_rope
     from kv4rl.kernels.kv_write import rotate_rows
 
     gen = _gen(5)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kv4rl.kernels.fused_ops import add_rms_norm, qk_norm_rope, rms_norm, rms_norm_fp8, silu_mul, silu_mul_fp8
+from kv4rl.kernels.fused_ops import add_rms_norm, rms_norm, rms_norm_fp8, silu_mul, silu_mul_fp8
+from kv4rl.kernels.rope import qk_norm_rope
 from kv4rl.quant.fp8 import QuantizedRows
 
 
