@@ -229,3 +229,23 @@ def test_a_request_that_stopped_before_generate_is_handed_back_by_the_step_after
     engine._backlog.append(seq)  # as a drain would have kept it, had the step been in flight
     engine.generate([[4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert engine.step() == [seq]
+
+
+def test_generation_config_eos_ids_also_stop(tiny_qwen3, tmp_path):
+    """A chat checkpoint may name its second stop token only in generation_config.json (Qwen3 does); the
+    engine stops there too, as transformers.generate does. Reference: the unstopped greedy tokens."""
+    import json
+    import shutil
+
+    path, hf = tiny_qwen3
+    folder = tmp_path / "model"
+    shutil.copytree(path, folder)
+    prompt = prompts(1, 97, seed=5)[0]
+    greedy = greedy_reference(hf, prompt, 8)
+    stop = next(t for t in greedy if t != 96)  # 96 is config.json's eos; pick a token it does not already stop at
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [96, stop]}))
+    engine = Engine(folder, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64), device="cpu",
+                    dtype="float32")
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+    cut = next(i for i, t in enumerate(greedy) if t in (96, stop))
+    assert out.token_ids == greedy[: cut + 1] and out.finish_reason == "stop"

@@ -282,6 +282,40 @@ def test_folder_errors(saved, tmp_path):
         load_model(no_weights)
 
 
+@pytest.mark.parametrize("generation, want", [
+    (None, (3,)),  # no generation_config.json: config.json's id alone
+    ({"eos_token_id": [7, 3]}, (3, 7)),  # config.json's ids first, each once
+    ({"eos_token_id": 9}, (3, 9)),
+    ({"eos_token_id": None, "temperature": 0.6}, (3,)),
+    ({"do_sample": True}, (3,)),
+])
+def test_generation_config_adds_stop_ids(tmp_path, generation, want):
+    from kv4rl.models.hf_weights import read_model_args
+
+    base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "eos_token_id": 3}
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    args = read_model_args(tmp_path)
+    assert args.eos_token_ids == want
+    assert args == ModelArgs.from_hf_config({**base, "eos_token_id": list(want) if len(want) > 1 else want[0]})
+
+
+@pytest.mark.parametrize("text, message", [("{", "generation_config.json: Expecting"),
+                                           ("[1]", "expected a JSON object"),
+                                           ('{"eos_token_id": "x"}', "eos_token_id must be")])
+def test_a_bad_generation_config_is_named(tmp_path, text, message):
+    from kv4rl.models.hf_weights import read_model_args
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 10, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "eos_token_id": 3}))
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ModelFolderError, match=message):
+        read_model_args(tmp_path)
+
+
 @pytest.mark.parametrize("keep", [0, 50, -100], ids=["empty", "cut_in_header", "cut_in_tensor_data"])
 def test_a_truncated_weight_file_is_named(tmp_path, keep):
     """A copy cut short (an interrupted download or save), also after a header that parses: named as a

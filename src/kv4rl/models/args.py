@@ -9,7 +9,7 @@ producing silently different log-probs from the learner's ``transformers`` model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -54,6 +54,21 @@ class ModelArgs:
         if isinstance(self.eos_token_id, int):
             return (self.eos_token_id,)
         return self.eos_token_id
+
+    def with_stop_ids(self, extra: tuple[int, ...]) -> ModelArgs:
+        """These args with `extra` EOS ids after the config's own, each id once, in order."""
+        ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(extra)))
+        if ids == self.eos_token_ids:
+            return self
+        return replace(self, eos_token_id=ids[0] if len(ids) == 1 else ids)
+
+    @staticmethod
+    def parse_eos_ids(eos: Any) -> tuple[int, ...]:
+        """An `eos_token_id` value (None, an int, or a list of ints) as a tuple of ids."""
+        parsed = _parse_eos(eos)
+        if parsed is None:
+            return ()
+        return (parsed,) if isinstance(parsed, int) else parsed
 
     @property
     def num_kv_groups(self) -> int:

@@ -21,6 +21,7 @@ from kv4rl.models.decoder import TIED_HEAD_NAME, Decoder
 from kv4rl.models.tensor_parallel import TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class ModelFolderError(ValueError):
@@ -43,9 +44,28 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
         raise ModelFolderError(f"{model_dir}: config.json is missing")
     try:
         config = json.loads(config_path.read_text())
-        return ModelArgs.from_hf_config(config)
+        args = ModelArgs.from_hf_config(config)
     except (json.JSONDecodeError, ValueError) as error:
         raise ModelFolderError(f"{config_path}: {error}") from error
+    return args.with_stop_ids(_generation_eos_ids(model_dir))
+
+
+def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The `eos_token_id` of `generation_config.json`, where there is one.
+
+    Chat checkpoints often list their end-of-turn token only there (Qwen3's `config.json` names
+    `<|im_end|>`, its `generation_config.json` adds `<|endoftext|>`); `transformers.generate` and
+    vLLM stop at both, so the engine does too."""
+    path = model_dir / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return ()
+    try:
+        generation = json.loads(path.read_text())
+        if not isinstance(generation, dict):
+            raise ValueError(f"expected a JSON object, got {type(generation).__name__}")
+        return ModelArgs.parse_eos_ids(generation.get("eos_token_id"))
+    except (json.JSONDecodeError, ValueError) as error:
+        raise ModelFolderError(f"{path}: {error}") from error
 
 
 def weight_files(model_dir: Path) -> list[Path]:
