@@ -439,3 +439,14 @@ def test_eval_makes_no_output_folder_when_its_data_is_refused(tmp_path):
     refused(["eval", "--data", str(rows), "--json", str(tmp_path / "sub" / "x.json"),
              "--samples", str(tmp_path / "other" / "s.jsonl")], "missing field 'problem'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]
+
+
+@pytest.mark.parametrize("local_rank, printed", [("0", True), ("1", False), ("3", False)])
+def test_under_torchrun_a_config_error_is_printed_by_each_hosts_first_rank_only(monkeypatch, local_rank, printed):
+    """Every rank finds the same bad key; four copies of one line hid the launcher's own summary."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    result = runner.invoke(app, ["train", "trainer.no_such_key=1"])
+    assert result.exit_code == 2
+    assert ("no_such_key" in result.output) is printed
+    assert ("error" in result.output) is printed

@@ -83,6 +83,7 @@ def train(
             fail("--seeds starts its own processes; run it without torchrun")
         _train_seeds(seeds, parallel, config, overrides or [], resume, overwrite, verbose)
         return
+    ranks = None  # set once the job is joined
     try:
         if resume is not None:
             if overwrite or config is not None:
@@ -98,6 +99,8 @@ def train(
         finally:
             distributed.shutdown()
     except (ConfigError, ValueError) as exc:
+        if ranks is None and not distributed.prints_setup_errors():
+            raise typer.Exit(2) from None  # the same config error on every rank: one line per host says it
         fail(str(exc))
     if not ranks.main:
         return

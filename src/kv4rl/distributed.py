@@ -39,6 +39,12 @@ def launched_ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def prints_setup_errors() -> bool:
+    """Whether this process reports an error found before the job is joined (a bad config): under
+    torchrun every rank finds the same one, so only each host's first rank prints it."""
+    return launched_ranks() <= 1 or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def init_from_torchrun(device: str) -> Ranks:
     """Join the job torchrun started (NCCL for CUDA tensors and gloo for CPU ones; gloo alone on the
     CPU). One process: no group is made (the learner makes its own one-process group)."""
