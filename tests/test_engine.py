@@ -163,12 +163,10 @@ def test_abort_of_a_finished_request_keeps_its_finish_reason(tiny_qwen3):
 def test_any_int_is_a_sampling_seed_and_seeds_in_range_keep_their_stream(tiny_qwen3):
     from kv4rl.engine.sampler import as_int64, request_seed
 
-    from kv4rl.engine.sampler import splitmix64
-
     assert as_int64(2**64 + 5) == 5 and as_int64(2**63) == -(2**63) and as_int64(-7) == -7
-    # a seed whose mix fits int64 keeps the stream it had before seeds were wrapped
-    assert request_seed(5, 3) == int(splitmix64(torch.tensor([5 * 1_000_003 + 3]))) & (2**62 - 1)
-    assert 0 <= request_seed(10**13, 3) < 2**62  # 10**13 * 1_000_003 overflows int64: it raised
+    # seeds are taken modulo 2**64, and any int works (10**13 * 1_000_003 overflowed int64: it raised)
+    assert request_seed(2**64 + 5, 3) == request_seed(5, 3) == request_seed(5 - 2**64, 3)
+    assert 0 <= request_seed(10**13, 3) < 2**62 and 0 <= request_seed(-(10**30), 2**70) < 2**62
     path, _ = tiny_qwen3
     engine = _engine(path)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -249,3 +247,20 @@ def test_generation_config_eos_ids_also_stop(tiny_qwen3, tmp_path):
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
     cut = next(i for i, t in enumerate(greedy) if t in (96, stop))
     assert out.token_ids == greedy[: cut + 1] and out.finish_reason == "stop"
+
+
+def test_add_request_samples_with_the_params_seed_as_generates_first_request(tiny_qwen3):
+    path, _ = tiny_qwen3
+    prompt = prompts(1, 97, seed=6)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=11)
+    outs = []
+    for _ in range(2):  # two engines: their own random generators must not matter
+        engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64), device="cpu",
+                        dtype="float32")
+        seq = engine.add_request(prompt, params)
+        done = []
+        while not done:
+            done = engine.step()
+        assert done == [seq]
+        outs.append(list(seq.output_ids))
+    assert outs[0] == outs[1] == engine.generate([prompt], params)[0].token_ids

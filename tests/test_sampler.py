@@ -121,3 +121,44 @@ def test_runner_passes_flags_that_match_its_rows():
         want = sample(logits, torch.tensor(temps), torch.zeros(6, dtype=torch.long), torch.ones(6),
                       torch.tensor([s.sample_seed for s in seqs]), torch.zeros(6, dtype=torch.long))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), temps
+
+
+def test_the_top_hash_value_is_no_uniform_of_one_and_a_cut_token_is_never_drawn():
+    """Seed -1824253640832042361 at step 5 hashes vocabulary index 3 to the top 53-bit value, whose
+    (bits + 0.5) * 2^-53 rounds to 1: noise +inf, NaN on the masked logit, which argmax took (the seed was
+    found by inverting splitmix64)."""
+    seed, step = torch.tensor([-1824253640832042361]), torch.tensor([5])
+    u = uniform_noise(seed, step, 5)
+    assert float(u[0, 3]) == 1.0 - 2.0**-53 and float(u.max()) < 1.0
+    logits = torch.tensor([[5.0, 4.0, 3.0, -2.0, -3.0]])
+    token, lp = sample(logits, torch.ones(1), torch.tensor([2]), torch.ones(1), seed, step)
+    assert int(token) in (0, 1) and math.isfinite(float(lp))
+    want = torch.log_softmax(logits[0, :2].double(), -1)[int(token)]
+    assert abs(float(lp) - float(want)) < 1e-6
+
+
+def test_request_seeds_of_nearby_run_seeds_never_share_a_stream():
+    """A linear seed * 1_000_003 + index gave seed 1's request 0 the stream of seed 0's request 1_000_003."""
+    from kv4rl.engine.sampler import request_seed, stream_seed
+
+    indices = list(range(2000)) + [k * 1_000_003 + d for k in range(1, 4) for d in range(-3, 4)]
+    seeds = {request_seed(s, i) for s in range(8) for i in indices}
+    assert len(seeds) == 8 * len(indices)
+    assert all(0 <= x < 2**62 for x in seeds)
+    # the evaluation stream of run seed s at iteration it is shared by no other (seed, iteration), and by
+    # no request seed of any run
+    evals = {stream_seed(s, 0, it) for s in range(8) for it in range(500)}
+    assert len(evals) == 8 * 500 and not evals & seeds
+
+
+def test_non_integer_counts_and_seeds_are_refused():
+    import pytest
+
+    from kv4rl.engine.sequence import SamplingParams
+
+    for bad in ({"top_k": 2.5}, {"top_k": float("nan")}, {"max_tokens": 2.5}, {"max_tokens": float("inf")},
+                {"seed": 1.5}, {"seed": "x"}, {"max_tokens": True}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            SamplingParams(**bad).validate()
+    SamplingParams(top_k=3, max_tokens=4, seed=-2).validate()

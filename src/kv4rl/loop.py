@@ -28,6 +28,7 @@ from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.placement import resolve_device
+from kv4rl.engine.sampler import stream_seed
 from kv4rl.eval.data_parallel import evaluate_ranks
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
@@ -56,6 +57,7 @@ from kv4rl.trainer.learner import Learner
 from kv4rl.trainer.learner_options import check_learner_options
 
 log = logging.getLogger(__name__)
+EVAL_STREAM = 0  # `stream_seed`'s stream of the periodic evaluations (one call per evaluated iteration)
 
 
 @dataclass
@@ -238,7 +240,7 @@ def run_eval(s: Setup, it: int) -> dict:
     problems = s.source.eval_problems(cfg.data.eval_size)
     res, _ = evaluate_ranks(s.engine, s.formatter, problems, s.reward_fn, current(), k=cfg.eval.k,
                             temperature=cfg.eval.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
-                            seed=cfg.seed + 1_000 + it)
+                            seed=stream_seed(cfg.seed, EVAL_STREAM, it))
     if res is None:
         return {}
     return {**{f"eval/{k}": v for k, v in res.items()}, "eval/policy_version": s.engine.version}

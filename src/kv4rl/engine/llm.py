@@ -132,7 +132,7 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tag: Any = None,
                     sample_seed: int | None = None, resume_from: Completion | None = None) -> Sequence:
         """Queue one request. `sample_seed` (any int, taken modulo 2**64) fixes its random stream (default:
-        drawn from the engine's).
+        `params.seed`'s, as `generate` gives its first request, else drawn from the engine's).
 
         `resume_from` continues a partially generated response (tokens, log-probs and versions kept);
         its KV is recomputed by the prefill. One that already meets a stop condition under `params` (its
@@ -142,7 +142,9 @@ class Engine:
         params.validate()
         if not prompt_ids:
             raise ValueError("empty prompt")
-        if sample_seed is None:
+        if sample_seed is None and params.seed is not None:
+            sample_seed = request_seed(params.seed, 0)
+        elif sample_seed is None:
             sample_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         seq = Sequence(list(prompt_ids), params, tag=tag, sample_seed=as_int64(sample_seed))
         if resume_from is not None:

@@ -19,6 +19,7 @@ import torch
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # as signed int64
 _MUL1 = 0xBF58476D1CE4E5B9 - 2**64
 _MUL2 = 0x94D049BB133111EB - 2**64
+U_MAX = 1.0 - 2.0**-53  # the largest float64 below 1
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -35,11 +36,14 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float64 uniforms in (0, 1), a pure function of (seed, step, vocab index)."""
+    """[B, V] float64 uniforms in (0, 1), a pure function of (seed, step, vocab index).
+
+    The top hash value 2^53 - 1 would round to u = 1 (noise +inf, and NaN on a masked -inf logit, which
+    argmax would pick); it is held at the largest float64 below 1 instead."""
     row = splitmix64(seeds ^ splitmix64(steps))
     cols = torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN
     bits = _shr(splitmix64(row[:, None] + cols[None, :]), 11)
-    return (bits.double() + 0.5) * 2.0**-53
+    return ((bits.double() + 0.5) * 2.0**-53).clamp_(max=U_MAX)
 
 
 def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -128,6 +132,15 @@ def as_int64(value: int) -> int:
 
 
 def request_seed(seed: int, index: int) -> int:
-    """A well-mixed 62-bit sampling seed for request `index` of a call seeded with `seed`."""
-    mixed = splitmix64(torch.tensor([as_int64(seed * 1_000_003 + index)], dtype=torch.long))
-    return int(mixed) & (2**62 - 1)
+    """A well-mixed 62-bit sampling seed for request `index` of a call seeded with `seed`.
+
+    The seed is mixed before the index is added, so no two (seed, index) pairs of plausible size share
+    a stream (a linear `seed * C + index` gave seed 1's request 0 the stream of seed 0's request C)."""
+    mixed = splitmix64(torch.tensor([as_int64(seed)], dtype=torch.long))
+    return int(splitmix64(mixed + as_int64(index))) & (2**62 - 1)
+
+
+def stream_seed(seed: int, stream: int, index: int) -> int:
+    """The seed of call `index` of a numbered `stream` of calls under one run seed (e.g. the evaluation
+    at each iteration): independent of the run's other streams and of other run seeds' streams."""
+    return request_seed(request_seed(seed, -1 - stream), index)

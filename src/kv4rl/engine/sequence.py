@@ -37,7 +37,8 @@ class SamplingParams:
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
     ignore_eos: bool = False  # no stop token ends it (the EOS ids or `stop_token_ids`), only the length limits
-    seed: int | None = None  # generate(): request i samples with `request_seed(seed, i)`, whatever else runs
+    seed: int | None = None  # request i of generate() samples with `request_seed(seed, i)`, whatever else runs;
+    # add_request() with no `sample_seed` samples as generate()'s request 0
 
     def validate(self) -> None:
         problem = temperature_problem("temperature", self.temperature)
@@ -45,6 +46,10 @@ class SamplingParams:
             raise ValueError(problem)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("top_k", "max_tokens") + (("seed",) if self.seed is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
