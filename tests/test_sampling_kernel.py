@@ -8,6 +8,7 @@ GPU test compares those exactly too).
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
