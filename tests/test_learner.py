@@ -49,3 +49,34 @@ def test_each_update_of_a_batch_is_one_optimizer_step_whatever_the_rows(tiny_qwe
     assert int(next(iter(learner.optimizer.state.values()))["step"]) == 3
     with pytest.raises(ValueError, match="updates_per_batch=5 optimizer steps need at least as many rows"):
         make_learner(path, 4, False, updates=5).step(b)
+
+
+def test_a_restored_optimizer_keeps_its_moments_but_takes_the_configured_settings(tiny_qwen3):
+    """torch's load_state_dict brings back the saved weight decay and betas: a resume with new
+    trainer.weight_decay / trainer.betas recorded them in config.yaml and ran the old ones. Reference: a
+    hand-written AdamW step from the restored moments with the new settings."""
+    path, _ = tiny_qwen3
+    b = batch()
+    old = Learner(path, None, algo=AlgoConfig(), lr=1e-3, weight_decay=0.1, betas=(0.8, 0.95), grad_clip=1e9,
+                  micro_batch_size=4, updates_per_batch=1, temperature=1.0, device=torch.device("cpu"))
+    old.step(b)
+    state = old.checkpoint_state()
+    new = Learner(path, None, algo=AlgoConfig(), lr=1e-3, weight_decay=0.5, betas=(0.5, 0.6), grad_clip=1e9,
+                  micro_batch_size=4, updates_per_batch=1, temperature=1.0, device=torch.device("cpu"))
+    new.model.load_state_dict(old.model.state_dict())
+    new.load_checkpoint_state(state)
+    group = new.optimizer.param_groups[0]
+    assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (0.5, (0.5, 0.6), 1e-8)
+    def dense(t):  # FSDP2 holds DTensors, one process or many
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone().double()
+
+    name, param = next((n, p) for n, p in new.model.named_parameters() if "layers.0.mlp.up_proj" in n)
+    moments = {k: dense(v) for k, v in new.optimizer.state[param].items()}
+    assert int(moments["step"]) == 1
+    before = dense(param)
+    new.step(b)
+    grad = dense(dict(new.named_grads())[name])
+    m = 0.5 * moments["exp_avg"] + 0.5 * grad
+    v = 0.6 * moments["exp_avg_sq"] + 0.4 * grad**2
+    want = before * (1 - 1e-3 * 0.5) - 1e-3 * (m / (1 - 0.5**2)) / ((v / (1 - 0.6**2)).sqrt() + 1e-8)
+    assert torch.allclose(dense(param), want, atol=1e-6, rtol=1e-5)

@@ -156,6 +156,8 @@ class Learner:
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                                betas=betas, fused=device.type == "cuda")
+        # what a restored optimizer state must not bring back (`load_checkpoint_state`)
+        self._configured = {key: self.optimizer.param_groups[0][key] for key in ("weight_decay", "betas", "eps")}
 
     @property
     def options_desc(self) -> str:
@@ -382,3 +384,7 @@ class Learner:
             raise ValueError("a checkpoint with sharded optimizer state loads from its folder: pass `folder`")
         else:
             load_shards(self.model, self.optimizer, folder, self.group)
+        # torch's load_state_dict also restores the saved groups' settings: a resume that changes
+        # trainer.weight_decay or trainer.betas (config.yaml records the new values) would run the old ones
+        for group in self.optimizer.param_groups:
+            group.update(self._configured)
