@@ -71,6 +71,8 @@ def refused(args: list[str], *needles: str) -> str:
     (["--template", "{problem} in \\boxed{}"], "--template"),
     (["--reward", "nope"], "--reward: unknown reward 'nope'"),
     (["--device", "gpu"], "--device: 'gpu'"),
+    (["engine.max_model_len=0"], "engine.max_model_len must be >= 1, got 0"),  # eval took 0 as "not set"
+    (["engine.max_model_len=-5"], "engine.max_model_len must be >= 1, got -5"),
 ])
 def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, args, option):
     refused(["eval", *args], option)
@@ -404,7 +406,8 @@ def test_a_home_path_in_a_config_key_is_expanded(monkeypatch, tmp_path):
                                  "out_dir=~/runs"])
     assert (cfg.model.path, cfg.data.train, cfg.data.eval, cfg.out_dir) == (
         f"{tmp_path}/models/m", f"{tmp_path}/d.jsonl", f"{tmp_path}/e.jsonl", f"{tmp_path}/runs")
-    assert load_config(overrides=["data.train=gsm8k~x.jsonl"]).data.train == "gsm8k~x.jsonl"  # only a leading ~
+    monkeypatch.chdir(tmp_path)  # only a leading ~ (the path is then made absolute, from the working folder)
+    assert load_config(overrides=["data.train=gsm8k~x.jsonl"]).data.train == f"{tmp_path}/gsm8k~x.jsonl"
 
 
 def test_library_warnings_read_like_the_clis_own(capsys):
@@ -423,9 +426,16 @@ def test_an_unquoted_template_override_is_told_to_be_quoted():
     """`data.prompt_template=Problem: {problem}` is YAML for a mapping; the error showed the mapping only."""
     from kv4rl.config import ConfigError, load_config
 
+    import re
+    import shlex
+
     for value in ("Problem: {problem}", "{problem}"):
-        with pytest.raises(ConfigError, match=r"data\.prompt_template: .* quote it"):
+        with pytest.raises(ConfigError, match=r"data\.prompt_template: .* quote it") as refused:
             load_config(overrides=[f"data.prompt_template={value}"])
+        # the hint's command-line form, as the shell hands it over, is then read as the text it shows
+        typed = re.search(r'on the command line (".*?")', str(refused.value)).group(1)
+        assert load_config(overrides=shlex.split(typed)).data.prompt_template == "Q: {problem}"
+        assert "in a config file prompt_template: 'Q: {problem}'" in str(refused.value)
     assert load_config(overrides=["data.prompt_template='Q: {problem}'"]).data.prompt_template == "Q: {problem}"
     with pytest.raises(ConfigError) as refused:
         load_config(overrides=["trainer.lr=[1]"])

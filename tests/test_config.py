@@ -50,6 +50,11 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("engine.tensor_parallel=0", "engine.tensor_parallel"),
     ("telemetry.attribution_every=-1", "telemetry.attribution_every"),
     ("telemetry.attribution_samples=0", "telemetry.attribution_samples"),
+    ("device=cuda:x", "device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+    ("device=cudax", "device must be"),
+    ("reward.name=bogus", "reward.name: unknown reward 'bogus'; known: auto, exact, math_verify"),
+    ("data.prompt_template='{problem:d}'", "data.prompt_template: '{problem:d}' does not format a problem"),
+    ("data.prompt_template='{problem!x}'", "data.prompt_template: '{problem!x}' does not format a problem"),
 ])
 def test_bad_keys_values_and_combinations_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -75,6 +80,8 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     (b"\xffname: a\n", "is not UTF-8 text"),
     ("trainer:\n  lr: .inf\n", "trainer.lr: expected a finite number"),
     ("trainer:\n  grad_clip: .nan\n", "trainer.grad_clip: expected a finite number"),
+    ("trainer:\n  iterations: 010\n", "'010' is read by YAML as 8, not as written"),
+    ("trainer:\n  iterations: 1:40\n", "'1:40' is read by YAML as 100, not as written"),
 ])
 def test_a_config_file_that_would_be_misread_names_the_file_and_the_problem(tmp_path, content, needle):
     path = tmp_path / "c.yaml"
@@ -100,3 +107,29 @@ def test_an_override_into_a_key_the_file_set_to_a_value_names_both(tmp_path):
     assert "'trainer' is already the value 5 (from the config file or an earlier override)" in str(info.value)
     with pytest.raises(ConfigError, match="'trainer.lr' is already the value 0.1"):
         load_config(None, ["trainer.lr=0.1", "trainer.lr.x=1"])
+
+
+@pytest.mark.parametrize("text, value", [("010", 8), ("0100", 64), ("1:40", 100), ("-07", -7), ("0b11", 3)])
+def test_a_yaml11_integer_that_means_another_number_is_refused(text, value):
+    """YAML 1.1 reads a leading zero as octal and `a:b` as base 60: `trainer.iterations=010` trained 8."""
+    assert yaml.safe_load(text) == value  # what plain YAML makes of it
+    with pytest.raises(ConfigError, match=f"trainer.iterations: '{text}' is read by YAML as {value}, not as written"):
+        load_config(overrides=[f"trainer.iterations={text}"])
+
+
+@pytest.mark.parametrize("text, value", [("10", 10), ("0", 0), ("-3", -3), ("+4", 4), ("1_000", 1000),
+                                         ("0x10", 16)])
+def test_plain_integers_read_as_written(text, value):
+    assert load_config(overrides=[f"seed={text}"]).seed == value
+    assert load_config(overrides=[f"name='{text}'"]).name == text  # quoted: text
+
+
+def test_model_and_data_paths_are_recorded_absolute(tmp_path, monkeypatch):
+    """config.yaml held `data/t.jsonl` as typed, so `--resume` from another folder read that folder's file."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(overrides=["model.path=m", "data.train=data/t.jsonl", "data.eval=../e.jsonl"])
+    assert (cfg.model.path, cfg.data.train, cfg.data.eval) == (
+        str(tmp_path / "m"), str(tmp_path / "data" / "t.jsonl"), str(tmp_path.parent / "e.jsonl"))
+    save_config(cfg, tmp_path / "config.yaml")
+    monkeypatch.chdir(tmp_path.parent)
+    assert load_config(tmp_path / "config.yaml").data.train == str(tmp_path / "data" / "t.jsonl")

@@ -70,6 +70,10 @@ def test_problem_is_frozen():
             json.dumps({"problem": "q", "answer": "1", "id": "a"}),
             r"duplicate id 'a' \(first used on line 1\)",
         ),
+        # these reached the tokenizer, or raised, as tracebacks without file or line
+        ('{"problem": "a\\ud800b", "answer": "1"}', "field 'problem' holds a lone surrogate escape at character 1"),
+        ('{"problem": "q", "answer": ' + "9" * 5000 + "}", r"not readable \(Exceeds the limit"),
+        ('{"problem": "q", "answer": "1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ],
 )
 def test_malformed_row_names_file_and_line(tmp_path, bad_line, message):
@@ -148,3 +152,12 @@ def test_a_carriage_return_inside_a_row_is_whitespace_and_crlf_lines_count_once(
         load_jsonl(path)
     path.write_bytes(b'{"problem": "p",\r"answer": "1"}\r\n{"problem": "q", "answer": "2"}\r\n')
     assert [(p.answer, p.id) for p in load_jsonl(path)] == [("1", "cr.jsonl:1"), ("2", "cr.jsonl:2")]
+
+
+@pytest.mark.parametrize("name, text", [("pretty.json", '{\n  "problem": "q", "answer": "1"\n}\n'),
+                                        ("rows.json", '[{"problem": "q", "answer": "1"}]\n')])
+def test_a_json_file_that_is_not_json_lines_says_so(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(DatasetError, match=f"{path}:1: .*a dataset file is JSON Lines: one object per line"):
+        load_jsonl(path)

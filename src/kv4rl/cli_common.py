@@ -66,7 +66,12 @@ def engine_config(overrides: list[str] | None):
     unknown = set(data) - {"engine"}
     if unknown:
         raise ConfigError(f"only engine.* settings apply here, got {', '.join(sorted(unknown))}")
-    return from_dict(EngineConfig, data.get("engine", {}), prefix="engine")
+    cfg = from_dict(EngineConfig, data.get("engine", {}), prefix="engine")
+    try:
+        cfg.validate()  # the checks `train` makes (eval took engine.max_model_len=0 as "not set")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return cfg
 
 
 PARTIAL_JSON: set[Path] = set()  # files whose last write held only the rows finished so far ("complete": false)

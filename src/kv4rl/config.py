@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -221,7 +222,8 @@ class RunConfig:
             (self.data.eval_size >= 1, "data.eval_size must be >= 1"),
             (self.data.pool_size >= 0, "data.pool_size must be >= 0"),
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
-            (self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device must be auto, cpu or cuda[:N]"),
+            (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+             f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
             (bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
              f"name={self.name!r}: must be a folder name (not empty, '.' or '..', no '/')"),
         ]
@@ -242,6 +244,12 @@ class RunConfig:
                 "engine.sleep_between_rollouts frees the KV cache during every update, so the responses that "
                 "partial rollout carries over are recomputed; set rollout.carry=recompute with it "
                 "(rollout.carry=keep_kv would need their KV kept)")
+        if self.reward.name != "auto":
+            from kv4rl.rewards import registered_rewards
+
+            if self.reward.name not in registered_rewards():
+                raise ConfigError(f"reward.name: unknown reward {self.reward.name!r}; known: auto, "
+                                  f"{', '.join(registered_rewards())}")
         if self.data.prompt_template is not None:
             try:
                 check_template(self.data.prompt_template, "data.prompt_template")
@@ -260,14 +268,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = merge(data, read_yaml(path))
     data = apply_overrides(data, list(overrides or []))
     _import_loss_plugins(data)
-    return _expand_home(from_dict(RunConfig, data)).validate()
+    return _resolve_paths(from_dict(RunConfig, data)).validate()
 
 
-def _expand_home(cfg: RunConfig) -> RunConfig:
+def _resolve_paths(cfg: RunConfig) -> RunConfig:
     """`~` in the path keys means the home folder, as in a shell (`model.path=~/x` is one word to the shell,
-    which expands only a leading `~`, so it arrived unexpanded); config.yaml records the expanded path."""
+    which expands only a leading `~`, so it arrived unexpanded). The model and data paths are made
+    absolute: config.yaml records the files the run read, so a `--resume` from another folder reads the
+    same ones (a relative path would name whatever the new working folder holds)."""
     home = lambda v: os.path.expanduser(v) if isinstance(v, str) and v.startswith("~") else v  # noqa: E731
-    cfg.model.path, cfg.data.train, cfg.data.eval = home(cfg.model.path), home(cfg.data.train), home(cfg.data.eval)
+    absolute = lambda v: os.path.abspath(home(v)) if isinstance(v, str) and v else v  # noqa: E731
+    cfg.model.path, cfg.data.train, cfg.data.eval = (absolute(cfg.model.path), absolute(cfg.data.train),
+                                                     absolute(cfg.data.eval))
     cfg.out_dir = home(cfg.out_dir)
     return cfg
 

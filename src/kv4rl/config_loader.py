@@ -34,11 +34,14 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _quote_hint(value: Any, tp: Any) -> str:
-    """A text key given `{problem}` or `Label: {x}` unquoted: YAML read a mapping, so say to quote it."""
+def _quote_hint(value: Any, tp: Any, key: str) -> str:
+    """A text key given `{problem}` or `Label: {x}` unquoted: YAML read a mapping, so say to quote it, in a
+    form the shell passes on (it strips one level of quotes)."""
     wants_text = str in get_args(tp) or tp is str
     if wants_text and isinstance(value, (dict, list)):
-        return " (the value was read as YAML, which made it a mapping or list; quote it, e.g. key='Q: {problem}')"
+        return (f" (the value was read as YAML, which made it a mapping or list; quote it for YAML: in a config "
+                f"file {key.rsplit('.', 1)[-1]}: 'Q: {{problem}}', on the command line \"{key}='Q: {{problem}}'\", "
+                f"the outer quotes for the shell)")
     return ""
 
 
@@ -55,7 +58,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arm, key)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key}: {value!r} is not of type {_type_name(tp)}{_quote_hint(value, tp)}")
+        raise ConfigError(f"{key}: {value!r} is not of type {_type_name(tp)}{_quote_hint(value, tp, key)}")
     if tp is type(None):
         if value is None:
             return None
@@ -151,7 +154,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_ConfigLoader) if raw.strip() else ""
+    except AmbiguousNumber as exc:
+        raise ConfigError(f"{key}: {exc.problem}") from None
     except yaml.YAMLError:
         value = raw  # not YAML (e.g. a template like `{problem}=`): take it as a plain string
     return key.split("."), value
@@ -172,9 +177,25 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class AmbiguousNumber(yaml.constructor.ConstructorError):
+    """A YAML 1.1 integer that means another number than it shows (`010` is 8, `1:40` is 100)."""
+
+
+_DECIMAL_OR_HEX = re.compile(r"[-+]?(0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)")
+
+
+class _ConfigLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently,
-    so one of the two settings the user wrote would be ignored)."""
+    so one of the two settings the user wrote would be ignored) and the YAML 1.1 integers that silently
+    mean another number: a leading zero is octal (`iterations: 010` was 8), `1:40` is base 60 (100)."""
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        if not _DECIMAL_OR_HEX.fullmatch(text):
+            raise AmbiguousNumber(None, None, f"{text!r} is read by YAML as {super().construct_yaml_int(node)}, "
+                                  f"not as written; write the number without a leading zero or ':' (or quote it "
+                                  f"for text)", node.start_mark)
+        return super().construct_yaml_int(node)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -185,6 +206,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -205,7 +229,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = yaml.load(text, Loader=_ConfigLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from exc
     if data is None:

@@ -44,6 +44,9 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return row
 
 
+OTHER_FORMATS = (".json", ".parquet", ".csv", ".arrow", ".txt")  # what a misread file likely is, for the hint
+
+
 def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
     """Read every non-blank line of `path` as a `Problem`; `id` defaults to `"<file name>:<line>"`."""
     path = Path(path)
@@ -61,7 +64,13 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
         if not line_bytes.strip():
             continue
         where = f"{path}:{line_number}"
-        problem = _parse_row(line_bytes, where, default_id=f"{path.name}:{line_number}")
+        try:
+            problem = _parse_row(line_bytes, where, default_id=f"{path.name}:{line_number}")
+        except DatasetError as exc:
+            if path.suffix.lower() in OTHER_FORMATS and "JSON Lines" not in str(exc):
+                raise DatasetError(f"{exc} (a {path.suffix} file? a dataset file is JSON Lines: one object "
+                                   "per line)") from None
+            raise
         if problem.id in first_line_of_id:
             raise DatasetError(
                 f"{where}: duplicate id {problem.id!r} (first used on line {first_line_of_id[problem.id]})"
@@ -82,8 +91,13 @@ def _parse_row(line_bytes: bytes, where: str, *, default_id: str) -> Problem:
         raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     except _DuplicateKey as exc:
         raise DatasetError(f"{where}: key {exc.args[0]!r} is given twice in one object") from None
+    except RecursionError:
+        raise DatasetError(f"{where}: nested too deeply to read") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise DatasetError(f"{where}: not readable ({exc})") from None
     if not isinstance(row, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        hint = " (a dataset file is JSON Lines: one object per line)" if isinstance(row, list) else ""
+        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}{hint}")
     problem = _required_text(row, "problem", where, allow_number=False)
     answer = _required_text(row, "answer", where, allow_number=True)
     row_id = _required_text(row, "id", where, allow_number=True) if "id" in row else default_id
@@ -107,4 +121,9 @@ def _required_text(row: dict[str, Any], key: str, where: str, *, allow_number: b
         raise DatasetError(f"{where}: field {key!r} must be {expected}, got {type(value).__name__}")
     if not value.strip():
         raise DatasetError(f"{where}: field {key!r} is empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate escape ("\ud800"): JSON allows it, no tokenizer reads it
+        raise DatasetError(f"{where}: field {key!r} holds a lone surrogate escape at character {exc.start}; "
+                           "it is no text") from None
     return value

@@ -29,6 +29,11 @@ def check_template(template: str, option: str) -> None:
         shown = ", ".join("{" + name + "}" for name in others)
         raise ValueError(f"{option}: {template!r} has fields other than {{problem}} ({shown}); write a "
                          "literal brace as {{ or }}, e.g. \\boxed{{}}")
+    try:  # `{problem:d}` or `{problem!x}` parse, but do not format a problem's text
+        template.format(problem="x")
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise ValueError(f"{option}: {template!r} does not format a problem ({exc}); write the field as "
+                         "plain {problem}") from None
 
 
 class PromptFormatter:
