@@ -26,10 +26,10 @@ def ckpt(tmp_path_factory):
     return path, make_checkpoint(path, head_dim=32, max_position_embeddings=128)
 
 
-def make_engine(path, fmt, sharing, num_blocks=None, max_num_seqs=16, together=True):
+def make_engine(path, fmt, sharing, num_blocks=None, max_num_seqs=16, together=True, step_tokens=16384):
     kv = KVConfig(format=fmt, block_size=4, group_size=32, n_sink=2, n_recent=4)
     cfg = EngineConfig(kv=kv, max_model_len=48, num_kv_blocks=num_blocks, prefix_sharing=sharing,
-                       admit_siblings_together=together)
+                       admit_siblings_together=together, max_num_batched_tokens=step_tokens)
     return Engine(path, cfg, max_num_seqs=max_num_seqs, device="cpu", dtype=torch.float64)
 
 
@@ -271,6 +271,32 @@ def test_requests_after_a_weight_update_compute_their_prompt_under_the_new_weigh
     ref_seqs += [ref.add_request(prompt, PARAMS, sample_seed=j) for j in range(1, G)]
     assert_same(got, run(ref, ref_seqs))
     assert [s.output_versions[0] for s in seqs] == [0, 1, 1, 1]
+
+
+def test_a_prompt_prefilling_in_chunks_across_a_weight_update_seeds_no_follower(ckpt, tmp_path):
+    """The leader's first chunk ran under the old weights and its last under the new (keep_kv): a follower
+    forked that mixed prompt KV once the leader finished. Reference: the sharing-off engine, the followers
+    submitted after the update."""
+    from tests.conftest import make_checkpoint
+
+    path, _ = ckpt
+    new = make_checkpoint(tmp_path, seed=1, head_dim=32, max_position_embeddings=128).state_dict()
+    engine = make_engine(path, "fp32", sharing=True, step_tokens=3)  # the 8-token prompt in chunks 3 + 3 + 2
+    seqs = submit(engine, groups=[3])
+    engine.step()
+    engine.load_weights(new, version=1)
+    got = run(engine, seqs)
+    ref = make_engine(path, "fp32", sharing=False, step_tokens=3)
+    prompt = group_prompts()[3]
+    ref_seqs = [ref.add_request(prompt, PARAMS, sample_seed=300)]
+    ref.step()
+    ref.load_weights(new, version=1)
+    ref_seqs += [ref.add_request(prompt, PARAMS, sample_seed=300 + j) for j in range(1, G)]
+    assert_same(got, run(ref, ref_seqs))
+    # the followers, admitted after the update, share among themselves: the first prefills in chunks (its
+    # last one a single token, which made no parent before), the next forks it; the last waits for step
+    # budget (3 tokens, 3 decodes) until no prompt-only copy is left, and prefills itself
+    assert [s.output_versions[0] for s in seqs] == [1, 1, 1, 1] and engine.scheduler.num_forks == 1
 
 
 def test_score_tokens_shares_repeated_prompts(ckpt):

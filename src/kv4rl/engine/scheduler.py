@@ -72,6 +72,7 @@ class Scheduler:
         self.num_sibling_waits = 0  # steps in which a group waited for slots to admit it whole
         self._prefix_parents: dict[tuple[int, ...], Sequence] = {}  # prompt -> who computed it last step
         self._chunking: dict[tuple[int, ...], Sequence] = {}  # prompt -> who is prefilling it in chunks
+        self._weights_epoch = 0  # bumped by `forget_prefixes`: prompts begun before cannot be shared
         self.num_forks = 0
         self.prefill_tokens_saved = 0  # prompt tokens forked requests did not compute
 
@@ -108,7 +109,10 @@ class Scheduler:
             _, new, _ = seq.step_counts()
             if new > 1:
                 prefilling.append((seq, new))
-            decodes += new == 1
+            elif new == 1:
+                decodes += 1
+                if seq.num_cached_tokens < len(seq.prompt_ids):  # a chunked prompt's last token: its KV
+                    self._set_chunk(seq, 1, 1)  # is whole after this step, a parent for the next
         budget = self.max_num_batched_tokens - decodes
         for seq, new in prefilling:
             take = max(1, min(new, budget))
@@ -121,8 +125,8 @@ class Scheduler:
         parent for the next one, one left unfinished keeps requests with the same prompt waiting."""
         seq.chunk = take if take < new_tokens else 0
         key = self._share_key(seq)
-        if key is None:
-            return
+        if key is None or seq.prompt_epoch != self._weights_epoch:
+            return  # not shareable, or its first chunks ran under the old weights
         if take < new_tokens:
             self._chunking[key] = seq
             return
@@ -177,6 +181,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.seq_slot = self._free_seq_slots.pop()
+            seq.prompt_epoch = self._weights_epoch  # a parent is always of this epoch (forget_prefixes)
             if parent is not None:
                 self._fork(seq, parent, shared)
             else:
@@ -239,8 +244,11 @@ class Scheduler:
         self.prefill_tokens_saved += last
 
     def forget_prefixes(self) -> None:
-        """New weights: prompt KV computed under the old ones must not seed new requests."""
+        """New weights: prompt KV computed under the old ones must not seed new requests, neither a
+        prompt finished last step nor one still prefilling in chunks (its first chunks are old)."""
         self._prefix_parents = {}
+        self._chunking = {}
+        self._weights_epoch += 1
 
     def _decode_batch(self, skip: frozenset[int] | set[int] = frozenset()) -> list[Sequence]:
         batch: list[Sequence] = []
