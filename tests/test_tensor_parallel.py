@@ -89,3 +89,30 @@ def test_unshardable_sizes_are_refused_by_name(size, what):
 def test_tensor_parallel_without_torchrun_says_how_to_start(checkpoint):
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
         _engine(checkpoint, "fp32", tp=2)
+
+
+def test_train_refuses_tensor_parallel_without_torchrun_and_an_unshardable_model_before_the_learner(
+        tmp_path, monkeypatch):
+    """Without torchrun the message spoke of "the 1 ranks torchrun started"; a model whose heads the ranks
+    cannot split was refused only once the engine was built, after the learner (minutes at 8B)."""
+    import kv4rl.loop as loop
+    from kv4rl.config import ConfigError, load_config
+    from kv4rl.distributed import Ranks
+    from tests.conftest import make_checkpoint
+
+    small = ["device=cpu", "rollout.quota_groups=2", "rollout.group_size=2", f"out_dir={tmp_path / 'runs'}"]
+    with pytest.raises(ConfigError, match=r"engine.tensor_parallel=2 needs 2 processes: start with "
+                                          r"`torchrun --nproc-per-node 2 -m kv4rl.cli train"):
+        loop.train(load_config(None, [*small, "engine.tensor_parallel=2"]), show_progress=False)
+    from kv4rl.data.char_tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(tmp_path / "one-kv-head")
+    make_checkpoint(tmp_path / "one-kv-head", vocab=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                    num_key_value_heads=1)
+    monkeypatch.setattr(loop, "current", lambda: Ranks(0, 2))  # as rank 0 of two
+    monkeypatch.setattr(loop, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(loop, "build_learner", lambda *a, **k: pytest.fail("the learner was built"))
+    with pytest.raises(ConfigError, match="engine.tensor_parallel=2 does not divide the model's 1 KV heads"):
+        loop.train(load_config(None, [*small, "engine.tensor_parallel=2", f"model.path={tmp_path / 'one-kv-head'}"]),
+                   show_progress=False)
+    assert not (tmp_path / "runs").exists()

@@ -166,3 +166,29 @@ def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_sample
     assert four[0]["num_tokens"] == one["num_tokens"]
     assert four[0]["reward_mean"] == pytest.approx(one["reward_mean"], abs=1e-9)
     assert four[0]["response_len_mean"] == pytest.approx(one["response_len_mean"], abs=1e-9)
+
+
+def test_a_lagging_tensor_parallel_engine_resumes_with_each_ranks_own_weights(tmp_path):
+    """refresh_every=2 leaves the engine a version behind at the checkpoint of iteration 3, so the checkpoint
+    holds its weights: rank 0's slice alone was saved and loaded on both ranks, and the resumed run sampled
+    from rank 0's halves on rank 1 (iteration 3: 37 tokens, reward 0 against 29 and 0.25). Reference: the
+    uninterrupted run, beside it."""
+    tp = ["engine.tensor_parallel=2", "staleness.refresh_every=2", "checkpoint.save_every=3", *SMALL[:-2],
+          "--no-progress"]
+    straight_job = start_torchrun(tmp_path, "name=straight", "trainer.iterations=4", *tp)
+    try:
+        first = torchrun(tmp_path, "name=tp", "trainer.iterations=3", *tp)
+        assert first.returncode == 0, first.stderr[-3000:]
+        saved = tmp_path / "runs" / "tp" / "checkpoints" / "iter_000003"
+        assert sorted(p.name for p in saved.glob("engine_weights.*")) == ["engine_weights.rank0.pt",
+                                                                          "engine_weights.rank1.pt"]
+        resumed = torchrun(tmp_path, "--resume", "runs/tp", "trainer.iterations=4", "--no-progress")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        straight = finish(straight_job)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    got, want = rows(tmp_path / "runs" / "tp"), rows(tmp_path / "runs" / "straight")
+    assert [r["iteration"] for r in got] == [0, 1, 2, 3]
+    for key in ("num_tokens", "reward_mean", "response_len_mean"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-6)

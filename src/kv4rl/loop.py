@@ -32,7 +32,8 @@ from kv4rl.engine.sampler import stream_seed
 from kv4rl.eval.data_parallel import evaluate_ranks
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
-from kv4rl.models.hf_weights import check_model_folder
+from kv4rl.models.hf_weights import check_model_folder, read_model_args
+from kv4rl.models.tensor_parallel import check_shardable
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
@@ -93,9 +94,12 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     ranks = current()
     if restore is not None:
         check_resume_world(restore.path, restore.state, ranks.world)
-    if ranks.world % cfg.engine.tensor_parallel:
-        raise ConfigError(f"engine.tensor_parallel={cfg.engine.tensor_parallel} does not divide the "
-                          f"{ranks.world} ranks torchrun started")
+    tp = cfg.engine.tensor_parallel
+    if tp > 1 and ranks.world == 1:
+        raise ConfigError(f"engine.tensor_parallel={tp} needs {tp} processes: start with "
+                          f"`torchrun --nproc-per-node {tp} -m kv4rl.cli train ...`")
+    if ranks.world % tp:
+        raise ConfigError(f"engine.tensor_parallel={tp} does not divide the {ranks.world} ranks torchrun started")
     if cfg.rollout.quota_groups % ranks.world:
         why = ("each engine's groups are shared out among its tensor-parallel ranks for the learner"
                if cfg.engine.tensor_parallel > 1 else "each data-parallel rank collects and learns on an equal share")
@@ -112,6 +116,11 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
                                task=task_of_model(base_dir))
     policy_dir = base_dir if restore is None else restore.path
     check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
+    if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)
+        try:
+            check_shardable(read_model_args(base_dir), tp)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if cfg.trainer.offload or cfg.trainer.offload_optimizer:  # before the engine loads: minutes at 8B
         try:
             check_host_memory(count_parameters(policy_dir), offload=cfg.trainer.offload,
@@ -143,10 +152,17 @@ def restore_state(s: Setup, state: dict, path: Path) -> None:
     many ranks as this job has: `check_resume_world`)."""
     s.start_iteration = state["iteration"]
     s.learner.load_checkpoint_state(state.get("learner") or {"optimizer": state["optimizer"]}, path)
-    if state.get("engine_weights") is not None:  # the engine was behind the learner (refresh_every)
-        s.engine.load_weights_state(state["engine_weights"], state["engine_version"])
-    s.engine.version = state["engine_version"]
     rank = current().rank
+    saved = state.get("engine_weights")
+    if saved is not None:  # the engine was behind the learner (refresh_every)
+        if saved == PER_RANK:
+            try:
+                saved = torch.load(path / engine_slice_file(rank), map_location="cpu", weights_only=True)
+            except (OSError, RuntimeError) as exc:
+                raise ValueError(f"{path}: this rank's engine weights ({engine_slice_file(rank)}) do not load: "
+                                 f"{exc}") from None
+        s.engine.load_weights_state(saved, state["engine_version"])
+    s.engine.version = state["engine_version"]
     if state.get("engine_preemptions") is not None:  # a running total over the run, as dropped_stale is
         s.engine.scheduler.num_preemptions = state["engine_preemptions"][rank]
     calibrations = state.get("engine_kv_calibration")
@@ -335,8 +351,20 @@ def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
     def write_files(path: Path) -> None:
         write_policy_files(path, s.learner, s.formatter.tokenizer, weights, s.base_dir)
 
+    def write_shards(path: Path) -> None:  # every rank: its optimizer shard, and its engine slice if lagging
+        s.learner.write_shards(path)
+        if state["engine_weights"] == PER_RANK:
+            torch.save(s.engine.weights_state(), path / engine_slice_file(current().rank))
+
     return save_checkpoint(folder.path if folder else None, done, write_files, state,
-                           folder.run_id if folder else None, s.cfg.checkpoint.keep_last, s.learner.write_shards)
+                           folder.run_id if folder else None, s.cfg.checkpoint.keep_last, write_shards)
+
+
+PER_RANK = "per_rank"  # `engine_weights` of a lagging tensor-parallel engine: one file per rank's slice
+
+
+def engine_slice_file(rank: int) -> str:
+    return f"engine_weights.rank{rank}.pt"
 
 
 def resume_state(s: Setup, done: int) -> dict:
@@ -348,7 +376,9 @@ def resume_state(s: Setup, done: int) -> dict:
     calibrations = gather_objects(s.engine.kv_calibration())
     out = {
         "engine_version": s.engine.version,
-        "engine_weights": s.engine.weights_state() if behind else None,
+        # a tensor-parallel engine holds a slice per rank: each rank saves its own (`save`), where rank 0's
+        # alone, loaded everywhere, gave the other ranks rank 0's halves
+        "engine_weights": (None if not behind else PER_RANK if s.engine.tp.size > 1 else s.engine.weights_state()),
         "engine_kv_calibration": None if calibrations[0] is None else calibrations,
         "engine_preemptions": gather_objects(s.engine.num_preemptions),
         "pipeline": pipelines[0],
