@@ -183,3 +183,13 @@ def test_fp8_log_probs_differ_slightly_from_full_precision(tiny_qwen3):
         lp_b = b.log_softmax(-1)[rows, toks]
         gap = (lp_a - lp_b).abs()
         assert torch.all(gap > 0) and torch.all(gap < 0.5)
+
+
+@pytest.mark.parametrize("key, value", [("weight_format", "FP8"), ("weight_format", "int8"), ("fp8_gemm", "cutlass")])
+def test_an_engine_config_built_in_code_refuses_an_unknown_weight_format(key, value):
+    """The config loader checks these keys, but an EngineConfig built in code took "FP8" and ran full
+    precision (0 FP8 linears) while its summary said FP8."""
+    from kv4rl.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"engine.{key} must be one of .*, got '{value}'"):
+        EngineConfig(**{key: value}).validate()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args, get_type_hints
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,6 +136,11 @@ class EngineConfig:
 
     def validate(self) -> None:
         self.kv.validate()
+        hints = get_type_hints(EngineConfig)
+        for key in ("weight_format", "fp8_gemm"):  # the config loader checks these; code building an
+            allowed = get_args(hints[key])  # EngineConfig directly did not ("FP8" ran full precision)
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"engine.{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"engine.tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.async_scheduling not in ("auto", True, False):
