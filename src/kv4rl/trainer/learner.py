@@ -305,7 +305,9 @@ class Learner:
         return out
 
     def _token_stats(self, logp, ent, mb: TrainBatch, first: bool) -> dict[str, float]:
-        """Entropy and engine-vs-learner mismatch (measured before any update of this batch)."""
+        """Entropy of this micro-batch under the weights it is trained at (after the batch's earlier
+        updates when there are several), and, on the first mini-batch only (`first`: before any update
+        of this batch), the engine-vs-learner mismatch."""
         m = mb.response_mask
         n = m.sum().clamp(min=1)
         stats = {"entropy": float((ent * m).sum() / n)}
