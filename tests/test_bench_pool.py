@@ -59,3 +59,19 @@ def test_bench_pool_takes_engine_kv_settings_and_refuses_a_budget_below_the_rese
     assert row["tokens"] == (8 * 2**30 - reserve) // (page * KV_HEADS * LAYERS * 16) * 16
     res = runner.invoke(app, ["bench", "pool", "--formats", "kv4", "--memory-gib", "1"])
     assert res.exit_code == 2 and "reserved" in res.output
+
+
+def test_a_budget_without_one_bf16_block_still_measures_the_formats_asked_for(tmp_path):
+    """`--formats int4` in 0.001 GiB failed with "bf16: ... does not hold the rows reserved for 1 sequences":
+    bf16 was not asked for, reserves no rows, and int4's 612 KiB block fits."""
+    out = tmp_path / "pool.json"
+    res = runner.invoke(app, ["bench", "pool", "--shape", "qwen3-8b", "--memory-gib", "0.001", "--formats", "int4",
+                              "--max-num-seqs", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["tokens"] == expected_tokens("int4", int(0.001 * 2**30), 1) == 16
+    assert row["tokens_vs_bf16"] is None and row["sequences_at_context"] == 0
+    res = runner.invoke(app, ["bench", "pool", "--shape", "qwen3-8b", "--memory-gib", "0.001", "--formats", "bf16",
+                              "--max-num-seqs", "1"])
+    assert res.exit_code == 2 and "bf16: 0.001 GiB holds no block (2.25 MiB)" in res.output
+    assert "reserved" not in res.output

@@ -254,3 +254,46 @@ def test_prefill_backend_follows_the_decode_kernels_unless_set():
     with pytest.raises(ValueError, match="engine.prefill_backend=triton cannot run here: .*no CUDA device"):
         _plan(CPU, dtype=torch.float32, prefill_backend="triton")
     assert "prefill=triton" in _plan(INTERPRETER, kv={"format": "bf16"}).explain()
+
+
+def test_an_engine_refuses_a_context_past_the_models_positions_and_no_slots():
+    """max_model_len=600 over 512 positions sized and printed a pool, then failed mid-generation indexing
+    RoPE's table; max_num_seqs=0 built an empty pool and blamed engine.num_kv_blocks."""
+    with pytest.raises(ValueError, match="engine.max_model_len=5000 exceeds the model's context of 4096"):
+        _plan(CPU, max_model_len=5000)
+    assert _plan(CPU, max_model_len=4096).max_model_len.value == 4096
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=r"max_num_seqs \(rollout.max_slots\) must be >= 1"):
+            _plan(CPU, max_num_seqs=bad)
+
+
+def test_the_pool_leaves_room_for_the_logits_every_captured_graph_keeps(monkeypatch):
+    """Each decode bucket's graph keeps its float32 [bs, V] logits in the graphs' private pool (1.24 GiB
+    at 256 slots and Qwen3's vocabulary), each prefill bucket its [8, V]: memory the pool sizing never
+    counted. Hand count: buckets 1, 2, 4, 8, 16 (max 16 slots) and prefill 64, 128 (max 128 tokens)."""
+    from types import SimpleNamespace
+
+    from kv4rl.engine import memory
+    from kv4rl.engine.runner import _Profile
+
+    assert memory.graph_output_bytes(16, 128, 1000) == ((1 + 2 + 4 + 8 + 16) + 2 * 8) * 1000 * 4
+    assert memory.graph_output_bytes(256, 0, 151_936) / 2**30 == pytest.approx(1.240, abs=1e-3)
+    assert memory.graph_output_bytes(0, 0, 1000) == 0
+    gib = 2**30
+    monkeypatch.setattr(memory, "in_use_bytes", lambda device, scope: (100 * gib, 10 * gib))
+    monkeypatch.setattr(memory, "measure_step_peak", lambda run, device: gib)
+    args = _args()
+    sizes = {}
+    for graphs in (True, False):
+        config = EngineConfig(kv=KVConfig(format="bf16"), max_model_len=4096, prefill_graph_tokens=128,
+                              gpu_memory_fraction=0.12, cuda_graphs=graphs)
+        plan = make_plan(config, args, torch.bfloat16, CUDA, 64)
+        profile = _Profile(SimpleNamespace(args=args), plan, config, torch.device("cpu"), None)
+        sizes[graphs] = profile.pool_blocks()
+    held = memory.graph_output_bytes(64, 128, args.vocab_size)  # 64 slots: buckets 1, 2, 4, 8, 16, 32, 48, 64
+    assert held == (1 + 2 + 4 + 8 + 16 + 32 + 48 + 64 + 2 * 8) * args.vocab_size * 4
+    per_block = 2 * 2 * args.num_kv_heads * args.head_dim * 16 * args.num_layers  # K and V, bf16, 16 tokens
+    room = int(0.12 * 100 * gib) - 10 * gib - gib  # below the cap of 64 x 4096 tokens
+    assert sizes[False][0] == room // per_block
+    assert sizes[True][0] == (room - held) // per_block < sizes[False][0]
+    assert "CUDA graph outputs" in sizes[True][1] and "CUDA graph outputs" not in sizes[False][1]

@@ -2,7 +2,10 @@
 
 Counted with the engine's own sizing arithmetic (`kv4rl.engine.memory`): each format's bytes come from
 its real `allocate` on the meta device, and KV4's INT8 rows for `max_num_seqs` running sequences are
-reserved before pages are counted, exactly as the engine sizes its pool. Pure arithmetic: runs on CPU.
+reserved before pages are counted, exactly as the engine sizes its pool. Unlike the engine it neither
+caps the pool at what `max_num_seqs` sequences of `context` tokens can use (the capacity is the point)
+nor refuses a budget without one such sequence: `sequences_at_context` says how many fit, and 0 means an
+engine with that budget would refuse to start. Pure arithmetic: runs on CPU.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ def bench_pool(shape: str, *, memory_gib: float, formats: list[str], max_num_seq
         fp = kv_footprint(fmt, args.num_layers, args.num_kv_heads, args.head_dim, cfg.block_size)
         blocks = fp.blocks_in(budget, max_num_seqs)
         if blocks < 1:
-            raise ValueError(f"{name}: {memory_gib} GiB does not hold the rows reserved for "
-                             f"{max_num_seqs} sequences ({fp.total_bytes(0, max_num_seqs) / GIB:.2f} GiB)")
+            reserved = fp.total_bytes(0, max_num_seqs)
+            raise ValueError(f"{name}: {memory_gib} GiB holds no block ({fp.block_bytes / 2**20:.2f} MiB)"
+                             + (f" after the rows reserved for {max_num_seqs} sequences ({reserved / GIB:.2f} GiB)"
+                                if reserved else ""))
         return {
             "format": name,
             "blocks": blocks,
@@ -51,11 +56,16 @@ def bench_pool(shape: str, *, memory_gib: float, formats: list[str], max_num_seq
             "rotate": fmt.rotate,
         }
 
-    reference = measure(REFERENCE)
+    try:
+        reference = measure(REFERENCE)
+    except ValueError:
+        if REFERENCE in formats:
+            raise
+        reference = None  # the budget holds no BF16 block: the formats asked for are not compared to it
     results = []
     for name in formats:
         row = reference if name == REFERENCE else measure(name)
-        results.append({**row, "tokens_vs_bf16": row["tokens"] / reference["tokens"]})
+        results.append({**row, "tokens_vs_bf16": row["tokens"] / reference["tokens"] if reference else None})
     return {
         "shape": shape,
         "model_shape": {"layers": args.num_layers, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim},

@@ -36,7 +36,8 @@ def pool_table(res: dict, shape: str, memory_gib: float, max_num_seqs: int, cont
         ["format", "tokens", "vs bf16", "bytes/token", f"bytes/token @{context}", "reserve",
          f"sequences @{context}"])
     for r in res["results"]:
-        table.add_row(r["format"], f"{r['tokens']:,}", f"{r['tokens_vs_bf16']:.2f}x", f"{r['bytes_per_token']:,.0f}",
+        vs_bf16 = "-" if r["tokens_vs_bf16"] is None else f"{r['tokens_vs_bf16']:.2f}x"
+        table.add_row(r["format"], f"{r['tokens']:,}", vs_bf16, f"{r['bytes_per_token']:,.0f}",
                       f"{r['bytes_per_token_at_context']:,.0f}", f"{r['reserve_bytes'] / 2**20:,.1f} MiB",
                       f"{r['sequences_at_context']}")
     return table

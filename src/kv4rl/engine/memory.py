@@ -6,8 +6,9 @@ terms by calling the format's own `allocate` on the `meta` device (real shapes a
 so the engine's pool sizing and `kv4rl bench pool` count exactly what the runner will allocate.
 
 On CUDA the engine gives the pool what is left of `gpu_memory_fraction` of the device after the
-weights, the CUDA context (and anything else already on the device) and the activation peak of the
-largest step, which it measures by running that step (`profile_batch`) through a one-block cache.
+weights, the CUDA context (and anything else already on the device), the activation peak of the
+largest step, which it measures by running that step (`profile_batch`) through a one-block cache, and
+the logits the CUDA graphs keep (`graph_output_bytes`).
 An engine that stays awake beside a learner's update also leaves the bytes that update will allocate
 (`reserve_bytes`, measured by the learner: `Learner.update_memory_bytes`).
 """
@@ -87,10 +88,12 @@ def pool_blocks(*, total_bytes: int, fraction: float, used_bytes: int, activatio
             f"engine.gpu_memory_fraction={fraction}: {fraction} x {total_bytes / GIB:.2f} GiB leaves "
             f"{max(pool, 0) / GIB:.2f} GiB for the KV pool after {used_bytes / GIB:.2f} GiB in use"
             + (f", {reserve_bytes / GIB:.2f} GiB reserved for the learner's update" if reserve_bytes else "")
-            + f" and a {activation_bytes / GIB:.2f} GiB activation peak, but one sequence of max_model_len="
+            + f" and {activation_bytes / GIB:.2f} GiB for the largest step's activations (and any CUDA graphs' "
+            f"outputs), but one sequence of max_model_len="
             f"{max_model_len} tokens (with rows for {max_num_seqs} sequences) needs {need / GIB:.2f} GiB; "
             "raise engine.gpu_memory_fraction, or lower engine.max_model_len, "
-            "engine.max_num_batched_tokens or the number of sequences"
+            "engine.max_num_batched_tokens or the number of sequences (rollout.max_slots; max_num_seqs of an "
+            "Engine built in code)"
             + ("; or let the engine sleep through the update (engine.sleep_between_rollouts=true, with "
                "rollout.carry=recompute) or shrink the update (trainer.max_tokens_per_micro_batch, "
                "trainer.grad_checkpointing, trainer.offload_optimizer)" if reserve_bytes else "")
@@ -124,6 +127,20 @@ def profile_batch(max_num_batched_tokens: int, max_model_len: int, max_num_seqs:
         seqs.append(seq)
         remaining -= n
     return seqs
+
+
+def graph_output_bytes(decode_batch: int, prefill_tokens: int, vocab: int) -> int:
+    """Bytes the captured CUDA graphs keep beyond the largest step's peak: each captured bucket keeps its
+    own float32 logits in the graphs' private pool (decode: [bs, V] for every batch bucket up to
+    `decode_batch`; prefill: [MAX_ROWS, V] for every token bucket up to `prefill_tokens`), which the
+    engine's other allocations cannot reuse. 0 for either kind not captured (0 given). The graphs'
+    intermediates share their pool and are bounded by the measured peak; they are not added again."""
+    from kv4rl.engine.cuda_graphs import graph_buckets
+    from kv4rl.engine.prefill_graphs import MAX_ROWS, prefill_buckets
+
+    rows = sum(graph_buckets(decode_batch)) if decode_batch else 0
+    rows += len(prefill_buckets(prefill_tokens)) * MAX_ROWS if prefill_tokens else 0
+    return rows * vocab * 4
 
 
 def measure_step_peak(run_step, device: torch.device) -> int:

@@ -132,6 +132,11 @@ def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: C
     fused_ops = _kernel_setting("engine.fused_ops", config.fused_ops, True, False, caps)
     kv_name = _kv_format_name(config, dtype)
     kv_format = kv_format_from_config(config.kv, kv_name.value)
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs (rollout.max_slots) must be >= 1, got {max_num_seqs}")
+    if config.max_model_len and config.max_model_len > args.max_position_embeddings:  # RoPE has no rows past it
+        raise ValueError(f"engine.max_model_len={config.max_model_len} exceeds the model's context of "
+                         f"{args.max_position_embeddings} positions (max_position_embeddings)")
     max_model_len = (Choice(config.max_model_len, "engine.max_model_len") if config.max_model_len
                      else Choice(args.max_position_embeddings, "the model's max_position_embeddings"))
     kv_format.check(args.head_dim, max_model_len.value)

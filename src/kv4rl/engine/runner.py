@@ -327,12 +327,18 @@ def prepare_model(model, plan: EnginePlan) -> None:
         assert fp8_path(model, param.dtype, param.device) == plan.weights.reason, "the plan mistook the FP8 path"
 
 
+CAPPED = " (capped at max_num_seqs x max_model_len)"
+
+
 def _memory_sized(profile: _Profile, model, device: torch.device) -> tuple[int, str]:
     """The profiled pool's blocks and how they were chosen; under tensor parallelism the smallest over
     the ranks, since every shard's scheduler must see the same pool."""
     num_blocks, sizing = profile.pool_blocks()
     if model.tp is not None:
-        num_blocks, sizing = _smallest_over(model.tp, num_blocks, device), sizing + ", smallest over the TP ranks"
+        smallest = _smallest_over(model.tp, num_blocks, device)
+        if smallest < num_blocks:  # this rank's cap is not the pool: another rank has less room
+            sizing = sizing.replace(CAPPED, "")
+        num_blocks, sizing = smallest, sizing + ", smallest over the TP ranks"
     return num_blocks, sizing
 
 
@@ -363,17 +369,19 @@ class _Profile:
         if self.activation is None:
             self.activation = memory.measure_step_peak(lambda: self.step(max_num_seqs), self.device)
         activation = self.activation
+        graphs = memory.graph_output_bytes(max_num_seqs if plan.cuda_graphs.value else 0,
+                                           plan.prefill_graphs.value if plan.cuda_graphs.value else 0, args.vocab_size)
         total, used = memory.in_use_bytes(self.device, cfg.gpu_memory_scope)
         blocks = memory.pool_blocks(
-            total_bytes=total, fraction=cfg.gpu_memory_fraction, used_bytes=used, activation_bytes=activation,
+            total_bytes=total, fraction=cfg.gpu_memory_fraction, used_bytes=used, activation_bytes=activation + graphs,
             footprint=footprint, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             reserve_bytes=self.reserve_bytes)
-        capped = " (capped at max_num_seqs x max_model_len)" if blocks == max_num_seqs * blocks_needed(
-            max_model_len, block_size) else ""
+        capped = CAPPED if blocks == max_num_seqs * blocks_needed(max_model_len, block_size) else ""
         return blocks, (
             f"engine.gpu_memory_fraction={cfg.gpu_memory_fraction:g} of {memory.format_bytes(total)}: "
             f"{memory.format_bytes(used)} in use{' by this process' if cfg.gpu_memory_scope == 'process' else ''}, "
             f"{memory.format_bytes(activation)} step peak"
+            + (f", {memory.format_bytes(graphs)} CUDA graph outputs" if graphs else "")
             + (f", {memory.format_bytes(self.reserve_bytes)} reserved for the learner's update" if self.reserve_bytes
                else "") + capped
         )
