@@ -104,3 +104,23 @@ def test_ctrl_c_says_so_and_names_the_json_that_holds_part_of_the_results(tmp_pa
     assert f'interrupted (Ctrl-C): {out} holds the rows finished before it ("complete": false)' in capsys.readouterr().err
     assert json.loads(out.read_text())["complete"] is False
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # written whole, through a temporary file
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """`--help` listed options with no text at all (e.g. `--seed`, `--device`, `eval --temperature`)."""
+    import click
+    import typer
+
+    from kv4rl.cli import app
+
+    missing = []
+
+    def walk(command, path):
+        for name, sub in (getattr(command, "commands", None) or {}).items():
+            walk(sub, [*path, name])
+        for param in getattr(command, "params", []):
+            if isinstance(param, click.Option) and not param.help:
+                missing.append(f"{' '.join(path)} {param.opts[0]}")
+
+    walk(typer.main.get_command(app), ["kv4rl"])
+    assert not missing, missing

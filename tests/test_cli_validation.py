@@ -63,7 +63,11 @@ def refused(args: list[str], *needles: str) -> str:
 
 @pytest.mark.parametrize(("args", "option"), [
     (["--k", "0"], "--k must be >= 1"),
-    (["--n", "-1"], "--n must be >= 0"),
+    (["--n", "-1"], "--n/--num-problems must be >= 0"),
+    (["--num-problems", "-1"], "--n/--num-problems must be >= 0"),
+    (["trainer.lr=1e-5", "rollout.temperature=0.7"],
+     "only engine.* settings apply here, got trainer.lr, rollout.temperature; use --temperature for "
+     "rollout.temperature"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1"),
     (["--temperature", "-1"], "--temperature"),
@@ -136,6 +140,11 @@ def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, arg
     (["sim", "correction-variance", "--template", "hello"], ["--template"]),
     (["sim", "correction-variance", "--device", "foo"], ["--device: 'foo' is not auto, cpu, cuda or cuda:N"]),
     (["sim", "correction-variance", "--temperature", "1e-9"], ["--temperature must be at least 1e-05"]),
+    # engine keys were checked only once the model was built (the tiny one: 28 s) or loaded
+    (["sim", "correction-variance", "--model", "/nonexistent", "--engine", "kv.n_sinkk=4"],
+     ["unknown config key 'engine.kv.n_sinkk'"]),
+    (["sim", "correction-variance", "--engine", "kv.format=kv5"], ["unknown KV format 'kv5'"]),
+    (["bench", "iteration", "--arms", "bf16+sync,,kv4+partial", "--validate-only"], ["an empty item between commas"]),
 ])
 def test_bench_and_sim_refuse_a_bad_option_before_any_work(no_work, args, needles):
     refused(args, *needles)

@@ -59,7 +59,7 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="start over in a folder that holds a run (the old run is moved aside)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
-    verbose: bool = typer.Option(False, "--verbose", "-v"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="also print the library's info lines"),
     seeds: str | None = typer.Option(
         None, "--seeds", help="comma-separated seeds: one run per seed into <out_dir>/<name>-s<seed>, in parallel "
                               "processes (with --resume runs/<name>: continue each runs/<name>-s<seed>)"),
@@ -142,8 +142,7 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
         say(f"stopped; {multi_seed.continue_hint(runs)}")
     failed = multi_seed.failed(runs)
     if failed:
-        console.print(f"[bold red]error:[/] seeds {', '.join(map(str, failed))} failed; see their logs",
-                      highlight=False, soft_wrap=True)
+        error_line(f"seeds {', '.join(map(str, failed))} failed; see their logs")
         raise typer.Exit(1)
 
 

@@ -51,7 +51,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         slots: Annotated[int | None, Option(
             "--max-slots", help="decode slots of every arm without its own @slots "
                                 "(default: quota-groups x group-size)")] = None,
-        prompt_len: Annotated[int, Option("--prompt-len")] = 128,
+        prompt_len: Annotated[int, Option("--prompt-len", help="prompt tokens per request")] = 128,
         median_len: Annotated[int, Option("--median-len", help="median response length")] = 1024,
         sigma: Annotated[float, Option("--sigma", parser=finite_float,
             help="log-normal tail of response lengths")] = 1.0,
@@ -63,7 +63,8 @@ def register_learner_benches(app: typer.Typer) -> None:
                                                  "(trainer.max_tokens_per_micro_batch; default: padded)")] = None,
         attention: Annotated[str, Option(
             "--attention", help="learner attention: auto (flex on CUDA when packing), sdpa, flex")] = "auto",
-        grad_checkpointing: Annotated[bool, Option("--grad-checkpointing/--no-grad-checkpointing")] = False,
+        grad_checkpointing: Annotated[bool, Option("--grad-checkpointing/--no-grad-checkpointing",
+                                                    help="recompute activations in the backward pass")] = False,
         offload: Annotated[bool, Option(
             "--offload/--no-offload", help="trainer.offload: the learner's parameters, gradients and AdamW state "
                                            "in CPU memory (FSDP2 CPUOffloadPolicy; CUDA only), for shapes whose "
@@ -88,8 +89,8 @@ def register_learner_benches(app: typer.Typer) -> None:
         sleep: Annotated[bool, Option(
             "--sleep/--no-sleep", help="engine frees its KV pool during the update (engine.sleep_between_rollouts)")]
         = True,
-        device: Annotated[str, Option("--device")] = "auto",
-        seed: Annotated[int, Option("--seed")] = 0,
+        device: Annotated[str, Option("--device", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")] = "auto",
+        seed: Annotated[int, Option("--seed", help="random seed (weights, prompts and sampling are a function of it)")] = 0,
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
         png: Annotated[Path | None, Option(
             "--png", help="stacked bars of the phases per arm; the CSV behind it goes beside it")] = None,
@@ -193,8 +194,8 @@ def register_learner_benches(app: typer.Typer) -> None:
                                      "and their gradient in two Triton passes over the logits; on needs CUDA; "
                                      "default: on for CUDA, off on the CPU)")] = "",
         steps: Annotated[int, Option("--steps", help="timed steps per variant, after one warm-up step")] = 2,
-        device: Annotated[str, Option("--device")] = "auto",
-        seed: Annotated[int, Option("--seed")] = 0,
+        device: Annotated[str, Option("--device", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")] = "auto",
+        seed: Annotated[int, Option("--seed", help="random seed (weights, prompts and sampling are a function of it)")] = 0,
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:
         """Learner step throughput (real tokens/s, MFU, peak memory) on a random-init model."""

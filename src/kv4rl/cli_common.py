@@ -15,7 +15,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,11 +27,14 @@ from kv4rl.config_loader import ConfigError
 from kv4rl.paths import file_in_path
 
 console = Console()
+# errors and warnings go to stderr, as the parser's own errors and the library's logged warnings do, so
+# `kv4rl eval ... > out.txt` still shows them
+err_console = Console(stderr=True)
 
 
 def error_line(message: str) -> None:
     """Print one error line, unwrapped; escaped, so a path or value in [brackets] is text, not rich markup."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def fail(message: str) -> NoReturn:
@@ -42,7 +45,7 @@ def fail(message: str) -> NoReturn:
 
 def warn(message: str) -> None:
     """One warning line: the command goes on, but the user should know (e.g. a clamped length)."""
-    console.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def say(message: str) -> None:
@@ -57,15 +60,19 @@ def wrote(*paths: Path | None) -> None:
         say("wrote " + " and ".join(written))
 
 
-def engine_config(overrides: list[str] | None):
-    """An EngineConfig from `engine.*` overrides (the same keys as in a run config)."""
-    from kv4rl.config_loader import apply_overrides, from_dict
+def engine_config(overrides: list[str] | None, options: Mapping[str, str] | None = None):
+    """An EngineConfig from `engine.*` overrides (the same keys as in a run config). `options`: run-config
+    keys this command takes as an option instead (key -> option), named when such a key is given."""
+    from kv4rl.config_loader import apply_overrides, from_dict, parse_override
     from kv4rl.engine.config import EngineConfig
 
     data = apply_overrides({}, overrides or [])
-    unknown = set(data) - {"engine"}
-    if unknown:
-        raise ConfigError(f"only engine.* settings apply here, got {', '.join(sorted(unknown))}")
+    if set(data) - {"engine"}:
+        keys = [".".join(parse_override(text)[0]) for text in overrides or []]
+        others = [key for key in keys if key.split(".")[0] != "engine"]
+        hints = [f"{options[key]} for {key}" for key in others if options and key in options]
+        raise ConfigError(f"only engine.* settings apply here, got {', '.join(others)}"
+                          + (f"; use {', '.join(hints)}" if hints else ""))
     cfg = from_dict(EngineConfig, data.get("engine", {}), prefix="engine")
     try:
         cfg.validate()  # the checks `train` makes (eval took engine.max_model_len=0 as "not set")

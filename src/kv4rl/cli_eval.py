@@ -33,6 +33,14 @@ from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import metric_table, print_table
 
 
+# run-config keys a user may carry over from `train`, and the eval option that sets each
+EVAL_OPTIONS = {"rollout.temperature": "--temperature", "eval.temperature": "--temperature",
+                "rollout.max_new_tokens": "--max-new-tokens", "eval.k": "--k", "seed": "--seed",
+                "model.path": "--model", "data.eval": "--data", "data.train": "--data", "reward.name": "--reward",
+                "data.prompt_template": "--template", "data.chat_template": "--chat", "device": "--device",
+                "data.eval_size": "--num-problems"}
+
+
 def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int | None, reward: str,
                         template: str | None, device: str) -> None:
     """Refuse bad options before the model loads (ValueError naming the option)."""
@@ -41,7 +49,7 @@ def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int 
     from kv4rl.rewards import registered_rewards
 
     check_at_least(1, ("--k", k), ("--max-new-tokens", max_new_tokens))
-    check_at_least(0, ("--n", n))
+    check_at_least(0, ("--n/--num-problems", n))
     check_temperature("--temperature", temperature)
     if reward != "auto" and reward not in registered_rewards():
         raise ValueError(f"--reward: unknown reward '{reward}' (known: auto, {', '.join(registered_rewards())})")
@@ -105,7 +113,8 @@ def eval_cmd(
     n: int = typer.Option(0, "--n", "--num-problems",
                           help="evaluate the first n problems (0: all; embedded task: 256); under torchrun give "
                                "--num-problems, since torchrun takes --n for an abbreviation of its own options"),
-    temperature: float = typer.Option(1.0, "--temperature", parser=finite_float),
+    temperature: float = typer.Option(1.0, "--temperature", parser=finite_float,
+                                      help="sampling temperature; 0: greedy"),
     max_new_tokens: int | None = typer.Option(
         None, "--max-new-tokens",
         help="response limit (default: 1024, embedded task: 16, a testbed: the limit its build measured with; "
@@ -129,7 +138,7 @@ def eval_cmd(
 
     try:
         _check_eval_options(k, n, temperature, max_new_tokens, reward, template, device)
-        engine_cfg = engine_config(engine_overrides)
+        engine_cfg = engine_config(engine_overrides, EVAL_OPTIONS)
         world = distributed.launched_ranks()
         if world % engine_cfg.tensor_parallel:
             raise ValueError(f"engine.tensor_parallel={engine_cfg.tensor_parallel} does not divide the {world} "
@@ -156,8 +165,8 @@ def eval_cmd(
     check_output_path(json_out)
     check_output_path(samples_out, "--samples")
     write_json({**res, **settings}, json_out)
-    wrote(json_out)
     _write_samples(samples_out, problems, results)
+    wrote(json_out, samples_out)
 
 
 def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_tokens, reward, template, chat,

@@ -67,7 +67,7 @@ def clip_bias_cmd(
     sigma: Annotated[float, typer.Option("--sigma", parser=finite_float,
         help="advantage noise: A = ±σ, true advantage 0")] = 1.0,
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples per ρ")] = 200_000,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="random seed (weights, prompts and sampling are a function of it)")] = 0,
     sweep_rho: Annotated[str, typer.Option(
         "--sweep-rho", help="comma-separated ρ values to sweep")] = DEFAULT_SWEEP,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the numbers here")] = None,
@@ -131,10 +131,10 @@ def correction_variance_cmd(
     data: Annotated[Path | None, typer.Option(
         "--data", help="JSONL problems (default: the embedded task)")] = None,
     template: Annotated[str | None, typer.Option("--template", help="prompt template with {problem}")] = None,
-    n_prompts: Annotated[int, typer.Option("--n-prompts")] = 16,
-    samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt", "-G")] = 4,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 16,
-    temperature: Annotated[float, typer.Option("--temperature", parser=finite_float)] = 1.0,
+    n_prompts: Annotated[int, typer.Option("--n-prompts", help="prompts measured")] = 16,
+    samples_per_prompt: Annotated[int, typer.Option("--samples-per-prompt", "-G", help="responses sampled per prompt")] = 4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="response tokens at most")] = 16,
+    temperature: Annotated[float, typer.Option("--temperature", parser=finite_float, help="sampling temperature of π and μ")] = 1.0,
     stale_lr: Annotated[float, typer.Option(
         "--stale-lr", parser=finite_float,
         help="stale:K: AdamW learning rate of each step (use the run's trainer.lr)")] = 1e-4,
@@ -143,8 +143,8 @@ def correction_variance_cmd(
     engine: Annotated[list[str] | None, typer.Option(
         "--engine", help="engine key for μ, repeatable (KV4 on the embedded model: kv.n_sink=4, kv.n_recent=4, "
                          "kv.group_size=32, as its context is ~20 tokens and head_dim 32)")] = None,
-    device: Annotated[str, typer.Option("--device")] = "auto",
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")] = "auto",
+    seed: Annotated[int, typer.Option("--seed", help="random seed (weights, prompts and sampling are a function of it)")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the numbers here")] = None,
     png_out: Annotated[Path | None, typer.Option("--png", help="plot variance against H here")] = None,
 ) -> None:

@@ -91,6 +91,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             number = float(value)
         elif isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
             number = float(value)  # YAML 1.1 reads `1e-5` (no dot) as a string
+        elif isinstance(value, str) and value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
+            number = float(value)  # `inf` is a string to YAML (`.inf` is its number): refused as one below
         if number is not None:
             if not math.isfinite(number):  # YAML's .inf / .nan: no setting means them (null turns one off)
                 raise ConfigError(f"{key}: expected a finite number, got {value!r}")

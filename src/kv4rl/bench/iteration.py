@@ -77,9 +77,11 @@ def parse_arms(text: str) -> list[Arm]:
     their KV) and, after `@`, its own number of decode slots (partial rollout keeps that many
     responses in flight, so a format whose cache holds more can run more at the same memory).
     Raises ValueError naming the bad arm."""
-    arms = [a.strip() for a in text.split(",") if a.strip()]
-    if not arms:
+    arms = [a.strip() for a in text.split(",")]
+    if not any(arms):
         raise ValueError("--arms is empty")
+    if not all(arms):
+        raise ValueError(f"--arms {text!r}: an empty item between commas")
     out = []
     for label in arms:
         spec, slots = split_slots(label, "--arms", "kv4+partial@256")

@@ -155,6 +155,8 @@ def check_engine_overrides(overrides: list[str] | None) -> None:
     if prefixed:
         raise ValueError(f"--engine {prefixed[0]!r}: give the key without 'engine.' "
                          f"(e.g. {prefixed[0].strip().removeprefix('engine.')!r})")
+    # keys and values as the engine reads them, before any model is built or loaded
+    from_dict(EngineConfig, apply_overrides({}, list(overrides or [])), prefix="engine").validate()
 
 
 def _autocast(device: torch.device):
