@@ -59,6 +59,12 @@ from kv4rl.trainer.learner_options import check_learner_options
 
 log = logging.getLogger(__name__)
 EVAL_STREAM = 0  # `stream_seed`'s stream of the periodic evaluations (one call per evaluated iteration)
+PER_RANK = "per_rank"  # `engine_weights` of a lagging tensor-parallel engine: one file per rank's slice
+
+
+def engine_slice_file(rank: int) -> str:
+    """The checkpoint file of one rank's slice of a lagging tensor-parallel engine's weights."""
+    return f"engine_weights.rank{rank}.pt"
 
 
 @dataclass
@@ -343,8 +349,8 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
 
 def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
     """A checkpoint of iteration `done`. Every rank takes part (the learner's full weights gathered from
-    its FSDP2 shards, each rank's in-flight rollouts collected, each rank's optimizer shard written);
-    rank 0 writes the rest."""
+    its FSDP2 shards, each rank's in-flight rollouts collected, each rank's optimizer shard written, and
+    each rank's engine slice when a tensor-parallel engine lags the learner); rank 0 writes the rest."""
     weights = {k: v.detach().cpu() for k, v in s.learner.state_dict().items()}
     state = {"learner": s.learner.checkpoint_state(), **resume_state(s, done)}
 
@@ -358,13 +364,6 @@ def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
 
     return save_checkpoint(folder.path if folder else None, done, write_files, state,
                            folder.run_id if folder else None, s.cfg.checkpoint.keep_last, write_shards)
-
-
-PER_RANK = "per_rank"  # `engine_weights` of a lagging tensor-parallel engine: one file per rank's slice
-
-
-def engine_slice_file(rank: int) -> str:
-    return f"engine_weights.rank{rank}.pt"
 
 
 def resume_state(s: Setup, done: int) -> dict:
