@@ -273,19 +273,24 @@ def test_requests_after_a_weight_update_compute_their_prompt_under_the_new_weigh
     assert [s.output_versions[0] for s in seqs] == [0, 1, 1, 1]
 
 
-def test_a_prompt_prefilling_in_chunks_across_a_weight_update_seeds_no_follower(ckpt, tmp_path):
-    """The leader's first chunk ran under the old weights and its last under the new (keep_kv): a follower
-    forked that mixed prompt KV once the leader finished. Reference: the sharing-off engine, the followers
-    submitted after the update."""
+def test_a_prompt_prefilling_in_chunks_across_a_weight_update_starts_over_under_the_new_weights(ckpt, tmp_path):
+    """The leader's first chunk ran under the old weights; kept (keep_kv), its last ran under the new, a
+    follower forked that mixed prompt KV, and the leader's response carried the new version over an older
+    prompt. Now the update restarts an unfinished prompt: every response, the leader's too, is sampled
+    over prompt KV of the new weights alone. Reference: the sharing-off engine, whose leader restarts the
+    same way, the followers submitted after the update."""
     from tests.conftest import make_checkpoint
 
     path, _ = ckpt
     new = make_checkpoint(tmp_path, seed=1, head_dim=32, max_position_embeddings=128).state_dict()
-    engine = make_engine(path, "fp32", sharing=True, step_tokens=3)  # the 8-token prompt in chunks 3 + 3 + 2
+    engine = make_engine(path, "fp32", sharing=True, step_tokens=3)  # the 8-token prompt in chunks of 3
     seqs = submit(engine, groups=[3])
     engine.step()
+    assert seqs[0].num_cached_tokens == 3
     engine.load_weights(new, version=1)
+    assert seqs[0].num_cached_tokens == 0  # back in the queue, its old chunk dropped
     got = run(engine, seqs)
+    assert engine.scheduler.num_forks >= 1 and engine.scheduler.num_preemptions == 0
     ref = make_engine(path, "fp32", sharing=False, step_tokens=3)
     prompt = group_prompts()[3]
     ref_seqs = [ref.add_request(prompt, PARAMS, sample_seed=300)]
@@ -293,10 +298,11 @@ def test_a_prompt_prefilling_in_chunks_across_a_weight_update_seeds_no_follower(
     ref.load_weights(new, version=1)
     ref_seqs += [ref.add_request(prompt, PARAMS, sample_seed=300 + j) for j in range(1, G)]
     assert_same(got, run(ref, ref_seqs))
-    # the followers, admitted after the update, share among themselves: the first prefills in chunks (its
-    # last one a single token, which made no parent before), the next forks it; the last waits for step
-    # budget (3 tokens, 3 decodes) until no prompt-only copy is left, and prefills itself
-    assert [s.output_versions[0] for s in seqs] == [1, 1, 1, 1] and engine.scheduler.num_forks == 1
+    fresh = make_engine(path, "fp32", sharing=False)  # the leader alone, the new weights from the start
+    fresh.load_weights(new, version=1)
+    alone = fresh.add_request(prompt, PARAMS, sample_seed=300)
+    assert_same(got[:1], run(fresh, [alone]))
+    assert [s.output_versions[0] for s in seqs] == [1, 1, 1, 1]
 
 
 def test_score_tokens_shares_repeated_prompts(ckpt):

@@ -72,7 +72,6 @@ class Scheduler:
         self.num_sibling_waits = 0  # steps in which a group waited for slots to admit it whole
         self._prefix_parents: dict[tuple[int, ...], Sequence] = {}  # prompt -> who computed it last step
         self._chunking: dict[tuple[int, ...], Sequence] = {}  # prompt -> who is prefilling it in chunks
-        self._weights_epoch = 0  # bumped by `forget_prefixes`: prompts begun before cannot be shared
         self.num_forks = 0
         self.prefill_tokens_saved = 0  # prompt tokens forked requests did not compute
 
@@ -125,8 +124,8 @@ class Scheduler:
         parent for the next one, one left unfinished keeps requests with the same prompt waiting."""
         seq.chunk = take if take < new_tokens else 0
         key = self._share_key(seq)
-        if key is None or seq.prompt_epoch != self._weights_epoch:
-            return  # not shareable, or its first chunks ran under the old weights
+        if key is None:
+            return
         if take < new_tokens:
             self._chunking[key] = seq
             return
@@ -181,7 +180,6 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.seq_slot = self._free_seq_slots.pop()
-            seq.prompt_epoch = self._weights_epoch  # a parent is always of this epoch (forget_prefixes)
             if parent is not None:
                 self._fork(seq, parent, shared)
             else:
@@ -244,11 +242,17 @@ class Scheduler:
         self.prefill_tokens_saved += last
 
     def forget_prefixes(self) -> None:
-        """New weights: prompt KV computed under the old ones must not seed new requests, neither a
-        prompt finished last step nor one still prefilling in chunks (its first chunks are old)."""
+        """New weights: prompt KV computed under the old ones must not seed new requests. A new request
+        still prefilling its prompt in chunks starts that prompt over, so its KV and the response it
+        begins are of the new weights alone (with its first chunks kept, a follower forked the mixed KV,
+        and the response's tokens carried the new version over an older prompt)."""
         self._prefix_parents = {}
         self._chunking = {}
-        self._weights_epoch += 1
+        for seq in reversed(list(self.running)):  # appendleft in reverse keeps their queue order
+            if not seq.output_ids and 0 < seq.num_cached_tokens < len(seq.prompt_ids):
+                self._release(seq)
+                seq.status = Status.WAITING  # `_release` freed its blocks and cached count
+                self.waiting.appendleft(seq)
 
     def _decode_batch(self, skip: frozenset[int] | set[int] = frozenset()) -> list[Sequence]:
         batch: list[Sequence] = []
