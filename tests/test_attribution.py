@@ -139,6 +139,14 @@ def test_kv4_only_moves_the_kv_term(checkpoint, learner):
     moved(attribute(engine, learner, batch), "kv_cache")
 
 
+def test_nvfp4_is_scored_with_the_engines_calibrated_scale(checkpoint, learner):
+    """NVFP4 calibrates one scale per layer on the engine's first prefill; the scoring cache calibrated
+    afresh on each scored response, and the difference (~0.08 a token) showed up as `kernels`."""
+    path = checkpoint
+    engine, batch = rollout(path, EngineConfig(kv=KVConfig(format="nvfp4")))
+    moved(attribute(engine, learner, batch), "kv_cache")
+
+
 def test_fp8_weights_only_move_the_weights_term(checkpoint, learner):
     path = checkpoint
     engine, batch = rollout(path, EngineConfig(weight_format="fp8"))
@@ -256,3 +264,25 @@ def test_training_loop_logs_attribution_that_matches_the_learners_mismatch(tmp_p
     for r in rows[1:]:
         assert r["staleness_mean"] == 1 and r["mismatch/staleness_abs_mean"] > 1e-3
         assert r["mismatch/staleness_abs_mean"] == pytest.approx(r["mismatch/total_abs_mean"], rel=1e-3)
+
+
+def test_a_response_whose_token_the_reference_truncation_leaves_out_is_skipped(checkpoint, learner, monkeypatch):
+    """The fast path and the reference may order near-tied logits at the top-k cut differently: the sampled
+    token then has a truncated log-prob of -inf under the reference, and its terms (+inf, -inf) made the
+    means infinite, logged as null."""
+    path = checkpoint
+    engine, batch = rollout(path, EngineConfig(), top_k=5)
+    real = MismatchAttribution._engine_levels
+
+    def one_token_cut(self, iteration, responses):
+        real(self, iteration, responses)
+        responses[1].levels["E4"] = responses[1].levels["E4"].clone()
+        responses[1].levels["E4"][3] = float("-inf")
+
+    monkeypatch.setattr(MismatchAttribution, "_engine_levels", one_token_cut)
+    att = MismatchAttribution(engine, learner, every=1, samples=len(batch), sampling=Sampling(TEMPERATURE, 5),
+                              horizon=1)
+    out = att.attribute(0, batch)
+    assert out["mismatch/skipped_responses"] == 1
+    assert out["mismatch/attributed_tokens"] == int(batch.response_mask.sum()) - 10
+    assert all(math.isfinite(v) for k, v in out.items() if k.endswith(("_abs_mean", "_mean", "_k3")))

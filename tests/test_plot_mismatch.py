@@ -84,3 +84,16 @@ def test_attribution_that_ran_but_attributed_nothing_is_told_apart_from_none(tmp
     text = " ".join(res.output.split())
     assert res.exit_code == 2 and "attribution ran at 2 iteration(s) (first 2) but attributed no tokens" in text
     assert "24 responses were skipped" in text and "attribution_every" not in text
+
+
+def test_a_null_term_draws_no_point_instead_of_a_traceback(tmp_path):
+    """A non-finite term is logged as null: `plot mismatch` failed comparing None > 0."""
+    row = attribution_row(2, 30, 0.5)
+    row["mismatch/kernels_abs_mean"] = row["mismatch/truncation_abs_mean"] = None
+    write_run(tmp_path / "run", [attribution_row(1, 30, 0.5), row])
+    out = tmp_path / "m.png"
+    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "run"), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    with out.with_suffix(".csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["iteration"] == "2" and r["source"] == "kernels"]
+    assert rows[0]["abs_mean"] == ""

@@ -58,10 +58,14 @@ class Sampling:
 
 @torch.inference_mode()
 def reference_logprobs(model: Decoder, kv_format: KVFormat, prompt: list[int], response: list[int],
-                       sampling: Sampling, block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       sampling: Sampling, block_size: int = 16,
+                       calibration: list[dict[str, torch.Tensor]] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float64 log-probs [T] of the T response tokens given the prompt and the tokens before them,
     under softmax(logits / temperature), and (when `sampling` truncates) under the truncated
-    distribution the sampler reports; the second is None otherwise."""
+    distribution the sampler reports; the second is None otherwise. `calibration`: what the engine's
+    cache calibrated once per layer (`Engine.kv_calibration`, NVFP4's scales), so this cache quantizes
+    as the engine's did instead of calibrating on this one response."""
     if not prompt or not response:
         raise ValueError("reference_logprobs needs a non-empty prompt and response")
     args, device = model.args, next(model.parameters()).device
@@ -69,6 +73,9 @@ def reference_logprobs(model: Decoder, kv_format: KVFormat, prompt: list[int], r
     num_blocks = blocks_needed(num_tokens, block_size)
     caches = [kv_format.allocate(num_blocks * block_size, args.num_kv_heads, args.head_dim, device)
               for _ in range(args.num_layers)]
+    for cache, kept in zip(caches, calibration or (), strict=calibration is not None):
+        for key, value in kept.items():
+            cache[key].copy_(value)
     meta = AttnMetadata.build(query_lens=[num_tokens], context_lens=[num_tokens],
                               block_tables=[list(range(num_blocks))], block_size=block_size, seq_ids=[0],
                               device=device)

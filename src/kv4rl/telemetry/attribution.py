@@ -166,7 +166,13 @@ class MismatchAttribution:
         self._learner_level(batch, responses)
         self._engine_levels(iteration, responses)
         order = ["L", "E0", "E1", "E2", "E3", "E4"]
-        terms = [decompose([r.levels[k] for k in order] + [r.recorded]) for r in responses]
+        # the reference's top-k/top-p may leave out a token the engine sampled (near-tied logits at the cut,
+        # ordered differently): its truncated log-prob is -inf and its terms infinite, so it is skipped
+        finite = [r for r in responses if all(bool(torch.isfinite(r.levels[k]).all()) for k in order)]
+        skipped += len(responses) - len(finite)
+        if not finite:
+            return None, skipped
+        terms = [decompose([r.levels[k] for k in order] + [r.recorded]) for r in finite]
         return {k: torch.cat([t[k] for t in terms]) for k in terms[0]}, skipped
 
     def _learner_level(self, batch, responses: list[Response]) -> None:
@@ -184,8 +190,11 @@ class MismatchAttribution:
         run_kv, block_size = engine.kv_format, engine.config.kv.block_size
         same_kv = run_kv.name == compute_kv.name and run_kv.rotate == "none"
 
+        calibration = engine.kv_calibration()  # NVFP4's scales: the run's cache, not one calibrated anew
+
         def score(model, kv, r):
-            return reference_logprobs(model, kv, r.prompt, r.tokens, self.sampling, block_size)
+            return reference_logprobs(model, kv, r.prompt, r.tokens, self.sampling, block_size,
+                                      calibration if kv is run_kv else None)
 
         versions = sorted({r.version for r in responses}, key=lambda v: v != iteration)  # current first
         model = scoring_model(engine.args, engine.dtype, engine.device)

@@ -147,7 +147,8 @@ def plot_mismatch(rows: list[dict], out_png: Path) -> Path:
         mine = [r for r in rows if r["run"] == run]
         drawn = 0
         for source in dict.fromkeys(r["source"] for r in mine):
-            points = [(r["iteration"], r["abs_mean"]) for r in mine if r["source"] == source and r["abs_mean"] > 0]
+            points = [(r["iteration"], r["abs_mean"]) for r in mine  # null (a non-finite value logged): no point
+                      if r["source"] == source and r["abs_mean"] is not None and r["abs_mean"] > 0]
             if points:
                 style = {"color": "black", "ls": "--"} if source == "total" else {"marker": "."}
                 ax.plot(*zip(*points), label=source, **style)
