@@ -177,8 +177,18 @@ class Engine:
         self.scheduler.preempt_all()
 
     def unfinished(self) -> list[Sequence]:
+        """Requests queued or running, after reading the step in flight. Those that stopped in it are not
+        among them: they are returned by the next `step`, or now by `take_stopped`."""
         self.drain()
         return list(self.scheduler.running) + list(self.scheduler.waiting)
+
+    def take_stopped(self) -> list[Sequence]:
+        """Requests that finished in a step read by a drain (a weight refresh, `unfinished`, ...), which the
+        next `step` would return: handed over now instead, so a caller that checks or saves its requests
+        between steps sees every one of them."""
+        self.drain()
+        stopped, self._backlog = self._backlog, []
+        return stopped
 
     def num_unfinished(self) -> int:
         """Requests queued or running, counted without reading the step in flight (`unfinished` reads it):

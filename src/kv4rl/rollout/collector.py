@@ -132,6 +132,9 @@ class Collector:
             self.before_step()
         finished = self.engine.step()
         self.trace.append(dict(self.engine.last_step))
+        self._record(finished)
+
+    def _record(self, finished: list[Sequence]) -> None:
         for seq in sorted(finished, key=lambda s: s.tag):
             index, j = seq.tag
             group = self.groups[index]
@@ -150,6 +153,9 @@ class Collector:
         old at learner update `next_consumer` (in the engine, or finished in an incomplete group)."""
         if max_versions is None:
             return
+        # responses that stopped in the step a refresh drained (async scheduling) are held too: record them
+        # first, or they would pass this check and reach the learner older than allowed
+        self._record(self.engine.take_stopped())
         too_old = lambda versions: bool(versions) and next_consumer - min(versions) > max_versions
         for seq in self.engine.unfinished():
             if too_old(seq.output_versions):
@@ -176,7 +182,10 @@ class Collector:
 
     # ---- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything in flight: groups, finished and partial responses in engine queue order."""
+        """Everything in flight: groups, finished and partial responses in engine queue order. Responses
+        that stopped in a drained step are recorded in their groups first (neither running nor in a group,
+        they were saved nowhere, and their group never completed after a resume)."""
+        self._record(self.engine.take_stopped())
         in_engine = [(seq.tag, Completion.from_sequence(seq)) for seq in self.engine.unfinished()]
         return {
             "next_group": self.next_group,
