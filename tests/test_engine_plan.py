@@ -268,16 +268,15 @@ def test_an_engine_refuses_a_context_past_the_models_positions_and_no_slots():
 
 
 def test_the_pool_leaves_room_for_the_logits_every_captured_graph_keeps(monkeypatch):
-    """Each decode bucket's graph keeps its float32 [bs, V] logits in the graphs' private pool (1.24 GiB
-    at 256 slots and Qwen3's vocabulary), each prefill bucket its [8, V]: memory the pool sizing never
-    counted. Hand count: buckets 1, 2, 4, 8, 16 (max 16 slots) and prefill 64, 128 (max 128 tokens)."""
+    """The decode graphs' buckets share one float32 [slots, V] logits buffer and the prefill graphs' one
+    [8, V] (each bucket kept its own before: 1.24 GiB at 256 slots and Qwen3's vocabulary, uncounted)."""
     from types import SimpleNamespace
 
     from kv4rl.engine import memory
     from kv4rl.engine.runner import _Profile
 
-    assert memory.graph_output_bytes(16, 128, 1000) == ((1 + 2 + 4 + 8 + 16) + 2 * 8) * 1000 * 4
-    assert memory.graph_output_bytes(256, 0, 151_936) / 2**30 == pytest.approx(1.240, abs=1e-3)
+    assert memory.graph_output_bytes(16, 128, 1000) == (16 + 8) * 1000 * 4
+    assert memory.graph_output_bytes(256, 0, 151_936) == 256 * 151_936 * 4
     assert memory.graph_output_bytes(0, 0, 1000) == 0
     gib = 2**30
     monkeypatch.setattr(memory, "in_use_bytes", lambda device, scope: (100 * gib, 10 * gib))
@@ -290,8 +289,8 @@ def test_the_pool_leaves_room_for_the_logits_every_captured_graph_keeps(monkeypa
         plan = make_plan(config, args, torch.bfloat16, CUDA, 64)
         profile = _Profile(SimpleNamespace(args=args), plan, config, torch.device("cpu"), None)
         sizes[graphs] = profile.pool_blocks()
-    held = memory.graph_output_bytes(64, 128, args.vocab_size)  # 64 slots: buckets 1, 2, 4, 8, 16, 32, 48, 64
-    assert held == (1 + 2 + 4 + 8 + 16 + 32 + 48 + 64 + 2 * 8) * args.vocab_size * 4
+    held = memory.graph_output_bytes(64, 128, args.vocab_size)
+    assert held == (64 + 8) * args.vocab_size * 4
     per_block = 2 * 2 * args.num_kv_heads * args.head_dim * 16 * args.num_layers  # K and V, bf16, 16 tokens
     room = int(0.12 * 100 * gib) - 10 * gib - gib  # below the cap of 64 x 4096 tokens
     assert sizes[False][0] == room // per_block

@@ -72,6 +72,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=i32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # every bucket's graph writes its logits here (its first rows): a step's logits are sampled, in
+        # stream order, before the next step's graph overwrites them, whatever its bucket
+        self.out = torch.empty(max_batch, model.args.vocab_size, dtype=torch.float32, device=fast.device)
         self.pool = None
         self.num_replays = 0
 
@@ -94,7 +97,7 @@ class DecodeGraphs:
         attention.rotates_qk = self.fast.rotates_qk
 
         hidden = self.model(self.ids[:bs], self.positions[:bs], attention)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits_into(hidden, self.out[:bs])
 
     @torch.inference_mode()
     def capture(self, buckets) -> None:

@@ -130,17 +130,13 @@ def profile_batch(max_num_batched_tokens: int, max_model_len: int, max_num_seqs:
 
 
 def graph_output_bytes(decode_batch: int, prefill_tokens: int, vocab: int) -> int:
-    """Bytes the captured CUDA graphs keep beyond the largest step's peak: each captured bucket keeps its
-    own float32 logits in the graphs' private pool (decode: [bs, V] for every batch bucket up to
-    `decode_batch`; prefill: [MAX_ROWS, V] for every token bucket up to `prefill_tokens`), which the
-    engine's other allocations cannot reuse. 0 for either kind not captured (0 given). The graphs'
-    intermediates share their pool and are bounded by the measured peak; they are not added again."""
-    from kv4rl.engine.cuda_graphs import graph_buckets
-    from kv4rl.engine.prefill_graphs import MAX_ROWS, prefill_buckets
+    """Bytes the CUDA graphs keep beyond the largest step's peak: the float32 logits their buckets share,
+    [decode_batch, V] for the decode graphs and [MAX_ROWS, V] for the prefill graphs. 0 for either kind
+    not captured (0 given). The graphs' intermediates share their pool and are bounded by the measured
+    peak; they are not added again."""
+    from kv4rl.engine.prefill_graphs import MAX_ROWS
 
-    rows = sum(graph_buckets(decode_batch)) if decode_batch else 0
-    rows += len(prefill_buckets(prefill_tokens)) * MAX_ROWS if prefill_tokens else 0
-    return rows * vocab * 4
+    return (decode_batch + (MAX_ROWS if prefill_tokens else 0)) * vocab * 4
 
 
 def measure_step_peak(run_step, device: torch.device) -> int:

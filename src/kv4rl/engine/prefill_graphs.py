@@ -72,6 +72,8 @@ class PrefillGraphs:
         self.keep_rows = torch.zeros(max_tokens, **long) if fast.side else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # one output for every bucket, apart from the decode graphs' (a mixed step uses both)
+        self.out = torch.empty(MAX_ROWS, model.args.vocab_size, dtype=torch.float32, device=dev)
         self.pool = None  # its own pool: the decode graph's logits are still in use when a prefill replays
         self.num_runs = 0
 
@@ -108,7 +110,7 @@ class PrefillGraphs:
         attention.rotates_qk = self.fast.rotates_qk
 
         hidden = self.model(self.ids[:tokens], self.positions[:tokens], attention)
-        return self.model.compute_logits(hidden[self.ends])
+        return self.model.compute_logits_into(hidden[self.ends], self.out)
 
     def _capture(self, tokens: int) -> torch.Tensor:
         """Run this step eagerly on a side stream (it compiles the kernels and warms the allocator; its

@@ -165,6 +165,11 @@ class Decoder(nn.Module):
         """Float32 logits [M, V]; the matmul runs in the model dtype, as the learner's does."""
         return self.lm_head(hidden_MC).float()
 
+    def compute_logits_into(self, hidden_MC: torch.Tensor, out_MV: torch.Tensor) -> torch.Tensor:
+        """`compute_logits` written into the float32 buffer `out_MV` (the same values: the cast is exact),
+        so CUDA graphs of several batch sizes can share one output instead of keeping one each."""
+        return out_MV.copy_(self.lm_head(hidden_MC))
+
     # ---- weights -------------------------------------------------------------------------------
 
     def hf_targets(self) -> dict[str, LoadTarget]:
