@@ -44,7 +44,8 @@ class EngineConfig:
 
     `num_kv_blocks: null` sizes the pool from device memory on CUDA: what is left of
     `gpu_memory_fraction` of the device after the weights, the activation peak of the largest step and
-    the logits buffers of the CUDA graphs (float32 [max_num_seqs, vocab] for decode, [8, vocab] for prefill), at most enough for every slot to hold `max_model_len` tokens (on CPU: exactly that).
+    the CUDA graphs' logits buffers (float32 [max_num_seqs, vocab] for decode, [8, vocab] for prefill),
+    at most enough for every slot to hold `max_model_len` tokens (on CPU: exactly that).
     `prefix_sharing` lets requests with the same prompt (a GRPO group) hold one copy of its KV blocks
     and skip its prefill (see the scheduler); off, every request prefills and holds its own prompt.
     `admit_siblings_together` (with prefix sharing) admits a queued group only when the free slots hold
