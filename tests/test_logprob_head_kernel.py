@@ -65,3 +65,18 @@ def test_bad_arguments_are_refused_by_name():
         fused_token_logprobs(logits, torch.zeros(1, 2, dtype=torch.long, device=DEVICE), 0.0)
     with pytest.raises(ValueError, match=r"expected logits \[B, T, V\] and ids \[B, T\]"):
         fused_token_logprobs(logits, torch.zeros(1, 3, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("offset", [30.0, 1000.0, 10000.0])
+def test_entropy_keeps_its_digits_when_the_logits_are_large(offset, gen):
+    """H was lse - Σ p x in fp32: two numbers near the logits' size whose difference is a few nats lost
+    ~1e-5 at logits ~100 and 3e-3 at 1e4. Reference: float64 on the same fp32 logits / τ the kernel forms
+    (at 1e4 / 0.6 the fp32 division alone moves a logit by 1e-3)."""
+    vocab = 2 * BLOCK_V + 3
+    logits = (offset + 3.0 * torch.randn(2, 3, vocab, generator=gen)).float()
+    logits[0, 0, -1] += 10.0  # the peak in the last block: the running max moves late
+    ids = torch.randint(0, vocab, (2, 3), generator=gen)
+    _, ent = fused_token_logprobs(logits.to(DEVICE), ids.to(DEVICE), 0.6)
+    scaled = logits * torch.tensor(1 / 0.6, dtype=torch.float32)  # as the kernel scales, in fp32
+    ref = entropy_from_logits(scaled.double(), 1.0)
+    torch.testing.assert_close(ent.double().cpu(), ref, rtol=0, atol=5e-6)

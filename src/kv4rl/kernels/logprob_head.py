@@ -8,8 +8,8 @@ entropy for logging takes another pass of six. At 16k tokens x 152k vocabulary o
 and in the profile of a fused 1.7B learner step (bench/results/2026-12-01-h200-profile-learner-1p7b-fused.json)
 the four kernel kinds called once per vocabulary chunk (76 chunks a step) took ~260 of its 2,270 ms:
 casts 87, fp32 division 75, exp 56, softmax 40 ms. Here
-the forward reads each logit once (an online logsumexp that also accumulates Σ e^x·x, so the entropy
-comes free) and the backward reads it once and writes its gradient once:
+the forward reads each logit once (an online logsumexp that also accumulates Σ e^{x-m}(x-m) about the
+running max m, so the entropy comes free) and the backward reads it once and writes its gradient once:
 
     x = logits / τ,  lse = log Σ_v e^{x_v},  logp = x_id - lse,  H = lse - Σ_v e^{x_v - lse} x_v,
     ∂logp/∂logits_v = ([v = id] - e^{x_v - lse}) / τ.
@@ -35,23 +35,24 @@ def _forward_kernel(logits_ptr, stride_b, stride_t, ids_ptr, logp_ptr, lse_ptr, 
     lane = tl.arange(0, BLOCK)
     run_max = float("-inf")
     run_sum = 0.0  # Σ e^{x - run_max}
-    run_dot = 0.0  # Σ e^{x - run_max} x
-    for start in range(0, vocab, BLOCK):
+    run_dot = 0.0  # Σ e^{x - run_max} (x - run_max): shifted, so H = log run_sum - run_dot / run_sum keeps
+    for start in range(0, vocab, BLOCK):  # its digits at any logit size (lse - Σ p x cancelled them)
         offs = start + lane
         live = offs < vocab
         x = tl.load(base + offs, mask=live, other=float("-inf")).to(tl.float32) * inv_t
         new_max = tl.maximum(run_max, tl.max(x, axis=0))
         scale = tl.exp(run_max - new_max)
         e = tl.exp(x - new_max)
+        shift = tl.where(run_sum > 0, (run_max - new_max) * run_sum, 0.0)  # re-centre the old terms
+        run_dot = (run_dot + shift) * scale + tl.sum(e * tl.where(live, x - new_max, 0.0), axis=0)
         run_sum = run_sum * scale + tl.sum(e, axis=0)
-        run_dot = run_dot * scale + tl.sum(e * tl.where(live, x, 0.0), axis=0)  # no -inf * 0 past the end
         run_max = new_max
     lse = run_max + tl.log(run_sum)
     token = tl.load(ids_ptr + row)
     x_id = tl.load(base + token).to(tl.float32) * inv_t
     tl.store(logp_ptr + row, x_id - lse)
     tl.store(lse_ptr + row, lse)
-    tl.store(ent_ptr + row, lse - run_dot / run_sum)
+    tl.store(ent_ptr + row, tl.log(run_sum) - run_dot / run_sum)
 
 
 @triton.jit
