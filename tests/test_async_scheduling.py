@@ -174,3 +174,34 @@ def test_abort_and_unfinished_see_no_pending_token(tiny_qwen3):
 def test_async_scheduling_with_tensor_parallel_is_refused():
     with pytest.raises(ValueError, match="engine.async_scheduling.*tensor_parallel=2"):
         EngineConfig(async_scheduling=True, tensor_parallel=2).validate()
+
+
+def test_generate_hands_none_of_its_requests_to_the_caller_and_leaves_no_step_in_flight(tiny_qwen3):
+    """An error while `generate` steps: aborting its first request read the step in flight, and a request of
+    the call that stopped in it was left for the caller's next `step`. And a `generate` whose last requests
+    stopped at EOS left a step launched ahead: `has_unfinished()` on an idle engine, and the caller's next
+    step (its trace) was the eval's. Reference: the synchronous engine, which has neither."""
+    path, _ = tiny_qwen3
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_one(done):
+        if done >= 1:
+            raise Stop
+
+    stops = list(range(0, 97, 4))  # a quarter of the vocabulary ends a request: stops land in drains
+    escaped = 0
+    for trial in range(12):
+        engine = Engine(path, EngineConfig(async_scheduling=True, kv=KVConfig(format="fp32", block_size=4),
+                                           max_model_len=64), max_num_seqs=4, device="cpu", dtype="float32")
+        params = SamplingParams(temperature=1.0, max_tokens=30, stop_token_ids=stops)
+        prompts = [[5, 6, 7, i] for i in range(4)]
+        with pytest.raises(Stop):
+            engine.generate(prompts, params, tags=[("eval", i) for i in range(4)], progress=stop_after_one,
+                            sample_seeds=[1000 * trial + i for i in range(4)])
+        escaped += len(engine._backlog)
+        assert not engine.has_unfinished()  # nothing of the call left to a later `step`
+        out = engine.generate(prompts, params, sample_seeds=[1000 * trial + 7 + i for i in range(4)])
+        assert len(out) == 4 and not engine.has_unfinished()  # no step left in flight after a normal return
+    assert escaped == 0

@@ -122,7 +122,7 @@ def test_partial_top_up_does_not_read_the_step_in_flight(tiny_qwen3):
         batches = [col.collect() for _ in range(3)]
         assert [len(g.completions) for b in batches for g in b] == [2] * 12
         assert any(reads) == (counting == "unfinished")
-        assert len(idle) == len(col.trace) and not any(idle)
+        assert len(idle) + sum(reads) == len(col.trace) and not any(idle)  # the trace counts drained steps too
 
 
 def run_pipeline(path, staleness, updates, mode="sync", lengths=lambda g, j: 3):
@@ -216,3 +216,28 @@ def test_a_checkpoint_keeps_responses_that_stopped_in_the_drained_step(tiny_qwen
     for index, group in col.groups.items():  # every response of a held group is finished or being sampled
         assert all(c is not None or (index, j) in live for j, c in enumerate(group.done)), (index, group.done)
     assert 2 in delivered
+
+
+def test_the_trace_counts_the_steps_a_refresh_read(tiny_qwen3, monkeypatch):
+    """A refresh reads the step in flight (async scheduling); its record was overwritten before the collector
+    appended it, so the trace held ~one step fewer per refresh (70 of 78 over 8 updates), and `decode_steps`
+    and `slot_util` undercounted. Reference: every step the engine read, counted at `Engine._complete`."""
+    read = []
+    real = Engine._complete
+
+    def counting(self, launched):
+        read.append(1)
+        return real(self, launched)
+
+    monkeypatch.setattr(Engine, "_complete", counting)
+    path, _ = tiny_qwen3
+    col, pipe = async_pipeline(path, StalenessConfig(), lambda g, j: 1 + (3 * g + 5 * j) % 7)
+    traced = 0
+    for u in range(8):
+        pipe.next_batch()
+        traced += len(col.take_trace())
+        col.engine.load_weights(col.engine.weights_state(), version=u + 1)
+        pipe.after_update(u, True)
+    col.engine.drain()
+    traced += len(col.engine.take_drained_steps())  # the last refresh's, not yet taken by a step
+    assert traced == len(read)

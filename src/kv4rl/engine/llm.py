@@ -36,6 +36,7 @@ from kv4rl.models.decoder import Decoder
 from kv4rl.models.tensor_parallel import tensor_parallel_group
 
 log = logging.getLogger(__name__)
+MAX_DRAINED_STEPS = 1024  # records kept for `take_drained_steps`
 
 
 class Engine:
@@ -89,6 +90,7 @@ class Engine:
         self.asleep = False
         self._inflight: LaunchedStep | None = None  # launched, tokens not read (async scheduling)
         self._backlog: list[Sequence] = []  # finished while draining, returned by the next step
+        self._drained_steps: list[dict] = []  # `last_step` of each step a drain read (`take_drained_steps`)
         self._last_read = 0.0  # when the host last read a step's tokens (latency under async scheduling)
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
         self.summary = engine_summary(self, max_num_seqs)
@@ -238,6 +240,14 @@ class Engine:
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
             self._backlog += self._complete(launched)
+            self._drained_steps.append(self.last_step)
+            del self._drained_steps[:-MAX_DRAINED_STEPS]  # an engine whose caller never takes them
+
+    def take_drained_steps(self) -> list[dict]:
+        """The records (`last_step`) of the steps drains read since the last call, oldest first: real steps
+        of the caller's requests that no `step` call returned, for a trace that counts every step."""
+        steps, self._drained_steps = self._drained_steps, []
+        return steps
 
     def _launch_scheduled(self) -> LaunchedStep:
         """Schedule the next batch from the scheduler's current state and queue it."""
@@ -333,6 +343,7 @@ class Engine:
         if not all(encoded):
             raise ValueError("empty prompt")
         parked, stopped = self._park_requests()
+        drained = len(self._drained_steps)  # this call's own steps are not the caller's: dropped below
         seqs: list[Sequence] = []
         try:
             for p, t, s in zip(encoded, tags, seeds):
@@ -348,8 +359,13 @@ class Engine:
                     self.abort(seq)
             raise
         finally:
+            # read a step still in flight (launched ahead of this call's last tokens, or by an abort above):
+            # it must not be the caller's next step, and none of this call's requests is handed to the caller
+            self.drain()
+            del self._drained_steps[drained:]
+            own = {id(seq) for seq in seqs}
             self.scheduler.waiting.extendleft(reversed(parked))
-            self._backlog = stopped + self._backlog
+            self._backlog = stopped + [seq for seq in self._backlog if id(seq) not in own]
         out = [Completion.from_sequence(s) for s in seqs]
         if self.tokenizer is not None:
             for c in out:

@@ -131,6 +131,7 @@ class Collector:
         if self.before_step is not None:
             self.before_step()
         finished = self.engine.step()
+        self.trace += [dict(step) for step in self.engine.take_drained_steps()]  # read by a refresh's drain
         self.trace.append(dict(self.engine.last_step))
         self._record(finished)
 
