@@ -239,5 +239,7 @@ def test_the_trace_counts_the_steps_a_refresh_read(tiny_qwen3, monkeypatch):
         col.engine.load_weights(col.engine.weights_state(), version=u + 1)
         pipe.after_update(u, True)
     col.engine.drain()
-    traced += len(col.engine.take_drained_steps())  # the last refresh's, not yet taken by a step
+    last = col.engine.take_drained_steps()  # the last refresh's, not yet taken by a step
+    traced += len(last)
     assert traced == len(read)
+    assert all(step["drained"] and step["latency_s"] == step["wait_s"] for step in last)

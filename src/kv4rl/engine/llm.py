@@ -240,7 +240,9 @@ class Engine:
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
             self._backlog += self._complete(launched)
-            self._drained_steps.append(self.last_step)
+            # its latency since the last read spans whatever the caller did meanwhile (a learner update):
+            # only the wait for the device is the step's
+            self._drained_steps.append({**self.last_step, "latency_s": self.last_step["wait_s"], "drained": True})
             del self._drained_steps[:-MAX_DRAINED_STEPS]  # an engine whose caller never takes them
 
     def take_drained_steps(self) -> list[dict]:
