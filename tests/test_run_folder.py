@@ -221,6 +221,20 @@ def test_resume_refuses_another_starting_model(run, tmp_path):
     assert tree_state(run) == before
 
 
+@pytest.mark.parametrize("override, message", [
+    ("staleness.lag=1", "staleness.lag cannot change on resume (0 -> 1): its checkpoints hold the batches"),
+    ("rollout.group_size=4", "rollout.group_size cannot change on resume (2 -> 4)"),
+])
+def test_resume_refuses_a_setting_its_checkpoint_holds_work_for(run, override, message):
+    """`staleness.lag=0` on resuming a lag-1 run was recorded in config.yaml but the restored pipeline kept
+    delivering batches one version old (and max_versions then counted from the wrong lag)."""
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), override, "trainer.iterations=3", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and message in text, text
+    assert tree_state(run) == before
+
+
 def test_resume_of_a_partial_run_as_sync_is_refused_before_any_work(tmp_path):
     """It used to start, then fail in the collector with 'scheduler produced an empty batch'."""
     run = new_run(tmp_path, "p", "rollout.mode=partial", "trainer.iterations=1", "checkpoint.save_every=1")

@@ -169,10 +169,26 @@ def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> Non
             f"reference (kl_ref) and its fingerprint in every row. To train this run's checkpoint under another "
             f"setup, start a new run with model.path={folder / 'checkpoints' / '<iter_N>'}; if the model folder "
             f"only moved, change model.path in {folder / 'config.yaml'}")
+    held = [(key, why) for key, why in (
+        ("staleness.lag", "its checkpoints hold the batches sampled ahead for the old lag, which the resumed "
+                          "pipeline would keep delivering"),
+        ("rollout.group_size", "its checkpoints hold groups of the old size in flight, and advantages are "
+                               "computed per group of the configured size"))
+        if _dotted(cfg, key) != _dotted(saved, key)]
+    if held:
+        key, why = held[0]
+        raise ConfigError(f"--resume {folder}: {key} cannot change on resume ({_dotted(saved, key)} -> "
+                          f"{_dotted(cfg, key)}): {why}. To train on under another setting, start a new run with "
+                          f"model.path={folder / 'checkpoints' / '<iter_N>'}")
     if saved.rollout.mode == "partial" and cfg.rollout.mode == "sync":
         raise ConfigError(f"--resume {folder}: rollout.mode=sync cannot take over a partial run: its checkpoints "
                           f"hold responses in flight that a sync collection does not carry; resume it as partial "
                           f"(switching sync -> partial works)")
+
+
+def _dotted(cfg: RunConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 class RunFolder:
