@@ -73,8 +73,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         # every bucket's graph writes its logits here (its first rows): a step's logits are sampled, in
-        # stream order, before the next step's graph overwrites them, whatever its bucket
-        self.out = torch.empty(max_batch, model.args.vocab_size, dtype=torch.float32, device=fast.device)
+        # stream order, before the next step's graph overwrites them, whatever its bucket (made at the
+        # first capture)
+        self.out: torch.Tensor | None = None
         self.pool = None
         self.num_replays = 0
 
@@ -107,6 +108,9 @@ class DecodeGraphs:
                 self._capture(bs)
 
     def _capture(self, bs: int) -> None:
+        if self.out is None:
+            self.out = torch.empty(self.max_batch, self.model.args.vocab_size, dtype=torch.float32,
+                                   device=self.fast.device)
         self._clear_rows()
         torch.cuda.synchronize(self.fast.device)
         graph, self.logits[bs], _ = capture_graph(lambda: self._run_model(bs), self.fast.device, self.pool)
