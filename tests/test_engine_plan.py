@@ -296,3 +296,21 @@ def test_the_pool_leaves_room_for_the_logits_every_captured_graph_keeps(monkeypa
     assert sizes[False][0] == room // per_block
     assert sizes[True][0] == (room - held) // per_block < sizes[False][0]
     assert "CUDA graph outputs" in sizes[True][1] and "CUDA graph outputs" not in sizes[False][1]
+
+
+def test_a_tensor_parallel_rank_whose_cap_is_not_the_pool_does_not_say_capped(monkeypatch):
+    """Each rank labelled its own sizing 'capped' before the minimum over the ranks was taken: the start
+    line said capped for a pool another rank's memory had made smaller."""
+    from types import SimpleNamespace
+
+    from kv4rl.engine import runner
+
+    sizing = "engine.gpu_memory_fraction=0.9 of 80 GiB" + runner.CAPPED
+    profile = SimpleNamespace(pool_blocks=lambda: (12, sizing))
+    model = SimpleNamespace(tp=object())
+    monkeypatch.setattr(runner, "_smallest_over", lambda tp, blocks, device: 5)
+    blocks, text = runner._memory_sized(profile, model, torch.device("cpu"))
+    assert blocks == 5 and "capped" not in text and text.endswith("smallest over the TP ranks")
+    monkeypatch.setattr(runner, "_smallest_over", lambda tp, blocks, device: blocks)  # this rank is the smallest
+    blocks, text = runner._memory_sized(profile, model, torch.device("cpu"))
+    assert blocks == 12 and runner.CAPPED in text
