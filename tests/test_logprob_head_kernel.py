@@ -80,3 +80,15 @@ def test_entropy_keeps_its_digits_when_the_logits_are_large(offset, gen):
     scaled = logits * torch.tensor(1 / 0.6, dtype=torch.float32)  # as the kernel scales, in fp32
     ref = entropy_from_logits(scaled.double(), 1.0)
     torch.testing.assert_close(ent.double().cpu(), ref, rtol=0, atol=5e-6)
+
+
+def test_a_minus_infinity_logit_leaves_the_entropy_finite(gen):
+    """A masked (-inf) logit made p log p = 0 * -inf: NaN entropy in both heads."""
+    vocab = BLOCK_V + 5
+    logits = torch.randn(1, 2, vocab, generator=gen)
+    logits[0, 0, 7] = logits[0, 1, BLOCK_V + 2] = float("-inf")  # in the first block and in the ragged last
+    _, ent = fused_token_logprobs(logits.to(DEVICE), torch.tensor([[1, 3]], device=DEVICE), 1.0)
+    p = torch.softmax(logits.double(), -1)
+    want = -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1)
+    torch.testing.assert_close(ent.double().cpu(), want, rtol=0, atol=5e-6)
+    torch.testing.assert_close(entropy_from_logits(logits.double()), want, rtol=0, atol=1e-12)

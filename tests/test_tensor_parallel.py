@@ -116,3 +116,19 @@ def test_train_refuses_tensor_parallel_without_torchrun_and_an_unshardable_model
         loop.train(load_config(None, [*small, "engine.tensor_parallel=2", f"model.path={tmp_path / 'one-kv-head'}"]),
                    show_progress=False)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_tensor_parallel_resume_refuses_an_older_checkpoint_holding_one_ranks_slice(tmp_path):
+    """Checkpoints written before each rank saved its own slice hold rank 0's: loading it on every rank is
+    the wrong-weights resume that per-rank files fixed, so such a checkpoint is refused by name."""
+    from types import SimpleNamespace
+
+    import kv4rl.loop as loop
+
+    loaded = []
+    s = SimpleNamespace(learner=SimpleNamespace(load_checkpoint_state=lambda state, path: None),
+                        engine=SimpleNamespace(tp=SimpleNamespace(size=2), load_weights_state=loaded.append))
+    state = {"iteration": 3, "optimizer": {}, "engine_weights": {"w": torch.zeros(1)}, "engine_version": 2}
+    with pytest.raises(ValueError, match="holds one rank's slice of the lagging tensor-parallel engine's weights"):
+        loop.restore_state(s, state, tmp_path)
+    assert loaded == []

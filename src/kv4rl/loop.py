@@ -161,6 +161,10 @@ def restore_state(s: Setup, state: dict, path: Path) -> None:
     rank = current().rank
     saved = state.get("engine_weights")
     if saved is not None:  # the engine was behind the learner (refresh_every)
+        if saved != PER_RANK and s.engine.tp.size > 1:  # written before each rank saved its own slice
+            raise ValueError(f"{path} holds one rank's slice of the lagging tensor-parallel engine's weights (it "
+                             "was written by an older kv4rl), which every rank would load; resume from a "
+                             "checkpoint taken on a weight refresh, or start a new run from this one's model")
         if saved == PER_RANK:
             try:
                 saved = torch.load(path / engine_slice_file(rank), map_location="cpu", weights_only=True)
@@ -357,10 +361,11 @@ def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
     def write_files(path: Path) -> None:
         write_policy_files(path, s.learner, s.formatter.tokenizer, weights, s.base_dir)
 
-    def write_shards(path: Path) -> None:  # every rank: its optimizer shard, and its engine slice if lagging
-        s.learner.write_shards(path)
-        if state["engine_weights"] == PER_RANK:
+    def write_shards(path: Path) -> None:  # every rank: its engine slice if lagging, and its optimizer shard
+        if state["engine_weights"] == PER_RANK:  # before the rename rank 0 does once every rank is past here
             torch.save(s.engine.weights_state(), path / engine_slice_file(current().rank))
+            barrier()
+        s.learner.write_shards(path)
 
     return save_checkpoint(folder.path if folder else None, done, write_files, state,
                            folder.run_id if folder else None, s.cfg.checkpoint.keep_last, write_shards)

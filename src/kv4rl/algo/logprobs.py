@@ -109,7 +109,8 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_tokens: 
     entropy_BT = logits.new_empty((batch, length), dtype=_compute_dtype(logits))
     for block in _chunks(batch, length, _chunk_step(vocab, chunk_tokens)):
         log_p = torch.log_softmax(logits[block].to(entropy_BT.dtype) / temperature, dim=-1)
-        entropy_BT[block] = -(log_p.exp() * log_p).sum(dim=-1)
+        # a -inf logit has p = 0 and log p = -inf: its term is 0, not NaN (the clamp moves nothing else)
+        entropy_BT[block] = -(log_p.exp() * log_p.clamp_min(torch.finfo(log_p.dtype).min)).sum(dim=-1)
     return entropy_BT
 
 

@@ -44,7 +44,7 @@ def _forward_kernel(logits_ptr, stride_b, stride_t, ids_ptr, logp_ptr, lse_ptr, 
         scale = tl.exp(run_max - new_max)
         e = tl.exp(x - new_max)
         shift = tl.where(run_sum > 0, (run_max - new_max) * run_sum, 0.0)  # re-centre the old terms
-        run_dot = (run_dot + shift) * scale + tl.sum(e * tl.where(live, x - new_max, 0.0), axis=0)
+        run_dot = (run_dot + shift) * scale + tl.sum(tl.where(e > 0, e * (x - new_max), 0.0), axis=0)  # no 0 * -inf
         run_sum = run_sum * scale + tl.sum(e, axis=0)
         run_max = new_max
     lse = run_max + tl.log(run_sum)
