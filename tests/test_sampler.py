@@ -129,7 +129,7 @@ def test_the_top_hash_value_is_no_uniform_of_one_and_a_cut_token_is_never_drawn(
     found by inverting splitmix64)."""
     seed, step = torch.tensor([-1824253640832042361]), torch.tensor([5])
     u = uniform_noise(seed, step, 5)
-    assert float(u[0, 3]) == 1.0 - 2.0**-53 and float(u.max()) < 1.0
+    assert float(u[0, 3]) == 1.0 - 2.0**-52 and float(u.max()) < 1.0
     logits = torch.tensor([[5.0, 4.0, 3.0, -2.0, -3.0]])
     token, lp = sample(logits, torch.ones(1), torch.tensor([2]), torch.ones(1), seed, step)
     assert int(token) in (0, 1) and math.isfinite(float(lp))

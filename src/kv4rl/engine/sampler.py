@@ -19,7 +19,7 @@ import torch
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # as signed int64
 _MUL1 = 0xBF58476D1CE4E5B9 - 2**64
 _MUL2 = 0x94D049BB133111EB - 2**64
-U_MAX = 1.0 - 2.0**-53  # the largest float64 below 1
+TOP_BITS = 2**53 - 2  # the largest 53-bit hash whose (bits + 0.5) * 2^-53 stays below 1
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -39,11 +39,11 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     """[B, V] float64 uniforms in (0, 1), a pure function of (seed, step, vocab index).
 
     The top hash value 2^53 - 1 would round to u = 1 (noise +inf, and NaN on a masked -inf logit, which
-    argmax would pick); it is held at the largest float64 below 1 instead."""
+    argmax would pick); it is taken as 2^53 - 2 (u = 1 - 2^-52), as the Triton kernel takes it."""
     row = splitmix64(seeds ^ splitmix64(steps))
     cols = torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN
-    bits = _shr(splitmix64(row[:, None] + cols[None, :]), 11)
-    return ((bits.double() + 0.5) * 2.0**-53).clamp_(max=U_MAX)
+    bits = _shr(splitmix64(row[:, None] + cols[None, :]), 11).clamp_(max=TOP_BITS)
+    return (bits.double() + 0.5) * 2.0**-53
 
 
 def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -59,9 +59,10 @@ def _splitmix64(x):
 
 @triton.jit
 def _gumbel_f64(bits, LIBDEVICE: tl.constexpr):
-    """The torch sampler's noise -log(-log(u)) in float64 for the 53 hash bits `bits`, bit for bit (u held
-    below 1 as `sampler.uniform_noise` holds it)."""
-    u = tl.minimum((bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16, 0.9999999999999999)  # 2^-53; 1 - 2^-53
+    """The torch sampler's noise -log(-log(u)) in float64 for the 53 hash bits `bits`, bit for bit (the top
+    value taken as 2^53 - 2, as `sampler.uniform_noise` takes it, so u stays below 1)."""
+    bits = tl.minimum(bits, 0x1FFFFFFFFFFFFE)
+    u = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53, exact in any float type
     if LIBDEVICE:
         return -libdevice.log(-libdevice.log(u))
     return -tl.log(-tl.log(u))
@@ -71,10 +72,11 @@ def _gumbel_f64(bits, LIBDEVICE: tl.constexpr):
 def _gumbel_f32(bits):
     """The same noise in float32, within ~2e-5 of it (tests check it at the uniform's extremes). Where u is
     within 2^-8 of 1, -log(u) is the series in t = 1 - u, taken exactly in the integers as float64 has it
-    (bits + 0.5 rounds half to even above 2^52; bits = 2^53 - 1 would make u = 1, held at 1 - 2^-53), so
-    the u near 1 that make the noise large keep their bits; elsewhere log(u) loses at most 2^-17 of -log(u)."""
+    (bits + 0.5 rounds half to even above 2^52; the top value 2^53 - 1 is taken as 2^53 - 2), so the u
+    near 1 that make the noise large keep their bits; elsewhere log(u) loses at most 2^-17 of -log(u)."""
+    bits = tl.minimum(bits, 0x1FFFFFFFFFFFFE)
     u = (bits.to(tl.float32) + 0.5) * 1.1102230246251565e-16
-    t = tl.maximum((bits ^ 0x1FFFFFFFFFFFFF) + 1 - (bits & 1), 1).to(tl.float32) * 1.1102230246251565e-16
+    t = ((bits ^ 0x1FFFFFFFFFFFFF) + 1 - (bits & 1)).to(tl.float32) * 1.1102230246251565e-16
     series = t * (1.0 + t * (0.5 + t * (0.3333333333333333 + t * 0.25)))  # next term t^5/5: < 2^-33 of it
     w = tl.where(t < 0.00390625, series, -tl.log(u))
     return -tl.log(w)
