@@ -37,10 +37,16 @@ LARGE_ROWS, LARGE_BLOCK_ROWS, LARGE_NUM_WARPS = 8192, 64, 8  # 15.2 -> 10.4 us a
 # without a rotation (keys rotated by the fused RoPE) no dot shares the sign matrix among a program's rows, and
 # smaller programs win: KV4 at 32,768 tokens x 8 heads 218 -> 168 us, at 4,096 27.0 -> 22.5 (bench/RESULTS.md)
 LARGE_PLAIN_BLOCK_ROWS = 32
+# and at decode sizes one row a program, one warp each: 16 tokens x 8 heads 3.0 -> 2.4 us (pair write), 8B B16
+# short generate KV4 2,885-2,890 -> 2,899-2,904 tok/s over four alternating runs (H200, 2026-12-05); at 512 rows
+# it was even and at 2,048 slower (4.8 against 3.6 us), so only writes up to 128 rows take it
+SMALL_PLAIN_ROWS = 128
 
 
 def default_layout(num_rows: int, rotate: bool = True) -> tuple[int, int]:
     """(rows a program, warps) for a write of `num_rows` (token, KV head) rows (`rotate`: any of them rotated)."""
+    if not rotate and num_rows <= SMALL_PLAIN_ROWS:
+        return 1, 1
     if num_rows < LARGE_ROWS:
         return BLOCK_ROWS, NUM_WARPS
     return (LARGE_BLOCK_ROWS if rotate else LARGE_PLAIN_BLOCK_ROWS), LARGE_NUM_WARPS
