@@ -105,7 +105,7 @@ def _expected_loss_grad(theta, mu_table, rewards, cfg):
             behavior_logprobs=log_mu_all[i : i + 1],
             advantages=torch.full((1, T), float(reward), dtype=torch.float64),
             mask=torch.ones(1, T, dtype=torch.bool),
-            num_tokens=1.0,  # token_mean over 1 "token": the per-sequence sum Σ_t of the SPEC
+            num_tokens=1.0,  # token_mean over 1 "token": the per-sequence sum Σ_t of the method
         )
         loss, _ = loss_fn(inputs, cfg)
         weighted = weighted + weight * loss

@@ -83,7 +83,7 @@ def test_dual_clip_bounds_negative_advantages():
 
 
 def test_the_a2_case():
-    """ρ = 1.5 > 1 + ε with A = ±σ: the clipped token gets 0, the other −ρσ (SPEC §3.3)."""
+    """ρ = 1.5 > 1 + ε with A = ±σ: the clipped token gets 0, the other −ρσ (docs/simulations.md)."""
     inp = _one_row([1.5, 1.5], [1.0, -1.0])
     coef, _, metrics = _coefficients(inp, AlgoConfig(loss="ppo_clip", eps_low=0.2, eps_high=0.2))
     assert coef == pytest.approx([0.0, -1.5], abs=1e-12)

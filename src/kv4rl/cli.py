@@ -58,7 +58,9 @@ def train(
     resume: Path | None = typer.Option(None, "--resume", help="run folder to continue (runs/<name>)"),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="start over in a folder that holds a run (the old run is moved aside)"),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show the progress bar"),
+    progress: bool = typer.Option(True, "--progress/--no-progress",
+                                  help="show the progress bar, the engine's start-up line and the per-iteration "
+                                       "lines (--no-progress: only the final table)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="also print the library's info lines"),
     seeds: str | None = typer.Option(
         None, "--seeds", help="comma-separated seeds: one run per seed into <out_dir>/<name>-s<seed>, in parallel "

@@ -1,6 +1,6 @@
 """`kv4rl bench …`: measurements of the rollout engine, printed as a table and written as JSON.
 
-- `fidelity` (SPEC §6): shared-prefix conditional KL of each KV-cache format against a reference
+- `fidelity` (docs/kv-cache.md): shared-prefix conditional KL of each KV-cache format against a reference
   cache, top-1 agreement and bytes per token. The numbers come from `kv4rl.bench.fidelity`.
 - `pool`: tokens the KV pool holds in a memory budget per format (`kv4rl.bench.pool`).
 - `generate`: engine tokens/s against transformers' `generate` on one random-init model
@@ -110,7 +110,7 @@ def fidelity(
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     verbose: Annotated[bool, Option("--verbose", "-v", help="also print the library's info lines")] = False,
 ) -> None:
-    """Shared-prefix conditional KL of each KV format against the reference cache (SPEC §6)."""
+    """Shared-prefix conditional KL of each KV format against the reference cache (docs/kv-cache.md)."""
     from kv4rl.bench.fidelity import (
         build_variants,
         default_allocation,

@@ -1,8 +1,8 @@
 """`kv4rl sim …`: the simulations behind the method's arguments, as commands that print, save and plot.
 
-- `clip-bias` (SPEC §3.3, figure A-2): Monte-Carlo of the PPO-clip gradient coefficient under ±σ
+- `clip-bias` (docs/simulations.md, figure A-2): Monte-Carlo of the PPO-clip gradient coefficient under ±σ
   advantage noise, against its closed form, plus a sweep over ρ.
-- `correction-variance` (SPEC §3.4, figure A-9c): the variance of the future-KL credit `F_t^H` for
+- `correction-variance` (docs/simulations.md, figure A-9c): the variance of the future-KL credit `F_t^H` for
   a fixed pair (π, μ), per horizon H, on responses sampled by the engine.
 
 The commands only parse, print and write files; the numbers come from `kv4rl.sim`.

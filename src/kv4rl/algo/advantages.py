@@ -1,10 +1,10 @@
-"""Advantage estimators (SPEC §2) as registered pure functions.
+"""Advantage estimators (docs/objectives.md) as registered pure functions.
 
 Every estimator maps one reward per response, groups contiguous (`[g0r0, g0r1, …, g1r0, …]`),
 to one advantage per response; the learner broadcasts it over the response's tokens.
 
 GRPO divides by the *unbiased* (sample, n−1) standard deviation of the group, as most GRPO
-implementations do; SPEC leaves population vs sample open. Groups whose rewards are all equal
+implementations do; the method leaves population vs sample open. Groups whose rewards are all equal
 get exactly zero (not a rounding residue of `r − mean`), and a group of one response has no
 baseline information, so it gets zero too.
 """

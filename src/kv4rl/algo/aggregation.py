@@ -1,4 +1,4 @@
-"""Reduce per-token loss terms `[B, T]` to a scalar (SPEC §3: `token_mean` or `seq_mean`).
+"""Reduce per-token loss terms `[B, T]` to a scalar (docs/objectives.md: `token_mean` or `seq_mean`).
 
 The denominators are explicit arguments because a learner splits a batch into micro-batches and
 sums their losses: passing the *full batch's* token count (token_mean) or sequence count (seq_mean)

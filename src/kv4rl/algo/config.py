@@ -16,7 +16,7 @@ from kv4rl.algo.registry import COMMON_KEYS, LOSSES, get_loss, import_plugins, k
 
 
 class AlgoConfig:
-    """The policy loss (SPEC §3): the keys every loss shares plus each registered loss's settings.
+    """The policy loss (docs/objectives.md): the keys every loss shares plus each registered loss's settings.
 
     `loss` names a registered loss; `kl_ref_coef > 0` adds the k3 reference KL to it; `plugins`
     lists modules to import first, which register more losses. Every other `algo.*` key belongs to
@@ -123,7 +123,7 @@ class AlgoConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AdvantageConfig:
-    """The advantage estimator (SPEC §2). `baseline_noise` is σ of the ±σ baseline perturbation."""
+    """The advantage estimator (docs/objectives.md). `baseline_noise` is σ of the ±σ baseline perturbation."""
 
     estimator: Literal["grpo"] = "grpo"
     normalize_std: bool = True

@@ -1,4 +1,4 @@
-"""The built-in policy losses (SPEC §3), registered like any plug-in (see `registry`).
+"""The built-in policy losses (docs/objectives.md), registered like any plug-in (see `registry`).
 
 `loss_fn(inp: LossInputs, cfg: AlgoConfig) -> (loss, metrics)`; pick one with `get_loss(cfg.loss)`.
 Each declares its own `algo.*` keys (`PPOClipSettings`, `FutureKLSettings`) and the inputs it reads.

@@ -1,5 +1,5 @@
 """`kv4rl bench decode-forward`: one whole-model decode step (all layers, LM head) at Qwen3 shapes, for
-BF16 or FP8 weights and a BF16 or KV4 cache (SPEC figure B-9).
+BF16 or FP8 weights and a BF16 or KV4 cache (figure B-9 of the method).
 
 The model is random-init on the device (no download), every sequence of the batch sits at the same
 context with its cache filled with random codes, and the step is the engine's own CUDA-graph decode

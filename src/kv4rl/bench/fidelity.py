@@ -1,4 +1,4 @@
-"""How far a quantized KV cache moves the next-token distribution: shared-prefix conditional KL (SPEC §6).
+"""How far a quantized KV cache moves the next-token distribution: shared-prefix conditional KL (docs/kv-cache.md).
 
 Responses are sampled once by a reference engine (a `bf16` cache by default). Then the reference
 engine and one engine per quantized variant teacher-force the same prompt + response tokens, each

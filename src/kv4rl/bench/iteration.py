@@ -18,7 +18,7 @@ and in partial mode the carried responses) and then times `iterations` iteration
 seconds are means over those. Peak memory is torch's peak allocated bytes over the timed iterations
 (CUDA only). Partial arms carry unfinished responses with `rollout.carry: recompute` (what sleeping
 needs; see `EngineConfig`), except `awake` arms: their engine does not sleep, and unfinished responses
-keep their KV across the update (`carry: keep_kv`, SPEC §5's default), which needs the KV pool and the
+keep their KV across the update (`carry: keep_kv`, docs/rollout.md's default), which needs the KV pool and the
 learner's update to fit the device together (a small KV4 pool is what makes that possible): their
 engine sizes its pool leaving the update's memory free, measured by the learner before the engine
 starts (`Learner.update_memory_bytes`, the row's `update_reserve_bytes`).

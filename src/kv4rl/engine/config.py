@@ -8,7 +8,7 @@ from typing import Literal, get_args, get_type_hints
 
 @dataclass(kw_only=True, slots=True)
 class KVConfig:
-    """How the paged KV cache stores keys and values (SPEC §6).
+    """How the paged KV cache stores keys and values (docs/kv-cache.md).
 
     `format: auto` stores KV in the model's compute dtype (fp32 on CPU, bf16 on CUDA); the others are
     bf16, fp32, fp8, int4, kv4, nvfp4, mxfp4. `group_size` applies to int4/kv4. `rotate: auto` means

@@ -1,4 +1,4 @@
-"""FP8 rollout weights (SPEC §7): the decoder blocks' linears become :class:`FP8Linear` modules.
+"""FP8 rollout weights (docs/kv-cache.md): the decoder blocks' linears become :class:`FP8Linear` modules.
 
 Applied once after the checkpoint is loaded. Each block linear (q/k/v/o, gate/up/down) is replaced
 by e4m3 codes with one float32 scale per output channel, and the full-precision weight is dropped;

@@ -1,4 +1,4 @@
-"""Collect learner batches from the engine: synchronous or quota-based partial rollout (SPEC §5).
+"""Collect learner batches from the engine: synchronous or quota-based partial rollout (docs/rollout.md).
 
 Prompt groups are numbered in the order they are drawn from the problem stream; response j of group
 g on attempt a samples with a seed derived from (run seed, g, j, a), so its tokens do not depend on

@@ -1,4 +1,4 @@
-"""Controlled staleness on top of a collector (SPEC §4): the lag buffer and the refresh schedule.
+"""Controlled staleness on top of a collector (docs/rollout.md): the lag buffer and the refresh schedule.
 
 Lag is emulated exactly by generating ahead: a buffer of `lag` collected batches sits between the
 engine and the learner, so the batch consumed by update u was collected while the engine held

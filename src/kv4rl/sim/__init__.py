@@ -1,4 +1,4 @@
-"""Small simulations that reproduce the method's arguments (SPEC §3.3) without a model."""
+"""Small simulations that reproduce the method's arguments (docs/simulations.md) without a model."""
 
 from kv4rl.sim.clip_bias import clip_bias, closed_form, plot, sweep
 

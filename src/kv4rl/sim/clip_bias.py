@@ -1,4 +1,4 @@
-"""Why not ratio clipping (SPEC §3.3, figure A-2): a Monte-Carlo of the PPO-clip gradient coefficient.
+"""Why not ratio clipping (docs/simulations.md, figure A-2): a Monte-Carlo of the PPO-clip gradient coefficient.
 
 Setting: one token at a fixed importance ratio ρ, true advantage 0, observed advantage A = ±σ with
 probability ½ each (pure baseline noise). The coefficient of ∇log π in the surrogate is

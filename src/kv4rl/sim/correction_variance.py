@@ -1,4 +1,4 @@
-"""Correction variance (SPEC §3.4, figure A-9c): how noisy the future-KL credit is for a fixed (π, μ).
+"""Correction variance (docs/simulations.md, figure A-9c): how noisy the future-KL credit is for a fixed (π, μ).
 
 The future-KL update charges token t with `F_t^H = Σ_{k=t}^{t+H−1} c_k`, `c_k = log π − log μ`. A
 longer window sees more of the KL that a token leads to, but it sums more noisy per-token terms,
