@@ -124,3 +124,20 @@ def test_periodic_eval_leaves_a_partial_runs_training_stream_unchanged(tmp_path)
     assert [r["eval/policy_version"] for r in rows] == [1, 2, 3]  # after each update's refresh
     for key in ("groups", "reward_mean", "response_len_mean", "staleness_hist", "dropped_stale"):
         assert [r[key] for r in rows] == [r[key] for r in ref], key
+
+
+def test_a_max_versions_lowered_at_resume_holds_for_the_restored_responses(tmp_path):
+    """`--resume ... staleness.max_versions=1` restored responses checked only against the saved (absent)
+    bound: the first batch collected after the resume delivered tokens 4 versions old. Reference: the bound
+    itself, on every batch collected after the resume (the `lag` batch already collected is delivered as is)."""
+    common = ["rollout.mode=partial", "rollout.max_slots=40", "rollout.quota_groups=4", "rollout.group_size=4",
+              "staleness.lag=1", "checkpoint.save_every=3"]
+    part = small_run(tmp_path, "mv", "trainer.iterations=3", *common)
+    train(part, show_progress=False)
+    train(load_config(part.run_dir / "config.yaml", ["trainer.iterations=6", "staleness.max_versions=1"]),
+          resume=True, show_progress=False)
+    rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(6))
+    assert max(r["staleness_max"] for r in rows[:4]) > 1  # the case arose: older tokens were in flight
+    assert [r["staleness_max"] <= 1 for r in rows[4:]] == [True, True], [r["staleness_max"] for r in rows]
+    assert rows[-1]["dropped_stale"] > 0

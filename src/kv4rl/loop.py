@@ -180,6 +180,7 @@ def restore_state(s: Setup, state: dict, path: Path) -> None:
         s.engine.load_kv_calibration(calibrations[rank if len(calibrations) > 1 else 0])
     s.pipeline.load_state_dict(state["pipeline_ranks"][current().rank] if state.get("world", 1) > 1
                                else state["pipeline"])
+    s.pipeline.check_restored(s.start_iteration)  # a staleness.max_versions lowered at the resume
 
 
 def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:

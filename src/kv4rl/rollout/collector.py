@@ -149,6 +149,14 @@ class Collector:
         if self.cfg.carry == "recompute":
             self.engine.recompute_all()
 
+    def settle(self) -> None:
+        """Take over what a drain (a weight refresh, sleep, `unfinished`; async scheduling) left in the engine
+        for its next `step`: the responses that stopped in the step it read, into their groups, and that
+        step's trace row. Called after every learner update, so a checkpoint taken then and the run that goes
+        on hold the same state, and the same groups become ready in the same order."""
+        self._record(self.engine.take_stopped())
+        self.trace += [dict(step) for step in self.engine.take_drained_steps()]
+
     def drop_stale(self, next_consumer: int, max_versions: int | None) -> None:
         """Re-sample held responses whose oldest token would be more than `max_versions` versions
         old at learner update `next_consumer` (in the engine, or finished in an incomplete group)."""
@@ -156,7 +164,7 @@ class Collector:
             return
         # responses that stopped in the step a refresh drained (async scheduling) are held too: record them
         # first, or they would pass this check and reach the learner older than allowed
-        self._record(self.engine.take_stopped())
+        self.settle()
         too_old = lambda versions: bool(versions) and next_consumer - min(versions) > max_versions
         for seq in self.engine.unfinished():
             if too_old(seq.output_versions):
@@ -185,8 +193,9 @@ class Collector:
     def state_dict(self) -> dict:
         """Everything in flight: groups, finished and partial responses in engine queue order. Responses
         that stopped in a drained step are recorded in their groups first (neither running nor in a group,
-        they were saved nowhere, and their group never completed after a resume)."""
-        self._record(self.engine.take_stopped())
+        they were saved nowhere, and their group never completed after a resume). So are the trace rows not
+        yet handed over, the drained step's among them (it waited in the engine for the next `step`)."""
+        self.settle()
         in_engine = [(seq.tag, Completion.from_sequence(seq)) for seq in self.engine.unfinished()]
         return {
             "next_group": self.next_group,
@@ -194,6 +203,7 @@ class Collector:
             "num_dropped": self.num_dropped,
             "groups": [(g.index, g.problem, g.prompt_ids, g.done, g.attempts) for g in self.groups.values()],
             "in_engine": in_engine,
+            "trace": [dict(step) for step in self.trace],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -202,6 +212,7 @@ class Collector:
         self.next_group = state["next_group"]
         self.ready = deque(state["ready"])
         self.num_dropped = state["num_dropped"]
+        self.trace = [dict(step) for step in state.get("trace", [])]  # checkpoints before it was saved: none
         self.groups = {i: _Group(i, p, ids, list(done), list(att)) for i, p, ids, done, att in state["groups"]}
         for (index, j), partial in state["in_engine"]:
             self._submit(self.groups[index], j, resume_from=partial if partial.token_ids else None)

@@ -35,10 +35,17 @@ class RolloutPipeline:
         return (update + 1) % self.cfg.refresh_every == 0
 
     def after_update(self, update: int, refreshed: bool) -> None:
+        self.collector.settle()  # what the refresh's drain read, as a checkpoint saved now would hold it
         if refreshed:
             self.collector.on_refresh()
         # the next collected batch is consumed `lag` updates after the next one
         self.collector.drop_stale(update + 1 + self.cfg.lag, self.cfg.max_versions)
+
+    def check_restored(self, next_update: int) -> None:
+        """Hold restored work to this run's `max_versions`, which `--resume` may have lowered: the check
+        `after_update(next_update - 1)` made under the saved bound, so with the bound unchanged nothing moves.
+        The `lag` batches already collected are delivered as they are."""
+        self.collector.drop_stale(next_update + self.cfg.lag, self.cfg.max_versions)
 
     def state_dict(self) -> dict:
         return {"buffer": list(self.buffer), "primed": self.primed, "collector": self.collector.state_dict()}
