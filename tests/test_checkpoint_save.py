@@ -5,7 +5,7 @@ kept under a new name, with a warning that says which of the two it was."""
 import json
 import logging
 
-from kv4rl.trainer.checkpoint import META_FILE, save_checkpoint
+from kv4rl.trainer.checkpoint import META_FILE, clear_stale_temps, save_checkpoint, set_aside_newer
 
 
 def _save(run_dir, run_id):
@@ -48,3 +48,48 @@ def test_a_save_of_unknown_writer_is_kept_and_not_called_another_runs(tmp_path, 
     assert (kept / "model.txt").read_text() == "old" and (kept / META_FILE).read_text() == "{not json"
     assert f"does not say which run wrote it ({META_FILE} unreadable or missing)" in caplog.text
     assert "another run" not in caplog.text
+
+
+def _save_at(run_dir, iteration, keep_last=5):
+    return save_checkpoint(run_dir, iteration, lambda folder: (folder / "model.txt").write_text(str(iteration)),
+                           {"x": 1}, "me", keep_last=keep_last)
+
+
+def test_setting_aside_a_damaged_newest_points_latest_at_the_checkpoint_resumed_from(tmp_path):
+    """A resume renamed the damaged `iter_2` but left `latest` naming it until the next save: a run killed
+    before that pointed `latest` (which the README says names the newest) at a folder that no longer existed.
+    Reference: the folder names after the rename."""
+    for i in (1, 2):
+        _save_at(tmp_path, i)
+    assert set_aside_newer(tmp_path, 1) == ["iter_000002.damaged"]
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text() == "iter_000001" and (root / "iter_000001").is_dir()
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000001", "iter_000002.damaged", "latest"]
+
+
+def test_a_prune_killed_half_way_leaves_nothing_that_retention_can_no_longer_delete(tmp_path, monkeypatch):
+    """Retention deleted an old checkpoint in place. Killed part way (its `checkpoint.json` gone first), the
+    folder no longer said which run wrote it, so no later prune touched it: kept for ever. Reference: a run
+    with `keep_last=1` that is resumed holds only its newest checkpoint."""
+    import shutil
+
+    from kv4rl.trainer import checkpoint
+
+    real = shutil.rmtree
+
+    def killed(path, ignore_errors=False):
+        if "iter_000001" not in path.name:  # the save's own temporary folder
+            return real(path, ignore_errors=ignore_errors)
+        (path / META_FILE).unlink(missing_ok=True)  # the first file rmtree happened to delete
+        raise KeyboardInterrupt
+
+    _save_at(tmp_path, 1, keep_last=1)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    try:
+        _save_at(tmp_path, 2, keep_last=1)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    clear_stale_temps(tmp_path)  # what a resume does first
+    _save_at(tmp_path, 3, keep_last=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_000003", "latest"]

@@ -136,7 +136,11 @@ def _prune(run_dir: Path, run_id: str, iteration: int, keep_last: int) -> None:
     """Keep this run's newest `keep_last` checkpoints up to `iteration`; touch nothing else."""
     own = [p for i, p in checkpoints(run_dir) if i <= iteration and run_of(p) == run_id]
     for old in own[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        # renamed first: a deletion killed part way leaves a temporary folder that the next resume clears,
+        # not an `iter_N` without its `checkpoint.json`, which no later prune would count as this run's
+        doomed = old.with_name(f"{TMP_PREFIX}pruned_{old.name}")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def set_aside_newer(run_dir: Path, iteration: int) -> list[str]:
@@ -151,6 +155,11 @@ def set_aside_newer(run_dir: Path, iteration: int) -> list[str]:
         target = free_sibling(path, ".damaged")
         os.replace(path, target)
         moved.append(target.name)
+    resumed = dict(checkpoints(run_dir)).get(iteration)
+    if moved and resumed is not None:  # `latest` names the newest checkpoint, which is now this one
+        pointer = resumed.parent / "latest.tmp"
+        pointer.write_text(resumed.name)
+        os.replace(pointer, resumed.parent / "latest")
     return moved
 
 
