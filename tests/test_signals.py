@@ -88,3 +88,26 @@ def test_a_stop_signal_seen_on_another_rank_is_named_in_the_summary(tmp_path, mo
     summary = kv4rl.loop.train(cfg, show_progress=False)
     assert summary["stopped_by"] == "a stop signal on another rank after iteration 0"
     assert summary["iterations"] == 1
+
+
+def test_a_signal_during_the_last_iteration_reports_a_finished_run(tmp_path, monkeypatch):
+    """A signal that arrived while the last iteration ran: every iteration, the final eval and the last
+    checkpoint were written, yet the summary said 'stopped ... after iteration 2' and the CLI told the user to
+    resume a finished run. Reference: the iterations the run was asked for, all in metrics.jsonl."""
+    import kv4rl.loop
+    from kv4rl.config import load_config
+
+    real = kv4rl.loop.run_iteration
+
+    def signalled(s, it):
+        if it == s.cfg.trainer.iterations - 1:
+            os.kill(os.getpid(), signal.SIGINT)  # caught by the run's GracefulStop: the iteration finishes
+        return real(s, it)
+
+    monkeypatch.setattr(kv4rl.loop, "run_iteration", signalled)
+    cfg = load_config(overrides=[f"out_dir={tmp_path}", "name=r", "device=cpu", "trainer.iterations=4",
+                                 "rollout.quota_groups=2", "rollout.group_size=2", "checkpoint.save_every=10"])
+    summary = kv4rl.loop.train(cfg, show_progress=False)
+    assert [r["iteration"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert (cfg.run_dir / "checkpoints" / "latest").read_text() == "iter_000004"
+    assert "stopped_by" not in summary, summary["stopped_by"]

@@ -312,7 +312,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
     summary = summarize_run(cfg.run_dir, s.start_iteration if resume else None, written=folder.opened)
     if folder.moved_to is not None:
         summary["previous_run_moved_to"] = str(folder.moved_to)
-    if stop.requested:
+    if stop.requested and last < cfg.trainer.iterations:  # a signal in the last iteration stopped nothing
         written = folder.opened or restore is not None
         # `last` counts iterations done; metrics rows number them from 0
         summary["stopped_by"] = f"{stop.requested} after iteration {last - 1}" if written else \
