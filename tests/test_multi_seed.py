@@ -219,6 +219,7 @@ def test_a_seed_folder_in_use_is_named_with_its_process_and_resumed_seeds_keep_t
     monkeypatch.setattr(multi_seed, "config_for_resume", lambda folder, overrides: load_config(None, [
         f"out_dir={tmp_path}", f"name={folder.name}"]))
     monkeypatch.setattr("kv4rl.run_setup.find_restore", lambda cfg: None)
+    (tmp_path / "sw-s0" / "checkpoints").mkdir(parents=True)
     runs = multi_seed.plan_runs([0], None, [], tmp_path / "sw", False, ["--no-progress", "--verbose"])
     assert runs[0].args == ["--resume", str(tmp_path / "sw-s0"), "--no-progress", "--verbose"]
 
@@ -235,3 +236,19 @@ def test_the_hint_says_what_each_seed_folder_allows(tmp_path) -> None:
         "start seeds 2,3 with the same command and --seeds 2,3",
         "seed 1 has a run but no checkpoint: start it again with the same command, --seeds 1 and --overwrite "
         "(the old folder is moved aside, not deleted)"]
+
+
+def test_resuming_a_sweep_whose_seed_never_started_says_how_to_start_it(tmp_path) -> None:
+    """A sweep stopped while seed 0 ran never started seed 1; `--seeds 0,1 --resume` then said only
+    "--resume .../ms-s1: no such folder". Reference: what each folder holds (a checkpoint for seed 0, nothing
+    for seed 1), and the hint the stopped sweep itself printed."""
+    from kv4rl.multi_seed import plan_runs
+    from kv4rl.run_folder import RunFolderError
+
+    (tmp_path / "ms-s0" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(RunFolderError) as info:
+        plan_runs([0, 1], None, [], tmp_path / "ms", False, [])
+    message = str(info.value)
+    assert f"--seeds 0,1 --resume {tmp_path / 'ms'}: seed 1 has no checkpoint to continue from" in message
+    assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'ms'}" in message
+    assert "start seed 1 with the same command and --seeds 1" in message

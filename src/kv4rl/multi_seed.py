@@ -92,8 +92,17 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
         raise ValueError("--seeds sets each run's seed; leave seed= out")
     runs = []
     if resume is not None:
-        for seed in seeds:
-            folder = resume.with_name(seed_name(resume.name, seed))
+        folders = {seed: resume.with_name(seed_name(resume.name, seed)) for seed in seeds}
+        unsaved = [seed for seed, folder in folders.items() if not (folder / "checkpoints").is_dir()]
+        if not any(folder.exists() for folder in folders.values()):
+            raise RunFolderError(f"--seeds {','.join(map(str, seeds))} --resume {resume}: "
+                                 f"{', '.join(map(str, folders.values()))}: no such folder (--resume takes the "
+                                 "sweep's runs/<name>, each seed's folder being runs/<name>-s<seed>)")
+        if unsaved:  # a seed the stopped sweep never started (or stopped before its first checkpoint)
+            raise RunFolderError(f"--seeds {','.join(map(str, seeds))} --resume {resume}: {_seeds(unsaved)} ha"
+                                 f"{'ve' if len(unsaved) > 1 else 's'} no checkpoint to continue from; "
+                                 + "; ".join(how_to_go_on(folders, resume)))
+        for seed, folder in folders.items():
             cfg = config_for_resume(folder, overrides)
             find_restore(cfg)  # refuses a folder with no checkpoint
             runs.append(SeedRun(seed, cfg, ["--resume", str(folder), *overrides, *extra_args], _log_path(cfg)))
@@ -149,7 +158,8 @@ def share_device(runs: list[SeedRun], parallel: int) -> None:
 def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:
     """Run every seed's child, at most `parallel` at a time. SIGINT/SIGTERM stop the sweep: they are passed
     on to the running children (each then stops after its iteration with a checkpoint, as a single run
-    does) and the seeds still waiting are not started; `--seeds ... --resume` continues all of them."""
+    does) and the seeds still waiting are not started; the hint printed then (`continue_hint`) says how to
+    go on with each: `--seeds ... --resume` for those with a checkpoint, the same command for the others."""
     pending, active = list(runs), []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
