@@ -402,3 +402,32 @@ def test_bad_settings_name_the_key(ckpt):
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             build()
     assert get_kv_format("fp8").check(24, 64) is None  # no rotation: any head_dim is fine
+
+
+def test_int4_group_size_messages_say_what_fits_the_model():
+    """A head_dim-64 model (SmolLM2, Llama-3.2-1B, Qwen2.5-0.5B) under the default group_size 128 was refused
+    without saying which group sizes fit; at head_dim 256 the fallback reason asked for a group size the
+    format refuses. Reference: the divisors of head_dim among the allowed group sizes, enumerated by hand."""
+    from kv4rl.engine.kv_formats.int4 import check_group_size
+
+    with pytest.raises(ValueError, match=r"head_dim=64: set engine.kv.group_size to 32 or 64 \(64 = head_dim"):
+        check_group_size(128, 64)
+    with pytest.raises(ValueError, match=r"head_dim=96: set engine.kv.group_size to 32$"):
+        check_group_size(64, 96)
+    with pytest.raises(ValueError, match="head_dim=40: no INT4 group size fits it"):
+        check_group_size(32, 40)
+    problem = get_kv_format("kv4", group_size=128).fast_path_problem(256)
+    assert "group sizes stop at 128: head_dim=256 takes the torch attention path" in problem
+    assert "must equal" not in problem
+
+
+def test_the_cuda_tiling_names_why_a_shape_falls_back():
+    """The reason for a page of 8 tokens said 'not a power of two', which 8 is. Reference: the tiling's limits
+    (head_dim 128, at most 8 query heads per KV head, pages of whole 16-token tiles)."""
+    from kv4rl.kernels.cuda_source import tile_shape_problem
+
+    assert tile_shape_problem(128, 8, 16) is None and tile_shape_problem(128, 1, 64) is None
+    assert tile_shape_problem(64, 4, 16) == "head_dim 64 != 128"
+    assert tile_shape_problem(128, 16, 16) == "16 query heads per KV head > 8"
+    assert tile_shape_problem(128, 4, 8).startswith("block_size 8 is not a multiple of 16")
+    assert tile_shape_problem(128, 4, 48).startswith("block_size 48 is not a power of two")

@@ -109,8 +109,10 @@ def tile_shape_problem(head_dim: int, group: int, block_size: int) -> str | None
         return f"head_dim {head_dim} != {HEAD_DIM}"
     if group > MAX_GROUP:
         return f"{group} query heads per KV head > {MAX_GROUP}"
-    if block_size % 16 or block_size & (block_size - 1):
-        return f"block_size {block_size} is not a power of two >= 16"
+    if block_size % 16:
+        return f"block_size {block_size} is not a multiple of 16 (the kernels read 16-token tiles inside a page)"
+    if block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two"
     return None
 
 

@@ -20,7 +20,12 @@ def check_group_size(group_size: int, head_dim: int | None = None) -> None:
     if group_size not in GROUP_SIZES:
         raise ValueError(f"engine.kv.group_size must be one of {GROUP_SIZES}, got {group_size}")
     if head_dim is not None and head_dim % group_size:
-        raise ValueError(f"engine.kv.group_size={group_size} does not divide the model's head_dim={head_dim}")
+        fits = [g for g in GROUP_SIZES if head_dim % g == 0]
+        hint = (f"set engine.kv.group_size to {' or '.join(map(str, fits))}"
+                + (f" ({head_dim} = head_dim lets the INT4 decode kernels run)" if head_dim in fits else "")
+                if fits else "no INT4 group size fits it; use another engine.kv.format")
+        raise ValueError(f"engine.kv.group_size={group_size} does not divide the model's head_dim={head_dim}: "
+                         f"{hint}")
 
 
 @register_kv_format("int4")
@@ -63,6 +68,9 @@ class INT4Format(KVFormat):
         return int4_row_bytes(head_dim, self.group_size)
 
     def fast_path_problem(self, head_dim):
+        if head_dim not in GROUP_SIZES:
+            return (f"the INT4 kernels keep one scale per token and head (group_size = head_dim), and group sizes "
+                    f"stop at {max(GROUP_SIZES)}: head_dim={head_dim} takes the torch attention path")
         if self.group_size != head_dim:
             return (f"the INT4 kernels keep one scale per token and head: engine.kv.group_size must equal "
                     f"head_dim={head_dim}, got {self.group_size}")
