@@ -202,3 +202,33 @@ def test_a_failing_engine_ends_the_split_job_with_its_error(tmp_path):
     assert failed.returncode != 0
     assert "the engine fails on purpose in its third batch" in failed.stderr + failed.stdout
     assert [r["iteration"] for r in _rows(tmp_path / "runs" / "fail")] == [0, 1]
+
+
+def _signalled_in_last_update_rank(rank: int, out_dir: str) -> dict:
+    """One rank of a 2-update split run whose head sees a stop signal during its last update."""
+    from kv4rl.split import learner_side
+    from kv4rl.split.run import run_split
+
+    real = learner_side.update
+
+    def signalled(s, it, stop):
+        if s.head and it == s.cfg.trainer.iterations - 1:
+            stop.requested = "SIGINT"  # as GracefulStop sets it: the update in progress finishes
+        return real(s, it, stop)
+
+    learner_side.update = signalled
+    cfg = load_config(None, [f"out_dir={out_dir}", "name=last", *SMALL, "rollout.placement=split",
+                             "rollout.engine_ranks=1", "trainer.iterations=2", "checkpoint.save_every=10",
+                             "rollout.max_new_tokens=8"])
+    summary, _ = run_split(cfg, resume=False, show_progress=False, overwrite=False)
+    return summary
+
+
+def test_a_signal_during_the_last_update_reports_a_finished_split_run(tmp_path):
+    """The head's summary said 'stopped by SIGINT after iteration 2' of a 2-update run that had done every
+    update and written its last checkpoint, and the CLI told the user to resume it. Reference: the updates
+    asked for, all in metrics.jsonl."""
+    summaries = run_on_gloo_ranks(_signalled_in_last_update_rank, 2, tmp_path, str(tmp_path))
+    head = summaries[0]
+    assert [r["iteration"] for r in _rows(tmp_path / "last")] == [0, 1]
+    assert "stopped_by" not in head, head["stopped_by"]

@@ -173,6 +173,6 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
                    groups_in_flight_at_end=len(held))
     if folder.moved_to is not None:
         summary["previous_run_moved_to"] = str(folder.moved_to)
-    if stop.requested or done < cfg.trainer.iterations:
+    if done < cfg.trainer.iterations:  # a signal (here or on another rank) in the last update stopped nothing
         summary["stopped_by"] = f"{stop.requested or 'a stop signal on another rank'} after iteration {done}"
     return summary, end
