@@ -252,3 +252,32 @@ def test_resuming_a_sweep_whose_seed_never_started_says_how_to_start_it(tmp_path
     assert f"--seeds 0,1 --resume {tmp_path / 'ms'}: seed 1 has no checkpoint to continue from" in message
     assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'ms'}" in message
     assert "start seed 1 with the same command and --seeds 1" in message
+
+
+def test_a_seed_the_signal_reached_in_its_last_iteration_is_finished(tmp_path, monkeypatch) -> None:
+    """A child that got the sweep's signal during its last iteration finishes it and exits 0 with every row
+    written; the table said "stopped (SIGINT)" and the hint told the user to resume a finished run.
+    Reference: the child's metrics.jsonl holds all `trainer.iterations` rows."""
+    import os
+    import signal
+    import threading
+
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+
+    folder = tmp_path / "sw-s0"
+    monkeypatch.setattr(multi_seed, "_start", _fake_child(
+        "import json, pathlib, signal, time\n"
+        "signal.signal(signal.SIGINT, lambda *a: None)  # the run finishes the iteration it is in\n"
+        f"d = pathlib.Path({str(folder)!r}); d.mkdir(parents=True)\n"
+        "time.sleep(4)\n"
+        "(d / 'config.yaml').write_text('name: sw-s0\\n')\n"
+        "(d / 'metrics.jsonl').write_text(''.join(json.dumps({'iteration': i, 'accuracy': 0.5}) + '\\n'"
+        " for i in range(2)))\n"))
+    runs = [multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0", "trainer.iterations=2"]),
+                               ["seed=0"], tmp_path / "sw-s0.log")]
+    threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    multi_seed.launch(runs, 1, announce=lambda line: None)
+    assert runs[0].returncode == 0 and runs[0].iterations == 2
+    assert multi_seed.status_of(runs[0]) == "finished"
+    assert not any(r.stopped_by for r in runs)  # so the CLI prints no hint to resume it

@@ -229,6 +229,8 @@ def _finish(run: SeedRun) -> None:
 
     rows = read_jsonl(folder / "metrics.jsonl") if (folder / "metrics.jsonl").is_file() else []
     run.iterations, run.last_accuracy = len(rows), (rows[-1].get("accuracy") if rows else None)  # now, not later
+    if run.returncode == 0 and run.iterations >= run.cfg.trainer.iterations:
+        run.stopped_by = None  # the signal came during its last iteration: it finished, nothing to resume
     target = folder / LOG_NAME
     with target.open("a") as out:
         out.write(run.log.read_text())
