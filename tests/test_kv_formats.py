@@ -417,7 +417,7 @@ def test_int4_group_size_messages_say_what_fits_the_model():
     with pytest.raises(ValueError, match="head_dim=40: no INT4 group size fits it"):
         check_group_size(32, 40)
     problem = get_kv_format("kv4", group_size=128).fast_path_problem(256)
-    assert "group sizes stop at 128: head_dim=256 takes the torch attention path" in problem
+    assert "group sizes stop at 128: head_dim=256 has no INT4 decode kernel" in problem
     assert "must equal" not in problem
 
 

@@ -70,7 +70,7 @@ class INT4Format(KVFormat):
     def fast_path_problem(self, head_dim):
         if head_dim not in GROUP_SIZES:
             return (f"the INT4 kernels keep one scale per token and head (group_size = head_dim), and group sizes "
-                    f"stop at {max(GROUP_SIZES)}: head_dim={head_dim} takes the torch attention path")
+                    f"stop at {max(GROUP_SIZES)}: head_dim={head_dim} has no INT4 decode kernel")
         if self.group_size != head_dim:
             return (f"the INT4 kernels keep one scale per token and head: engine.kv.group_size must equal "
                     f"head_dim={head_dim}, got {self.group_size}")
