@@ -224,6 +224,7 @@ def test_resume_refuses_another_starting_model(run, tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("staleness.lag=1", "staleness.lag cannot change on resume (0 -> 1): its checkpoints hold the batches"),
     ("rollout.group_size=4", "rollout.group_size cannot change on resume (2 -> 4)"),
+    ("engine.tensor_parallel=2", "engine.tensor_parallel cannot change on resume (1 -> 2)"),
 ])
 def test_resume_refuses_a_setting_its_checkpoint_holds_work_for(run, override, message):
     """`staleness.lag=0` on resuming a lag-1 run was recorded in config.yaml but the restored pipeline kept

@@ -173,7 +173,11 @@ def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> Non
         ("staleness.lag", "its checkpoints hold the batches sampled ahead for the old lag, which the resumed "
                           "pipeline would keep delivering"),
         ("rollout.group_size", "its checkpoints hold groups of the old size in flight, and advantages are "
-                               "computed per group of the configured size"))
+                               "computed per group of the configured size"),
+        ("engine.tensor_parallel", "its checkpoints hold each engine's prompt stream and work in flight (one "
+                                   "engine per tensor-parallel group) and a lagging engine's weights as "
+                                   "per-rank slices, which another grouping of the ranks would skip, repeat or "
+                                   "fail to load"))
         if _dotted(cfg, key) != _dotted(saved, key)]
     if held:
         key, why = held[0]
