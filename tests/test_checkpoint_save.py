@@ -5,6 +5,8 @@ kept under a new name, with a warning that says which of the two it was."""
 import json
 import logging
 
+import pytest
+
 from kv4rl.trainer.checkpoint import META_FILE, clear_stale_temps, save_checkpoint, set_aside_newer
 
 
@@ -93,3 +95,37 @@ def test_a_prune_killed_half_way_leaves_nothing_that_retention_can_no_longer_del
     clear_stale_temps(tmp_path)  # what a resume does first
     _save_at(tmp_path, 3, keep_last=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_000003", "latest"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_lagging_tp_checkpoint_missing_a_ranks_engine_slice_is_passed_over(tmp_path, damage, caplog, tiny_qwen3):
+    """A tensor-parallel engine behind the learner saves one weights file per rank. One of them gone or cut
+    short stopped the resume with "does not load" although an older checkpoint was intact (a missing optimizer
+    shard is passed over). Reference: the files written, and which of them was damaged by hand."""
+    import torch
+
+    from kv4rl.trainer.checkpoint import PER_RANK, engine_slice_file, find_resume_checkpoint
+
+    import shutil
+
+    model_dir, _ = tiny_qwen3
+    def copy_model(folder):  # the weights of a tiny model, and a tokenizer file for the folder check
+        for f in model_dir.iterdir():
+            shutil.copy(f, folder)
+        (folder / "tokenizer.json").write_text("{}")
+
+    for i in (1, 2):
+        final = save_checkpoint(tmp_path, i, copy_model,
+                                {"engine_weights": PER_RANK, "world": 2}, "me", keep_last=5)
+        for rank in (0, 1):
+            torch.save({"w": torch.full((64,), float(rank))}, final / engine_slice_file(rank))
+    assert find_resume_checkpoint(tmp_path)[0].name == "iter_000002"
+    bad = tmp_path / "checkpoints" / "iter_000002" / engine_slice_file(1)
+    if damage == "missing":
+        bad.unlink()
+    else:
+        bad.write_bytes(bad.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING):
+        path, state = find_resume_checkpoint(tmp_path)
+    assert path.name == "iter_000001" and state["iteration"] == 1
+    assert f"checkpoint iter_000002 is damaged: {bad} does not load" in caplog.text

@@ -186,7 +186,7 @@ def test_another_number_of_ranks_is_refused_with_what_to_do(two_ranks):
     with pytest.raises(CheckpointError) as error:
         check_resume_world(path, state, 3)
     text = str(error.value)
-    assert "written by 2 data-parallel rank(s) and this job has 3" in text
+    assert "written by 2 rank(s) (torchrun processes) and this job has 3" in text
     assert "optimizer shards could be resharded" in text and "in-flight rollouts" in text
     assert "torchrun --nproc-per-node 2" in text and f"model.path={path}" in text
     with pytest.raises(CheckpointError, match="one process, without torchrun"):

@@ -52,20 +52,13 @@ from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, summarize_run
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
-from kv4rl.trainer.checkpoint import check_resume_world, save_checkpoint
+from kv4rl.trainer.checkpoint import PER_RANK, check_resume_world, engine_slice_file, save_checkpoint
 from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.learner import Learner
 from kv4rl.trainer.learner_options import check_learner_options
 
 log = logging.getLogger(__name__)
 EVAL_STREAM = 0  # `stream_seed`'s stream of the periodic evaluations (one call per evaluated iteration)
-PER_RANK = "per_rank"  # `engine_weights` of a lagging tensor-parallel engine: one file per rank's slice
-
-
-def engine_slice_file(rank: int) -> str:
-    """The checkpoint file of one rank's slice of a lagging tensor-parallel engine's weights."""
-    return f"engine_weights.rank{rank}.pt"
-
 
 @dataclass
 class Setup:

@@ -35,6 +35,27 @@ log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
 META_FILE = "checkpoint.json"
 TMP_PREFIX = ".tmp_"
+PER_RANK = "per_rank"  # `engine_weights` of a lagging tensor-parallel engine: one file per rank's slice
+
+
+def engine_slice_file(rank: int) -> str:
+    """The checkpoint file of one rank's slice of a lagging tensor-parallel engine's weights."""
+    return f"engine_weights.rank{rank}.pt"
+
+
+def engine_slices_problem(path: Path, state: dict) -> str | None:
+    """Why the per-rank engine slices a lagging tensor-parallel engine saved do not all open (a file missing,
+    or cut short: its zip directory, at the end, is gone), or None; memory-mapped, so nothing is read."""
+    if state.get("engine_weights") != PER_RANK:
+        return None
+    for rank in range(state.get("world", 1)):
+        file = path / engine_slice_file(rank)
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # noqa: BLE001 - any failure to open means the file is damaged
+            return f"{file} does not load ({_one_line(error)})"
+    return None
+
 _NAME = re.compile(r"iter_(\d+)")
 
 
@@ -225,6 +246,7 @@ def find_resume_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
                     problem = f"{path / STATE_FILE} holds iteration {state.get('iteration')}, not {iteration}"
                 elif optimizer_format(state.get("learner") or {}) == SHARDED:
                     problem = shards_problem(path)
+                problem = problem or engine_slices_problem(path, state)
         if problem is None:
             if problems:
                 log.warning("resuming from %s, the newest intact checkpoint", path)
@@ -237,7 +259,7 @@ def find_resume_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
 
 
 def check_resume_world(path: Path, state: dict, world: int) -> None:
-    """Refuse a checkpoint written by another number of data-parallel ranks than this job has, saying
+    """Refuse a checkpoint written by another number of ranks than this job has, saying
     what could follow (the weights; the optimizer state, which DCP can reshard) and what cannot (each
     rank's in-flight rollouts and place in the prompt stream), and what to do instead."""
     written_by = state.get("world", 1)
@@ -247,7 +269,7 @@ def check_resume_world(path: Path, state: dict, world: int) -> None:
     optim = "its optimizer shards could be resharded" if sharded else "its full optimizer state could be loaded"
     same = f"torchrun --nproc-per-node {written_by}" if written_by > 1 else "one process, without torchrun"
     raise CheckpointError(
-        f"{path} was written by {written_by} data-parallel rank(s) and this job has {world}: {optim}, but "
+        f"{path} was written by {written_by} rank(s) (torchrun processes) and this job has {world}: {optim}, but "
         f"each rank's in-flight rollouts and place in the prompt stream belong to that rank and cannot be "
         f"shared out anew. Resume it with the same number ({same}), or start a new run from its policy "
         f"with model.path={path} (a fresh optimizer and prompt stream, that policy as the KL reference)")
