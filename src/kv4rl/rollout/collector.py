@@ -152,8 +152,9 @@ class Collector:
     def settle(self) -> None:
         """Take over what a drain (a weight refresh, sleep, `unfinished`; async scheduling) left in the engine
         for its next `step`: the responses that stopped in the step it read, into their groups, and that
-        step's trace row. A checkpoint does it before saving, so the run that goes on after the save and
-        one resumed from it hold the same state."""
+        step's trace row. Called after every learner update, so a checkpoint taken then changes nothing: the
+        run that saves goes on exactly as one that does not, and as one resumed from the save. (It reads
+        the step launched ahead, long finished by then, a few ms before the next collection would have.)"""
         self._record(self.engine.take_stopped())
         self.trace += [dict(step) for step in self.engine.take_drained_steps()]
 

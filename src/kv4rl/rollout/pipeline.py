@@ -35,6 +35,7 @@ class RolloutPipeline:
         return (update + 1) % self.cfg.refresh_every == 0
 
     def after_update(self, update: int, refreshed: bool) -> None:
+        self.collector.settle()  # what the refresh's drain read, as a checkpoint saved now would hold it
         if refreshed:
             self.collector.on_refresh()
         # the next collected batch is consumed `lag` updates after the next one
