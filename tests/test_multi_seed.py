@@ -254,10 +254,13 @@ def test_resuming_a_sweep_whose_seed_never_started_says_how_to_start_it(tmp_path
     assert "start seed 1 with the same command and --seeds 1" in message
 
 
-def test_a_seed_the_signal_reached_in_its_last_iteration_is_finished(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("last_saved, status", [(2, "finished"), (1, "stopped (SIGINT)")])
+def test_a_seed_the_signal_reached_in_its_last_iteration_is_finished(tmp_path, monkeypatch, last_saved,
+                                                                     status) -> None:
     """A child that got the sweep's signal during its last iteration finishes it and exits 0 with every row
     written; the table said "stopped (SIGINT)" and the hint told the user to resume a finished run.
-    Reference: the child's metrics.jsonl holds all `trainer.iterations` rows."""
+    Reference: the child's last checkpoint, of iteration `trainer.iterations` or (rows past it left by an
+    earlier kill, a resume stopped before its first iteration) one before."""
     import os
     import signal
     import threading
@@ -272,6 +275,7 @@ def test_a_seed_the_signal_reached_in_its_last_iteration_is_finished(tmp_path, m
         f"d = pathlib.Path({str(folder)!r}); d.mkdir(parents=True)\n"
         "time.sleep(4)\n"
         "(d / 'config.yaml').write_text('name: sw-s0\\n')\n"
+        f"(d / 'checkpoints' / 'iter_{last_saved:06d}').mkdir(parents=True)\n"
         "(d / 'metrics.jsonl').write_text(''.join(json.dumps({'iteration': i, 'accuracy': 0.5}) + '\\n'"
         " for i in range(2)))\n"))
     runs = [multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0", "trainer.iterations=2"]),
@@ -279,5 +283,5 @@ def test_a_seed_the_signal_reached_in_its_last_iteration_is_finished(tmp_path, m
     threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     multi_seed.launch(runs, 1, announce=lambda line: None)
     assert runs[0].returncode == 0 and runs[0].iterations == 2
-    assert multi_seed.status_of(runs[0]) == "finished"
-    assert not any(r.stopped_by for r in runs)  # so the CLI prints no hint to resume it
+    assert multi_seed.status_of(runs[0]) == status
+    assert any(r.stopped_by for r in runs) == (status != "finished")  # the CLI's hint to resume it

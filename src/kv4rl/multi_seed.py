@@ -226,10 +226,12 @@ def _finish(run: SeedRun) -> None:
         run.final_log = run.log
         return
     from kv4rl.telemetry.metrics import read_jsonl
+    from kv4rl.trainer.checkpoint import checkpoints
 
     rows = read_jsonl(folder / "metrics.jsonl") if (folder / "metrics.jsonl").is_file() else []
     run.iterations, run.last_accuracy = len(rows), (rows[-1].get("accuracy") if rows else None)  # now, not later
-    if run.returncode == 0 and run.iterations >= run.cfg.trainer.iterations:
+    saved = checkpoints(folder)  # not the rows: those past the last checkpoint stay until a resume rewrites them
+    if run.returncode == 0 and saved and saved[-1][0] >= run.cfg.trainer.iterations:
         run.stopped_by = None  # the signal came during its last iteration: it finished, nothing to resume
     target = folder / LOG_NAME
     with target.open("a") as out:
