@@ -324,3 +324,31 @@ def test_checks_of_a_folder_do_not_exclude_each_other_but_a_writer_excludes_them
     with pytest.raises(FolderInUse):
         lock_folder(tmp_path, shared=True)
     unlock_folder(writer)
+
+
+def test_resume_refuses_a_training_stream_that_changed(tmp_path):
+    """The dataset file edited between a run and its resume (or another seed or data.shuffle) was taken
+    silently: the run's place in the stream then pointed at other problems, and 13 draws of one epoch held 4
+    problems twice and 5 never. Reference: the rows written by hand, and the unchanged resume, which works."""
+    data = tmp_path / "train.jsonl"
+    rows = [{"id": f"p{i}", "problem": f"{i}+{i + 1}", "answer": str(2 * i + 1)} for i in range(7)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = [f"data.train={data}", "data.prompt_template={problem}=", "reward.name=exact",
+              "rollout.max_new_tokens=8", "checkpoint.save_every=1"]
+    run = new_run(tmp_path, "d", "trainer.iterations=2", *common)
+    before = tree_state(run)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"id": "p7", "problem": "7+8", "answer": "15"}]))
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "the training stream differs from the checkpoint's (rows 7 -> 8)" in text, text
+    rows[3]["answer"] = "8"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 2 and "(the problems' text or answers)" in " ".join(res.output.split()), res.output
+    rows[3]["answer"] = "7"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "seed=5", "--no-progress")
+    assert res.exit_code == 2 and "(seed 0 -> 5)" in " ".join(res.output.split()), res.output
+    assert tree_state(run) == before
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 0, res.output

@@ -113,6 +113,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=task_of_model(base_dir))
+    if restore is not None:
+        check_same_stream(restore, source)
     policy_dir = base_dir if restore is None else restore.path
     check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)
@@ -144,6 +146,22 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
              base_dir, s.start_iteration, learner.attention,
              "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded", learner.options_desc)
     return s
+
+
+def check_same_stream(restore: Restore, source: ProblemSource) -> None:
+    """Refuse a resume whose training stream differs from the checkpoint's (the dataset file edited, rows
+    added or removed, another seed or data.shuffle): the run's place in it would point at other problems.
+    Checkpoints written before the stream was recorded are not checked."""
+    saved, now = restore.state.get("data_stream"), source.stream_fingerprint()
+    if saved is None or saved == now:
+        return
+    changes = [f"{key} {saved.get(key)} -> {now.get(key)}" for key in ("rows", "seed", "shuffle")
+               if saved.get(key) != now.get(key)] or ["the problems' text or answers"]
+    raise ConfigError(
+        f"--resume {restore.path}: the training stream differs from the checkpoint's ({', '.join(changes)}): "
+        "the run's place in it would point at other problems, repeating some and skipping others in this "
+        "epoch. Resume with the same data.train contents, seed and data.shuffle, or start a new run from the "
+        f"checkpoint with model.path={restore.path}")
 
 
 def restore_state(s: Setup, state: dict, path: Path) -> None:
@@ -380,6 +398,7 @@ def resume_state(s: Setup, done: int) -> dict:
         "engine_kv_calibration": None if calibrations[0] is None else calibrations,
         "engine_preemptions": gather_objects(s.engine.num_preemptions),
         "pipeline": pipelines[0],
+        "data_stream": s.source.stream_fingerprint(),
     }
     if len(pipelines) > 1:  # each rank's own collector: restored by the rank of the same number
         out.update(world=len(pipelines), pipeline_ranks=pipelines)

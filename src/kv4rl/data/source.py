@@ -16,6 +16,8 @@ never overlap the pool.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 
 from kv4rl.data.datasets import load_jsonl
@@ -48,6 +50,7 @@ class ProblemSource:
         self.eval_file = None if eval_path is None else load_jsonl(eval_path)
         self._chunk: tuple[int, list[Problem]] = (-1, [])  # the last task chunk / epoch order used
         self._order: tuple[int, list[int]] = (-1, [])
+        self._fingerprint: dict | None = None  # `stream_fingerprint`, computed once
 
     @property
     def default_template(self) -> str:
@@ -65,6 +68,25 @@ class ProblemSource:
         assert self.train is not None
         epoch, pos = divmod(index, len(self.train))
         return self.train[self._epoch_order(epoch)[pos]]
+
+    def stream_fingerprint(self) -> dict:
+        """What the training stream is a function of: seed, shuffle and the problems (count, and a hash of
+        each one's id, text and answer in order), or the task when it draws fresh problems. A checkpoint
+        keeps it; a resume whose stream differs would map the run's position to other problems, repeating
+        some and skipping others within the epoch."""
+        if self._fingerprint is not None:
+            return self._fingerprint
+        if self.task is not None:
+            spec = {"seed": self.seed, "task": type(self.task).__name__}
+            rows = None
+        else:
+            assert self.train is not None
+            rows = len(self.train)
+            spec = {"seed": self.seed, "shuffle": self.shuffle,
+                    "problems": [[p.id, p.problem, p.answer] for p in self.train]}
+        digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+        self._fingerprint = {"rows": rows, "seed": self.seed, "shuffle": self.shuffle, "sha256": digest}
+        return self._fingerprint
 
     def batch(self, iteration: int, n: int) -> list[Problem]:
         return [self.problem_at(iteration * n + j) for j in range(n)]
