@@ -111,3 +111,25 @@ def test_a_signal_during_the_last_iteration_reports_a_finished_run(tmp_path, mon
     assert [r["iteration"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
     assert (cfg.run_dir / "checkpoints" / "latest").read_text() == "iter_000004"
     assert "stopped_by" not in summary, summary["stopped_by"]
+
+
+def test_a_sigterm_while_the_command_starts_stops_the_run_with_exit_0(tmp_path):
+    """A SIGTERM that arrived while the config or the checkpoint was read, before the run's handler was
+    installed, took the default action: exit 143 with no output, where the README promises 0 (a requeue
+    script branches on it). Reference: the README's contract, and a run folder with nothing written."""
+    script = (
+        "import os, signal, sys\n"
+        "import kv4rl.config as config\n"
+        "real = config.load_config\n"
+        "def signalled(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # while the config is read\n"
+        "    return real(*args, **kwargs)\n"
+        "config.load_config = signalled\n"
+        "from kv4rl.cli import app\n"
+        f"sys.argv = ['kv4rl', 'train', 'out_dir={tmp_path}', 'name=early', *{SMALL!r}, 'trainer.iterations=3']\n"
+        "app()\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(kv4rl.__file__).parents[1]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "SIGTERM" in proc.stdout + proc.stderr
+    assert not (tmp_path / "early" / "metrics.jsonl").exists()

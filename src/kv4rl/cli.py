@@ -33,6 +33,7 @@ from kv4rl.cli_common import (
 from kv4rl.cli_eval import eval_cmd
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
+from kv4rl.graceful_stop import catch_early
 from kv4rl.telemetry.tables import ResultTable, metric_table, print_table
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help="kv4rl: RL post-training with cheap rollouts.")
@@ -80,6 +81,8 @@ def train(
     from kv4rl import distributed
 
     setup_logging(verbose)
+    if seeds is None and parallel is None:
+        catch_early()  # a SIGTERM while the config and checkpoint are read stops the run, exit 0
     if seeds is not None or parallel is not None:
         if distributed.launched_ranks() > 1:
             fail("--seeds starts its own processes; run it without torchrun")

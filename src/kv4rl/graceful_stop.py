@@ -17,6 +17,26 @@ import threading
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_early: str | None = None  # a signal `catch_early` caught before any GracefulStop was entered
+
+
+def catch_early() -> None:
+    """Hold a signal that arrives while the command starts (config, checkpoint search), before the run's
+    GracefulStop is entered: it then stops the run before its first iteration, exit 0, instead of the
+    default action killing the process (exit 143). A second signal still ends the process at once."""
+    global _early
+    _early = None
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def held(signum: int, frame) -> None:
+        global _early
+        _early = signal.Signals(signum).name
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+
+    for s in SIGNALS:
+        signal.signal(s, held)
 
 
 class GracefulStop:
@@ -27,8 +47,14 @@ class GracefulStop:
         self._previous: dict = {}
 
     def __enter__(self) -> GracefulStop:
+        global _early
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self._previous = {s: signal.getsignal(s) for s in SIGNALS}
+            if _early is not None:  # caught while the command started: as if it came now, once
+                self.requested, _early = _early, None
+                log.warning("%s: stopping before the first iteration (send it again to stop at once)",
+                            self.requested)
+                return self  # the handlers stay the default: a second signal ends the process
             for s in SIGNALS:
                 signal.signal(s, self._handle)
         return self
