@@ -122,3 +122,31 @@ def test_the_stream_place_keeps_gaps_and_refuses_a_group_consumed_twice():
     assert again.state() == [{"next": 2, "beyond": []}, {"next": 3, "beyond": [4]}]
     with pytest.raises(RuntimeError, match="stream position 4 consumed twice"):
         again.take([9])
+
+
+def _stream_rank(rank: int, out_dir: str, overrides: list[str], resume: bool) -> str:
+    """One rank of a small split run (or its resume); the error it stopped with, or "ok"."""
+    from kv4rl.split.run import run_split
+
+    cfg = load_config(None, [f"out_dir={out_dir}", *overrides])
+    if resume:
+        cfg = load_config(cfg.run_dir / "config.yaml", overrides[1:])
+    try:
+        run_split(cfg, resume=resume, show_progress=False, overwrite=False)
+    except ConfigError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_a_split_resume_refuses_a_training_stream_that_changed(tmp_path):
+    """As in the colocated loop: another seed (or dataset contents, or data.shuffle) at the resume moved the
+    run's place in the stream onto other problems. Every rank refuses it, the engines included, before any
+    model is built. Reference: the seed given by hand."""
+    base = ["name=stream", "device=cpu", "rollout.quota_groups=2", "rollout.group_size=2", "rollout.max_slots=4",
+            "rollout.placement=split", "rollout.engine_ranks=1", "rollout.max_new_tokens=8",
+            "checkpoint.save_every=1"]
+    assert run_on_gloo_ranks(_stream_rank, 2, tmp_path, str(tmp_path), [*base, "trainer.iterations=1"],
+                             False) == ["ok", "ok"]
+    refused = run_on_gloo_ranks(_stream_rank, 2, tmp_path, str(tmp_path), [*base, "trainer.iterations=2", "seed=3"],
+                                True)
+    assert all("the training stream differs from the checkpoint's (seed 0 -> 3)" in r for r in refused), refused

@@ -41,6 +41,7 @@ from kv4rl.run_folder import RunFolder, check_new_run
 from kv4rl.run_setup import (
     Restore,
     build_learner,
+    check_same_stream,
     find_restore,
     finished_summary,
     resolve_model_dir,
@@ -114,7 +115,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=task_of_model(base_dir))
     if restore is not None:
-        check_same_stream(restore, source)
+        check_same_stream(restore, source.stream_fingerprint())
     policy_dir = base_dir if restore is None else restore.path
     check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)
@@ -146,22 +147,6 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
              base_dir, s.start_iteration, learner.attention,
              "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded", learner.options_desc)
     return s
-
-
-def check_same_stream(restore: Restore, source: ProblemSource) -> None:
-    """Refuse a resume whose training stream differs from the checkpoint's (the dataset file edited, rows
-    added or removed, another seed or data.shuffle): the run's place in it would point at other problems.
-    Checkpoints written before the stream was recorded are not checked."""
-    saved, now = restore.state.get("data_stream"), source.stream_fingerprint()
-    if saved is None or saved == now:
-        return
-    changes = [f"{key} {saved.get(key)} -> {now.get(key)}" for key in ("rows", "seed", "shuffle")
-               if saved.get(key) != now.get(key)] or ["the problems' text or answers"]
-    raise ConfigError(
-        f"--resume {restore.path}: the training stream differs from the checkpoint's ({', '.join(changes)}): "
-        "the run's place in it would point at other problems, repeating some and skipping others in this "
-        "epoch. Resume with the same data.train contents, seed and data.shuffle, or start a new run from the "
-        f"checkpoint with model.path={restore.path}")
 
 
 def restore_state(s: Setup, state: dict, path: Path) -> None:

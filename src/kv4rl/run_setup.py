@@ -104,3 +104,20 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
                    attention=t.attention, group=group, fuse_elementwise=t.fuse_elementwise,
                    compile_layers=t.compile_layers, fused_logprobs=t.fused_logprobs,
                    offload_optimizer=t.offload_optimizer)
+
+
+def check_same_stream(restore: Restore, now: dict) -> None:
+    """Refuse a resume whose training stream (`now`: `ProblemSource.stream_fingerprint`) differs from the
+    checkpoint's (the dataset file edited, rows added or removed, another seed or data.shuffle): the run's
+    place in it would point at other problems. Checkpoints written before the stream was recorded are not
+    checked."""
+    saved = restore.state.get("data_stream")
+    if saved is None or saved == now:
+        return
+    changes = [f"{key} {saved.get(key)} -> {now.get(key)}" for key in ("rows", "seed", "shuffle")
+               if saved.get(key) != now.get(key)] or ["the problems' text or answers"]
+    raise ConfigError(
+        f"--resume {restore.path}: the training stream differs from the checkpoint's ({', '.join(changes)}): "
+        "the run's place in it would point at other problems, repeating some and skipping others in this "
+        "epoch. Resume with the same data.train contents, seed and data.shuffle, or start a new run from the "
+        f"checkpoint with model.path={restore.path}")

@@ -45,6 +45,7 @@ class LearnerSide:
     link: HeadLink | None  # the head's only
     consumed: Consumed | None = None  # the head's only: the stream positions taken, for checkpoints
     base_dir: Path | None = None  # the starting model's folder (a testbed's record goes into each checkpoint)
+    data_stream: dict | None = None  # `ProblemSource.stream_fingerprint`, kept by each checkpoint
 
     @property
     def head(self) -> bool:
@@ -172,6 +173,7 @@ def save(s: LearnerSide, folder: RunFolder | None, done: int) -> Path | None:
     learner rank) and the head's stream place (`kv4rl.split.resume`)."""
     weights = {k: v.detach().cpu() for k, v in s.learner.state_dict().items()}
     state = checkpoint_state(dist.get_world_size(), s.groups.engines, s.learner.checkpoint_state(), s.consumed)
+    state["data_stream"] = s.data_stream
 
     def write_files(to: Path) -> None:
         write_policy_files(to, s.learner, s.tokenizer, weights, s.base_dir)

@@ -28,6 +28,7 @@ from kv4rl.run_folder import RunFolder, check_new_run
 from kv4rl.run_setup import (
     Restore,
     build_learner,
+    check_same_stream,
     find_restore,
     finished_summary,
     resolve_model_dir,
@@ -112,11 +113,16 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     if ranks.main:
         barrier()
     model_sha256 = row_fingerprint(base_dir) if head else None  # the config's model, also on resume
+    # every rank checks a resume's stream and the head records it: the learner ranks read no problems otherwise
+    stream = (source or ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
+                                      task=None if cfg.data.train else task_of_model(base_dir))).stream_fingerprint()
+    if restore is not None:
+        check_same_stream(restore, stream)
     with GracefulStop() as stop:
         if ranks.rank >= learners:
             return None, _engine(cfg, groups, ranks.rank - learners, device, source, base_dir, restore, stop)
         return _learner(cfg, groups, head, device, base_dir, restore, stop, show_progress and head, sink, overwrite,
-                        model_sha256)
+                        model_sha256, stream)
 
 
 def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.device, source: ProblemSource | None,
@@ -144,7 +150,7 @@ def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.devi
 
 def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.device, base_dir,
              restore: Restore | None, stop: GracefulStop, show_progress: bool, sink: MetricsSink | None,
-             overwrite: bool, model_sha256: str | None) -> tuple[dict | None, dict | None]:
+             overwrite: bool, model_sha256: str | None, stream: dict) -> tuple[dict | None, dict | None]:
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     policy_dir = base_dir if restore is None else restore.path
     learner = build_learner(cfg, policy_dir, base_dir, device, group=groups.learner)
@@ -154,7 +160,7 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
         learner.load_checkpoint_state(restore.state["learner"], restore.path)
     link = HeadLink(groups, weight_manifest(learner.model.named_parameters())) if head else None
     consumed = Consumed(cfg.rollout.engine_ranks, restore.state["stream"] if restore else None) if head else None
-    side = LearnerSide(cfg, learner, tokenizer, groups, link, consumed, base_dir)
+    side = LearnerSide(cfg, learner, tokenizer, groups, link, consumed, base_dir, stream)
     folder = RunFolder(cfg, restore.run_id if restore else None, start if restore else None, overwrite,
                        model_sha256) if head else None
     try:
