@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import sys
@@ -22,6 +23,9 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.
            "kv4rl.loop", "kv4rl.split.run", "kv4rl.cli"]
 
 
+COLLECTIVE_TIMEOUT_S = 240
+
+
 def _log_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.log")
 
@@ -36,7 +40,9 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, environ: dict, fn
     os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a collective that never pairs up (ranks out of step) fails the test in minutes instead of gloo's 30
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

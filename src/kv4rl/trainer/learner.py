@@ -230,8 +230,17 @@ class Learner:
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
         out = torch.zeros_like(batch.response_mask)
-        for rows in self.micro_batches(batch, torch.arange(len(batch), device=batch.input_ids.device)):
-            out[rows] = self._forward(model, batch.select(rows))[0].float()
+        rows = torch.arange(len(batch), device=batch.input_ids.device)
+        micro = self.micro_batches(batch, rows)
+        # the sharded policy's forwards gather its weights from every rank: a rank with fewer micro-batches
+        # (packing cuts equal shares differently) runs discarded passes, as `step` does, or the gathers stop
+        # pairing up and the ranks wait on each other (the reference model is not sharded)
+        passes = most_on_any_rank(self.group, self.world_size, len(micro)) if model is self.model else len(micro)
+        for i in range(passes):
+            if i >= len(micro):
+                self._forward(model, batch.select(rows[:1]))
+                continue
+            out[micro[i]] = self._forward(model, batch.select(micro[i]))[0].float()
         return out
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -267,8 +276,9 @@ class Learner:
         before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration)
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
         if len(batch) < self.updates_per_batch:
+            where = "this rank's share of the learner batch" if self.world_size > 1 else "the learner batch"
             raise ValueError(f"trainer.updates_per_batch={self.updates_per_batch} optimizer steps need at least as many "
-                             f"rows in the learner batch, which has {len(batch)} here")
+                             f"rows in {where}, which has {len(batch)} here")
         # exactly updates_per_batch mini-batches, sizes within one row of each other (`chunk` made fewer when the
         # rows do not split evenly: 8 rows in 6 updates gave 4 steps)
         rows = torch.arange(len(batch), device=self.device).tensor_split(self.updates_per_batch)
