@@ -147,6 +147,10 @@ def _cfg(*overrides: str):
     (["engine.tensor_parallel=2", "rollout.engine_ranks=2"], 4, "engine.tensor_parallel"),
     (["eval.every=2"], 2, "kv4rl eval --model"),
     (["engine.sleep_between_rollouts=true", "rollout.carry=recompute"], 2, "engine.sleep_between_rollouts"),
+    # 2 groups x 2 responses over 2 learner ranks: 2 rows each, fewer than 3 optimizer steps (the config's own
+    # check, against the whole batch of 4, lets it through)
+    (["rollout.engine_ranks=1", "rollout.quota_groups=2", "rollout.group_size=2", "trainer.updates_per_batch=3"], 3,
+     "on each learner rank, which trains on 2"),
 ])
 def test_split_settings_that_cannot_work_are_refused_by_name(overrides, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -232,3 +236,17 @@ def test_a_signal_during_the_last_update_reports_a_finished_split_run(tmp_path):
     head = summaries[0]
     assert [r["iteration"] for r in _rows(tmp_path / "last")] == [0, 1]
     assert "stopped_by" not in head, head["stopped_by"]
+
+
+def test_updates_per_batch_is_checked_against_each_learner_ranks_share():
+    """Each of W learner ranks trains on quota_groups x group_size / W responses: more optimizer steps than that
+    is refused by name before any model is built (colocated data parallel and split alike); one rank, or steps
+    within the share, pass."""
+    from kv4rl.run_setup import check_updates_per_rank
+
+    cfg = load_config(None, [*SMALL, "rollout.quota_groups=4", "rollout.group_size=2", "trainer.updates_per_batch=3"])
+    check_updates_per_rank(cfg, 1)
+    check_updates_per_rank(cfg, 2)  # 4 rows a rank
+    with pytest.raises(ConfigError, match=r"which trains on 2 \(rollout.quota_groups x rollout.group_size = 8 over 4"):
+        check_updates_per_rank(cfg, 4)
+

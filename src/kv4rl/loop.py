@@ -42,6 +42,7 @@ from kv4rl.run_setup import (
     Restore,
     build_learner,
     check_same_stream,
+    check_updates_per_rank,
     find_restore,
     finished_summary,
     resolve_model_dir,
@@ -105,6 +106,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
                if cfg.engine.tensor_parallel > 1 else "each data-parallel rank collects and learns on an equal share")
         raise ConfigError(f"rollout.quota_groups={cfg.rollout.quota_groups} must split evenly over the {ranks.world} "
                           f"ranks ({why})")
+    check_updates_per_rank(cfg, ranks.world)
     engine_ranks = Ranks(ranks.rank // cfg.engine.tensor_parallel, ranks.world // cfg.engine.tensor_parallel)
     if not ranks.main:  # rank 0 builds a missing embedded model or testbed into the cache first
         barrier()

@@ -121,3 +121,17 @@ def check_same_stream(restore: Restore, now: dict) -> None:
         "the run's place in it would point at other problems, repeating some and skipping others in this "
         "epoch. Resume with the same data.train contents, seed and data.shuffle, or start a new run from the "
         f"checkpoint with model.path={restore.path}")
+
+
+def check_updates_per_rank(cfg, learner_ranks: int) -> None:
+    """Refuse `trainer.updates_per_batch` above the responses each learner rank trains on (the learner batch's
+    rows shared out over `learner_ranks`): the config's own check sees the whole batch, and a rank with fewer
+    rows than optimizer steps could only fail at its first update, after the models are built and a batch
+    is collected."""
+    rows = cfg.rollout.quota_groups * cfg.rollout.group_size // learner_ranks
+    if learner_ranks > 1 and cfg.trainer.updates_per_batch > rows:
+        raise ConfigError(f"trainer.updates_per_batch={cfg.trainer.updates_per_batch} optimizer steps need at least as "
+                          f"many responses on each learner rank, which trains on {rows} (rollout.quota_groups x "
+                          f"rollout.group_size = {cfg.rollout.quota_groups * cfg.rollout.group_size} over "
+                          f"{learner_ranks} ranks)")
+

@@ -29,6 +29,7 @@ from kv4rl.run_setup import (
     Restore,
     build_learner,
     check_same_stream,
+    check_updates_per_rank,
     find_restore,
     finished_summary,
     resolve_model_dir,
@@ -69,6 +70,7 @@ def check_split(cfg: RunConfig, world: int) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    check_updates_per_rank(cfg, world - k)
 
 
 def train_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool) -> dict | None:
