@@ -41,7 +41,7 @@ from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
-from kv4rl.trainer.rank_sums import every_rank, global_counts, most_on_any_rank
+from kv4rl.trainer.rank_sums import every_rank, global_counts, rank_passes
 from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
@@ -232,15 +232,13 @@ class Learner:
         out = torch.zeros_like(batch.response_mask)
         rows = torch.arange(len(batch), device=batch.input_ids.device)
         micro = self.micro_batches(batch, rows)
-        # the sharded policy's forwards gather its weights from every rank: a rank with fewer micro-batches
-        # (packing cuts equal shares differently) runs discarded passes, as `step` does, or the gathers stop
-        # pairing up and the ranks wait on each other (the reference model is not sharded)
-        passes = most_on_any_rank(self.group, self.world_size, len(micro)) if model is self.model else len(micro)
-        for i in range(passes):
-            if i >= len(micro):
-                self._forward(model, batch.select(rows[:1]))
-                continue
-            out[micro[i]] = self._forward(model, batch.select(micro[i]))[0].float()
+        # the sharded policy needs every rank in every pass; the reference model is not sharded
+        sharded = model is self.model
+        passes = rank_passes(self.group, self.world_size, micro, rows) if sharded else ((m, False) for m in micro)
+        for mb_rows, dummy in passes:
+            logp = self._forward(model, batch.select(mb_rows))[0]
+            if not dummy:
+                out[mb_rows] = logp.float()
         return out
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -288,9 +286,7 @@ class Learner:
             num_tokens, num_seqs = global_counts(self.group, self.world_size, mini.num_tokens, num_seqs)
             self.optimizer.zero_grad(set_to_none=True)
             micro = self.micro_batches(batch, mini_rows)
-            for i in range(most_on_any_rank(self.group, self.world_size, len(micro))):
-                dummy = i >= len(micro)  # this rank has fewer micro-batches: a zero-weight pass keeps FSDP in step
-                mb_rows = mini_rows[:1] if dummy else micro[i]
+            for mb_rows, dummy in rank_passes(self.group, self.world_size, micro, mini_rows):  # a dummy pass has zero weight
                 mb = batch.select(mb_rows)
                 logp, ent = self._forward(self.model, mb, with_entropy=True)
                 optional = {name: getattr(mb, name) for name in FROM_BATCH & self.loss_inputs}

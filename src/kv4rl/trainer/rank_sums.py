@@ -27,6 +27,14 @@ def most_on_any_rank(group, world_size: int, count: int) -> int:
     return int(most)
 
 
+def rank_passes(group, world_size: int, micro: list[torch.Tensor], rows: torch.Tensor):
+    """(rows, dummy) of each pass over the micro-batches `micro` of `rows`: FSDP2's weight gathers need every rank
+    in every pass, so a rank with fewer micro-batches (packing cuts equal shares differently) runs its first row
+    again as discarded passes, or the gathers stop pairing up and the ranks wait on each other."""
+    for i in range(most_on_any_rank(group, world_size, len(micro))):
+        yield (rows[:1], True) if i >= len(micro) else (micro[i], False)
+
+
 def every_rank(group, world_size: int, parts: list) -> list:
     """Every rank's (metrics, weight) parts, so the logged metrics describe the whole batch."""
     if world_size == 1:
