@@ -41,7 +41,11 @@ def test_pool_fills_the_fraction_and_the_largest_step_fits(fmt):
     assert engine.pool_bytes == fp.total_bytes(engine.pool_tokens // 16, 256)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(DEV)
-    assert 0.3 * total < engine.pool_bytes < total - free <= fraction * total
+    assert engine.pool_bytes < total - free <= fraction * total
+    # the pool takes all of the fraction but the weights (4 GB), the CUDA context and the largest step's
+    # activations, none of which grows with the card: 10.0-10.3 GB on an H100, where 0.3 of the card was
+    # too much to ask (the pool was 0.28 of it)
+    assert fraction * total - engine.pool_bytes < 12 * 2**30
     outside_torch = total - free - torch.cuda.memory_reserved(DEV)  # CUDA context, libraries
     # real largest steps (a longest prompt alone; the token budget in two prompts) stay within the fraction
     for prompts in ([[1] * 8191], [[2] * 4096, [3] * 4096]):
