@@ -138,3 +138,27 @@ def test_decode_forward_under_tensor_parallel_times_both_steps_with_the_same_fp8
     df.run_decode_forward_tp(["qwen3-8b"], ["late"], 2, True, fp8_gemm="scaled_mm", fp8_inputs=False)
     assert [(kw["fp8_gemm"], kw["fp8_inputs"], "tp" in kw) for kw in calls] == [("scaled_mm", False, True),
                                                                                 ("scaled_mm", False, False)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measured_copy_bandwidth_matches_a_copy_timed_apart():
+    """The probe's rate against one 256 MiB copy timed here with its own events (read + write bytes), and
+    the table's H200 rate where the device is one: within 15% (both are this card's copy rate)."""
+    from kv4rl.bench.roofline import COPY_BYTES_PER_S, measure_copy_bandwidth
+
+    measured = measure_copy_bandwidth(torch.cuda.current_device())
+    src = torch.ones(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src)
+    end.record()
+    end.synchronize()
+    assert bool((dst == 1).all())
+    apart = 2 * src.numel() / (start.elapsed_time(end) / 1e3)
+    assert 0.85 < measured / apart < 1.15, (measured, apart)
+    name = torch.cuda.get_device_name()
+    if "H200" in name:
+        assert 0.85 < measured / COPY_BYTES_PER_S["H200"] < 1.15, measured
+    assert copy_bandwidth(torch.device("cuda")) == (COPY_BYTES_PER_S["H200"] if "H200" in name else measured)
