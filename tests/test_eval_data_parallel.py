@@ -32,8 +32,7 @@ WRITERS_HOOK = (
     "            log.write(fn.__name__ + ' ' + os.environ.get('RANK', '-') + '\\n')\n"
     "        return fn(*args)\n"
     "    return wrapped\n"
-    "cli_eval.write_json = _logged(cli_eval.write_json)\n"
-    "cli_eval._write_samples = _logged(cli_eval._write_samples)\n")
+    "cli_eval.write_together = _logged(cli_eval.write_together)\n")
 
 FAILING_HOOK = (
     "import os\n"
@@ -80,7 +79,7 @@ def test_two_ranks_evaluate_what_one_process_evaluates_and_rank_0_alone_writes(t
     assert 0 < one["mean@4"] < 1  # the tiny model gets some but not all of these right: a real comparison
     assert len({s["responses"][0] for s in one_samples}) > 1
 
-    assert sorted((tmp_path / "writers.log").read_text().split("\n")[:-1]) == ["_write_samples 0", "write_json 0"]
+    assert sorted((tmp_path / "writers.log").read_text().split("\n")[:-1]) == ["write_together 0"]  # JSON and samples
     assert done.stdout.count("pass@4") == 1, done.stdout  # one table, from rank 0
     assert "error:" not in done.stdout + done.stderr
 

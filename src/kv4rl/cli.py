@@ -15,6 +15,7 @@ import typer
 from kv4rl.cli_bench import bench_app
 from kv4rl.cli_common import (
     setup_logging,
+    os_error_text,
     error_line,
     check_at_least,
     check_device,
@@ -88,7 +89,7 @@ def train(
             fail("--seeds starts its own processes; run it without torchrun")
         _train_seeds(seeds, parallel, config, overrides or [], resume, overwrite, verbose)
         return
-    ranks = None  # set once the job is joined
+    ranks = cfg = None  # set once the config is read and the job is joined
     try:
         if resume is not None:
             if overwrite or config is not None:
@@ -107,6 +108,11 @@ def train(
         if ranks is None and not distributed.prints_setup_errors():
             raise typer.Exit(2) from None  # the same config error on every rank: one line per host says it
         fail(str(exc))
+    except OSError as exc:  # a full disk, a folder without write permission: what is saved stays
+        if verbose:
+            raise
+        error_line(os_error_text(exc) + _resume_hint(cfg, ranks))
+        raise typer.Exit(1) from None
     if not ranks.main:
         return
     note = summary.pop("nothing_trained", None)
@@ -116,6 +122,18 @@ def train(
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
         launch = "kv4rl train" if ranks.world == 1 else f"torchrun --nproc-per-node {ranks.world} -m kv4rl.cli train"
         say(f"stopped by {summary['stopped_by']}; continue with: {launch} --resume {summary['run_dir']}")
+
+
+def _resume_hint(cfg, ranks) -> str:
+    """After a failed write: where the run's checkpoints are and how to continue from the newest, if it has any."""
+    from kv4rl.trainer.checkpoint import checkpoint_root, checkpoints
+
+    if cfg is None or not checkpoints(cfg.run_dir):
+        return ""
+    world = ranks.world if ranks is not None else 1
+    launch = "kv4rl train" if world == 1 else f"torchrun --nproc-per-node {world} -m kv4rl.cli train"
+    return (f"; the checkpoints in {checkpoint_root(cfg.run_dir)} are kept: once that is mended, continue with "
+            f"{launch} --resume {cfg.run_dir}")
 
 
 def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | None, overrides: list[str],
@@ -347,13 +365,19 @@ def plot_mismatch_cmd(
 
 
 def main() -> None:
-    """The `kv4rl` command: the app, with a config error that escaped a command as one line (exit 2), and one
-    line after Ctrl-C, which typer turns into a silent exit 130."""
+    """The `kv4rl` command: the app, with a config error that escaped a command as one line (exit 2), a
+    failing file operation as one line naming the file (exit 1), and one line after Ctrl-C, which typer turns
+    into a silent exit 130."""
     try:
         app()
     except ConfigError as exc:
         error_line(str(exc))
         sys.exit(2)
+    except OSError as exc:  # the machine, not the input: a full disk, a folder without write permission
+        if {"-v", "--verbose"} & set(sys.argv[1:]):
+            raise
+        error_line(f"{os_error_text(exc)} (--verbose shows where)")
+        sys.exit(1)
     except SystemExit as exc:
         if exc.code == 130:  # Ctrl-C: typer exits with 130 and says nothing
             say_interrupted()

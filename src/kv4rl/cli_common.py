@@ -37,6 +37,12 @@ def error_line(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
+def os_error_text(error: OSError) -> str:
+    """A failed file operation in one line: the file, then the system's reason (errno's text)."""
+    where = f"{error.filename}: " if error.filename else ""
+    return f"{where}{error.strerror or error}"
+
+
 def fail(message: str) -> NoReturn:
     """Print one error line and exit with status 2 (bad input), the convention of every command."""
     error_line(message)
@@ -84,15 +90,32 @@ def engine_config(overrides: list[str] | None, options: Mapping[str, str] | None
 PARTIAL_JSON: set[Path] = set()  # files whose last write held only the rows finished so far ("complete": false)
 
 
+def write_together(files: dict[Path | None, str | None]) -> None:
+    """Write each file's text (None path or text: skipped) to a temporary file beside it, then rename them all
+    into place: a failure while writing (a full disk) leaves every target as it was and no temporary file."""
+    staged = []
+    try:
+        for path, text in files.items():
+            if path is None or text is None:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            staged.append((tmp, path))
+            tmp.write_text(text)
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in staged:
+        os.replace(tmp, path)
+
+
 def write_json(res: dict, json_out: Path | None) -> None:
     """Write `res` as JSON, whole or not at all (a temporary file renamed over the target), so a kill during
     the write never leaves half a file; remembers a partial result for the interrupt message (`main`)."""
     if json_out is None:
         return
-    json_out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = json_out.with_name(f".{json_out.name}.tmp")
-    tmp.write_text(json.dumps(res, indent=2) + "\n")
-    os.replace(tmp, json_out)
+    write_together({json_out: json.dumps(res, indent=2) + "\n"})
     if res.get("complete") is False:
         PARTIAL_JSON.add(json_out)
     else:

@@ -26,7 +26,7 @@ from kv4rl.cli_common import (
     fail,
     finite_float,
     warn,
-    write_json,
+    write_together,
     wrote,
 )
 from kv4rl.telemetry.progress import StageProgress
@@ -92,16 +92,12 @@ def _default_model(main: bool) -> Path:
     return path
 
 
-def _write_samples(path: Path | None, problems, results) -> None:
+def _samples_text(problems, results) -> str:
     """One JSON line per problem, in problem order: its id, gold answer, and each sample's score, token
     count and text."""
-    if path is None:
-        return
-    with path.open("w") as out:
-        for r in results:
-            p = problems[r.index]
-            out.write(json.dumps({"index": r.index, "id": p.id, "answer": p.answer, "scores": list(r.scores),
-                                  "response_lens": list(r.lengths), "responses": list(r.texts)}) + "\n")
+    return "".join(json.dumps({"index": r.index, "id": problems[r.index].id, "answer": problems[r.index].answer,
+                               "scores": list(r.scores), "response_lens": list(r.lengths),
+                               "responses": list(r.texts)}) + "\n" for r in results)
 
 
 def eval_cmd(
@@ -164,8 +160,9 @@ def eval_cmd(
     print_table(console, metric_table("evaluation", res))
     check_output_path(json_out)
     check_output_path(samples_out, "--samples")
-    write_json({**res, **settings}, json_out)
-    _write_samples(samples_out, problems, results)
+    # both whole or neither: a failed write (a full disk) leaves the earlier pair as it was
+    write_together({json_out: json.dumps({**res, **settings}, indent=2) + "\n",
+                    samples_out: _samples_text(problems, results) if samples_out is not None else None})
     wrote(json_out, samples_out)
 
 

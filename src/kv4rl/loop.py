@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kv4rl.algo.advantages import compute_advantages, noise_key
+from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.data.source import ProblemSource
@@ -295,16 +296,14 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
         s = build(cfg, restore, show_progress and main)
         folder = RunFolder(cfg, restore.run_id if restore else None, s.start_iteration if restore else None,
                            overwrite, s.model_sha256) if main else None
+        failing = True  # until the loop returns: then a failure to close is the error to report
         try:
             last = run_loop(s, folder, stop, show_progress and main, sink)
+            failing = False
         finally:
-            if folder is not None:
-                folder.close()
-            if sink is not None:
-                sink.close()
-            close = getattr(s.reward_fn, "close", None)
-            if close is not None:
-                close()
+            close_all({"run folder": None if folder is None else (lambda: folder.close(failing)),
+                       "viewers": None if sink is None else (lambda: sink.close(failing)),
+                       "reward workers": getattr(s.reward_fn, "close", None)}, failing)
     if folder is None:
         return summarize_run(cfg.run_dir, s.start_iteration if resume else None)
     summary = summarize_run(cfg.run_dir, s.start_iteration if resume else None, written=folder.opened)

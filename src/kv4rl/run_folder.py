@@ -26,6 +26,7 @@ try:
 except ImportError:  # not POSIX: folders are not locked
     fcntl = None
 
+from kv4rl.closing import close_all
 from kv4rl.config import RunConfig, load_config, save_config
 from kv4rl.config_loader import ConfigError, apply_overrides
 from kv4rl.paths import file_in_path, free_sibling
@@ -254,8 +255,8 @@ class RunFolder:
         self.trace.write_many(trace)
         self.metrics.write({**row, "model_sha256": self.model_sha256})
 
-    def close(self) -> None:
-        self.metrics.close()
-        self.trace.close()
-        unlock_folder(self.lock)
-        self.lock = None
+    def close(self, failing: bool = False) -> None:
+        """Close the logs and release the lock, each even if another fails (`closing.close_all`)."""
+        lock, self.lock = self.lock, None
+        close_all({"metrics log": self.metrics.close, "trace": self.trace.close,
+                   "run folder lock": lambda: unlock_folder(lock)}, failing)

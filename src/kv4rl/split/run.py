@@ -17,6 +17,7 @@ import logging
 import torch
 from transformers import AutoTokenizer
 
+from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, barrier, current
@@ -142,12 +143,13 @@ def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.devi
         collector.start_at(place["next"], place["beyond"])
     side = EngineSide(cfg, engine, llm, collector, formatter, reward_fn, EngineLink(groups, device), stop,
                       first_batch=first)
+    failing = True
     try:
-        return run_engine(side)
+        result = run_engine(side)
+        failing = False
+        return result
     finally:
-        close = getattr(reward_fn, "close", None)
-        if close is not None:
-            close()
+        close_all({"reward workers": getattr(reward_fn, "close", None)}, failing)
 
 
 def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.device, base_dir,
@@ -165,13 +167,13 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
     side = LearnerSide(cfg, learner, tokenizer, groups, link, consumed, base_dir, stream)
     folder = RunFolder(cfg, restore.run_id if restore else None, start if restore else None, overwrite,
                        model_sha256) if head else None
+    failing = True
     try:
         done, end = run_learner(side, folder, stop, show_progress, sink, start)
+        failing = False
     finally:
-        if folder is not None:
-            folder.close()
-        if sink is not None:
-            sink.close()
+        close_all({"run folder": None if folder is None else (lambda: folder.close(failing)),
+                   "viewers": None if sink is None else (lambda: sink.close(failing))}, failing)
     if not head:
         return None, None
     summary = summarize_run(cfg.run_dir, start if restore else None, written=folder.opened)

@@ -18,14 +18,18 @@ it already holds keep their first values, which a deterministic resume reproduce
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import sys
 import time
 from pathlib import Path
 
+from kv4rl.closing import close_all
 from kv4rl.config import RunConfig
 from kv4rl.config_loader import ConfigError, to_dict
 from kv4rl.telemetry.curves import SEED_SUFFIX
+
+log = logging.getLogger(__name__)
 
 
 def installed(package: str) -> bool:
@@ -60,19 +64,31 @@ class MetricsSink:
     def log(self, row: dict) -> None:
         values, step = scalars(row), row["iteration"]
         if self.tensorboard:
-            if self._tb is None:
-                self._tb = self._open_tensorboard(step)
-                self._announce(f"tensorboard: event files in {self.cfg.run_dir} "
-                               f"(view: tensorboard --logdir {self.cfg.run_dir.parent})")
-            for key, value in values.items():
-                self._tb.add_scalar(key, value, global_step=step)
-            self._tb.flush()  # one row per iteration: keep the viewer current, lose nothing on a crash
+            try:
+                if self._tb is None:
+                    self._tb = self._open_tensorboard(step)
+                    self._announce(f"tensorboard: event files in {self.cfg.run_dir} "
+                                   f"(view: tensorboard --logdir {self.cfg.run_dir.parent})")
+                for key, value in values.items():
+                    self._tb.add_scalar(key, value, global_step=step)
+                self._tb.flush()  # one row per iteration: keep the viewer current, lose nothing on a crash
+            except OSError as error:  # a mirror: metrics.jsonl, already written, is the record
+                self._stop_tensorboard(error)
         if self.wandb:
             if self._wandb_run is None:
                 self._wandb_run = self._open_wandb()
                 log_cfg = self.cfg.logging
                 self._announce(f"wandb: project {log_cfg.wandb_project}, run {log_cfg.wandb_name or self.cfg.name}")
             self._wandb_run.log(values, step=step)
+
+    def _stop_tensorboard(self, error: OSError) -> None:
+        """A failed event-file write (a full disk) stops the mirror, not the run: training goes on with
+        every row in metrics.jsonl."""
+        log.warning("tensorboard: writing the event files in %s failed (%s); mirroring stops for this run, "
+                    "metrics.jsonl keeps every row", self.cfg.run_dir, error)
+        self.tensorboard = False
+        tb, self._tb = self._tb, None
+        close_all({"tensorboard writer": None if tb is None else tb.close}, failing=True)
 
     def _open_tensorboard(self, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
@@ -91,13 +107,10 @@ class MetricsSink:
                           group=log_cfg.wandb_group or SEED_SUFFIX.sub("", self.cfg.name),
                           config=to_dict(self.cfg), dir=str(run_dir), id=run_id, resume="allow")
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
-            self._wandb_run = None
+    def close(self, failing: bool = False) -> None:
+        tb, run, self._tb, self._wandb_run = self._tb, self._wandb_run, None, None
+        close_all({"tensorboard writer": None if tb is None else tb.close,
+                   "wandb run": None if run is None else run.finish}, failing)
 
 
 def _wait_past_existing_event_files(run_dir) -> None:

@@ -95,7 +95,8 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
     the temporary folder, every rank writes its shards into it with `write_shards(folder)` (a
     collective: DCP returns on every rank once all shards and the metadata are written), then rank 0
     alone writes the rest and renames the folder into place while the others wait; they get None. A
-    rank that fails leaves only the temporary folder, never an `iter_N` a resume would pick up.
+    save that fails never leaves an `iter_N` a resume would pick up: rank 0 removes the
+    temporary folder when its own writes fail, and one a killed save left goes at the next resume.
     `group`: the ranks that save when they are not the whole job (a split run's learner ranks, rank 0
     among them); the others never call this.
     """
@@ -113,10 +114,14 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
         barrier(group)  # rank 0 writes the rest and renames the folder
         return None
     final = tmp.with_name(tmp.name.removeprefix(TMP_PREFIX))
-    write_files(tmp)
-    torch.save({"iteration": iteration, **state}, tmp / STATE_FILE)
-    (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": iteration}) + "\n")
-    honour_umask(tmp)  # safetensors writes model.safetensors 0600, unlike every other file here
+    try:
+        write_files(tmp)
+        torch.save({"iteration": iteration, **state}, tmp / STATE_FILE)
+        (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": iteration}) + "\n")
+        honour_umask(tmp)  # safetensors writes model.safetensors 0600, unlike every other file here
+    except BaseException:  # a full disk: give back what this save took (a resume would delete it anyway)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     replaced = _make_room(final, run_id) if final.exists() else None
     os.replace(tmp, final)
     if replaced is not None:

@@ -1,0 +1,175 @@
+"""A write that fails mid-run (a full disk) keeps what the user had: the earlier checkpoints and rows, a
+released folder lock, one error line naming the file and how to continue; a failing TensorBoard mirror
+does not stop the run; `kv4rl eval` replaces its JSON and samples together or not at all."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv4rl.cli import app, main
+from kv4rl.cli_common import write_together
+from kv4rl.closing import close_all
+from tests.small_runs import SMALL, runner, train_cli
+
+ITERS = ["trainer.iterations=4", "checkpoint.save_every=1", "checkpoint.keep_last=4"]
+
+
+def no_space(path) -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+def fail_nth_state_save(monkeypatch, n: int) -> list[str]:
+    """torch.save raises ENOSPC on the n-th trainer state it writes; returns the paths it was asked for."""
+    real, asked = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        if str(f).endswith("trainer_state.pt"):
+            asked.append(str(f))
+            if len(asked) == n:
+                raise no_space(f)
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    return asked
+
+
+def rows(run: Path) -> list[int]:
+    return [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def saved(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def test_close_all_calls_every_closer_and_raises_the_first_error_or_logs_it(caplog):
+    called = []
+
+    def ok(name):
+        return lambda: called.append(name)
+
+    def bad(name):
+        def close():
+            called.append(name)
+            raise OSError(errno.EIO, f"{name} broke")
+        return close
+
+    with pytest.raises(OSError, match="a broke"):
+        close_all({"a": bad("a"), "b": ok("b"), "none": None, "c": bad("c")})
+    assert called == ["a", "b", "c"]
+    assert "closing the c also failed" in caplog.text and "closing the a" not in caplog.text
+    called.clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        close_all({"a": bad("a"), "b": ok("b")}, failing=True)  # the run's own error is the one to raise
+    assert called == ["a", "b"] and "closing the a also failed: [Errno 5] a broke" in caplog.text
+
+
+def test_a_checkpoint_save_on_a_full_disk_keeps_the_earlier_ones_and_says_how_to_continue(tmp_path, monkeypatch):
+    asked = fail_nth_state_save(monkeypatch, 3)
+    res = train_cli(f"out_dir={tmp_path}", "name=full", *SMALL, *ITERS)
+    run = tmp_path / "full"
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert f"{asked[2]}: No space left on device" in text and "Traceback" not in res.output
+    assert f"continue with kv4rl train --resume {run}" in text
+    assert saved(run) == ["iter_000001", "iter_000002", "latest"]  # the failed save left nothing behind
+    assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert rows(run) == [0, 1, 2]
+    monkeypatch.undo()  # room again: the lock was released, the run goes on from its newest checkpoint
+    res = train_cli("--resume", str(run), "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert rows(run) == [0, 1, 2, 3]
+
+
+def test_a_log_that_cannot_close_does_not_hide_the_error_or_keep_the_lock(tmp_path, monkeypatch, caplog):
+    """A full disk makes the metrics file's close raise again: the save's error is the one reported, the
+    close's a warning, and the folder's lock and viewers are still let go."""
+    from kv4rl.telemetry.metrics import JsonlWriter
+
+    asked = fail_nth_state_save(monkeypatch, 2)
+
+    def close(self):
+        raise no_space(self.path)
+
+    monkeypatch.setattr(JsonlWriter, "close", close)
+    with caplog.at_level(logging.WARNING):
+        res = train_cli(f"out_dir={tmp_path}", "name=full", *SMALL, *ITERS)
+    assert res.exit_code == 1, res.output
+    assert f"{asked[1]}: No space left on device" in " ".join(res.output.split())
+    assert "closing the metrics log also failed" in caplog.text
+    monkeypatch.undo()
+    res = train_cli("--resume", str(tmp_path / "full"), "--no-progress")  # refused if the lock were held
+    assert res.exit_code == 0, res.output
+    assert rows(tmp_path / "full") == [0, 1, 2, 3]
+
+
+def test_a_failing_tensorboard_mirror_stops_mirroring_not_the_run(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    real, calls = SummaryWriter.flush, []
+
+    def flush(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise no_space(self.log_dir)
+        return real(self)
+
+    monkeypatch.setattr(SummaryWriter, "flush", flush)
+    with caplog.at_level(logging.WARNING):
+        res = train_cli(f"out_dir={tmp_path}", "name=tb", *SMALL, *ITERS, "logging.tensorboard=true")
+    assert res.exit_code == 0, res.output
+    assert rows(tmp_path / "tb") == [0, 1, 2, 3]
+    assert "mirroring stops for this run, metrics.jsonl keeps every row" in caplog.text
+    assert len(calls) == 2  # nothing written to the mirror after it failed
+
+
+def test_write_together_leaves_every_target_as_it_was_when_one_write_fails(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.json", tmp_path / "sub" / "b.jsonl"
+    write_together({a: "old a\n", b: "old b\n", None: "skipped", tmp_path / "c": None})
+    assert a.read_text() == "old a\n" and b.read_text() == "old b\n" and not (tmp_path / "c").exists()
+    real = Path.write_text
+
+    def write_text(self, text, *args, **kwargs):
+        if self.name == ".b.jsonl.tmp":
+            real(self, text[:3], *args, **kwargs)  # half of it, then the disk is full
+            raise no_space(self)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(OSError, match="No space"):
+        write_together({a: "new a\n", b: "new b\n"})
+    assert a.read_text() == "old a\n" and b.read_text() == "old b\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.json", "b.jsonl", "sub"]
+
+
+def test_eval_keeps_the_earlier_json_and_samples_when_writing_the_new_ones_fails(tmp_path, monkeypatch, capsys):
+    out, samples = tmp_path / "res.json", tmp_path / "samples.jsonl"
+    args = ["eval", "--n", "4", "--k", "2", "--json", str(out), "--samples", str(samples), "--device", "cpu"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    before = (out.read_bytes(), samples.read_bytes())
+    real = Path.write_text
+
+    def write_text(self, text, *args, **kwargs):
+        if self.name == ".samples.jsonl.tmp":
+            raise no_space(self)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr(sys, "argv", ["kv4rl", *args, "--seed", "1"])
+    with pytest.raises(SystemExit) as stopped:
+        main()  # the command's entry point: a failed file operation is one line, exit 1
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / '.samples.jsonl.tmp'}: No space left on device" in " ".join(err.split())
+    assert "Traceback" not in err
+    assert (out.read_bytes(), samples.read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["res.json", "samples.jsonl"]
