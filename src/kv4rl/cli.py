@@ -16,6 +16,8 @@ from kv4rl.cli_bench import bench_app
 from kv4rl.cli_common import (
     setup_logging,
     os_error_text,
+    TRACEBACK_ENV,
+    wants_traceback,
     error_line,
     check_at_least,
     check_device,
@@ -109,7 +111,7 @@ def train(
             raise typer.Exit(2) from None  # the same config error on every rank: one line per host says it
         fail(str(exc))
     except OSError as exc:  # a full disk, a folder without write permission: what is saved stays
-        if verbose:
+        if wants_traceback(verbose):
             raise
         error_line(os_error_text(exc) + _resume_hint(cfg, ranks))
         raise typer.Exit(1) from None
@@ -374,9 +376,9 @@ def main() -> None:
         error_line(str(exc))
         sys.exit(2)
     except OSError as exc:  # the machine, not the input: a full disk, a folder without write permission
-        if {"-v", "--verbose"} & set(sys.argv[1:]):
+        if wants_traceback({"-v", "--verbose"} & set(sys.argv[1:])):
             raise
-        error_line(f"{os_error_text(exc)} (--verbose shows where)")
+        error_line(f"{os_error_text(exc)} ({TRACEBACK_ENV}=1 shows where)")
         sys.exit(1)
     except SystemExit as exc:
         if exc.code == 130:  # Ctrl-C: typer exits with 130 and says nothing

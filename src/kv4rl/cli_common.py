@@ -37,6 +37,14 @@ def error_line(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
+TRACEBACK_ENV = "KV4RL_TRACEBACK"  # set to 1: a failed file operation shows its traceback, not one line
+
+
+def wants_traceback(verbose: bool | set = False) -> bool:
+    """Whether a failing file operation should show its traceback: `--verbose`, or KV4RL_TRACEBACK=1."""
+    return bool(verbose) or os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
 def os_error_text(error: OSError) -> str:
     """A failed file operation in one line: the file, then the system's reason (errno's text)."""
     where = f"{error.filename}: " if error.filename else ""
