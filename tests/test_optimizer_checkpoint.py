@@ -4,6 +4,7 @@ save that fails on one rank leaves no checkpoint behind; a missing or damaged sh
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,13 @@ from kv4rl.trainer.checkpoint import (
     save_checkpoint,
 )
 from kv4rl.trainer.learner import Learner
-from kv4rl.trainer.optimizer_checkpoint import OPTIMIZER_DIR, SHARDED, OptimizerShardError, shards_problem
+from kv4rl.trainer.optimizer_checkpoint import (
+    OPTIMIZER_DIR,
+    SHARDED,
+    OptimizerShardError,
+    ShardWriteError,
+    shards_problem,
+)
 from tests.conftest import assert_plain_modes, make_checkpoint
 from tests.gloo_ranks import run_on_gloo_ranks
 
@@ -96,11 +103,29 @@ def _save_fail_resume(rank: int, model_dir: str, run_dir: str) -> dict:
     failed = None
     try:
         save(straight, run_dir, rank, 2)
-    except OptimizerShardError as error:
-        failed = str(error)
+    except ShardWriteError as error:  # a failed file operation: one line, exit 1 from the command
+        failed = f"{error.filename}: {error.strerror}"
     FileSystemWriter.write_data = writes
     dist.barrier()
     after_failure = sorted(p.name for p in checkpoint_root(run_dir).iterdir())
+
+    real_save = torch.save  # a save of iteration 3 whose trainer state rank 0 alone cannot write
+
+    def rank0_disk_full(obj, f, *args, **kwargs):
+        if str(f).endswith("trainer_state.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    if rank == 0:
+        torch.save = rank0_disk_full
+    rank0_failed = None
+    try:
+        save(straight, run_dir, rank, 3)
+    except OSError as error:
+        rank0_failed = f"{type(error).__name__}: {error.filename}: {error.strerror}"
+    torch.save = real_save
+    dist.barrier()
+    after_rank0_failure = sorted(p.name for p in checkpoint_root(run_dir).iterdir())
 
     straight.step(half_batch(1, rank))
     path, state = find_resume_checkpoint(run_dir)
@@ -108,7 +133,8 @@ def _save_fail_resume(rank: int, model_dir: str, run_dir: str) -> dict:
     resumed.load_checkpoint_state(state["learner"], path)
     resumed.step(half_batch(1, rank))
     return {"after_first": after_first, "straight": full_state(straight), "resumed": full_state(resumed),
-            "failed": failed, "after_failure": after_failure, "resumed_from": path.name}
+            "failed": failed, "after_failure": after_failure, "resumed_from": path.name, "rank0_failed": rank0_failed,
+            "after_rank0_failure": after_rank0_failure}
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +183,19 @@ def test_a_save_failing_on_one_rank_leaves_no_checkpoint(two_ranks):
         assert got["failed"] is not None and "\n" not in got["failed"]
         assert "writing the optimizer shards failed (rank 1: OSError: rank 1's disk is full)" in got["failed"]
         assert got["failed"].startswith(str(checkpoint_root(run_dir) / ".tmp_iter_000002" / OPTIMIZER_DIR))
-    assert ranks[0]["after_failure"] == [".tmp_iter_000002", "iter_000001", "latest"]
+    assert ranks[0]["after_failure"] == ["iter_000001", "latest"]  # rank 0 removed the failed save's folder
     assert (checkpoint_root(run_dir) / "latest").read_text() == "iter_000001"
+
+
+def test_a_save_failing_on_rank_0_alone_fails_on_every_rank_at_once(two_ranks):
+    """Rank 0's own files (here the trainer state) could not be written: rank 1 stops with an error of its own
+    instead of going on as if saved (or waiting at a barrier for a rank 0 that is going down)."""
+    run_dir, ranks = two_ranks
+    tmp = checkpoint_root(run_dir) / ".tmp_iter_000003"
+    assert ranks[0]["rank0_failed"] == f"OSError: {tmp / 'trainer_state.pt'}: No space left on device"
+    assert ranks[1]["rank0_failed"] == (f"SaveFailedElsewhere: {tmp}: rank 0 could not write the checkpoint "
+                                        "(its error names the file)")
+    assert ranks[0]["after_rank0_failure"] == ["iter_000001", "latest"]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "metadata"])

@@ -83,12 +83,13 @@ def from_main(obj, group: dist.ProcessGroup | None = None):
     return box[0]
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when it is true on any (a stop signal seen by one rank stops all together)."""
+def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank of `group` (default: the job) when it is true on any (a stop signal seen by one rank
+    stops all together; a save that failed on rank 0 fails on every rank)."""
     if current().world == 1:
         return flag
     value = torch.tensor([int(flag)], dtype=torch.long)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
 
 

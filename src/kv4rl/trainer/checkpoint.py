@@ -13,6 +13,7 @@ shards are all there) and names every damaged one it passes over.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kv4rl.distributed import barrier, from_main
+from kv4rl.distributed import any_rank, from_main
 from kv4rl.file_modes import honour_umask
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder
 from kv4rl.paths import free_sibling
@@ -108,20 +109,43 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     tmp = from_main(tmp, group)
-    if write_shards is not None:
-        write_shards(tmp)
     if run_dir is None:
-        barrier(group)  # rank 0 writes the rest and renames the folder
+        if write_shards is not None:
+            write_shards(tmp)
+        if any_rank(False, group):  # rank 0 writes the rest and renames the folder, then says how it went
+            raise SaveFailedElsewhere(errno.EIO, "rank 0 could not write the checkpoint (its error names the file)",
+                                      str(tmp))
         return None
     final = tmp.with_name(tmp.name.removeprefix(TMP_PREFIX))
     try:
-        write_files(tmp)
-        torch.save({"iteration": iteration, **state}, tmp / STATE_FILE)
-        (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": iteration}) + "\n")
-        honour_umask(tmp)  # safetensors writes model.safetensors 0600, unlike every other file here
-    except BaseException:  # a full disk: give back what this save took (a resume would delete it anyway)
+        if write_shards is not None:  # a collective: a failure on any rank raises on every rank
+            write_shards(tmp)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    failed = None
+    try:
+        _write_and_publish(tmp, final, write_files, {"iteration": iteration, **state}, run_id)
+        _prune(run_dir, run_id, iteration, keep_last)
+    except BaseException as error:  # a full disk: give back what this save took (a resume would delete it anyway)
+        shutil.rmtree(tmp, ignore_errors=True)
+        failed = error
+    if any_rank(failed is not None, group) and failed is not None:  # the other ranks fail too, at once
+        raise failed
+    return final
+
+
+class SaveFailedElsewhere(OSError):
+    """Raised on the other ranks when rank 0 could not write a checkpoint: they stop with it instead of
+    waiting for a peer that is going down (its own error line names the file)."""
+
+
+def _write_and_publish(tmp: Path, final: Path, write_files: Callable[[Path], None], state: dict, run_id: str) -> None:
+    """Rank 0's part of a save: the files into `tmp`, `tmp` renamed to `final`, `latest` pointed at it."""
+    write_files(tmp)
+    torch.save(state, tmp / STATE_FILE)
+    (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": state["iteration"]}) + "\n")
+    honour_umask(tmp)  # safetensors writes model.safetensors 0600, unlike every other file here
     replaced = _make_room(final, run_id) if final.exists() else None
     os.replace(tmp, final)
     if replaced is not None:
@@ -129,9 +153,6 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
     pointer = final.parent / "latest.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, final.parent / "latest")
-    _prune(run_dir, run_id, iteration, keep_last)
-    barrier(group)
-    return final
 
 
 def _make_room(final: Path, run_id: str) -> Path | None:

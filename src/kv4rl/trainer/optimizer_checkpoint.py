@@ -9,6 +9,7 @@ The trainer state records which of the two a checkpoint holds and the world size
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 from torch import nn
@@ -21,8 +22,14 @@ METADATA_FILE = ".metadata"  # DCP's index of the shards
 
 
 class OptimizerShardError(ValueError):
-    """Optimizer shards that are missing or damaged, or could not be written (the message names the
-    file, or the folder and the ranks that failed)."""
+    """Optimizer shards that are missing or damaged (the message names the file, or the folder and the
+    ranks that failed)."""
+
+
+class ShardWriteError(OSError):
+    """Optimizer shards that could not be written (a full disk on some rank): a failed file operation, which
+    the command reports as one line with exit status 1, not as bad input. `filename` is the shard folder,
+    `strerror` names the ranks that failed and why."""
 
 
 def optimizer_format(state: dict) -> str:
@@ -69,7 +76,8 @@ def save_shards(model: nn.Module, optimizer: Optimizer, folder: Path, group=None
     try:
         dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=target, process_group=group)
     except CheckpointException as error:  # a BaseException: `except Exception` handlers would miss it
-        raise OptimizerShardError(f"{target}: writing the optimizer shards failed ({_failures(error)})") from None
+        raise ShardWriteError(errno.EIO, f"writing the optimizer shards failed ({_failures(error)})",
+                              str(target)) from None
 
 
 def load_shards(model: nn.Module, optimizer: Optimizer, folder: Path, group=None) -> None:
