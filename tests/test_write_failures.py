@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_write_together_leaves_every_target_as_it_was_when_one_write_fails(tmp_p
     real = Path.write_text
 
     def write_text(self, text, *args, **kwargs):
-        if self.name == ".b.jsonl.tmp":
+        if self.name.startswith(".b.jsonl.") and self.name.endswith(".tmp"):
             real(self, text[:3], *args, **kwargs)  # half of it, then the disk is full
             raise no_space(self)
         return real(self, text, *args, **kwargs)
@@ -150,6 +151,19 @@ def test_write_together_leaves_every_target_as_it_was_when_one_write_fails(tmp_p
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.json", "b.jsonl", "sub"]
 
 
+def test_write_together_stages_under_names_no_target_and_no_user_file_has(tmp_path):
+    """A target named like another's old staging name (`.s.jsonl.tmp`) gets its own text, and each file
+    gets the mode a plain open() gives under the umask (mkstemp's are 0600)."""
+    from kv4rl.file_modes import umask_mode
+
+    odd, samples, mine = tmp_path / ".s.jsonl.tmp", tmp_path / "s.jsonl", tmp_path / ".a.json.tmp"
+    mine.write_text("the user's\n")
+    write_together({odd: "JSON\n", samples: "SAMPLES\n", tmp_path / "a.json": "A\n"})
+    assert (odd.read_text(), samples.read_text(), mine.read_text()) == ("JSON\n", "SAMPLES\n", "the user's\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".a.json.tmp", ".s.jsonl.tmp", "a.json", "s.jsonl"]
+    assert {p.stat().st_mode & 0o777 for p in (odd, samples)} == {umask_mode(False)}
+
+
 def test_eval_keeps_the_earlier_json_and_samples_when_writing_the_new_ones_fails(tmp_path, monkeypatch, capsys):
     out, samples = tmp_path / "res.json", tmp_path / "samples.jsonl"
     args = ["eval", "--n", "4", "--k", "2", "--json", str(out), "--samples", str(samples), "--device", "cpu"]
@@ -159,7 +173,7 @@ def test_eval_keeps_the_earlier_json_and_samples_when_writing_the_new_ones_fails
     real = Path.write_text
 
     def write_text(self, text, *args, **kwargs):
-        if self.name == ".samples.jsonl.tmp":
+        if self.name.startswith(".samples.jsonl.") and self.name.endswith(".tmp"):
             raise no_space(self)
         return real(self, text, *args, **kwargs)
 
@@ -169,7 +183,8 @@ def test_eval_keeps_the_earlier_json_and_samples_when_writing_the_new_ones_fails
         main()  # the command's entry point: a failed file operation is one line, exit 1
     assert stopped.value.code == 1
     err = capsys.readouterr().err
-    assert f"{tmp_path / '.samples.jsonl.tmp'}: No space left on device" in " ".join(err.split())
+    assert re.search(rf"{re.escape(str(tmp_path))}/\.samples\.jsonl\.\w+\.tmp: No space left on device",
+                     " ".join(err.split())), err
     assert "Traceback" not in err and "(KV4RL_TRACEBACK=1 shows where)" in err
     assert (out.read_bytes(), samples.read_bytes()) == before
     monkeypatch.setenv("KV4RL_TRACEBACK", "1")  # the error itself, for a bug report

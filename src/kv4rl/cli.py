@@ -132,7 +132,9 @@ def _resume_hint(cfg, ranks) -> str:
 
     if cfg is None or not checkpoints(cfg.run_dir):
         return ""
-    world = ranks.world if ranks is not None else 1
+    from kv4rl import distributed
+
+    world = ranks.world if ranks is not None else distributed.launched_ranks()
     launch = "kv4rl train" if world == 1 else f"torchrun --nproc-per-node {world} -m kv4rl.cli train"
     return (f"; the checkpoints in {checkpoint_root(cfg.run_dir)} are kept: once that is mended, continue with "
             f"{launch} --resume {cfg.run_dir}")

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kv4rl.config_loader import ConfigError
+from kv4rl.file_modes import honour_umask
 from kv4rl.paths import file_in_path
 
 console = Console()
@@ -107,9 +109,12 @@ def write_together(files: dict[Path | None, str | None]) -> None:
             if path is None or text is None:
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            staged.append((tmp, path))
-            tmp.write_text(text)
+            # a fresh name: never another target's, nor a file the user has
+            handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(handle)
+            staged.append((Path(name), path))
+            Path(name).write_text(text)
+            honour_umask(Path(name))  # mkstemp makes it 0600; a plain open() would not
     except BaseException:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)

@@ -37,21 +37,22 @@ def measure_copy_bandwidth(device_index: int, repeats: int = 10) -> float:
     """Bytes read plus bytes written per second by `repeats` device-to-device copies of one buffer (up to
     1 GiB, big enough that L2 plays no part), after three warm-up copies; timed with CUDA events."""
     device = torch.device("cuda", device_index)
-    free, _ = torch.cuda.mem_get_info(device)
-    nbytes = min(COPY_PROBE_BYTES, free // 8) // 4096 * 4096
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
-    del src, dst
-    torch.cuda.empty_cache()  # an engine built next sizes its pool from free memory
+    with torch.cuda.device(device):  # the events and the copies on that device's stream, whichever is current
+        free, _ = torch.cuda.mem_get_info(device)
+        nbytes = min(COPY_PROBE_BYTES, free // 8) // 4096 * 4096
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+        del src, dst
+        torch.cuda.empty_cache()  # an engine built next sizes its pool from free memory
     return 2 * nbytes * repeats / seconds
 
 
