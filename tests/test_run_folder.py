@@ -15,7 +15,7 @@ import yaml
 
 from kv4rl.config import load_config
 from kv4rl.paths import SET_ASIDE
-from kv4rl.run_folder import FolderInUse, RunFolder, config_for_resume, lock_folder, unlock_folder
+from kv4rl.run_folder import FolderInUse, RunFolder, RunFolderError, config_for_resume, lock_folder, unlock_folder
 from kv4rl.telemetry.metrics import read_jsonl
 from tests.small_runs import SMALL, new_run, tiny_weights_sha256, train_cli, tree_state
 
@@ -352,3 +352,21 @@ def test_resume_refuses_a_training_stream_that_changed(tmp_path):
     assert tree_state(run) == before
     res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
     assert res.exit_code == 0, res.output
+
+
+def test_the_start_over_command_of_a_torchrun_job_is_a_torchrun_command(tmp_path, monkeypatch):
+    """A rank of `torchrun --nproc-per-node 2` told its folder has no checkpoint: the command it suggests
+    starts the same number of processes."""
+    from kv4rl.config import load_config
+    from kv4rl.distributed import train_launch
+    from kv4rl.run_setup import find_restore
+
+    assert train_launch(1) == ["kv4rl", "train"]
+    assert train_launch(4) == ["torchrun", "--nproc-per-node", "4", "-m", "kv4rl.cli", "train"]
+    cfg = load_config(None, [f"out_dir={tmp_path}", "name=empty"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RunFolderError, match=r"run `torchrun --nproc-per-node 2 -m kv4rl\.cli train -c "):
+        find_restore(cfg)
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(RunFolderError, match=r"run `kv4rl train -c "):
+        find_restore(cfg)

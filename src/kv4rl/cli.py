@@ -122,7 +122,7 @@ def train(
     if note is not None:
         warn(note)
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
-        launch = "kv4rl train" if ranks.world == 1 else f"torchrun --nproc-per-node {ranks.world} -m kv4rl.cli train"
+        launch = " ".join(distributed.train_launch(ranks.world))
         say(f"stopped by {summary['stopped_by']}; continue with: {launch} --resume {summary['run_dir']}")
 
 
@@ -134,8 +134,7 @@ def _resume_hint(cfg, ranks) -> str:
         return ""
     from kv4rl import distributed
 
-    world = ranks.world if ranks is not None else distributed.launched_ranks()
-    launch = "kv4rl train" if world == 1 else f"torchrun --nproc-per-node {world} -m kv4rl.cli train"
+    launch = " ".join(distributed.train_launch(ranks.world if ranks is not None else None))
     return (f"; the checkpoints in {checkpoint_root(cfg.run_dir)} are kept: once that is mended, continue with "
             f"{launch} --resume {cfg.run_dir}")
 

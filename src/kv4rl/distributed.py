@@ -39,6 +39,13 @@ def launched_ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def train_launch(world: int | None = None) -> list[str]:
+    """The words that start `kv4rl train` on `world` processes (default: as many as this job was started with):
+    plain, or under torchrun. Hints that say how to resume or start over use it."""
+    world = launched_ranks() if world is None else world
+    return ["kv4rl", "train"] if world == 1 else ["torchrun", "--nproc-per-node", str(world), "-m", "kv4rl.cli", "train"]
+
+
 def prints_setup_errors() -> bool:
     """Whether this process reports an error found before the job is joined (a bad config): under
     torchrun every rank finds the same one, so only each host's first rank prints it."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kv4rl.config import ConfigError, RunConfig
+from kv4rl.distributed import train_launch
 from kv4rl.run_folder import RunFolderError
 from kv4rl.telemetry.run_stats import summarize_run
 from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of
@@ -55,7 +56,7 @@ def find_restore(cfg: RunConfig) -> Restore:
     found = find_resume_checkpoint(cfg.run_dir)
     if found is None:
         # the folder given is the run, whatever name/out_dir its config.yaml recorded: say so in the command
-        start_over = shlex.join(["kv4rl", "train", "-c", str(cfg.run_dir / "config.yaml"),
+        start_over = shlex.join([*train_launch(), "-c", str(cfg.run_dir / "config.yaml"),
                                  f"out_dir={cfg.run_dir.parent}", f"name={cfg.run_dir.name}", "--overwrite"])
         raise RunFolderError(
             f"--resume {cfg.run_dir}: no checkpoint yet (the run stopped before its first save, every "
