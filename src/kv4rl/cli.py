@@ -377,7 +377,7 @@ def main() -> None:
         error_line(str(exc))
         sys.exit(2)
     except OSError as exc:  # the machine, not the input: a full disk, a folder without write permission
-        if wants_traceback({"-v", "--verbose"} & set(sys.argv[1:])):
+        if wants_traceback(bool({"-v", "--verbose"} & set(sys.argv[1:]))):
             raise
         error_line(f"{os_error_text(exc)} ({TRACEBACK_ENV}=1 shows where)")
         sys.exit(1)

@@ -42,7 +42,7 @@ def error_line(message: str) -> None:
 TRACEBACK_ENV = "KV4RL_TRACEBACK"  # set to 1: a failed file operation shows its traceback, not one line
 
 
-def wants_traceback(verbose: bool | set = False) -> bool:
+def wants_traceback(verbose: bool = False) -> bool:
     """Whether a failing file operation should show its traceback: `--verbose`, or KV4RL_TRACEBACK=1."""
     return bool(verbose) or os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
 

@@ -85,6 +85,11 @@ def run_of(path: Path) -> str | None:
         return None
 
 
+class SaveFailedElsewhere(OSError):
+    """Raised on the other ranks when rank 0 could not write a checkpoint: they stop with it instead of
+    waiting for a peer that is going down (its own error line names the file)."""
+
+
 def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[[Path], None], state: dict,
                     run_id: str | None, keep_last: int,
                     write_shards: Callable[[Path], None] | None = None,
@@ -133,11 +138,6 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
     if any_rank(failed is not None, group) and failed is not None:  # the other ranks fail too, at once
         raise failed
     return final
-
-
-class SaveFailedElsewhere(OSError):
-    """Raised on the other ranks when rank 0 could not write a checkpoint: they stop with it instead of
-    waiting for a peer that is going down (its own error line names the file)."""
 
 
 def _write_and_publish(tmp: Path, final: Path, write_files: Callable[[Path], None], state: dict, run_id: str) -> None:
