@@ -273,7 +273,7 @@ def test_the_pool_leaves_room_for_the_logits_every_captured_graph_keeps(monkeypa
     from types import SimpleNamespace
 
     from kv4rl.engine import memory
-    from kv4rl.engine.runner import _Profile
+    from kv4rl.engine.pool_profile import PoolProfile
 
     assert memory.graph_output_bytes(16, 128, 1000) == (16 + 8) * 1000 * 4
     assert memory.graph_output_bytes(256, 0, 151_936) == 256 * 151_936 * 4
@@ -287,7 +287,7 @@ def test_the_pool_leaves_room_for_the_logits_every_captured_graph_keeps(monkeypa
         config = EngineConfig(kv=KVConfig(format="bf16"), max_model_len=4096, prefill_graph_tokens=128,
                               gpu_memory_fraction=0.12, cuda_graphs=graphs)
         plan = make_plan(config, args, torch.bfloat16, CUDA, 64)
-        profile = _Profile(SimpleNamespace(args=args), plan, config, torch.device("cpu"), None)
+        profile = PoolProfile(SimpleNamespace(args=args), plan, config, torch.device("cpu"), None)
         sizes[graphs] = profile.pool_blocks()
     held = memory.graph_output_bytes(64, 128, args.vocab_size)
     assert held == (64 + 8) * args.vocab_size * 4
@@ -303,14 +303,14 @@ def test_a_tensor_parallel_rank_whose_cap_is_not_the_pool_does_not_say_capped(mo
     line said capped for a pool another rank's memory had made smaller."""
     from types import SimpleNamespace
 
-    from kv4rl.engine import runner
+    from kv4rl.engine import pool_profile
 
-    sizing = "engine.gpu_memory_fraction=0.9 of 80 GiB" + runner.CAPPED
+    sizing = "engine.gpu_memory_fraction=0.9 of 80 GiB" + pool_profile.CAPPED
     profile = SimpleNamespace(pool_blocks=lambda: (12, sizing))
     model = SimpleNamespace(tp=object())
-    monkeypatch.setattr(runner, "_smallest_over", lambda tp, blocks, device: 5)
-    blocks, text = runner._memory_sized(profile, model, torch.device("cpu"))
+    monkeypatch.setattr(pool_profile, "smallest_over", lambda tp, blocks, device: 5)
+    blocks, text = pool_profile.memory_sized(profile, model, torch.device("cpu"))
     assert blocks == 5 and "capped" not in text and text.endswith("smallest over the TP ranks")
-    monkeypatch.setattr(runner, "_smallest_over", lambda tp, blocks, device: blocks)  # this rank is the smallest
-    blocks, text = runner._memory_sized(profile, model, torch.device("cpu"))
-    assert blocks == 12 and runner.CAPPED in text
+    monkeypatch.setattr(pool_profile, "smallest_over", lambda tp, blocks, device: blocks)  # this rank is the smallest
+    blocks, text = pool_profile.memory_sized(profile, model, torch.device("cpu"))
+    assert blocks == 12 and pool_profile.CAPPED in text
