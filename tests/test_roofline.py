@@ -142,21 +142,27 @@ def test_decode_forward_under_tensor_parallel_times_both_steps_with_the_same_fp8
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_measured_copy_bandwidth_matches_a_copy_timed_apart():
-    """The probe's rate against one 256 MiB copy timed here with its own events (read + write bytes), and
-    the table's H200 rate where the device is one: within 15% (both are this card's copy rate)."""
+    """The probe's rate against eight 256 MiB copies timed here first, with their own events (read + write
+    bytes), and the table's H200 rate where the device is one: within 15% (both are this card's copy rate).
+    The reference is timed before the probe: right after it, in buffers allocated after its `empty_cache`,
+    the same copies read 2.55 TB/s on an H100 whose copies run at 3.0 (the probe's 3.01; the gap was not
+    examined further)."""
     from kv4rl.bench.roofline import COPY_BYTES_PER_S, measure_copy_bandwidth
 
-    measured = measure_copy_bandwidth(torch.cuda.current_device())
     src = torch.ones(1 << 28, dtype=torch.uint8, device="cuda")
     dst = torch.zeros_like(src)
-    dst.copy_(src)
+    for _ in range(2):
+        dst.copy_(src)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    dst.copy_(src)
+    for _ in range(8):
+        dst.copy_(src)
     end.record()
     end.synchronize()
     assert bool((dst == 1).all())
-    apart = 2 * src.numel() / (start.elapsed_time(end) / 1e3)
+    apart = 8 * 2 * src.numel() / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    measured = measure_copy_bandwidth(torch.cuda.current_device())
     assert 0.85 < measured / apart < 1.15, (measured, apart)
     name = torch.cuda.get_device_name()
     if "H200" in name:
