@@ -149,6 +149,30 @@ def test_one_failing_rank_ends_the_job_with_its_error(partial_and_failing):
     assert [r["iteration"] for r in rows(folder / "runs" / "fail")] == [0]
 
 
+RANK0_WRITE_FAILS_HOOK = (
+    "import errno, os\n"
+    "if os.environ.get('LOCAL_RANK') == '0':\n"
+    "    import kv4rl.run_folder as run_folder\n"
+    "    def full(self, row, trace):\n"
+    "        raise OSError(errno.ENOSPC, 'No space left on device', str(self.path / 'metrics.jsonl'))\n"
+    "    run_folder.RunFolder.write = full\n")
+
+
+def test_the_ranks_a_failing_rank_leaves_behind_say_so_in_one_line(tmp_path):
+    """Rank 0 cannot write metrics.jsonl (outside a checkpoint save) while rank 1 goes on to the next
+    collective: rank 0 names the file, rank 1 says in one line that rank 0 stopped, not with gloo's
+    "Connection closed by peer" traceback."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RANK0_WRITE_FAILS_HOOK)
+    done = torchrun(tmp_path, "name=full", "trainer.iterations=2", *SMALL, pythonpath=str(hook))
+    assert done.returncode != 0
+    err = done.stderr
+    assert "error: runs/full/metrics.jsonl: No space left on device" in err, err[-3000:]
+    assert "error: rank 0 stopped (see its error); this rank stops too" in err, err[-3000:]
+    assert err.count("error:") == 2 and "RuntimeError" not in err and "Connection closed" not in err, err[-3000:]
+
+
 def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_samples(tmp_path, monkeypatch):
     """DP2 x TP2 (four ranks, paper B's layout): every group once per batch, and the first batch's
     responses (token counts, rewards) equal a single-process run's: sampling is seeded per request and

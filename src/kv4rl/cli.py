@@ -104,6 +104,12 @@ def train(
         try:
             summary = run_train(cfg, resume=resume is not None, show_progress=progress and ranks.main,
                                 overwrite=overwrite)
+        except Exception as exc:
+            peer = distributed.stopped_peer(exc)  # None: this rank's own error (the others are told of it)
+            if peer is None or wants_traceback(verbose):
+                raise
+            error_line(f"rank {peer} stopped (see its error); this rank stops too")  # its line says why
+            raise typer.Exit(1) from None
         finally:
             distributed.shutdown()
     except (ConfigError, ValueError) as exc:

@@ -8,7 +8,9 @@ Without torchrun (or with one process) every function here is the identity of on
 
 A rank that raises ends its process with a non-zero exit code, and torchrun then stops the others;
 collectives carry a timeout (`COLLECTIVE_TIMEOUT`) so a rank that hangs cannot keep the job waiting
-forever.
+forever. A rank going down with an error first says so in the job's store (`stopped_peer`), so a rank
+whose collective then fails because that peer went away knows why and says so in one line instead of
+the backend's traceback.
 """
 
 from __future__ import annotations
@@ -104,6 +106,57 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank of `group` (default: the job)."""
     if current().world > 1:
         dist.barrier(group=group)
+
+
+_FAILED_KEY = "kv4rl/failed_rank/"
+
+
+def _store():
+    """The job's key-value store (torchrun's agent hosts it, so it outlives a rank); None without a job."""
+    if current().world == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, ValueError, RuntimeError):  # a private helper: gone in some torch, no error here
+        return None
+
+
+def stopped_peer(error: Exception) -> int | None:
+    """The rank whose failure made this rank's collective raise `error` (`failed_peer`); None when the error is
+    this rank's own, which is then announced to the others (`announce_failure`)."""
+    peer = failed_peer(error)
+    if peer is None:
+        announce_failure()
+    return peer
+
+
+def announce_failure() -> None:
+    """Record in the job's store that this rank is going down with an error of its own. Called before its
+    process group is destroyed, so a peer whose collective fails when the connection closes finds the
+    record. Best effort: a store that cannot be reached leaves the peers to report their raw error."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(f"{_FAILED_KEY}{current().rank}", "1")
+    except Exception:  # noqa: BLE001 - the rank's own error is the one to report
+        pass
+
+
+def failed_peer(error: BaseException) -> int | None:
+    """The rank that announced its own failure, when `error` is what a collective raises on the ranks it
+    leaves behind (gloo's RuntimeError "Connection closed by peer", NCCL's DistBackendError); None when
+    `error` is of another kind or no other rank announced one (then `error` is this rank's own)."""
+    if not (type(error) is RuntimeError or isinstance(error, dist.DistError)):
+        return None
+    store = _store()
+    if store is None:
+        return None
+    me = current()
+    try:
+        return next((r for r in range(me.world) if r != me.rank and store.check([f"{_FAILED_KEY}{r}"])), None)
+    except Exception:  # noqa: BLE001 - a store gone with the job: report the raw error
+        return None
 
 
 def shutdown() -> None:
