@@ -80,3 +80,35 @@ def test_a_restored_optimizer_keeps_its_moments_but_takes_the_configured_setting
     v = 0.6 * moments["exp_avg_sq"] + 0.4 * grad**2
     want = before * (1 - 1e-3 * 0.5) - 1e-3 * (m / (1 - 0.5**2)) / ((v / (1 - 0.6**2)).sqrt() + 1e-8)
     assert torch.allclose(dense(param), want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_step_whose_gradient_norm_is_not_finite_leaves_weights_and_moments_unchanged(tiny_qwen3, caplog):
+    """An inf advantage makes the gradient NaN: that optimizer step is skipped (the weights and AdamW's state
+    equal a copy taken before), counted and warned about; the next finite batch steps as usual."""
+    import copy
+    import logging
+    import math
+
+    path, _ = tiny_qwen3
+    good = batch()
+    learner = make_learner(path, 4, False, updates=2)
+    learner.step(good)  # AdamW has moments now
+    weights = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    moments = copy.deepcopy(learner.optimizer.state_dict()["state"])
+    bad = batch()
+    bad.advantages[1] = float("inf")  # rows [0, 1] are the first update, [2, 3] the second
+    with caplog.at_level(logging.WARNING, logger="kv4rl.trainer.learner"):
+        metrics = learner.step(bad)
+    assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["grad_norm"])
+    assert "iteration 1: skipped 1 of 2 optimizer steps" in caplog.text
+    state = learner.optimizer.state_dict()["state"]
+    assert [int(state[i]["step"]) for i in sorted(state)] == [3] * len(state)  # 2 + the second update's
+    ref = make_learner(path, 4, False, updates=1)  # the second update alone, from the same weights and moments
+    ref.model.load_state_dict(weights)
+    ref.optimizer.load_state_dict({"state": moments, "param_groups": learner.optimizer.state_dict()["param_groups"]})
+    second = batch()
+    second = second.select(torch.tensor([2, 3]))
+    ref.step(second)
+    for k, v in ref.model.state_dict().items():
+        assert torch.equal(learner.model.state_dict()[k], v), k
+    assert make_learner(path, 4, False).step(good)["skipped_steps"] == 0

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,6 +64,7 @@ from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 from kv4rl.trainer.policy_model import load_hf_model, prepare_policy, shard_policy
 
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
+log = logging.getLogger(__name__)
 
 
 def _scalar(value) -> float:
@@ -264,7 +267,9 @@ class Learner:
     def step(self, batch: TrainBatch, lr: float | None = None, iteration: int | None = None) -> dict[str, float]:
         """One learner batch: `updates_per_batch` optimizer steps over contiguous mini-batches.
 
-        `iteration` clocks the `ref_kl_every` schedule (default: the number of steps taken so far).
+        `iteration` clocks the `ref_kl_every` schedule (default: the number of steps taken so far). A step whose
+        gradient norm is not finite is left out (`skipped_steps`, with a warning), as verl's actor does: one NaN
+        would otherwise turn every weight into NaN and the run would go on sampling from a broken policy.
         """
         if lr is not None:
             for group in self.optimizer.param_groups:
@@ -273,6 +278,7 @@ class Learner:
         mask = batch.response_mask
         before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration)
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
+        skipped = 0  # optimizer steps left out for a non-finite gradient norm
         if len(batch) < self.updates_per_batch:
             where = "this rank's share of the learner batch" if self.world_size > 1 else "the learner batch"
             raise ValueError(f"trainer.updates_per_batch={self.updates_per_batch} optimizer steps need at least as many "
@@ -301,11 +307,19 @@ class Learner:
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
                 metrics.update(self._token_stats(logp.detach(), ent, mb, first=update == 0))
                 parts.append((metrics, mb.num_tokens))
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            parts.append(({"grad_norm": _scalar(grad_norm)}, 1.0))  # the global norm, the same on every rank
-            self.optimizer.step()
+            grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+            parts.append(({"grad_norm": grad_norm}, 1.0))  # the global norm, the same on every rank
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:  # a NaN or inf gradient would make every weight NaN: every rank skips this step alike
+                skipped += 1
         self.num_steps += 1
+        if skipped:
+            log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
+                        "weights and the optimizer state stay as they were (lower trainer.lr?)",
+                        self.num_steps - 1 if iteration is None else iteration, skipped, len(rows))
         out = combine_metrics(every_rank(self.group, self.world_size, parts))
+        out["skipped_steps"] = skipped
         out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
