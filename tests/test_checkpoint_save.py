@@ -129,3 +129,34 @@ def test_a_lagging_tp_checkpoint_missing_a_ranks_engine_slice_is_passed_over(tmp
         path, state = find_resume_checkpoint(tmp_path)
     assert path.name == "iter_000001" and state["iteration"] == 1
     assert f"checkpoint iter_000002 is damaged: {bad} does not load" in caplog.text
+
+
+def test_every_file_reaches_the_disk_before_the_rename_that_publishes_it(tmp_path, monkeypatch):
+    """A power loss right after a rename must not leave an `iter_N` (or a `latest`) whose data never reached
+    the disk: every file and folder of the checkpoint is fsynced before the folder is renamed into place, the
+    pointer before its rename, and the checkpoints folder after each rename (which makes the new name durable)."""
+    import os
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), replace(a, b))[1])
+
+    def write_files(folder):
+        (folder / "model.txt").write_text("weights")
+        (folder / "sub").mkdir()
+        (folder / "sub" / "shard.bin").write_bytes(b"\0" * 10)
+
+    final = save_checkpoint(tmp_path, 3, write_files, {"x": 1}, "me", keep_last=5)
+    root = str(final.parent)
+    tmp = str(final.with_name(".tmp_" + final.name))
+    publish = events.index(("replace", tmp, str(final)))
+    pointer = events.index(("replace", root + "/latest.tmp", root + "/latest"))
+    synced_before = {e[1] for e in events[:publish] if e[0] == "fsync"}
+    written = {str(p.relative_to(final)) for p in final.rglob("*")}
+    assert written == {"model.txt", "sub", "sub/shard.bin", META_FILE, "trainer_state.pt"}
+    assert {tmp + "/" + rel for rel in written} | {tmp} <= synced_before
+    assert ("fsync", root) in events[publish:pointer]
+    assert ("fsync", root + "/latest.tmp") in events[publish:pointer]
+    assert events[-1] == ("fsync", root)

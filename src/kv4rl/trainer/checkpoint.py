@@ -2,7 +2,8 @@
 
 A checkpoint is written into a temporary sibling folder (`.tmp_iter_N`) and renamed into place,
 and the pointer file `latest` is replaced atomically afterwards, so a crash at any moment leaves the
-previous checkpoint intact and never a half-written one that looks complete; temporary folders a
+previous checkpoint intact and never a half-written one that looks complete (the files are synced to
+the disk before each rename, so a power loss does not either: `kv4rl.durability`); temporary folders a
 kill left behind are cleared when the run folder is next used. `checkpoint.json` records the run
 that wrote a checkpoint: retention deletes only that run's own checkpoints, never another's.
 Under torchrun every rank writes its optimizer shard (`kv4rl.trainer.optimizer_checkpoint`) into the
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from kv4rl.distributed import any_rank, from_main
+from kv4rl.durability import sync_path, sync_tree
 from kv4rl.file_modes import honour_umask
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder
 from kv4rl.paths import free_sibling
@@ -146,13 +148,17 @@ def _write_and_publish(tmp: Path, final: Path, write_files: Callable[[Path], Non
     torch.save(state, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": state["iteration"]}) + "\n")
     honour_umask(tmp)  # safetensors writes model.safetensors 0600, unlike every other file here
+    sync_tree(tmp)  # every rank's files on the disk before the name that makes them a checkpoint
     replaced = _make_room(final, run_id) if final.exists() else None
     os.replace(tmp, final)
+    sync_path(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     pointer = final.parent / "latest.tmp"
     pointer.write_text(final.name)
+    sync_path(pointer)
     os.replace(pointer, final.parent / "latest")
+    sync_path(final.parent)
 
 
 def _make_room(final: Path, run_id: str) -> Path | None:
