@@ -192,3 +192,41 @@ def test_eval_keeps_the_earlier_json_and_samples_when_writing_the_new_ones_fails
         main()
     assert (out.read_bytes(), samples.read_bytes()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res.json", "samples.jsonl"]
+
+
+def test_files_written_together_reach_the_disk_before_they_replace_the_users(tmp_path, monkeypatch):
+    """A power loss right after the renames must not leave empty files where the user's were: every staged
+    file is fsynced before the first rename."""
+    import os
+
+    from kv4rl.cli_common import write_together
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))), replace(a, b))[1])
+    (tmp_path / "a.json").write_text("old")
+    write_together({tmp_path / "a.json": "new a", tmp_path / "b.jsonl": "new b"})
+    assert (tmp_path / "a.json").read_text() == "new a" and (tmp_path / "b.jsonl").read_text() == "new b"
+    first_rename = next(i for i, e in enumerate(events) if e[0] == "replace")
+    renamed = [e[1] for e in events if e[0] == "replace"]
+    assert len(renamed) == 2 and set(renamed) <= {e[1] for e in events[:first_rename] if e[0] == "fsync"}
+
+
+def test_a_saved_config_reaches_the_disk_before_it_replaces_the_one_a_resume_reads(tmp_path, monkeypatch):
+    import os
+
+    import yaml
+
+    from kv4rl.config import RunConfig, save_config
+
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    target = tmp_path / "config.yaml"
+    target.write_text("old: 1\n")
+    monkeypatch.setattr(Path, "replace", lambda self, to: (synced.append(("replace", str(self))), os.rename(self, to)))
+    save_config(RunConfig(), target)
+    assert synced == [str(tmp_path / "config.tmp"), ("replace", str(tmp_path / "config.tmp"))]
+    assert yaml.safe_load(target.read_text())["name"] == RunConfig().name

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kv4rl.config_loader import ConfigError
+from kv4rl.durability import sync_path
 from kv4rl.file_modes import honour_umask
 from kv4rl.paths import file_in_path
 
@@ -119,6 +120,8 @@ def write_together(files: dict[Path | None, str | None]) -> None:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
         raise
+    for tmp, _ in staged:
+        sync_path(tmp)  # on the disk before its name replaces the file a user had
     for tmp, path in staged:
         os.replace(tmp, path)
 

@@ -21,6 +21,7 @@ from kv4rl.algo.registry import import_plugins
 from kv4rl.config_loader import ConfigError, apply_overrides, from_dict, merge, read_yaml, to_dict
 from kv4rl.data.prompts import check_template
 from kv4rl.data.source import DEFAULT_POOL_SIZE
+from kv4rl.durability import sync_path
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.sequence import temperature_problem
 from kv4rl.rollout.config import RolloutConfig, StalenessConfig
@@ -303,4 +304,5 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    sync_path(tmp)  # on the disk before it replaces the config a resume reads
     tmp.replace(path)

@@ -14,6 +14,8 @@ import math
 import os
 from pathlib import Path
 
+from kv4rl.durability import sync_path
+
 log = logging.getLogger(__name__)
 
 
@@ -38,6 +40,7 @@ class JsonlWriter:
             kept = [line for line, row in read_lines(self.path) if row.get("iteration", -1) < self.resume_from]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
+            sync_path(tmp)  # the kept rows on the disk before they replace the whole log
             os.replace(tmp, self.path)
         self._file = self.path.open("a")
 
