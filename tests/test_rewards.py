@@ -218,3 +218,21 @@ def test_bad_check_fn_is_reported():
 def test_non_positive_timeout_is_rejected():
     with pytest.raises(ValueError, match="timeout_s"):
         get_reward("math_verify", timeout_s=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "1", True])
+def test_a_reward_that_returns_anything_but_finite_numbers_is_refused_by_name(monkeypatch, bad):
+    """A NaN score made every advantage, loss and gradient of the batch NaN (each step then skipped as if the
+    learning rate were to blame), an inf one zeroed the advantages: both trained nothing, exit 0."""
+    monkeypatch.setattr(base, "_REGISTRY", {})
+
+    @base.register_reward("plugin")
+    def make():
+        return lambda responses, golds: base.RewardResult([1.0, bad, 0.0][: len(responses)], {})
+
+    with pytest.raises(ValueError, match=r"reward 'plugin' returned .* for response 1 of 3: a score must be a finite"):
+        get_reward("plugin")(["a", "b", "c"], ["x", "y", "z"])
+    with pytest.raises(ValueError, match="reward 'three' returned 3 scores for 2 responses"):
+        base.register_reward("three")(lambda: lambda r, g: base.RewardResult([0.0] * 3, {}))
+        get_reward("three")(["a", "b"], ["x", "y"])
+    assert get_reward("plugin")(["a"], ["x"]).scores == [1.0]

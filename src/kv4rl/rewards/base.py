@@ -11,6 +11,7 @@ or a `with` block.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,7 +93,38 @@ def get_reward(name: str, **options: Any) -> RewardFn:
         inspect.signature(factory).bind(**options)
     except TypeError as exc:
         raise ValueError(f"bad options {sorted(options)} for reward {name!r}: {exc}") from None
-    return factory(**options)
+    return CheckedReward(name, factory(**options))
+
+
+class CheckedReward(Reward):
+    """What `get_reward` returns: the built reward, whose results must give one finite score per response. A
+    NaN score made every advantage, loss and gradient of its batch NaN, and an infinite one zeroed them (the
+    group's rewards all compare equal), so a broken reward plugin trained nothing with no error saying why."""
+
+    def __init__(self, name: str, reward: RewardFn):
+        self.name = name
+        self.reward = reward
+
+    def score(self, responses: list[str], golds: list[str]) -> RewardResult:
+        result = self.reward(responses, golds)
+        scores = list(result.scores)
+        if len(scores) != len(responses):
+            raise ValueError(f"reward {self.name!r} returned {len(scores)} scores for {len(responses)} responses")
+        for i, value in enumerate(scores):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"reward {self.name!r} returned {value!r} for response {i} of {len(responses)}: "
+                                 f"a score must be a finite number")
+        return result
+
+    def close(self) -> None:
+        close = getattr(self.reward, "close", None)
+        if close is not None:
+            close()
+
+    def __getattr__(self, attr: str) -> Any:  # the built reward's own attributes (a worker's process, ...)
+        if attr == "reward":
+            raise AttributeError(attr)
+        return getattr(self.reward, attr)
 
 
 _BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
