@@ -308,8 +308,8 @@ class Learner:
                 metrics.update(self._token_stats(logp.detach(), ent, mb, first=update == 0))
                 parts.append((metrics, mb.num_tokens))
             grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
-            parts.append(({"grad_norm": grad_norm}, 1.0))  # the global norm, the same on every rank
-            if math.isfinite(grad_norm):
+            if math.isfinite(grad_norm):  # the global norm, the same on every rank
+                parts.append(({"grad_norm": grad_norm}, 1.0))  # the steps taken (`skipped_steps` counts the rest)
                 self.optimizer.step()
             else:  # a NaN or inf gradient would make every weight NaN: every rank skips this step alike
                 skipped += 1
@@ -318,7 +318,7 @@ class Learner:
             log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
                         "weights and the optimizer state stay as they were (lower trainer.lr?)",
                         self.num_steps - 1 if iteration is None else iteration, skipped, len(rows))
-        out = combine_metrics(every_rank(self.group, self.world_size, parts))
+        out = {"grad_norm": math.nan, **combine_metrics(every_rank(self.group, self.world_size, parts))}
         out["skipped_steps"] = skipped
         out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
