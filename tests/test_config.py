@@ -38,6 +38,7 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("rollout.temperature=0", "rollout.temperature"),
     ("rollout.top_k=-5", "rollout.top_k must be >= 0"),
     ("trainer.weight_decay=-0.1", "trainer.weight_decay must be >= 0"),
+    ("trainer.weight_decay=1e4", "trainer.lr x trainer.weight_decay must be < 1, got 0.0001 x 10000"),
     ("trainer.betas=[1.0,0.999]", "trainer.betas must each be in"),
     ("trainer.updates_per_batch=300", "trainer.updates_per_batch=300 optimizer steps need at least as many"),
     ("rollout.temperature=1e-9", "rollout.temperature must be at least 1e-05"),

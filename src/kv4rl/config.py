@@ -192,6 +192,10 @@ class RunConfig:
              f"{self.rollout.quota_groups * self.rollout.group_size})"),
             (self.trainer.grad_clip > 0, "trainer.grad_clip must be > 0"),
             (self.trainer.weight_decay >= 0, f"trainer.weight_decay must be >= 0, got {self.trainer.weight_decay}"),
+            (self.trainer.lr * self.trainer.weight_decay < 1,
+             f"trainer.lr x trainer.weight_decay must be < 1, got {self.trainer.lr:g} x {self.trainer.weight_decay:g}: "
+             f"AdamW scales every weight by 1 - lr x weight_decay at each step, so the first step would zero or "
+             f"flip them all"),
             (all(0 <= b < 1 for b in self.trainer.betas),
              f"trainer.betas must each be in [0, 1) (AdamW's moment decays), got {list(self.trainer.betas)}"),
             (self.trainer.max_tokens_per_micro_batch is None or self.trainer.max_tokens_per_micro_batch >= 1,
