@@ -45,5 +45,8 @@ def summarize_run(run_dir: Path, resumed_from: int | None, written: bool = True)
             "reward_first": rows[0]["reward_mean"],
             "reward_last": rows[-1]["reward_mean"],
         })
+        skipped = sum(r.get("skipped_steps") or 0 for r in rows)
+        if skipped:  # optimizer steps left out for a non-finite gradient norm (each warned about as it happened)
+            out["skipped_steps"] = skipped
     out["run_dir"] = str(run_dir)
     return out
