@@ -236,3 +236,32 @@ def test_a_reward_that_returns_anything_but_finite_numbers_is_refused_by_name(mo
         base.register_reward("three")(lambda: lambda r, g: base.RewardResult([0.0] * 3, {}))
         get_reward("three")(["a", "b"], ["x", "y"])
     assert get_reward("plugin")(["a"], ["x"]).scores == [1.0]
+
+
+def test_the_readme_example_reward_scores_as_documented_and_trains_through_plugins(tmp_path, monkeypatch):
+    """The README's "Writing your own reward" module, as a user would copy it: loaded through `algo.plugins`,
+    it scores the hand-worked cases below and a one-iteration run logs its stats as `reward_<key>`."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import kv4rl
+    from kv4rl.config import load_config
+    from kv4rl.loop import train
+
+    readme = (Path(kv4rl.__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("# my_rewards.py\n")
+    (tmp_path / "readme_rewards.py").write_text(readme[start:readme.index("```", start)])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # the example's registration ends with the test
+    try:
+        cfg = load_config(overrides=["algo.plugins=[readme_rewards]", "reward.name=boxed_partial", f"out_dir={tmp_path}",
+                                     "name=r", "trainer.iterations=1", "rollout.quota_groups=2", "rollout.group_size=2",
+                                     "rollout.max_slots=4"])
+        result = get_reward("boxed_partial")([r"\boxed{007}", r"\boxed{8}", "7", r"\boxed{"], ["7", "7", "7", "7"])
+        assert result.scores == [1.0, 0.1, 0.0, 0.0] and result.stats == {"no_answer": 2.0}
+        train(cfg, show_progress=False)
+        (row,) = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+        assert "reward_no_answer" in row and 0.0 <= row["reward_mean"] <= 1.0
+    finally:
+        sys.modules.pop("readme_rewards", None)
