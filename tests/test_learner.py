@@ -117,3 +117,25 @@ def test_a_step_whose_gradient_norm_is_not_finite_leaves_weights_and_moments_unc
     every.advantages[:] = float("nan")
     metrics = make_learner(path, 4, False, updates=2).step(every)
     assert metrics["skipped_steps"] == 2 and math.isnan(metrics["grad_norm"])
+
+
+def test_a_checkpoint_after_only_skipped_steps_resumes_as_the_run_goes_on(tiny_qwen3):
+    """Every step of the first batch skipped, then a checkpoint: the resumed learner's next step equals the
+    uninterrupted one's bit for bit. With the NaN gradients left on the parameters, torch kept an empty
+    AdamW state for the save, and the resume's stand-in step count (1 for 0) moved the next update."""
+    import copy
+
+    path, _ = tiny_qwen3
+    nan_batch = batch()
+    nan_batch.advantages[:] = float("nan")
+    on = make_learner(path, 4, False)
+    assert on.step(nan_batch)["skipped_steps"] == 1
+    state = copy.deepcopy(on.checkpoint_state())  # as saved: on the CPU its tensors are the live ones
+    weights = {k: v.clone() for k, v in on.model.state_dict().items()}
+    on.step(batch())
+    resumed = make_learner(path, 4, False)
+    resumed.model.load_state_dict(weights)
+    resumed.load_checkpoint_state(state)
+    resumed.step(batch())
+    for k, v in on.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[k], v), k

@@ -139,6 +139,7 @@ class Learner:
         # Each rank's loss is divided by the global token (or sequence) count, and FSDP2 averages the
         # ranks' gradients: the backward pass scales by the world size so the average is the sum.
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0  # within the learner ranks
         self.ref_model = None
         if ref_path is not None and "ref_logprobs" in self.loss_inputs and (algo.kl_ref_coef > 0 or ref_kl_every):
             if isinstance(ref_path, nn.Module):
@@ -313,8 +314,12 @@ class Learner:
                 self.optimizer.step()
             else:  # a NaN or inf gradient would make every weight NaN: every rank skips this step alike
                 skipped += 1
+                # not left on the parameters: a save before any step would find them and keep an empty AdamW
+                # state (torch fills the state for saving only when there are no gradients), which resumes
+                # differently, and under FSDP not at all
+                self.optimizer.zero_grad(set_to_none=True)
         self.num_steps += 1
-        if skipped:
+        if skipped and self.rank == 0:
             log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
                         "weights and the optimizer state stay as they were (lower trainer.lr?)",
                         self.num_steps - 1 if iteration is None else iteration, skipped, len(rows))
