@@ -220,7 +220,7 @@ def test_non_positive_timeout_is_rejected():
         get_reward("math_verify", timeout_s=0)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "1", True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "1", 10**400])
 def test_a_reward_that_returns_anything_but_finite_numbers_is_refused_by_name(monkeypatch, bad):
     """A NaN score made every advantage, loss and gradient of the batch NaN (each step then skipped as if the
     learning rate were to blame), an inf one zeroed the advantages: both trained nothing, exit 0."""
@@ -265,3 +265,18 @@ def test_the_readme_example_reward_scores_as_documented_and_trains_through_plugi
         assert "reward_no_answer" in row and 0.0 <= row["reward_mean"] <= 1.0
     finally:
         sys.modules.pop("readme_rewards", None)
+
+
+def test_numpy_and_tensor_scalars_are_scores_and_a_bool_is_told_to_be_a_float(monkeypatch):
+    """What the loop's float32 tensor always took (NumPy scalars, one-element tensors) stays a score; a bool
+    (`pred == gold`) is refused with what to write instead."""
+    import numpy as np
+    import torch
+
+    monkeypatch.setattr(base, "_REGISTRY", {})
+    scores = [np.float32(0.5), np.int64(1), torch.tensor(0.25), np.array(0.0)]
+    base.register_reward("numeric")(lambda: lambda r, g: base.RewardResult(scores[: len(r)], {}))
+    assert [float(x) for x in get_reward("numeric")(["a"] * 4, ["x"] * 4).scores] == [0.5, 1.0, 0.25, 0.0]
+    base.register_reward("bools")(lambda: lambda r, g: base.RewardResult([np.bool_(True)] * len(r), {}))
+    with pytest.raises(ValueError, match=r"a bool, not a score \(write float\(...\) for 1.0 / 0.0\)"):
+        get_reward("bools")(["a"], ["x"])

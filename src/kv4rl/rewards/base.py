@@ -96,6 +96,24 @@ def get_reward(name: str, **options: Any) -> RewardFn:
     return CheckedReward(name, factory(**options))
 
 
+def _score_problem(value: Any) -> str | None:
+    """Why `value` is no score (None when it is one): a real number (Python, NumPy or a one-element tensor)
+    that is finite. A bool is refused by name: `pred == gold` scores are meant as 1.0 / 0.0, say so."""
+    if type(value).__name__ in ("bool", "bool_"):  # Python's and NumPy's
+        return "a bool, not a score (write float(...) for 1.0 / 0.0)"
+    if isinstance(value, (str, bytes)):
+        return f"a score must be a finite number, not {type(value).__name__}"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return f"a score must be a finite number, not {type(value).__name__}"
+    except OverflowError:
+        return "a score must be a finite number; this one overflows a float"
+    if not math.isfinite(number):
+        return "a score must be a finite number"
+    return None
+
+
 class CheckedReward(Reward):
     """What `get_reward` returns: the built reward, whose results must give one finite score per response. A
     NaN score made every advantage, loss and gradient of its batch NaN, and an infinite one zeroed them (the
@@ -111,9 +129,10 @@ class CheckedReward(Reward):
         if len(scores) != len(responses):
             raise ValueError(f"reward {self.name!r} returned {len(scores)} scores for {len(responses)} responses")
         for i, value in enumerate(scores):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            problem = _score_problem(value)
+            if problem is not None:
                 raise ValueError(f"reward {self.name!r} returned {value!r} for response {i} of {len(responses)}: "
-                                 f"a score must be a finite number")
+                                 f"{problem}")
         return result
 
     def close(self) -> None:
