@@ -230,3 +230,20 @@ def test_a_saved_config_reaches_the_disk_before_it_replaces_the_one_a_resume_rea
     save_config(RunConfig(), target)
     assert synced == [str(tmp_path / "config.tmp"), ("replace", str(tmp_path / "config.tmp"))]
     assert yaml.safe_load(target.read_text())["name"] == RunConfig().name
+
+
+def test_a_quota_that_refuses_the_sync_leaves_no_staged_file(tmp_path, monkeypatch):
+    """Network file systems and quotas may answer only at fsync: the targets stay as they were and the staged
+    files go, as for a failed write."""
+    import os
+
+    from kv4rl.cli_common import write_together
+
+    def refuse(fd):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(os, "fsync", refuse)
+    (tmp_path / "a.json").write_text("old")
+    with pytest.raises(OSError, match="quota"):
+        write_together({tmp_path / "a.json": "new a", tmp_path / "b.jsonl": "new b"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"] and (tmp_path / "a.json").read_text() == "old"

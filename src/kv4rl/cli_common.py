@@ -116,12 +116,12 @@ def write_together(files: dict[Path | None, str | None]) -> None:
             staged.append((Path(name), path))
             Path(name).write_text(text)
             honour_umask(Path(name))  # mkstemp makes it 0600; a plain open() would not
+        for tmp, _ in staged:
+            sync_path(tmp)  # on the disk before its name replaces the file a user had (a quota may say no here)
     except BaseException:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
         raise
-    for tmp, _ in staged:
-        sync_path(tmp)  # on the disk before its name replaces the file a user had
     for tmp, path in staged:
         os.replace(tmp, path)
 

@@ -194,8 +194,8 @@ class RunConfig:
             (self.trainer.weight_decay >= 0, f"trainer.weight_decay must be >= 0, got {self.trainer.weight_decay}"),
             (self.trainer.lr * self.trainer.weight_decay < 1,
              f"trainer.lr x trainer.weight_decay must be < 1, got {self.trainer.lr:g} x {self.trainer.weight_decay:g}: "
-             f"AdamW scales every weight by 1 - lr x weight_decay at each step, so the first step would zero or "
-             f"flip them all"),
+             f"AdamW scales every weight by 1 - lr x weight_decay at each step, so the first step at the full "
+             f"rate would zero or flip them all"),
             (all(0 <= b < 1 for b in self.trainer.betas),
              f"trainer.betas must each be in [0, 1) (AdamW's moment decays), got {list(self.trainer.betas)}"),
             (self.trainer.max_tokens_per_micro_batch is None or self.trainer.max_tokens_per_micro_batch >= 1,
@@ -307,6 +307,10 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    sync_path(tmp)  # on the disk before it replaces the config a resume reads
+    try:
+        tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        sync_path(tmp)  # on the disk before it replaces the config a resume reads
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk or quota: the config a resume reads stays as it was
+        raise
     tmp.replace(path)

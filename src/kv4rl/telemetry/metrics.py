@@ -39,8 +39,12 @@ class JsonlWriter:
         if self.path.exists():
             kept = [line for line, row in read_lines(self.path) if row.get("iteration", -1) < self.resume_from]
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            sync_path(tmp)  # the kept rows on the disk before they replace the whole log
+            try:
+                tmp.write_text("".join(line + "\n" for line in kept))
+                sync_path(tmp)  # the kept rows on the disk before they replace the whole log
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # the log stays as it was
+                raise
             os.replace(tmp, self.path)
         self._file = self.path.open("a")
 
