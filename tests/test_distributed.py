@@ -16,12 +16,13 @@ def test_without_torchrun_everything_is_one_process(monkeypatch):
 def test_merge_rank_rows_by_hand():
     a = {"iteration": 3, "groups": [0, 2], "reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 100.0,
          "preemptions": 1, "time_rollout": 2.0, "staleness_max": 1, "mismatch_absmax": 0.3,
-         "staleness_hist": {"0": 5, "1": 2}, "loss": 0.1, "note": "x", "eval/mean@1": None}
+         "staleness_hist": {"0": 5, "1": 2}, "loss": 0.1, "note": "x", "eval/mean@1": None, "skipped_steps": 1}
     b = {"iteration": 3, "groups": [1, 3], "reward_mean": 1.0, "accuracy": 0.75, "tokens_per_s": 50.0,
          "preemptions": 2, "time_rollout": 3.0, "staleness_max": 2, "mismatch_absmax": 0.1,
-         "staleness_hist": {"1": 1, "2": 4}, "loss": 0.1, "note": "y", "eval/mean@1": None}
+         "staleness_hist": {"1": 1, "2": 4}, "loss": 0.1, "note": "y", "eval/mean@1": None, "skipped_steps": 1}
     merged = merge_rank_rows([a, b])
     assert merged["groups"] == [0, 1, 2, 3]
+    assert merged["skipped_steps"] == 1 and type(merged["skipped_steps"]) is int  # the job's steps, not a mean
     assert merged["reward_mean"] == pytest.approx(0.75) and merged["accuracy"] == pytest.approx(0.5)
     assert merged["tokens_per_s"] == 150.0 and merged["preemptions"] == 3
     assert merged["time_rollout"] == 3.0 and merged["staleness_max"] == 2 and merged["mismatch_absmax"] == 0.3

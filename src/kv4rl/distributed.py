@@ -169,6 +169,7 @@ def shutdown() -> None:
 
 
 _SUMMED = frozenset({"preemptions", "dropped_stale", "tokens_per_s"})
+_SAME_ON_EVERY_RANK = frozenset({"iteration", "skipped_steps"})  # the learner's steps are the whole job's
 
 
 def merge_rank_rows(rows: list[dict]) -> dict:
@@ -193,6 +194,8 @@ def merge_rank_rows(rows: list[dict]) -> dict:
             out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
         elif isinstance(first, bool) or not isinstance(first, int | float) or any(v is None for v in values):
             out[key] = first
+        elif key in _SAME_ON_EVERY_RANK:
+            out[key] = first
         elif key in _SUMMED or (key.startswith("reward_") and key not in ("reward_mean", "reward_std")):
             out[key] = sum(values)
         elif key.endswith("_std") and key.removesuffix("_std") + "_mean" in rows[0]:
@@ -201,8 +204,6 @@ def merge_rank_rows(rows: list[dict]) -> dict:
             out[key] = max(second - (sum(means) / len(means)) ** 2, 0.0) ** 0.5
         elif key.startswith("time_") or key.endswith(("_max", "absmax")):
             out[key] = max(values)
-        elif key == "iteration":
-            out[key] = first
         else:
             out[key] = sum(values) / len(values)
     if "staleness_hist" in out and "staleness_mean" in out:
