@@ -50,9 +50,12 @@ def main() -> int:
         rows = tune(["bf16"], grid, shape, batch, context)
         ok = [r for r in rows if "ms" in r and r["rel_diff"] < 1e-2]
         bad = [r for r in rows if "ms" in r and r["rel_diff"] >= 1e-2]
-        base = next(r for r in ok if all(r.get(k) == v for k, v in default.items()) and "tokens_on_m" not in r)
-        best = min(ok, key=lambda r: r["ms"])
         out["points"].append({"shape": shape, "batch": batch, "context": context, "rows": rows})
+        base = next((r for r in ok if all(r.get(k) == v for k, v in default.items()) and "tokens_on_m" not in r), None)
+        if base is None:  # the default did not compile, or disagreed with the reference: say so, go on
+            print(f"{shape} B{batch} x {context}: the default setting failed or was off; see the JSON", flush=True)
+            continue
+        best = min(ok, key=lambda r: r["ms"])
         print(f"{shape} B{batch} x {context}: default {base['ms'] * 1e3:.1f} us ({base['tbps']:.2f} TB/s), best "
               f"{best['ms'] * 1e3:.1f} us ({best['tbps']:.2f} TB/s) {({k: best[k] for k in grid[-1] if k in best})} "
               f"= {base['ms'] / best['ms']:.3f}x; {len(rows) - len(ok) - len(bad)} failed, {len(bad)} off "
