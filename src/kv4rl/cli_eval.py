@@ -92,6 +92,32 @@ def _default_model(main: bool) -> Path:
     return path
 
 
+def _prompting_differences(model: Path, chat: bool, template: str | None) -> list[str]:
+    """How a run's checkpoint is prompted here unlike its run prompted it (the run's config.yaml beside its
+    checkpoints/ folder): an instruct model trained with its chat template answers badly without it, and
+    nothing said that eval does not read the run's settings."""
+    import yaml
+
+    saved = Path(model).resolve().parent.parent / "config.yaml"
+    if Path(model).resolve().parent.name != "checkpoints" or not saved.is_file():
+        return []
+    try:
+        data = (yaml.safe_load(saved.read_text()) or {}).get("data") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []
+    lines = []
+    run_chat = bool(data.get("chat_template", False))
+    if run_chat != chat:
+        lines.append(f"its run prompted {'with' if run_chat else 'without'} the tokenizer's chat template "
+                     f"(data.chat_template: {str(run_chat).lower()} in {saved}); pass "
+                     f"{'--chat' if run_chat else '--no-chat'} to evaluate it as it was trained")
+    run_template = data.get("prompt_template")
+    if run_template and run_template != template:
+        lines.append(f"its run prompted with data.prompt_template {run_template!r} ({saved}); pass --template "
+                     f"with it to evaluate it as it was trained")
+    return lines
+
+
 def _samples_text(problems, results) -> str:
     """One JSON line per problem, in problem order: its id, gold answer, and each sample's score, token
     count and text."""
@@ -188,6 +214,9 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     problems = source.eval_problems(n or (256 if data is None else 10**9))
     tokenizer = AutoTokenizer.from_pretrained(model)
     formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
+    if ranks.main:
+        for line in _prompting_differences(model, chat, template):
+            warn(line)
     if max_new_tokens is None and task is not None:  # the limit the testbed's build measured with (fits it)
         max_new_tokens = (read_metadata(model) or {}).get("eval_max_new_tokens")
     max_new_tokens = max_new_tokens or (1024 if not source.embedded else 2048 if isinstance(task, LongMulTask)

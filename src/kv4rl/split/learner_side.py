@@ -26,8 +26,8 @@ from kv4rl.split.channel import HeadLink, SplitGroups
 from kv4rl.split.resume import Consumed, checkpoint_state
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats
+from kv4rl.telemetry.run_watch import RunWatch
 from kv4rl.telemetry.sinks import MetricsSink
-from kv4rl.telemetry.stall_watch import StallWatch
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import save_checkpoint
 from kv4rl.trainer.learner import Learner
@@ -150,7 +150,7 @@ def run_learner(s: LearnerSide, folder: RunFolder | None, stop: GracefulStop, sh
     flight)."""
     cfg, done = s.cfg, start
     end = cfg.trainer.iterations
-    stall = StallWatch()
+    watch = RunWatch(cfg.rollout.group_size, cfg.rollout.max_new_tokens)
     with TrainProgress(end, start, enabled=show_progress) as bar:
         for it in range(start, end):
             row, trace, stopping = update(s, it, stop)
@@ -158,7 +158,7 @@ def run_learner(s: LearnerSide, folder: RunFolder | None, stop: GracefulStop, sh
                 folder.write(row, trace)
                 sink.log(row)
                 bar.update(row)
-                stall.observe(row)
+                watch.observe(row)
             done = it + 1
             if done % cfg.checkpoint.save_every == 0 or done == end or stopping:
                 save(s, folder, done)

@@ -1,0 +1,62 @@
+"""Warnings for runs that train on nothing for a mechanical reason, said once each as the rows come in.
+
+- Every response cut at `rollout.max_new_tokens`: its default, 16, fits the embedded task's few-token
+  answers; a real dataset's reasoning needs hundreds to thousands of tokens, and a cut response rarely
+  holds an answer.
+- Every group's rewards equal, iteration after iteration: then every advantage is zero and so is the
+  policy gradient. The metrics show it (`zero_var_group_frac` 1, `adv_std` 0) but nothing said it; the
+  usual causes are answers the reward cannot read (no `\\boxed{}`, an instruct model prompted without its
+  chat template), the cut above, the wrong `reward.name`, or near-greedy sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+STALL_ITERATIONS = 3  # consecutive iterations without a reward signal before the warning
+
+
+class RunWatch:
+    """Fed every metrics row (`observe`); `responses_per_group` and `max_new_tokens` name the causes."""
+
+    def __init__(self, responses_per_group: int, max_new_tokens: int, iterations: int = STALL_ITERATIONS):
+        self.group_size = responses_per_group
+        self.max_new_tokens = max_new_tokens
+        self.iterations = iterations
+        self.stalled: list[dict] = []
+        self.warned_stall = self.warned_cut = False
+
+    def observe(self, row: dict) -> None:
+        if not self.warned_cut and row.get("truncated_frac") == 1.0:
+            self.warned_cut = True
+            log.warning("iteration %d: every response was cut at rollout.max_new_tokens=%d before it ended; "
+                        "raise it to what the task's answers need (kv4rl eval uses 1024 for a data file)",
+                        row["iteration"], self.max_new_tokens)
+        if self.warned_stall:
+            return
+        if row.get("zero_var_group_frac") != 1.0 or row.get("adv_std") != 0.0:  # baseline noise keeps them apart
+            self.stalled = []
+            return
+        self.stalled.append(row)
+        if len(self.stalled) < self.iterations:
+            return
+        self.warned_stall = True
+        first, last = self.stalled[0]["iteration"], self.stalled[-1]["iteration"]
+        rewards = sorted({round(r["reward_mean"], 4) for r in self.stalled if r.get("reward_mean") is not None})
+        log.warning("iterations %d-%d: every group's responses got equal rewards (reward_mean %s), so every "
+                    "advantage was 0 and the reward taught nothing. %s", first, last,
+                    ", ".join(f"{r:g}" for r in rewards) or "n/a", self._cause())
+
+    def _cause(self) -> str:
+        rows = self.stalled
+        responses = [len(r.get("groups") or []) * self.group_size for r in rows]
+        if all(n and r.get("reward_no_answer") == n for r, n in zip(rows, responses)):
+            return ("No response held an answer the reward could read (reward_no_answer): check that the prompt "
+                    "asks for the answer's format (\\boxed{} for math_verify and exact), and set "
+                    "data.chat_template=true for an instruct model")
+        if all(r.get("truncated_frac") == 1.0 for r in rows):
+            return f"Every response was cut at rollout.max_new_tokens={self.max_new_tokens}: raise it"
+        return ("Check reward.name and the answer format it expects, or raise rollout.temperature if a group's "
+                "responses are all alike")

@@ -1,0 +1,31 @@
+"""`kv4rl eval` of a run's checkpoint says where it prompts unlike the run did (its chat template, its prompt
+template): an instruct model trained with its chat template answers badly without it, and eval reads only
+its own options."""
+
+from kv4rl.cli_eval import _prompting_differences
+
+
+def _run_with(tmp_path, data_yaml: str):
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints" / "iter_000002").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"name: r\ndata:\n{data_yaml}")
+    return run / "checkpoints" / "iter_000002"
+
+
+def test_a_checkpoint_of_a_chat_run_evaluated_without_the_chat_template_is_told(tmp_path):
+    ckpt = _run_with(tmp_path, '  chat_template: true\n  prompt_template: "Q: {problem}\\nA:"\n')
+    (chat_line, template_line) = _prompting_differences(ckpt, chat=False, template=None)
+    assert chat_line.startswith("its run prompted with the tokenizer's chat template (data.chat_template: true in ")
+    assert chat_line.endswith("pass --chat to evaluate it as it was trained")
+    assert template_line.startswith("its run prompted with data.prompt_template 'Q: {problem}\\nA:'")
+    assert _prompting_differences(ckpt, chat=True, template="Q: {problem}\nA:") == []
+
+
+def test_a_run_without_the_chat_template_evaluated_with_it_and_plain_model_folders_are_told_nothing_else(tmp_path):
+    ckpt = _run_with(tmp_path, "  chat_template: false\n")
+    (line,) = _prompting_differences(ckpt, chat=True, template=None)
+    assert "prompted without the tokenizer's chat template" in line and "pass --no-chat" in line
+    assert _prompting_differences(ckpt, chat=False, template=None) == []
+    assert _prompting_differences(tmp_path, chat=True, template=None) == []  # not a run's checkpoint
+    broken = _run_with(tmp_path / "b", "  chat_template: [unclosed\n")
+    assert _prompting_differences(broken, chat=True, template=None) == []  # unreadable: nothing to compare
