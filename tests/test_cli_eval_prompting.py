@@ -29,3 +29,30 @@ def test_a_run_without_the_chat_template_evaluated_with_it_and_plain_model_folde
     assert _prompting_differences(tmp_path, chat=True, template=None) == []  # not a run's checkpoint
     broken = _run_with(tmp_path / "b", "  chat_template: [unclosed\n")
     assert _prompting_differences(broken, chat=True, template=None) == []  # unreadable: nothing to compare
+
+
+def test_eval_takes_a_reward_plug_in_through_plugins(tmp_path, monkeypatch):
+    """A run trained with a plug-in reward is evaluated with it: `--plugins` imports the module, as train's
+    algo.plugins does. Its reward scores every sample 1, so mean@2 is 1 (the tiny model's own is below)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+    from kv4rl.rewards import base
+
+    (tmp_path / "half_reward.py").write_text(
+        "from kv4rl.rewards import RewardResult, register_reward\n"
+        "register_reward('all_right')(lambda: lambda responses, golds: RewardResult([1.0] * len(responses), {}))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    res = runner.invoke(app, ["eval", "--plugins", "half_reward", "--reward", "all_right", "--n", "8", "--k", "2",
+                              "--json", "out.json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out.json").read_text())["mean@2"] == 1.0
+    res = runner.invoke(app, ["eval", "--plugins", "no_such_plugin_module", "--n", "2"])
+    assert res.exit_code == 2 and "--plugins: cannot import 'no_such_plugin_module'" in " ".join(res.output.split())
+    sys_modules = __import__("sys").modules
+    sys_modules.pop("half_reward", None)

@@ -38,16 +38,22 @@ EVAL_OPTIONS = {"rollout.temperature": "--temperature", "eval.temperature": "--t
                 "rollout.max_new_tokens": "--max-new-tokens", "eval.k": "--k", "seed": "--seed",
                 "model.path": "--model", "data.eval": "--data", "data.train": "--data", "reward.name": "--reward",
                 "data.prompt_template": "--template", "data.chat_template": "--chat", "device": "--device",
-                "data.eval_size": "--num-problems"}
+                "data.eval_size": "--num-problems", "algo.plugins": "--plugins"}
 
 
 def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int | None, reward: str,
-                        template: str | None, device: str) -> None:
-    """Refuse bad options before the model loads (ValueError naming the option)."""
+                        template: str | None, device: str, plugins: str | None = None) -> None:
+    """Refuse bad options before the model loads (ValueError naming the option); import the plug-ins first."""
+    from kv4rl.algo.registry import import_plugins
     from kv4rl.data.prompts import check_template
     from kv4rl.distributed import launched_ranks
     from kv4rl.rewards import registered_rewards
 
+    if plugins:  # a reward plug-in registers its name when imported, as train's algo.plugins does
+        try:
+            import_plugins([m.strip() for m in plugins.split(",") if m.strip()])
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("algo.plugins:", "--plugins:", 1)) from None
     check_at_least(1, ("--k", k), ("--max-new-tokens", max_new_tokens))
     check_at_least(0, ("--n/--num-problems", n))
     check_temperature("--temperature", temperature)
@@ -143,6 +149,9 @@ def eval_cmd(
              "capped by the context)"),
     reward: str = typer.Option(
         "auto", "--reward", help="reward function (auto: exact for the embedded task, math_verify for --data)"),
+    plugins: str | None = typer.Option(
+        None, "--plugins", help="modules to import first, comma-separated (e.g. a reward plug-in's, as train's "
+                                "algo.plugins; they must be on the Python path)"),
     template: str | None = typer.Option(
         None, "--template", help="prompt template with {problem} (default: the boxed-answer instruction for --data)"),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="apply the tokenizer's chat template"),
@@ -159,7 +168,7 @@ def eval_cmd(
     from kv4rl.config_loader import ConfigError
 
     try:
-        _check_eval_options(k, n, temperature, max_new_tokens, reward, template, device)
+        _check_eval_options(k, n, temperature, max_new_tokens, reward, template, device, plugins)
         engine_cfg = engine_config(engine_overrides, EVAL_OPTIONS)
         world = distributed.launched_ranks()
         if world % engine_cfg.tensor_parallel:
