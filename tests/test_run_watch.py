@@ -71,3 +71,4 @@ def test_the_summary_counts_the_runs_skipped_optimizer_steps(tmp_path):
     assert summarize_run(tmp_path, None)["skipped_steps"] == 3
     (tmp_path / "metrics.jsonl").write_text(json.dumps(dict(rows[0])) + "\n")
     assert "skipped_steps" not in summarize_run(tmp_path, None)
+

@@ -52,6 +52,17 @@ def max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormat
     return min(model_max, headroom + cfg.rollout.max_new_tokens + 1)
 
 
+def engine_slots(cfg: RunConfig, device: torch.device, world: int) -> int:
+    """The engine's decode slots: `rollout.max_slots`, except that a sync run on the CPU takes only what its
+    batch runs at once (this rank's `quota_groups` x `group_size`): there the pool holds every slot at
+    `max_model_len` (3.2 GiB for 4 responses of SmolLM2 at 256 slots), and a sync batch never fills more. The
+    tokens do not change (requests are seeded one by one); `slot_util` still counts against `max_slots`."""
+    r = cfg.rollout
+    if device.type == "cpu" and r.mode == "sync":
+        return max(1, min(r.max_slots, r.quota_groups // max(1, world) * r.group_size))
+    return r.max_slots
+
+
 def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,
                   engine_ranks: Ranks, show_progress: bool, update_memory: Callable[[int], int] | None = None,
                   ) -> tuple[PromptFormatter, object, Engine, Collector]:
@@ -71,7 +82,7 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
     reserve = 0
     if update_memory is not None and not engine_cfg.sleep_between_rollouts:
         reserve = update_memory(engine_cfg.max_model_len)
-    engine = Engine(policy_dir, engine_cfg, max_num_seqs=cfg.rollout.max_slots, device=device,
+    engine = Engine(policy_dir, engine_cfg, max_num_seqs=engine_slots(cfg, device, engine_ranks.world), device=device,
                     dtype=cfg.model.dtype, seed=cfg.seed, tokenizer=tokenizer, reserve_bytes=reserve)
     if show_progress:
         from rich.console import Console
