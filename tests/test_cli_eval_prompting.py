@@ -56,3 +56,17 @@ def test_eval_takes_a_reward_plug_in_through_plugins(tmp_path, monkeypatch):
     assert res.exit_code == 2 and "--plugins: cannot import 'no_such_plugin_module'" in " ".join(res.output.split())
     sys_modules = __import__("sys").modules
     sys_modules.pop("half_reward", None)
+
+
+def test_greedy_eval_with_several_samples_is_told_they_are_one(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    res = runner.invoke(app, ["eval", "--temperature", "0", "--k", "2", "--n", "2"])
+    assert res.exit_code == 0 and "a problem's 2 samples are the same, so pass@j equals pass@1" in " ".join(
+        res.output.split()), res.output
+    res = runner.invoke(app, ["eval", "--temperature", "0", "--k", "1", "--n", "2"])
+    assert res.exit_code == 0 and "samples greedily" not in res.output

@@ -72,3 +72,29 @@ def test_the_summary_counts_the_runs_skipped_optimizer_steps(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(dict(rows[0])) + "\n")
     assert "skipped_steps" not in summarize_run(tmp_path, None)
 
+
+
+def test_a_resume_counts_equal_rewards_across_it_and_does_not_repeat_a_warning(tmp_path, caplog):
+    """Iterations 0-1 without a reward signal, then a resume at 2 (the rows from 2 on in metrics.jsonl are the
+    ones the resume replaces): one more such iteration is the third. A run warned before is not warned again."""
+    from types import SimpleNamespace
+
+    from kv4rl.telemetry.run_watch import run_watch
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=4, max_new_tokens=16))
+    rows = [row(0, 1.0, 0.0), row(1, 1.0, 0.0), row(2, 0.5, 0.6, truncated_frac=1.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{torn")
+    watch = run_watch(cfg, tmp_path, start=2)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        watch.observe(row(2, 1.0, 0.0))
+    (record,) = caplog.records
+    assert record.getMessage().startswith("iterations 0-2: every group's responses got equal rewards")
+    caplog.clear()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row(i, 1.0, 0.0, truncated_frac=1.0)) + "\n"
+                                                    for i in range(4)))
+    watch = run_watch(cfg, tmp_path, start=4)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for it in range(4, 8):
+            watch.observe(row(it, 1.0, 0.0, truncated_frac=1.0))
+    assert caplog.records == []
+    assert run_watch(cfg, None, start=3).stalled == []  # a rank without the folder starts afresh

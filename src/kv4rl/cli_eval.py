@@ -226,6 +226,9 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     if ranks.main:
         for line in _prompting_differences(model, chat, template):
             warn(line)
+        if temperature == 0 and k > 1:
+            warn(f"--temperature 0 samples greedily: a problem's {k} samples are the same, so pass@j equals pass@1 "
+                 f"for every j (sample at a temperature above 0, or pass --k 1)")
     if max_new_tokens is None and task is not None:  # the limit the testbed's build measured with (fits it)
         max_new_tokens = (read_metadata(model) or {}).get("eval_max_new_tokens")
     max_new_tokens = max_new_tokens or (1024 if not source.embedded else 2048 if isinstance(task, LongMulTask)

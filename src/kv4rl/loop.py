@@ -53,7 +53,7 @@ from kv4rl.run_setup import (
 from kv4rl.telemetry.attribution import MismatchAttribution
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, summarize_run
-from kv4rl.telemetry.run_watch import RunWatch
+from kv4rl.telemetry.run_watch import run_watch
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import PER_RANK, check_resume_world, engine_slice_file, save_checkpoint
@@ -326,7 +326,7 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
     and writes them, and a stop signal seen by any rank stops all after the same iteration."""
     cfg = s.cfg
     end, done = cfg.trainer.iterations, s.start_iteration
-    watch = RunWatch(cfg.rollout.group_size, cfg.rollout.max_new_tokens)
+    watch = run_watch(cfg, None if folder is None else folder.path, s.start_iteration)
     with TrainProgress(end, s.start_iteration, enabled=show_progress) as bar:
         for it in range(s.start_iteration, end):
             if any_rank(bool(stop.requested)):

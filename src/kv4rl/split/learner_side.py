@@ -26,7 +26,7 @@ from kv4rl.split.channel import HeadLink, SplitGroups
 from kv4rl.split.resume import Consumed, checkpoint_state
 from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats
-from kv4rl.telemetry.run_watch import RunWatch
+from kv4rl.telemetry.run_watch import run_watch
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import save_checkpoint
@@ -150,7 +150,7 @@ def run_learner(s: LearnerSide, folder: RunFolder | None, stop: GracefulStop, sh
     flight)."""
     cfg, done = s.cfg, start
     end = cfg.trainer.iterations
-    watch = RunWatch(cfg.rollout.group_size, cfg.rollout.max_new_tokens)
+    watch = run_watch(cfg, None if folder is None else folder.path, start)
     with TrainProgress(end, start, enabled=show_progress) as bar:
         for it in range(start, end):
             row, trace, stopping = update(s, it, stop)

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,17 @@ class RunWatch:
         self.iterations = iterations
         self.stalled: list[dict] = []
         self.warned_stall = self.warned_cut = False
+
+    def resume_from(self, rows: list[dict]) -> None:
+        """Take over from a resumed run's earlier rows, without warning again: a run of equal-reward
+        iterations across the resume still counts as one, and what was said before is not said twice."""
+        for row in rows:
+            self.warned_cut = self.warned_cut or row.get("truncated_frac") == 1.0
+            stalled = row.get("zero_var_group_frac") == 1.0 and row.get("adv_std") == 0.0
+            self.stalled = self.stalled + [row] if stalled else []
+            self.warned_stall = self.warned_stall or len(self.stalled) >= self.iterations
+        if self.warned_stall:
+            self.stalled = []
 
     def observe(self, row: dict) -> None:
         if not self.warned_cut and row.get("truncated_frac") == 1.0:
@@ -60,3 +73,21 @@ class RunWatch:
             return f"Every response was cut at rollout.max_new_tokens={self.max_new_tokens}: raise it"
         return ("Check reward.name and the answer format it expects, or raise rollout.temperature if a group's "
                 "responses are all alike")
+
+
+def run_watch(cfg, run_dir: Path | None, start: int) -> RunWatch:
+    """The watch of a run starting at iteration `start`, primed with the rows before it in `run_dir`'s
+    metrics.jsonl (a resume); lines that do not parse are passed over (the log's own reader names them)."""
+    watch = RunWatch(cfg.rollout.group_size, cfg.rollout.max_new_tokens)
+    path = None if run_dir is None else Path(run_dir) / "metrics.jsonl"
+    if start and path is not None and path.is_file():
+        rows = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] < start:
+                rows.append(row)
+        watch.resume_from(rows)
+    return watch
