@@ -104,8 +104,9 @@ def _prompting_differences(model: Path, chat: bool, template: str | None) -> lis
     nothing said that eval does not read the run's settings."""
     import yaml
 
-    saved = Path(model).resolve().parent.parent / "config.yaml"
-    if Path(model).resolve().parent.name != "checkpoints" or not saved.is_file():
+    folder = Path(model).resolve().parent
+    saved = folder.parent / "config.yaml"
+    if folder.name != "checkpoints" or not saved.is_file():
         return []
     try:
         data = (yaml.safe_load(saved.read_text()) or {}).get("data") or {}

@@ -192,9 +192,8 @@ def merge_rank_rows(rows: list[dict]) -> dict:
                 for age, count in v.items():
                     hist[age] = hist.get(age, 0) + count
             out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
-        elif isinstance(first, bool) or not isinstance(first, int | float) or any(v is None for v in values):
-            out[key] = first
-        elif key in _SAME_ON_EVERY_RANK:
+        elif (key in _SAME_ON_EVERY_RANK or isinstance(first, bool) or not isinstance(first, int | float)
+              or any(v is None for v in values)):
             out[key] = first
         elif key in _SUMMED or (key.startswith("reward_") and key not in ("reward_mean", "reward_std")):
             out[key] = sum(values)

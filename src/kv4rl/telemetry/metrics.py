@@ -63,25 +63,27 @@ class JsonlWriter:
             self._file.close()
 
 
-def _parsed(path: Path):
-    """(line number, line, value) of each line that parses; a torn one (a kill mid-write) is skipped with a warning."""
+def _parsed(path: Path, warn: bool = True):
+    """(line number, line, value) of each line that parses; a torn one (a kill mid-write) is skipped with a warning
+    (`warn`)."""
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             yield number, line, json.loads(line)
         except json.JSONDecodeError:
-            log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
+            if warn:
+                log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
 
 
-def read_lines(path: Path) -> list[tuple[str, dict]]:
+def read_lines(path: Path, warn: bool = True) -> list[tuple[str, dict]]:
     """(line, row) pairs; a line that does not parse (torn by a kill mid-write), or is not a JSON object, is
-    skipped with a warning."""
+    skipped with a warning (`warn`: a second reader of the same file leaves it to the first)."""
     out = []
-    for number, line, row in _parsed(path):
+    for number, line, row in _parsed(path, warn):
         if isinstance(row, dict):
             out.append((line, row))
-        else:
+        elif warn:
             log.warning("%s:%d is %s, not a JSON object row; skipped", path, number, type(row).__name__)
     return out
 

@@ -11,13 +11,19 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
+
+from kv4rl.telemetry.metrics import read_lines
 
 log = logging.getLogger(__name__)
 
 STALL_ITERATIONS = 3  # consecutive iterations without a reward signal before the warning
+
+
+def _no_signal(row: dict) -> bool:
+    """Every group's rewards equal and every advantage 0 (baseline noise, when on, keeps them apart)."""
+    return row.get("zero_var_group_frac") == 1.0 and row.get("adv_std") == 0.0
 
 
 class RunWatch:
@@ -35,8 +41,7 @@ class RunWatch:
         iterations across the resume still counts as one, and what was said before is not said twice."""
         for row in rows:
             self.warned_cut = self.warned_cut or row.get("truncated_frac") == 1.0
-            stalled = row.get("zero_var_group_frac") == 1.0 and row.get("adv_std") == 0.0
-            self.stalled = self.stalled + [row] if stalled else []
+            self.stalled = self.stalled + [row] if _no_signal(row) else []
             self.warned_stall = self.warned_stall or len(self.stalled) >= self.iterations
         if self.warned_stall:
             self.stalled = []
@@ -49,7 +54,7 @@ class RunWatch:
                         row["iteration"], self.max_new_tokens)
         if self.warned_stall:
             return
-        if row.get("zero_var_group_frac") != 1.0 or row.get("adv_std") != 0.0:  # baseline noise keeps them apart
+        if not _no_signal(row):
             self.stalled = []
             return
         self.stalled.append(row)
@@ -77,17 +82,9 @@ class RunWatch:
 
 def run_watch(cfg, run_dir: Path | None, start: int) -> RunWatch:
     """The watch of a run starting at iteration `start`, primed with the rows before it in `run_dir`'s
-    metrics.jsonl (a resume); lines that do not parse are passed over (the log's own reader names them)."""
+    metrics.jsonl (a resume; the log's writer names a torn line, this reader passes it over)."""
     watch = RunWatch(cfg.rollout.group_size, cfg.rollout.max_new_tokens)
     path = None if run_dir is None else Path(run_dir) / "metrics.jsonl"
     if start and path is not None and path.is_file():
-        rows = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] < start:
-                rows.append(row)
-        watch.resume_from(rows)
+        watch.resume_from([row for _, row in read_lines(path, warn=False) if row.get("iteration", start) < start])
     return watch
