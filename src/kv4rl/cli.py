@@ -119,7 +119,10 @@ def train(
     except OSError as exc:  # a full disk, a folder without write permission: what is saved stays
         if wants_traceback(verbose):
             raise
-        error_line(os_error_text(exc) + _resume_hint(cfg, ranks))
+        from kv4rl.trainer.checkpoint import resume_hint
+
+        hint = "" if cfg is None else resume_hint(cfg.run_dir, None if ranks is None else ranks.world)
+        error_line(os_error_text(exc) + hint)
         raise typer.Exit(1) from None
     if not ranks.main:
         return
@@ -130,19 +133,6 @@ def train(
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
         launch = " ".join(distributed.train_launch(ranks.world))
         say(f"stopped by {summary['stopped_by']}; continue with: {launch} --resume {summary['run_dir']}")
-
-
-def _resume_hint(cfg, ranks) -> str:
-    """After a failed write: where the run's checkpoints are and how to continue from the newest, if it has any."""
-    from kv4rl.trainer.checkpoint import checkpoint_root, checkpoints
-
-    if cfg is None or not checkpoints(cfg.run_dir):
-        return ""
-    from kv4rl import distributed
-
-    launch = " ".join(distributed.train_launch(ranks.world if ranks is not None else None))
-    return (f"; the checkpoints in {checkpoint_root(cfg.run_dir)} are kept: once that is mended, continue with "
-            f"{launch} --resume {cfg.run_dir}")
 
 
 def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | None, overrides: list[str],

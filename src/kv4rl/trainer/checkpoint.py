@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kv4rl.distributed import any_rank, from_main
+from kv4rl.distributed import any_rank, from_main, train_launch
 from kv4rl.durability import sync_path, sync_tree
 from kv4rl.file_modes import honour_umask
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder
@@ -85,6 +85,15 @@ def run_of(path: Path) -> str | None:
         return json.loads((path / META_FILE).read_text()).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def resume_hint(run_dir: Path, world: int | None = None) -> str:
+    """After a failed write: where the run's checkpoints are and the command that continues from the newest
+    (on `world` processes; default: as many as this job was started with), if it has any."""
+    if not checkpoints(run_dir):
+        return ""
+    return (f"; the checkpoints in {checkpoint_root(run_dir)} are kept: once that is mended, continue with "
+            f"{' '.join(train_launch(world))} --resume {run_dir}")
 
 
 class SaveFailedElsewhere(OSError):

@@ -37,7 +37,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from kv4rl.algo.config import AlgoConfig
-from kv4rl.algo.logprobs import entropy_from_logits, k3_kl, token_logprobs
+from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
@@ -51,6 +51,7 @@ from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.learner_options import check_learner_options, describe_options, fused_logprobs_by_default
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 from kv4rl.trainer.update_memory import largest_micro_batch, measure_update_memory
+from kv4rl.trainer.update_stats import global_scalar, token_stats
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
     SHARDED,
@@ -65,11 +66,6 @@ from kv4rl.trainer.policy_model import load_hf_model, prepare_policy, shard_poli
 
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
 log = logging.getLogger(__name__)
-
-
-def _scalar(value) -> float:
-    full = getattr(value, "full_tensor", None)  # a DTensor (FSDP2's clipped grad norm)
-    return float(full() if full is not None else value)
 
 
 class Learner:
@@ -306,9 +302,9 @@ class Learner:
                     continue
                 (loss * self.world_size if self.world_size > 1 else loss).backward()
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
-                metrics.update(self._token_stats(logp.detach(), ent, mb, first=update == 0))
+                metrics.update(token_stats(logp.detach(), ent, mb, first=update == 0))
                 parts.append((metrics, mb.num_tokens))
-            grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+            grad_norm = global_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
             if math.isfinite(grad_norm):  # the global norm, the same on every rank
                 parts.append(({"grad_norm": grad_norm}, 1.0))  # the steps taken (`skipped_steps` counts the rest)
                 self.optimizer.step()
@@ -328,20 +324,6 @@ class Learner:
         out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
-
-    def _token_stats(self, logp, ent, mb: TrainBatch, first: bool) -> dict[str, float]:
-        """Entropy of this micro-batch under the weights it is trained at (after the batch's earlier
-        updates when there are several), and, on the first mini-batch only (`first`: before any update
-        of this batch), the engine-vs-learner mismatch."""
-        m = mb.response_mask
-        n = m.sum().clamp(min=1)
-        stats = {"entropy": float((ent * m).sum() / n)}
-        if first:
-            diff = (logp - mb.behavior_logprobs) * m
-            stats["mismatch_k3"] = float((k3_kl(mb.behavior_logprobs, logp) * m).sum() / n)
-            stats["mismatch_abs_mean"] = float(diff.abs().sum() / n)
-            stats["mismatch_absmax"] = float(diff.abs().max())
-        return stats
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full, plain (non-sharded) fp32 weights under Hugging Face names, for the engine refresh."""
