@@ -237,9 +237,8 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     engine_cfg.max_model_len = _eval_context(formatter, problems, f"--data {data}" if data else "embedded task",
                                              engine_cfg.max_model_len, model_len, max_new_tokens, ranks.main)
     # no more slots than requests: on the CPU the pool holds every slot at max_model_len (4.6 GiB for 32
-    # requests of a 135M model at 256 slots)
-    engine = Engine(model, engine_cfg, device=device, seed=seed, tokenizer=tokenizer,
-                    max_num_seqs=max(1, min(256, len(problems) * k)))
+    # requests of a 135M model at 256 slots). No tokenizer: the eval decodes each response once, itself
+    engine = Engine(model, engine_cfg, device=device, seed=seed, max_num_seqs=max(1, min(256, len(problems) * k)))
     reward_name = source.default_reward if reward == "auto" else reward
     stages = StageProgress(console, "eval") if ranks.main else contextlib.nullcontext()
     with get_reward(reward_name) as reward_fn, stages:

@@ -1,6 +1,7 @@
 """The engine facade: requests in, completions with behaviour log-probs and versions out.
 
-`Engine.generate(prompts, params)` runs to completion; `add_request` / `step` expose the
+`Engine.generate(prompts, params)` runs to completion (`generate_each` hands each completion over as it
+finishes, with a bounded number of requests in the engine); `add_request` / `step` expose the
 continuous-batching loop for orchestration that keeps requests alive across weight updates.
 `load_weights(state_dict, version)` copies learner weights in place and tags later tokens.
 `sleep()` / `wake()` free and re-allocate the KV pool and decode graphs around a learner update on
@@ -327,6 +328,35 @@ class Engine:
         `sample_seeds` (one per prompt) fixes each request's random stream and takes precedence over
         `params.seed`, so a prompt samples the same tokens whatever else is in the call (a sharded eval
         seeds by the problem's place in the whole set)."""
+        prompts = list(prompts)
+        out: list[Completion | None] = [None] * len(prompts)
+
+        def keep(index: int, completion: Completion) -> None:
+            out[index] = completion
+
+        self.generate_each(prompts, params, keep, tags=tags, progress=progress, sample_seeds=sample_seeds)
+        return out  # type: ignore[return-value]  (every place filled: the call ran every request)
+
+    def generate_each(
+        self,
+        prompts: Iterable[list[int] | str],
+        params: SamplingParams | None,
+        on_finish: Any,
+        *,
+        tags: Iterable[Any] | None = None,
+        progress: Any = None,
+        sample_seeds: list[int] | None = None,
+        max_in_engine: int | None = None,
+        group: int = 1,
+    ) -> None:
+        """`generate`, handing each completion to `on_finish(index, completion)` as it finishes (finish order)
+        instead of returning them all at the end, with at most `max_in_engine` of the call's requests in the
+        engine at once (queued or running; None: all), added in input order `group` at a time (a problem's
+        samples, so they share one prompt prefill). The host then holds the tokens of at most that many
+        requests: an eval of 30 problems x 1,024 samples x 8k tokens held ~25 GB of token lists in one
+        `generate`. Each request's tokens are those `generate` samples (its own seed, counter-based noise).
+        Parking of requests already in the engine, and the cleanup on an error (in `on_finish` too), as in
+        `generate`."""
         params = params or SamplingParams()
         prompts = list(prompts)
         tags = list(tags) if tags is not None else [None] * len(prompts)
@@ -340,23 +370,36 @@ class Engine:
             seeds = [None] * len(prompts)
         else:
             seeds = [request_seed(params.seed, i) for i in range(len(prompts))]
+        if group < 1 or (max_in_engine is not None and max_in_engine < group):
+            raise ValueError(f"generate_each needs 1 <= group <= max_in_engine, got group={group}, "
+                             f"max_in_engine={max_in_engine}")
         encoded = [self._encode(p) for p in prompts]
         params.validate()  # bad input is refused before any request is parked
         if not all(encoded):
             raise ValueError("empty prompt")
+        window = len(encoded) if max_in_engine is None else max_in_engine
         parked, stopped = self._park_requests()
         drained = len(self._drained_steps)  # this call's own steps are not the caller's: dropped below
-        seqs: list[Sequence] = []
+        live: dict[int, tuple[int, Sequence]] = {}  # id(seq) -> (its place in `prompts`, the request)
+        added = done = 0
         try:
-            for p, t, s in zip(encoded, tags, seeds):
-                seqs.append(self.add_request(p, params, t, s))
-            done = 0
-            while done < len(seqs):  # only this call's requests run, so every one a step returns is its own
-                done += len(self.step())
+            while done < len(encoded):  # only this call's requests run, so every one a step returns is its own
+                while added < len(encoded) and len(live) + min(group, len(encoded) - added) <= window:
+                    for i in range(added, min(added + group, len(encoded))):
+                        seq = self.add_request(encoded[i], params, tags[i], seeds[i])
+                        live[id(seq)] = (i, seq)
+                    added = min(added + group, len(encoded))
+                for seq in self.step():
+                    index, _ = live.pop(id(seq))
+                    completion = Completion.from_sequence(seq)
+                    if self.tokenizer is not None:
+                        completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+                    done += 1
+                    on_finish(index, completion)
                 if progress is not None:
                     progress(done)
         except BaseException:
-            for seq in seqs:  # none of this call's requests outlives it
+            for _, seq in live.values():  # none of this call's requests outlives it
                 if seq.status is not Status.FINISHED:
                     self.abort(seq)
             raise
@@ -365,14 +408,8 @@ class Engine:
             # it must not be the caller's next step, and none of this call's requests is handed to the caller
             self.drain()
             del self._drained_steps[drained:]
-            own = {id(seq) for seq in seqs}
             self.scheduler.waiting.extendleft(reversed(parked))
-            self._backlog = stopped + [seq for seq in self._backlog if id(seq) not in own]
-        out = [Completion.from_sequence(s) for s in seqs]
-        if self.tokenizer is not None:
-            for c in out:
-                c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        return out
+            self._backlog = stopped + [seq for seq in self._backlog if id(seq) not in live]
 
     def _park_requests(self) -> tuple[list[Sequence], list[Sequence]]:
         """For `generate`: every unfinished request out of the queue (the running ones preempted first), and

@@ -32,10 +32,14 @@ class ProblemResult:
 
 def sample_problems(engine: Engine, formatter: PromptFormatter, problems: list[Problem], indices: list[int],
                     reward_fn, *, k: int, temperature: float, max_new_tokens: int, seed: int,
-                    progress: StageReport | None = None) -> tuple[list[ProblemResult], dict[str, float]]:
+                    progress: StageReport | None = None, max_in_engine: int | None = None,
+                    ) -> tuple[list[ProblemResult], dict[str, float]]:
     """Sample and score `problems[i]` for every i in `indices`; returns their results and the reward's
     diagnostic counts over them (counts, so shares add up).
 
+    Responses are decoded as they finish and only their texts kept, with at most `max_in_engine` requests
+    in the engine at once (default `in_engine_window`), so the host's memory follows the texts, not every
+    response's token and log-prob lists. They are scored together at the end, in one reward call.
     `progress(stage, done, total)` hears of every finished response, then of the scoring.
     """
     report = progress or (lambda stage, done=0, total=None: None)
@@ -46,17 +50,30 @@ def sample_problems(engine: Engine, formatter: PromptFormatter, problems: list[P
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
     sampling = f"sampling {len(prompts)} responses"
     report(sampling, 0, len(prompts))
-    completions = engine.generate(prompts, params, progress=lambda done: report(sampling, done, len(prompts)),
-                                  sample_seeds=seeds)
-    texts = [formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    texts: list[str] = [""] * len(prompts)
+    lengths = [0] * len(prompts)
+
+    def keep(place: int, completion) -> None:
+        texts[place] = formatter.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        lengths[place] = len(completion.token_ids)
+
+    engine.generate_each(prompts, params, keep, progress=lambda done: report(sampling, done, len(prompts)),
+                         sample_seeds=seeds, group=k,
+                         max_in_engine=max_in_engine or in_engine_window(engine.scheduler.max_num_seqs, k))
     report(f"scoring {len(texts)} responses", 0, None)
     result = reward_fn(texts, [problems[i].answer for i in indices for _ in range(k)])
     out = []
     for n, i in enumerate(indices):
         rows = slice(n * k, (n + 1) * k)
-        out.append(ProblemResult(i, tuple(float(s) for s in result.scores[rows]),
-                                 tuple(len(c.token_ids) for c in completions[rows]), tuple(texts[rows])))
+        out.append(ProblemResult(i, tuple(float(s) for s in result.scores[rows]), tuple(lengths[rows]),
+                                 tuple(texts[rows])))
     return out, dict(result.stats)
+
+
+def in_engine_window(max_num_seqs: int, k: int) -> int:
+    """Requests an eval keeps in the engine: twice its running slots, so a slot that frees always finds a
+    queued request, in whole problems (a problem's k samples fork one prompt prefill)."""
+    return max(1, -(-2 * max_num_seqs // k)) * k
 
 
 def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[str, float]) -> dict:
