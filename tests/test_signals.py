@@ -133,3 +133,27 @@ def test_a_sigterm_while_the_command_starts_stops_the_run_with_exit_0(tmp_path):
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "SIGTERM" in proc.stdout + proc.stderr
     assert not (tmp_path / "early" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_training_code_is_imported_stops_the_run_with_exit_0(tmp_path, signum):
+    """The start-up handler went in only after `kv4rl.loop` was imported (torch and transformers: ~4 s on
+    a 2-core machine), so a signal in that window still took the default action: SIGTERM exit 143 with no
+    output, SIGINT a KeyboardInterrupt and exit 130. Reference: the README's contract (exit 0, nothing
+    written)."""
+    script = (
+        "import os, signal, sys\n"
+        "class SignalOnImport:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'kv4rl.loop':\n"
+        f"            os.kill(os.getpid(), signal.{signum})  # as the training code is imported\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, SignalOnImport())\n"
+        "from kv4rl.cli import app\n"
+        f"sys.argv = ['kv4rl', 'train', 'out_dir={tmp_path}', 'name=early', *{SMALL!r}, 'trainer.iterations=3']\n"
+        "app()\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(kv4rl.__file__).parents[1]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert signum in proc.stdout + proc.stderr
+    assert not (tmp_path / "early" / "metrics.jsonl").exists()

@@ -77,6 +77,10 @@ def train(
     A run folder holds one run: training into one that holds a run stops before any work unless
     --overwrite. SIGTERM/SIGINT end the run after the current iteration with a checkpoint (exit 0).
     """
+    if seeds is None and parallel is None:
+        # before the training code's imports (~4 s of torch and transformers): a SIGTERM or Ctrl-C from here on
+        # stops the run, exit 0, instead of exit 143 or a KeyboardInterrupt
+        catch_early()
     from kv4rl.config import load_config
     from kv4rl.loop import train as run_train
     from kv4rl.run_folder import config_for_resume
@@ -84,8 +88,6 @@ def train(
     from kv4rl import distributed
 
     setup_logging(verbose)
-    if seeds is None and parallel is None:
-        catch_early()  # a SIGTERM while the config and checkpoint are read stops the run, exit 0
     if seeds is not None or parallel is not None:
         if distributed.launched_ranks() > 1:
             fail("--seeds starts its own processes; run it without torchrun")
