@@ -247,3 +247,23 @@ def test_a_quota_that_refuses_the_sync_leaves_no_staged_file(tmp_path, monkeypat
     with pytest.raises(OSError, match="quota"):
         write_together({tmp_path / "a.json": "new a", tmp_path / "b.jsonl": "new b"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"] and (tmp_path / "a.json").read_text() == "old"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_log_write_that_fails_names_the_log(tmp_path):
+    """A flush into a full disk (or a file made immutable mid-run) raised an OSError without a file name, so
+    the run's one error line said "No space left on device" and not which file. /dev/full fails every
+    flush with ENOSPC."""
+    from kv4rl.cli_common import os_error_text
+    from kv4rl.telemetry.metrics import JsonlWriter
+
+    log = tmp_path / "metrics.jsonl"
+    writer = JsonlWriter(log)
+    writer.write({"iteration": 0})
+    writer._file.close()
+    writer._file = open("/dev/full", "w")  # the open log's next flush hits a full disk
+    with pytest.raises(OSError) as failed:
+        writer.write({"iteration": 1})
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(log)
+    assert os_error_text(failed.value) == f"{log}: No space left on device"
+    assert rows(tmp_path) == [0]  # what was written stays

@@ -54,13 +54,24 @@ class JsonlWriter:
     def write_many(self, rows: list[dict]) -> None:
         if self._file is None:
             self._open()
-        for row in rows:
-            self._file.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self._file.flush()
+        try:
+            for row in rows:
+                self._file.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise self._named(exc) from exc
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                raise self._named(exc) from exc
+
+    def _named(self, exc: OSError) -> OSError:
+        """A failed write or flush of an open file carries no file name ("Operation not permitted", a full
+        disk): the error line must name the log."""
+        return exc if exc.filename else OSError(exc.errno, exc.strerror or str(exc), str(self.path))
 
 
 def _parsed(path: Path, warn: bool = True):
