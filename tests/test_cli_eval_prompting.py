@@ -31,6 +31,35 @@ def test_a_run_without_the_chat_template_evaluated_with_it_and_plain_model_folde
     assert _prompting_differences(broken, chat=True, template=None) == []  # unreadable: nothing to compare
 
 
+def test_a_template_given_to_eval_is_compared_with_the_runs_default_template(tmp_path):
+    """A run on its default template (data.prompt_template: null) evaluated with another --template was told
+    nothing: only a template the run named was compared."""
+    from kv4rl.data.source import BOXED_INSTRUCTION
+
+    embedded = _run_with(tmp_path / "e", "  prompt_template: null\n")
+    (line,) = _prompting_differences(embedded, chat=False, template="Q {problem}=")
+    assert line.startswith("its run prompted with the default template '{problem}=' (data.prompt_template: null in ")
+    assert line.endswith("--template 'Q {problem}=' prompts it otherwise")
+    assert _prompting_differences(embedded, chat=False, template="{problem}=") == []
+    on_files = _run_with(tmp_path / "f", "  train: math.jsonl\n")
+    assert _prompting_differences(on_files, chat=False, template=BOXED_INSTRUCTION) == []
+    (line,) = _prompting_differences(on_files, chat=False, template="{problem}=")
+    assert "the default template 'Please" not in line and repr(BOXED_INSTRUCTION) in line
+
+
+def test_a_run_template_eval_prompts_with_by_default_is_no_difference(tmp_path):
+    """The run named, as its data.prompt_template, the template eval uses by default: nothing differs."""
+    from kv4rl.data.source import BOXED_INSTRUCTION
+
+    import yaml
+
+    ckpt = _run_with(tmp_path, "")
+    (tmp_path / "runs" / "r" / "config.yaml").write_text(yaml.safe_dump({"data": {"prompt_template": BOXED_INSTRUCTION}}))
+    assert _prompting_differences(ckpt, chat=False, template=None, eval_template=BOXED_INSTRUCTION) == []
+    (line,) = _prompting_differences(ckpt, chat=False, template=None, eval_template="{problem}=")
+    assert line.startswith("its run prompted with data.prompt_template ")
+
+
 def test_eval_takes_a_reward_plug_in_through_plugins(tmp_path, monkeypatch):
     """A run trained with a plug-in reward is evaluated with it: `--plugins` imports the module, as train's
     algo.plugins does. Its reward scores every sample 1, so mean@2 is 1 (the tiny model's own is below)."""

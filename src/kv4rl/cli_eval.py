@@ -98,11 +98,16 @@ def _default_model(main: bool) -> Path:
     return path
 
 
-def _prompting_differences(model: Path, chat: bool, template: str | None) -> list[str]:
+def _prompting_differences(model: Path, chat: bool, template: str | None, eval_template: str | None = None,
+                           ) -> list[str]:
     """How a run's checkpoint is prompted here unlike its run prompted it (the run's config.yaml beside its
     checkpoints/ folder): an instruct model trained with its chat template answers badly without it, and
-    nothing said that eval does not read the run's settings."""
+    nothing said that eval does not read the run's settings. `template`: eval's --template (None: not
+    given); `eval_template`: the template eval prompts with (default: `template`)."""
     import yaml
+
+    from kv4rl.data.source import BOXED_INSTRUCTION
+    from kv4rl.data.synthetic import PROMPT_TEMPLATE
 
     folder = Path(model).resolve().parent
     saved = folder.parent / "config.yaml"
@@ -118,10 +123,17 @@ def _prompting_differences(model: Path, chat: bool, template: str | None) -> lis
         lines.append(f"its run prompted {'with' if run_chat else 'without'} the tokenizer's chat template "
                      f"(data.chat_template: {str(run_chat).lower()} in {saved}); pass "
                      f"{'--chat' if run_chat else '--no-chat'} to evaluate it as it was trained")
+    eval_template = template if eval_template is None else eval_template
     run_template = data.get("prompt_template")
-    if run_template and run_template != template:
+    if run_template and run_template != eval_template:
         lines.append(f"its run prompted with data.prompt_template {run_template!r} ({saved}); pass --template "
                      f"with it to evaluate it as it was trained")
+    elif not run_template and template is not None:  # the run's default, which this --template replaces
+        files = data.get("train") is not None or data.get("eval") is not None
+        default = BOXED_INSTRUCTION if files else PROMPT_TEMPLATE
+        if template != default:
+            lines.append(f"its run prompted with the default template {default!r} (data.prompt_template: null in "
+                         f"{saved}); --template {template!r} prompts it otherwise")
     return lines
 
 
@@ -225,7 +237,7 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     tokenizer = AutoTokenizer.from_pretrained(model)
     formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
     if ranks.main:
-        for line in _prompting_differences(model, chat, template):
+        for line in _prompting_differences(model, chat, template, formatter.template):
             warn(line)
         if temperature == 0 and k > 1:
             warn(f"--temperature 0 samples greedily: a problem's {k} samples are the same, so pass@j equals pass@1 "
