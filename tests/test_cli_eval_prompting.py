@@ -2,6 +2,8 @@
 template): an instruct model trained with its chat template answers badly without it, and eval reads only
 its own options."""
 
+import pytest
+
 from kv4rl.cli_eval import _prompting_differences
 
 
@@ -99,3 +101,26 @@ def test_greedy_eval_with_several_samples_is_told_they_are_one(tmp_path, monkeyp
         res.output.split()), res.output
     res = runner.invoke(app, ["eval", "--temperature", "0", "--k", "1", "--n", "2"])
     assert res.exit_code == 0 and "samples greedily" not in res.output
+
+
+def test_eval_of_a_runs_latest_file_evaluates_the_checkpoint_it_names(tmp_path):
+    """`checkpoints/latest`, which the README calls the newest checkpoint, was refused as 'a file'."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+    from kv4rl.models.hf_weights import ModelFolderError, read_model_args
+    from kv4rl.models.tiny import tiny_model_dir
+
+    ckpts = tmp_path / "runs" / "r" / "checkpoints"
+    shutil.copytree(tiny_model_dir(), ckpts / "iter_000002")
+    (ckpts / "latest").write_text("iter_000002")
+    out = tmp_path / "out.json"
+    res = CliRunner().invoke(app, ["eval", "--model", str(ckpts / "latest"), "--n", "2", "--k", "1",
+                                   "--device", "cpu", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["model"] == str(ckpts / "iter_000002")
+    with pytest.raises(ModelFolderError, match=r"names a run's newest checkpoint; give the checkpoint: .*iter_000002"):
+        read_model_args(ckpts / "latest")  # as model.path of a run: the checkpoint named in the error

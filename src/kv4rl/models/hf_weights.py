@@ -28,9 +28,25 @@ class ModelFolderError(ValueError):
     """The checkpoint folder is missing something or does not match its config."""
 
 
+def latest_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint folder a run's `checkpoints/latest` file names, when `path` is that file; else None."""
+    path = Path(path)
+    if path.name != "latest" or path.parent.name != "checkpoints" or not path.is_file():
+        return None
+    try:
+        name = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return path.parent / name if name and "/" not in name else None
+
+
 def read_model_args(model_dir: str | Path) -> ModelArgs:
     model_dir = Path(model_dir)
     if model_dir.is_file():
+        named = latest_checkpoint(model_dir)
+        if named is not None:
+            raise ModelFolderError(f"{model_dir} is the file that names a run's newest checkpoint; give the "
+                                   f"checkpoint: {named}")
         raise ModelFolderError(f"model folder {model_dir} is a file; give the folder holding config.json and "
                                f"the *.safetensors weights")
     if not model_dir.is_dir():
