@@ -84,7 +84,17 @@ qwen3_8b_partial() {
 }
 
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(qwen3_1p7b qwen3_8b)
+if [ ${#stages[@]} -eq 0 ]; then  # each line is minutes on a GPU and hours (and more memory than a host has) off it
+    echo "usage: bash tools/rollout_bench.sh LINE [LINE ...]  (on a CUDA machine; lines:" \
+        "$(declare -F | awk '{print $3}' | tr '\n' ' '| sed 's/ $//'))" >&2
+    exit 2
+fi
+for stage in "${stages[@]}"; do
+    if ! declare -F "$stage" > /dev/null; then
+        echo "tools/rollout_bench.sh: no line '$stage' (lines: $(declare -F | awk '{print $3}' | tr '\n' ' '))" >&2
+        exit 2
+    fi
+done
 date
 for stage in "${stages[@]}"; do
     $stage

@@ -33,6 +33,7 @@ from kv4rl.cli_common import (
     finite_float,
     option_list,
     shape_args,
+    warn_real_shape_off_cuda,
     warn,
     write_json,
     wrote,
@@ -279,6 +280,7 @@ def generate(
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out)
+    warn_real_shape_off_cuda(shape, device)
     try:
         # bench_generate says one line as transformers starts, one per built engine, one per timed batch
         engines = len(weight_formats) * len(formats) * len(schedulings)
@@ -356,6 +358,8 @@ def bench_rollout_cmd(
     if validate_only:
         console.print("options valid; stopping before any work (--validate-only)")
         return
+    warn_real_shape_off_cuda(shape, device)
+
     def finished(partial: dict) -> None:  # each corner as it ends: a time limit keeps what ran
         r = partial["results"][-1]
         console.print(f"[dim]{len(partial['results'])}/{len(bench.formats) * len(bench.modes)} {r['format']} "

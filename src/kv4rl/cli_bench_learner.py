@@ -21,7 +21,7 @@ from kv4rl.cli_common import (
     finite_float,
     option_list,
     shape_args,
-    warn,
+    warn_real_shape_off_cuda,
     write_json,
     wrote,
 )
@@ -124,11 +124,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         if validate_only:
             console.print("options valid; stopping before any work (--validate-only)")
             return
-        from kv4rl.engine.placement import resolve_device
-
-        if shape != "qwen3-tiny" and resolve_device(device).type != "cuda":
-            warn(f"--shape {shape} is a real model's size: on the CPU its random weights take GBs and an iteration "
-                 "takes hours; --shape qwen3-tiny runs in seconds")
+        warn_real_shape_off_cuda(shape, device)
 
         def finished(partial: dict) -> None:  # each arm as it ends: a time limit keeps what ran
             r = partial["results"][-1]
@@ -237,6 +233,7 @@ def register_learner_benches(app: typer.Typer) -> None:
         except ValueError as exc:
             fail(str(exc))
         check_output_path(json_out)
+        warn_real_shape_off_cuda(shape, device)
         rows = sum(len(attention_list) if lay == "packed" else 1 for lay in layout_list)
         variants = rows * len(ckpt_list) * len(ref_list) * len(fuse_list) * len(compile_list) * len(head_list)
         def finished(partial: dict) -> None:  # each variant as it is timed: a time limit keeps what ran

@@ -324,3 +324,14 @@ def shape_args(shape: str, args_of):
         return args_of(shape)
     except ValueError as exc:
         raise ValueError(f"--shape: {exc}") from None
+
+
+def warn_real_shape_off_cuda(shape: str | None, device: str) -> None:
+    """A benchmark of a real model's shape started on the CPU runs for hours and may fill the host's memory
+    (`bench rollout --shape qwen3-1.7b` sizes every slot at full length there): say so before it starts."""
+    from kv4rl.engine.placement import resolve_device
+
+    if shape is not None and shape != "qwen3-tiny" and resolve_device(device).type != "cuda":
+        warn(f"--shape {shape} is a real model's size: on the CPU its random weights take GBs and the benchmark "
+             "takes hours; --shape qwen3-tiny runs in seconds")
+
