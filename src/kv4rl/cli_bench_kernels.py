@@ -52,7 +52,7 @@ def register_kernel_benches(app: typer.Typer) -> None:
             "--formats", help="KV formats: bf16, fp8, int4, kv4; fp8-triton / int4-triton / kv4-triton run the "
                               "FP8 or INT4 body in the Triton kernel instead of the CUDA one; kv4-serial launches "
                               "KV4's INT8 item after the INT4 body instead of beside it")] = "bf16,fp8,int4,kv4",
-        seed: Annotated[int, Option("--seed", help="random seed (weights, prompts and sampling are a function of it)")] = 0,
+        seed: Annotated[int, Option("--seed", help="random seed of the query, key and value tensors")] = 0,
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:
         """One layer's paged decode attention per KV format vs torch SDPA (cuDNN) on contiguous BF16."""

@@ -67,7 +67,7 @@ def clip_bias_cmd(
     sigma: Annotated[float, typer.Option("--sigma", parser=finite_float,
         help="advantage noise: A = ±σ, true advantage 0")] = 1.0,
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples per ρ")] = 200_000,
-    seed: Annotated[int, typer.Option("--seed", help="random seed (weights, prompts and sampling are a function of it)")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="random seed of the Monte-Carlo draws (the advantage signs)")] = 0,
     sweep_rho: Annotated[str, typer.Option(
         "--sweep-rho", help="comma-separated ρ values to sweep")] = DEFAULT_SWEEP,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the numbers here")] = None,
