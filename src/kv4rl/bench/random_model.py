@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kv4rl.file_modes import honour_umask
+from kv4rl.graceful_stop import cleanup_on_sigterm
 from kv4rl.models.args import ModelArgs
 from kv4rl.models.cache_install import clear_abandoned
 from kv4rl.models.decoder import Decoder
@@ -183,15 +184,16 @@ def random_model_dir(shape: str, num_layers: int | None = None, seed: int = 0,
         return final
     parent.mkdir(parents=True, exist_ok=True)
     clear_abandoned(parent, final.name)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
-    try:
-        make_random_qwen3(staging, shape, num_layers=layers, seed=seed, device=device)
-        honour_umask(staging)  # mkdtemp made it private; others read the cache
+    with cleanup_on_sigterm():  # a SIGTERM mid-build removes the staging folder (GBs) too
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
         try:
-            os.replace(staging, final)
-        except OSError:
-            if not final.is_dir():  # else another process installed the same model first: keep its copy
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            make_random_qwen3(staging, shape, num_layers=layers, seed=seed, device=device)
+            honour_umask(staging)  # mkdtemp made it private; others read the cache
+            try:
+                os.replace(staging, final)
+            except OSError:
+                if not final.is_dir():  # else another process installed the same model first: keep its copy
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return final

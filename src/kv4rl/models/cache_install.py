@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kv4rl.file_modes import honour_umask
+from kv4rl.graceful_stop import cleanup_on_sigterm
 from kv4rl.paths import file_in_path
 
 
@@ -65,13 +66,14 @@ def cached_build(parent: Path, tag: str, build: Callable[[Path], None], is_compl
                          f"or $KV4RL_CACHE at a folder)")
     parent.mkdir(parents=True, exist_ok=True)
     clear_abandoned(parent, tag)
-    staging = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=parent))
-    try:
-        build(staging)
-        honour_umask(staging)  # mkdtemp made it private, safetensors its weights; others read the cache
-        move_into_place(staging, final, is_complete, tag)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with cleanup_on_sigterm():  # a SIGTERM mid-build removes the staging folder too
+        staging = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=parent))
+        try:
+            build(staging)
+            honour_umask(staging)  # mkdtemp made it private, safetensors its weights; others read the cache
+            move_into_place(staging, final, is_complete, tag)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     if not is_complete(final):
         raise RuntimeError(f"{what} did not leave a complete folder at {final}")
     return final
