@@ -107,13 +107,29 @@ def test_a_window_smaller_than_a_group_is_refused_before_anything_is_parked(tiny
     assert list(engine.scheduler.waiting) == [waiting]
 
 
-def test_the_eval_window_is_whole_problems_covering_twice_the_slots():
+@pytest.mark.parametrize("slots,k", [(2, 5), (2, 4), (3, 2), (4, 1)])
+def test_the_eval_window_keeps_more_than_twice_the_slots_in_the_engine_until_the_last_problem_is_in(
+        tiny_qwen3, slots, k):
+    """A window of one problem (k >= 2 x slots) emptied the engine between problems: each problem's slowest
+    samples ran alone. Reference: before every step, while problems are still to come, more requests are in
+    the engine than twice its slots, so a slot that frees finds one queued."""
     from kv4rl.eval.runner import in_engine_window
 
-    assert in_engine_window(256, 8) == 512
-    assert in_engine_window(256, 1000) == 1000  # one problem at least
-    assert in_engine_window(3, 4) == 8  # 6 rounded up to whole problems
-    assert in_engine_window(1, 1) == 2
+    path, _ = tiny_qwen3
+    engine = _engine(path, slots=slots)
+    window = in_engine_window(slots, k)
+    assert window % k == 0
+    n = window + 3 * k  # problems still to come after the first window
+    added, before_steps = [], []
+    real_add, real_step = engine.add_request, engine.step
+    engine.add_request = lambda *args, **kwargs: added.append(1) or real_add(*args, **kwargs)
+    engine.step = lambda: before_steps.append((len(added), engine.num_unfinished())) or real_step()
+    engine.generate_each([[1 + i // k, 2, 3] for i in range(n)], SamplingParams(max_tokens=6, seed=2),
+                         lambda i, c: None, max_in_engine=window, group=k)
+    assert len(added) == n
+    assert max(unfinished for _, unfinished in before_steps) <= window
+    waiting_to_come = [unfinished for count, unfinished in before_steps if count < n]
+    assert waiting_to_come and min(waiting_to_come) > 2 * slots
 
 
 def test_an_eval_in_a_small_window_scores_what_it_scored_holding_every_response(tmp_path):
@@ -139,3 +155,18 @@ def test_an_eval_in_a_small_window_scores_what_it_scored_holding_every_response(
     assert windowed == all_at_once and stats_windowed == stats_all
     assert [r.index for r in windowed] == [0, 2, 3, 5]
     assert len({t for r in windowed for t in r.texts}) > 1  # sampled: a real comparison
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_any_request_runs(tiny_qwen3):
+    """With a window the last prompts are added late: one too long for the context was refused after steps
+    had run and completions had been handed over (an eval lost at its end). Reference: no step, no finish."""
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    finished, steps = [], []
+    real_step = engine.step
+    engine.step = lambda: steps.append(1) or real_step()
+    prompts = _prompts(8, seed=2) + [[5] * 70]  # max_model_len is 64
+    with pytest.raises(ValueError, match="prompt of 70 tokens does not fit max_model_len=64"):
+        engine.generate_each(prompts, SamplingParams(max_tokens=4), lambda i, c: finished.append(i), max_in_engine=2)
+    assert (finished, steps) == ([], [])
+    assert not engine.has_unfinished()

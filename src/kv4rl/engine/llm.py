@@ -356,7 +356,8 @@ class Engine:
         requests: an eval of 30 problems x 1,024 samples x 8k tokens held ~25 GB of token lists in one
         `generate`. Each request's tokens are those `generate` samples (its own seed, counter-based noise).
         Parking of requests already in the engine, and the cleanup on an error (in `on_finish` too), as in
-        `generate`."""
+        `generate`. Every prompt is checked against the context and the pool before any request runs.
+        `on_finish` must not add requests to the engine (the call's steps would return them)."""
         params = params or SamplingParams()
         prompts = list(prompts)
         tags = list(tags) if tags is not None else [None] * len(prompts)
@@ -377,6 +378,8 @@ class Engine:
         params.validate()  # bad input is refused before any request is parked
         if not all(encoded):
             raise ValueError("empty prompt")
+        for ids in encoded:  # every request checked before any runs: the window adds the last ones late
+            self.scheduler.check_fits(len(ids), params.max_tokens)
         window = len(encoded) if max_in_engine is None else max_in_engine
         parked, stopped = self._park_requests()
         drained = len(self._drained_steps)  # this call's own steps are not the caller's: dropped below

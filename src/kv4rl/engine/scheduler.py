@@ -77,11 +77,14 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a request; refuse at once one that could never fit, instead of hanging later."""
-        longest = min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
-        if len(seq.prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(seq.prompt_ids)} tokens does not fit max_model_len={self.max_model_len}"
-            )
+        self.check_fits(len(seq.prompt_ids), seq.params.max_tokens)
+        self.waiting.append(seq)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse (ValueError) a request of this prompt and response limit that could never run."""
+        longest = min(prompt_len + max_tokens, self.max_model_len)
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt of {prompt_len} tokens does not fit max_model_len={self.max_model_len}")
         need = blocks_needed(longest, self.blocks.block_size)
         if need > self.blocks.num_blocks:
             raise ValueError(
@@ -89,7 +92,6 @@ class Scheduler:
                 f"{self.blocks.block_size} tokens ({longest} tokens) but the pool has "
                 f"{self.blocks.num_blocks}; raise engine.num_kv_blocks or lower the token limits"
             )
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
