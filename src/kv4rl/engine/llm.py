@@ -89,6 +89,7 @@ class Engine:
         self.pool_tokens = self.runner.num_blocks * config.kv.block_size
         self.pool_bytes = self.runner.cache_bytes
         self.asleep = False
+        self._torn_weights: str | None = None  # why the last load_weights stopped part-way (None: whole)
         self._inflight: LaunchedStep | None = None  # launched, tokens not read (async scheduling)
         self._backlog: list[Sequence] = []  # finished while draining, returned by the next step
         self._drained_steps: list[dict] = []  # `last_step` of each step a drain read (`take_drained_steps`)
@@ -143,6 +144,7 @@ class Engine:
         finished at once with that reason and returned by the next `step`.
         """
         params.validate()
+        prompt_ids = self.checked_ids(prompt_ids, "prompt")
         if not prompt_ids:
             raise ValueError("empty prompt")
         if sample_seed is None and params.seed is not None:
@@ -163,7 +165,7 @@ class Engine:
         return seq
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        return self.eos_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
+        return self.eos_ids if params.stop_token_ids is None else self.eos_ids | frozenset(params.stop_token_ids)
 
     def abort(self, seq: Sequence) -> None:
         """Remove an unfinished request (its blocks are freed); it is never returned by `step`."""
@@ -215,11 +217,12 @@ class Engine:
         a step later. `latency_s` is then the time since the previous step's tokens were read."""
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
+        self._check_weights_whole()
         finished, self._backlog = self._backlog, []
         launched = self._inflight
         if launched is None:
-            if finished and not self.scheduler.has_unfinished():
-                return finished  # stopped during a drain, nothing left to step
+            if not self.scheduler.has_unfinished():
+                return finished  # stopped during a drain (or an idle engine): nothing left to step
             launched = self._launch_scheduled()
         self._inflight = None
         rows = rows_ahead(self.scheduler, launched) if self.async_scheduling else None
@@ -367,6 +370,9 @@ class Engine:
             seeds = list(sample_seeds)
             if len(seeds) != len(prompts):
                 raise ValueError(f"generate got {len(seeds)} sample seeds for {len(prompts)} prompts")
+            odd = next((x for x in seeds if not isinstance(x, int) or isinstance(x, bool)), None)
+            if odd is not None:
+                raise ValueError(f"sample seeds must be integers, got {odd!r}")
         elif params.seed is None:
             seeds = [None] * len(prompts)
         else:
@@ -429,15 +435,41 @@ class Engine:
     def score_tokens(self, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
         """Teacher forcing: for each prompt, float32 logits[T, V] of its forced tokens, row t given
         `prompt + forced[:t]` (`kv4rl.engine.teacher_forcing`)."""
+        self._check_weights_whole()
         self.drain()  # it steps the scheduler and the runner itself
         return score_forced(self, prompts, forced)
+
+    def _check_weights_whole(self) -> None:
+        if self._torn_weights is not None:
+            raise RuntimeError(f"the engine's weights are part old, part new: load_weights failed part-way "
+                               f"({self._torn_weights}); load a whole set before sampling or scoring")
 
     def _encode(self, prompt: list[int] | str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need an Engine built with a tokenizer")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+            return self.checked_ids(self.tokenizer.encode(prompt, add_special_tokens=False), "prompt")
+        return self.checked_ids(prompt, "prompt")
+
+    def checked_ids(self, ids: Iterable[int], what: str) -> list[int]:
+        """`ids` as Python ints, refused (ValueError naming it) unless each is an integer token id of the model's
+        vocabulary: an id past it failed deep inside the embedding (on CUDA, a device-side assert that ends
+        the process's CUDA context) and a float id was taken as its integer part."""
+        ids = list(ids)
+        if not ids:
+            return ids
+        try:
+            values = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError):
+            values = None
+        if values is None or values.dim() != 1 or values.dtype == torch.bool or values.is_floating_point() \
+                or values.is_complex():
+            raise ValueError(f"{what} must be a list of integer token ids, got {ids[:6]!r}{'...' if len(ids) > 6 else ''}")
+        low, high, vocab = int(values.min()), int(values.max()), self.args.vocab_size
+        if low < 0 or high >= vocab:
+            raise ValueError(f"{what} holds token id {low if low < 0 else high}, outside the model's vocabulary "
+                             f"(0..{vocab - 1})")
+        return values.tolist()
 
     # ---- sleep / wake -------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -481,12 +513,19 @@ class Engine:
         """Copy learner weights (HF names: a state dict, or a stream of (name, tensor) such as
         `Learner.full_weights()`) in place; tokens sampled afterwards carry `version`. FP8 linears
         re-quantize from the incoming tensors as they are copied. Returns once the copies are done on
-        the device, so the loop's `time_sync` holds the whole refresh."""
+        the device, so the loop's `time_sync` holds the whole refresh. A set that fails part-way (a missing
+        or misshapen tensor) leaves the weights part old, part new, so the engine refuses to step or score
+        until a whole set loads (weights are copied in place: holding a second copy would double them)."""
         self.drain()  # a step in flight samples under the old weights, with the old version
-        self.runner.load_weights(weights)
+        self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
+        try:
+            self.runner.load_weights(weights)
+        except BaseException as exc:  # the tensors before the bad one are copied: refuse to sample on them
+            self._torn_weights = f"{type(exc).__name__}: {exc}"
+            raise
         self.runner.synchronize()
         self.version = version
-        self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
+        self._torn_weights = None
 
     def kv_calibration(self) -> list[dict[str, torch.Tensor]] | None:
         """What the KV format calibrated once per layer (NVFP4's per-tensor scales), on the CPU, for a
@@ -511,6 +550,7 @@ class Engine:
         self.drain()
         self.model.load_state_dict(merged_state_dict(self.model, state))
         self.version = version
+        self._torn_weights = None
         self.scheduler.forget_prefixes()
 
     @property

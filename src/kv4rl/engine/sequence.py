@@ -35,7 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 64
-    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
+    stop_token_ids: tuple[int, ...] | None = None  # stop at these too, besides the model's EOS ids (as vLLM)
     ignore_eos: bool = False  # no stop token ends it (the EOS ids or `stop_token_ids`), only the length limits
     seed: int | None = None  # request i of generate() samples with `request_seed(seed, i)`, whatever else runs;
     # add_request() with no `sample_seed` samples as generate()'s request 0
@@ -52,6 +52,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.stop_token_ids is not None and (
+                isinstance(self.stop_token_ids, (int, str, bytes)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
 
 
 class Status(enum.Enum):

@@ -27,7 +27,11 @@ def score_forced(engine: Engine, prompts: list[list[int]], forced: list[list[int
         raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before scoring")
     if len(prompts) != len(forced):
         raise ValueError(f"score_tokens: {len(prompts)} prompts but {len(forced)} forced sequences")
+    prompts = [engine.checked_ids(p, "score_tokens: a prompt") for p in prompts]
+    forced = [engine.checked_ids(f, "score_tokens: a forced sequence") for f in forced]
     for prompt, tokens in zip(prompts, forced):
+        if not prompt:
+            raise ValueError("score_tokens: every prompt needs at least one token")
         if not tokens:
             raise ValueError("score_tokens: every forced sequence needs at least one token")
         if len(prompt) + len(tokens) > engine.max_model_len:
@@ -35,10 +39,19 @@ def score_forced(engine: Engine, prompts: list[list[int]], forced: list[list[int
                 f"score_tokens: {len(prompt)} prompt + {len(tokens)} forced tokens exceed "
                 f"max_model_len={engine.max_model_len}"
             )
-    seqs = [
-        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=len(f), ignore_eos=True), sample_seed=0)
-        for p, f in zip(prompts, forced)
-    ]
+    seqs = []
+    try:
+        for p, f in zip(prompts, forced):
+            seqs.append(engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=len(f), ignore_eos=True),
+                                           sample_seed=0))
+        return _score(engine, seqs, forced)
+    except BaseException:  # none is left in the engine, where the next `step` would sample it on
+        for seq in seqs:
+            engine.abort(seq)
+        raise
+
+
+def _score(engine: Engine, seqs: list, forced: list[list[int]]) -> list[torch.Tensor]:
     forced_by_id = {s.seq_id: f for s, f in zip(seqs, forced)}
     rows: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
     while engine.has_unfinished():

@@ -1,0 +1,115 @@
+"""The engine as a library refuses what it cannot run before any work, and never leaves the engine in a state
+that samples wrongly: token ids outside the vocabulary, a failed scoring call's requests, a weight set that
+stopped part-way, stop ids given as one int. Stop ids stop besides the model's EOS ids, as in vLLM."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kv4rl.engine.config import EngineConfig, KVConfig
+from kv4rl.engine.llm import Engine
+from kv4rl.engine.sequence import SamplingParams
+
+
+def _engine(path):
+    return Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("prompt,named", [([1, 97, 3], "token id 97"), ([-1, 2], "token id -1"),
+                                          ([1, 2.0], "integer token ids"), ([1, "a"], "integer token ids")])
+def test_prompt_ids_outside_the_vocabulary_are_refused_by_name_before_any_work(tiny_qwen3, prompt, named):
+    """Vocabulary 97: id 97 failed ~20 frames inside the embedding (a device-side assert on CUDA), a float id
+    was silently taken."""
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    with pytest.raises(ValueError, match=named):
+        engine.generate([[4, 5], prompt], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=named):
+        engine.add_request(prompt, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished()
+    assert engine.checked_ids((5, torch.tensor(7).item()), "prompt") == [5, 7]
+
+
+@pytest.mark.parametrize("prompts,forced,named", [
+    ([[1, 2, 3], [4, 5]], [[10, 20], [500]], "token id 500"),
+    ([[1, 2, 3], []], [[10, 20], [7]], "every prompt needs at least one token"),
+])
+def test_a_refused_scoring_call_leaves_no_request_behind(tiny_qwen3, prompts, forced, named):
+    """Its requests were added one at a time and an error part-way left them in the engine: every later
+    score_tokens said 'needs an idle engine', and the next step handed them back with a greedy token added."""
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    with pytest.raises(ValueError, match=named):
+        engine.score_tokens(prompts, forced)
+    assert not engine.has_unfinished()
+    reference = _engine(path).score_tokens([[1, 2, 3]], [[10, 20]])[0]
+    assert torch.equal(engine.score_tokens([[1, 2, 3]], [[10, 20]])[0], reference)
+    out = engine.generate([[9, 9]], SamplingParams(max_tokens=2, seed=0))
+    assert len(out) == 1 and engine.step() == []  # nothing stray; an idle engine's step returns nothing
+
+
+def test_a_weight_set_that_stops_part_way_is_refused_until_a_whole_one_loads(tiny_qwen3):
+    """The tensors before the missing ones were copied and the old version kept: the engine sampled on part old,
+    part new weights under the old tag."""
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    engine.load_weights(_hf_weights(path), version=4)
+    with pytest.raises(ValueError):
+        engine.load_weights(iter([("lm_head.weight", torch.zeros(97, 64))]), version=5)
+    assert engine.version == 4
+    with pytest.raises(RuntimeError, match="part old, part new"):
+        engine.generate([[1, 2]], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="part old, part new"):
+        engine.score_tokens([[1, 2]], [[3]])
+    engine.load_weights(_hf_weights(path), version=6)
+    out = engine.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert out.versions == [6, 6] and out.token_ids == _engine(path).generate(
+        [[1, 2]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+
+
+def _hf_weights(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(file))
+    return weights
+
+
+def test_stop_ids_stop_besides_the_models_eos(tiny_qwen3, tmp_path):
+    """stop_token_ids replaced the EOS ids: a vLLM user adding one stop id got responses that ran past EOS
+    to max_tokens. Reference: the unstopped greedy tokens, cut at the first EOS or stop id."""
+    path, hf = tiny_qwen3
+    prompt = [3, 1, 4, 1, 5]
+    greedy = _engine(path).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    eos = greedy[3]
+    folder = tmp_path / "model"
+    shutil.copytree(path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = _engine(folder)
+    never = next(t for t in range(97) if t not in greedy)
+    assert eos in engine.eos_ids
+    cut = next(i for i, t in enumerate(greedy) if t in engine.eos_ids)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(never,)))[0]
+    assert (out.token_ids, out.finish_reason) == (greedy[:cut + 1], "stop")
+    early = greedy[0]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(early,)))[0]
+    assert out.token_ids == greedy[:1]
+
+
+@pytest.mark.parametrize("bad", [5, "5", (1, 2.5), (True,)])
+def test_stop_ids_that_are_not_a_sequence_of_ids_are_refused(bad):
+    with pytest.raises(ValueError, match="stop_token_ids must be a sequence of token ids"):
+        SamplingParams(stop_token_ids=bad).validate()
+
+
+def test_sample_seeds_must_be_integers(tiny_qwen3):
+    path, _ = tiny_qwen3
+    with pytest.raises(ValueError, match="sample seeds must be integers, got 1.5"):
+        _engine(path).generate([[1, 2]], SamplingParams(max_tokens=2), sample_seeds=[1.5])
