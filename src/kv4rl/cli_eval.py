@@ -225,12 +225,15 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     from kv4rl.data.source import ProblemSource
     from kv4rl.engine.llm import Engine
     from kv4rl.eval.data_parallel import evaluate_ranks
+    from kv4rl.distributed import from_main
     from kv4rl.models.hf_weights import check_model_folder, latest_checkpoint
     from kv4rl.models.testbed import read_metadata, task_of
     from kv4rl.rewards import get_reward
 
     model = model if model is not None else _default_model(ranks.main)
-    model = latest_checkpoint(model) or model  # `checkpoints/latest`: the newest checkpoint it names
+    # `checkpoints/latest`: the newest checkpoint it names, read by rank 0 for every rank (a run saving
+    # meanwhile must not give the ranks different checkpoints)
+    model = from_main(latest_checkpoint(model) or model)
     model_len = check_model_folder(model).max_position_embeddings
     task = task_of(model) if data is None else None  # a testbed folder is evaluated on its own task
     source = ProblemSource(None, str(data) if data else None, seed, task=task)
