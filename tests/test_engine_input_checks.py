@@ -113,3 +113,18 @@ def test_sample_seeds_must_be_integers(tiny_qwen3):
     path, _ = tiny_qwen3
     with pytest.raises(ValueError, match="sample seeds must be integers, got 1.5"):
         _engine(path).generate([[1, 2]], SamplingParams(max_tokens=2), sample_seeds=[1.5])
+
+
+def test_the_readme_engine_example_runs_as_written(capsys):
+    """README "Using the engine from Python", copied as a user would: it runs on the embedded model and prints
+    what it says (the second call's tokens carry version 1)."""
+    from pathlib import Path
+
+    import kv4rl
+
+    readme = (Path(kv4rl.__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("# engine_example.py\n")
+    exec(compile(readme[start:readme.index("```", start)], "engine_example.py", "exec"), {})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3
+    assert lines[-1].startswith("80 [1, 1] torch.Size([2, ")
