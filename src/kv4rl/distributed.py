@@ -192,6 +192,9 @@ def merge_rank_rows(rows: list[dict]) -> dict:
                 for age, count in v.items():
                     hist[age] = hist.get(age, 0) + count
             out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+        elif key in (*_SUMMED, "slot_util") and any(v is None for v in values):  # an engine took no step this time
+            known = [v for v in values if v is not None]
+            out[key] = None if not known else sum(known) if key in _SUMMED else sum(known) / len(known)
         elif (key in _SAME_ON_EVERY_RANK or isinstance(first, bool) or not isinstance(first, int | float)
               or any(v is None for v in values)):
             out[key] = first

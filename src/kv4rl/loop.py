@@ -242,7 +242,8 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         "accuracy": float((rewards > 0.5).float().mean()),
         "response_len_mean": num_gen / len(completions),
         "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "tokens_per_s": num_gen / max(times["time_rollout"], 1e-9),
+        # None when the engine took no step (the batch was finished earlier): its ~1e6 was the time of a hand-over
+        "tokens_per_s": num_gen / max(times["time_rollout"], 1e-9) if trace else None,
         **staleness_stats(it, completions),
         **collection_stats(trace, r.max_slots),
         # engine counts, once per engine (its tensor-parallel ranks all see the same)

@@ -97,7 +97,8 @@ def train_stats(row: dict) -> list[str]:
     """The latest iteration's figures, most important first (the narrowest terminal shows a prefix)."""
     items = [f"rew {row['reward_mean']:.3f}", f"acc {row['accuracy']:.3f}"]
     items += [f"eval@{key.removeprefix('eval/mean@')} {row[key]:.3f}" for key in row if key.startswith("eval/mean@")]
-    items += [f"len {row['response_len_mean']:.1f}", f"{row['tokens_per_s']:.0f} tok/s"]
+    rate = row["tokens_per_s"]
+    items += [f"len {row['response_len_mean']:.1f}", "- tok/s" if rate is None else f"{rate:.0f} tok/s"]
     if "entropy" in row:
         items.append(f"ent {row['entropy']:.3f}")
     if "grad_norm" in row:

@@ -18,8 +18,10 @@ def staleness_stats(update: int, completions) -> dict:
 
 
 def collection_stats(trace: list[dict], max_slots: int) -> dict:
+    """Engine steps of the collection and their mean active batch over `max_slots`; `slot_util` is None when
+    no step ran (a partial run can hand over groups finished in earlier iterations): 0.0 read as an idle engine."""
     if not trace:
-        return {"decode_steps": 0, "slot_util": 0.0}
+        return {"decode_steps": 0, "slot_util": None}
     return {"decode_steps": len(trace),
             "slot_util": sum(t["batch_size"] for t in trace) / (len(trace) * max_slots)}
 

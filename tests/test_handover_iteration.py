@@ -1,0 +1,38 @@
+"""A partial run can hand over groups that earlier iterations finished, without the engine taking a step:
+that iteration's `slot_util` read 0.0 (an idle engine, where none ran) and `tokens_per_s` ~1.5e6 (the time of
+the hand-over). Both are null there now, and every rate that merges ranks or engines skips them."""
+
+from __future__ import annotations
+
+import json
+
+from kv4rl.distributed import merge_rank_rows
+from kv4rl.telemetry.progress import train_stats
+from kv4rl.telemetry.run_stats import collection_stats
+from tests.small_runs import train_cli
+
+
+def test_an_iteration_without_engine_steps_reports_no_rate_and_no_slot_use(tmp_path):
+    res = train_cli(f"out_dir={tmp_path}", "name=p", "device=cpu", "--no-progress", "rollout.mode=partial",
+                    "rollout.quota_groups=2", "rollout.group_size=4", "rollout.max_slots=24",
+                    "rollout.max_new_tokens=24", "rollout.temperature=1.5", "trainer.iterations=5")
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+    handed_over = [r for r in rows if r["decode_steps"] == 0]
+    assert handed_over, "this configuration hands a batch over without a step (iteration 2 on the CPU)"
+    for row in rows:
+        stepped = row["decode_steps"] > 0
+        assert (row["slot_util"] is not None) == stepped and (row["tokens_per_s"] is not None) == stepped
+        if stepped:
+            assert 0 < row["slot_util"] <= 1 and 0 < row["tokens_per_s"] < 1e6
+    assert "- tok/s" in train_stats(handed_over[0])
+
+
+def test_rates_merge_over_the_ranks_or_engines_that_stepped():
+    assert collection_stats([], 8) == {"decode_steps": 0, "slot_util": None}
+    assert collection_stats([{"batch_size": 2}, {"batch_size": 6}], 8)["slot_util"] == 0.5
+    rows = [{"iteration": 3, "tokens_per_s": 100.0, "slot_util": 0.5},
+            {"iteration": 3, "tokens_per_s": None, "slot_util": None},
+            {"iteration": 3, "tokens_per_s": 50.0, "slot_util": 0.25}]
+    assert merge_rank_rows(rows) == {"iteration": 3, "tokens_per_s": 150.0, "slot_util": 0.375}
+    assert merge_rank_rows([rows[1], rows[1]]) == rows[1]
