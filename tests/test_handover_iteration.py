@@ -36,3 +36,10 @@ def test_rates_merge_over_the_ranks_or_engines_that_stepped():
             {"iteration": 3, "tokens_per_s": 50.0, "slot_util": 0.25}]
     assert merge_rank_rows(rows) == {"iteration": 3, "tokens_per_s": 150.0, "slot_util": 0.375}
     assert merge_rank_rows([rows[1], rows[1]]) == rows[1]
+
+
+def test_known_means_and_sums_leave_out_the_iterations_without_a_step():
+    from kv4rl.telemetry.run_stats import mean_known, sum_known
+
+    assert mean_known([2.0, None, 4.0]) == 3.0 and sum_known([2.0, None, 4.0]) == 6.0
+    assert mean_known([None, None]) is None and sum_known([]) is None

@@ -50,6 +50,7 @@ from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.telemetry.phases import PHASES, means_of, rows_of
 from kv4rl.trainer.attention import CHOICES as ATTENTION_CHOICES
+from kv4rl.telemetry.run_stats import mean_known
 from kv4rl.trainer.compiled_layers import compiles_by_default, forget_compiled_graphs
 from kv4rl.trainer.fused_elementwise import fuses_by_default
 from kv4rl.trainer.learner_options import fused_logprobs_by_default
@@ -281,7 +282,8 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
         "iteration_seconds_stdev": statistics.stdev(r["time_total"] for r in rows) if len(rows) > 1 else 0.0,
         "tokens_per_iteration": statistics.fmean(r["response_len_mean"] * len(r["groups"]) * work.group_size
                                                  for r in rows),
-        "rollout_tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in rows),
+        # over the iterations whose engine stepped (a partial batch handed over from earlier ones has none)
+        "rollout_tokens_per_s": mean_known(r["tokens_per_s"] for r in rows),
         "preemptions": engine.num_preemptions - preempted,  # a sleep's or a refresh's recompute included
         "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
         "peak_memory_bytes": _peak(device),
@@ -350,3 +352,4 @@ def figure_rows(res: dict) -> list[dict]:
              "share": r["phases"][phase] / r["seconds_per_iteration"] if r["seconds_per_iteration"] else 0.0,
              "iterations": res["iterations"]}
             for r in res["results"] for phase in res["phases"]]
+

@@ -25,7 +25,7 @@ from kv4rl.run_setup import write_policy_files
 from kv4rl.split.channel import HeadLink, SplitGroups
 from kv4rl.split.resume import Consumed, checkpoint_state
 from kv4rl.telemetry.progress import TrainProgress
-from kv4rl.telemetry.run_stats import collection_stats, staleness_stats
+from kv4rl.telemetry.run_stats import collection_stats, mean_known, staleness_stats, sum_known
 from kv4rl.telemetry.run_watch import run_watch
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
@@ -89,11 +89,11 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
         "accuracy": float((rewards > 0.5).float().mean()),
         "response_len_mean": num_gen / len(completions),
         "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "tokens_per_s": _sum_known(sum(len(c.token_ids) for g in m["groups"] for c in g.completions)
+        "tokens_per_s": sum_known(sum(len(c.token_ids) for g in m["groups"] for c in g.completions)
                                    / max(m["time_rollout"], 1e-9) if m["trace"] else None for m in messages),
         **staleness_stats(it, completions),
         "decode_steps": sum(len(m["trace"]) for m in messages) / engines,
-        "slot_util": _mean_known(collection_stats(m["trace"], cfg.rollout.max_slots)["slot_util"] for m in messages),
+        "slot_util": mean_known(collection_stats(m["trace"], cfg.rollout.max_slots)["slot_util"] for m in messages),
         "preemptions": sum(m["preemptions"] for m in messages),
         "dropped_stale": sum(m["dropped_stale"] for m in messages),
         "engine_version_min": min(m["version"] for m in messages),
@@ -185,15 +185,4 @@ def save(s: LearnerSide, folder: RunFolder | None, done: int) -> Path | None:
     return save_checkpoint(folder.path if folder is not None else None, done, write_files, state,
                            folder.run_id if folder is not None else None, s.cfg.checkpoint.keep_last,
                            write_shards=s.learner.write_shards, group=s.groups.learner)
-
-
-def _sum_known(values) -> float | None:
-    """The sum over the engines that stepped (None where an engine took no step); None if none did."""
-    known = [v for v in values if v is not None]
-    return sum(known) if known else None
-
-
-def _mean_known(values) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None
 

@@ -26,6 +26,18 @@ def collection_stats(trace: list[dict], max_slots: int) -> dict:
             "slot_util": sum(t["batch_size"] for t in trace) / (len(trace) * max_slots)}
 
 
+def sum_known(values) -> float | None:
+    """The sum of the values that are not None (an engine or rank that took no step has no rate); None if none."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def mean_known(values) -> float | None:
+    """The mean of the values that are not None; None if none."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
 def summarize_run(run_dir: Path, resumed_from: int | None, written: bool = True) -> dict:
     """The whole run as recorded in metrics.jsonl (a resumed run included from iteration 0). A resume that
     has not `written` yet (stopped before its first iteration) leaves out the rows from `resumed_from` on:
