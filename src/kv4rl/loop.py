@@ -52,7 +52,7 @@ from kv4rl.run_setup import (
 )
 from kv4rl.telemetry.attribution import MismatchAttribution
 from kv4rl.telemetry.progress import TrainProgress
-from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, summarize_run
+from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, stepped, summarize_run
 from kv4rl.telemetry.run_watch import run_watch
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
@@ -243,7 +243,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         "response_len_mean": num_gen / len(completions),
         "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
         # None when the engine took no step (the batch was finished earlier): its ~1e6 was the time of a hand-over
-        "tokens_per_s": num_gen / max(times["time_rollout"], 1e-9) if trace else None,
+        "tokens_per_s": num_gen / max(times["time_rollout"], 1e-9) if stepped(trace) else None,
         **staleness_stats(it, completions),
         **collection_stats(trace, r.max_slots),
         # engine counts, once per engine (its tensor-parallel ranks all see the same)

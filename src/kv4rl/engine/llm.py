@@ -8,14 +8,14 @@ continuous-batching loop for orchestration that keeps requests alive across weig
 the same device; unfinished requests survive by recomputation (see `Engine.sleep`).
 `score_tokens(prompts, forced)` teacher-forces given responses through the same cache path and
 returns full-vocabulary logits (the fidelity bench compares KV formats with it). The whole calls
-(`generate`, `generate_each`, `score_tokens`) live in `kv4rl.engine.batch_calls`.
+(`generate`, `generate_each`, `score_tokens`) live in `kv4rl.engine.batch_calls`, the weights' loads and
+saves in `kv4rl.engine.weights`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ from kv4rl.engine.batch_calls import BatchCalls
 from kv4rl.engine.block_manager import BlockManager
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.host_copy import to_device
-from kv4rl.engine.merged_linears import merged_state_dict, unmerged_state_dict
 from kv4rl.engine.placement import place_model
 from kv4rl.engine.plan import make_plan, probe_capabilities
 from kv4rl.engine.runner import ModelRunner
@@ -33,6 +32,7 @@ from kv4rl.engine.sampler import as_int64, request_seed
 from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.summary import engine_summary
 from kv4rl.engine.run_ahead import LaunchedStep, copy_to_host, rows_ahead, schedule_ahead, tally
+from kv4rl.engine.weights import EngineWeights
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence, Status
 from kv4rl.models.decoder import Decoder
 from kv4rl.models.tensor_parallel import tensor_parallel_group
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 MAX_DRAINED_STEPS = 1024  # records kept for `take_drained_steps`
 
 
-class Engine(BatchCalls):
+class Engine(BatchCalls, EngineWeights):
     def __init__(
         self,
         model_dir: str | Path | None,
@@ -81,6 +81,7 @@ class Engine(BatchCalls):
             admit_siblings_together=config.admit_siblings_together,
         )
         self.eos_ids = frozenset(self.args.eos_token_ids)
+        self._stop_sets: dict[tuple[int, ...], frozenset[int]] = {}  # `_stop_ids`, per request stop ids
         self.generator = torch.Generator()  # only draws per-request seeds; sampling noise is counter-based
         self.generator.manual_seed(seed)
         self.version = 0
@@ -166,7 +167,15 @@ class Engine(BatchCalls):
         return seq
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        return self.eos_ids if params.stop_token_ids is None else self.eos_ids | frozenset(params.stop_token_ids)
+        """The EOS ids and the request's own stop ids (read per sequence per step: each set built once)."""
+        extra = params.stop_token_ids
+        if extra is None:
+            return self.eos_ids
+        key = extra if isinstance(extra, tuple) else tuple(extra)
+        ids = self._stop_sets.get(key)
+        if ids is None:
+            ids = self._stop_sets[key] = self.eos_ids | frozenset(key)
+        return ids
 
     def abort(self, seq: Sequence) -> None:
         """Remove an unfinished request (its blocks are freed); it is never returned by `step`."""
@@ -312,11 +321,6 @@ class Engine(BatchCalls):
         self._last_read = now
         return finished
 
-    def _check_weights_whole(self) -> None:
-        if self._torn_weights is not None:
-            raise RuntimeError(f"the engine's weights are part old, part new: load_weights failed part-way "
-                               f"({self._torn_weights}); load a whole set before sampling or scoring")
-
     # ---- sleep / wake -------------------------------------------------------------------------
     def sleep(self) -> None:
         """Free the KV pool and the decode CUDA graphs, so a learner on the same device can use that
@@ -352,52 +356,6 @@ class Engine(BatchCalls):
         self.pool_tokens = self.runner.num_blocks * self.config.kv.block_size
         self.pool_bytes = self.runner.cache_bytes
         self.asleep = False
-
-    # ---- weights ----------------------------------------------------------------------------
-    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                     version: int) -> None:
-        """Copy learner weights (HF names: a state dict, or a stream of (name, tensor) such as
-        `Learner.full_weights()`) in place; tokens sampled afterwards carry `version`. FP8 linears
-        re-quantize from the incoming tensors as they are copied. Returns once the copies are done on
-        the device, so the loop's `time_sync` holds the whole refresh. A set that fails part-way (a missing
-        or misshapen tensor) leaves the weights part old, part new, so the engine refuses to step or score
-        until a whole set loads (weights are copied in place: holding a second copy would double them)."""
-        self.drain()  # a step in flight samples under the old weights, with the old version
-        self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
-        try:
-            self.runner.load_weights(weights)
-        except BaseException as exc:  # the tensors before the bad one are copied: refuse to sample on them
-            self._torn_weights = f"{type(exc).__name__}: {exc}"
-            raise
-        self.runner.synchronize()
-        self.version = version
-        self._torn_weights = None
-
-    def kv_calibration(self) -> list[dict[str, torch.Tensor]] | None:
-        """What the KV format calibrated once per layer (NVFP4's per-tensor scales), on the CPU, for a
-        checkpoint; None for formats that calibrate nothing. A resumed engine given it (`load_kv_calibration`) quantizes
-        its cache as the saved one did, instead of calibrating on other prompts."""
-        per_layer = self.runner.kv_calibration()
-        if not any(per_layer):
-            return None
-        return [{key: value.cpu() for key, value in kept.items()} for kept in per_layer]
-
-    def load_kv_calibration(self, per_layer: list[dict[str, torch.Tensor]]) -> None:
-        self.runner.load_kv_calibration([{key: value.to(self.device) for key, value in kept.items()}
-                                         for kept in per_layer])
-
-    def weights_state(self) -> dict[str, torch.Tensor]:
-        """The engine's weights under its own names, those of unmerged projections whether merged or not
-        (`merged_linears.unmerged_state_dict`), on CPU (FP8 codes and scales stay exact)."""
-        return {k: v.detach().cpu().clone() for k, v in unmerged_state_dict(self.model).items()}
-
-    def load_weights_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Restore weights saved by `weights_state`; tokens sampled afterwards carry `version`."""
-        self.drain()
-        self.model.load_state_dict(merged_state_dict(self.model, state))
-        self.version = version
-        self._torn_weights = None
-        self.scheduler.forget_prefixes()
 
     @property
     def num_preemptions(self) -> int:

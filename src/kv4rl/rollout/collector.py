@@ -130,6 +130,9 @@ class Collector:
     def _step(self) -> None:
         if self.before_step is not None:
             self.before_step()
+        if not self.engine.has_unfinished():  # an idle engine's step returns nothing: this loop would spin
+            raise RuntimeError(f"the engine is idle with {len(self.ready)} of {self.quota} groups ready: "
+                               "requests of this batch were lost")
         finished = self.engine.step()
         self.trace += [dict(step) for step in self.engine.take_drained_steps()]  # read by a refresh's drain
         self.trace.append(dict(self.engine.last_step))

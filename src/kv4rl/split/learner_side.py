@@ -25,7 +25,7 @@ from kv4rl.run_setup import write_policy_files
 from kv4rl.split.channel import HeadLink, SplitGroups
 from kv4rl.split.resume import Consumed, checkpoint_state
 from kv4rl.telemetry.progress import TrainProgress
-from kv4rl.telemetry.run_stats import collection_stats, mean_known, staleness_stats, sum_known
+from kv4rl.telemetry.run_stats import collection_stats, mean_known, staleness_stats, stepped, sum_known
 from kv4rl.telemetry.run_watch import run_watch
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
@@ -90,7 +90,7 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
         "response_len_mean": num_gen / len(completions),
         "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "tokens_per_s": sum_known(sum(len(c.token_ids) for g in m["groups"] for c in g.completions)
-                                   / max(m["time_rollout"], 1e-9) if m["trace"] else None for m in messages),
+                                   / max(m["time_rollout"], 1e-9) if stepped(m["trace"]) else None for m in messages),
         **staleness_stats(it, completions),
         "decode_steps": sum(len(m["trace"]) for m in messages) / engines,
         "slot_util": mean_known(collection_stats(m["trace"], cfg.rollout.max_slots)["slot_util"] for m in messages),

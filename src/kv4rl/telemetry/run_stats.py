@@ -17,11 +17,17 @@ def staleness_stats(update: int, completions) -> dict:
             "staleness_hist": dict(sorted(hist.items(), key=lambda item: int(item[0])))}
 
 
+def stepped(trace: list[dict]) -> bool:
+    """Whether the collection itself ran the engine: a partial run can hand over groups finished in earlier
+    iterations, and with async scheduling its trace then holds only the step a refresh drained."""
+    return any(not t.get("drained") for t in trace)
+
+
 def collection_stats(trace: list[dict], max_slots: int) -> dict:
     """Engine steps of the collection and their mean active batch over `max_slots`; `slot_util` is None when
-    no step ran (a partial run can hand over groups finished in earlier iterations): 0.0 read as an idle engine."""
-    if not trace:
-        return {"decode_steps": 0, "slot_util": None}
+    the collection ran no step (`stepped`): 0.0 read as an idle engine."""
+    if not stepped(trace):
+        return {"decode_steps": len(trace), "slot_util": None}
     return {"decode_steps": len(trace),
             "slot_util": sum(t["batch_size"] for t in trace) / (len(trace) * max_slots)}
 
