@@ -48,7 +48,7 @@ class SeedCurve:
     iterations: list[int]
     values: list[float]  # raw metric
     smoothed: list[float]  # EMA
-    null_values: int  # rows where the metric was logged as null (non-finite)
+    null_values: int  # rows where the metric was logged as null (non-finite, or not measured in that row)
     models: list[str] = field(default_factory=list)  # the distinct `model_sha256` of its rows, first one first
 
 
@@ -150,7 +150,8 @@ def load_seed(run: Path, metric: str, decay: float, until: int | None = None) ->
                          f"{', '.join(_numeric_keys(rows)) or 'none'}")
     present = [r for r in logged if r[metric] is not None]
     if not present:
-        raise ValueError(f"{run}: metric '{metric}' is null (non-finite) in every row that has it")
+        raise ValueError(f"{run}: metric '{metric}' is null in every row that has it (not finite, or not measured "
+                         "there, as a rate in an iteration that ran no engine step)")
     for r in present:
         v = r[metric]
         if not isinstance(v, (int, float)) or isinstance(v, bool):
