@@ -178,3 +178,31 @@ def test_tensor_and_array_prompts_are_read_whole(tiny_qwen3):
     for bad in (torch.tensor(3), np.zeros((2, 2), dtype=np.int64), torch.tensor([1.0, 2.0])):
         with pytest.raises(ValueError, match="integer token ids"):
             engine.checked_ids(bad, "prompt")
+
+
+def test_a_step_that_only_hands_over_what_a_drain_read_says_so(tiny_qwen3):
+    """With async scheduling a refresh's drain can read the last step; the next `step` then only returns its
+    finished requests, and the collector traced `last_step` again as if it were a new step (a review's
+    repro: 2 steps launched, 3 trace rows)."""
+    path, _ = tiny_qwen3
+    engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64, async_scheduling=True),
+                    device="cpu", dtype="float32")
+    seq = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.step() == [] and engine.step_was_read  # read the first token, the second launched ahead
+    engine.load_weights(_hf_weights(path), version=1)  # drains: the second token is read there
+    assert len(engine.take_drained_steps()) == 1
+    assert engine.step() == [seq] and not engine.step_was_read
+
+
+def test_a_stream_that_fails_after_only_skipped_names_changes_nothing(tiny_qwen3):
+    """Rotary buffers in a stream are skipped, not copied: a stream failing after one was marked torn."""
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+
+    def stream():
+        yield "model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4)
+        raise RuntimeError("the learner's gather failed")
+
+    with pytest.raises(RuntimeError, match="gather failed"):
+        engine.load_weights(stream(), version=1)
+    assert len(engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) == 2

@@ -86,6 +86,7 @@ class Engine(BatchCalls, EngineWeights):
         self.generator.manual_seed(seed)
         self.version = 0
         self.last_step: dict = {}
+        self.step_was_read = False  # the last `step` read a step (`last_step` is its record), not only stopped ones
         # all layers, scales and KV4's reserved INT8 rows (spread over max_model_len) included
         self.bytes_per_token = self.kv_bytes_per_token(self.max_model_len)
         self.pool_tokens = self.runner.num_blocks * config.kv.block_size
@@ -174,6 +175,8 @@ class Engine(BatchCalls, EngineWeights):
         key = extra if isinstance(extra, tuple) else tuple(extra)
         ids = self._stop_sets.get(key)
         if ids is None:
+            if len(self._stop_sets) >= 1024:  # callers that vary their stop ids per request
+                self._stop_sets.clear()
             ids = self._stop_sets[key] = self.eos_ids | frozenset(key)
         return ids
 
@@ -228,6 +231,7 @@ class Engine(BatchCalls, EngineWeights):
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
         self._check_weights_whole()
+        self.step_was_read = False
         finished, self._backlog = self._backlog, []
         launched = self._inflight
         if launched is None:
@@ -242,6 +246,7 @@ class Engine(BatchCalls, EngineWeights):
             nxt, ids = schedule_ahead(self.scheduler, launched, rows, self.version)
             self._inflight = self._launch_step(nxt, t1, saved, pending_ids=ids)
         finished += self._complete(launched)
+        self.step_was_read = True
         if self.async_scheduling and self._inflight is None and self.scheduler.has_unfinished():
             # it could not run ahead (a request may be admitted, one needs a block): launch the next step
             # now that the tokens are read, so the caller's work overlaps its device work

@@ -23,12 +23,13 @@ class EngineWeights:
         refuses to step or score until a whole set loads (holding a second copy would double the weights)."""
         self.drain()  # a step in flight samples under the old weights, with the old version
         self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
-        taken = [0]  # tensors the stream handed over; each is copied before the next is asked for
+        taken = [0]  # tensors the stream handed over to be copied; each is copied before the next is asked for
 
         def counted(stream):
             for item in stream:
                 yield item
-                taken[0] += 1
+                if not self.model.ignorable(item[0]):  # skipped, not copied
+                    taken[0] += 1
 
         checked_whole = isinstance(weights, Mapping)
         try:

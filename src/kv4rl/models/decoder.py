@@ -200,7 +200,7 @@ class Decoder(nn.Module):
         when the caller already has it.
         """
         targets = self.hf_targets() if targets is None else targets
-        unexpected = [name for name in shapes if name not in targets and not self._ignorable(name)]
+        unexpected = [name for name in shapes if name not in targets and not self.ignorable(name)]
         if unexpected:
             raise ValueError(f"unexpected tensors for {self.args.model_type}: {_preview(unexpected)}")
         wrong_shape = [
@@ -216,7 +216,8 @@ class Decoder(nn.Module):
                 raise ValueError(f"missing parameters: {_preview(missing)}")
         return [name for name in shapes if name in targets]
 
-    def _ignorable(self, name: str) -> bool:
+    def ignorable(self, name: str) -> bool:
+        """A checkpoint name that loads nothing (rotary buffers; the head of a tied-embedding model)."""
         return name.endswith(_IGNORABLE_SUFFIXES) or (
             name == TIED_HEAD_NAME and self.args.tie_word_embeddings
         )
@@ -244,7 +245,7 @@ class Decoder(nn.Module):
         targets = self.hf_targets()  # once: building it walks every module (per tensor it was O(n^2))
         seen: set[str] = set()
         for name, tensor in tensors:
-            if self._ignorable(name):
+            if self.ignorable(name):
                 continue
             self.check_hf_shapes({name: tensor.shape}, strict=False, targets=targets)
             store(targets[name], tensor)

@@ -135,7 +135,8 @@ class Collector:
                                "requests of this batch were lost")
         finished = self.engine.step()
         self.trace += [dict(step) for step in self.engine.take_drained_steps()]  # read by a refresh's drain
-        self.trace.append(dict(self.engine.last_step))
+        if self.engine.step_was_read:  # else it only handed over what a drain read: that step is traced above
+            self.trace.append(dict(self.engine.last_step))
         self._record(finished)
 
     def _record(self, finished: list[Sequence]) -> None:
