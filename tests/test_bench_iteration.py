@@ -153,3 +153,26 @@ def test_compile_layers_reaches_the_trainer_of_every_arm():
         bench = IterationBench(arms=tuple(parse_arms("bf16+sync,kv4+partial+awake")), shape="qwen3-tiny",
                                compile_layers=flag, device="cpu")
         assert [run_config(bench, arm).trainer.compile_layers for arm in bench.arms] == [flag, flag]
+
+
+def test_an_arm_the_device_cannot_hold_ends_with_one_line_after_the_arms_that_ran(tmp_path, one_thread, monkeypatch):
+    """On an H100 the awake arm's pool and the learner's update did not fit: the engine's ValueError left the
+    command as a traceback. Now: the finished arms' table, one error line naming the arm, exit 2, and the
+    JSON keeps the finished arms ("complete": false)."""
+    import kv4rl.bench.iteration as iteration
+
+    real = iteration.run_arm
+
+    def second_does_not_fit(cfg, bench, model_dir, progress):
+        if cfg.rollout.mode == "partial":
+            raise ValueError("engine.gpu_memory_fraction=0.9: no room for the KV pool (as an H100 said)")
+        return real(cfg, bench, model_dir, progress)
+
+    monkeypatch.setattr(iteration, "run_arm", second_does_not_fit)
+    out = tmp_path / "it.json"
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync,bf16+partial", "--json", str(out)])
+    assert res.exit_code == 2, res.output
+    assert "error: arm bf16+partial: engine.gpu_memory_fraction=0.9: no room" in " ".join(res.output.split())
+    assert "Traceback" not in res.output and "bf16+sync" in res.output.split("error:")[0]
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False and [r["arm"] for r in saved["results"]] == ["bf16+sync"]

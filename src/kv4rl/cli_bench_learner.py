@@ -126,16 +126,24 @@ def register_learner_benches(app: typer.Typer) -> None:
             return
         warn_real_shape_off_cuda(shape, device)
 
+        kept: list[dict] = []  # the arms done so far, for the table if a later arm is refused
+
         def finished(partial: dict) -> None:  # each arm as it ends: a time limit keeps what ran
             r = partial["results"][-1]
             console.print(f"[dim]{len(partial['results'])}/{len(bench.arms)} {r['arm']}: "
                           f"{r['seconds_per_iteration']:.2f} s per iteration[/]", highlight=False)
             write_json(partial, json_out)
+            kept[:] = [partial]
 
         # the model folder, then each arm's two builds, its warm-up and its timed iterations
-        with StageProgress(console, "iteration") as stages:
-            res = bench_iteration(bench, configs, progress=stages.counted(1 + len(bench.arms) * (3 + bench.iterations)),
-                                  on_result=finished)
+        try:
+            with StageProgress(console, "iteration") as stages:
+                res = bench_iteration(bench, configs, on_result=finished,
+                                      progress=stages.counted(1 + len(bench.arms) * (3 + bench.iterations)))
+        except ValueError as exc:  # an arm the device cannot hold (its pool refused by name): one line, after
+            if kept:  # the table of the arms that ran, which the JSON keeps ("complete": false)
+                print_table(console, iteration_table(kept[0]))
+            fail(str(exc))
         for r in res["results"]:
             console.print(f"[dim]{r['arm']}: {r['engine_summary']}[/]", highlight=False, soft_wrap=True)
         print_table(console, iteration_table(res))

@@ -340,7 +340,10 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
     for arm in bench.arms:
         cfg = configs[arm.label]
         cfg.model.path = str(model_dir)
-        rows.append(run_arm(cfg, bench, model_dir, progress))
+        try:
+            rows.append(run_arm(cfg, bench, model_dir, progress))
+        except ValueError as exc:  # e.g. an awake arm whose pool and the learner's update do not fit the device
+            raise ValueError(f"arm {arm.label}: {exc}") from None
         if on_result is not None:
             on_result(summary(complete=False))
     return summary(complete=True)
