@@ -172,7 +172,9 @@ def test_an_arm_the_device_cannot_hold_ends_with_one_line_after_the_arms_that_ra
     out = tmp_path / "it.json"
     res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync,bf16+partial", "--json", str(out)])
     assert res.exit_code == 2, res.output
-    assert "error: arm bf16+partial: engine.gpu_memory_fraction=0.9: no room" in " ".join(res.output.split())
+    said = " ".join(res.output.split())
+    assert "error: arm bf16+partial: engine.gpu_memory_fraction=0.9: no room" in said
+    assert 'holds the arms that finished, "complete": false' in said
     assert "Traceback" not in res.output and "bf16+sync" in res.output.split("error:")[0]
     saved = json.loads(out.read_text())
     assert saved["complete"] is False and [r["arm"] for r in saved["results"]] == ["bf16+sync"]

@@ -11,6 +11,7 @@ from typer import Option
 
 from kv4rl.bench.tables import iteration_table, learner_table
 from kv4rl.cli_common import (
+    PARTIAL_JSON,
     check_at_least,
     check_device,
     check_figure_path,
@@ -143,7 +144,9 @@ def register_learner_benches(app: typer.Typer) -> None:
         except ValueError as exc:  # an arm the device cannot hold (its pool refused by name): one line, after
             if kept:  # the table of the arms that ran, which the JSON keeps ("complete": false)
                 print_table(console, iteration_table(kept[0]))
-            fail(str(exc))
+            PARTIAL_JSON.discard(json_out)  # said here, not again by an interrupt message
+            held = f' ({json_out} holds the arms that finished, "complete": false)' if kept and json_out else ""
+            fail(str(exc) + held)
         for r in res["results"]:
             console.print(f"[dim]{r['arm']}: {r['engine_summary']}[/]", highlight=False, soft_wrap=True)
         print_table(console, iteration_table(res))
