@@ -125,14 +125,8 @@ def test_a_sigterm_while_the_command_starts_stops_the_run_with_exit_0(tmp_path):
         "    os.kill(os.getpid(), signal.SIGTERM)  # while the config is read\n"
         "    return real(*args, **kwargs)\n"
         "config.load_config = signalled\n"
-        "from kv4rl.cli import app\n"
-        f"sys.argv = ['kv4rl', 'train', 'out_dir={tmp_path}', 'name=early', *{SMALL!r}, 'trainer.iterations=3']\n"
-        "app()\n")
-    env = dict(os.environ, PYTHONPATH=str(Path(kv4rl.__file__).parents[1]))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
-    assert "SIGTERM" in proc.stdout + proc.stderr
-    assert not (tmp_path / "early" / "metrics.jsonl").exists()
+        "from kv4rl.cli import app\n")
+    stopped_at_start(tmp_path, script, "SIGTERM")
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
@@ -149,11 +143,17 @@ def test_a_signal_while_the_training_code_is_imported_stops_the_run_with_exit_0(
         f"            os.kill(os.getpid(), signal.{signum})  # as the training code is imported\n"
         "        return None\n"
         "sys.meta_path.insert(0, SignalOnImport())\n"
-        "from kv4rl.cli import app\n"
-        f"sys.argv = ['kv4rl', 'train', 'out_dir={tmp_path}', 'name=early', *{SMALL!r}, 'trainer.iterations=3']\n"
-        "app()\n")
+        "from kv4rl.cli import app\n")
+    stopped_at_start(tmp_path, script, signum)
+
+
+def stopped_at_start(tmp_path, script: str, signal_name: str) -> None:
+    """`script` (signalling itself while `kv4rl train` starts) then the train command: the README's contract,
+    exit 0 with the signal named and nothing written."""
+    script += (f"sys.argv = ['kv4rl', 'train', 'out_dir={tmp_path}', 'name=early', *{SMALL!r}, 'trainer.iterations=3']\n"
+               "app()\n")
     env = dict(os.environ, PYTHONPATH=str(Path(kv4rl.__file__).parents[1]))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
-    assert signum in proc.stdout + proc.stderr
+    assert signal_name in proc.stdout + proc.stderr
     assert not (tmp_path / "early" / "metrics.jsonl").exists()
