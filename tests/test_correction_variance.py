@@ -16,8 +16,8 @@ from kv4rl.sim.correction_variance import (
     measure,
     parse_behavior,
     parse_horizons,
-    stale_policy,
 )
+from kv4rl.sim.reference_policies import stale_policy
 
 HORIZONS = [1, 3, None]
 TEMPERATURE = 0.9
