@@ -106,8 +106,7 @@ def _prompting_differences(model: Path, chat: bool, template: str | None, eval_t
     given); `eval_template`: the template eval prompts with (default: `template`)."""
     import yaml
 
-    from kv4rl.data.source import BOXED_INSTRUCTION
-    from kv4rl.data.synthetic import PROMPT_TEMPLATE
+    from kv4rl.data.source import default_prompt_template
 
     folder = Path(model).resolve().parent
     saved = folder.parent / "config.yaml"
@@ -129,8 +128,7 @@ def _prompting_differences(model: Path, chat: bool, template: str | None, eval_t
         lines.append(f"its run prompted with data.prompt_template {run_template!r} ({saved}); pass --template "
                      f"with it to evaluate it as it was trained")
     elif not run_template and template is not None:  # the run's default, which this --template replaces
-        files = data.get("train") is not None or data.get("eval") is not None
-        default = BOXED_INSTRUCTION if files else PROMPT_TEMPLATE
+        default = default_prompt_template(embedded=data.get("train") is None and data.get("eval") is None)
         if template != default:
             lines.append(f"its run prompted with the default template {default!r} (data.prompt_template: null in "
                          f"{saved}); --template {template!r} prompts it otherwise")

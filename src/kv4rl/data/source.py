@@ -33,6 +33,12 @@ DEFAULT_POOL_SIZE = 512
 EVAL_SEED_OFFSET = 7_919_000  # keeps embedded eval problems disjoint in seed space from training draws
 
 
+def default_prompt_template(embedded: bool) -> str:
+    """The prompt template when `data.prompt_template` is null: the embedded task's `{problem}=`, or the boxed
+    instruction for dataset files."""
+    return ARITH_TEMPLATE if embedded else BOXED_INSTRUCTION
+
+
 class ProblemSource:
     def __init__(self, train_path: str | None, eval_path: str | None, seed: int, shuffle: bool = True,
                  pool_size: int = DEFAULT_POOL_SIZE, task: EmbeddedTask | None = None):
@@ -54,7 +60,7 @@ class ProblemSource:
 
     @property
     def default_template(self) -> str:
-        return ARITH_TEMPLATE if self.embedded else BOXED_INSTRUCTION
+        return default_prompt_template(self.embedded)
 
     @property
     def default_reward(self) -> str:
