@@ -263,7 +263,8 @@ def run_eval(s: Setup, it: int) -> dict:
     """The periodic evaluation: each engine samples its share of the problems (`kv4rl.eval.data_parallel`,
     as `kv4rl eval` under torchrun does), rank 0 gets the metrics over all of them; {} on other ranks. It
     samples with the engine's weights, `eval/policy_version` (behind the learner between refreshes when
-    `staleness.refresh_every` > 1); requests in flight wait through it (`Engine.generate`)."""
+    `staleness.refresh_every` > 1); requests in flight wait through it (`Engine.generate`: the running ones
+    are preempted and re-prefilled afterwards, so a `carry: keep_kv` run's KV of old weights is recomputed)."""
     cfg = s.cfg
     problems = s.source.eval_problems(cfg.data.eval_size)
     res, _ = evaluate_ranks(s.engine, s.formatter, problems, s.reward_fn, current(), k=cfg.eval.k,
