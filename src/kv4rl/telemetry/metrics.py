@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from kv4rl.durability import sync_path
@@ -37,10 +38,12 @@ class JsonlWriter:
             self._file = self.path.open("x")  # a fresh run's log is a new file, never a replaced one
             return
         if self.path.exists():
-            kept = [line for line, row in read_lines(self.path) if row.get("iteration", -1) < self.resume_from]
             tmp = self.path.with_name(self.path.name + ".tmp")
-            try:
-                tmp.write_text("".join(line + "\n" for line in kept))
+            try:  # line by line: a long run's rollout trace (one row a step) is GBs, held whole it took ~6x that
+                with tmp.open("w") as out:
+                    for line, row in iter_lines(self.path):
+                        if row.get("iteration", -1) < self.resume_from:
+                            out.write(line + "\n")
                 sync_path(tmp)  # the kept rows on the disk before they replace the whole log
             except BaseException:
                 tmp.unlink(missing_ok=True)  # the log stays as it was
@@ -77,26 +80,31 @@ class JsonlWriter:
 def _parsed(path: Path, warn: bool = True):
     """(line number, line, value) of each line that parses; a torn one (a kill mid-write) is skipped with a warning
     (`warn`)."""
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            yield number, line, json.loads(line)
-        except json.JSONDecodeError:
-            if warn:
-                log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
+    with Path(path).open() as lines:  # read as it goes: a rollout trace can be larger than the host's memory
+        for number, line in enumerate(lines, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            try:
+                yield number, line, json.loads(line)
+            except json.JSONDecodeError:
+                if warn:
+                    log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
+
+
+def iter_lines(path: Path, warn: bool = True) -> Iterator[tuple[str, dict]]:
+    """(line, row) pairs as the file is read; a line that does not parse (torn by a kill mid-write), or is not
+    a JSON object, is skipped with a warning (`warn`: a second reader of the same file leaves it to the first)."""
+    for number, line, row in _parsed(path, warn):
+        if isinstance(row, dict):
+            yield line, row
+        elif warn:
+            log.warning("%s:%d is %s, not a JSON object row; skipped", path, number, type(row).__name__)
 
 
 def read_lines(path: Path, warn: bool = True) -> list[tuple[str, dict]]:
-    """(line, row) pairs; a line that does not parse (torn by a kill mid-write), or is not a JSON object, is
-    skipped with a warning (`warn`: a second reader of the same file leaves it to the first)."""
-    out = []
-    for number, line, row in _parsed(path, warn):
-        if isinstance(row, dict):
-            out.append((line, row))
-        elif warn:
-            log.warning("%s:%d is %s, not a JSON object row; skipped", path, number, type(row).__name__)
-    return out
+    """`iter_lines` as a list."""
+    return list(iter_lines(path, warn))
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -41,7 +41,10 @@ class RunWatch:
         iterations across the resume still counts as one, and what was said before is not said twice."""
         for row in rows:
             self.warned_cut = self.warned_cut or row.get("truncated_frac") == 1.0
-            self.stalled = self.stalled + [row] if _no_signal(row) else []
+            if not _no_signal(row):
+                self.stalled = []
+            elif not self.warned_stall:  # appended in place: a copy a row was quadratic in a long stall
+                self.stalled.append(row)
             self.warned_stall = self.warned_stall or len(self.stalled) >= self.iterations
         if self.warned_stall:
             self.stalled = []
