@@ -157,6 +157,47 @@ def test_an_eval_in_a_small_window_scores_what_it_scored_holding_every_response(
     assert len({t for r in windowed for t in r.texts}) > 1  # sampled: a real comparison
 
 
+def test_an_eval_on_a_training_engine_decodes_each_response_once_and_templates_each_problem_once():
+    """A training run's engine has the tokenizer and decodes each completion's text; the eval takes that
+    text (it decoded every response a second time: ~56 s of host a 30 x 1,024 x 8k eval) and builds each
+    problem's prompt once, not k times. Scores and texts are those of an engine without a tokenizer."""
+    from kv4rl.data.prompts import PromptFormatter
+    from kv4rl.data.source import ProblemSource
+    from kv4rl.eval.runner import sample_problems
+    from kv4rl.models.tiny import tiny_model_dir
+    from kv4rl.rewards import get_reward
+    from transformers import AutoTokenizer
+
+    model = tiny_model_dir()
+    source = ProblemSource(None, None, 3)
+    problems = source.eval_problems(6)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    formatter = PromptFormatter(tokenizer, source.default_template, False)
+    decodes, templated = [0], [0]
+    decode, ids = tokenizer.decode, formatter.ids
+
+    def counted_decode(*args, **kwargs):
+        decodes[0] += 1
+        return decode(*args, **kwargs)
+
+    def counted_ids(problem):
+        templated[0] += 1
+        return ids(problem)
+
+    tokenizer.decode, formatter.ids = counted_decode, counted_ids
+    runs = []
+    for with_tokenizer in (False, True):
+        decodes[0] = templated[0] = 0
+        engine = Engine(model, EngineConfig(max_model_len=64), device="cpu", max_num_seqs=8,
+                        tokenizer=tokenizer if with_tokenizer else None)
+        with get_reward(source.default_reward) as reward:
+            runs.append(sample_problems(engine, formatter, problems, [0, 2, 3], reward, k=4, temperature=1.0,
+                                        max_new_tokens=16, seed=5))
+        assert decodes[0] == 12 and templated[0] == 3
+    assert runs[0] == runs[1]
+    assert len({t for r in runs[1][0] for t in r.texts}) > 1
+
+
 def test_a_prompt_that_cannot_fit_is_refused_before_any_request_runs(tiny_qwen3):
     """With a window the last prompts are added late: one too long for the context was refused after steps
     had run and completions had been handed over (an eval lost at its end). Reference: no step, no finish."""

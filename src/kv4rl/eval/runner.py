@@ -45,7 +45,8 @@ def sample_problems(engine: Engine, formatter: PromptFormatter, problems: list[P
     report = progress or (lambda stage, done=0, total=None: None)
     if not indices:
         return [], {}
-    prompts = [formatter.ids(problems[i]) for i in indices for _ in range(k)]
+    prompt_of = {i: formatter.ids(problems[i]) for i in indices}  # templated and encoded once, not k times
+    prompts = [prompt_of[i] for i in indices for _ in range(k)]
     seeds = [request_seed(seed, i * k + j) for i in indices for j in range(k)]
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
     sampling = f"sampling {len(prompts)} responses"
@@ -53,8 +54,11 @@ def sample_problems(engine: Engine, formatter: PromptFormatter, problems: list[P
     texts: list[str] = [""] * len(prompts)
     lengths = [0] * len(prompts)
 
+    engine_decodes = getattr(engine, "tokenizer", None) is formatter.tokenizer  # a training run's engine decodes
+
     def keep(place: int, completion) -> None:
-        texts[place] = formatter.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        texts[place] = (completion.text if engine_decodes and completion.text is not None
+                        else formatter.tokenizer.decode(completion.token_ids, skip_special_tokens=True))
         lengths[place] = len(completion.token_ids)
 
     engine.generate_each(prompts, params, keep, progress=lambda done: report(sampling, done, len(prompts)),
