@@ -118,3 +118,29 @@ def test_packed_sequences_never_attend_to_each_other(tiny_qwen3):
     torch.testing.assert_close(after[1], base[1], rtol=0, atol=1e-6)
     alone = learner._logprobs(learner.model, pair.select(slice(1, 2)))
     torch.testing.assert_close(base[1:], alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_fit_count_and_the_even_plan_equal_the_row_by_row_searches_at_thousands_of_rows(seed):
+    """The tree-searched first fit against the scan of every open micro-batch, and the doubling-then-halving
+    search for an even fill against trying one more micro-batch at a time (log-normal lengths, as RL's)."""
+    from kv4rl.trainer.packing import _fill_evenly, _first_fit_count
+
+    g = torch.Generator().manual_seed(seed)
+    rows = [7, 300, 3000][seed % 3]
+    budget = [64, 4096, 32768][seed % 3]
+    lengths = (torch.empty(rows).log_normal_(0.0, 1.0, generator=g) * budget / 8).clamp(1, budget * 1.2)
+    lengths = lengths.long().tolist()
+    order = sorted(range(rows), key=lambda i: (-lengths[i], i))
+    rooms: list[int] = []
+    for row in order:
+        fit = next((b for b, r in enumerate(rooms) if r >= lengths[row]), None)
+        if fit is None:
+            rooms.append(max(budget - lengths[row], 0))
+        else:
+            rooms[fit] -= lengths[row]
+    assert _first_fit_count(order, lengths, budget) == len(rooms)
+    n = len(rooms)
+    while (expected := _fill_evenly(order, lengths, budget, n)) is None:
+        n += 1
+    assert plan_micro_batches(lengths, budget) == expected

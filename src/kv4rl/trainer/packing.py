@@ -20,22 +20,35 @@ import torch
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Group row indices into micro-batches of at most `max_tokens` tokens, as evenly filled as the
-    rows allow, as few as longest-first first fit needs (one more, rarely, where even filling needs it).
+    rows allow, in about as many as longest-first first fit needs (at 8k long-tailed rows even filling
+    needed 2% more).
 
     Even sizes are for compiled layers: first fit leaves a remainder (470 tokens beside 16,384-token
     micro-batches in a 4B step on 2026-12-02) whose size falls outside the range inductor specialised
     the step's graphs for, and recompiling them cost ~20 s in the middle of the timed step. Rows go
     longest first to the emptiest of `n` micro-batches (the least filled one has the most room), so
-    the sizes differ by at most one row's length; where a row then fits nowhere, `n` grows by one. A
-    row longer than `max_tokens` goes alone (it cannot be split: its tokens attend to each other).
+    the sizes differ by at most one row's length; where a row then fits nowhere, `n` grows: by doubling
+    steps, then halving back to an `n` that fills where `n - 1` did not (one at a time took 41 fills at 8k
+    rows). A row longer than `max_tokens` goes alone (it cannot be split: its tokens attend to each other).
     Every index appears exactly once; within a micro-batch rows keep the order they were placed in.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     n = _first_fit_count(order, lengths, max_tokens)
-    while (bins := _fill_evenly(order, lengths, max_tokens, n)) is None:
-        n += 1  # ends by n = len(lengths): one row each always fits
+    bins = _fill_evenly(order, lengths, max_tokens, n)
+    if bins is not None:
+        return bins
+    failed, step = n, 1  # n = len(lengths) always fills: one row each
+    while (bins := _fill_evenly(order, lengths, max_tokens, min(failed + step, len(lengths)))) is None:
+        failed, step = failed + step, step * 2
+    filled = min(failed + step, len(lengths))
+    while filled - failed > 1:
+        mid = (failed + filled) // 2
+        if (trial := _fill_evenly(order, lengths, max_tokens, mid)) is None:
+            failed = mid
+        else:
+            filled, bins = mid, trial
     return bins
 
 
@@ -53,16 +66,31 @@ def _fill_evenly(order: list[int], lengths: list[int], max_tokens: int, n: int) 
 
 
 def _first_fit_count(order: list[int], lengths: list[int], max_tokens: int) -> int:
-    """How many micro-batches longest-first first fit packs the rows into (a lower bound to start from)."""
-    room: list[int] = []
+    """How many micro-batches longest-first first fit packs the rows into (a lower bound to start from).
+
+    The first micro-batch with room for a row is found in a tree of the largest room under each node, so a
+    row costs O(log rows), not a scan of every open micro-batch (287 ms at 8k rows and 1,800 micro-batches)."""
+    size = 1
+    while size < max(len(order), 1):
+        size *= 2
+    most = [-1] * (2 * size)  # most[node]: the largest room of the micro-batches under it; -1 where none is open
+    opened = 0
     for row in order:
-        for b, free in enumerate(room):
-            if lengths[row] <= free:
-                room[b] -= lengths[row]
-                break
+        need = lengths[row]
+        if most[1] >= need:
+            node = 1
+            while node < size:  # down to the leftmost leaf with room
+                node = 2 * node if most[2 * node] >= need else 2 * node + 1
+            most[node] -= need
         else:
-            room.append(max(max_tokens - lengths[row], 0))
-    return len(room)
+            node = size + opened
+            opened += 1
+            most[node] = max(max_tokens - need, 0)
+        node //= 2
+        while node:
+            most[node] = max(most[2 * node], most[2 * node + 1])
+            node //= 2
+    return opened
 
 
 @dataclass(slots=True)
