@@ -106,6 +106,7 @@ class Sequence:
     table_epoch: int = 0  # bumped when `block_table` is freed (it only grows by appends in between)
     fork: PrefixFork | None = None  # set by the scheduler, applied and cleared by the runner
     chunk: int = 0  # chunked prefill: new tokens the next forward computes (0: all of them), set per step
+    prompt_key: bytes | None = field(default=None, repr=False)  # the prompt as bytes, set by the scheduler
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
