@@ -168,3 +168,27 @@ def test_a_resumed_log_keeps_its_earlier_rows_reading_line_by_line(tmp_path):
         writer.close()
     assert log.read_text().splitlines() == rows[:45_000] + ['{"iteration": 450, "step": -1}']
     assert size > 4_000_000 and peak < size / 8
+
+
+def test_the_trace_plot_reads_its_columns_line_by_line_and_keeps_only_them(tmp_path):
+    """`kv4rl plot rollout-trace` over a long run's trace (a row a step, millions): the plotted fields of
+    the chosen iterations equal those of the rows read whole, and reading holds a fraction of the file
+    (the rows as dicts took ~1 KB each)."""
+    import tracemalloc
+
+    from kv4rl.telemetry.plots import TRACE_COLUMNS, trace_columns
+
+    log = tmp_path / "rollout_trace.jsonl"
+    rows = [{"batch_size": i % 97, "new_tokens": 12, "prefill_tokens": 0, "context_mean": i / 3, "kv_bytes": 4096.0 * i,
+             "kv_blocks": i, "shared_blocks": 0, "prefill_tokens_saved": 0, "latency_s": 1e-3 + i * 1e-9,
+             "wait_s": 1e-6, "iteration": i // 1000} for i in range(40_000)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tracemalloc.start()
+    try:
+        columns = trace_columns(log, (5, 30))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    chosen = [r for r in rows if 5 <= r["iteration"] < 30]
+    assert {key: list(columns[key]) for key in TRACE_COLUMNS} == {key: [r[key] for r in chosen] for key in TRACE_COLUMNS}
+    assert len(chosen) == 25_000 and peak < log.stat().st_size / 4

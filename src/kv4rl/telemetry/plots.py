@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import csv
+from array import array
 from pathlib import Path
 
-from kv4rl.telemetry.metrics import read_jsonl
+from kv4rl.telemetry.metrics import iter_lines
 
 
 def _pyplot():
@@ -75,31 +76,46 @@ def plot_iteration_time(rows: list[dict], out_png: Path, title: str = "time per 
     return _save(fig, out_png)
 
 
+TRACE_COLUMNS = ("iteration", "batch_size", "context_mean", "kv_bytes", "latency_s")
+
+
+def trace_columns(path: Path, iterations: tuple[int, float] | None = None) -> dict[str, array]:
+    """The plotted fields of a rollout trace's steps in [first, last) iterations, read line by line into
+    arrays of doubles: a long run's trace has a row per engine step (millions), and its rows as dicts
+    took ~1 KB each."""
+    columns = {key: array("d") for key in TRACE_COLUMNS}
+    for _, row in iter_lines(path):
+        if iterations is not None and not iterations[0] <= row["iteration"] < iterations[1]:
+            continue
+        for key, column in columns.items():
+            column.append(row[key])
+    return columns
+
+
 def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[int, float] | None = None) -> Path:
     """Figure B-2 style: per decode step, active batch size and mean context length, nominal resident
     KV bytes, and step latency; one column per run (e.g. sync and partial side by side)."""
     plt = _pyplot()
     fig, axes = plt.subplots(3, len(run_dirs), figsize=(6 * len(run_dirs), 9), squeeze=False, sharey="row")
     for col, run in enumerate(run_dirs):
-        trace = read_jsonl(Path(run) / "rollout_trace.jsonl")
-        if iterations is not None:
-            trace = [t for t in trace if iterations[0] <= t["iteration"] < iterations[1]]
-        if not trace:
+        trace = trace_columns(Path(run) / "rollout_trace.jsonl", iterations)
+        if not trace["iteration"]:
             raise ValueError(f"{run}: rollout_trace.jsonl holds no steps in the chosen iterations")
-        steps = range(len(trace))
+        steps = range(len(trace["iteration"]))
         ax = axes[0][col]
-        ax.plot(steps, [t["batch_size"] for t in trace], label="active batch size")
+        ax.plot(steps, trace["batch_size"], label="active batch size")
         ax2 = ax.twinx()
-        ax2.plot(steps, [t["context_mean"] for t in trace], color="tab:orange", label="mean context length")
+        ax2.plot(steps, trace["context_mean"], color="tab:orange", label="mean context length")
         ax.set_title(Path(run).name)
         ax.set_ylabel("active sequences")
         ax2.set_ylabel("mean context (tokens)")
-        axes[1][col].plot(steps, [t["kv_bytes"] / 2**20 for t in trace], color="tab:green")
+        axes[1][col].plot(steps, [b / 2**20 for b in trace["kv_bytes"]], color="tab:green")
         axes[1][col].set_ylabel("resident KV (MiB, nominal)")
-        axes[2][col].plot(steps, [1e3 * t["latency_s"] for t in trace], color="tab:red")
+        axes[2][col].plot(steps, [1e3 * t for t in trace["latency_s"]], color="tab:red")
         axes[2][col].set_ylabel("step latency (ms)")
         axes[2][col].set_xlabel("engine step")
-        bounds = [i for i in range(1, len(trace)) if trace[i]["iteration"] != trace[i - 1]["iteration"]]
+        its = trace["iteration"]
+        bounds = [i for i in range(1, len(its)) if its[i] != its[i - 1]]
         for row in axes:
             for b in bounds:
                 row[col].axvline(b, color="grey", lw=0.5, ls=":")
