@@ -370,3 +370,24 @@ def test_the_start_over_command_of_a_torchrun_job_is_a_torchrun_command(tmp_path
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(RunFolderError, match=r"run `kv4rl train -c "):
         find_restore(cfg)
+
+
+def test_a_checkpoint_without_its_stream_record_still_refuses_another_seed_or_shuffle(tmp_path):
+    """Checkpoints written before the training stream was recorded (before 2026-12-05) skipped the check,
+    so a resume with another seed or data.shuffle went through and wrote the new seed into config.yaml,
+    losing the run's own. The run's config.yaml holds what the stream was: the same refusal, nothing
+    touched; an unchanged resume of such a checkpoint works."""
+    run = new_run(tmp_path, "old", "trainer.iterations=2", "checkpoint.save_every=1")
+    for state_file in run.glob("checkpoints/iter_*/trainer_state.pt"):
+        state = torch.load(state_file, weights_only=False)
+        del state["data_stream"]
+        torch.save(state, state_file)
+    before = tree_state(run)
+    for change, shown in (("seed=7", "(seed 0 -> 7)"), ("data.shuffle=false", "(shuffle True -> False)")):
+        res = train_cli("--resume", str(run), "trainer.iterations=3", change, "--no-progress")
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"the training stream differs from the checkpoint's {shown}" in text, text
+        assert tree_state(run) == before
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2]

@@ -119,7 +119,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=task_of_model(base_dir))
     if restore is not None:
-        check_same_stream(restore, source.stream_fingerprint())
+        check_same_stream(restore, source.stream_fingerprint(), cfg.run_dir / "config.yaml")
     policy_dir = base_dir if restore is None else restore.path
     check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)

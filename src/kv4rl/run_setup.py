@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kv4rl.config import ConfigError, RunConfig
+from kv4rl.config import ConfigError, RunConfig, load_config
 from kv4rl.distributed import train_launch
 from kv4rl.run_folder import RunFolderError
 from kv4rl.telemetry.run_stats import summarize_run
@@ -107,12 +107,16 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
                    offload_optimizer=t.offload_optimizer)
 
 
-def check_same_stream(restore: Restore, now: dict) -> None:
+def check_same_stream(restore: Restore, now: dict, run_config: Path | None = None) -> None:
     """Refuse a resume whose training stream (`now`: `ProblemSource.stream_fingerprint`) differs from the
     checkpoint's (the dataset file edited, rows added or removed, another seed or data.shuffle): the run's
-    place in it would point at other problems. Checkpoints written before the stream was recorded are not
-    checked."""
+    place in it would point at other problems. A checkpoint written before the stream was recorded (before
+    2026-12-05) is checked for seed and data.shuffle against the run's `run_config` (its config.yaml, not yet
+    rewritten by this resume): a resume with another seed went through and recorded the new one there."""
     saved = restore.state.get("data_stream")
+    if saved is None and run_config is not None and run_config.is_file():
+        recorded = load_config(run_config)
+        saved = {**now, "seed": recorded.seed, "shuffle": recorded.data.shuffle}
     if saved is None or saved == now:
         return
     changes = [f"{key} {saved.get(key)} -> {now.get(key)}" for key in ("rows", "seed", "shuffle")

@@ -120,7 +120,7 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     stream = (source or ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                       task=None if cfg.data.train else task_of_model(base_dir))).stream_fingerprint()
     if restore is not None:
-        check_same_stream(restore, stream)
+        check_same_stream(restore, stream, cfg.run_dir / "config.yaml")
     with GracefulStop() as stop:
         if ranks.rank >= learners:
             return None, _engine(cfg, groups, ranks.rank - learners, device, source, base_dir, restore, stop)
