@@ -126,6 +126,21 @@ def test_periodic_eval_leaves_a_partial_runs_training_stream_unchanged(tmp_path)
         assert [r[key] for r in rows] == [r[key] for r in ref], key
 
 
+def test_an_evals_preemptions_are_in_its_own_row_and_the_last_one_reaches_the_log(tmp_path):
+    """The row was built before the eval, so an eval's preemptions (the partial responses it parks) showed in
+    the next row, and the last eval's in none: the log's final `preemptions` fell short of the run's total,
+    which the checkpoint held (a resume's first row then jumped). Reference: the saved engine counter."""
+    run = small_run(tmp_path, "evaluated", "trainer.iterations=2", "data.eval_size=4", "rollout.mode=partial",
+                    "rollout.max_slots=8", "rollout.quota_groups=4", "rollout.group_size=4", "eval.every=1",
+                    "eval.k=2", "checkpoint.save_every=1")
+    train(run, show_progress=False)
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    saved = [torch.load(run.run_dir / "checkpoints" / f"iter_{n:06d}" / "trainer_state.pt",
+                        weights_only=False)["engine_preemptions"] for n in (1, 2)]
+    assert [r["preemptions"] for r in rows] == [counts[0] for counts in saved]
+    assert rows[-1]["preemptions"] > 0  # the last eval parked responses in flight
+
+
 def test_a_max_versions_lowered_at_resume_holds_for_the_restored_responses(tmp_path):
     """`--resume ... staleness.max_versions=1` restored responses checked only against the saved (absent)
     bound: the first batch collected after the resume delivered tokens 4 versions old. Reference: the bound

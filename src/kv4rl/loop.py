@@ -337,6 +337,8 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
             row, trace = run_iteration(s, it)
             if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
                 evaluation = run_eval(s, it)  # every rank takes part (engines share the problems out)
+                if s.engine.tp.rank == 0:  # its preemptions in this row: the last eval's reached no row
+                    row["preemptions"] = s.engine.num_preemptions
                 if folder is not None:
                     row.update(evaluation)  # rank 0's
             rows, traces = zip(*gather_objects((row, trace)))
