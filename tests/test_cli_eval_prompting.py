@@ -124,3 +124,50 @@ def test_eval_of_a_runs_latest_file_evaluates_the_checkpoint_it_names(tmp_path):
     assert json.loads(out.read_text())["model"] == str(ckpts / "iter_000002")
     with pytest.raises(ModelFolderError, match=r"names a run's newest checkpoint; give the checkpoint: .*iter_000002"):
         read_model_args(ckpts / "latest")  # as model.path of a run: the checkpoint named in the error
+
+
+@pytest.mark.parametrize("prunes", [1, 3])
+def test_eval_of_latest_loads_the_newest_again_when_the_run_prunes_the_one_it_was_loading(tmp_path, monkeypatch,
+                                                                                        prunes):
+    """A run that keeps its last checkpoints (`checkpoint.keep_last`) removed the one `latest` named while
+    `kv4rl eval --model .../latest` loaded it: 'model folder ... does not exist', '... no *.safetensors weight
+    files' or a Hugging Face repo-id error, by the moment. Here each load sees the run save the next
+    checkpoint, repoint `latest` and delete the old one (as its saves do) before reading: the eval takes
+    the newest, or after three such loads says what happened."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    import kv4rl.cli_eval as cli_eval
+    from kv4rl.cli import app
+    from kv4rl.models.tiny import tiny_model_dir
+
+    ckpts = tmp_path / "runs" / "r" / "checkpoints"
+    shutil.copytree(tiny_model_dir(), ckpts / "iter_000002")
+    (ckpts / "latest").write_text("iter_000002")
+    real_load, loads = cli_eval._load, []
+
+    def pruned_while_loading(engine_cfg, ranks, model, *args):
+        loads.append(model.name)
+        if len(loads) <= prunes:  # the run's next save
+            newest = ckpts / f"iter_{2 + 2 * len(loads):06d}"
+            shutil.copytree(model, newest)
+            (ckpts / "latest").write_text(newest.name)
+            shutil.rmtree(model)
+        return real_load(engine_cfg, ranks, model, *args)
+
+    monkeypatch.setattr(cli_eval, "_load", pruned_while_loading)
+    out = tmp_path / "out.json"
+    res = CliRunner().invoke(app, ["eval", "--model", str(ckpts / "latest"), "--n", "2", "--k", "1",
+                                   "--device", "cpu", "--json", str(out)])
+    text = " ".join(res.output.split())
+    if prunes == 1:
+        assert res.exit_code == 0, res.output
+        assert loads == ["iter_000002", "iter_000004"]
+        assert json.loads(out.read_text())["model"] == str(ckpts / "iter_000004")
+        assert "iter_000002 was removed by the run writing it (checkpoint.keep_last)" in text
+    else:
+        assert res.exit_code == 2 and not out.exists(), res.output
+        assert loads == ["iter_000002", "iter_000004", "iter_000006"]
+        assert "iter_000006 was removed while it loaded: the run writing" in text and "keep_last" in text, text

@@ -212,26 +212,71 @@ def eval_cmd(
     wrote(json_out, samples_out)
 
 
+LATEST_ATTEMPTS = 3  # loads of a run's newest checkpoint, each pruned by the run while it loaded
+
+
 def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_tokens, reward, template, chat,
          device, seed):
     """Load the model and data, sample this rank's share, gather: (metrics, settings, per-problem results,
-    problems) on rank 0; the metrics and results are None on the other ranks."""
+    problems) on rank 0; the metrics and results are None on the other ranks. A model given as a run's
+    `checkpoints/latest` that the run prunes while it loads (`checkpoint.keep_last`) is loaded again from
+    the newest (one process), else refused by name: it failed as a missing model, missing weights or a bad
+    Hugging Face repo id, depending on the moment."""
+    from kv4rl.distributed import from_main
+    from kv4rl.eval.data_parallel import evaluate_ranks
+    from kv4rl.models.hf_weights import ModelFolderError, latest_checkpoint
+    from kv4rl.models.testbed import read_metadata
+    from kv4rl.rewards import get_reward
+
+    given = model if model is not None else _default_model(ranks.main)
+    for attempt in range(1, LATEST_ATTEMPTS + 1):
+        # `checkpoints/latest`: the newest checkpoint it names, read by rank 0 for every rank (a run saving
+        # meanwhile must not give the ranks different checkpoints)
+        model = from_main(latest_checkpoint(given) or given)
+        try:
+            loaded = _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, template, chat,
+                           device, seed)
+            break
+        except Exception:
+            if model == given or model.exists():
+                raise
+            # a training run that writes it pruned this checkpoint (checkpoint.keep_last) while it loaded
+            if ranks.world > 1 or attempt == LATEST_ATTEMPTS:
+                raise ModelFolderError(
+                    f"{model} was removed while it loaded: the run writing {given.parent.parent} keeps only its "
+                    f"newest checkpoints (checkpoint.keep_last). Run again to evaluate the newest, or copy the "
+                    f"checkpoint out of the run first") from None
+            warn(f"{model.name} was removed by the run writing it (checkpoint.keep_last) while it loaded; "
+                 f"loading the newest")
+    engine, formatter, problems, source, task, max_new_tokens = loaded
+    reward_name = source.default_reward if reward == "auto" else reward
+    stages = StageProgress(console, "eval") if ranks.main else contextlib.nullcontext()
+    with get_reward(reward_name) as reward_fn, stages:
+        res, results = evaluate_ranks(engine, formatter, problems, reward_fn, ranks, k=k, temperature=temperature,
+                                      max_new_tokens=max_new_tokens, seed=seed, progress=stages if ranks.main else None)
+    if res is not None:
+        # a testbed folder is evaluated on its own task: say which, not "embedded"
+        named = str(data) if data else (f"testbed task {(read_metadata(model) or {}).get('testbed', type(task).__name__)}"
+                                        if task is not None else "embedded")
+        res = {"model": str(model), "data": named, **res}
+    settings = {"reward": reward_name, "template": formatter.template, "chat_template": chat,
+                "temperature": temperature, "max_new_tokens": max_new_tokens,
+                "max_model_len": engine.max_model_len, "seed": seed, "engine": overrides,
+                "engines": ranks.world // engine.tp.size}
+    return res, settings, results, problems
+
+
+def _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, template, chat, device, seed):
+    """The model folder's checks, tokenizer and engine, and the problems: everything that reads `model`."""
     from transformers import AutoTokenizer
 
     from kv4rl.data.longmul import LongMulTask
     from kv4rl.data.prompts import PromptFormatter
     from kv4rl.data.source import ProblemSource
     from kv4rl.engine.llm import Engine
-    from kv4rl.eval.data_parallel import evaluate_ranks
-    from kv4rl.distributed import from_main
-    from kv4rl.models.hf_weights import check_model_folder, latest_checkpoint
+    from kv4rl.models.hf_weights import check_model_folder
     from kv4rl.models.testbed import read_metadata, task_of
-    from kv4rl.rewards import get_reward
 
-    model = model if model is not None else _default_model(ranks.main)
-    # `checkpoints/latest`: the newest checkpoint it names, read by rank 0 for every rank (a run saving
-    # meanwhile must not give the ranks different checkpoints)
-    model = from_main(latest_checkpoint(model) or model)
     model_len = check_model_folder(model).max_position_embeddings
     task = task_of(model) if data is None else None  # a testbed folder is evaluated on its own task
     source = ProblemSource(None, str(data) if data else None, seed, task=task)
@@ -253,18 +298,4 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     # no more slots than requests: on the CPU the pool holds every slot at max_model_len (4.6 GiB for 32
     # requests of a 135M model at 256 slots). No tokenizer: the eval decodes each response once, itself
     engine = Engine(model, engine_cfg, device=device, seed=seed, max_num_seqs=max(1, min(256, len(problems) * k)))
-    reward_name = source.default_reward if reward == "auto" else reward
-    stages = StageProgress(console, "eval") if ranks.main else contextlib.nullcontext()
-    with get_reward(reward_name) as reward_fn, stages:
-        res, results = evaluate_ranks(engine, formatter, problems, reward_fn, ranks, k=k, temperature=temperature,
-                                      max_new_tokens=max_new_tokens, seed=seed, progress=stages if ranks.main else None)
-    if res is not None:
-        # a testbed folder is evaluated on its own task: say which, not "embedded"
-        named = str(data) if data else (f"testbed task {(read_metadata(model) or {}).get('testbed', type(task).__name__)}"
-                                        if task is not None else "embedded")
-        res = {"model": str(model), "data": named, **res}
-    settings = {"reward": reward_name, "template": formatter.template, "chat_template": chat,
-                "temperature": temperature, "max_new_tokens": max_new_tokens,
-                "max_model_len": engine.max_model_len, "seed": seed, "engine": overrides,
-                "engines": ranks.world // engine.tp.size}
-    return res, settings, results, problems
+    return engine, formatter, problems, source, task, max_new_tokens
