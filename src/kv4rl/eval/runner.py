@@ -54,7 +54,7 @@ def sample_problems(engine: Engine, formatter: PromptFormatter, problems: list[P
     texts: list[str] = [""] * len(prompts)
     lengths = [0] * len(prompts)
 
-    engine_decodes = getattr(engine, "tokenizer", None) is formatter.tokenizer  # a training run's engine decodes
+    engine_decodes = engine.tokenizer is formatter.tokenizer  # a training run's engine decodes
 
     def keep(place: int, completion) -> None:
         texts[place] = (completion.text if engine_decodes and completion.text is not None

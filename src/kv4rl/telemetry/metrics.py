@@ -39,7 +39,7 @@ class JsonlWriter:
             return
         if self.path.exists():
             tmp = self.path.with_name(self.path.name + ".tmp")
-            try:  # line by line: a long run's rollout trace (one row a step) is GBs, held whole it took ~6x that
+            try:  # line by line: a long run's rollout trace (one row a step) is GBs, held whole it took ~8x that
                 with tmp.open("w") as out:
                     for line, row in iter_lines(self.path):
                         if row.get("iteration", -1) < self.resume_from:
