@@ -29,8 +29,9 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     longest first to the emptiest of `n` micro-batches (the least filled one has the most room), so
     the sizes differ by at most one row's length; where a row then fits nowhere, `n` grows: by doubling
     steps, then halving back to an `n` that fills where `n - 1` did not (8,192 long-tailed rows: 12 fills,
-    where one more at a time took 39). A row longer than `max_tokens` goes alone (it cannot be split: its tokens attend to each other).
-    Every index appears exactly once; within a micro-batch rows keep the order they were placed in.
+    where one more at a time took 39). A row longer than `max_tokens` goes alone (it cannot be split: its
+    tokens attend to each other). Every index appears exactly once; within a micro-batch rows keep the order
+    they were placed in.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
