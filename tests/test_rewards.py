@@ -151,6 +151,39 @@ def test_math_verify_reads_the_latex_it_misparsed_in_training_golds(math_reward)
                        [r"2007+\frac{\pi}{2}", r"\frac{1}{29322216}"]).scores == [1.0, 1.0]
 
 
+@pytest.mark.parametrize(
+    ("answer", "gold", "expected"),
+    [
+        # a trailing `\,` thin space kept whole (its ',' was cut, leaving a lone backslash)
+        (r"5\,", "5", True),
+        (r"(1,2)\,", "(1,2)", True),
+        (r"30^\circ\,", "30", True),
+        # thousands separated by `\,` (math-verify read `1\,000` as 1*0 and `2\,500` as 502)
+        (r"1\,000", "1000", True),
+        (r"3\,600", "3600", True),
+        (r"1\,000\,000", "10^6", True),
+        (r"1\,000", "0", False),
+        (r"2\,500", "502", False),
+        # numbers in a base compare by value (math-verify dropped the subscript: 52_9 equalled 52_8)
+        ("52_9", "52_8", False),
+        ("52_{10}", "52_8", False),
+        ("110_2", "110_3", False),
+        ("101010_2", "52_8", True),  # both 42
+        ("52_8", "4210_{5}", False),  # 42 against 555
+        ("52", "52_8", True),  # the base left off is still read as the digits, as before
+        ("x_2", "x_1", False),
+        # `\frac` with one bare argument (`\frac\pi{2}` parsed as garbage, `\frac ab` as nothing)
+        (r"\frac\pi{2}", r"\frac{\pi}{2}", True),
+        (r"\frac ab", r"\frac{a}{b}", True),
+        (r"\frac ab", r"\frac{b}{a}", False),
+        (r"\frac{1}2", "0.5", True),
+        (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", True),
+    ],
+)
+def test_math_verify_reads_thin_spaces_bases_and_half_bare_fractions(answer, gold, expected):
+    assert verify_answer(answer, gold) is expected
+
+
 def test_math_verify_unparseable_gold_counts_as_error(math_reward):
     result = math_reward([r"\boxed{1}", r"\boxed{1}"], ["\\\\", "1"])
     assert result.scores == [0.0, 1.0]

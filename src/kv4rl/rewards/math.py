@@ -52,32 +52,57 @@ def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return math_verify.parse, math_verify.verify
 
 
-_TRAILING_PUNCTUATION = re.compile(r"[.,;]\s*$")
+_TRAILING_PUNCTUATION = re.compile(r"(?<!\\)[.,;]\s*$")  # not the ',' of a trailing `\,` thin space
 _PHANTOM = re.compile(r"\\phantom\s*(?:\{[^{}]*\}|\S)")
-_BARE_FRAC = re.compile(r"\\[dt]?frac\s*(\\[a-zA-Z]+|\d)\s*(\\[a-zA-Z]+|\d)")
+_FRAC_ARGUMENT = r"(\{[^{}]*\}|\\[a-zA-Z]+|[0-9a-zA-Z])"
+_BARE_FRAC = re.compile(r"\\([dt]?frac)\s*" + _FRAC_ARGUMENT + r"\s*" + _FRAC_ARGUMENT)
 _GROUPED_NUMBER = re.compile(r"\{(\d{1,3}(?:,\d{3})+)\}")
+_THIN_SPACED_NUMBER = re.compile(r"(?<![\d.])\d{1,3}(?:\\,\d{3})+(?![\d.])")
+_BASE_NUMBER = re.compile(r"(\d[0-9A-Za-z]*)_(?:\{(\d+)\}|(\d+))")
+
+
+def _braced(argument: str) -> str:
+    return argument if argument.startswith("{") else "{" + argument + "}"
 
 
 def tidy_answer(answer: str) -> str:
     """LaTeX that math-verify misreads, rewritten before it parses an answer (gold or boxed): a trailing
     '.', ',' or ';' (it parsed `\\begin{pmatrix}...\\end{pmatrix}.` as -1), the `\\!` thin space and
-    `\\phantom` padding, `\\frac` with bare arguments (`\\frac\\pi 2` became 2), and thousands commas in a
-    brace group (`\\frac{1}{29,322,216}`). Nine MATH training answers scored right answers 0 and three
-    wrong ones 1 without it."""
+    `\\phantom` padding, `\\frac` with a bare argument (`\\frac\\pi 2` became 2, `\\frac\\pi{2}` garbage),
+    thousands separated by commas in a brace group (`\\frac{1}{29,322,216}`) or by `\\,` (`1\\,000` read as
+    1*0). Nine MATH training answers scored right answers 0 and three wrong ones 1 without it."""
     answer = _PHANTOM.sub("", answer.replace("\\!", "")).strip()
-    answer = _BARE_FRAC.sub(r"\\frac{\1}{\2}", answer)
+    answer = _BARE_FRAC.sub(lambda m: f"\\{m.group(1)}{_braced(m.group(2))}{_braced(m.group(3))}", answer)
     answer = _GROUPED_NUMBER.sub(lambda m: "{" + m.group(1).replace(",", "") + "}", answer)
+    answer = _THIN_SPACED_NUMBER.sub(lambda m: m.group(0).replace("\\,", ""), answer)
     return _TRAILING_PUNCTUATION.sub("", answer)
+
+
+def _base_number_value(answer: str) -> int | None:
+    """The value of an answer written as a number in a base (`52_8`, `4210_{5}`), else None: math-verify
+    drops the subscript, so `52_9` would equal `52_8`."""
+    match = _BASE_NUMBER.fullmatch(answer.strip().strip("$").strip())
+    if match is None:
+        return None
+    base = int(match.group(2) or match.group(3))
+    try:
+        return int(match.group(1), base) if 2 <= base <= 36 else None
+    except ValueError:
+        return None
 
 
 def verify_answer(predicted: str, gold: str) -> bool:
     """True when the boxed answer `predicted` is mathematically equivalent to `gold` (math-verify), both
-    tidied first (`tidy_answer`)."""
+    tidied first (`tidy_answer`); two numbers written in bases (`52_8`, `101010_2`) compare by value."""
     parse, verify = _math_verify()
-    gold_parsed = parse(f"${tidy_answer(gold)}$", parsing_timeout=None)
+    gold, predicted = tidy_answer(gold), tidy_answer(predicted)
+    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
     if not gold_parsed:
         raise ValueError(f"gold answer {gold!r} does not parse with math-verify")
-    predicted_parsed = parse(f"\\boxed{{{tidy_answer(predicted)}}}", parsing_timeout=None)
+    gold_value, predicted_value = _base_number_value(gold), _base_number_value(predicted)
+    if gold_value is not None and predicted_value is not None:
+        return gold_value == predicted_value
+    predicted_parsed = parse(f"\\boxed{{{predicted}}}", parsing_timeout=None)
     return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=None))
 
 
