@@ -148,7 +148,8 @@ def test_a_resumed_event_file_is_created_after_the_second_of_the_newest_one(tmp_
 def test_a_resumed_log_keeps_its_earlier_rows_reading_line_by_line(tmp_path):
     """Resuming rewrites a log with the rows before the resume point. A long run's rollout trace (one row a
     step) is GBs; read whole it took ~6x its size of host memory (3.4 GiB for 2M rows). The rows kept are
-    the earlier lines byte for byte, a torn line skipped, and the reader's peak stays far below the file."""
+    the earlier lines byte for byte (a line that is not a row among them too), and the reader's peak stays far
+    below the file."""
     import tracemalloc
 
     from kv4rl.telemetry.metrics import JsonlWriter
@@ -166,8 +167,35 @@ def test_a_resumed_log_keeps_its_earlier_rows_reading_line_by_line(tmp_path):
     finally:
         tracemalloc.stop()
         writer.close()
-    assert log.read_text().splitlines() == rows[:45_000] + ['{"iteration": 450, "step": -1}']
+    assert log.read_text().splitlines() == (rows[:30_000] + ['{"iteration": 3, "ste'] + rows[30_000:45_000]
+                                            + ['{"iteration": 450, "step": -1}'])
     assert size > 4_000_000 and peak < size / 8
+
+
+def test_a_resume_keeps_every_line_before_its_point_that_is_not_a_row_and_drops_a_torn_tail(tmp_path, caplog):
+    """A resume deletes only the rows it makes again. A line that does not parse among the rows it keeps
+    (NUL bytes from a damaged disk, bytes that are not UTF-8, a hand edit) was deleted with the warning
+    "skipped"; it stays, byte for byte. The lines that are not rows after the last row kept, a write torn by a
+    kill, go, as do the rows from the resume point on."""
+    from kv4rl.telemetry.metrics import JsonlWriter
+
+    log = tmp_path / "metrics.jsonl"
+    row = [b'{"iteration": %d, "loss": 0.5}' % i for i in range(6)]
+    damaged = b'{"iteration": 1, \x00\x00\x00\x00 "loss": 0.5}'
+    not_utf8 = b'{"iteration": 2, "note": "\xff\xfe"}'
+    lines = [row[0], damaged, b"\x00" * 16, not_utf8, b"[1, 2]", row[3], row[4], b'{"iteration": 5, "lo', row[5],
+             b'{"iteration": 6, "lo']
+    log.write_bytes(b"\n".join(lines) + b"\n")
+    writer = JsonlWriter(log, resume_from=4)
+    with caplog.at_level("WARNING"):
+        writer.write({"iteration": 4, "loss": 0.25})
+    writer.close()
+    assert log.read_bytes().split(b"\n") == [row[0], damaged, b"\x00" * 16, not_utf8, b"[1, 2]", row[3],
+                                             b'{"iteration": 4, "loss": 0.25}', b""]
+    assert [m for m in caplog.messages if "kept as it is" in m] == [
+        f"{log}:{n} is not a JSON row; kept as it is" for n in (2, 3, 5)]  # bytes not UTF-8 in a row: a row
+    assert [m for m in caplog.messages if "dropped" in m] == [
+        f"{log}:{n} is not a JSON row (cut short by a kill?) and follows the rows kept; dropped" for n in (8, 10)]
 
 
 def test_the_trace_plot_reads_its_columns_line_by_line_and_keeps_only_them(tmp_path):

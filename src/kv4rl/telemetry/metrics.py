@@ -3,7 +3,8 @@
 A writer touches its file only at its first write, so a run that fails before its first iteration
 completes leaves an existing file as it was. A fresh run's file is created new (never replacing
 one); a resumed run first drops the rows of iterations at or after the checkpoint (they will be
-produced again) with an atomic rewrite, so the file never holds an iteration twice.
+produced again) with an atomic rewrite, so the file never holds an iteration twice; nothing else
+before the last row kept is dropped.
 """
 
 from __future__ import annotations
@@ -40,16 +41,41 @@ class JsonlWriter:
         if self.path.exists():
             tmp = self.path.with_name(self.path.name + ".tmp")
             try:  # line by line: a long run's rollout trace (one row a step) is GBs, held whole it took ~8x that
-                with tmp.open("w") as out:
-                    for line, row in iter_lines(self.path):
-                        if row.get("iteration", -1) < self.resume_from:
-                            out.write(line + "\n")
+                with tmp.open("w", errors="surrogateescape") as out:
+                    for line in self._kept_on_resume():
+                        out.write(line + "\n")
                 sync_path(tmp)  # the kept rows on the disk before they replace the whole log
             except BaseException:
                 tmp.unlink(missing_ok=True)  # the log stays as it was
                 raise
             os.replace(tmp, self.path)
         self._file = self.path.open("a")
+
+    def _kept_on_resume(self) -> Iterator[str]:
+        """The lines a resume keeps: the rows of iterations before `resume_from`, and every line that is not a
+        row (damaged, edited by hand) but comes before one of them, as it is (a resume deletes nothing but the
+        rows it makes again). Lines that are not rows after the last kept one, a write torn by a kill, go."""
+        pending: list[tuple[int, str]] = []
+        with self.path.open(errors="surrogateescape") as lines:  # bytes that are not UTF-8 kept as they are
+            for number, line in enumerate(lines, 1):
+                line = line.rstrip("\r\n")
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    row = None
+                if not isinstance(row, dict):
+                    pending.append((number, line))
+                elif row.get("iteration", -1) < self.resume_from:
+                    for kept, _ in pending:
+                        log.warning("%s:%d is not a JSON row; kept as it is", self.path, kept)
+                    yield from (bad for _, bad in pending)
+                    pending.clear()
+                    yield line
+        for dropped, _ in pending:
+            log.warning("%s:%d is not a JSON row (cut short by a kill?) and follows the rows kept; dropped",
+                        self.path, dropped)
 
     def write(self, row: dict) -> None:
         self.write_many([row])
