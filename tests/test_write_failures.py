@@ -267,3 +267,59 @@ def test_a_log_write_that_fails_names_the_log(tmp_path):
     assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(log)
     assert os_error_text(failed.value) == f"{log}: No space left on device"
     assert rows(tmp_path) == [0]  # what was written stays
+
+
+@pytest.mark.parametrize(("limit", "said"), [(1_000_000, r".tmp_iter_000001: File too large"),
+                                            (5_000_000, r"trainer_state.pt: Input/output error (torch.save:")])
+def test_a_checkpoint_the_disk_refuses_is_one_error_line_naming_it(tmp_path, limit, said):
+    """safetensors and torch.save raise types of their own when a write fails (a full disk printed ~150 lines
+    of traceback; torch's said only "unexpected pos"). A real refusal, a file-size limit on the process
+    (model.safetensors ~3 MB, trainer_state.pt ~6 MB here), gives the CLI's one error line naming the file,
+    and the save leaves nothing a resume would take."""
+    import resource
+    import subprocess
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: writes fail EFBIG
+
+    cmd = [sys.executable, "-m", "kv4rl.cli", "train", f"out_dir={tmp_path}", "name=big", *SMALL,
+           "trainer.iterations=2", "checkpoint.save_every=1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limited, timeout=300)
+    text = " ".join((res.stdout + res.stderr).split())
+    assert res.returncode == 1, text
+    assert "Traceback" not in text and text.count("error:") == 1, text
+    assert re.search(rf"error: \S*{re.escape(said)}", text), text
+    assert sorted(p.name for p in (tmp_path / "big" / "checkpoints").iterdir()) == []
+    assert rows(tmp_path / "big") == [0]
+
+
+def test_torch_saves_unexplained_write_failure_is_named_a_full_disk_when_the_disk_is_full(tmp_path, monkeypatch):
+    """torch.save's "unexpected pos" carries no errno: with under 1 MiB free it is a full disk, else EIO."""
+    import shutil
+
+    from kv4rl.trainer import checkpoint
+
+    target = tmp_path / "trainer_state.pt"
+    unexplained = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    for free, number in [(1 << 19, errno.ENOSPC), (1 << 30, errno.EIO)]:
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: shutil._ntuple_diskusage(1 << 40, 0, free))
+        with pytest.raises(OSError) as caught, checkpoint._writing(target):
+            raise unexplained
+        assert (caught.value.errno, caught.value.filename) == (number, str(target))
+    with pytest.raises(RuntimeError, match="a bug"), checkpoint._writing(target):  # any other error passes as is
+        raise RuntimeError("a bug")
+
+
+def test_the_resume_hint_is_quoted_for_a_shell(tmp_path, monkeypatch):
+    """A run folder named with a space: the hint pasted back resumed a folder cut at the space."""
+    import shlex
+
+    from kv4rl.distributed import resume_command
+
+    fail_nth_state_save(monkeypatch, 2)
+    res = train_cli(f"out_dir={tmp_path}", "name=sp ace", *SMALL, *ITERS)
+    assert res.exit_code == 1, res.output
+    hint = " ".join(res.output.split()).split("continue with ", 1)[1]
+    assert shlex.split(hint) == ["kv4rl", "train", "--resume", str(tmp_path / "sp ace")]
+    assert shlex.split(resume_command("it's here", 2)) == ["torchrun", "--nproc-per-node", "2", "-m", "kv4rl.cli",
+                                                            "train", "--resume", "it's here"]

@@ -133,8 +133,8 @@ def train(
     if note is not None:
         warn(note)
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
-        launch = " ".join(distributed.train_launch(ranks.world))
-        say(f"stopped by {summary['stopped_by']}; continue with: {launch} --resume {summary['run_dir']}")
+        say(f"stopped by {summary['stopped_by']}; continue with: "
+            f"{distributed.resume_command(summary['run_dir'], ranks.world)}")
 
 
 def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | None, overrides: list[str],

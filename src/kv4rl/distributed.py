@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shlex
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,6 +47,12 @@ def train_launch(world: int | None = None) -> list[str]:
     plain, or under torchrun. Hints that say how to resume or start over use it."""
     world = launched_ranks() if world is None else world
     return ["kv4rl", "train"] if world == 1 else ["torchrun", "--nproc-per-node", str(world), "-m", "kv4rl.cli", "train"]
+
+
+def resume_command(run_dir: os.PathLike | str, world: int | None = None) -> str:
+    """The command that continues the run in `run_dir` (see `train_launch`), quoted for a shell: a folder
+    named with a space or a quote is pasted back whole."""
+    return shlex.join([*train_launch(world), "--resume", str(run_dir)])
 
 
 def prints_setup_errors() -> bool:

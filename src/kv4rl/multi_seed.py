@@ -18,6 +18,7 @@ counted against its own memory only (`engine.gpu_memory_scope=process`), since t
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def how_to_go_on(folders: dict[int, Path], base: Path) -> list[str]:
     absent = [s for s in folders if s not in saved and s not in held]
     parts = []
     if saved:
-        parts.append(f"continue {_seeds(saved)} with: kv4rl train --seeds {','.join(map(str, saved))} --resume {base}")
+        parts.append(f"continue {_seeds(saved)} with: kv4rl train --seeds {','.join(map(str, saved))} --resume {shlex.quote(str(base))}")
     if absent:
         parts.append(f"start {_seeds(absent)} with the same command and --seeds {','.join(map(str, absent))}")
     if held:

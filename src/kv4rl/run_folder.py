@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import time
 import uuid
 from pathlib import Path
@@ -118,7 +119,7 @@ def check_new_run(run_dir: Path, overwrite: bool) -> None:
     held = run_contents(run_dir)
     if held and not overwrite:
         raise RunFolderError(
-            f"{run_dir} already holds a run ({', '.join(held)}); continue it with `--resume {run_dir}`, "
+            f"{run_dir} already holds a run ({', '.join(held)}); continue it with `--resume {shlex.quote(str(run_dir))}`, "
             f"train into another folder with name=..., or start over with --overwrite (the old run is "
             f"moved aside, not deleted)")
 

@@ -14,6 +14,7 @@ shards are all there) and names every damaged one it passes over.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kv4rl.distributed import any_rank, from_main, train_launch
+from kv4rl.distributed import any_rank, from_main, resume_command
 from kv4rl.durability import sync_path, sync_tree
 from kv4rl.file_modes import honour_umask
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder
@@ -93,7 +94,7 @@ def resume_hint(run_dir: Path, world: int | None = None) -> str:
     if not checkpoints(run_dir):
         return ""
     return (f"; the checkpoints in {checkpoint_root(run_dir)} are kept: once that is mended, continue with "
-            f"{' '.join(train_launch(world))} --resume {run_dir}")
+            f"{resume_command(run_dir, world)}")
 
 
 class SaveFailedElsewhere(OSError):
@@ -153,8 +154,10 @@ def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[
 
 def _write_and_publish(tmp: Path, final: Path, write_files: Callable[[Path], None], state: dict, run_id: str) -> None:
     """Rank 0's part of a save: the files into `tmp`, `tmp` renamed to `final`, `latest` pointed at it."""
-    write_files(tmp)
-    torch.save(state, tmp / STATE_FILE)
+    with _writing(tmp):
+        write_files(tmp)
+    with _writing(tmp / STATE_FILE):
+        torch.save(state, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": state["iteration"]}) + "\n")
     honour_umask(tmp)  # safetensors writes model.safetensors 0600, unlike every other file here
     sync_tree(tmp)  # every rank's files on the disk before the name that makes them a checkpoint
@@ -168,6 +171,28 @@ def _write_and_publish(tmp: Path, final: Path, write_files: Callable[[Path], Non
     sync_path(pointer)
     os.replace(pointer, final.parent / "latest")
     sync_path(final.parent)
+
+
+_OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)")
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    """Raise a failed write inside safetensors or torch.save as the OSError it is, naming `path`: they raise
+    types of their own (a full disk printed ~150 lines of traceback, torch's saying only "unexpected pos"),
+    which the CLI's one error line and resume hint did not catch. Other errors pass unchanged."""
+    try:
+        yield
+    except Exception as error:
+        text = str(error).strip()
+        if type(error).__name__ == "SafetensorError" and "I/O error" in text:
+            number = int(found.group(1)) if (found := _OS_ERROR_NUMBER.search(text)) else errno.EIO
+            raise OSError(number, os.strerror(number), str(path)) from error
+        if isinstance(error, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text):
+            full = shutil.disk_usage(path if path.is_dir() else path.parent).free < 1 << 20
+            number = errno.ENOSPC if full else errno.EIO
+            raise OSError(number, f"{os.strerror(number)} (torch.save: {text})", str(path)) from error
+        raise
 
 
 def _make_room(final: Path, run_id: str) -> Path | None:
