@@ -323,3 +323,33 @@ def test_the_resume_hint_is_quoted_for_a_shell(tmp_path, monkeypatch):
     assert shlex.split(hint) == ["kv4rl", "train", "--resume", str(tmp_path / "sp ace")]
     assert shlex.split(resume_command("it's here", 2)) == ["torchrun", "--nproc-per-node", "2", "-m", "kv4rl.cli",
                                                             "train", "--resume", "it's here"]
+
+
+def test_a_checkpoint_that_cannot_be_pruned_is_named_and_does_not_stop_a_resume(tmp_path, monkeypatch, caplog):
+    """A checkpoint folder made read-only: its prune failed without a word and left a temporary folder, whose
+    removal at the next resume failed after that resume's first iteration (naming a bare file), so the run
+    could not go on. Both now warn, naming the folder, and the run goes on."""
+    import shutil
+
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if ".tmp_pruned_" in str(path) and not kwargs.get("ignore_errors"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(Path(path) / "trainer_state.pt"))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    run = tmp_path / "ro"
+    with caplog.at_level(logging.WARNING):
+        res = train_cli(f"out_dir={tmp_path}", "name=ro", *SMALL, "trainer.iterations=3", "checkpoint.save_every=1",
+                        "checkpoint.keep_last=1")
+    assert res.exit_code == 0, res.output
+    assert saved(run) == [".tmp_pruned_iter_000001", ".tmp_pruned_iter_000002", "iter_000003", "latest"]
+    pruned = [m for m in caplog.messages if "could not delete" in m]
+    assert len(pruned) == 2 and "checkpoint.keep_last" in pruned[0] and ".tmp_pruned_iter_000001" in pruned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        res = train_cli("--resume", str(run), "trainer.iterations=5", "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert rows(run) == [0, 1, 2, 3, 4]
+    assert any("left by an unfinished save or prune" in m and ".tmp_pruned_iter_000001" in m for m in caplog.messages)

@@ -227,7 +227,11 @@ def _prune(run_dir: Path, run_id: str, iteration: int, keep_last: int) -> None:
         # not an `iter_N` without its `checkpoint.json`, which no later prune would count as this run's
         doomed = old.with_name(f"{TMP_PREFIX}pruned_{old.name}")
         os.replace(old, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        try:
+            shutil.rmtree(doomed)
+        except OSError as error:  # e.g. a folder made read-only: the run goes on, the user is told
+            log.warning("could not delete %s, this run's checkpoint older than the newest %d "
+                        "(checkpoint.keep_last): %s; delete it by hand", doomed, keep_last, _one_line(error))
 
 
 def set_aside_newer(run_dir: Path, iteration: int) -> list[str]:
@@ -251,15 +255,23 @@ def set_aside_newer(run_dir: Path, iteration: int) -> list[str]:
 
 
 def clear_stale_temps(run_dir: Path) -> list[str]:
-    """Delete the temporary folders and pointer files an interrupted save left; returns their names."""
+    """Delete the temporary folders and pointer files an interrupted save or a prune left; returns the names
+    deleted. One that cannot be deleted (made read-only) is left with a warning: it is no checkpoint, and a
+    resume that failed on it did so only after its first iteration, naming a bare file."""
     root = checkpoint_root(run_dir)
     stale = sorted([*root.glob(f"{TMP_PREFIX}*"), *root.glob("latest.tmp")]) if root.is_dir() else []
+    removed = []
     for path in stale:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    return [p.name for p in stale]
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path.name)
+        except OSError as error:
+            log.warning("could not delete %s, left by an unfinished save or prune: %s; delete it by hand", path,
+                        _one_line(error))
+    return removed
 
 
 def _one_line(error: Exception) -> str:
