@@ -171,3 +171,24 @@ def test_eval_of_latest_loads_the_newest_again_when_the_run_prunes_the_one_it_wa
         assert res.exit_code == 2 and not out.exists(), res.output
         assert loads == ["iter_000002", "iter_000004", "iter_000006"]
         assert "iter_000006 was removed while it loaded: the run writing" in text and "keep_last" in text, text
+
+
+def test_eval_of_a_latest_that_names_a_missing_checkpoint_says_so(tmp_path):
+    """`latest` naming a folder that is gone (deleted by hand, a copy without it): the eval said three times
+    that the run pruned it while it loaded, and to run again, which failed the same way."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+    from kv4rl.models.tiny import tiny_model_dir
+
+    ckpts = tmp_path / "runs" / "r" / "checkpoints"
+    shutil.copytree(tiny_model_dir(), ckpts / "iter_000002")
+    (ckpts / "latest").write_text("iter_000009")
+    res = CliRunner().invoke(app, ["eval", "--model", str(ckpts / "latest"), "--n", "2", "--k", "1",
+                                   "--device", "cpu"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert f"{ckpts / 'latest'} names iter_000009, which is not in {ckpts} (deleted or moved?)" in text, text
+    assert "removed" not in text and "keep_last" not in text

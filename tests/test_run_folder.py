@@ -115,6 +115,19 @@ def test_retention_deletes_only_this_runs_checkpoints(run, tmp_path):
     assert (run / "checkpoints" / "latest").read_text() == "iter_000004"
 
 
+def test_resume_where_checkpoints_is_a_file_says_so_and_touches_nothing(copied):
+    """It said "no checkpoint yet (the run stopped before its first save...)" of a run with rows."""
+    run = copied
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").write_text("not a folder")
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert f"{run / 'checkpoints'} is a file, not the run's checkpoints folder" in text, text
+    assert "no checkpoint yet" not in text and tree_state(run) == before
+
+
 def test_resume_without_a_checkpoint_refuses_and_its_start_over_command_acts_on_that_folder(copied, finished):
     """The folder is a copy whose config.yaml names the original run: the command the error suggests must
     start over in the copy, not move the original aside."""

@@ -240,6 +240,10 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
         except Exception:
             if model == given or model.exists():
                 raise
+            if latest_checkpoint(given) == model:  # a run prunes only after `latest` names a newer checkpoint
+                raise ModelFolderError(
+                    f"{given} names {model.name}, which is not in {model.parent} (deleted or moved?); give a "
+                    f"checkpoint folder there as --model") from None
             # a training run that writes it pruned this checkpoint (checkpoint.keep_last) while it loaded
             if ranks.world > 1 or attempt == LATEST_ATTEMPTS:
                 raise ModelFolderError(

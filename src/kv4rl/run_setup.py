@@ -16,7 +16,7 @@ from kv4rl.config import ConfigError, RunConfig, load_config
 from kv4rl.distributed import train_launch
 from kv4rl.run_folder import RunFolderError
 from kv4rl.telemetry.run_stats import summarize_run
-from kv4rl.trainer.checkpoint import find_resume_checkpoint, run_of
+from kv4rl.trainer.checkpoint import checkpoint_root, find_resume_checkpoint, run_of
 from kv4rl.trainer.learner import Learner
 
 
@@ -53,6 +53,10 @@ class Restore:
 
 def find_restore(cfg: RunConfig) -> Restore:
     """The newest intact checkpoint of `cfg.run_dir`; a folder with none cannot be resumed."""
+    root = checkpoint_root(cfg.run_dir)
+    if root.exists() and not root.is_dir():
+        raise RunFolderError(f"--resume {cfg.run_dir}: {root} is a file, not the run's checkpoints folder; move it "
+                             f"away (or put the checkpoints folder back) and resume again")
     found = find_resume_checkpoint(cfg.run_dir)
     if found is None:
         # the folder given is the run, whatever name/out_dir its config.yaml recorded: say so in the command
