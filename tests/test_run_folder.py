@@ -80,6 +80,19 @@ CAUSES = {
 }
 
 
+def test_overwrite_of_a_run_whose_set_aside_name_is_too_long_refuses_before_any_work(finished, tmp_path):
+    """A name near the file system's 255 bytes: moving the old run aside as `<name>.old-<time>` failed after
+    the first iteration ("File name too long", then a hint to resume, which was not what was asked)."""
+    long = "L" * 240
+    run = shutil.copytree(finished, tmp_path / long)
+    before = tree_state(tmp_path)
+    res = train_cli(f"out_dir={tmp_path}", f"name={long}", *SMALL, "trainer.iterations=1", "--overwrite")
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert f"--overwrite moves the old run aside as {long}.old-<time>, a name longer than the 255 bytes" in text
+    assert tree_state(tmp_path) == before and run.is_dir()
+
+
 @pytest.mark.parametrize("mode", ["resume", "overwrite"])
 @pytest.mark.parametrize("cause", list(CAUSES))
 def test_failed_start_leaves_the_folder_byte_identical(run, cause, mode):

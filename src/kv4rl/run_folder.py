@@ -119,14 +119,28 @@ def check_new_run(run_dir: Path, overwrite: bool) -> None:
     held = run_contents(run_dir)
     if held and not overwrite:
         raise RunFolderError(
-            f"{run_dir} already holds a run ({', '.join(held)}); continue it with `--resume {shlex.quote(str(run_dir))}`, "
-            f"train into another folder with name=..., or start over with --overwrite (the old run is "
-            f"moved aside, not deleted)")
+            f"{run_dir} already holds a run ({', '.join(held)}); continue it with "
+            f"`--resume {shlex.quote(str(run_dir))}`, train into another folder with name=..., or start over with "
+            f"--overwrite (the old run is moved aside, not deleted)")
+    if held:
+        aside = run_dir.name + _ASIDE_SUFFIX.format(time="00000000-000000") + "-99"
+        try:
+            longest = os.pathconf(run_dir.parent, "PC_NAME_MAX")
+        except (OSError, ValueError, AttributeError):
+            longest = 255
+        if len(os.fsencode(aside)) > longest:
+            raise RunFolderError(
+                f"{run_dir}: --overwrite moves the old run aside as {run_dir.name}{_ASIDE_SUFFIX.format(time='<time>')}, a name longer "
+                f"than the {longest} bytes its file system allows; move or rename it yourself, or train into a "
+                f"shorter name=...")
+
+
+_ASIDE_SUFFIX = ".old-{time}"
 
 
 def set_aside(run_dir: Path) -> Path:
     """Rename `run_dir` to a new sibling `<name>.old-<time>[-k]`; returns the new path."""
-    target = free_sibling(run_dir, f".old-{time.strftime('%Y%m%d-%H%M%S')}")
+    target = free_sibling(run_dir, _ASIDE_SUFFIX.format(time=time.strftime('%Y%m%d-%H%M%S')))
     os.rename(run_dir, target)
     return target
 
