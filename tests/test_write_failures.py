@@ -132,6 +132,32 @@ def test_a_failing_tensorboard_mirror_stops_mirroring_not_the_run(tmp_path, monk
     assert len(calls) == 2  # nothing written to the mirror after it failed
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's report, under pytest
+def test_an_event_file_write_failing_in_tensorboards_thread_is_one_warning_not_a_traceback(tmp_path, monkeypatch,
+                                                                                          caplog, capfd):
+    """TensorBoard writes from a thread of its own: a full disk there printed "Exception in thread" and its
+    traceback before the mirror's one-line warning."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.summary.writer import record_writer
+
+    real, calls = record_writer.RecordWriter.write, []
+
+    def write(self, data):
+        calls.append(1)
+        if len(calls) >= 3:
+            raise no_space("events.out.tfevents")
+        return real(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    with caplog.at_level(logging.WARNING):
+        res = train_cli(f"out_dir={tmp_path}", "name=tb", *SMALL, *ITERS, "logging.tensorboard=true")
+    assert res.exit_code == 0, res.output
+    assert rows(tmp_path / "tb") == [0, 1, 2, 3]
+    assert "mirroring stops for this run" in caplog.text
+    printed = res.output + "".join(capfd.readouterr())
+    assert "Traceback" not in printed and "Exception in thread" not in printed, printed
+
+
 def test_write_together_leaves_every_target_as_it_was_when_one_write_fails(tmp_path, monkeypatch):
     a, b = tmp_path / "a.json", tmp_path / "sub" / "b.jsonl"
     write_together({a: "old a\n", b: "old b\n", None: "skipped", tmp_path / "c": None})

@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -94,6 +95,7 @@ class MetricsSink:
         from torch.utils.tensorboard import SummaryWriter
 
         _wait_past_existing_event_files(self.cfg.run_dir)
+        _quiet_event_writer_threads()
         return SummaryWriter(log_dir=str(self.cfg.run_dir), purge_step=first_step)
 
     def _open_wandb(self):
@@ -111,6 +113,23 @@ class MetricsSink:
         tb, run, self._tb, self._wandb_run = self._tb, self._wandb_run, None, None
         close_all({"tensorboard writer": None if tb is None else tb.close,
                    "wandb run": None if run is None else run.finish}, failing)
+
+
+def _quiet_event_writer_threads() -> None:
+    """TensorBoard writes event files from a thread of its own, whose failure (a full disk) printed its
+    traceback; the writer raises the same error at its next call from `log`, which stops the mirror with one
+    warning line. So the thread's own report is left out (threading's hook, chained; other threads as before)."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_event_writers", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        previous(args)
+
+    hook.quiets_event_writers = True
+    threading.excepthook = hook
 
 
 def _wait_past_existing_event_files(run_dir) -> None:
