@@ -469,3 +469,24 @@ def test_under_torchrun_a_config_error_is_printed_by_each_hosts_first_rank_only(
     assert result.exit_code == 2
     assert ("no_such_key" in result.output) is printed
     assert ("error" in result.output) is printed
+
+
+@pytest.mark.parametrize("setting", ["engine.sampler=triton", "engine.attention_backend=triton",
+                                     "engine.prefill_backend=triton", "engine.fused_ops=true"])
+def test_train_refuses_a_kernel_setting_that_cannot_run_here_before_loading_the_model(no_work, monkeypatch, setting,
+                                                                                      tmp_path):
+    """On a CPU without the Triton interpreter: refused only once the engine was built, after the learner had
+    loaded the model (minutes at 8B)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    refused(["train", f"out_dir={tmp_path}", "device=cpu", setting, "--no-progress"],
+            f"{setting} cannot run here: it needs Triton and a CUDA device")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("setting", ["engine.num_kv_blocks=1000000000000", "engine.kv.block_size=1073741824"])
+def test_a_kv_pool_larger_than_memory_is_one_error_naming_its_settings(tmp_path, setting):
+    """It was the allocator's traceback ("DefaultCPUAllocator: can't allocate memory: you tried to allocate
+    549755813888 bytes"), naming no setting."""
+    text = refused(["train", f"out_dir={tmp_path}", "device=cpu", "rollout.quota_groups=2", "rollout.group_size=2",
+                    setting, "--no-progress"], "does not fit in cpu memory: lower engine.num_kv_blocks")
+    assert "blocks x" in text and not any(tmp_path.iterdir())

@@ -29,6 +29,7 @@ from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.placement import resolve_device
+from kv4rl.engine.plan import check_kernel_settings, probe_capabilities
 from kv4rl.engine.sampler import stream_seed
 from kv4rl.eval.data_parallel import evaluate_ranks
 from kv4rl.graceful_stop import GracefulStop
@@ -88,6 +89,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         check_learner_options(device, fsdp=cfg.trainer.fsdp, offload=cfg.trainer.offload,
                               attention=cfg.trainer.attention, fused_logprobs=cfg.trainer.fused_logprobs,
                               offload_optimizer=cfg.trainer.offload_optimizer)
+        check_kernel_settings(cfg.engine, probe_capabilities(device))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     torch.manual_seed(cfg.seed)

@@ -68,11 +68,18 @@ class ModelRunner:
         assert self.caches is None, "the pool is allocated; release it first"
         args = self.model.args
         self.num_blocks = num_blocks
-        self.caches = [
-            self.kv_format.allocate(num_blocks * self.block_size, args.num_kv_heads, args.head_dim, self.device,
-                                    num_seq_slots=self.max_num_seqs)
-            for _ in range(args.num_layers)
-        ]
+        try:
+            self.caches = [
+                self.kv_format.allocate(num_blocks * self.block_size, args.num_kv_heads, args.head_dim, self.device,
+                                        num_seq_slots=self.max_num_seqs)
+                for _ in range(args.num_layers)
+            ]
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not isinstance(error, torch.OutOfMemoryError) and "allocate" not in str(error):
+                raise
+            self.caches = None
+            raise _pool_too_large(self.kv_format, args, num_blocks, self.block_size, self.max_num_seqs,
+                                  self.device) from None
         if self.use_graphs:
             from kv4rl.engine.cuda_graphs import DecodeGraphs
 
@@ -324,3 +331,16 @@ def prepare_model(model, plan: EnginePlan) -> None:
 
         param = next(model.parameters())
         assert fp8_path(model, param.dtype, param.device) == plan.weights.reason, "the plan mistook the FP8 path"
+
+
+def _pool_too_large(kv_format: KVFormat, args, num_blocks: int, block_size: int, max_num_seqs: int,
+                    device: torch.device) -> ValueError:
+    """A pool the device cannot hold, named by its settings and size (the allocator's traceback said neither)."""
+    from kv4rl.engine.memory import format_bytes, kv_footprint
+
+    size = kv_footprint(kv_format, args.num_layers, args.num_kv_heads, args.head_dim,
+                        block_size).total_bytes(num_blocks, max_num_seqs)
+    return ValueError(f"the KV pool of {num_blocks} blocks x {block_size} tokens ({kv_format.name}, "
+                      f"{format_bytes(size)} over {args.num_layers} layers) does not fit in {device.type} memory: "
+                      f"lower engine.num_kv_blocks or engine.kv.block_size (engine.num_kv_blocks=null sizes the "
+                      f"pool from memory on CUDA)")
