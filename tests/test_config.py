@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from kv4rl.config import ConfigError, RunConfig, load_config, save_config
-from kv4rl.config_loader import to_dict
+from kv4rl.config_loader import parse_override, to_dict
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
@@ -86,6 +86,7 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     ("trainer:\n  grad_clip: .nan\n", "trainer.grad_clip: expected a finite number"),
     ("trainer:\n  iterations: 010\n", "'010' is read by YAML as 8, not as written"),
     ("trainer:\n  iterations: 1:40\n", "'1:40' is read by YAML as 100, not as written"),
+    ("? [a, b]\n: 1\n", "a key must be a name, not a list (line 1, column 3)"),  # was a TypeError traceback
 ])
 def test_a_config_file_that_would_be_misread_names_the_file_and_the_problem(tmp_path, content, needle):
     path = tmp_path / "c.yaml"
@@ -124,7 +125,9 @@ def test_a_yaml11_integer_that_means_another_number_is_refused(text, value):
 @pytest.mark.parametrize("text, value", [("10", 10), ("0", 0), ("-3", -3), ("+4", 4), ("1_000", 1000),
                                          ("0x10", 16)])
 def test_plain_integers_read_as_written(text, value):
-    assert load_config(overrides=[f"seed={text}"]).seed == value
+    assert parse_override(f"seed={text}")[1] == value
+    if value >= 0:
+        assert load_config(overrides=[f"seed={text}"]).seed == value
     assert load_config(overrides=[f"name='{text}'"]).name == text  # quoted: text
 
 
@@ -137,3 +140,72 @@ def test_model_and_data_paths_are_recorded_absolute(tmp_path, monkeypatch):
     save_config(cfg, tmp_path / "config.yaml")
     monkeypatch.chdir(tmp_path.parent)
     assert load_config(tmp_path / "config.yaml").data.train == str(tmp_path / "data" / "t.jsonl")
+
+
+def test_yaml_merge_keys_bring_a_base_mapping_and_the_keys_beside_them_win(tmp_path):
+    """`<<: *anchor` was refused as "could not determine a constructor for the tag ...merge"."""
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout: &shared {quota_groups: 3, group_size: 4}\n"
+                    "eval:\n  <<: *shared\n  every: 2\n  k: 5\n  quota_groups: 7\n")
+    with pytest.raises(ConfigError, match="eval.*quota_groups"):  # the merged keys are checked like any others
+        load_config(path)
+    path.write_text("trainer: &t {iterations: 3, lr: 1.0e-4}\n"
+                    "rollout:\n  quota_groups: 2\n  group_size: 2\n"
+                    "checkpoint:\n  <<: {save_every: 5, keep_last: 2}\n  keep_last: 4\n")
+    cfg = load_config(path)
+    assert (cfg.trainer.iterations, cfg.checkpoint.save_every, cfg.checkpoint.keep_last) == (3, 5, 4)
+
+
+def test_a_key_given_twice_in_the_overrides_takes_the_last_value():
+    """As a script that appends overrides to a command expects (the README commands' test does)."""
+    assert load_config(None, ["trainer.lr=1e-3", "trainer.lr=1e-5"]).trainer.lr == 1e-5
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("seed=-1", "seed must be in [0, 2**32), got -1"),
+    ("seed=100000000000000000000000", "seed must be in [0, 2**32)"),  # was "Overflow when unpacking long long"
+    ("out_dir=", "out_dir is empty"),  # trained into the current folder
+    ("model.path=", "model.path is empty"),  # reported as "error: .: config.json is missing"
+    ("data.train=", "data.train is empty"),
+    ("data.eval=", "data.eval is empty"),
+    ("engine.kv.group_size=-5", "engine.kv.group_size must be one of (32, 64, 128), got -5"),  # format auto took it
+    ("engine.kv.n_sink=-3", "engine.kv.n_sink must be >= 0, got -3"),
+])
+def test_values_that_were_taken_or_failed_late_are_refused_by_key(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert needle in str(info.value)
+
+
+def test_the_edges_of_the_values_refused_are_taken():
+    cfg = load_config(None, ["seed=4294967295", "engine.kv.group_size=32", "engine.kv.n_sink=0"])
+    assert (cfg.seed, cfg.engine.kv.group_size, cfg.engine.kv.n_sink) == (2**32 - 1, 32, 0)
+
+
+def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
+    """staleness.lag=1000 with one iteration ran ~1,000 collections (18 s) for one update without a word."""
+    with caplog.at_level("WARNING"):
+        load_config(None, ["staleness.lag=3", "trainer.iterations=4"])
+    assert not [m for m in caplog.messages if "staleness.lag" in m]
+    with caplog.at_level("WARNING"):
+        load_config(None, ["staleness.lag=1000", "trainer.iterations=1"])
+    assert [m for m in caplog.messages if "staleness.lag" in m] == [
+        "staleness.lag=1000 collects 1000 batches ahead of the learner: with trainer.iterations=1 the run collects "
+        "1001 and trains on 1 (the rest wait in its checkpoint for a longer --resume)"]
+
+
+@pytest.mark.parametrize(("override", "suggested"), [
+    ("lr=1e-5", "unknown config key 'lr'; did you mean trainer.lr?"),  # a key one section too high
+    ("trainer.lrr=1e-5", "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
+    ("engine.kv.fromat=kv4", "unknown config key 'engine.kv.fromat'; did you mean engine.kv.format?"),
+])
+def test_an_unknown_key_suggests_the_key_meant(override, suggested):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value).startswith(suggested + " (known here: ")
+
+
+def test_an_unknown_key_with_nothing_close_suggests_nothing():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trainer.foo=1"])
+    assert "did you mean" not in str(info.value)

@@ -229,8 +229,14 @@ class RunConfig:
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
              f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
-            (bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
-             f"name={self.name!r}: must be a folder name (not empty, '.' or '..', no '/')"),
+            (bool(self.name) and "/" not in self.name and self.name not in (".", "..") and self.name.isprintable(),
+             f"name={self.name!r}: must be a folder name (not empty, '.' or '..', no '/' or control characters)"),
+            (bool(str(self.out_dir).strip()),
+             "out_dir is empty; give the folder that holds the run folders (default: runs)"),
+            (0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
+            *[(value != "", f"{key} is empty; leave it out (null) or give a path")
+              for key, value in (("model.path", self.model.path), ("data.train", self.data.train),
+                                 ("data.eval", self.data.eval))],
         ]
         for ok, message in checks:
             if not ok:
@@ -262,6 +268,11 @@ class RunConfig:
                 raise ConfigError(str(exc)) from None
         for line in self.algo.ignored_keys():
             log.warning(line)
+        if self.staleness.lag >= self.trainer.iterations:
+            log.warning("staleness.lag=%d collects %d batches ahead of the learner: with trainer.iterations=%d the "
+                        "run collects %d and trains on %d (the rest wait in its checkpoint for a longer --resume)",
+                        self.staleness.lag, self.staleness.lag, self.trainer.iterations,
+                        self.trainer.iterations + self.staleness.lag, self.trainer.iterations)
         return self
 
 

@@ -8,6 +8,7 @@ default.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -118,6 +119,17 @@ def _schema(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
+    """`; did you mean ...?` for an unknown key: a close name in its section, or the same name one section
+    down (`lr=...` for `trainer.lr=...`); empty when there is none."""
+    dotted = lambda n: f"{prefix}.{n}" if prefix else n  # noqa: E731
+    nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
+              if _is_section(tp) and name in _schema(tp)]
+    close = [dotted(n) for n in difflib.get_close_matches(name, list(schema), n=2, cutoff=0.75)]
+    found = nested or close
+    return f"; did you mean {' or '.join(found)}?" if found else ""
+
+
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build section `cls` from a (possibly partial) mapping; unknown keys are errors."""
     schema = _schema(cls)
@@ -127,7 +139,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if name not in schema:
             hint = ("; a key of a loss in your own module needs that module in algo.plugins"
                     if prefix == "algo" else "")
-            raise ConfigError(f"unknown config key '{key}' (known here: {', '.join(schema)}){hint}")
+            raise ConfigError(f"unknown config key '{key}'{_did_you_mean(name, schema, prefix)} (known here: "
+                              f"{', '.join(schema)}){hint}")
         kwargs[name] = _coerce(value, schema[name], key)
     return cls(**kwargs)
 
@@ -165,7 +178,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Merge dotted overrides into a nested dict (structure checked later by from_dict)."""
+    """Merge dotted overrides into a nested dict (structure checked later by from_dict). A key given twice
+    takes the last value, as a script that appends overrides to a command expects; the earlier is unused."""
     for text in overrides:
         path, value = parse_override(text)
         node = data
@@ -202,7 +216,12 @@ class _ConfigLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: the base's keys, which this one's override
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (list, dict)):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a name, not a {type(key).__name__}", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
