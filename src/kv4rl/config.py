@@ -233,7 +233,7 @@ class RunConfig:
              f"name={self.name!r}: must be a folder name (not empty, '.' or '..', no '/' or control characters)"),
             (bool(str(self.out_dir).strip()),
              "out_dir is empty; give the folder that holds the run folders (default: runs)"),
-            (0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
+            (-(2**63) <= self.seed < 2**64, f"seed must be in [-2**63, 2**64) (torch's seed range), got {self.seed}"),
             *[(value != "", f"{key} is empty; leave it out (null) or give a path")
               for key, value in (("model.path", self.model.path), ("data.train", self.data.train),
                                  ("data.eval", self.data.eval))],
