@@ -490,3 +490,31 @@ def test_a_kv_pool_larger_than_memory_is_one_error_naming_its_settings(tmp_path,
     text = refused(["train", f"out_dir={tmp_path}", "device=cpu", "rollout.quota_groups=2", "rollout.group_size=2",
                     setting, "--no-progress"], "does not fit in cpu memory: lower engine.num_kv_blocks")
     assert "blocks x" in text and not any(tmp_path.iterdir())
+
+
+def test_eval_gives_math_verify_the_reward_timeout_and_records_it(tmp_path, monkeypatch):
+    """`kv4rl eval` always ran math_verify with its default 5 s while training used reward.timeout_s, so a
+    run's checkpoint could score otherwise than its in-training eval; `--reward-timeout` gives the run's."""
+    import kv4rl.rewards
+
+    real, built = kv4rl.rewards.get_reward, []
+
+    def spy(name, **options):
+        built.append((name, options))
+        return real(name, **options)
+
+    monkeypatch.setattr(kv4rl.rewards, "get_reward", spy)
+    data = tmp_path / "sums.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": "4"}\n')
+    refused(["eval", "--data", str(data), "--reward-timeout", "0"], "--reward-timeout must be > 0, got 0")
+    out = tmp_path / "out.json"
+    res = runner.invoke(app, ["eval", "--data", str(data), "--template", "{problem}=", "--k", "1", "--max-new-tokens",
+                              "2", "--device", "cpu", "--reward-timeout", "0.5", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert built == [("math_verify", {"timeout_s": 0.5})]
+    assert json.loads(out.read_text())["reward_timeout_s"] == 0.5
+    built.clear()
+    res = runner.invoke(app, ["eval", "--data", str(data), "--template", "{problem}=", "--k", "1", "--max-new-tokens",
+                              "2", "--device", "cpu", "--reward", "exact", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert built == [("exact", {})] and "reward_timeout_s" not in json.loads(out.read_text())

@@ -160,6 +160,10 @@ def eval_cmd(
              "capped by the context)"),
     reward: str = typer.Option(
         "auto", "--reward", help="reward function (auto: exact for the embedded task, math_verify for --data)"),
+    reward_timeout: float = typer.Option(
+        5.0, "--reward-timeout", parser=finite_float,
+        help="seconds math_verify may take per answer before it scores 0 (train's reward.timeout_s; give the "
+             "run's to score its checkpoints as its in-training eval did)"),
     plugins: str | None = typer.Option(
         None, "--plugins", help="modules to import first, comma-separated (e.g. a reward plug-in's, as train's "
                                 "algo.plugins; they must be on the Python path)"),
@@ -180,6 +184,8 @@ def eval_cmd(
 
     try:
         _check_eval_options(k, n, temperature, max_new_tokens, reward, template, device, plugins)
+        if not reward_timeout > 0:
+            raise ValueError(f"--reward-timeout must be > 0, got {reward_timeout:g}")
         engine_cfg = engine_config(engine_overrides, EVAL_OPTIONS)
         world = distributed.launched_ranks()
         if world % engine_cfg.tensor_parallel:
@@ -195,7 +201,8 @@ def eval_cmd(
     ranks = distributed.init_from_torchrun(device)
     try:
         res, settings, results, problems = _run(engine_cfg, list(engine_overrides or []), ranks, model, data, k, n,
-                                                temperature, max_new_tokens, reward, template, chat, device, seed)
+                                                temperature, max_new_tokens, reward, template, chat, device, seed,
+                                                reward_timeout)
         distributed.barrier()  # every rank past its last collective before any rank takes the groups down
     except ValueError as exc:
         fail(str(exc))
@@ -216,7 +223,7 @@ LATEST_ATTEMPTS = 3  # loads of a run's newest checkpoint, each pruned by the ru
 
 
 def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_tokens, reward, template, chat,
-         device, seed):
+         device, seed, reward_timeout=5.0):
     """Load the model and data, sample this rank's share, gather: (metrics, settings, per-problem results,
     problems) on rank 0; the metrics and results are None on the other ranks. A model given as a run's
     `checkpoints/latest` that the run prunes while it loads (`checkpoint.keep_last`) is loaded again from
@@ -255,7 +262,9 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     engine, formatter, problems, source, task, max_new_tokens = loaded
     reward_name = source.default_reward if reward == "auto" else reward
     stages = StageProgress(console, "eval") if ranks.main else contextlib.nullcontext()
-    with get_reward(reward_name) as reward_fn, stages:
+    # as train builds it: only math_verify takes the time limit (a plug-in's factory runs with its defaults)
+    options = {"timeout_s": reward_timeout} if reward_name == "math_verify" else {}
+    with get_reward(reward_name, **options) as reward_fn, stages:
         res, results = evaluate_ranks(engine, formatter, problems, reward_fn, ranks, k=k, temperature=temperature,
                                       max_new_tokens=max_new_tokens, seed=seed, progress=stages if ranks.main else None)
     if res is not None:
@@ -263,7 +272,8 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
         named = str(data) if data else (f"testbed task {(read_metadata(model) or {}).get('testbed', type(task).__name__)}"
                                         if task is not None else "embedded")
         res = {"model": str(model), "data": named, **res}
-    settings = {"reward": reward_name, "template": formatter.template, "chat_template": chat,
+    settings = {"reward": reward_name, **({"reward_timeout_s": reward_timeout} if options else {}),
+                "template": formatter.template, "chat_template": chat,
                 "temperature": temperature, "max_new_tokens": max_new_tokens,
                 "max_model_len": engine.max_model_len, "seed": seed, "engine": overrides,
                 "engines": ranks.world // engine.tp.size}
