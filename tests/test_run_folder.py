@@ -417,3 +417,25 @@ def test_a_checkpoint_without_its_stream_record_still_refuses_another_seed_or_sh
     res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
     assert res.exit_code == 0, res.output
     assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_a_saved_config_that_a_later_version_refuses_still_resumes(run):
+    """A resume validated the saved config.yaml on its own, before placing it in the folder: a run an earlier
+    version trained with `out_dir=''` (into the working folder) refused to resume."""
+    saved = run / "config.yaml"
+    saved.write_text(yaml.safe_dump({**yaml.safe_load(saved.read_text()), "out_dir": ""}, sort_keys=False))
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2]
+    assert yaml.safe_load(saved.read_text())["out_dir"] == str(run.parent)
+
+
+def test_a_resume_warns_of_its_own_run_length_not_the_saved_one(tmp_path, caplog):
+    """The lag warning came from the saved config.yaml's trainer.iterations, not the resume's."""
+    run = new_run(tmp_path, "lagged", "trainer.iterations=1", "staleness.lag=2", "checkpoint.save_every=1")
+    assert [m for m in caplog.messages if "staleness.lag=2 collects 2 batches" in m]  # the run of 1 iteration
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        res = train_cli("--resume", str(run), "trainer.iterations=4", "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert not [m for m in caplog.messages if "staleness.lag" in m]

@@ -277,14 +277,16 @@ class RunConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults <- `base` mapping <- YAML file <- dotted overrides; then validate."""
+                base: dict[str, Any] | None = None, validate: bool = True) -> RunConfig:
+    """Defaults <- `base` mapping <- YAML file <- dotted overrides; then validate (types are always checked;
+    `validate=False` leaves the ranges and combinations to the caller's `RunConfig.validate`)."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
         data = merge(data, read_yaml(path))
     data = apply_overrides(data, list(overrides or []))
     _import_loss_plugins(data)
-    return _resolve_paths(from_dict(RunConfig, data)).validate()
+    cfg = _resolve_paths(from_dict(RunConfig, data))
+    return cfg.validate() if validate else cfg
 
 
 def _resolve_paths(cfg: RunConfig) -> RunConfig:

@@ -168,8 +168,10 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
                           f"from the folder resumed; leave {'them' if len(moved) > 1 else 'it'} out (copy the "
                           f"folder to resume it elsewhere)")
     place = folder if folder.name not in ("", ".", "..") else folder.resolve()
-    cfg = load_config(saved, overrides)
-    _check_kept_on_resume(folder, load_config(saved), cfg)
+    # checked once, as resumed (placed in the folder, with the overrides): the saved config on its own may
+    # hold what a later version refuses but an override mends, and its warnings are not this run's
+    cfg = load_config(saved, overrides, validate=False)
+    _check_kept_on_resume(folder, load_config(saved, validate=False), cfg)
     cfg.name, cfg.out_dir = place.name, str(place.parent)
     return cfg.validate()
 

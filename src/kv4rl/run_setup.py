@@ -119,7 +119,7 @@ def check_same_stream(restore: Restore, now: dict, run_config: Path | None = Non
     rewritten by this resume): a resume with another seed went through and recorded the new one there."""
     saved = restore.state.get("data_stream")
     if saved is None and run_config is not None and run_config.is_file():
-        recorded = load_config(run_config)
+        recorded = load_config(run_config, validate=False)  # as recorded; the resumed config was checked
         saved = {**now, "seed": recorded.seed, "shuffle": recorded.data.shuffle}
     if saved is None or saved == now:
         return

@@ -34,11 +34,8 @@ class KVConfig:
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"engine.kv.block_size must be a power of two, got {self.block_size}")
-        # option checks that need no model; the options of KV4 (a superset of the others') are checked whatever
-        # the format, as a switch to a format that takes them would meet them (and config.yaml records them)
-        kv_format_from_config(self, "kv4")
         if self.format != "auto":
-            kv_format_from_config(self)
+            kv_format_from_config(self)  # option checks that need no model
 
 
 @dataclass(kw_only=True, slots=True)
