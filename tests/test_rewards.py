@@ -162,6 +162,8 @@ def test_math_verify_reads_the_latex_it_misparsed_in_training_golds(math_reward)
         (r"1\,000", "1000", True),
         (r"3\,600", "3600", True),
         (r"1\,000\,000", "10^6", True),
+        (r"1\,000.", "1000", True),
+        (r"1\,000.", "0", False),
         (r"1\,000", "0", False),
         (r"2\,500", "502", False),
         # numbers in a base compare by value (math-verify dropped the subscript: 52_9 equalled 52_8)

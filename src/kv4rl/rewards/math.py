@@ -74,8 +74,8 @@ def tidy_answer(answer: str) -> str:
     answer = _PHANTOM.sub("", answer.replace("\\!", "")).strip()
     answer = _BARE_FRAC.sub(lambda m: f"\\{m.group(1)}{_braced(m.group(2))}{_braced(m.group(3))}", answer)
     answer = _GROUPED_NUMBER.sub(lambda m: "{" + m.group(1).replace(",", "") + "}", answer)
-    answer = _THIN_SPACED_NUMBER.sub(lambda m: m.group(0).replace("\\,", ""), answer)
-    return _TRAILING_PUNCTUATION.sub("", answer)
+    answer = _TRAILING_PUNCTUATION.sub("", answer)  # first: the rule below reads `1\,000.` only without its period
+    return _THIN_SPACED_NUMBER.sub(lambda m: m.group(0).replace("\\,", ""), answer)
 
 
 def _base_number_value(answer: str) -> int | None:
