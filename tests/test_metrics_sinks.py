@@ -177,7 +177,7 @@ def test_a_resume_keeps_every_line_before_its_point_that_is_not_a_row_and_drops_
     (NUL bytes from a damaged disk, bytes that are not UTF-8, a hand edit) was deleted with the warning
     "skipped"; it stays, byte for byte. The lines that are not rows after the last row kept, a write torn by a
     kill, go, as do the rows from the resume point on."""
-    from kv4rl.telemetry.metrics import JsonlWriter
+    from kv4rl.telemetry.metrics import JsonlWriter, read_jsonl
 
     log = tmp_path / "metrics.jsonl"
     row = [b'{"iteration": %d, "loss": 0.5}' % i for i in range(6)]
@@ -196,6 +196,8 @@ def test_a_resume_keeps_every_line_before_its_point_that_is_not_a_row_and_drops_
         f"{log}:{n} is not a JSON row; kept as it is" for n in (2, 3, 5)]  # bytes not UTF-8 in a row: a row
     assert [m for m in caplog.messages if "dropped" in m] == [
         f"{log}:{n} is not a JSON row (cut short by a kill?) and follows the rows kept; dropped" for n in (8, 10)]
+    # and every reader still reads the log: the bytes that are not UTF-8 failed the whole file (UnicodeDecodeError)
+    assert [row["iteration"] for row in read_jsonl(log)] == [0, 2, 3, 4]
 
 
 def test_the_trace_plot_reads_its_columns_line_by_line_and_keeps_only_them(tmp_path):

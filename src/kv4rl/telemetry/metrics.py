@@ -56,23 +56,15 @@ class JsonlWriter:
         row (damaged, edited by hand) but comes before one of them, as it is (a resume deletes nothing but the
         rows it makes again). Lines that are not rows after the last kept one, a write torn by a kill, go."""
         pending: list[tuple[int, str]] = []
-        with self.path.open(errors="surrogateescape") as lines:  # bytes that are not UTF-8 kept as they are
-            for number, line in enumerate(lines, 1):
-                line = line.rstrip("\r\n")
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    row = None
-                if not isinstance(row, dict):
-                    pending.append((number, line))
-                elif row.get("iteration", -1) < self.resume_from:
-                    for kept, _ in pending:
-                        log.warning("%s:%d is not a JSON row; kept as it is", self.path, kept)
-                    yield from (bad for _, bad in pending)
-                    pending.clear()
-                    yield line
+        for number, line, row in _lines(self.path):
+            if not isinstance(row, dict):
+                pending.append((number, line))
+            elif row.get("iteration", -1) < self.resume_from:
+                for kept, _ in pending:
+                    log.warning("%s:%d is not a JSON row; kept as it is", self.path, kept)
+                yield from (bad for _, bad in pending)
+                pending.clear()
+                yield line
         for dropped, _ in pending:
             log.warning("%s:%d is not a JSON row (cut short by a kill?) and follows the rows kept; dropped",
                         self.path, dropped)
@@ -103,10 +95,15 @@ class JsonlWriter:
         return exc if exc.filename else OSError(exc.errno, exc.strerror or str(exc), str(self.path))
 
 
-def _parsed(path: Path, warn: bool = True):
-    """(line number, line, value) of each line that parses; a torn one (a kill mid-write) is skipped with a warning
-    (`warn`)."""
-    with Path(path).open() as lines:  # read as it goes: a rollout trace can be larger than the host's memory
+_NOT_JSON = object()
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str, object]]:
+    """(line number, line, its JSON value or `_NOT_JSON`) of each line that is not blank, read as it goes (a
+    rollout trace can be larger than the host's memory). Bytes that are not UTF-8 (a damaged disk) are kept
+    as surrogates, so a reader skips or keeps their line rather than failing on the whole file, and a resume
+    writes them back as they were; lines end at '\n' only."""
+    with Path(path).open(errors="surrogateescape", newline="\n") as lines:
         for number, line in enumerate(lines, 1):
             line = line.rstrip("\r\n")
             if not line.strip():
@@ -114,8 +111,17 @@ def _parsed(path: Path, warn: bool = True):
             try:
                 yield number, line, json.loads(line)
             except json.JSONDecodeError:
-                if warn:
-                    log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
+                yield number, line, _NOT_JSON
+
+
+def _parsed(path: Path, warn: bool = True):
+    """(line number, line, value) of each line that parses; a torn one (a kill mid-write) is skipped with a warning
+    (`warn`)."""
+    for number, line, value in _lines(path):
+        if value is not _NOT_JSON:
+            yield number, line, value
+        elif warn:
+            log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
 
 
 def iter_lines(path: Path, warn: bool = True) -> Iterator[tuple[str, dict]]:
