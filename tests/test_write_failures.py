@@ -296,7 +296,7 @@ def test_a_log_write_that_fails_names_the_log(tmp_path):
 
 
 @pytest.mark.parametrize(("limit", "said"), [(1_000_000, r".tmp_iter_000001: File too large"),
-                                            (5_000_000, r"trainer_state.pt: Input/output error (torch.save:")])
+                                            (5_000_000, r"trainer_state.pt: File too large (torch.save:")])
 def test_a_checkpoint_the_disk_refuses_is_one_error_line_naming_it(tmp_path, limit, said):
     """safetensors and torch.save raise types of their own when a write fails (a full disk printed ~150 lines
     of traceback; torch's said only "unexpected pos"). A real refusal, a file-size limit on the process
@@ -320,7 +320,8 @@ def test_a_checkpoint_the_disk_refuses_is_one_error_line_naming_it(tmp_path, lim
 
 
 def test_torch_saves_unexplained_write_failure_is_named_a_full_disk_when_the_disk_is_full(tmp_path, monkeypatch):
-    """torch.save's "unexpected pos" carries no errno: with under 1 MiB free it is a full disk, else EIO."""
+    """torch.save's "unexpected pos" carries no errno: with under 1 MiB free it is a full disk, else EIO (the
+    file-size limit is the test above)."""
     import shutil
 
     from kv4rl.trainer import checkpoint

@@ -158,15 +158,17 @@ def check_kernel_settings(config: EngineConfig, caps: Capabilities) -> None:
     """Before any model loads: refuse a setting that asks for the Triton kernels where none can run (without
     the model, the rest of `make_plan`'s checks wait for the engine; these were refused there too, after the
     learner had loaded: minutes at 8B)."""
-    if caps.kernels_usable:
-        return
     for key, setting, on in (("engine.fused_ops", config.fused_ops, True),
                              ("engine.attention_backend", config.attention_backend, "triton"),
                              ("engine.prefill_backend", config.prefill_backend, "triton"),
                              ("engine.sampler", config.sampler, "triton"),
                              ("engine.fp8_gemm", config.fp8_gemm if config.weight_format == "fp8" else None, "triton")):
-        if setting == on:
-            raise ValueError(f"{key}={str(on).lower()} cannot run here: it needs Triton and a CUDA device")
+        _refuse_forced_kernels(key, setting, on, caps)
+
+
+def _refuse_forced_kernels(key: str, setting, on, caps: Capabilities) -> None:
+    if setting == on and not caps.kernels_usable:
+        raise ValueError(f"{key}={str(on).lower()} cannot run here: it needs Triton and a CUDA device")
 
 
 def _kernel_setting(key: str, setting, on, off, caps: Capabilities) -> Choice:
@@ -176,8 +178,7 @@ def _kernel_setting(key: str, setting, on, off, caps: Capabilities) -> Choice:
             return Choice(on, f"{key}=auto: compiled Triton kernels on CUDA")
         return Choice(off, f"{key}=auto: no compiled kernels on {caps.device_type}" +
                       (" (Triton interpreter)" if caps.interpreter else ""))
-    if setting == on and not caps.kernels_usable:
-        raise ValueError(f"{key}={str(on).lower()} cannot run here: it needs Triton and a CUDA device")
+    _refuse_forced_kernels(key, setting, on, caps)
     return Choice(setting, f"{key}={str(setting).lower()}")
 
 

@@ -189,10 +189,25 @@ def _writing(path: Path):
             number = int(found.group(1)) if (found := _OS_ERROR_NUMBER.search(text)) else errno.EIO
             raise OSError(number, os.strerror(number), str(path)) from error
         if isinstance(error, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text):
-            full = shutil.disk_usage(path if path.is_dir() else path.parent).free < 1 << 20
-            number = errno.ENOSPC if full else errno.EIO
+            number = _torch_write_errno(path)
             raise OSError(number, f"{os.strerror(number)} (torch.save: {text})", str(path)) from error
         raise
+
+
+def _torch_write_errno(path: Path) -> int:
+    """What stopped torch.save's write, which it does not say: a full disk (under 1 MiB free), the process's
+    file-size limit (the file within 1 MiB of it), else an I/O error."""
+    if shutil.disk_usage(path.parent).free < 1 << 20:
+        return errno.ENOSPC
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and path.stat().st_size > limit - (1 << 20):
+            return errno.EFBIG
+    except (ImportError, OSError):  # no such limit here (Windows), or the file is gone
+        pass
+    return errno.EIO
 
 
 def _make_room(final: Path, run_id: str) -> Path | None:
