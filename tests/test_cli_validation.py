@@ -294,6 +294,19 @@ def test_config_refuses_a_prompt_template_that_would_not_format(template):
         load_config(base={"data": {"prompt_template": template}})
 
 
+@pytest.mark.parametrize(("template", "shown"), [("{problem:.10}\nPlease box.", "{problem:.10}"),
+                                               ("{problem!r}", "{problem!r}"),
+                                               ("{problem} then {problem:>40}", "{problem:>40}")])
+def test_a_template_that_changes_the_problems_text_is_refused(template, shown):
+    """`{problem:.10}` cut every problem at 10 characters and `{problem!r}` quoted it, without a word."""
+    from kv4rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(base={"data": {"prompt_template": template}})
+    assert f"changes the problem's text with {shown}; write the field as plain {{problem}}" in str(info.value)
+    refused(["eval", "--template", template], f"--template: {template!r} changes the problem's text with {shown}")
+
+
 @pytest.mark.parametrize(("args", "needles"), [
     (["bench", "generate", "--batch-sizes", "64,64"], ["--batch-sizes '64,64'", "'64' is given twice"]),
     (["bench", "generate", "--kv-format", "bf16,"], ["--kv-format 'bf16,'", "empty item"]),

@@ -17,7 +17,9 @@ SNIPPET_CHARS = 60  # how much of an offending problem an error message quotes
 def check_template(template: str, option: str) -> None:
     """Raise ValueError, naming `option`, unless `template` formats with exactly one field, `{problem}`."""
     try:
-        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        parsed = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+                  if name is not None]
+        fields = {name for name, _, _ in parsed}
     except ValueError as exc:
         raise ValueError(f"{option}: {template!r} is not a template ({exc}); write a literal brace as "
                          "{{ or }}") from None
@@ -34,6 +36,11 @@ def check_template(template: str, option: str) -> None:
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise ValueError(f"{option}: {template!r} does not format a problem ({exc}); write the field as "
                          "plain {problem}") from None
+    altered = [f"{{problem{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+               for _, spec, conversion in parsed if spec or conversion]
+    if altered:  # `{problem:.10}` cut every problem at 10 characters, `{problem!r}` quoted it and escaped its lines
+        raise ValueError(f"{option}: {template!r} changes the problem's text with {altered[0]}; write the field "
+                         "as plain {problem}")
 
 
 class PromptFormatter:
