@@ -531,3 +531,19 @@ def test_eval_gives_math_verify_the_reward_timeout_and_records_it(tmp_path, monk
                               "2", "--device", "cpu", "--reward", "exact", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert built == [("exact", {})] and "reward_timeout_s" not in json.loads(out.read_text())
+
+
+def test_a_bad_eval_file_is_named_before_the_embedded_model_is_built(tmp_path, monkeypatch):
+    """Without a model given, `data.eval` (train without data.train) and `eval --data` were read only after the
+    embedded model was built (~30 s on an empty cache)."""
+    import kv4rl.loop
+    import kv4rl.models.tiny
+
+    monkeypatch.setattr(kv4rl.loop, "resolve_model_dir", _work_started)
+    monkeypatch.setattr(kv4rl.models.tiny, "tiny_model_dir", _work_started)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
+    refused(["train", f"out_dir={tmp_path / 'runs'}", "device=cpu", f"data.eval={bad}", "--no-progress"],
+            f"{bad}:2: missing field 'answer'")
+    refused(["eval", "--data", str(bad), "--device", "cpu"], f"{bad}:2: missing field 'answer'")
+    assert not (tmp_path / "runs").exists()

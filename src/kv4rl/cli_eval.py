@@ -235,6 +235,10 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     from kv4rl.models.testbed import read_metadata
     from kv4rl.rewards import get_reward
 
+    if model is None and data is not None:  # read again once the model is there: a bad file is named before
+        from kv4rl.data.datasets import load_jsonl  # a missing embedded model is built (~30 s)
+
+        load_jsonl(data)
     given = model if model is not None else _default_model(ranks.main)
     for attempt in range(1, LATEST_ATTEMPTS + 1):
         # `checkpoints/latest`: the newest checkpoint it names, read by rank 0 for every rank (a run saving

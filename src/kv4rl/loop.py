@@ -25,6 +25,7 @@ from kv4rl.algo.advantages import compute_advantages, noise_key
 from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter
+from kv4rl.data.datasets import load_jsonl
 from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
 from kv4rl.engine.llm import Engine
@@ -96,6 +97,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     # a training file is read (and checked) before any model is built; without one, the model's task is used
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
         if cfg.data.train is not None else None
+    if source is None and cfg.data.eval is not None:  # read again below, with the model's task: a bad file is
+        load_jsonl(cfg.data.eval)                     # named now, not after a missing model's build (~30 s)
     ranks = current()
     if restore is not None:
         check_resume_world(restore.path, restore.state, ranks.world)
