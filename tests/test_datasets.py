@@ -161,3 +161,24 @@ def test_a_json_file_that_is_not_json_lines_says_so(tmp_path, name, text):
     path.write_text(text)
     with pytest.raises(DatasetError, match=f"{path}:1: .*a dataset file is JSON Lines: one object per line"):
         load_jsonl(path)
+
+
+def test_a_pretty_printed_array_named_jsonl_is_told_it_is_an_array(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps([{"problem": "q", "answer": "1"}], indent=2))
+    with pytest.raises(DatasetError, match=r"rows.jsonl:1: not valid JSON .* \(a JSON array\? a dataset file is JSON "
+                                           r"Lines: one object per line\)"):
+        load_jsonl(path)
+
+
+@pytest.mark.parametrize(("encode", "said"), [
+    (lambda text: __import__("gzip").compress(text.encode()), "is gzip-compressed (decompress it first)"),
+    (lambda text: text.encode("utf-16"), "is UTF-16 text (save it as UTF-8)"),
+])
+def test_a_compressed_or_utf16_file_is_named_for_what_it_is(tmp_path, encode, said):
+    """Each read as "line 1: not valid UTF-8 (invalid start byte)", which did not say what the file was."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(encode('{"problem": "q", "answer": "1"}\n'))
+    with pytest.raises(DatasetError) as info:
+        load_jsonl(path)
+    assert str(info.value) == f"dataset file {path} {said}; a dataset file is JSON Lines in UTF-8"

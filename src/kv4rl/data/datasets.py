@@ -57,6 +57,9 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
     except OSError as exc:
         raise DatasetError(f"cannot read dataset file {path}: {exc}") from None
     raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors on Windows write
+    kind = _not_text(raw)
+    if kind is not None:  # each line would read as "not valid UTF-8", which does not say what the file is
+        raise DatasetError(f"dataset file {path} is {kind}; a dataset file is JSON Lines in UTF-8")
     problems: list[Problem] = []
     first_line_of_id: dict[str, int] = {}
     # lines end at LF (CRLF's CR is whitespace to JSON); a lone CR is whitespace too, not a line break
@@ -67,9 +70,10 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
         try:
             problem = _parse_row(line_bytes, where, default_id=f"{path.name}:{line_number}")
         except DatasetError as exc:
-            if path.suffix.lower() in OTHER_FORMATS and "JSON Lines" not in str(exc):
-                raise DatasetError(f"{exc} (a {path.suffix} file? a dataset file is JSON Lines: one object "
-                                   "per line)") from None
+            likely = ("a JSON array" if raw.lstrip()[:1] == b"[" else
+                      f"a {path.suffix} file" if path.suffix.lower() in OTHER_FORMATS else None)
+            if likely is not None and "JSON Lines" not in str(exc):
+                raise DatasetError(f"{exc} ({likely}? a dataset file is JSON Lines: one object per line)") from None
             raise
         if problem.id in first_line_of_id:
             raise DatasetError(
@@ -80,6 +84,17 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
     if not problems:
         raise DatasetError(f"dataset file {path} contains no rows")
     return problems
+
+
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed (decompress it first)"), (b"PK\x03\x04", "a zip archive"),
+          (b"\xff\xfe", "UTF-16 text (save it as UTF-8)"), (b"\xfe\xff", "UTF-16 text (save it as UTF-8)"),
+          (b"BZh", "bzip2-compressed (decompress it first)"), (b"\xfd7zXZ", "xz-compressed (decompress it first)"),
+          (b"PAR1", "a Parquet file"))
+
+
+def _not_text(raw: bytes) -> str | None:
+    """What a file is when its first bytes say it is not JSON Lines text (compressed, an archive, UTF-16)."""
+    return next((kind for magic, kind in _MAGIC if raw.startswith(magic)), None)
 
 
 def _parse_row(line_bytes: bytes, where: str, *, default_id: str) -> Problem:
