@@ -162,6 +162,22 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_any_work(no_work, 
     refused([*command, "--json", str(blocker / "out.json")], "--json", "cannot create its folder")
 
 
+TINY_LENGTHS = ["--prompt-len", "4", "--median-len", "6", "--max-len", "24"]
+
+
+@pytest.mark.parametrize(("command", "json_name", "clash"), [
+    (["bench", "rollout", "--shape", "qwen3-tiny"], "x.png", "--png {d}/x.png is also --json"),
+    (["bench", "iteration", "--shape", "qwen3-tiny", *TINY_LENGTHS], "x.png", "--png {d}/x.png is also --json"),
+    (["bench", "iteration", "--shape", "qwen3-tiny", *TINY_LENGTHS], "x.csv",
+     "the CSV beside --png {d}/x.csv is also --json"),
+])
+def test_a_bench_json_that_is_also_its_figure_or_csv_is_refused(no_work, tmp_path, command, json_name, clash):
+    """The figure (or its CSV) was written over the JSON, both runs exiting 0."""
+    refused([*command, "--device", "cpu", "--png", str(tmp_path / "x.png"), "--json", str(tmp_path / json_name)],
+            clash.format(d=tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
 def test_eval_json_into_a_missing_folder_creates_it(tmp_path):
     out = tmp_path / "not" / "yet" / "eval.json"
     res = runner.invoke(app, ["eval", "--n", "3", "--k", "1", "--json", str(out)])
@@ -547,3 +563,10 @@ def test_a_bad_eval_file_is_named_before_the_embedded_model_is_built(tmp_path, m
             f"{bad}:2: missing field 'answer'")
     refused(["eval", "--data", str(bad), "--device", "cpu"], f"{bad}:2: missing field 'answer'")
     assert not (tmp_path / "runs").exists()
+
+
+def test_sim_clip_bias_draws_past_memory_are_one_error_naming_samples(tmp_path):
+    """It was the allocator's traceback (800 GB asked for)."""
+    refused(["sim", "clip-bias", "--samples", "100000000000", "--json", str(tmp_path / "c.json")],
+            "--samples 100000000000: the draws do not fit in this machine's memory")
+    assert not any(tmp_path.iterdir())

@@ -46,8 +46,8 @@ def test_an_existing_run_for_one_seed_stops_every_seed_before_any_work(tmp_path)
     text = " ".join(res.output.split())
     assert f"{held} already holds a run" in text
     # the sweep's hint, seed by seed (a --resume of both failed: seed 0 has no folder, seed 1 no checkpoint)
-    assert "start seed 0 with the same command and --seeds 0" in text
-    assert "seed 1 has a run but no checkpoint: start it again with the same command, --seeds 1 and --overwrite" in text
+    assert "start seed 0 with the command that started the sweep (not --resume), given --seeds 0" in text
+    assert "seed 1 has a run but no checkpoint: start it again with the command that started the sweep, --seeds 1 and --overwrite" in text
     assert tree_state(tmp_path) == before  # seed 0 did not start either
 
 
@@ -132,7 +132,7 @@ def test_a_signal_stops_the_sweep_the_waiting_seeds_never_start_and_the_hint_res
     assert "SIGINT: seeds 1 will not start" in lines
     hint = multi_seed.continue_hint(runs)
     assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'sw'}" in hint
-    assert "start seed 1 with the same command and --seeds 1" in hint
+    assert "start seed 1 with the command that started the sweep (not --resume), given --seeds 1" in hint
 
 
 def _fake_child(code: str):
@@ -233,8 +233,8 @@ def test_the_hint_says_what_each_seed_folder_allows(tmp_path) -> None:
     folders = {s: tmp_path / f"h-s{s}" for s in (0, 1, 2, 3)}
     assert how_to_go_on(folders, tmp_path / "h") == [
         f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'h'}",
-        "start seeds 2,3 with the same command and --seeds 2,3",
-        "seed 1 has a run but no checkpoint: start it again with the same command, --seeds 1 and --overwrite "
+        "start seeds 2,3 with the command that started the sweep (not --resume), given --seeds 2,3",
+        "seed 1 has a run but no checkpoint: start it again with the command that started the sweep, --seeds 1 and --overwrite "
         "(the old folder is moved aside, not deleted)"]
 
 
@@ -251,7 +251,7 @@ def test_resuming_a_sweep_whose_seed_never_started_says_how_to_start_it(tmp_path
     message = str(info.value)
     assert f"--seeds 0,1 --resume {tmp_path / 'ms'}: seed 1 has no checkpoint to continue from" in message
     assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'ms'}" in message
-    assert "start seed 1 with the same command and --seeds 1" in message
+    assert "start seed 1 with the command that started the sweep (not --resume), given --seeds 1" in message
 
 
 @pytest.mark.parametrize("last_saved, status", [(2, "finished"), (1, "stopped (SIGINT)")])
@@ -285,3 +285,33 @@ def test_a_seed_the_signal_reached_in_its_last_iteration_is_finished(tmp_path, m
     assert runs[0].returncode == 0 and runs[0].iterations == 2
     assert multi_seed.status_of(runs[0]) == status
     assert any(r.stopped_by for r in runs) == (status != "finished")  # the CLI's hint to resume it
+
+
+def test_a_seed_the_signal_killed_as_it_shut_down_after_its_last_checkpoint_is_finished(tmp_path, monkeypatch) -> None:
+    """The sweep's signal reached a child past its last iteration and final checkpoint, killing it as it shut
+    down: the table said "stopped (SIGINT, exit -2)" and the hint listed it for a resume."""
+    import os
+    import signal
+    import threading
+
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+
+    folder = tmp_path / "sw-s0"
+    monkeypatch.setattr(multi_seed, "_start", _fake_child(
+        "import json, os, pathlib, signal, time\n"
+        "signal.signal(signal.SIGINT, lambda *a: None)\n"
+        f"d = pathlib.Path({str(folder)!r}); d.mkdir(parents=True)\n"
+        "(d / 'config.yaml').write_text('name: sw-s0\\n')\n"
+        "(d / 'checkpoints' / 'iter_000002').mkdir(parents=True)\n"
+        "(d / 'metrics.jsonl').write_text(''.join(json.dumps({'iteration': i, 'accuracy': 0.5}) + '\\n'"
+        " for i in range(2)))\n"
+        "time.sleep(4)\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGINT)\n"))
+    runs = [multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0", "trainer.iterations=2"]),
+                               ["seed=0"], tmp_path / "sw-s0.log")]
+    threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    multi_seed.launch(runs, 1, announce=lambda line: None)
+    assert runs[0].returncode == -signal.SIGINT and runs[0].iterations == 2
+    assert multi_seed.status_of(runs[0]) == f"finished (SIGINT as it shut down, exit {-signal.SIGINT})"
+    assert multi_seed.failed(runs) == [] and multi_seed.continue_hint(runs) == ""

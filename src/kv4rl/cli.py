@@ -162,7 +162,7 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
     for row in multi_seed.summary_rows(runs):
         table.add_row(*row)
     print_table(console, table)
-    if any(r.stopped_by for r in runs):
+    if any(r.stopped_by and not r.finished_at_signal for r in runs):
         say(f"stopped; {multi_seed.continue_hint(runs)}")
     failed = multi_seed.failed(runs)
     if failed:

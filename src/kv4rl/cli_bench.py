@@ -353,6 +353,7 @@ def bench_rollout_cmd(
         fail(str(exc))
     png = check_figure_path(png, "--png", create=not validate_only)
     check_output_path(json_out, "--json", create=not validate_only)
+    check_not_an_input({"--json": json_out, "--png": png}, {})  # the figure was written over the JSON
     for fmt in bench.formats:
         console.print(f"[dim]{plan.pool_line(fmt)}[/]", highlight=False, soft_wrap=True)
     if validate_only:

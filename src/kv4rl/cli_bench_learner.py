@@ -15,6 +15,7 @@ from kv4rl.cli_common import (
     check_at_least,
     check_device,
     check_figure_path,
+    check_not_an_input,
     check_output_path,
     console,
     engine_config,
@@ -122,6 +123,9 @@ def register_learner_benches(app: typer.Typer) -> None:
             fail(str(exc))
         png = check_figure_path(png, "--png", csv_beside=True, create=not validate_only)
         check_output_path(json_out, "--json", create=not validate_only)
+        # the figure or its CSV was written over the JSON
+        check_not_an_input({"--json": json_out, "--png": png,
+                            "the CSV beside --png": None if png is None else png.with_suffix(".csv")}, {})
         if validate_only:
             console.print("options valid; stopping before any work (--validate-only)")
             return

@@ -97,6 +97,10 @@ def clip_bias_cmd(
         swept = sweep(rhos, eps, sigma, samples, seed + 1)
     except ValueError as exc:
         fail(str(exc))
+    except (MemoryError, RuntimeError) as exc:  # the allocator's traceback named no option
+        if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+            raise
+        fail(f"--samples {samples}: the draws do not fit in this machine's memory; give fewer")
     print_table(console, _clip_bias_table(result))
     shift = result["clip"]["mean"] / rho
     console.print(f"clipped mean shift per unit ratio: {_signed(shift)} (exact "

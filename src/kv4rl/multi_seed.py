@@ -49,6 +49,7 @@ class SeedRun:
     config_before: tuple | None = None  # the folder's config.yaml (inode, mtime) when the child started
     iterations: int = 0  # read from its metrics.jsonl when it ended, if it wrote the folder
     last_accuracy: float | None = None
+    finished_at_signal: bool = False  # its last checkpoint saved, the signal the sweep passed on ended its shutdown
 
 
 def seed_name(name: str, seed: int) -> str:
@@ -68,12 +69,15 @@ def how_to_go_on(folders: dict[int, Path], base: Path) -> list[str]:
     absent = [s for s in folders if s not in saved and s not in held]
     parts = []
     if saved:
-        parts.append(f"continue {_seeds(saved)} with: kv4rl train --seeds {','.join(map(str, saved))} --resume {shlex.quote(str(base))}")
+        parts.append(f"continue {_seeds(saved)} with: kv4rl train --seeds {','.join(map(str, saved))} "
+                     f"--resume {shlex.quote(str(base))}")
+    # "the same command" read as the --resume just printed, which refuses a seed without a folder
     if absent:
-        parts.append(f"start {_seeds(absent)} with the same command and --seeds {','.join(map(str, absent))}")
+        parts.append(f"start {_seeds(absent)} with the command that started the sweep (not --resume), given "
+                     f"--seeds {','.join(map(str, absent))}")
     if held:
         parts.append(f"{_seeds(held)} ha{'ve' if len(held) > 1 else 's'} a run but no checkpoint: start "
-                     f"{'them' if len(held) > 1 else 'it'} again with the same command, --seeds "
+                     f"{'them' if len(held) > 1 else 'it'} again with the command that started the sweep, --seeds "
                      f"{','.join(map(str, held))} and --overwrite (the old folder is moved aside, not deleted)")
     return parts
 
@@ -232,8 +236,11 @@ def _finish(run: SeedRun) -> None:
     rows = read_jsonl(folder / "metrics.jsonl") if (folder / "metrics.jsonl").is_file() else []
     run.iterations, run.last_accuracy = len(rows), (rows[-1].get("accuracy") if rows else None)  # now, not later
     saved = checkpoints(folder)  # not the rows: those past the last checkpoint stay until a resume rewrites them
-    if run.returncode == 0 and saved and saved[-1][0] >= run.cfg.trainer.iterations:
-        run.stopped_by = None  # the signal came during its last iteration: it finished, nothing to resume
+    if saved and saved[-1][0] >= run.cfg.trainer.iterations:
+        if run.returncode == 0:
+            run.stopped_by = None  # the signal came during its last iteration: it finished, nothing to resume
+        elif run.stopped_by:  # it came as the finished run shut down: killed then, with its last checkpoint saved
+            run.finished_at_signal = True
     target = folder / LOG_NAME
     with target.open("a") as out:
         out.write(run.log.read_text())
@@ -245,6 +252,8 @@ def status_of(run: SeedRun) -> str:
     """finished, stopped (a signal ended it with a checkpoint, or it never started), or failed."""
     if run.returncode is None:
         return f"not started ({run.stopped_by})" if run.stopped_by else "not started"
+    if run.finished_at_signal:
+        return f"finished ({run.stopped_by} as it shut down, exit {run.returncode})"
     if run.returncode != 0:  # a signal the sweep passed on ends it as stopped, whatever the child's code
         return f"stopped ({run.stopped_by}, exit {run.returncode})" if run.stopped_by else f"failed (exit {run.returncode})"
     return f"stopped ({run.stopped_by})" if run.stopped_by else "finished"
@@ -254,7 +263,7 @@ def continue_hint(runs: list[SeedRun]) -> str:
     """How to go on after a stopped sweep (`how_to_go_on` over its seeds' folders)."""
     first = runs[0]
     base = first.cfg.run_dir.with_name(first.cfg.name.removesuffix(f"-s{first.seed}"))
-    return "; ".join(how_to_go_on({r.seed: r.cfg.run_dir for r in runs}, base))
+    return "; ".join(how_to_go_on({r.seed: r.cfg.run_dir for r in runs if not r.finished_at_signal}, base))
 
 
 def failed(runs: list[SeedRun]) -> list[int]:
