@@ -238,6 +238,34 @@ def test_a_signal_during_the_last_update_reports_a_finished_split_run(tmp_path):
     assert "stopped_by" not in head, head["stopped_by"]
 
 
+def _signalled_in_first_update_rank(rank: int, out_dir: str) -> dict:
+    """One rank of a 3-update split run whose head sees a stop signal during its first update."""
+    from kv4rl.split import learner_side
+    from kv4rl.split.run import run_split
+
+    real = learner_side.update
+
+    def signalled(s, it, stop):
+        if s.head and it == 0:
+            stop.requested = "SIGINT"
+        return real(s, it, stop)
+
+    learner_side.update = signalled
+    cfg = load_config(None, [f"out_dir={out_dir}", "name=first", *SMALL, "rollout.placement=split",
+                             "rollout.engine_ranks=1", "trainer.iterations=3", "checkpoint.save_every=10",
+                             "rollout.max_new_tokens=8"])
+    summary, _ = run_split(cfg, resume=False, show_progress=False, overwrite=False)
+    return summary
+
+
+def test_a_stopped_split_run_names_its_last_iteration_as_its_rows_do(tmp_path):
+    """The split summary said 'after iteration 1' of a run whose rows end at iteration 0 (it counted the updates
+    done; the colocated summary and the rows number iterations from 0)."""
+    head = run_on_gloo_ranks(_signalled_in_first_update_rank, 2, tmp_path, str(tmp_path))[0]
+    assert [r["iteration"] for r in _rows(tmp_path / "first")] == [0]
+    assert head["stopped_by"] == "SIGINT after iteration 0"
+
+
 def test_updates_per_batch_is_checked_against_each_learner_ranks_share():
     """Each of W learner ranks trains on quota_groups x group_size / W responses: more optimizer steps than that
     is refused by name before any model is built (colocated data parallel and split alike); one rank, or steps

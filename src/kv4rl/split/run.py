@@ -184,5 +184,6 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
     if folder.moved_to is not None:
         summary["previous_run_moved_to"] = str(folder.moved_to)
     if done < cfg.trainer.iterations:  # a signal (here or on another rank) in the last update stopped nothing
-        summary["stopped_by"] = f"{stop.requested or 'a stop signal on another rank'} after iteration {done}"
+        # `done` counts updates done; metrics rows number them from 0, as the colocated summary says them
+        summary["stopped_by"] = f"{stop.requested or 'a stop signal on another rank'} after iteration {done - 1}"
     return summary, end
