@@ -157,3 +157,38 @@ def stopped_at_start(tmp_path, script: str, signal_name: str) -> None:
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert signal_name in proc.stdout + proc.stderr
     assert not (tmp_path / "early" / "metrics.jsonl").exists()
+
+
+GLOO_LOST = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5290: Connection "
+             "reset by peer")  # what the survivor's broadcast raised when its peer was SIGKILLed (torchrun, CPU)
+
+
+def test_a_rank_killed_without_a_word_is_one_error_line_with_the_resume_hint(tmp_path, monkeypatch):
+    """A rank killed by SIGKILL (the out-of-memory killer) cannot say so in the job's store: its peer printed
+    the collective's ~290-line traceback, naming neither the rank nor the cause."""
+    import kv4rl.loop
+    from kv4rl import distributed
+    from kv4rl.cli import app
+    from tests.small_runs import runner, new_run
+
+    run = new_run(tmp_path, "r", "trainer.iterations=1", "checkpoint.save_every=1")
+    monkeypatch.setattr(distributed, "launched_ranks", lambda: 2)
+    monkeypatch.setattr(distributed, "init_from_torchrun", lambda device: distributed.Ranks(0, 2))
+
+    def killed_peer(*args, **kwargs):
+        raise RuntimeError(GLOO_LOST)
+
+    monkeypatch.setattr(kv4rl.loop, "train", killed_peer)
+    res = runner.invoke(app, ["train", "--resume", str(run), "trainer.iterations=3", "--no-progress"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert text.startswith("error: another rank of this job went down without a word (killed? the out-of-memory "
+                           "killer?); this rank stops too; the checkpoints in"), text
+    assert f"continue with torchrun --nproc-per-node 2 -m kv4rl.cli train --resume {run}" in text
+
+    def own_bug(*args, **kwargs):
+        raise RuntimeError("a bug of this rank's own")
+
+    monkeypatch.setattr(kv4rl.loop, "train", own_bug)
+    res = runner.invoke(app, ["train", "--resume", str(run), "trainer.iterations=3", "--no-progress"])
+    assert res.exit_code == 1 and isinstance(res.exception, RuntimeError)  # raised as it is

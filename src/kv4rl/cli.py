@@ -108,9 +108,15 @@ def train(
                                 overwrite=overwrite)
         except Exception as exc:
             peer = distributed.stopped_peer(exc)  # None: this rank's own error (the others are told of it)
-            if peer is None or wants_traceback(verbose):
+            if wants_traceback(verbose) or (peer is None and not distributed.lost_peer(exc)):
                 raise
-            error_line(f"rank {peer} stopped (see its error); this rank stops too")  # its line says why
+            if peer is not None:
+                error_line(f"rank {peer} stopped (see its error); this rank stops too")  # its line says why
+            else:  # its collective's ~300 lines of traceback named neither the rank nor the cause
+                from kv4rl.trainer.checkpoint import resume_hint
+
+                error_line("another rank of this job went down without a word (killed? the out-of-memory killer?); "
+                           f"this rank stops too{resume_hint(cfg.run_dir, ranks.world)}")
             raise typer.Exit(1) from None
         finally:
             distributed.shutdown()

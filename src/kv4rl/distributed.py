@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from datetime import timedelta
@@ -164,6 +165,17 @@ def failed_peer(error: BaseException) -> int | None:
         return next((r for r in range(me.world) if r != me.rank and store.check([f"{_FAILED_KEY}{r}"])), None)
     except Exception:  # noqa: BLE001 - a store gone with the job: report the raw error
         return None
+
+
+_LOST_CONNECTION = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited|"
+                              r"Socket Timeout|ECONNRESET", re.IGNORECASE)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective's loss of its connection to another rank of a torchrun job that said
+    nothing first (killed: SIGKILL, the out-of-memory killer), rather than this rank's own failure."""
+    return (launched_ranks() > 1 and (type(error) is RuntimeError or isinstance(error, dist.DistError))
+            and _LOST_CONNECTION.search(str(error)) is not None)
 
 
 def shutdown() -> None:
