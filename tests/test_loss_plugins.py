@@ -328,3 +328,56 @@ def test_the_readme_example_loss_adds_up_over_micro_batches(tmp_path, monkeypatc
     finally:
         LOSSES.pop("stale_pg", None)
         sys.modules.pop("readme_losses", None)
+
+
+def test_registration_refuses_settings_that_would_fail_later():
+    """Each trained, or failed with a traceback, until later: a default of another type was written to
+    config.yaml and refused by the run's own --resume; a field named `_sections` or `validate` broke the algo
+    section; a frozen dataclass could not take an override."""
+    import dataclasses
+
+    @dataclass
+    class WrongDefault:
+        toy_k: float = "oops"
+
+    @dataclass
+    class Private:
+        _sections: int = 0
+
+    @dataclass
+    class Method:
+        validate: int = 1
+
+    @dataclass(frozen=True)
+    class Frozen:
+        toy_fz: float = 0.5
+
+    with pytest.raises(ValueError, match=r"loss 'wrong': the default of setting 'algo\.toy_k' is not of its type "
+                                         r"\(algo\.toy_k: expected float, got 'oops'\)"):
+        register_loss("wrong", settings=WrongDefault)
+    for name, settings in (("private", Private), ("method", Method)):
+        field = dataclasses.fields(settings)[0].name
+        with pytest.raises(ValueError, match=rf"setting 'algo\.{field}' is named like the algo section's own"):
+            register_loss(name, settings=settings)
+    with pytest.raises(ValueError, match="must not be a frozen dataclass"):
+        register_loss("frozen", settings=Frozen)
+    assert not {"wrong", "private", "method", "frozen"} & set(LOSSES)
+
+
+@pytest.mark.parametrize(("source", "said"), [
+    ("def broken(:\n", r"importing 'kv4rl_test_bad_plugin' failed: SyntaxError: .*kv4rl_test_bad_plugin\.py, line 1"),
+    ("x = undefined_name + 1\n", r"importing 'kv4rl_test_bad_plugin' failed: NameError: name 'undefined_name' is not "
+                                r"defined \(.*kv4rl_test_bad_plugin\.py, line 1\)"),
+    ("raise RuntimeError('plugin init failed')\n", r"importing 'kv4rl_test_bad_plugin' failed: RuntimeError: plugin "
+                                                   r"init failed \(.*kv4rl_test_bad_plugin\.py, line 1\)"),
+])
+def test_a_plugin_whose_own_code_fails_on_import_is_one_error_naming_it(tmp_path, monkeypatch, source, said):
+    """Only an ImportError was caught; a SyntaxError, NameError or any error of the module's own code was a
+    traceback."""
+    from kv4rl.algo.registry import import_plugins
+
+    (tmp_path / "kv4rl_test_bad_plugin.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kv4rl_test_bad_plugin", raising=False)
+    with pytest.raises(ValueError, match="^algo.plugins: " + said):
+        import_plugins(["kv4rl_test_bad_plugin"])

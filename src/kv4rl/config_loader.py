@@ -106,6 +106,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
 
 
+def coerce_value(value: Any, tp: Any, key: str) -> Any:
+    """`value` checked against annotation `tp` as a config file's value is (ConfigError naming `key`; TypeError
+    for an annotation a config cannot hold)."""
+    return _coerce(value, tp, key)
+
+
 def _is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp) or hasattr(tp, "config_schema")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -111,14 +112,42 @@ def _check_input_names(loss: str, names: Iterable[str]) -> None:
 
 
 def _check_settings(name: str, settings: type) -> None:
+    """Refuse at registration what would fail later: a default of another type than its annotation was written
+    to config.yaml and then refused by the run's own --resume; a frozen dataclass or a field named like the
+    algo section's own attributes (`validate`, `_sections`) failed with a traceback, or at resume."""
+    import sys
+    import typing
+
+    from kv4rl.config_loader import ConfigError, coerce_value
+
+    # the built-in losses register while kv4rl.algo.config is being imported; every plug-in after it is there
+    section = getattr(sys.modules.get("kv4rl.algo.config"), "AlgoConfig", None)
+
     if not dataclasses.is_dataclass(settings):
         raise ValueError(f"loss '{name}': settings must be a dataclass, got {settings!r}")
+    if settings.__dataclass_params__.frozen:
+        raise ValueError(f"loss '{name}': settings must not be a frozen dataclass (overrides set its fields)")
+    try:
+        hints = typing.get_type_hints(settings)
+    except Exception as exc:  # noqa: BLE001 - an annotation that names nothing importable
+        raise ValueError(f"loss '{name}': the annotations of {settings.__name__} cannot be resolved ({exc})") from None
     for f in dataclasses.fields(settings):
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"loss '{name}': setting 'algo.{f.name}' needs a default")
         owner = "all losses" if f.name in COMMON_KEYS else key_owner(f.name)
         if owner is not None:
             raise ValueError(f"loss '{name}': key 'algo.{f.name}' already belongs to {owner!r}")
+        if f.name.startswith("_") or (section is not None and hasattr(section, f.name)):
+            raise ValueError(f"loss '{name}': setting 'algo.{f.name}' is named like the algo section's own "
+                             f"attributes; rename it")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        try:
+            coerce_value(default, hints[f.name], f"algo.{f.name}")
+        except ConfigError as exc:
+            raise ValueError(f"loss '{name}': the default of setting 'algo.{f.name}' is not of its type ({exc}); "
+                             f"a run's config.yaml records it and its --resume would refuse it") from None
+        except TypeError as exc:  # an annotation no config value can have
+            raise ValueError(f"loss '{name}': setting 'algo.{f.name}': {exc}") from None
 
 
 def register_loss(name: str, *, settings: type | None = None, inputs: InputsDecl = ()) -> Callable[[LossFn], LossFn]:
@@ -173,6 +202,14 @@ def import_plugins(modules: Iterable[str]) -> None:
             if isinstance(exc, ModuleNotFoundError) and missing and not _is_module_or_parent(missing, module):
                 raise ValueError(f"algo.plugins: {module!r} was found, but importing it failed: {exc}") from exc
             raise ValueError(f"algo.plugins: cannot import {module!r} ({exc}); is it on the Python path?") from exc
+        except ValueError as exc:  # a registration it makes refused (a duplicate name, a bad setting)
+            raise ValueError(f"algo.plugins: importing {module!r}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - its own code failed as it ran: a SyntaxError, a NameError...
+            where = (f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else
+                     "".join(f" ({frame.filename}, line {frame.lineno})"
+                             for frame in traceback.extract_tb(exc.__traceback__)[-1:]))
+            raise ValueError(f"algo.plugins: importing {module!r} failed: {type(exc).__name__}: {exc}{where}") \
+                from exc
 
 
 def _is_module_or_parent(name: str, module: str) -> bool:
