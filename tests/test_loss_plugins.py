@@ -381,3 +381,25 @@ def test_a_plugin_whose_own_code_fails_on_import_is_one_error_naming_it(tmp_path
     monkeypatch.delitem(sys.modules, "kv4rl_test_bad_plugin", raising=False)
     with pytest.raises(ValueError, match="^algo.plugins: " + said):
         import_plugins(["kv4rl_test_bad_plugin"])
+
+
+@pytest.mark.parametrize(("returned", "said"), [
+    (lambda g: g.sum(), r"returned Tensor; it must return \(loss, metrics\)"),
+    (lambda g: (g * 1.0, {}), r"returned a tensor of shape \(2, 3\) as its loss"),
+    (lambda g: (g.sum().detach(), {}), "returned a tensor without a gradient"),
+    (lambda g: (1.5, {}), "returned float as its loss"),
+    (lambda g: (g.sum(), {"grad_norm": 123.0}), "returned a metric 'grad_norm', a name the learner logs itself"),
+    (lambda g: (g.sum(), {"mine": "text"}), "returned metric 'mine' = 'text'; a metric must be a number"),
+    (lambda g: (g.sum(), [1.0]), "returned metrics of type list; they must be a dict"),
+])
+def test_a_loss_that_returns_what_the_learner_cannot_use_is_named(returned, said):
+    """Each failed deep in backward() or the metric merge with a traceback, or (a metric named `grad_norm`)
+    was averaged into the real gradient norm without a word."""
+    from kv4rl.algo.registry import LossSpec
+
+    spec = LossSpec("odd", lambda inp, cfg: returned(torch.ones(2, 3, requires_grad=True)))
+    with pytest.raises(ValueError, match=f"^loss 'odd' {said}"):
+        spec(None, None)
+    fine = LossSpec("fine", lambda inp, cfg: (torch.ones(2, 3, requires_grad=True).sum(), {"mine": 1.0,
+                                                                                           "t": torch.tensor(2.0)}))
+    assert fine(None, None)[1] == {"mine": 1.0, "t": torch.tensor(2.0)}

@@ -315,3 +315,26 @@ def test_numpy_and_tensor_scalars_are_scores_and_a_bool_is_told_to_be_a_float(mo
     base.register_reward("bools")(lambda: lambda r, g: base.RewardResult([np.bool_(True)] * len(r), {}))
     with pytest.raises(ValueError, match=r"a bool, not a score \(write float\(...\) for 1.0 / 0.0\)"):
         get_reward("bools")(["a"], ["x"])
+
+
+@pytest.mark.parametrize(("result", "said"), [
+    (lambda: [1.0, 0.0], "returned list; it must return a RewardResult"),
+    (lambda: base.RewardResult([1.0, 0.0], {"mean": 99.0}), "returned a stat 'mean', which the run logs itself as "
+                                                            "reward_mean"),
+    (lambda: base.RewardResult([1.0, 0.0], {"s": "text"}), "returned stat 's' = 'text'; a stat must be a number"),
+])
+def test_a_reward_result_the_run_cannot_log_is_named(monkeypatch, result, said):
+    """A plain list failed as "'list' object has no attribute 'scores'", a stat named `mean` was dropped beside
+    the run's reward_mean without a word, a text stat failed as "could not convert string to float"."""
+    monkeypatch.setattr(base, "_REGISTRY", {})
+    base.register_reward("odd")(lambda: (lambda responses, golds: result()))
+    with pytest.raises(ValueError, match=f"^reward 'odd' {said}"):
+        get_reward("odd")(["a", "b"], ["1", "1"])
+
+
+def test_a_reward_giving_its_scores_as_a_generator_keeps_them():
+    """The check used the generator up and the run then failed: "must be real number, not generator"."""
+    reward = base.CheckedReward("gen", lambda responses, golds: base.RewardResult(
+        (float(r == g) for r, g in zip(responses, golds)), {"n": 2, "odd": float("nan")}))
+    result = reward(["1", "2"], ["1", "1"])
+    assert result.scores == [1.0, 0.0] and result.stats["n"] == 2

@@ -78,6 +78,35 @@ LossFn = Callable[[LossInputs, "AlgoConfig"], tuple[Tensor, dict[str, float]]]
 InputsDecl = Iterable[str] | Callable[["AlgoConfig"], Iterable[str]]
 
 
+# what the learner logs under its own names beside a loss's metrics (a loss's `grad_norm` was averaged into the
+# real norm, its `loss` silently replaced)
+LEARNER_METRICS = frozenset({"loss", "grad_norm", "skipped_steps", "num_tokens", "lr", "entropy", "mismatch_abs_mean",
+                             "mismatch_absmax"})
+
+
+def _checked_output(name: str, output) -> tuple[Tensor, dict[str, float]]:
+    """A loss's `(loss, metrics)` as the learner needs it, or a ValueError naming the loss and what it gave (a
+    list, a float, a [B, T] tensor or a detached one each failed deep in backward() with a traceback)."""
+    if not (isinstance(output, tuple) and len(output) == 2):
+        raise ValueError(f"loss '{name}' returned {type(output).__name__}; it must return (loss, metrics): a scalar "
+                         f"tensor and a dict of numbers")
+    loss, metrics = output
+    if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.requires_grad:
+        what = (type(loss).__name__ if not isinstance(loss, Tensor) else
+                f"a tensor of shape {tuple(loss.shape)}" if loss.dim() else "a tensor without a gradient (detached?)")
+        raise ValueError(f"loss '{name}' returned {what} as its loss; it must be a scalar tensor that requires grad")
+    if not isinstance(metrics, dict):
+        raise ValueError(f"loss '{name}' returned metrics of type {type(metrics).__name__}; they must be a dict")
+    for key, value in metrics.items():
+        if key in LEARNER_METRICS:
+            raise ValueError(f"loss '{name}' returned a metric '{key}', a name the learner logs itself; rename it")
+        if isinstance(value, Tensor) and value.numel() == 1:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"loss '{name}' returned metric '{key}' = {value!r}; a metric must be a number")
+    return loss, metrics
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """A registered loss: call it like the function; ask `inputs(cfg)` what to compute for it."""
@@ -88,7 +117,7 @@ class LossSpec:
     declared_inputs: InputsDecl = ()
 
     def __call__(self, inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
-        return self.fn(inp, cfg)
+        return _checked_output(self.name, self.fn(inp, cfg))
 
     def inputs(self, cfg: AlgoConfig) -> frozenset[str]:
         """The optional `LossInputs` fields this loss reads under `cfg`."""

@@ -114,6 +114,20 @@ def _score_problem(value: Any) -> str | None:
     return None
 
 
+_LOGGED_REWARD_STATS = frozenset({"mean", "std"})
+
+
+def _is_number(value: Any) -> bool:
+    """A real number a log row can hold (Python, NumPy or a one-element tensor; NaN and inf log as null)."""
+    if isinstance(value, (str, bytes)) or type(value).__name__ in ("bool", "bool_"):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True
+
+
 class CheckedReward(Reward):
     """What `get_reward` returns: the built reward, whose results must give one finite score per response. A
     NaN score made every advantage, loss and gradient of its batch NaN, and an infinite one zeroed them (the
@@ -125,7 +139,18 @@ class CheckedReward(Reward):
 
     def score(self, responses: list[str], golds: list[str]) -> RewardResult:
         result = self.reward(responses, golds)
-        scores = list(result.scores)
+        if not hasattr(result, "scores"):  # a plain list failed later as "'list' object has no attribute 'scores'"
+            raise ValueError(f"reward {self.name!r} returned {type(result).__name__}; it must return a "
+                             f"RewardResult(scores=[one per response], stats={{name: count}})")
+        scores = list(result.scores)  # once: a generator would be used up by this check
+        stats = dict(getattr(result, "stats", None) or {})
+        for key, value in stats.items():
+            if key in _LOGGED_REWARD_STATS:  # logged as reward_<key> beside the run's own reward_mean, reward_std
+                raise ValueError(f"reward {self.name!r} returned a stat {key!r}, which the run logs itself as "
+                                 f"reward_{key}; rename it")
+            if not _is_number(value):  # a string failed the row's float() naming neither the reward nor the key
+                raise ValueError(f"reward {self.name!r} returned stat {key!r} = {value!r}; a stat must be a number")
+        result = RewardResult(scores, stats)
         if len(scores) != len(responses):
             raise ValueError(f"reward {self.name!r} returned {len(scores)} scores for {len(responses)} responses")
         for i, value in enumerate(scores):
