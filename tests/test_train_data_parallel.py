@@ -216,3 +216,13 @@ def test_a_lagging_tensor_parallel_engine_resumes_with_each_ranks_own_weights(tm
     for key in ("num_tokens", "reward_mean", "response_len_mean"):
         assert [r[key] for r in got] == [r[key] for r in want], key
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-6)
+
+
+def test_an_error_every_rank_meets_after_joining_is_printed_once(tmp_path):
+    """A bad data file (read once the ranks have joined) printed the same error line once per rank."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
+    res = torchrun(tmp_path, f"out_dir={tmp_path / 'runs'}", f"data.train={bad}", *SMALL)
+    said = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert said == [f"error: {bad}:2: missing field 'answer'"], res.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()

@@ -94,6 +94,7 @@ def train(
         _train_seeds(seeds, parallel, config, overrides or [], resume, overwrite, verbose)
         return
     ranks = cfg = None  # set once the config is read and the job is joined
+    repeated = False  # this rank's error line was printed by another rank of the job already
     try:
         if resume is not None:
             if overwrite or config is not None:
@@ -107,6 +108,8 @@ def train(
             summary = run_train(cfg, resume=resume is not None, show_progress=progress and ranks.main,
                                 overwrite=overwrite)
         except Exception as exc:
+            if isinstance(exc, ValueError) and ranks.world > 1:  # asked before the job's store goes
+                repeated = not distributed.first_to_report(str(exc))
             peer = distributed.stopped_peer(exc)  # None: this rank's own error (the others are told of it)
             if wants_traceback(verbose) or (peer is None and not distributed.lost_peer(exc)):
                 raise
@@ -121,8 +124,8 @@ def train(
         finally:
             distributed.shutdown()
     except (ConfigError, ValueError) as exc:
-        if ranks is None and not distributed.prints_setup_errors():
-            raise typer.Exit(2) from None  # the same config error on every rank: one line per host says it
+        if (ranks is None and not distributed.prints_setup_errors()) or repeated:
+            raise typer.Exit(2) from None  # the same error on every rank: one line says it
         fail(str(exc))
     except OSError as exc:  # a full disk, a folder without write permission: what is saved stays
         if wants_traceback(verbose):

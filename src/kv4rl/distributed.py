@@ -16,6 +16,7 @@ the backend's traceback.
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import re
 import shlex
@@ -127,6 +128,19 @@ def _store():
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, ValueError, RuntimeError):  # a private helper: gone in some torch, no error here
         return None
+
+
+def first_to_report(message: str) -> bool:
+    """Whether no other rank of the job has reported this same error line yet (the job's store counts each
+    message once, atomically); True without a job or a store. A bad data file or a resume refused after the
+    ranks joined printed the same line once per rank; a different line (an error only one rank met) prints."""
+    store = _store()
+    if store is None:
+        return True
+    try:
+        return store.add(f"kv4rl/reported/{hashlib.sha1(message.encode()).hexdigest()}", 1) == 1
+    except Exception:  # noqa: BLE001 - a store gone with the job: say it, if twice
+        return True
 
 
 def stopped_peer(error: Exception) -> int | None:
