@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,3 +227,39 @@ def test_an_error_every_rank_meets_after_joining_is_printed_once(tmp_path):
     said = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert said == [f"error: {bad}:2: missing field 'answer'"], res.stderr[-3000:]
     assert not (tmp_path / "runs").exists()
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of `rank` among the processes torchrun `parent` started (Linux /proc), or None yet."""
+    children = Path(f"/proc/{parent}/task/{parent}/children")
+    for pid in children.read_text().split() if children.exists() else []:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the rank's process through Linux /proc")
+def test_a_rank_killed_without_a_word_leaves_its_peer_one_error_line(tmp_path):
+    """SIGKILL (the out-of-memory killer) to one rank: its peer printed the collective's ~290-line traceback,
+    naming neither the rank nor the cause. Reference: the resume hint's folder holds the checkpoints."""
+    import signal
+    import time
+
+    run = tmp_path / "runs" / "killed"
+    proc = start_torchrun(tmp_path, f"out_dir={tmp_path / 'runs'}", "name=killed", "trainer.iterations=1000", *SMALL)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "latest").is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    pid = _rank_pid(proc.pid, 1)
+    assert pid is not None and proc.poll() is None
+    os.kill(pid, signal.SIGKILL)
+    res = finish(proc)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: another rank of this job went down without a word (killed? the out-of-memory killer?); this rank "
+        "stops too; the checkpoints in"), res.stderr[-3000:]
+    assert "Connection reset by peer" not in res.stderr and "Connection closed by peer" not in res.stderr
