@@ -570,3 +570,12 @@ def test_sim_clip_bias_draws_past_memory_are_one_error_naming_samples(tmp_path):
     refused(["sim", "clip-bias", "--samples", "100000000000", "--json", str(tmp_path / "c.json")],
             "--samples 100000000000: the draws do not fit in this machine's memory")
     assert not any(tmp_path.iterdir())
+
+
+def test_eval_says_when_n_is_past_the_files_problems(tmp_path):
+    data = tmp_path / "sums.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": "4"}\n')
+    res = runner.invoke(app, ["eval", "--data", str(data), "--template", "{problem}=", "--k", "1", "--n", "5",
+                              "--max-new-tokens", "2", "--device", "cpu", "--reward", "exact"])
+    assert res.exit_code == 0, res.output
+    assert f"warning: --n 5: {data} holds 2 problems; evaluating all 2" in " ".join(res.output.split())

@@ -87,6 +87,7 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     ("trainer:\n  iterations: 010\n", "'010' is read by YAML as 8, not as written"),
     ("trainer:\n  iterations: 1:40\n", "'1:40' is read by YAML as 100, not as written"),
     ("? [a, b]\n: 1\n", "a key must be a name, not a list (line 1, column 3)"),  # was a TypeError traceback
+    ("checkpoint:\n  <<: {save_every: 5}\n  <<: {keep_last: 2}\n", "key '<<' is given twice in one mapping"),
 ])
 def test_a_config_file_that_would_be_misread_names_the_file_and_the_problem(tmp_path, content, needle):
     path = tmp_path / "c.yaml"

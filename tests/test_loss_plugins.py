@@ -403,3 +403,22 @@ def test_a_loss_that_returns_what_the_learner_cannot_use_is_named(returned, said
     fine = LossSpec("fine", lambda inp, cfg: (torch.ones(2, 3, requires_grad=True).sum(), {"mine": 1.0,
                                                                                            "t": torch.tensor(2.0)}))
     assert fine(None, None)[1] == {"mine": 1.0, "t": torch.tensor(2.0)}
+
+
+def test_a_nan_loss_with_a_finite_gradient_is_warned_of(tiny_qwen3, caplog):
+    """`loss * 0 + nan` has a zero gradient, so the step was taken and the row logged `loss: null` with no word."""
+    path, _ = tiny_qwen3
+
+    @register_loss("nan_pg")
+    def nan_pg(inp: LossInputs, cfg: AlgoConfig):
+        return inp.logprobs.sum() * 0.0 + float("nan"), {}
+
+    try:
+        learner = _learner(path, AlgoConfig(loss="nan_pg"))
+        with caplog.at_level(logging.WARNING):
+            metrics = learner.step(_batch())
+    finally:
+        del LOSSES["nan_pg"]
+    assert metrics["skipped_steps"] == 0 and metrics["grad_norm"] == 0.0
+    assert [m for m in caplog.messages if "loss was not finite" in m] == [
+        "iteration 0: the loss was not finite in 2 micro-batch(es) (logged as null); check the loss (algo.loss=nan_pg)"]

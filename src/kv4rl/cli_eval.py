@@ -299,6 +299,8 @@ def _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, tem
     task = task_of(model) if data is None else None  # a testbed folder is evaluated on its own task
     source = ProblemSource(None, str(data) if data else None, seed, task=task)
     problems = source.eval_problems(n or (256 if data is None else 10**9))
+    if n and data is not None and len(problems) < n and ranks.main:
+        warn(f"--n {n}: {data} holds {len(problems)} problems; evaluating all {len(problems)}")
     tokenizer = AutoTokenizer.from_pretrained(model)
     formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
     if ranks.main:

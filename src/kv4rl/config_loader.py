@@ -221,6 +221,11 @@ class _ConfigLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         seen = set()
+        merges = [key_node for key_node, _ in node.value if key_node.tag == "tag:yaml.org,2002:merge"]
+        if len(merges) > 1:  # the later silently took over the earlier's keys; `<<: [*a, *b]` says which wins
+            raise yaml.constructor.ConstructorError(
+                None, None, "key '<<' is given twice in one mapping (merge several as <<: [*a, *b])",
+                merges[1].start_mark)
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: the base's keys, which this one's override
                 continue

@@ -276,6 +276,7 @@ class Learner:
         before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration)
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
         skipped = 0  # optimizer steps left out for a non-finite gradient norm
+        nonfinite_losses = 0  # micro-batches whose loss was NaN or inf (a gradient can still be finite)
         if len(batch) < self.updates_per_batch:
             where = "this rank's share of the learner batch" if self.world_size > 1 else "the learner batch"
             raise ValueError(f"trainer.updates_per_batch={self.updates_per_batch} optimizer steps need at least as many "
@@ -302,6 +303,7 @@ class Learner:
                     continue
                 (loss * self.world_size if self.world_size > 1 else loss).backward()
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
+                nonfinite_losses += not math.isfinite(metrics["loss"])
                 metrics.update(token_stats(logp.detach(), ent, mb, first=update == 0))
                 parts.append((metrics, mb.num_tokens))
             grad_norm = global_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
@@ -315,6 +317,10 @@ class Learner:
                 # differently, and under FSDP not at all
                 self.optimizer.zero_grad(set_to_none=True)
         self.num_steps += 1
+        if nonfinite_losses and self.rank == 0:  # logged as null without a word; a finite gradient still steps
+            log.warning("iteration %d: the loss was not finite in %d micro-batch(es) (logged as null); check the "
+                        "loss (algo.loss=%s)", self.num_steps - 1 if iteration is None else iteration,
+                        nonfinite_losses, self.algo.loss)
         if skipped and self.rank == 0:
             log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
                         "weights and the optimizer state stay as they were (lower trainer.lr?)",
