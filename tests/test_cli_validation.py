@@ -325,6 +325,8 @@ def test_a_template_that_changes_the_problems_text_is_refused(template, shown):
 
 @pytest.mark.parametrize(("args", "needles"), [
     (["bench", "generate", "--batch-sizes", "64,64"], ["--batch-sizes '64,64'", "'64' is given twice"]),
+    (["bench", "generate", "--no-hf", "--kv-format", "kv4", "--shape", "qwen3-tiny", "--prompt-len", "2",
+      "--new-tokens", "3"], ["protected positions exceed --prompt-len + --new-tokens = 5"]),  # named a key not set
     (["bench", "generate", "--kv-format", "bf16,"], ["--kv-format 'bf16,'", "empty item"]),
     (["bench", "pool", "--formats", "bf16,,kv4"], ["--formats", "empty item"]),
     (["bench", "fidelity", "--allocations", "4+12,4+12"], ["--allocations", "'4+12' is given twice"]),

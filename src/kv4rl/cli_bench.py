@@ -228,6 +228,11 @@ def pool(
     wrote(json_out)
 
 
+def engine_cfg_sets_context(overrides: list[str] | None) -> bool:
+    """Whether `engine.max_model_len` is among the engine overrides (else a bench derives the context)."""
+    return any(o.split("=", 1)[0].strip() == "engine.max_model_len" for o in overrides or [])
+
+
 @bench_app.command()
 def generate(
     engine_overrides: Annotated[list[str] | None, typer.Argument(
@@ -278,7 +283,10 @@ def generate(
             check_kv_formats(formats, "--kv-format", engine_cfg, head_dim=head_dim,
                              max_model_len=engine_cfg.max_model_len or prompt_len + new_tokens, allow_auto=True)
     except ValueError as exc:
-        fail(str(exc))
+        text = str(exc)
+        if not engine_cfg_sets_context(engine_overrides):  # the limit came from the options, not engine.max_model_len
+            text = text.replace("the context limit engine.max_model_len=", "--prompt-len + --new-tokens = ")
+        fail(text)
     check_output_path(json_out)
     warn_real_shape_off_cuda(shape, device)
     try:
