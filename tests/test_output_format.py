@@ -22,7 +22,7 @@ from kv4rl.bench.tables import (
     pool_table as _pool_table,
     rollout_table as _rollout_table,
 )
-from kv4rl.cli import _curves_table
+from kv4rl.cli_plot import _curves_table
 from kv4rl.cli_sim import _clip_bias_table, _variance_table
 from kv4rl.telemetry.progress import FittedItems, StageProgress, TrainProgress
 from kv4rl.telemetry.tables import format_value, metric_table, print_table
