@@ -208,21 +208,21 @@ def test_a_failing_engine_ends_the_split_job_with_its_error(tmp_path):
     assert [r["iteration"] for r in _rows(tmp_path / "runs" / "fail")] == [0, 1]
 
 
-def _signalled_in_last_update_rank(rank: int, out_dir: str) -> dict:
-    """One rank of a 2-update split run whose head sees a stop signal during its last update."""
+def _signalled_rank(rank: int, out_dir: str, name: str, iterations: int, at: int) -> dict:
+    """One rank of an `iterations`-update split run whose head sees a stop signal during update `at`."""
     from kv4rl.split import learner_side
     from kv4rl.split.run import run_split
 
     real = learner_side.update
 
     def signalled(s, it, stop):
-        if s.head and it == s.cfg.trainer.iterations - 1:
+        if s.head and it == at:
             stop.requested = "SIGINT"  # as GracefulStop sets it: the update in progress finishes
         return real(s, it, stop)
 
     learner_side.update = signalled
-    cfg = load_config(None, [f"out_dir={out_dir}", "name=last", *SMALL, "rollout.placement=split",
-                             "rollout.engine_ranks=1", "trainer.iterations=2", "checkpoint.save_every=10",
+    cfg = load_config(None, [f"out_dir={out_dir}", f"name={name}", *SMALL, "rollout.placement=split",
+                             "rollout.engine_ranks=1", f"trainer.iterations={iterations}", "checkpoint.save_every=10",
                              "rollout.max_new_tokens=8"])
     summary, _ = run_split(cfg, resume=False, show_progress=False, overwrite=False)
     return summary
@@ -232,36 +232,16 @@ def test_a_signal_during_the_last_update_reports_a_finished_split_run(tmp_path):
     """The head's summary said 'stopped by SIGINT after iteration 2' of a 2-update run that had done every
     update and written its last checkpoint, and the CLI told the user to resume it. Reference: the updates
     asked for, all in metrics.jsonl."""
-    summaries = run_on_gloo_ranks(_signalled_in_last_update_rank, 2, tmp_path, str(tmp_path))
+    summaries = run_on_gloo_ranks(_signalled_rank, 2, tmp_path, str(tmp_path), "last", 2, 1)
     head = summaries[0]
     assert [r["iteration"] for r in _rows(tmp_path / "last")] == [0, 1]
     assert "stopped_by" not in head, head["stopped_by"]
 
 
-def _signalled_in_first_update_rank(rank: int, out_dir: str) -> dict:
-    """One rank of a 3-update split run whose head sees a stop signal during its first update."""
-    from kv4rl.split import learner_side
-    from kv4rl.split.run import run_split
-
-    real = learner_side.update
-
-    def signalled(s, it, stop):
-        if s.head and it == 0:
-            stop.requested = "SIGINT"
-        return real(s, it, stop)
-
-    learner_side.update = signalled
-    cfg = load_config(None, [f"out_dir={out_dir}", "name=first", *SMALL, "rollout.placement=split",
-                             "rollout.engine_ranks=1", "trainer.iterations=3", "checkpoint.save_every=10",
-                             "rollout.max_new_tokens=8"])
-    summary, _ = run_split(cfg, resume=False, show_progress=False, overwrite=False)
-    return summary
-
-
 def test_a_stopped_split_run_names_its_last_iteration_as_its_rows_do(tmp_path):
     """The split summary said 'after iteration 1' of a run whose rows end at iteration 0 (it counted the updates
     done; the colocated summary and the rows number iterations from 0)."""
-    head = run_on_gloo_ranks(_signalled_in_first_update_rank, 2, tmp_path, str(tmp_path))[0]
+    head = run_on_gloo_ranks(_signalled_rank, 2, tmp_path, str(tmp_path), "first", 3, 0)[0]
     assert [r["iteration"] for r in _rows(tmp_path / "first")] == [0]
     assert head["stopped_by"] == "SIGINT after iteration 0"
 
