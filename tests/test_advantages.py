@@ -39,6 +39,48 @@ def test_group_of_one_and_integer_rewards():
     assert adv.tolist() == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)])
 
 
+def test_rewards_on_a_large_offset_keep_their_advantages():
+    """The group mean was taken in float32: 1e8 + 8 and 1e8 (both exact in float32) gave advantages
+    [0, 1.22, 0, 1.22], not ±0.87, and the loop's float32 rewards rounded 3e7 + 1 to 3e7."""
+    def reference(values, size):  # float64 by hand
+        out = []
+        for g in range(0, len(values), size):
+            group = values[g:g + size]
+            mean = sum(group) / size
+            std = math.sqrt(sum((x - mean) ** 2 for x in group) / (size - 1))
+            out += [(x - mean) / (std + 1e-6) for x in group]
+        return out
+
+    exact32 = [1e8, 1e8 + 8, 1e8, 1e8 + 8]
+    adv = grpo_advantages(torch.tensor(exact32, dtype=torch.float32), group_size=4)
+    assert adv.dtype == torch.float32 and adv.tolist() == pytest.approx(reference(exact32, 4), rel=1e-6)
+    offset = [3e7 + 1, 3e7 + 2, 3e7 + 3, 3e7 + 4]
+    adv = grpo_advantages(torch.tensor(offset, dtype=torch.float64), group_size=4)
+    assert adv.dtype == torch.float64 and adv.tolist() == pytest.approx(reference(offset, 4), rel=1e-9)
+
+
+def test_the_loop_scores_rewards_in_float64(tmp_path, monkeypatch):
+    """A plug-in reward of 3e7 + 1 .. 3e7 + 4 a group: its mean and zero-mean advantages reach the metrics."""
+    import json
+
+    from kv4rl.config import load_config
+    from kv4rl.loop import train
+    from kv4rl.rewards import base
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+
+    @base.register_reward("offset")
+    def make():
+        return lambda responses, golds: base.RewardResult([3e7 + 1 + i % 4 for i in range(len(responses))], {})
+
+    cfg = load_config(overrides=["reward.name=offset", f"out_dir={tmp_path}", "name=r", "trainer.iterations=1",
+                                 "rollout.quota_groups=1", "rollout.group_size=4", "rollout.max_slots=4"])
+    train(cfg, show_progress=False)
+    (row,) = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert row["reward_mean"] == 3e7 + 2.5
+    assert abs(row["adv_mean"]) < 1e-12 and row["adv_absmax"] == pytest.approx(1.5 / math.sqrt(5 / 3), rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "rewards, group_size", [(torch.zeros(6), 4), (torch.zeros(2, 3), 3), (torch.zeros(0), 2)]
 )

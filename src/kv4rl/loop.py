@@ -206,7 +206,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     texts = [s.formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     answers = [g.problem.answer for g in groups for _ in g.completions]
     reward = s.reward_fn(texts, answers)
-    rewards = torch.tensor(reward.scores, dtype=torch.float32)
+    rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process
     advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, group_keys=keys)
     times["time_reward"] = time.perf_counter() - t1

@@ -55,14 +55,18 @@ def _zero_variance(grouped: Tensor) -> Tensor:
 def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True) -> Tensor:
     """`(r − mean_group) / (std_group + 1e-6)` per response (std: unbiased sample std).
 
-    With `normalize_std=False` the result is `r − mean_group`.
+    With `normalize_std=False` the result is `r − mean_group`. Computed in float64 and returned in the
+    rewards' float dtype: a float32 group mean of rewards on a large offset (1e8 + 8 and 1e8) is rounded
+    enough to move every advantage off zero mean, even to the wrong sign.
     """
     grouped = _grouped(rewards, group_size)
+    out_dtype = grouped.dtype
+    grouped = grouped.double()
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         centered = centered / (grouped.std(dim=1, correction=1, keepdim=True) + STD_EPS)
     flat_groups = _zero_variance(grouped)[:, None]
-    return torch.where(flat_groups, torch.zeros_like(centered), centered).reshape(-1)
+    return torch.where(flat_groups, torch.zeros_like(centered), centered).reshape(-1).to(out_dtype)
 
 
 def perturb_baseline(adv: Tensor, sigma: float, generator: torch.Generator | None = None,

@@ -74,7 +74,7 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     groups = [g for m in messages for g in m["groups"]]
     check_versions(it, groups, cfg.staleness.max_versions)
     completions = [c for g in groups for c in g.completions]
-    rewards = torch.tensor([x for m in messages for x in m["scores"]], dtype=torch.float32)
+    rewards = torch.tensor([x for m in messages for x in m["scores"]], dtype=torch.float64)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]
     advantages, adv_metrics = compute_advantages(rewards, cfg.rollout.group_size, cfg.advantage, group_keys=keys)
     rows = [(g.prompt_ids, c.token_ids, c.logprobs, c.versions) for g in groups for c in g.completions]
