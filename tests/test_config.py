@@ -55,6 +55,9 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("trainer.lr=inf", "trainer.lr: expected a finite number, got 'inf'"),
     ("trainer.lr=-Infinity", "trainer.lr: expected a finite number"),
     ("trainer.grad_clip=nan", "trainer.grad_clip: expected a finite number"),
+    ("algo.dual_clip=.nan", "algo.dual_clip: expected a finite number, got nan"),  # a float | null key said
+    ("algo.future_cost_clip=.inf", "algo.future_cost_clip: expected a finite number, got inf"),  # "not of type"
+    ("algo.dual_clip=abc", "algo.dual_clip: 'abc' is not of type float \\| null"),
     ("device=cudax", "device must be"),
     ("reward.name=bogus", "reward.name: unknown reward 'bogus'; known: auto, exact, math_verify"),
     ("data.prompt_template='{problem:d}'", "data.prompt_template: '{problem:d}' does not format a problem"),

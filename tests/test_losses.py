@@ -212,6 +212,25 @@ def test_reference_kl_term_by_hand(name):
     assert logprobs.grad[0].tolist() == pytest.approx(expected_grad)
 
 
+@pytest.mark.parametrize("name", ["ppo_clip", "future_kl"])
+def test_a_token_far_below_the_reference_leaves_the_ref_kl_term_finite(name):
+    """k3 = expm1(log ρ) − log ρ overflowed float32 past log ρ = 88.7: one such token made the loss inf and the
+    step was skipped. Held at 80 as the PPO ratio is; below that the term is exact."""
+    ref = torch.tensor([[-1.0, -1.0]])
+    for gap, held in ((50.0, False), (100.0, True)):
+        logprobs = torch.tensor([[-1.0 - gap, -1.0]], requires_grad=True)
+        inp = LossInputs(logprobs=logprobs, behavior_logprobs=logprobs.detach(), advantages=torch.zeros(1, 2),
+                         mask=torch.ones(1, 2, dtype=torch.bool), ref_logprobs=ref)
+        loss, metrics = get_loss(name)(inp, AlgoConfig(loss=name, kl_ref_coef=0.1, is_mode="none"))
+        loss.backward()
+        log_rho = 80.0 if held else gap
+        k3 = math.expm1(log_rho) - log_rho  # the second token's term is 0
+        assert math.isfinite(loss.item()) and loss.item() == pytest.approx(0.1 * k3 / 2, rel=1e-5)
+        assert metrics["kl_ref"] == pytest.approx(k3 / 2, rel=1e-5)
+        grad = 0.0 if held else 0.1 * (1 - math.exp(gap)) / 2
+        assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 0].item() == pytest.approx(grad, rel=1e-5)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss}-{c.loss_agg}")
 def test_garbage_in_padding_never_reaches_loss_or_gradient(cfg):
     clean = _random_batch(1)

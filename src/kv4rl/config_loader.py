@@ -46,6 +46,10 @@ def _quote_hint(value: Any, tp: Any, key: str) -> str:
     return ""
 
 
+class _NotFinite(ConfigError):
+    """A number that is inf or nan (its message is the one to show, whatever else the key may take)."""
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Return `value` checked against annotation `tp`, or raise ConfigError naming `key`."""
     origin = get_origin(tp)
@@ -54,11 +58,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: {value!r} is not one of {_type_name(tp)}")
     if origin in (typing.Union, types.UnionType):
+        not_finite = None
         for arm in get_args(tp):
             try:
                 return _coerce(value, arm, key)
+            except _NotFinite as e:  # `.nan` for a `float | None` key: say so, not "not of type float"
+                not_finite = e
             except ConfigError:
                 continue
+        if not_finite is not None:
+            raise not_finite
         raise ConfigError(f"{key}: {value!r} is not of type {_type_name(tp)}{_quote_hint(value, tp, key)}")
     if tp is type(None):
         if value is None:
@@ -96,7 +105,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             number = float(value)  # `inf` is a string to YAML (`.inf` is its number): refused as one below
         if number is not None:
             if not math.isfinite(number):  # YAML's .inf / .nan: no setting means them (null turns one off)
-                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+                raise _NotFinite(f"{key}: expected a finite number, got {value!r}")
             return number
     elif tp is str:
         if isinstance(value, str):

@@ -112,7 +112,9 @@ def _with_ref_kl(
         return loss
     logp = torch.where(valid, inp.logprobs, 0)
     ref_logp = torch.where(valid, inp.ref_logprobs.detach(), 0)
-    k3 = k3_kl(logp, ref_logp)
+    # ρ held at e^LOG_RATIO_LIMIT, as the PPO ratio is: one token the policy pushed below e^-88 of the
+    # reference's probability overflowed expm1 to inf in float32 and skipped the whole batch's step
+    k3 = k3_kl(torch.maximum(logp, ref_logp - LOG_RATIO_LIMIT), ref_logp)
     stats["kl_ref"] = _mean(k3.detach(), valid)
     if cfg.kl_ref_coef > 0:
         loss = loss + cfg.kl_ref_coef * aggregate(k3, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
