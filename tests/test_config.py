@@ -211,3 +211,20 @@ def test_an_unknown_key_with_nothing_close_suggests_nothing():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["trainer.foo=1"])
     assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["rollout.top_p=0.95"], "PPO's ratio (algo.old_logprob=behavior) starts below 1"),
+    (["rollout.top_k=5", "algo.loss=future_kl"], "the behaviour log-ratio starts below 1"),
+    ([], None),
+])
+def test_a_truncating_rollout_is_warned_about_its_ratio(caplog, overrides, says):
+    """The engine reports log-probs of the truncated distribution, the learner of the whole one: with top_p 0.8
+    a helper measured mismatch_absmax 0.21 at iteration 0 (ratio 0.81, at the clip edge) without a word."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        load_config(overrides=overrides)
+    lines = [m for m in caplog.messages if "truncate what the engine samples" in m]
+    assert (says in lines[0]) if says else not lines
+

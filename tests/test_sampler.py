@@ -79,6 +79,21 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert abs(frac0 - 0.625) < 5 * math.sqrt(0.625 * 0.375 / n)
 
 
+def test_a_top_p_of_one_keeps_its_whole_tail_beside_a_truncating_row():
+    """float32's cumsum reaches 1.0 before a peaked step's long tail ends: a p = 1 row kept 16,524 of
+    49,152 tokens when another row of the step had p = 0.5 (alone it kept all)."""
+    from kv4rl.engine.sampler import truncate_logits
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 49152, generator=gen) * 3
+    logits[:, 0] += 25
+    no_k = torch.zeros(2, dtype=torch.long)
+    out = truncate_logits(logits, no_k, torch.tensor([1.0, 0.5]))
+    assert torch.equal(out[0], logits[0])
+    assert torch.equal(out[1], truncate_logits(logits[1:], no_k[1:], torch.tensor([0.5]))[0])
+    assert torch.isfinite(out[1]).sum() == 1  # token 0 alone holds more than half the mass
+
+
 def test_host_known_flags_change_no_token_or_log_prob():
     """`greedy_rows=False` / `unit_temperature=True` (what the runner knows from the parameters) skip the
     unused argmax and the division by 1: the same tokens and log-probs, bit for bit, as the full path,

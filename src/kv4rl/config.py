@@ -268,6 +268,14 @@ class RunConfig:
                 raise ConfigError(str(exc)) from None
         for line in self.algo.ignored_keys():
             log.warning(line)
+        if self.rollout.top_p < 1 or self.rollout.top_k > 0:
+            ratio = ("PPO's ratio (algo.old_logprob=behavior)" if self.algo.loss == "ppo_clip"
+                     and self.algo.old_logprob == "behavior" else "the behaviour log-ratio")
+            log.warning("rollout.top_p=%g, rollout.top_k=%d truncate what the engine samples: it reports log-probs of "
+                        "the truncated distribution, the learner of the whole softmax(logits / temperature), so "
+                        "%s starts below 1 on every kept token by the mass the truncation kept (mismatch_* in "
+                        "metrics.jsonl shows it; top_p=1, top_k=0 keeps it at 1)",
+                        self.rollout.top_p, self.rollout.top_k, ratio)
         if self.staleness.lag >= self.trainer.iterations:
             log.warning("staleness.lag=%d collects %d batches ahead of the learner: with trainer.iterations=%d the "
                         "run collects %d and trains on %d (the rest wait in its checkpoint for a longer --resume)",

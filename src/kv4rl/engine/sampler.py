@@ -57,7 +57,9 @@ def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
-        drop_sorted = mass_before >= top_p[:, None]
+        # rows at p = 1 keep every token: float32's cumsum reaches 1.0 before a long tail ends, which cut
+        # their tail whenever another row of the step truncated
+        drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled
