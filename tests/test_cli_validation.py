@@ -231,6 +231,39 @@ def test_a_truncated_weight_file_is_named_in_one_line_before_any_work(tmp_path, 
             *needles)
 
 
+def test_a_tokenizer_file_cut_short_is_named_before_the_learner_loads(tmp_path, monkeypatch):
+    """transformers' JSONDecodeError ("Expecting property name ...: line 46 column 4") named no file, and train
+    met it only after the learner had loaded (minutes at 8B)."""
+    import kv4rl.engine.llm
+    import kv4rl.loop
+    from kv4rl.models.tiny import tiny_model_dir
+
+    monkeypatch.setattr(kv4rl.engine.llm.Engine, "__init__", _work_started)
+    monkeypatch.setattr(kv4rl.loop, "build_learner", _work_started)
+    folder = shutil.copytree(tiny_model_dir(progress=False), tmp_path / "model")
+    os.truncate(folder / "tokenizer.json", 200)
+    needles = (f"{folder}: the tokenizer files do not load (JSONDecodeError: ", "is the copy complete?")
+    refused(["eval", "--model", str(folder)], *needles)
+    refused(["train", f"model.path={folder}", f"out_dir={tmp_path / 'runs'}", "device=cpu", "--no-progress"],
+            *needles)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.jsonl"))
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_warned_about_at_load(tmp_path, caplog):
+    import logging
+
+    from kv4rl.models.hf_weights import load_tokenizer
+    from kv4rl.models.tiny import tiny_model_dir
+
+    size = len(load_tokenizer(tiny_model_dir(progress=False)))
+    with caplog.at_level(logging.WARNING):
+        load_tokenizer(tiny_model_dir(progress=False), vocab_size=size)
+        assert not caplog.messages
+        load_tokenizer(tiny_model_dir(progress=False), vocab_size=size - 3)
+    (line,) = caplog.messages
+    assert f"the tokenizer has {size} tokens but config.json's vocab_size is {size - 3}" in line
+
+
 def tiny_setup(overrides):
     from kv4rl.config import load_config
     from kv4rl.data.prompts import PromptFormatter

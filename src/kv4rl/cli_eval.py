@@ -286,22 +286,22 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
 
 def _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, template, chat, device, seed):
     """The model folder's checks, tokenizer and engine, and the problems: everything that reads `model`."""
-    from transformers import AutoTokenizer
 
     from kv4rl.data.longmul import LongMulTask
     from kv4rl.data.prompts import PromptFormatter
     from kv4rl.data.source import ProblemSource
     from kv4rl.engine.llm import Engine
-    from kv4rl.models.hf_weights import check_model_folder
+    from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
     from kv4rl.models.testbed import read_metadata, task_of
 
-    model_len = check_model_folder(model).max_position_embeddings
+    model_args = check_model_folder(model)
+    model_len = model_args.max_position_embeddings
     task = task_of(model) if data is None else None  # a testbed folder is evaluated on its own task
     source = ProblemSource(None, str(data) if data else None, seed, task=task)
     problems = source.eval_problems(n or (256 if data is None else 10**9))
     if n and data is not None and len(problems) < n and ranks.main:
         warn(f"--n {n}: {data} holds {len(problems)} problems; evaluating all {len(problems)}")
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = load_tokenizer(model, model_args.vocab_size if ranks.main else None)
     formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
     if ranks.main:
         for line in _prompting_differences(model, chat, template, formatter.template):

@@ -35,7 +35,7 @@ from kv4rl.engine.sampler import stream_seed
 from kv4rl.eval.data_parallel import evaluate_ranks
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
-from kv4rl.models.hf_weights import check_model_folder, read_model_args
+from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
@@ -126,10 +126,11 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     if restore is not None:
         check_same_stream(restore, source.stream_fingerprint(), cfg.run_dir / "config.yaml")
     policy_dir = base_dir if restore is None else restore.path
-    check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
+    model_args = check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
+    load_tokenizer(policy_dir, model_args.vocab_size if ranks.main else None)  # ... and its tokenizer (minutes at 8B)
     if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)
         try:
-            check_shardable(read_model_args(base_dir), tp)
+            check_shardable(model_args, tp)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if cfg.trainer.offload or cfg.trainer.offload_optimizer:  # before the engine loads: minutes at 8B

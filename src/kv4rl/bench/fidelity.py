@@ -26,7 +26,7 @@ from kv4rl.engine.kv_formats import KV_FORMATS, kv_format_from_config
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.placement import resolve_device
 from kv4rl.engine.sequence import SamplingParams
-from kv4rl.models.hf_weights import read_model_args
+from kv4rl.models.hf_weights import load_tokenizer, read_model_args
 
 POSITION_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_CONTEXT = 8192
@@ -244,7 +244,6 @@ def fidelity_prompts(model_dir: Path, data: Path | None, n: int, template: str |
     """Token ids of the first `n` problems and the template used; a file gets the boxed-answer
     instruction, a testbed folder its own task, and a prompt that fills the model's context is refused
     by name."""
-    from transformers import AutoTokenizer
 
     from kv4rl.data.prompts import PromptFormatter, check_prompt_lengths
     from kv4rl.data.source import ProblemSource
@@ -252,7 +251,7 @@ def fidelity_prompts(model_dir: Path, data: Path | None, n: int, template: str |
 
     source = ProblemSource(None, str(data) if data else None, seed, task=None if data else task_of(model_dir))
     problems = source.eval_problems(n)
-    formatter = PromptFormatter(AutoTokenizer.from_pretrained(model_dir), template or source.default_template)
+    formatter = PromptFormatter(load_tokenizer(model_dir), template or source.default_template)
     prompts = [formatter.ids(p) for p in problems]
     check_prompt_lengths(problems, [len(p) for p in prompts], model_len, "the model's context",
                          f"--data {data}" if data else "embedded task")

@@ -10,6 +10,7 @@ the tokenizer files, for use before a run starts.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -22,6 +23,9 @@ from kv4rl.models.tensor_parallel import TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+log = logging.getLogger(__name__)
 
 
 class ModelFolderError(ValueError):
@@ -167,6 +171,27 @@ def check_model_folder(model_dir: str | Path) -> ModelArgs:
             f"{model_dir}: no tokenizer files (need tokenizer.json, tokenizer.model, or vocab.json + merges.txt)"
         )
     return args
+
+
+def load_tokenizer(model_dir: str | Path, vocab_size: int | None = None):
+    """The folder's tokenizer (transformers' AutoTokenizer). A file that does not load (a copy cut short)
+    raises ModelFolderError naming the folder: transformers' own error named no file ("Expecting property
+    name ...: line 46 column 4"). With `vocab_size`, warn when the tokenizer has ids the model has no
+    embedding for (a tokenizer of another model), before any of them stops a prompt late."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (ValueError, OSError, ImportError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+        raise ModelFolderError(f"{model_dir}: the tokenizer files do not load ({type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}); is the copy "
+                               f"complete?") from exc
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        log.warning(
+            "%s: the tokenizer has %d tokens but config.json's vocab_size is %d: ids %d.. have no embedding (a "
+            "prompt holding one is refused); is the tokenizer the model's own?", model_dir, len(tokenizer),
+            vocab_size, vocab_size)
+    return tokenizer
 
 
 def load_model(

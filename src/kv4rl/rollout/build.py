@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
@@ -17,7 +16,7 @@ from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
-from kv4rl.models.hf_weights import check_model_folder
+from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.rewards import get_reward
 from kv4rl.rollout.collector import Collector
 
@@ -71,7 +70,7 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
     bytes a learner on the same device will allocate for its update, left free by an engine that stays
     awake through it (`Learner.update_memory_bytes`)."""
     model_max = check_model_folder(base_dir).max_position_embeddings
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer = load_tokenizer(policy_dir)
     formatter = PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template,
                                 cfg.data.chat_template)
     reward_name = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name

@@ -214,18 +214,18 @@ def measure(settings: Settings, progress: StageReport | None = None) -> Measurem
 
     `progress(stage, done, total)` hears of each AdamW step, finished response and micro-batch.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from kv4rl.data.source import ProblemSource
     from kv4rl.engine.llm import Engine
     from kv4rl.engine.placement import resolve_device
     from kv4rl.engine.sequence import SamplingParams
-    from kv4rl.models.hf_weights import check_model_folder
+    from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 
     settings.validate()
     check_model_folder(settings.model_dir)
     device = resolve_device(settings.device)
-    tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+    tokenizer = load_tokenizer(settings.model_dir)
     source = ProblemSource(settings.data, None, settings.seed)
     formatter = PromptFormatter(tokenizer, settings.template or source.default_template)
     problems = source.batch(0, settings.n_prompts)

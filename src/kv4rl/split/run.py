@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoTokenizer
 
 from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
@@ -24,6 +23,7 @@ from kv4rl.distributed import Ranks, barrier, current
 from kv4rl.engine.placement import resolve_device
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
+from kv4rl.models.hf_weights import load_tokenizer
 from kv4rl.rollout.build import build_rollout
 from kv4rl.run_folder import RunFolder, check_new_run
 from kv4rl.run_setup import (
@@ -155,7 +155,7 @@ def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.devi
 def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.device, base_dir,
              restore: Restore | None, stop: GracefulStop, show_progress: bool, sink: MetricsSink | None,
              overwrite: bool, model_sha256: str | None, stream: dict) -> tuple[dict | None, dict | None]:
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    tokenizer = load_tokenizer(base_dir)
     policy_dir = base_dir if restore is None else restore.path
     learner = build_learner(cfg, policy_dir, base_dir, device, group=groups.learner)
     start = 0
