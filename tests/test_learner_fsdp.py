@@ -46,6 +46,9 @@ def test_save_pretrained_writes_a_folder_transformers_loads(tiny_qwen3, tmp_path
     learner.save_pretrained(tmp_path / "out")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     assert loaded.config.architectures == ["Qwen3ForCausalLM"]
+    # the learner trains without a KV cache; the saved model's forward returned none (use_cache: false)
+    assert loaded.config.use_cache is True
+    assert loaded(torch.tensor([[1, 2, 3]])).past_key_values is not None
     weights = learner.state_dict()
     for name, w in loaded.state_dict().items():
         assert torch.equal(w, weights[name]), name

@@ -367,8 +367,10 @@ class Learner:
         config = Path(path) / "config.json"  # FSDP2 renames the class; older transformers kept the prefix
         data = json.loads(config.read_text())
         names = [a.removeprefix("FSDP") for a in data.get("architectures") or []]
-        if names != data.get("architectures"):
+        # the learner turns the KV cache off for training; a forward of the saved model returned none
+        if names != data.get("architectures") or data.get("use_cache") is False:
             data["architectures"] = names
+            data["use_cache"] = True
             config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
     @property
