@@ -51,8 +51,10 @@ PAPER_SETTINGS = {
     "paper_b_qwen3_4b_base_math_kv4_partial": {"engine.kv.format": "kv4", "engine.kv.n_sink": 16,
                                                "engine.kv.n_recent": 128, "rollout.mode": "partial"},
     "paper_a_qwen3_8b_refresh64_fp8_future_kl": {"engine.weight_format": "fp8", "staleness.refresh_every": 64,
-                                                 "algo.loss": "future_kl", "algo.beta": 0.3},
-    "paper_a_qwen3_1p7b_staleness16_future_kl": {"staleness.lag": 16, "algo.loss": "future_kl"},
+                                                 "algo.loss": "future_kl", "algo.beta": 0.3,
+                                                 "data.chat_template": True},  # chat models want their template
+    "paper_a_qwen3_1p7b_staleness16_future_kl": {"staleness.lag": 16, "algo.loss": "future_kl",
+                                                 "data.chat_template": True},
 }
 
 
@@ -81,7 +83,8 @@ def test_paper_recipes_run_a_few_iterations_at_a_test_shape(stem, tmp_path, monk
              "rollout.quota_groups=2", "rollout.group_size=2", "rollout.max_slots=4", "rollout.max_new_tokens=6",
              "trainer.iterations=2", "trainer.offload=false", "trainer.max_tokens_per_micro_batch=256",
              "engine.kv.group_size=32", "engine.kv.n_sink=2", "engine.kv.n_recent=4", "eval.every=0",
-             "checkpoint.save_every=1", "logging.tensorboard=false"]
+             "checkpoint.save_every=1", "logging.tensorboard=false",
+             "data.chat_template=false"]  # the random model's tokenizer has no chat template
     summary = train(load_config(RECIPES / f"{stem}.yaml", small), show_progress=False)
     assert summary["iterations"] == 2
 

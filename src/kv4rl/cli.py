@@ -55,7 +55,7 @@ def _print_table(title: str, data: dict) -> None:
 
 @app.command()
 def train(
-    overrides: list[str] | None = typer.Argument(None, help="config overrides, e.g. trainer.lr=1e-5"),
+    overrides: list[str] | None = typer.Argument(None, help="config overrides, e.g. trainer.lr=1e-5 (every key: README.md, 'Configuration reference')"),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file"),
     resume: Path | None = typer.Option(None, "--resume", help="run folder to continue (runs/<name>)"),
     overwrite: bool = typer.Option(False, "--overwrite",
