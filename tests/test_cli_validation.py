@@ -264,6 +264,24 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_warned_about_at_load(t
     assert f"the tokenizer has {size} tokens but config.json's vocab_size is {size - 3}" in line
 
 
+def test_print_config_prints_the_resolved_config_and_touches_nothing(tmp_path, monkeypatch):
+    """A user porting a config checks it without training (the config was saved only after an iteration)."""
+    import yaml
+
+    import kv4rl.loop
+    from kv4rl.config import load_config, to_dict
+
+    monkeypatch.setattr(kv4rl.loop, "train", _work_started)
+    monkeypatch.chdir(tmp_path)
+    args = [f"out_dir={tmp_path / 'runs'}", "trainer.lr=2e-5", "rollout.group_size=4"]
+    res = runner.invoke(app, ["train", "--print-config", *args])
+    assert res.exit_code == 0, res.output
+    assert yaml.safe_load(res.stdout) == to_dict(load_config(overrides=args))
+    assert yaml.safe_load(res.stdout)["trainer"]["lr"] == 2e-5 and list(tmp_path.iterdir()) == []
+    refused(["train", "--print-config", "trainer.lrr=1"], "unknown config key 'trainer.lrr'; did you mean trainer.lr?")
+    refused(["train", "--print-config", "--seeds", "1,2"], "--print-config prints one run's config")
+
+
 def tiny_setup(overrides):
     from kv4rl.config import load_config
     from kv4rl.data.prompts import PromptFormatter

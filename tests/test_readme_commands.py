@@ -51,6 +51,7 @@ CASES: dict[str, Case] = {
     "kv4rl train --resume runs/tiny-arith trainer.iterations=200": Case("trainer.iterations=3 --no-progress"),
     # starts over: the run above moves aside, and the new one ends at iteration 3 like it did
     "kv4rl train --overwrite": Case(TINY_TRAIN + " trainer.iterations=3"),
+    "kv4rl train --config recipes/baseline_clean.yaml --print-config": Case(),
     # `kv4rl eval` (the shortened run above ends at iteration 3, not 100)
     "kv4rl eval --model runs/tiny-arith/checkpoints/iter_000100": Case(
         TINY_EVAL, replace={"iter_000100": "iter_000003"}),

@@ -69,6 +69,9 @@ def train(
                               "processes (with --resume runs/<name>: continue each runs/<name>-s<seed>)"),
     parallel: int | None = typer.Option(
         None, "--parallel", help="with --seeds: runs at once (default: all on CUDA, 1 on the CPU)"),
+    print_config: bool = typer.Option(
+        False, "--print-config", help="check the config's keys, types and combinations, print it as the run "
+                                      "would save it (config.yaml) and stop: no model or data is read, nothing is written"),
 ) -> None:
     """Train a policy with RL (defaults: the embedded tiny model on the embedded arithmetic task).
 
@@ -86,6 +89,8 @@ def train(
     from kv4rl import distributed
 
     setup_logging(verbose)
+    if print_config and (seeds is not None or parallel is not None):
+        fail("--print-config prints one run's config; give it without --seeds / --parallel")
     if seeds is not None or parallel is not None:
         if distributed.launched_ranks() > 1:
             fail("--seeds starts its own processes; run it without torchrun")
@@ -101,6 +106,13 @@ def train(
             cfg = config_for_resume(resume, overrides or [])
         else:
             cfg = load_config(config, overrides or [])
+        if print_config:
+            import yaml
+
+            from kv4rl.config import to_dict
+
+            typer.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False), nl=False)
+            return
         ranks = distributed.init_from_torchrun(cfg.device)  # torchrun: one engine + learner shard per rank
         try:
             summary = run_train(cfg, resume=resume is not None, show_progress=progress and ranks.main,
