@@ -26,36 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from kv4rl.bench.decode_attn import PagedCase
+from kv4rl.bench.decode_attn import PagedCase, _time_graph
 from kv4rl.bench.random_model import QWEN3_SHAPES
 
 
 def time_graph(fn, reps: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph holding `fn` (warmed up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of one replay of a CUDA graph holding `fn` once."""
+    return _time_graph(fn, calls=1, reps=reps)
 
 
 class Decoder:
