@@ -57,6 +57,21 @@ def test_bad_arguments(kwargs):
         clip_bias(**args)
 
 
+def test_a_ratio_past_the_losss_log_ratio_limit_is_refused_not_reported_as_zero():
+    """Past |log ρ| = 80 the loss passes no gradient: ρ = 1e36 gave a clipped mean of 0 beside the exact
+    -σ/2 per unit ratio, exit 0. Just inside the limit the Monte Carlo still equals the closed form."""
+    import math
+
+    for rho in (1e36, 1e-36):
+        with pytest.raises(ValueError, match="rho: \\|log ρ\\| must be below 80"):
+            clip_bias(rho, 0.2, 1.0, n_samples=100)
+    for rho in (math.exp(79.5), math.exp(-79.5)):
+        result = clip_bias(rho, 0.2, 1.0, n_samples=100)
+        exact = result["closed_form"]["clip_mean_per_unit_ratio"]  # ∓σ/2
+        assert result["clip"]["mean"] / rho == pytest.approx(exact, abs=0.2)
+        assert result["clip"]["mean"] != 0
+
+
 def test_each_result_records_the_seed_that_reproduces_it(tmp_path):
     """The JSON held no seed, and the sweep's points use seed + 1 + i: each result names its own, and the
     same seed gives the same draws."""

@@ -62,6 +62,9 @@ def test_clip_bias_bad_input_exits_with_message(tmp_path):
     assert result.exit_code == 2 and "eps" in result.output
     result = runner.invoke(sim_app, ["clip-bias", "--sweep-rho", "1,x", "--samples", "10"])
     assert result.exit_code == 2 and "--sweep-rho" in result.output
+    for args, option in ((["--rho", "1e36"], "--rho"), (["--sweep-rho", "1,1e-36"], "--sweep-rho")):
+        result = runner.invoke(sim_app, ["clip-bias", *args, "--samples", "10"])
+        assert result.exit_code == 2 and f"{option}: |log ρ| must be below 80" in result.output, result.output
 
 
 @pytest.fixture(scope="module")

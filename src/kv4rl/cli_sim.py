@@ -75,12 +75,16 @@ def clip_bias_cmd(
         "--png", help="plot mean and variance against ρ here")] = None,
 ) -> None:
     """Mean and variance of the PPO-clip gradient coefficient with and without clipping (figure A-2)."""
-    from kv4rl.sim.clip_bias import clip_bias, plot, sweep
+    from kv4rl.sim.clip_bias import check_log_ratio, clip_bias, plot, sweep
 
     try:
         rhos = option_list(sweep_rho, "--sweep-rho", finite_float)
         if min(rhos) <= 0:
             raise ValueError(f"--sweep-rho: every ρ must be > 0, got {min(rhos):g}")
+        for value in rhos:
+            check_log_ratio(value, "--sweep-rho")
+        if rho > 0:
+            check_log_ratio(rho, "--rho")
         for ok, message in [(rho > 0, f"--rho must be > 0, got {rho:g}"),
                             (0 <= eps < 1, f"--eps must be in [0, 1), got {eps:g}"),
                             (sigma >= 0, f"--sigma must be >= 0, got {sigma:g}"),

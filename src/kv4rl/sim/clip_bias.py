@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kv4rl.algo.config import AlgoConfig
-from kv4rl.algo.losses import LossInputs, ppo_clip_loss
+from kv4rl.algo.losses import LOG_RATIO_LIMIT, LossInputs, ppo_clip_loss
 
 
 def closed_form(rho: float, eps: float, sigma: float) -> dict:
@@ -70,6 +70,14 @@ def _moments(samples: torch.Tensor) -> tuple[dict, dict]:
     return stats, stderr
 
 
+def check_log_ratio(rho: float, name: str) -> None:
+    """The loss holds log ρ within ±LOG_RATIO_LIMIT and passes no gradient past it: a ρ out there gave a
+    clipped coefficient of 0 beside the exact ∓σ/2 per unit ratio, without a word."""
+    if abs(math.log(rho)) >= LOG_RATIO_LIMIT:
+        raise ValueError(f"{name}: |log ρ| must be below {LOG_RATIO_LIMIT:g} (the loss holds the log-ratio there and "
+                         f"passes no gradient past it), got ρ = {rho:g}")
+
+
 def clip_bias(rho: float, eps: float, sigma: float, n_samples: int = 200_000, seed: int = 0) -> dict:
     """Monte-Carlo mean and variance of the coefficient with and without clipping.
 
@@ -78,6 +86,7 @@ def clip_bias(rho: float, eps: float, sigma: float, n_samples: int = 200_000, se
     """
     if not rho > 0:
         raise ValueError(f"rho must be > 0, got {rho}")
+    check_log_ratio(rho, "rho")
     if not 0 <= eps < 1:
         raise ValueError(f"eps must be in [0, 1), got {eps}")
     if not sigma >= 0:
