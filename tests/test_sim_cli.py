@@ -57,6 +57,25 @@ def test_clip_bias_matches_closed_form_and_plots(tmp_path):
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_clip_bias_sweeps_every_eps_sigma_and_rho_given(tmp_path):
+    """SPEC 3.3's sweep over ρ, ε and σ from the command line (only ρ could be swept there): every combination,
+    each against its closed form within five standard errors."""
+    import json
+
+    out = tmp_path / "cb.json"
+    result = runner.invoke(sim_app, ["clip-bias", "--samples", "4000", "--sweep-rho", "0.5,2", "--sweep-eps",
+                                     "0.1,0.3", "--sweep-sigma", "1,2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    swept = json.loads(out.read_text())["sweep"]
+    assert sorted((r["eps"], r["sigma"], r["rho"]) for r in swept) == sorted(
+        (e, s, r) for e in (0.1, 0.3) for s in (1.0, 2.0) for r in (0.5, 2.0))
+    for r in swept:
+        exact, mc, se = r["closed_form"]["clip"], r["clip"], r["stderr"]["clip"]
+        assert abs(mc["mean"] - exact["mean"]) <= 5 * se["mean"] + 1e-12
+    bad = runner.invoke(sim_app, ["clip-bias", "--samples", "10", "--sweep-eps", "0.1,1.5"])
+    assert bad.exit_code == 2 and "--sweep-eps: every ε must be in [0, 1), got 1.5" in bad.output
+
+
 def test_clip_bias_bad_input_exits_with_message(tmp_path):
     result = runner.invoke(sim_app, ["clip-bias", "--eps", "1.5", "--samples", "10"])
     assert result.exit_code == 2 and "eps" in result.output

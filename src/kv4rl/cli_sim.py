@@ -70,6 +70,10 @@ def clip_bias_cmd(
     seed: Annotated[int, typer.Option("--seed", help="random seed of the Monte-Carlo draws (the advantage signs)")] = 0,
     sweep_rho: Annotated[str, typer.Option(
         "--sweep-rho", help="comma-separated ρ values to sweep")] = DEFAULT_SWEEP,
+    sweep_eps: Annotated[str | None, typer.Option(
+        "--sweep-eps", help="comma-separated ε values: the sweep runs over every ε, σ and ρ (default: --eps)")] = None,
+    sweep_sigma: Annotated[str | None, typer.Option(
+        "--sweep-sigma", help="comma-separated σ values (default: --sigma); one curve per ε, σ pair")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the numbers here")] = None,
     png_out: Annotated[Path | None, typer.Option(
         "--png", help="plot mean and variance against ρ here")] = None,
@@ -83,6 +87,12 @@ def clip_bias_cmd(
             raise ValueError(f"--sweep-rho: every ρ must be > 0, got {min(rhos):g}")
         for value in rhos:
             check_log_ratio(value, "--sweep-rho")
+        epses = [eps] if sweep_eps is None else option_list(sweep_eps, "--sweep-eps", finite_float)
+        sigmas = [sigma] if sweep_sigma is None else option_list(sweep_sigma, "--sweep-sigma", finite_float)
+        if not all(0 <= e < 1 for e in epses):
+            raise ValueError(f"--sweep-eps: every ε must be in [0, 1), got {[e for e in epses if not 0 <= e < 1][0]:g}")
+        if min(sigmas) < 0:
+            raise ValueError(f"--sweep-sigma: every σ must be >= 0, got {min(sigmas):g}")
         if rho > 0:
             check_log_ratio(rho, "--rho")
         for ok, message in [(rho > 0, f"--rho must be > 0, got {rho:g}"),
@@ -98,7 +108,7 @@ def clip_bias_cmd(
     check_not_an_input({"--json": json_out, "--png": png_out}, {})
     try:
         result = clip_bias(rho, eps, sigma, samples, seed)
-        swept = sweep(rhos, eps, sigma, samples, seed + 1)
+        swept = sweep(rhos, epses, sigmas, samples, seed + 1)
     except ValueError as exc:
         fail(str(exc))
     except (MemoryError, RuntimeError) as exc:  # the allocator's traceback named no option
@@ -114,7 +124,9 @@ def clip_bias_cmd(
         write_json({**result, "sweep": swept}, json_out)
         wrote(json_out)
     if png_out is not None:
-        points = swept + ([result] if all(r["rho"] != rho for r in swept) else [])
+        # the --rho point joins its ε, σ curve where the sweep has one (alone it would draw no line)
+        curve = [r for r in swept if (r["eps"], r["sigma"]) == (eps, sigma)]
+        points = swept + ([result] if curve and all(r["rho"] != rho for r in curve) else [])
         plot(points, png_out)
         wrote(png_out)
 
