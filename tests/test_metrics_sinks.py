@@ -83,6 +83,58 @@ def test_training_writes_event_files_equal_to_metrics_and_resume_logs_once(tmp_p
     assert_events_equal_jsonl(run_dir)
 
 
+def read_like_the_rust_server(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard's default data server (`--load_fast=auto`): every `*tfevents*` file in name order, a tag's
+    older points dropped only when a point of that tag arrives at the same or a lower step; SessionLog.START
+    (the purge) is ignored (tensorboard/data/server/reservoir.rs, "Preemption")."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(p for p in run_dir.iterdir() if "tfevents" in p.name):
+        for record in RawEventFileLoader(str(path)).Load():
+            event = Event.FromString(record)
+            for value in event.summary.value:
+                points = [p for p in series.get(value.tag, []) if p[0] < event.step]
+                series[value.tag] = [*points, (event.step, value.simple_value)]
+    return series
+
+
+def test_a_resume_rewrites_the_event_history_so_every_reader_drops_the_killed_processs_points(tmp_path):
+    """The killed process logged iterations 2-3 (with an eval metric at 3) past its checkpoint at 1; the
+    resumed one logs 2-3 again without eval. TensorBoard's default server ignores the purge record and kept
+    eval at 3, which metrics.jsonl had dropped; the history is now rewritten, the old file kept renamed."""
+    pytest.importorskip("tensorboard")
+    from kv4rl.config import load_config
+    from kv4rl.telemetry.sinks import MetricsSink
+
+    cfg = load_config(overrides=["name=r", f"out_dir={tmp_path}", "logging.tensorboard=true"])
+    cfg.run_dir.mkdir(parents=True)
+
+    def run(rows):
+        sink = MetricsSink(cfg, announce=lambda line: None)
+        for row in rows:
+            sink.log(row)
+        sink.close()
+
+    run([{"iteration": it, "a": float(it), **({"eval/x": 10.0 + it} if it % 2 else {})} for it in range(4)])
+    (first,) = cfg.run_dir.glob("events.out.tfevents.*")
+    written = first.read_bytes()
+    run([{"iteration": it, "a": 100.0 + it} for it in (2, 3)])
+    want = {"a": [(0, 0.0), (1, 1.0), (2, 102.0), (3, 103.0)], "eval/x": [(1, 11.0)]}
+    assert read_events(cfg.run_dir) == want
+    assert read_like_the_rust_server(cfg.run_dir) == want  # before: eval/x also at 3 (13.0)
+    kept = cfg.run_dir / first.name.replace("tfevents", "superseded")
+    assert kept.read_bytes() == written  # renamed, not deleted
+
+    files = sorted(p.name for p in cfg.run_dir.iterdir())
+    run([{"iteration": 4, "a": 104.0}])  # a resume past every logged step rewrites nothing
+    assert sorted(p.name for p in cfg.run_dir.iterdir())[:len(files)] == files
+    run([{"iteration": it, "a": 200.0 + it} for it in (1, 2)])  # again, over the rewritten history
+    want = {"a": [(0, 0.0), (1, 201.0), (2, 202.0)]}
+    assert read_events(cfg.run_dir) == want and read_like_the_rust_server(cfg.run_dir) == want
+
+
 class FakeWandb:
     """Records the calls of the documented `wandb` API that the sink uses."""
 

@@ -9,8 +9,10 @@ is installed.
 Resume: a resumed run logs again the iterations after its checkpoint that the interrupted process
 may already have logged. The TensorBoard writer is opened at the first row it receives, with
 `purge_step` = that row's iteration: it starts a new event file whose first record is a
-`SessionLog.START` at that step, and TensorBoard's readers drop every earlier event at or after it,
-so each iteration appears once (metrics.jsonl does the same by dropping those rows). W&B only
+`SessionLog.START` at that step, and TensorBoard's Python reader drops every earlier event at or after it;
+its default Rust data server does not, so the older files' points from that step on are first rewritten
+out of them (`event_history`). Each iteration appears once (metrics.jsonl does the same by dropping those
+rows). W&B only
 accepts increasing steps: the run is resumed by its id (kept in `wandb_id.txt`) and the iterations
 it already holds keep their first values, which a deterministic resume reproduces.
 """
@@ -94,6 +96,9 @@ class MetricsSink:
     def _open_tensorboard(self, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
+        from kv4rl.telemetry.event_history import rewrite_before_resume
+
+        rewrite_before_resume(self.cfg.run_dir, first_step)  # for readers that ignore the purge below
         _wait_past_existing_event_files(self.cfg.run_dir)
         _quiet_event_writer_threads()
         return SummaryWriter(log_dir=str(self.cfg.run_dir), purge_step=first_step)
