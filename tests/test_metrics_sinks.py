@@ -274,3 +274,43 @@ def test_the_trace_plot_reads_its_columns_line_by_line_and_keeps_only_them(tmp_p
     chosen = [r for r in rows if 5 <= r["iteration"] < 30]
     assert {key: list(columns[key]) for key in TRACE_COLUMNS} == {key: [r[key] for r in chosen] for key in TRACE_COLUMNS}
     assert len(chosen) == 25_000 and peak < log.stat().st_size / 4
+
+
+def _trace_row(it, **fields):
+    return {"iteration": it, "batch_size": 4, "context_mean": 10.0, "kv_bytes": 2**20, "latency_s": 0.01, **fields}
+
+
+@pytest.mark.parametrize("fields, said", [({"context_mean": None}, "context_mean is None"),
+                                          ({"latency_s": "fast"}, "latency_s is 'fast'")])
+def test_a_damaged_trace_row_is_one_line_naming_it(tmp_path, fields, said):
+    """A null or missing field of a rollout trace row (edited by hand) was a TypeError/KeyError traceback."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "rollout_trace.jsonl").write_text(json.dumps(_trace_row(0)) + "\n" + json.dumps(_trace_row(0, **fields)) + "\n")
+    res = runner.invoke(app, ["plot", "rollout-trace", str(run), "--out", str(tmp_path / "t.png")])
+    assert res.exit_code == 2 and res.output.startswith("error:"), res.output
+    assert squash(f"rollout_trace.jsonl:2: {said}, not a finite number") in squash(res.output)
+    row = _trace_row(0)
+    del row["kv_bytes"]
+    (run / "rollout_trace.jsonl").write_text(json.dumps(row) + "\n")
+    res = runner.invoke(app, ["plot", "rollout-trace", str(run), "--out", str(tmp_path / "t.png")])
+    assert res.exit_code == 2 and squash("rollout_trace.jsonl:1: kv_bytes is missing") in squash(res.output)
+
+
+def test_the_trace_plot_draws_a_run_named_twice_once_and_titles_namesakes_by_path(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    titles = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, label, *a, **k: titles.append(label))
+    for parent in ("x", "y"):
+        (tmp_path / parent / "run").mkdir(parents=True)
+        (tmp_path / parent / "run" / "rollout_trace.jsonl").write_text(json.dumps(_trace_row(0)) + "\n")
+    one = tmp_path / "x" / "run"
+    res = runner.invoke(app, ["plot", "rollout-trace", str(one), f"{one}/.", "--out", str(tmp_path / "a.png")])
+    assert res.exit_code == 0, res.output
+    assert titles == ["run"]  # one column, not the same run twice
+    titles.clear()
+    res = runner.invoke(app, ["plot", "rollout-trace", str(one), str(tmp_path / "y" / "run"),
+                              "--out", str(tmp_path / "b.png")])
+    assert res.exit_code == 0 and titles == [str(one), str(tmp_path / "y" / "run")]
+

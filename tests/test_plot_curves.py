@@ -351,3 +351,33 @@ def test_iteration_time_refusals_leave_no_folder_and_a_run_named_twice_is_one_ba
                               "--out", str(tmp_path / "t.png")])
     assert res.exit_code == 0, res.output
     assert {r["run"] for r in read_csv(tmp_path / "t.csv")} == {"r"} and len(read_csv(tmp_path / "t.csv")) == 6
+
+
+def test_null_values_in_a_curve_are_said_and_a_null_phase_is_called_null(tmp_path, caplog):
+    """A null grad_norm (a step with no finite gradient) disappeared from the figure without a word; a null
+    time_update was reported as 'missing'."""
+    write_run(tmp_path / "g-s0", [{"iteration": 0, "grad_norm": 1.0}, {"iteration": 1, "grad_norm": None},
+                                  {"iteration": 2, "grad_norm": 0.5}])
+    res = runner.invoke(app, ["plot", "curves", str(tmp_path / "g-s0"), "--metric", "grad_norm",
+                              "--out", str(tmp_path / "g.png")])
+    assert res.exit_code == 0, res.output
+    assert squash("arm g: 1 row(s) logged grad_norm as null (not finite, or not measured there)") in squash(res.output)
+    row = {"iteration": 0, "time_rollout": 1.0, "time_reward": 0.1, "time_update": None, "time_sync": 0.0,
+           "time_total": 2.0}
+    write_run(tmp_path / "t", [row])
+    res = runner.invoke(app, ["plot", "iteration-time", str(tmp_path / "t"), "--out", str(tmp_path / "t.png")])
+    assert res.exit_code == 2 and "'time_update' null at iteration 0" in res.output
+
+
+def test_until_common_warns_of_a_torn_line_once(tmp_path, caplog):
+    import logging
+
+    write_run(tmp_path / "u-s0", [{"iteration": i, "accuracy": 0.5} for i in range(3)])
+    with open(tmp_path / "u-s0" / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 3, "accu')
+    with caplog.at_level(logging.WARNING):
+        res = runner.invoke(app, ["plot", "curves", str(tmp_path / "u-s0"), "--until", "common",
+                                  "--out", str(tmp_path / "u.png")])
+    assert res.exit_code == 0, res.output
+    assert len([m for m in caplog.messages if "metrics.jsonl:4 is not a JSON row" in m]) == 1
+

@@ -221,7 +221,8 @@ def model_warnings(summary: dict) -> list[str]:
 
 def coverage_warnings(summary: dict) -> list[str]:
     """Arms whose seeds end at different iterations: past the first end the mean is over fewer seeds (a seed
-    that stops can make a drop no seed had) and the final value mixes iterations."""
+    that stops can make a drop no seed had) and the final value mixes iterations. And arms whose rows logged
+    the metric as null, which the curve passes over."""
     out = []
     for name, arm in summary["arms"].items():
         ends = arm["last_iteration_per_seed"]
@@ -229,6 +230,9 @@ def coverage_warnings(summary: dict) -> list[str]:
             out.append(f"arm {name}: its seeds' last logged iterations differ ({min(ends)} to {max(ends)}); past "
                        f"{min(ends)} the mean is over fewer seeds and the final values mix iterations "
                        "(--until common cuts every run at the last iteration all have)")
+        if arm["null_values"]:  # a null grad_norm is a step without a finite gradient: not to pass unseen
+            out.append(f"arm {name}: {arm['null_values']} row(s) logged {summary['metric']} as null (not finite, or "
+                       f"not measured there); the curve passes over them")
     return out
 
 
@@ -240,7 +244,8 @@ def curve_rows(curves: list[ArmCurve]) -> list[dict]:
 
 def last_common_iteration(arms: list[Arm]) -> int:
     """The last iteration that every run of every arm has logged."""
-    return min(max((r["iteration"] for r in read_metrics(run / "metrics.jsonl")), default=-1)
+    # the curves read each file again after this: their reading warns of a torn line, once
+    return min(max((r["iteration"] for r in read_metrics(run / "metrics.jsonl", warn=False)), default=-1)
                for a in arms for run in a.runs)
 
 

@@ -124,14 +124,20 @@ def _parsed(path: Path, warn: bool = True):
             log.warning("%s:%d is not a JSON row (cut short?); skipped", path, number)
 
 
-def iter_lines(path: Path, warn: bool = True) -> Iterator[tuple[str, dict]]:
-    """(line, row) pairs as the file is read; a line that does not parse (torn by a kill mid-write), or is not
-    a JSON object, is skipped with a warning (`warn`: a second reader of the same file leaves it to the first)."""
+def iter_rows(path: Path, warn: bool = True) -> Iterator[tuple[int, str, dict]]:
+    """(line number, line, row) as the file is read; a line that does not parse (torn by a kill mid-write), or is
+    not a JSON object, is skipped with a warning (`warn`: a second reader of the same file leaves it to the first)."""
     for number, line, row in _parsed(path, warn):
         if isinstance(row, dict):
-            yield line, row
+            yield number, line, row
         elif warn:
             log.warning("%s:%d is %s, not a JSON object row; skipped", path, number, type(row).__name__)
+
+
+def iter_lines(path: Path, warn: bool = True) -> Iterator[tuple[str, dict]]:
+    """(line, row) pairs of `iter_rows`."""
+    for _, line, row in iter_rows(path, warn):
+        yield line, row
 
 
 def read_lines(path: Path, warn: bool = True) -> list[tuple[str, dict]]:
@@ -145,13 +151,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [row for _, row in read_lines(path)]
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, warn: bool = True) -> list[dict]:
     """A run's metrics.jsonl for the plots: rows in file order, each an object with an integer `iteration`
     met once (what `JsonlWriter` writes; a file edited or joined by hand that breaks this is refused, naming
     the line, rather than drawn wrong), non-finite numbers read as null as the writer stores them. A torn
-    line is skipped with a warning (`read_lines`)."""
+    line is skipped with a warning (`warn`; a second read of the same file leaves it to the first)."""
     rows, seen = [], {}
-    for number, _, row in _parsed(path):
+    for number, _, row in _parsed(path, warn):
         it = row.get("iteration") if isinstance(row, dict) else None
         if not isinstance(it, int) or isinstance(it, bool):
             what = "a row without an integer 'iteration'" if isinstance(row, dict) else f"a JSON {type(row).__name__}"

@@ -32,9 +32,10 @@ def means_of(rows: list[dict], where: str) -> dict[str, float]:
     """Mean seconds per phase (and `other`, `time_total`, `iterations`) of metrics rows of the loop."""
     rows = [{**OPTIONAL, **r} for r in rows]
     for key in (*PHASES, "time_total"):
-        missing = [r["iteration"] for r in rows if not isinstance(r.get(key), (int, float))]
+        missing = [r for r in rows if not isinstance(r.get(key), (int, float))]
         if missing:
-            raise ValueError(f"{where}: '{key}' missing at iteration {missing[0]}")
+            state = "null" if key in missing[0] else "missing"
+            raise ValueError(f"{where}: '{key}' {state} at iteration {missing[0]['iteration']}")
     means = {k: math.fsum(r[k] for r in rows) / len(rows) for k in (*PHASES, "time_total")}
     means["other"] = means["time_total"] - sum(means[k] for k in PHASES)
     means["iterations"] = len(rows)

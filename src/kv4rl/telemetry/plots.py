@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import csv
+import math
 from array import array
 from pathlib import Path
 
-from kv4rl.telemetry.metrics import iter_lines
+from kv4rl.telemetry.metrics import distinct_runs, iter_rows, run_labels
 
 
 def _pyplot():
@@ -84,7 +85,13 @@ def trace_columns(path: Path, iterations: tuple[int, float] | None = None) -> di
     arrays of doubles: a long run's trace has a row per engine step (millions), and its rows as dicts
     took ~1 KB each."""
     columns = {key: array("d") for key in TRACE_COLUMNS}
-    for _, row in iter_lines(path):
+    for number, _, row in iter_rows(path):
+        for key in TRACE_COLUMNS:  # a row edited or damaged by hand was a TypeError or KeyError traceback
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{path}:{number}: {key} is {'missing' if key not in row else repr(value)}, not a "
+                                 f"finite number (the engine writes every step's {', '.join(TRACE_COLUMNS)}; "
+                                 f"was the line edited?)")
         if iterations is not None and not iterations[0] <= row["iteration"] < iterations[1]:
             continue
         for key, column in columns.items():
@@ -96,6 +103,8 @@ def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[in
     """Figure B-2 style: per decode step, active batch size and mean context length, nominal resident
     KV bytes, and step latency; one column per run (e.g. sync and partial side by side)."""
     plt = _pyplot()
+    run_dirs = distinct_runs(run_dirs)  # `runs/a` and `runs/a/.` drew the same run twice
+    labels = run_labels(run_dirs)  # two folders of one name were both titled by it
     fig, axes = plt.subplots(3, len(run_dirs), figsize=(6 * len(run_dirs), 9), squeeze=False, sharey="row")
     for col, run in enumerate(run_dirs):
         trace = trace_columns(Path(run) / "rollout_trace.jsonl", iterations)
@@ -106,7 +115,7 @@ def plot_rollout_trace(run_dirs: list[Path], out_png: Path, iterations: tuple[in
         ax.plot(steps, trace["batch_size"], label="active batch size")
         ax2 = ax.twinx()
         ax2.plot(steps, trace["context_mean"], color="tab:orange", label="mean context length")
-        ax.set_title(Path(run).name)
+        ax.set_title(labels[col])
         ax.set_ylabel("active sequences")
         ax2.set_ylabel("mean context (tokens)")
         axes[1][col].plot(steps, [b / 2**20 for b in trace["kv_bytes"]], color="tab:green")
