@@ -216,6 +216,24 @@ def test_weights_are_kept_only_for_coming_attributions_and_dropped_past_the_hori
     assert held == [[0], [0, 1], [0, 1], [1, 3], [3], [3], [6], [6, 7], [6, 7]]
 
 
+def test_an_iteration_that_only_copies_weights_reports_the_copy_as_attribution_time(monkeypatch):
+    """The copy (~32 GB of fp32 at 8B) ran inside observe() but was reported only on attribution iterations,
+    so on the others the loop counted it as update time."""
+    import kv4rl.telemetry.attribution as attribution
+
+    engine, learner = FakeEngine(), FakeLearner()
+    att = MismatchAttribution(engine, learner, every=3, samples=1, sampling=Sampling(1.0), horizon=2)
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr(attribution.time, "perf_counter", lambda: next(clock))
+    engine.version = 0
+    assert att.observe(0, batch=None) == {"mismatch/time_s": 1.0}  # copied for iteration 2: one tick
+    engine.version = 6  # the attribution at 8 may need version 6
+    assert att.observe(6, batch=None) == {"mismatch/time_s": 1.0}
+    engine.version = 9
+    att.horizon = 0  # nothing coming needs version 9's weights: no copy, nothing to report
+    assert att.observe(9, batch=None) == {}
+
+
 def test_mixed_version_and_unkept_responses_are_skipped(checkpoint, learner):
     engine, batch = rollout(checkpoint, EngineConfig())
     batch.versions[0, batch.response_mask[0] > 0] = 0
