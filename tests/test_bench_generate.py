@@ -151,6 +151,9 @@ def test_bench_generate_repeats_transformers_and_takes_the_median(tmp_path):
     assert f"{x['hf_tokens_per_s_min']:,.0f}-{x['hf_tokens_per_s_max']:,.0f}]" in res.output.replace("\n", "")
     refused = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--hf-repeats", "0", "--device", "cpu"])
     assert refused.exit_code == 2 and "--hf-repeats must be >= 1" in refused.output, refused.output
+    # two runs have no median run: the lower middle (the slower run) made the engine's ratio too high
+    refused = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--hf-repeats", "2", "--device", "cpu"])
+    assert refused.exit_code == 2 and "--hf-repeats 2: give an odd count" in refused.output, refused.output
 
 
 def test_run_hf_times_every_batch_once_per_repeat_in_turn(monkeypatch):

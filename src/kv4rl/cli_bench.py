@@ -248,7 +248,8 @@ def generate(
                                 "rows get their ratio to auto")] = "auto",
     hf: Annotated[bool, Option("--hf/--no-hf", help="also time transformers' generate")] = True,
     hf_repeats: Annotated[int, Option(
-        "--hf-repeats", help="time transformers this many times per batch size; the ratio is over the median")] = 1,
+        "--hf-repeats", help="time transformers this many times per batch size (odd); the ratio is over the "
+                           "median run")] = 1,
     scheduling: Annotated[str, Option(
         "--scheduling", help="comma-separated engine schedulings: sync, async (engine.async_scheduling), or "
                              "auto alone (the engine's default: async on CUDA); async rows get their ratio to sync")] = "auto",
@@ -269,6 +270,9 @@ def generate(
         if any(o.split("=", 1)[0].strip() == "engine.async_scheduling" for o in engine_overrides or []):
             raise ValueError("engine.async_scheduling is set by --scheduling here")
         check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--hf-repeats", hf_repeats))
+        if hf_repeats % 2 == 0:  # the ratio is to the median run; an even count has none (it took the slower middle)
+            raise ValueError(f"--hf-repeats {hf_repeats}: give an odd count, so that one run is the median the "
+                             f"speedup is taken over")
         shape_cfg = shape_args(shape, qwen3_args)
         head_dim = shape_cfg.head_dim
         if prompt_len + new_tokens > shape_cfg.max_position_embeddings:

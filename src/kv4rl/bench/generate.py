@@ -76,7 +76,10 @@ def run_hf(model, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
     """transformers `generate` per batch size: produced tokens, seconds, peak memory. With `repeats` > 1
     each batch runs that many times in turn (all batches, then again), and the row has the median rate
     with its range (`hf_tokens_per_s_min`, `_max`): transformers' rate has varied by a third between
-    runs of the same command, so one timing cannot decide a ratio against it."""
+    runs of the same command, so one timing cannot decide a ratio against it. `repeats` is odd: the row is
+    the median run itself."""
+    if repeats < 1 or repeats % 2 == 0:
+        raise ValueError(f"repeats must be odd and >= 1 (the row is the median run), got {repeats}")
     for prompts in prompts_by_batch.values():  # every batch's shapes once (one-time per-shape library costs)
         _hf_generate(model, prompts, min(new_tokens, WARMUP_TOKENS))
     runs: dict[int, list[dict]] = {batch: [] for batch in prompts_by_batch}
@@ -90,7 +93,7 @@ def run_hf(model, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
     rows = {}
     for batch, timed in runs.items():
         by_rate = sorted(timed, key=lambda r: r["hf_tokens_per_s"])
-        rows[batch] = dict(by_rate[(len(by_rate) - 1) // 2])  # the median run (the lower middle of an even count)
+        rows[batch] = dict(by_rate[len(by_rate) // 2])  # the median run
         if repeats > 1:
             rows[batch].update(hf_repeats=repeats, hf_tokens_per_s_min=by_rate[0]["hf_tokens_per_s"],
                                hf_tokens_per_s_max=by_rate[-1]["hf_tokens_per_s"])

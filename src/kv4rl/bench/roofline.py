@@ -3,7 +3,12 @@ each sequence's resident KV once at the GPU's copy bandwidth. Issue 11 asks for 
 it; `bench generate` and `bench decode-forward` report the fraction reached.
 
 A decode step reads the layers' weights and the LM head whole, but only its batch's rows of the
-embedding table and of the rotary tables; activations (M <= 256 rows) are small beside these. The
+embedding table and of the rotary tables, left out here (~1 MB a step); activations (M <= 256 rows) are
+small beside these. The KV is counted two ways: `bench decode-forward` takes each sequence's K and V as
+the attention kernel reads them (`decode_attn.kv_bytes_read`: KV4's protected positions in INT8, the rest
+in INT4), `bench generate` each step's tokens as the engine's trace counts them (the token being sampled
+included) at the engine's mean bytes per token (KV4's INT8 rows spread over `max_model_len`); for BF16 the
+two agree, for KV4 the second is up to ~6% more bytes at short contexts (1.7B, 256 x 256), ~1% at 8B. The
 bandwidth is a device-to-device copy's rate (bytes read plus bytes written), not the data sheet's: 4.2 TB/s
 on the project's H200 (not 4.8), kept as measured there so results compare across sessions; any other GPU
 has its copy timed once per process when a benchmark first asks.
