@@ -126,6 +126,14 @@ def test_a_resume_rewrites_the_event_history_so_every_reader_drops_the_killed_pr
     assert read_like_the_rust_server(cfg.run_dir) == want  # before: eval/x also at 3 (13.0)
     kept = cfg.run_dir / first.name.replace("tfevents", "superseded")
     assert kept.read_bytes() == written  # renamed, not deleted
+    from kv4rl.telemetry.event_history import _rename_keeping
+
+    (cfg.run_dir / "taken").write_text("mine")
+    (cfg.run_dir / "other").write_text("other")
+    _rename_keeping(cfg.run_dir / "other", cfg.run_dir / "taken")  # a name in use is never replaced
+    assert (cfg.run_dir / "taken").read_text() == "mine" and (cfg.run_dir / "taken.1").read_text() == "other"
+    for name in ("taken", "taken.1"):
+        (cfg.run_dir / name).unlink()
 
     files = sorted(p.name for p in cfg.run_dir.iterdir())
     run([{"iteration": 4, "a": 104.0}])  # a resume past every logged step rewrites nothing

@@ -84,6 +84,15 @@ def rewrite_before_resume(run_dir: str | Path, first_step: int) -> bool:
     # rewrite (each reader's own rules drop the repeated points), and the next resume rewrites them all again
     partial.rename(history)
     for path in files:
-        path.rename(path.with_name(path.name.replace("tfevents", SUPERSEDED)))
+        _rename_keeping(path, path.with_name(path.name.replace("tfevents", SUPERSEDED)))
     sync_path(run_dir)
     return True
+
+
+def _rename_keeping(path: Path, target: Path) -> None:
+    """Rename `path` to `target`, or to `target.1`, `.2`, ... where that name is taken (a rename replaces)."""
+    candidate, n = target, 0
+    while candidate.exists():
+        n += 1
+        candidate = target.with_name(f"{target.name}.{n}")
+    path.rename(candidate)
