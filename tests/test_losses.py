@@ -229,6 +229,13 @@ def test_a_token_far_below_the_reference_leaves_the_ref_kl_term_finite(name):
         assert metrics["kl_ref"] == pytest.approx(k3 / 2, rel=1e-5)
         grad = 0.0 if held else 0.1 * (1 - math.exp(gap)) / 2
         assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 0].item() == pytest.approx(grad, rel=1e-5)
+    n = 6300  # each at the limit: their float32 sum (6300 x 5.5e34) overflowed before the mean was taken
+    logprobs = torch.full((1, n), -101.0, requires_grad=True)
+    inp = LossInputs(logprobs=logprobs, behavior_logprobs=logprobs.detach(), advantages=torch.zeros(1, n),
+                     mask=torch.ones(1, n, dtype=torch.bool), ref_logprobs=torch.full((1, n), -1.0))
+    loss, metrics = get_loss(name)(inp, AlgoConfig(loss=name, kl_ref_coef=0.1, is_mode="none"))
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(0.1 * (math.expm1(80.0) - 80.0), rel=1e-5)
+    assert metrics["kl_ref"] == pytest.approx(math.expm1(80.0) - 80.0, rel=1e-5)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss}-{c.loss_agg}")

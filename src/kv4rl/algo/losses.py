@@ -114,10 +114,13 @@ def _with_ref_kl(
     ref_logp = torch.where(valid, inp.ref_logprobs.detach(), 0)
     # ρ held at e^LOG_RATIO_LIMIT, as the PPO ratio is: one token the policy pushed below e^-88 of the
     # reference's probability overflowed expm1 to inf in float32 and skipped the whole batch's step
-    k3 = k3_kl(torch.maximum(logp, ref_logp - LOG_RATIO_LIMIT), ref_logp)
-    stats["kl_ref"] = _mean(k3.detach(), valid)
+    # reference's probability overflowed expm1 to inf in float32 and skipped the whole batch's step. Summed in
+    # float64: ~6,000 tokens at the limit overflow a float32 sum (their mean, <= e^80, fits float32)
+    k3 = k3_kl(torch.maximum(logp, ref_logp - LOG_RATIO_LIMIT).double(), ref_logp.double())
+    stats["kl_ref"] = _mean(k3.detach(), valid).to(loss.dtype)
     if cfg.kl_ref_coef > 0:
-        loss = loss + cfg.kl_ref_coef * aggregate(k3, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
+        term = aggregate(k3, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
+        loss = loss + cfg.kl_ref_coef * term.to(loss.dtype)
     return loss
 
 
