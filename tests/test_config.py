@@ -1,5 +1,7 @@
 """Config loading: YAML + dotted overrides into typed dataclasses; errors name the key."""
 
+import re
+
 import pytest
 import yaml
 
@@ -227,4 +229,17 @@ def test_a_truncating_rollout_is_warned_about_its_ratio(caplog, overrides, says)
         load_config(overrides=overrides)
     lines = [m for m in caplog.messages if "truncate what the engine samples" in m]
     assert (says in lines[0]) if says else not lines
+
+
+def test_an_override_that_yaml_would_cut_at_a_comment_is_refused():
+    """`data.prompt_template=### Question: {problem}` became null (the default template), and `... #1` lost
+    its tail, silently: the run trained on other prompts than the ones typed."""
+    for override, value in (("data.prompt_template=### Question: {problem} ### Answer:", "None"),
+                            ("data.prompt_template=Question {problem}  #1", "'Question {problem}'")):
+        with pytest.raises(ConfigError, match=f"YAML reads .* as a comment, so the value would be {re.escape(value)}; "
+                                              "quote the value"):
+            load_config(overrides=[override])
+    kept = load_config(overrides=["data.prompt_template='### Question: {problem} #1'"])
+    assert kept.data.prompt_template == "### Question: {problem} #1"
+    assert load_config(overrides=["data.prompt_template=C# {problem}"]).data.prompt_template == "C# {problem}"
 

@@ -189,7 +189,20 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"{key}: {exc.problem}") from None
     except yaml.YAMLError:
         value = raw  # not YAML (e.g. a template like `{problem}=`): take it as a plain string
+    else:
+        comment = _comment_start(raw)
+        if comment is not None:  # `data.prompt_template=### Q: {problem}` became null, the default, silently
+            raise ConfigError(f"{key}: YAML reads {raw[comment:]!r} as a comment, so the value would be {value!r}; "
+                              f"quote the value within the shell's quotes to keep it (\"{key}='...'\")")
     return key.split("."), value
+
+
+def _comment_start(raw: str) -> int | None:
+    """Where a YAML comment starts in `raw` (a `#` outside every token), or None."""
+    if "#" not in raw:
+        return None
+    spans = [(t.start_mark.index, t.end_mark.index) for t in yaml.scan(raw)]
+    return next((i for i, ch in enumerate(raw) if ch == "#" and not any(a <= i < b for a, b in spans)), None)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
