@@ -206,3 +206,26 @@ def test_a_stream_that_fails_after_only_skipped_names_changes_nothing(tiny_qwen3
     with pytest.raises(RuntimeError, match="gather failed"):
         engine.load_weights(stream(), version=1)
     assert len(engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+class _BosTokenizer:
+    """Encodes characters as ids 5.. and, by default, puts BOS (id 1) first, as Llama-3's tokenizer does."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [5 + (ord(c) % 50) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_text_prompt_is_encoded_with_the_tokenizers_specials_as_vllm_does(tiny_qwen3):
+    """Text prompts were encoded without special tokens, so a model whose tokenizer adds a BOS never got it."""
+    path, _ = tiny_qwen3
+    engine = Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64), device="cpu", dtype="float32",
+                    tokenizer=_BosTokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    (from_text,) = engine.generate(["abc"], params)
+    (from_ids,) = engine.generate([[1, 5 + 97 % 50, 5 + 98 % 50, 5 + 99 % 50]], params)
+    assert from_text.prompt_ids == [1, 5 + 97 % 50, 5 + 98 % 50, 5 + 99 % 50]
+    assert from_text.token_ids == from_ids.token_ids
+

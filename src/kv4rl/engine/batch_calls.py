@@ -149,7 +149,9 @@ class BatchCalls:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need an Engine built with a tokenizer")
-            return self.checked_ids(self.tokenizer.encode(prompt, add_special_tokens=False), "prompt")
+            # as the tokenizer encodes by default (its BOS where it adds one), as vLLM's generate does: without
+            # it a Llama-3 base model was prompted with no <|begin_of_text|>
+            return self.checked_ids(self.tokenizer.encode(prompt), "prompt")
         return self.checked_ids(prompt, "prompt")
 
     def checked_ids(self, ids: Iterable[int], what: str) -> list[int]:
