@@ -49,6 +49,21 @@ def test_a_template_given_to_eval_is_compared_with_the_runs_default_template(tmp
     assert "the default template 'Please" not in line and repr(BOXED_INSTRUCTION) in line
 
 
+def test_eval_prompting_by_its_own_default_unlike_the_runs_default_is_told(tmp_path):
+    """A run on the embedded task ('{problem}=') evaluated on a data file (eval's default there: the boxed
+    instruction) was told nothing, though --template with that same text was."""
+    from kv4rl.data.source import BOXED_INSTRUCTION
+
+    embedded = _run_with(tmp_path / "e", "  prompt_template: null\n")
+    (line,) = _prompting_differences(embedded, chat=False, template=None, eval_template=BOXED_INSTRUCTION)
+    assert line.startswith("its run prompted with the default template '{problem}=' (data.prompt_template: null in ")
+    assert f"eval prompts with its default here, {BOXED_INSTRUCTION!r}: pass --template" in line
+    assert _prompting_differences(embedded, chat=False, template=None, eval_template="{problem}=") == []
+    on_files = _run_with(tmp_path / "f", "  eval: math.jsonl\n")  # trained on the boxed instruction
+    (line,) = _prompting_differences(on_files, chat=False, template=None, eval_template="{problem}=")
+    assert repr(BOXED_INSTRUCTION) in line and "eval prompts with its default here, '{problem}='" in line
+
+
 def test_a_run_template_eval_prompts_with_by_default_is_no_difference(tmp_path):
     """The run named, as its data.prompt_template, the template eval uses by default: nothing differs."""
     from kv4rl.data.source import BOXED_INSTRUCTION

@@ -127,11 +127,15 @@ def _prompting_differences(model: Path, chat: bool, template: str | None, eval_t
     if run_template and run_template != eval_template:
         lines.append(f"its run prompted with data.prompt_template {run_template!r} ({saved}); pass --template "
                      f"with it to evaluate it as it was trained")
-    elif not run_template and template is not None:  # the run's default, which this --template replaces
+    elif not run_template and eval_template is not None:  # the run's default, against what eval prompts with
         default = default_prompt_template(embedded=data.get("train") is None and data.get("eval") is None)
-        if template != default:
+        if eval_template != default and template is not None:
             lines.append(f"its run prompted with the default template {default!r} (data.prompt_template: null in "
                          f"{saved}); --template {template!r} prompts it otherwise")
+        elif eval_template != default:  # eval's own default differs (a run on the embedded task, a data file here)
+            lines.append(f"its run prompted with the default template {default!r} (data.prompt_template: null in "
+                         f"{saved}); eval prompts with its default here, {eval_template!r}: pass --template "
+                         f"with the run's to evaluate it as it was trained")
     return lines
 
 
