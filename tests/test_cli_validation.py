@@ -632,3 +632,31 @@ def test_eval_says_when_n_is_past_the_files_problems(tmp_path):
                               "--max-new-tokens", "2", "--device", "cpu", "--reward", "exact"])
     assert res.exit_code == 0, res.output
     assert f"warning: --n 5: {data} holds 2 problems; evaluating all 2" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("args, said", [
+    (["sim", "clip-bias", "--rho", "nan"], "error: Invalid value for '--rho': Value error, 'nan' is not a finite number "
+                                            "(python -m kv4rl.cli sim clip-bias --help shows its usage)"),
+    (["train", "--bogus"], "error: No such option: --bogus"),
+    (["eval", "--k", "x"], "error: Invalid value for '--k'"),
+    ([], "error: Missing command (python -m kv4rl.cli --help shows its usage)"),
+])
+def test_an_option_the_command_line_parser_refuses_is_one_error_line(args, said):
+    """The `kv4rl` command (main): typer's boxed usage block (five lines) is one `error:` line, exit 2, as every
+    other refused input is; a run's Ctrl-C and its exit statuses are unchanged (tests/test_signals.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import kv4rl
+
+    env = dict(os.environ, PYTHONPATH=str(Path(kv4rl.__file__).parents[1]))
+    res = subprocess.run([sys.executable, "-m", "kv4rl.cli", *args], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(said), res.stderr
+    ok = subprocess.run([sys.executable, "-m", "kv4rl.cli", "sim", "--help"], env=env, capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0 and "clip-bias" in ok.stdout
+

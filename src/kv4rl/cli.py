@@ -258,9 +258,21 @@ app.add_typer(bench_app, name="bench")
 def main() -> None:
     """The `kv4rl` command: the app, with a config error that escaped a command as one line (exit 2), a
     failing file operation as one line naming the file (exit 1), and one line after Ctrl-C, which typer turns
-    into a silent exit 130."""
+    into a silent exit 130. A refused option (`--rho nan`, an unknown `--bogus`) is one `error:` line naming
+    the command's --help (exit 2), like every other refused input, not typer's boxed usage block."""
+    # click's error class, whether typer uses click or its own copy of it (typer >= 0.2x vendors click)
+    click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
     try:
-        app()
+        code = app(standalone_mode=False)  # click's own errors come here, not to typer's printer
+        if isinstance(code, int) and code:  # typer.Exit(n) in a command, 130 after Ctrl-C
+            raise SystemExit(code)
+    except click_error as exc:
+        where = f" ({exc.ctx.command_path} --help shows its usage)" if getattr(exc, "ctx", None) is not None else ""
+        error_line(f"{exc.format_message().rstrip('.')}{where}")
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # end of input at a prompt
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
     except ConfigError as exc:
         error_line(str(exc))
         sys.exit(2)
