@@ -88,6 +88,17 @@ def test_register_reward_passes_options_and_rejects_duplicates(monkeypatch):
 # --- exact ---------------------------------------------------------------------------------------
 
 
+def test_exact_reward_takes_ascii_digits_only():
+    """`\\d` and int() read Arabic-Indic or full-width digits as numbers: ١٦ scored 1 against 16."""
+    from kv4rl.data.synthetic import verify
+
+    result = get_reward("exact")([r"\boxed{١٦}", r"\boxed{１６}", r"\boxed{16}"], ["16", "16", "16"])
+    assert result.scores == [0.0, 0.0, 1.0]
+    assert verify(r"\boxed{١٦}", "16") == 0.0
+    with pytest.raises(ValueError, match="answer must be an integer string"):
+        verify(r"\boxed{16}", "١٦")
+
+
 def test_exact_reward_scores_and_counts():
     responses = [
         r"\boxed{007}",

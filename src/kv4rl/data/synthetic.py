@@ -21,7 +21,7 @@ from kv4rl.data.types import Problem
 PROMPT_TEMPLATE = "{problem}="
 BOXED_PREFIX = "\\boxed{"
 _ALLOWED_OPS = frozenset("+-*")
-_INTEGER = re.compile(r"-?\d+")
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def target_text(answer: str | int) -> str:

@@ -106,7 +106,7 @@ def verify_answer(predicted: str, gold: str) -> bool:
     return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=None))
 
 
-_INTEGER = re.compile(r"[+-]?\d+")
+_INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits: `\d` took ١٦ (Arabic-Indic) as 16
 
 
 def exact_match(predicted: str, gold: str) -> bool:
