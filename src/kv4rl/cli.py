@@ -193,8 +193,9 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
 def build_model_cmd(
     task: str = typer.Option("longmul", "--task", help="arith (the tiny model's task) or longmul (worked long "
                                                        "multiplication, responses of hundreds of tokens)"),
-    size: str = typer.Option("gpu", "--size", help="tiny (arith only: the default demo model), test (CPU, "
-                                                   "seconds) or gpu (~25M params, head_dim 128, minutes)"),
+    size: str | None = typer.Option(None, "--size", help="tiny (arith only: the default demo model), test (CPU, "
+                                    "seconds) or gpu (longmul only: ~25M params, head_dim 128, minutes); default: gpu "
+                                    "for longmul, tiny for arith"),
     device: str = typer.Option("auto", "--device", help="where to build (the folder is the same either way)"),
     cache_dir: Path | None = typer.Option(None, "--cache-dir", help="default: $KV4RL_CACHE or ~/.cache/kv4rl"),
     json_out: Path | None = typer.Option(None, "--json", help="also write the build record here"),
@@ -205,6 +206,8 @@ def build_model_cmd(
     from kv4rl.models.tiny import default_cache_dir
     from kv4rl.paths import file_in_path
 
+    if size is None:  # `--task arith` alone asked for arith-gpu, which does not exist
+        size = "tiny" if task == "arith" else "gpu"
     name = f"{task}-{size}"
     try:
         known_tasks = sorted({t.split("-")[0] for t in TESTBEDS})

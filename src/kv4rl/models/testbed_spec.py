@@ -45,7 +45,7 @@ class TestbedSpec:
     target_accuracy: float | None = None
     check_every: int = 25
     seed: int = 0
-    eval_seed: int = 10_001  # held out: training problems come from random.Random(seed)
+    eval_seed: int = 10_001  # other draws than training (random.Random(seed)); not disjoint on a small space
     cpu_threads: int | None = 1  # see tiny.BUILD_THREADS; None: leave torch's setting
 
     @property

@@ -54,7 +54,7 @@ BATCH_SIZE = 64
 LEARNING_RATE = 3e-3
 LR_WARMUP_STEPS = 30
 EVAL_PROBLEMS = 512
-EVAL_SEED = 10_001  # held out: training problems come from random.Random(SEED)
+EVAL_SEED = 10_001  # other draws than training (random.Random(SEED)); not disjoint on a small space
 MAX_NEW_TOKENS = 12
 # Measured on 2 cores: one thread costs ~40% on an idle machine (~18 s vs ~12 s) but is 4-10x faster
 # when other processes compete for the cores, where two OpenMP threads stall on each other (build 27 s
