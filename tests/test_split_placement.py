@@ -116,14 +116,18 @@ def _train_rank(rank: int, out_dir: str, overrides: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path):
+@pytest.mark.parametrize(("engines", "updates"), [(1, 1), (1, 2), (2, 2)])
+def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engines, updates):
     """lag 0, refresh every update: the engine starts batch b only with the weights of update b - 1, so
-    the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step."""
+    the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step. With two
+    optimizer steps a batch, each mini-batch holds one process's groups: two engines' groups came in engine
+    order (0, 2, 1, 3) and two learner ranks took contiguous shares, so mini-batch 0 trained groups 0 and 2."""
     from kv4rl.loop import train
 
-    common = ["trainer.iterations=2", "rollout.mode=sync", "staleness.lag=0", "staleness.refresh_every=1"]
+    common = ["trainer.iterations=2", "rollout.mode=sync", "staleness.lag=0", "staleness.refresh_every=1",
+              f"trainer.updates_per_batch={updates}"]
     run_on_gloo_ranks(_train_rank, 3, tmp_path, str(tmp_path),
-                      ["name=split", "rollout.placement=split", "rollout.engine_ranks=1", *common])
+                      ["name=split", "rollout.placement=split", f"rollout.engine_ranks={engines}", *common])
     train(load_config(None, [f"out_dir={tmp_path}", "name=one", *SMALL, *common]), show_progress=False)
     split, one = _rows(tmp_path / "split"), _rows(tmp_path / "one")
     for a, b in zip(split, one, strict=True):

@@ -71,17 +71,23 @@ def check_versions(update: int, groups, max_versions: int | None) -> None:
 def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, dict]:
     """The head's part: check the batch, compute advantages, split it into the learner ranks' shares."""
     cfg = s.cfg
-    groups = [g for m in messages for g in m["groups"]]
+    size = cfg.rollout.group_size
+    scored = [(g, m["scores"][j * size:(j + 1) * size]) for m in messages for j, g in enumerate(m["groups"])]
+    if cfg.rollout.mode == "sync":  # in prompt order, as one process trains a sync batch (in engine order two
+        # engines' groups came as 0, 2, 1, 3: with trainer.updates_per_batch > 1 each mini-batch held others)
+        scored.sort(key=lambda pair: pair[0].index)
+    groups = [g for g, _ in scored]
     check_versions(it, groups, cfg.staleness.max_versions)
     completions = [c for g in groups for c in g.completions]
-    rewards = torch.tensor([x for m in messages for x in m["scores"]], dtype=torch.float64)
+    rewards = torch.tensor([x for _, scores in scored for x in scores], dtype=torch.float64)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]
-    advantages, adv_metrics = compute_advantages(rewards, cfg.rollout.group_size, cfg.advantage, group_keys=keys)
-    rows = [(g.prompt_ids, c.token_ids, c.logprobs, c.versions) for g in groups for c in g.completions]
+    advantages, adv_metrics = compute_advantages(rewards, size, cfg.advantage, group_keys=keys)
     adv = advantages.tolist()
     ranks = dist.get_world_size(s.groups.learner)
-    per = len(rows) // ranks  # whole groups: quota_groups splits evenly over the learner ranks
-    shares = [(rows[r * per:(r + 1) * per], adv[r * per:(r + 1) * per]) for r in range(ranks)]
+    # whole groups dealt in turn (rank r: groups r, r + R, ...), as the colocated ranks hold theirs, so that
+    # each rank's u-th mini-batch joins the others' into the u-th of one process
+    shares = [([(g.prompt_ids, c.token_ids, c.logprobs, c.versions) for g in groups[r::ranks] for c in g.completions],
+               [a for i in range(r, len(groups), ranks) for a in adv[i * size:(i + 1) * size]]) for r in range(ranks)]
     num_gen = sum(len(c.token_ids) for c in completions)
     engines = len(messages)
     row = {
