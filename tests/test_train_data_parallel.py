@@ -263,3 +263,36 @@ def test_a_rank_killed_without_a_word_leaves_its_peer_one_error_line(tmp_path):
         "error: another rank of this job went down without a word (killed? the out-of-memory killer?); this rank "
         "stops too; the checkpoints in"), res.stderr[-3000:]
     assert "Connection reset by peer" not in res.stderr and "Connection closed by peer" not in res.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks' processes through Linux /proc")
+def test_ranks_whose_torchrun_is_killed_stop_gracefully_with_a_checkpoint(tmp_path):
+    """SIGKILL to torchrun itself (it cannot forward that one): its ranks trained on, orphaned, holding the run
+    folder. Each rank now asks the kernel for SIGTERM when torchrun dies, the graceful stop: the run ends after
+    its iteration with a checkpoint of it."""
+    import signal
+    import time
+
+    run = tmp_path / "runs" / "orphans"
+    proc = start_torchrun(tmp_path, f"out_dir={tmp_path / 'runs'}", "name=orphans", "trainer.iterations=1000",
+                          *SMALL)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "latest").is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    pids = [_rank_pid(proc.pid, rank) for rank in (0, 1)]
+    assert None not in pids and proc.poll() is None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 180
+    while any(Path(f"/proc/{pid}").exists() and b"zombie" not in _status(pid) for pid in pids):
+        assert time.monotonic() < deadline, "the ranks outlived their killed torchrun"
+        time.sleep(0.2)
+    last = rows(run)[-1]["iteration"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{last + 1:06d}"  # saved at the stop
+
+
+def _status(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/status").read_bytes().lower()
+    except OSError:
+        return b"zombie"

@@ -20,6 +20,8 @@ import hashlib
 import os
 import re
 import shlex
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,12 +70,34 @@ def init_from_torchrun(device: str) -> Ranks:
     CPU). One process: no group is made (the learner makes its own one-process group)."""
     if launched_ranks() <= 1:
         return Ranks()
+    stop_with_launcher()
     if not dist.is_initialized():
         cuda = device != "cpu" and torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return current()
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun on Linux, have the kernel send this rank SIGTERM when torchrun dies: a torchrun killed
+    with SIGKILL (which it cannot forward) left its ranks training on, holding the run folder's lock. SIGTERM
+    is the graceful stop every rank already handles (the run ends after its iteration, with a checkpoint)."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no prctl here: the ranks outlive a killed launcher, as before
+        return
+    if os.getppid() == 1:  # torchrun died before the call above: nothing will send the signal
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def current() -> Ranks:
