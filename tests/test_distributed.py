@@ -32,6 +32,15 @@ def test_merge_rank_rows_by_hand():
     assert merge_rank_rows([a]) is a
 
 
+def test_merged_phase_times_are_one_ranks_and_add_up_to_its_total():
+    """Each phase's max over ranks summed to 3.5 s against a time_total of 3.2: plot iteration-time drew a
+    negative `other` above the bar."""
+    a = {"time_rollout": 2.0, "time_update": 1.0, "time_total": 3.1}
+    b = {"time_rollout": 1.5, "time_update": 1.5, "time_total": 3.2}
+    merged = merge_rank_rows([a, b])
+    assert merged == b and merged["time_rollout"] + merged["time_update"] <= merged["time_total"]
+
+
 def test_merged_stds_counts_and_staleness_mean_are_those_of_all_ranks_responses():
     """Rank a's rewards {0, 1}, rank b's {1, 1}: over all four the std is sqrt(3/16); the mean of the ranks'
     stds (0.5 and 0) was 0.25. Counts add (the mean halved them) and staleness_mean follows the merged hist."""

@@ -232,13 +232,17 @@ _SAME_ON_EVERY_RANK = frozenset({"iteration", "skipped_steps"})  # the learner's
 def merge_rank_rows(rows: list[dict]) -> dict:
     """One metrics row from each rank's row of the same iteration (every rank holds an equal share of
     the groups): counts (the engine's running totals, the reward's `reward_<count>` diagnostics) and
-    throughput add up, wall times and maxima take the slowest or largest, the staleness histograms add
+    throughput add up, wall times are the slowest rank's (the largest `time_total`, every phase from it), maxima the largest, the staleness histograms add
     (and `staleness_mean` is theirs), the groups join, a `<x>_std` beside `<x>_mean` is the std over every
     rank's responses, and the rest (means over responses, or learner metrics that are already global)
     average. (A mean of the ranks' stds left out the spread between ranks, and averaged counts halved.)"""
     if len(rows) == 1:
         return rows[0]
     out: dict = {}
+    totals = [row.get("time_total") for row in rows]
+    # the phases of one rank, the slowest: each phase's max over ranks added up past time_total (plot
+    # iteration-time drew a negative `other` above the bar)
+    slowest = rows[totals.index(max(totals))] if all(isinstance(t, int | float) for t in totals) else None
     for key, first in rows[0].items():
         values = [row.get(key) for row in rows]
         if key == "groups":
@@ -261,6 +265,8 @@ def merge_rank_rows(rows: list[dict]) -> dict:
             means = [row[key.removesuffix("_std") + "_mean"] for row in rows]
             second = sum(sd * sd + mu * mu for sd, mu in zip(values, means)) / len(values)
             out[key] = max(second - (sum(means) / len(means)) ** 2, 0.0) ** 0.5
+        elif key.startswith("time_") and slowest is not None:
+            out[key] = slowest[key]
         elif key.startswith("time_") or key.endswith(("_max", "absmax")):
             out[key] = max(values)
         else:
