@@ -381,3 +381,16 @@ def test_until_common_warns_of_a_torn_line_once(tmp_path, caplog):
     assert res.exit_code == 0, res.output
     assert len([m for m in caplog.messages if "metrics.jsonl:4 is not a JSON row" in m]) == 1
 
+
+def test_iteration_time_of_a_split_run_stacks_the_learners_wait_for_rollouts(tmp_path):
+    """A split run's engines roll out beside the update: its time_rollout (2.0 s) and time_reward added up past
+    the learner's time_total (1.5 s), a negative `other`. The learner waited 0.4 s for them."""
+    row = {"iteration": 0, "time_rollout": 2.0, "time_reward": 0.3, "time_update": 0.9, "time_sync": 0.1,
+           "time_learner_wait": 0.4, "time_total": 1.5}
+    write_run(tmp_path / "s", [row])
+    res = runner.invoke(app, ["plot", "iteration-time", str(tmp_path / "s"), "--out", str(tmp_path / "t.png")])
+    assert res.exit_code == 0, res.output
+    shares = {r["phase"]: float(r["mean_s"]) for r in read_csv(tmp_path / "t.csv")}
+    assert shares["rollout"] == 0.4 and shares["reward"] == 0.0
+    assert shares["other"] == pytest.approx(0.1) and shares["other"] >= 0
+

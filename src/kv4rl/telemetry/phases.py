@@ -30,7 +30,10 @@ def phase_means(run: Path, skip: int = 0) -> dict[str, float]:
 
 def means_of(rows: list[dict], where: str) -> dict[str, float]:
     """Mean seconds per phase (and `other`, `time_total`, `iterations`) of metrics rows of the loop."""
-    rows = [{**OPTIONAL, **r} for r in rows]
+    # a split run's rollout and reward happen on the engines, beside the update: the learner's iteration holds
+    # its wait for them instead (they added up past time_total, a negative `other`)
+    rows = [{**OPTIONAL, **r, **({"time_rollout": r["time_learner_wait"], "time_reward": 0.0}
+                                 if isinstance(r.get("time_learner_wait"), int | float) else {})} for r in rows]
     for key in (*PHASES, "time_total"):
         missing = [r for r in rows if not isinstance(r.get(key), (int, float))]
         if missing:
