@@ -54,6 +54,25 @@ def test_save_pretrained_writes_a_folder_transformers_loads(tiny_qwen3, tmp_path
         assert torch.equal(w, weights[name]), name
 
 
+def test_a_tied_head_gathered_as_its_own_copy_is_not_saved_twice(tmp_path):
+    """Gathered from two ranks' shards, lm_head.weight and the embedding are separate tensors, and the tied
+    head was saved beside the embedding (as a one-process save, with shared storage, never was)."""
+    from safetensors import safe_open
+
+    from tests.conftest import make_checkpoint
+
+    path = tmp_path / "tied"
+    make_checkpoint(path, tie_word_embeddings=True)
+    learner = make(path, True)
+    state = {k: v.detach().cpu().clone() for k, v in learner.state_dict().items()}  # every tensor its own
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"].clone())
+    learner.save_pretrained(tmp_path / "out", state=state)
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert torch.equal(loaded.lm_head.weight, state["model.embed_tokens.weight"])
+
+
 @pytest.mark.parametrize("legacy", [False, True])
 def test_optimizer_state_resumes_bit_identically(tiny_qwen3, legacy):
     """Two steps in one learner == one step, checkpoint, a fresh learner loading it, one step. `legacy`:

@@ -363,6 +363,8 @@ class Learner:
         weights already gathered (under FSDP2 every rank takes part in gathering; one rank writes)."""
         if state is None:
             state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        if getattr(self.model.config, "tie_word_embeddings", False):  # gathered from shards, the tied head is a
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # copy of its own: ~1.5 GB at 4B
         self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
         config = Path(path) / "config.json"  # FSDP2 renames the class; older transformers kept the prefix
         data = json.loads(config.read_text())
