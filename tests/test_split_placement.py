@@ -132,6 +132,7 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
     split, one = _rows(tmp_path / "split"), _rows(tmp_path / "one")
     for a, b in zip(split, one, strict=True):
         assert a["groups"] == b["groups"]
+        assert a["time_sleep_wake"] == b["time_sleep_wake"] == 0.0  # every row has it (the split's lacked it)
         assert a["staleness_hist"] == b["staleness_hist"] == {"0": b["num_tokens"]}
         for key in ("num_tokens", "reward_mean", "response_len_mean", "adv_std"):
             assert a[key] == b[key], key

@@ -145,6 +145,7 @@ def update(s: LearnerSide, it: int, stop: GracefulStop) -> tuple[dict | None, li
                 pass
     if row is not None:
         row.update(learn, time_update=t2 - t1, time_sync=time.perf_counter() - t2,
+                   time_sleep_wake=0.0,  # a split engine never sleeps; every row carries the key (README)
                    time_total=time.perf_counter() - t0)
     return row, trace, stopping
 
