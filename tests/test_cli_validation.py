@@ -660,3 +660,16 @@ def test_an_option_the_command_line_parser_refuses_is_one_error_line(args, said)
                         timeout=120)
     assert ok.returncode == 0 and "clip-bias" in ok.stdout
 
+
+def test_a_command_group_alone_prints_its_help_and_no_empty_error_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import kv4rl
+
+    env = dict(os.environ, PYTHONPATH=str(Path(kv4rl.__file__).parents[1]))
+    res = subprocess.run([sys.executable, "-m", "kv4rl.cli", "sim"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "clip-bias" in res.stdout and "error" not in res.stderr, res.stderr
+

@@ -1,5 +1,9 @@
 """The one-process behaviour of `kv4rl.distributed` and the merge of the ranks' metrics rows (by hand)."""
 
+import os
+import signal
+import sys
+
 import pytest
 
 from kv4rl.distributed import Ranks, any_rank, current, gather_objects, merge_rank_rows
@@ -78,3 +82,24 @@ def test_shutdown_frees_what_a_reference_cycle_still_holds_before_the_groups_go(
     finally:
         gc.enable()
     assert events == ["freed", "destroyed"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_rank_torchrun_started_asks_for_sigterm_when_torchrun_dies(world):
+    """One rank too: torchrun --nproc-per-node 1 killed outright left its rank training on."""
+    import subprocess
+    from pathlib import Path
+
+    import kv4rl
+
+    code = ("import ctypes, signal; from kv4rl import distributed; distributed.stop_with_launcher() if "
+            f"{world} > 1 else distributed.init_from_torchrun('cpu'); v = ctypes.c_int(); "
+            "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)")
+    env = dict(os.environ, PYTHONPATH=str(Path(kv4rl.__file__).parents[1]), TORCHELASTIC_RUN_ID="t", WORLD_SIZE=world)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == str(int(signal.SIGTERM)), out.stderr
+    env.pop("TORCHELASTIC_RUN_ID")  # not started by torchrun: nothing asked
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "0", out.stderr
+

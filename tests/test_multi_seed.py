@@ -62,6 +62,17 @@ def test_a_failing_seed_fails_the_command_with_a_table(testbed_cache, tmp_path, 
     assert "num_kv_blocks" in (tmp_path / "ms-s3.log").read_text()
 
 
+def test_a_name_yaml_would_cut_at_a_comment_names_each_seeds_folder_whole(tmp_path) -> None:
+    """`name: "exp #1"` in a config: the sweep's own name override was read as `exp` plus a comment (both seeds
+    into runs/exp before the comment check; refused with a hint the user could not follow after it)."""
+    from kv4rl import multi_seed
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f'name: "exp #1"\nout_dir: {tmp_path / "runs"}\n')
+    runs = multi_seed.plan_runs([0, 1], config, [], None, False, [])
+    assert [r.cfg.run_dir for r in runs] == [tmp_path / "runs" / "exp #1-s0", tmp_path / "runs" / "exp #1-s1"]
+
+
 def test_bad_seed_options_are_refused_before_any_work(tmp_path) -> None:
     for args, needle in [(["--seeds", "0,x"], "--seeds: 'x' is not an integer"),
                          (["--seeds", "1,1"], "'1' is given twice"),

@@ -270,6 +270,8 @@ def main() -> None:
         if isinstance(code, int) and code:  # typer.Exit(n) in a command, 130 after Ctrl-C
             raise SystemExit(code)
     except click_error as exc:
+        if not exc.format_message():  # `kv4rl sim` alone: click printed the group's help, nothing to add
+            sys.exit(exc.exit_code)
         where = f" ({exc.ctx.command_path} --help shows its usage)" if getattr(exc, "ctx", None) is not None else ""
         error_line(f"{exc.format_message().rstrip('.')}{where}")
         sys.exit(exc.exit_code)

@@ -68,9 +68,9 @@ def prints_setup_errors() -> bool:
 def init_from_torchrun(device: str) -> Ranks:
     """Join the job torchrun started (NCCL for CUDA tensors and gloo for CPU ones; gloo alone on the
     CPU). One process: no group is made (the learner makes its own one-process group)."""
+    stop_with_launcher()  # torchrun with one rank too (it checks that torchrun started this process)
     if launched_ranks() <= 1:
         return Ranks()
-    stop_with_launcher()
     if not dist.is_initialized():
         cuda = device != "cpu" and torch.cuda.is_available()
         if cuda:

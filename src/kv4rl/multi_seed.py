@@ -17,6 +17,7 @@ counted against its own memory only (`engine.gpu_memory_scope=process`), since t
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -114,7 +115,8 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
         return runs
     base = load_config(config, overrides)
     for seed in seeds:
-        mine = [*overrides, f"seed={seed}", f"name={seed_name(base.name, seed)}"]
+        # quoted: a name YAML would read otherwise (`exp #1` was cut at its comment) stays whole
+        mine = [*overrides, f"seed={seed}", f"name={json.dumps(seed_name(base.name, seed), ensure_ascii=False)}"]
         cfg = load_config(config, mine)
         try:
             check_new_run(cfg.run_dir, overwrite)
