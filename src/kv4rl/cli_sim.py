@@ -89,9 +89,9 @@ def clip_bias_cmd(
             check_log_ratio(value, "--sweep-rho")
         epses = [eps] if sweep_eps is None else option_list(sweep_eps, "--sweep-eps", finite_float)
         sigmas = [sigma] if sweep_sigma is None else option_list(sweep_sigma, "--sweep-sigma", finite_float)
-        if not all(0 <= e < 1 for e in epses):
+        if sweep_eps is not None and not all(0 <= e < 1 for e in epses):  # --eps itself is checked below
             raise ValueError(f"--sweep-eps: every ε must be in [0, 1), got {[e for e in epses if not 0 <= e < 1][0]:g}")
-        if min(sigmas) < 0:
+        if sweep_sigma is not None and min(sigmas) < 0:
             raise ValueError(f"--sweep-sigma: every σ must be >= 0, got {min(sigmas):g}")
         if rho > 0:
             check_log_ratio(rho, "--rho")
