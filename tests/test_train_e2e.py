@@ -156,3 +156,21 @@ def test_a_max_versions_lowered_at_resume_holds_for_the_restored_responses(tmp_p
     assert max(r["staleness_max"] for r in rows[:4]) > 1  # the case arose: older tokens were in flight
     assert [r["staleness_max"] <= 1 for r in rows[4:]] == [True, True], [r["staleness_max"] for r in rows]
     assert rows[-1]["dropped_stale"] > 0
+
+
+def test_a_refresh_every_lowered_at_resume_refreshes_the_lagging_engine_first(tmp_path):
+    """A partial run at refresh_every=3 checkpointed with its engine two versions behind; resumed with
+    refresh_every=1 and max_versions=1, its first batch was sampled by those weights: 14 tokens 2 versions old
+    (helper). Reference: the new bound on every batch after the resume."""
+    common = ["rollout.mode=partial", "rollout.quota_groups=2", "rollout.group_size=2", "rollout.max_slots=4",
+              "staleness.refresh_every=3", "checkpoint.save_every=2"]
+    part = small_run(tmp_path, "rf", "trainer.iterations=2", *common)
+    train(part, show_progress=False)
+    state = torch.load(part.run_dir / "checkpoints" / "iter_000002" / "trainer_state.pt", weights_only=False)
+    assert state["iteration"] - state["engine_version"] == 2  # the case arose: the engine lags by two
+    train(load_config(part.run_dir / "config.yaml", ["trainer.iterations=4", "staleness.refresh_every=1",
+                                                     "staleness.max_versions=1"]), resume=True, show_progress=False)
+    rows = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(4))
+    assert [r["staleness_max"] <= 1 for r in rows[2:]] == [True, True], [r["staleness_hist"] for r in rows]
+

@@ -186,6 +186,10 @@ def restore_state(s: Setup, state: dict, path: Path) -> None:
         s.engine.load_kv_calibration(calibrations[rank if len(calibrations) > 1 else 0])
     s.pipeline.load_state_dict(state["pipeline_ranks"][current().rank] if state.get("world", 1) > 1
                                else state["pipeline"])
+    if s.start_iteration - s.engine.version > s.cfg.staleness.refresh_every - 1:  # refresh_every lowered at the
+        # resume: the engine kept weights older than the new schedule allows and sampled the first batch with
+        # them, past a max_versions lowered with it
+        s.engine.load_weights(s.learner.full_weights(), version=s.start_iteration)
     s.pipeline.check_restored(s.start_iteration)  # a staleness.max_versions lowered at the resume
 
 
