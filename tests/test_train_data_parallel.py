@@ -266,10 +266,10 @@ def test_a_rank_killed_without_a_word_leaves_its_peer_one_error_line(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks' processes through Linux /proc")
-def test_ranks_whose_torchrun_is_killed_stop_gracefully_with_a_checkpoint(tmp_path):
+def test_ranks_whose_torchrun_is_killed_end_instead_of_training_on(tmp_path):
     """SIGKILL to torchrun itself (it cannot forward that one): its ranks trained on, orphaned, holding the run
-    folder. Each rank now asks the kernel for SIGTERM when torchrun dies, the graceful stop: the run ends after
-    its iteration with a checkpoint of it."""
+    folder. Each rank now asks the kernel for SIGTERM when torchrun dies: they end (not always with a checkpoint
+    of the iteration they were in: the job's store went with torchrun), and the last checkpoint saved is whole."""
     import signal
     import time
 
@@ -287,8 +287,9 @@ def test_ranks_whose_torchrun_is_killed_stop_gracefully_with_a_checkpoint(tmp_pa
     while any(Path(f"/proc/{pid}").exists() and b"zombie" not in _status(pid) for pid in pids):
         assert time.monotonic() < deadline, "the ranks outlived their killed torchrun"
         time.sleep(0.2)
-    last = rows(run)[-1]["iteration"]
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"iter_{last + 1:06d}"  # saved at the stop
+    assert len(rows(run)) < 20  # far from the 1000 iterations asked for
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "model.safetensors").is_file() and (latest / "trainer_state.pt").is_file()
 
 
 def _status(pid: int) -> bytes:

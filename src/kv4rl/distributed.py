@@ -82,7 +82,8 @@ def init_from_torchrun(device: str) -> Ranks:
 def stop_with_launcher() -> None:
     """Under torchrun on Linux, have the kernel send this rank SIGTERM when torchrun dies: a torchrun killed
     with SIGKILL (which it cannot forward) left its ranks training on, holding the run folder's lock. SIGTERM
-    is the graceful stop every rank already handles (the run ends after its iteration, with a checkpoint)."""
+    starts the graceful stop every rank handles; with the job's store gone with torchrun the ranks may end
+    before the checkpoint of their iteration, and the last one saved stands."""
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     import ctypes
