@@ -25,7 +25,6 @@ step when `algo.kl_ref_coef > 0`, else every `ref_kl_every` iterations for the l
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -61,6 +60,7 @@ from kv4rl.trainer.optimizer_checkpoint import (
     optimizer_format,
     save_shards,
 )
+from kv4rl.trainer.policy_folder import write_policy_folder
 from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 from kv4rl.trainer.policy_model import load_hf_model, prepare_policy, shard_policy
 
@@ -363,17 +363,7 @@ class Learner:
         weights already gathered (under FSDP2 every rank takes part in gathering; one rank writes)."""
         if state is None:
             state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        if getattr(self.model.config, "tie_word_embeddings", False):  # gathered from shards, the tied head is a
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # copy of its own: ~1.5 GB at 4B
-        self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
-        config = Path(path) / "config.json"  # FSDP2 renames the class; older transformers kept the prefix
-        data = json.loads(config.read_text())
-        names = [a.removeprefix("FSDP") for a in data.get("architectures") or []]
-        # the learner turns the KV cache off for training; a forward of the saved model returned none
-        if names != data.get("architectures") or data.get("use_cache") is False:
-            data["architectures"] = names
-            data["use_cache"] = True
-            config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        write_policy_folder(self.model, path, state)
 
     @property
     def optimizer_format(self) -> str:
