@@ -231,7 +231,8 @@ def test_a_request_that_stopped_before_generate_is_handed_back_by_the_step_after
 
 def test_generation_config_eos_ids_also_stop(tiny_qwen3, tmp_path):
     """A chat checkpoint may name its second stop token only in generation_config.json (Qwen3 does); the
-    engine stops there too, as transformers.generate does. Reference: the unstopped greedy tokens."""
+    engine stops there too (on the union of both files' ids: transformers.generate takes generation_config's
+    alone where it names any). Reference: the unstopped greedy tokens."""
     import json
     import shutil
 

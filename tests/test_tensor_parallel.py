@@ -123,12 +123,12 @@ def test_a_tensor_parallel_resume_refuses_an_older_checkpoint_holding_one_ranks_
     the wrong-weights resume that per-rank files fixed, so such a checkpoint is refused by name."""
     from types import SimpleNamespace
 
-    import kv4rl.loop as loop
+    from kv4rl.run_checkpoint import restore_state
 
     loaded = []
     s = SimpleNamespace(learner=SimpleNamespace(load_checkpoint_state=lambda state, path: None),
                         engine=SimpleNamespace(tp=SimpleNamespace(size=2), load_weights_state=loaded.append))
     state = {"iteration": 3, "optimizer": {}, "engine_weights": {"w": torch.zeros(1)}, "engine_version": 2}
     with pytest.raises(ValueError, match="holds one rank's slice of the lagging tensor-parallel engine's weights"):
-        loop.restore_state(s, state, tmp_path)
+        restore_state(s, state, tmp_path)
     assert loaded == []

@@ -174,3 +174,20 @@ def test_a_refresh_every_lowered_at_resume_refreshes_the_lagging_engine_first(tm
     assert [r["iteration"] for r in rows] == list(range(4))
     assert [r["staleness_max"] <= 1 for r in rows[2:]] == [True, True], [r["staleness_hist"] for r in rows]
 
+
+
+def test_a_run_reads_its_tokenizer_once(tmp_path, monkeypatch):
+    """The loop loads the policy's tokenizer to check it before the learner's build and hands it to the
+    rollout side: a second load was seconds at 8B for nothing."""
+    from transformers import AutoTokenizer
+
+    loads = []
+    real = AutoTokenizer.from_pretrained.__func__
+
+    def counted(cls, path, *args, **kwargs):
+        loads.append(str(path))
+        return real(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(counted))
+    train(small_run(tmp_path, "once", "trainer.iterations=1", "eval.every=0"), show_progress=False)
+    assert len(loads) == 1, loads

@@ -40,6 +40,7 @@ from kv4rl.models.tensor_parallel import check_shardable
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
+from kv4rl.run_checkpoint import restore_state, save
 from kv4rl.run_folder import RunFolder, check_new_run
 from kv4rl.run_setup import (
     Restore,
@@ -50,7 +51,6 @@ from kv4rl.run_setup import (
     finished_summary,
     resolve_model_dir,
     task_of_model,
-    write_policy_files,
 )
 from kv4rl.telemetry.attribution import MismatchAttribution
 from kv4rl.telemetry.progress import TrainProgress
@@ -58,7 +58,7 @@ from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, stepped
 from kv4rl.telemetry.run_watch import run_watch
 from kv4rl.telemetry.sinks import MetricsSink
 from kv4rl.trainer.batch import build_batch
-from kv4rl.trainer.checkpoint import PER_RANK, check_resume_world, engine_slice_file, save_checkpoint
+from kv4rl.trainer.checkpoint import check_resume_world
 from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.learner import Learner
 from kv4rl.trainer.learner_options import check_learner_options
@@ -127,7 +127,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         check_same_stream(restore, source.stream_fingerprint(), cfg.run_dir / "config.yaml")
     policy_dir = base_dir if restore is None else restore.path
     model_args = check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
-    load_tokenizer(policy_dir, model_args.vocab_size if ranks.main else None)  # ... and its tokenizer (minutes at 8B)
+    tokenizer = load_tokenizer(policy_dir, model_args.vocab_size if ranks.main else None)  # ... and its tokenizer
     if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)
         try:
             check_shardable(model_args, tp)
@@ -143,7 +143,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     # stays awake through the update (no sleep) also leaves room for what the update will allocate
     learner = build_learner(cfg, policy_dir, base_dir, device)
     formatter, reward_fn, engine, collector = build_rollout(cfg, source, base_dir, policy_dir, device, engine_ranks,
-                                                            show_progress, update_memory=learner.update_memory_bytes)
+                                                            show_progress, update_memory=learner.update_memory_bytes,
+                                                            tokenizer=tokenizer)
     if ranks.world > 1 and cfg.telemetry.attribution_every:
         raise ConfigError("telemetry.attribution_every runs in one process for now; set it to 0 under torchrun")
     s = Setup(cfg, device, source, formatter, reward_fn, engine, learner, collector,
@@ -157,40 +158,6 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
              base_dir, s.start_iteration, learner.attention,
              "packed" if cfg.trainer.max_tokens_per_micro_batch else "padded", learner.options_desc)
     return s
-
-
-def restore_state(s: Setup, state: dict, path: Path) -> None:
-    """Put the learner, engine and pipeline back where the checkpoint `path` left them (written by as
-    many ranks as this job has: `check_resume_world`)."""
-    s.start_iteration = state["iteration"]
-    s.learner.load_checkpoint_state(state.get("learner") or {"optimizer": state["optimizer"]}, path)
-    rank = current().rank
-    saved = state.get("engine_weights")
-    if saved is not None:  # the engine was behind the learner (refresh_every)
-        if saved != PER_RANK and s.engine.tp.size > 1:  # written before each rank saved its own slice
-            raise ValueError(f"{path} holds one rank's slice of the lagging tensor-parallel engine's weights (it "
-                             "was written by an older kv4rl), which every rank would load; resume from a "
-                             "checkpoint taken on a weight refresh, or start a new run from this one's model")
-        if saved == PER_RANK:
-            try:
-                saved = torch.load(path / engine_slice_file(rank), map_location="cpu", weights_only=True)
-            except (OSError, RuntimeError) as exc:
-                raise ValueError(f"{path}: this rank's engine weights ({engine_slice_file(rank)}) do not load: "
-                                 f"{exc}") from None
-        s.engine.load_weights_state(saved, state["engine_version"])
-    s.engine.version = state["engine_version"]
-    if state.get("engine_preemptions") is not None:  # a running total over the run, as dropped_stale is
-        s.engine.scheduler.num_preemptions = state["engine_preemptions"][rank]
-    calibrations = state.get("engine_kv_calibration")
-    if calibrations is not None:  # NVFP4's scales, per rank's engine
-        s.engine.load_kv_calibration(calibrations[rank if len(calibrations) > 1 else 0])
-    s.pipeline.load_state_dict(state["pipeline_ranks"][current().rank] if state.get("world", 1) > 1
-                               else state["pipeline"])
-    if s.start_iteration - s.engine.version > s.cfg.staleness.refresh_every - 1:  # refresh_every lowered at the
-        # resume: the engine kept weights older than the new schedule allows and sampled the first batch with
-        # them, past a max_versions lowered with it
-        s.engine.load_weights(s.learner.full_weights(), version=s.start_iteration)
-    s.pipeline.check_restored(s.start_iteration)  # a staleness.max_versions lowered at the resume
 
 
 def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
@@ -364,45 +331,3 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
             if done % cfg.checkpoint.save_every == 0 or done == end or any_rank(bool(stop.requested)):
                 save(s, folder, done)
     return done
-
-
-def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
-    """A checkpoint of iteration `done`. Every rank takes part (the learner's full weights gathered from
-    its FSDP2 shards, each rank's in-flight rollouts collected, each rank's optimizer shard written, and
-    each rank's engine slice when a tensor-parallel engine lags the learner); rank 0 writes the rest."""
-    weights = {k: v.detach().cpu() for k, v in s.learner.state_dict().items()}
-    state = {"learner": s.learner.checkpoint_state(), **resume_state(s, done)}
-
-    def write_files(path: Path) -> None:
-        write_policy_files(path, s.learner, s.formatter.tokenizer, weights, s.base_dir)
-
-    def write_shards(path: Path) -> None:  # every rank: its engine slice if lagging, and its optimizer shard
-        if state["engine_weights"] == PER_RANK:  # before the rename rank 0 does once every rank is past here
-            torch.save(s.engine.weights_state(), path / engine_slice_file(current().rank))
-            barrier()
-        s.learner.write_shards(path)
-
-    return save_checkpoint(folder.path if folder else None, done, write_files, state,
-                           folder.run_id if folder else None, s.cfg.checkpoint.keep_last, write_shards)
-
-
-def resume_state(s: Setup, done: int) -> dict:
-    """What a checkpoint needs beyond the learner: the engine's version (and weights if it lags the
-    learner), what its KV format calibrated (NVFP4's scales, per rank) and every in-flight rollout, so a
-    resumed run hands the learner the same batches."""
-    behind = s.engine.version != done
-    pipelines = gather_objects(s.pipeline.state_dict())
-    calibrations = gather_objects(s.engine.kv_calibration())
-    out = {
-        "engine_version": s.engine.version,
-        # a tensor-parallel engine holds a slice per rank: each rank saves its own (`save`), where rank 0's
-        # alone, loaded everywhere, gave the other ranks rank 0's halves
-        "engine_weights": (None if not behind else PER_RANK if s.engine.tp.size > 1 else s.engine.weights_state()),
-        "engine_kv_calibration": None if calibrations[0] is None else calibrations,
-        "engine_preemptions": gather_objects(s.engine.num_preemptions),
-        "pipeline": pipelines[0],
-        "data_stream": s.source.stream_fingerprint(),
-    }
-    if len(pipelines) > 1:  # each rank's own collector: restored by the rank of the same number
-        out.update(world=len(pipelines), pipeline_ranks=pipelines)
-    return out

@@ -64,13 +64,15 @@ def engine_slots(cfg: RunConfig, device: torch.device, world: int) -> int:
 
 def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,
                   engine_ranks: Ranks, show_progress: bool, update_memory: Callable[[int], int] | None = None,
-                  ) -> tuple[PromptFormatter, object, Engine, Collector]:
+                  tokenizer=None) -> tuple[PromptFormatter, object, Engine, Collector]:
     """The rollout side of a run: prompt formatter, reward function, engine, and the collector of this
     engine's share (`engine_ranks`) of the prompt groups. `update_memory(max_model_len)`: the device
     bytes a learner on the same device will allocate for its update, left free by an engine that stays
-    awake through it (`Learner.update_memory_bytes`)."""
+    awake through it (`Learner.update_memory_bytes`). `tokenizer`: `policy_dir`'s, where the caller has
+    loaded it already (the loop does, to check it before the learner's build): seconds at 8B."""
     model_max = check_model_folder(base_dir).max_position_embeddings
-    tokenizer = load_tokenizer(policy_dir)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(policy_dir)
     formatter = PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template,
                                 cfg.data.chat_template)
     reward_name = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
