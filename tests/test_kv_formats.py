@@ -136,6 +136,24 @@ def test_cache_round_trip_and_attention_match_primitives(name, rotation):
         assert tensor_scale["k"] == pytest.approx(nvfp4_tensor_scale(first_k) * NVFP4_HEADROOM, rel=1e-6)
 
 
+def test_nvfp4_calibrates_on_the_first_write_holding_a_non_zero_value():
+    """A first write of zeros stores zeros at any scale; calibrating on it fixed the scale at the all-zero
+    fallback (8.0), and later keys of ~0.05 came back with half their size lost. Reference: the primitives
+    with the scale of the second write."""
+    fmt = get_kv_format("nvfp4", rotate="none")
+    cache = fmt.allocate(8, HKV, D, "cpu")
+    fmt.store(cache, "k", torch.tensor([0]), torch.zeros(1, HKV, D))
+    assert float(cache["k_tensor_scale"]) == 0.0  # still uncalibrated
+    small = torch.randn(2, HKV, D, generator=torch.Generator().manual_seed(3)) * 0.02
+    fmt.store(cache, "k", torch.tensor([1, 2]), small)
+    scale = nvfp4_tensor_scale(small) * NVFP4_HEADROOM
+    assert float(cache["k_tensor_scale"]) == pytest.approx(scale, rel=1e-6)
+    stored = fmt.load(cache, "k", torch.tensor([0, 1, 2]), torch.float32)
+    assert torch.equal(stored[0], torch.zeros(HKV, D))
+    assert torch.equal(stored[1:], nvfp4_round_trip(small, float(cache["k_tensor_scale"])))
+    assert (stored[1:] - small).norm() / small.norm() < 0.2
+
+
 def test_rotation_leaves_attention_unchanged():
     outs = {}
     for rotation in ("none", "k", "kv"):

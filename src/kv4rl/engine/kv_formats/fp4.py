@@ -66,7 +66,9 @@ class NVFP4Format(KVFormat):
         return {key: cache[key].clone() for key in ("k_tensor_scale", "v_tensor_scale")}
 
     def tensor_scale(self, cache: dict, prefix: str, x: torch.Tensor | None = None) -> float:
-        """The layer's per-tensor scale for K or V, calibrated from `x` on first use."""
+        """The layer's per-tensor scale for K or V, calibrated from `x` on first use. A write of zeros
+        calibrates nothing (it stores zeros at any scale): the first write holding a non-zero value does.
+        Fixed at the all-zero fallback, later blocks up to ~0.05 were stored as zeros."""
         stored = cache[f"{prefix}_tensor_scale"]
         if x is not None and float(stored) == 0.0:
             if self.tensor_parallel is not None:  # the amax over every rank's KV heads
@@ -74,7 +76,10 @@ class NVFP4Format(KVFormat):
 
                 x = x.detach().abs().amax().float().reshape(1)
                 dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.tensor_parallel.group)
-            stored.fill_(nvfp4_tensor_scale(x) * NVFP4_HEADROOM)
+            if bool((x != 0).any()):
+                stored.fill_(nvfp4_tensor_scale(x) * NVFP4_HEADROOM)
+            else:
+                return 1.0
         return float(stored)
 
     def store(self, cache, prefix, slots, x):
