@@ -178,3 +178,31 @@ def test_an_arm_the_device_cannot_hold_ends_with_one_line_after_the_arms_that_ra
     assert "Traceback" not in res.output and "bf16+sync" in res.output.split("error:")[0]
     saved = json.loads(out.read_text())
     assert saved["complete"] is False and [r["arm"] for r in saved["results"]] == ["bf16+sync"]
+
+
+def test_warmup_iterations_run_untimed_before_the_timed_ones(tmp_path, one_thread, monkeypatch):
+    """On a fresh machine one warm-up was too few for a partial arm (its carried responses' prefill shapes
+    first come in the second iteration): `--warmup-iterations` runs more, untimed, and the timed ones follow
+    them in the run's iteration numbering (staleness counts versions from it)."""
+    import kv4rl.loop
+
+    called, real = [], kv4rl.loop.run_iteration
+
+    def counted(s, it):
+        called.append(it)
+        return real(s, it)
+
+    monkeypatch.setattr(kv4rl.loop, "run_iteration", counted)
+    out = tmp_path / "it.json"
+    tiny = [a if a != "2" or TINY[i - 1] != "--iterations" else "1" for i, a in enumerate(TINY)]
+    res = runner.invoke(app, ["bench", "iteration", *tiny, "--arms", "kv4+partial", "--warmup-iterations", "2",
+                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert called == [0, 1, 2]
+    lines = [line.strip() for line in res.output.splitlines() if line.strip().startswith("kv4+partial: ")]
+    assert [line for line in lines if "iteration" in line] == [
+        "kv4+partial: warm-up iteration 1/2", "kv4+partial: warm-up iteration 2/2", "kv4+partial: iteration 1/1"]
+    r = json.loads(out.read_text())
+    assert r["warmup_iterations"] == 2 and r["iterations"] == 1 and len(r["results"][0]["iteration_seconds"]) == 1
+    res = runner.invoke(app, ["bench", "iteration", *tiny, "--warmup-iterations", "0", "--validate-only"])
+    assert res.exit_code != 0 and "--warmup-iterations must be >= 1" in res.output

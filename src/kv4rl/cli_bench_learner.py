@@ -47,7 +47,10 @@ def register_learner_benches(app: typer.Typer) -> None:
                            "\\[@slots: that arm's decode slots], e.g. bf16+sync,kv4+partial@256,kv4+partial+awake; "
                            "speedups are against the first")]
         = "bf16+sync,kv4+partial",
-        iterations: Annotated[int, Option("--iterations", help="timed iterations per arm, after one warm-up")] = 2,
+        iterations: Annotated[int, Option("--iterations", help="timed iterations per arm, after the warm-up")] = 2,
+        warmup: Annotated[int, Option(
+            "--warmup-iterations", help="untimed iterations per arm before the timed ones (2 on a fresh machine: "
+                                        "partial rollout's carried prefill shapes first come in the second)")] = 1,
         quota: Annotated[int, Option("--quota-groups", help="prompt groups per learner batch")] = 16,
         group: Annotated[int, Option("--group-size", help="responses per prompt")] = 8,
         slots: Annotated[int | None, Option(
@@ -109,7 +112,7 @@ def register_learner_benches(app: typer.Typer) -> None:
             check_at_least(1, ("--max-slots", slots))
             check_device(device)
             bench = IterationBench(
-                arms=tuple(parse_arms(arms)), shape=shape, iterations=iterations,
+                arms=tuple(parse_arms(arms)), shape=shape, iterations=iterations, warmup_iterations=warmup,
                 workload=Workload(quota_groups=quota, group_size=group, max_slots=slots or quota * group,
                                   prompt_len=prompt_len, median_len=median_len, sigma=sigma, max_len=max_len, seed=seed),
                 micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens, attention=attention,
@@ -140,11 +143,12 @@ def register_learner_benches(app: typer.Typer) -> None:
             write_json(partial, json_out)
             kept[:] = [partial]
 
-        # the model folder, then each arm's two builds, its warm-up and its timed iterations
+        # the model folder, then each arm's two builds, its warm-up iterations and its timed ones
         try:
             with StageProgress(console, "iteration") as stages:
                 res = bench_iteration(bench, configs, on_result=finished,
-                                      progress=stages.counted(1 + len(bench.arms) * (3 + bench.iterations)))
+                                      progress=stages.counted(
+                                          1 + len(bench.arms) * (2 + bench.warmup_iterations + bench.iterations)))
         except ValueError as exc:  # an arm the device cannot hold (its pool refused by name): one line, after
             if kept:  # the table of the arms that ran, which the JSON keeps ("complete": false)
                 print_table(console, iteration_table(kept[0]))

@@ -13,8 +13,9 @@ sequence and response (g, j) runs to a log-normal length seeded by (g, j), EOS i
 
 Every arm starts from the same weights (the cached random-init folder of the shape), builds its
 learner first, then its engine (so a pool sized from device memory sees the learner's weights, and at
-each wake also its optimizer state), runs one untimed warm-up iteration (CUDA graphs, allocator,
-and in partial mode the carried responses) and then times `iterations` iterations; the reported
+each wake also its optimizer state), runs `warmup_iterations` untimed iterations (CUDA graphs, allocator,
+and in partial mode the carried responses; one by default, which a first run on a fresh machine showed
+too few for partial rollout's carried prefill shapes) and then times `iterations` iterations; the reported
 seconds are means over those. Peak memory is torch's peak allocated bytes over the timed iterations
 (CUDA only). Partial arms carry unfinished responses with `rollout.carry: recompute` (what sleeping
 needs; see `EngineConfig`), except `awake` arms: their engine does not sleep, and unfinished responses
@@ -114,6 +115,9 @@ class IterationBench:
     shape: str = "qwen3-tiny"
     workload: Workload = Workload()
     iterations: int = 2
+    # untimed iterations first: on a fresh machine one was not enough for partial rollout (its carried
+    # responses' prefill shapes come only after the first update: a first run's rollout 29% slower, H100)
+    warmup_iterations: int = 1
     micro_batch_size: int = 1
     max_tokens_per_micro_batch: int | None = None  # packed micro-batches of this many tokens; None: padded
     attention: str = "auto"
@@ -150,7 +154,7 @@ def run_config(bench: IterationBench, arm: Arm) -> RunConfig:
     r.max_new_tokens, r.carry = work.max_len, "keep_kv" if arm.awake else "recompute"
     t = cfg.trainer
     t.iterations, t.micro_batch_size, t.grad_checkpointing, t.lr, t.warmup_iters = (
-        bench.iterations + 1, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
+        bench.warmup_iterations + bench.iterations, bench.micro_batch_size, bench.grad_checkpointing, bench.lr, 0)
     t.max_tokens_per_micro_batch, t.attention = bench.max_tokens_per_micro_batch, bench.attention
     t.fuse_elementwise, t.offload, t.compile_layers = bench.fuse_elementwise, bench.offload, bench.compile_layers
     t.fused_logprobs, t.offload_optimizer = bench.fused_logprobs, bench.offload_optimizer
@@ -171,6 +175,9 @@ def prepare(bench: IterationBench) -> dict[str, RunConfig]:
         raise ValueError("--arms is empty")
     if bench.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {bench.iterations}")
+    if bench.warmup_iterations < 1:
+        raise ValueError(f"--warmup-iterations must be >= 1 (CUDA graphs and compilation), got "
+                         f"{bench.warmup_iterations}")
     if bench.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {bench.micro_batch_size}")
     if bench.max_tokens_per_micro_batch is not None and bench.max_tokens_per_micro_batch < 1:
@@ -242,7 +249,7 @@ def _peak(device: torch.device) -> int | None:
 
 
 def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: ProgressFn) -> dict:
-    """Build the arm's learner and engine, warm up one iteration, time the rest; one result row."""
+    """Build the arm's learner and engine, run the warm-up iterations, time the rest; one result row."""
     from kv4rl.loop import Setup, run_iteration
     from kv4rl.run_setup import build_learner
 
@@ -262,15 +269,17 @@ def run_arm(cfg: RunConfig, bench: IterationBench, model_dir: Path, progress: Pr
     collector = Collector(engine, prompts, prompts, cfg.rollout, cfg.seed, max_tokens_fn=work.length)
     s = Setup(cfg, device, prompts, prompts, odd_token_reward, engine, learner, collector,
               RolloutPipeline(collector, cfg.staleness), 0)
-    progress(f"{label}: warm-up iteration")
-    run_iteration(s, 0)
+    warm = bench.warmup_iterations
+    for it in range(warm):
+        progress(f"{label}: warm-up iteration" + (f" {it + 1}/{warm}" if warm > 1 else ""))
+        run_iteration(s, it)
     preempted = engine.num_preemptions
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rows = []
     for it in range(1, bench.iterations + 1):
         progress(f"{label}: iteration {it}/{bench.iterations}")
-        rows.append(run_iteration(s, it)[0])
+        rows.append(run_iteration(s, warm + it - 1)[0])
     means = means_of(rows, label)
     row = {
         "arm": label, "kv_format": cfg.engine.kv.format, "mode": cfg.rollout.mode, "slots": cfg.rollout.max_slots,
@@ -324,7 +333,8 @@ def bench_iteration(bench: IterationBench, configs: dict[str, RunConfig],
                             "head_dim": args.head_dim, "vocab": args.vocab_size},
             "device": str(device), "engine_dtype": str(resolve_dtype("auto", device)).removeprefix("torch."),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "workload": asdict(bench.workload), "iterations": bench.iterations, "sleep": bench.sleep,
+            "workload": asdict(bench.workload), "iterations": bench.iterations,
+            "warmup_iterations": bench.warmup_iterations, "sleep": bench.sleep,
             "micro_batch_size": bench.micro_batch_size, "grad_checkpointing": bench.grad_checkpointing,
             "offload": bench.offload, "offload_optimizer": bench.offload_optimizer,
             "max_tokens_per_micro_batch": bench.max_tokens_per_micro_batch, "attention": bench.attention,
