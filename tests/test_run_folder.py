@@ -439,3 +439,23 @@ def test_a_resume_warns_of_its_own_run_length_not_the_saved_one(tmp_path, caplog
         res = train_cli("--resume", str(run), "trainer.iterations=4", "--no-progress")
     assert res.exit_code == 0, res.output
     assert not [m for m in caplog.messages if "staleness.lag" in m]
+
+
+def test_a_resume_names_every_setting_its_overrides_change(run, caplog):
+    """config.yaml takes a resume's overrides, so the rows before it ran settings nothing in the folder
+    recorded any more: one warning names each change (training longer aside)."""
+    from kv4rl.run_folder import config_for_resume
+
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    with caplog.at_level("WARNING"):
+        config_for_resume(run, ["trainer.iterations=9"])
+    assert not [m for m in caplog.messages if "settings changed" in m]
+    with caplog.at_level("WARNING"):
+        config_for_resume(run, ["trainer.iterations=9", "trainer.lr=0.5", "data.prompt_template=Q {problem}",
+                                "engine.kv.format=int4"])
+    said = [m for m in caplog.messages if "settings changed" in m]
+    assert len(said) == 1, caplog.messages
+    assert f"trainer.lr: {saved['trainer']['lr']!r} -> 0.5" in said[0]
+    assert f"data.prompt_template: {saved['data']['prompt_template']!r} -> 'Q {{problem}}'" in said[0]
+    assert f"engine.kv.format: {saved['engine']['kv']['format']!r} -> 'int4'" in said[0]
+    assert "trainer.iterations" not in said[0] and said[0].endswith("keep the prompts they were sampled with)")

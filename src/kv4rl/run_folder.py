@@ -15,6 +15,7 @@ two processes would set each other's checkpoints aside as damaged and interleave
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shlex
@@ -171,9 +172,35 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
     # checked once, as resumed (placed in the folder, with the overrides): the saved config on its own may
     # hold what a later version refuses but an override mends, and its warnings are not this run's
     cfg = load_config(saved, overrides, validate=False)
-    _check_kept_on_resume(folder, load_config(saved, validate=False), cfg)
+    before = load_config(saved, validate=False)
+    _check_kept_on_resume(folder, before, cfg)
+    _say_changed(folder, before, cfg)
     cfg.name, cfg.out_dir = place.name, str(place.parent)
     return cfg.validate()
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if dataclasses.is_dataclass(tree):
+        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def _say_changed(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
+    """One warning naming every setting the resume's overrides change (`trainer.iterations`, the way to
+    train longer, aside): the run's config.yaml takes them, so the rows after the checkpoint were trained
+    under other settings than the rows before, which nothing else in the folder records."""
+    old, new = _flat(saved), _flat(cfg)
+    changed = [f"{key}: {old.get(key)!r} -> {new[key]!r}" for key in new
+               if key not in ("name", "out_dir", "trainer.iterations") and new[key] != old.get(key)]
+    if changed:
+        prompts = any(key.startswith(("data.prompt_template", "data.chat_template")) for key in new
+                      if new[key] != old.get(key))
+        log.warning("--resume %s: settings changed from its config.yaml (config.yaml takes them; the rows "
+                    "before this resume ran the old ones): %s%s", folder, "; ".join(changed),
+                    " (responses in flight at the checkpoint keep the prompts they were sampled with)"
+                    if prompts else "")
 
 
 def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
