@@ -10,6 +10,7 @@ from kv4rl.bench.generate import bench_generate
 from kv4rl.bench.random_model import qwen3_args, random_decoder
 from kv4rl.bench.roofline import copy_bandwidth, roofline_ms, weight_bytes_per_step
 from kv4rl.bench.tables import decode_forward_table, generate_table
+from kv4rl.engine.config import EngineConfig, KVConfig
 from kv4rl.engine.fp8_weights import apply_fp8_weights
 from kv4rl.models.decoder import Decoder
 
@@ -54,8 +55,8 @@ def test_roofline_is_bytes_over_bandwidth_and_cpu_has_none():
 
 
 def test_bench_generate_reports_each_decode_steps_roofline_against_a_hand_count():
-    """Prompt 5, 4 new tokens, batch 2, lockstep: decode steps 1-3 leave 7, 8, 9 tokens resident per
-    sequence (the record counts the token each step sampled), at the engine's bytes per token."""
+    """Prompt 5, 4 new tokens, batch 2, lockstep: decode steps 1-3 attend to 6, 7, 8 positions per
+    sequence (the step record's context also counts the token each step sampled, which no attention read)."""
     res = bench_generate("qwen3-tiny", batch_sizes=[2], prompt_len=5, new_tokens=4, hf=False, device="cpu",
                          bandwidth=1e9)
     (row,) = res["results"]
@@ -63,7 +64,7 @@ def test_bench_generate_reports_each_decode_steps_roofline_against_a_hand_count(
     bytes_per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2  # bf16 K and V
     weights = 4 * (a.num_layers * (sum(o * i for o, i in layer_matrices(a)) + norm_elements(a))
                    + a.hidden_size + a.vocab_size * a.hidden_size)  # float32 on CPU
-    expected = sum(1e3 * (weights + 2 * ctx * bytes_per_token) / 1e9 for ctx in (7, 8, 9)) / 3
+    expected = sum(1e3 * (weights + 2 * ctx * bytes_per_token) / 1e9 for ctx in (6, 7, 8)) / 3
     assert row["decode_steps"] == 3 and row["decode_roofline_ms"] == pytest.approx(expected, rel=1e-12)
     assert row["decode_of_roofline"] == pytest.approx(expected / row["decode_step_ms"])
     assert res["roofline_bandwidth_bytes_per_s"] == 1e9
@@ -71,6 +72,24 @@ def test_bench_generate_reports_each_decode_steps_roofline_against_a_hand_count(
     assert table.rows[0][table.headers.index("of byte roofline")].endswith(f"of {expected:.2f} ms")
     bare = bench_generate("qwen3-tiny", batch_sizes=[2], prompt_len=3, new_tokens=2, hf=False, device="cpu")
     assert bare["results"][0]["decode_of_roofline"] is None  # no measured bandwidth on a CPU
+
+
+def test_bench_generate_counts_kv4_rows_as_its_decode_kernels_read_them():
+    """KV4 with 2 sink and 3 recent rows: a step attending to 6, 7, 8 positions reads 5 of them as INT8 rows
+    (a code per channel and a float32 scale) and the other 1, 2, 3 as INT4 rows (two codes a byte, an fp16
+    scale and an fp16 zero per 32-channel group). It spread the INT8 rows over max_model_len before."""
+    res = bench_generate("qwen3-tiny", batch_sizes=[2], prompt_len=5, new_tokens=4, hf=False, device="cpu",
+                         bandwidth=1e9, kv_formats=["kv4"],
+                         engine_config=EngineConfig(kv=KVConfig(format="kv4", n_sink=2, n_recent=3, group_size=32)))
+    (row,) = res["results"]
+    a = qwen3_args("qwen3-tiny")
+    d = a.head_dim
+    int8_row, int4_row = d + 4, d // 2 + 4 * (d // 32)
+    weights = 4 * (a.num_layers * (sum(o * i for o, i in layer_matrices(a)) + norm_elements(a))
+                   + a.hidden_size + a.vocab_size * a.hidden_size)
+    kv = [a.num_layers * 2 * a.num_kv_heads * (5 * int8_row + (ctx - 5) * int4_row) for ctx in (6, 7, 8)]
+    expected = sum(1e3 * (weights + 2 * b) / 1e9 for b in kv) / 3
+    assert row["decode_steps"] == 3 and row["decode_roofline_ms"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_decode_forward_table_shows_the_fraction_of_the_roofline():

@@ -100,14 +100,26 @@ def run_hf(model, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
     return rows
 
 
+def _kv_bytes_read(engine: Engine, step: dict) -> float:
+    """The KV bytes a decode step's attention reads over every layer (`KVFormat.bytes_read`): each row
+    attends to its context before the token the step sampled, which the step record counts in. At the
+    mean context: exact while every sequence holds at least KV4's protected rows, or all the same context
+    (a benchmark's equal prompts, EOS ignored). `bench decode-forward` and `bench decode-attn` count the
+    same bytes. Before 2026-12-06 this roofline took the record's `kv_bytes` (one token more per row, and
+    KV4's INT8 rows spread over `max_model_len`: up to ~6% more bytes at 1.7B 256 x 256)."""
+    a = engine.args
+    read = engine.kv_format.bytes_read(a.num_kv_heads, a.head_dim, step["context_mean"] - 1)
+    return step["batch_size"] * a.num_layers * read
+
+
 def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new_tokens: int,
                seed: int, bandwidth: float | None = None) -> dict:
     """Engine generation per batch size: produced tokens, seconds, steps, decode step time and its host
     part (latency minus the wait for the device: scheduling, inputs, launches, bookkeeping; the GPU
     idles for at least part of it), the time of the steps that carry prompt tokens (`prefill_s`,
     `prefill_steps`, `prefill_tokens`), peak memory. With `bandwidth` (bytes/s), also the decode steps'
-    mean byte roofline (`kv4rl.bench.roofline`: the weights plus each step's resident KV at the
-    engine's bytes per token) and the fraction of it they reach (`decode_of_roofline`)."""
+    mean byte roofline (`kv4rl.bench.roofline`: the weights plus the KV each step's attention reads,
+    `_kv_bytes_read`) and the fraction of it they reach (`decode_of_roofline`)."""
     # every batch once, so its prefill shapes and decode graph bucket pay their one-time costs (graph capture,
     # first use of a shape by the libraries) here: warming only the largest left something in the first timed
     # batch of a process (BF16's B64 prefill 0.39-0.62 s against 0.08-0.12 s for the formats timed after it,
@@ -130,7 +142,7 @@ def run_engine(engine: Engine, prompts_by_batch: dict[int, list[list[int]]], new
         decode_ms = 1e3 * sum(decode) / len(decode) if decode else None
         roof = None
         if weights is not None and decode_steps:
-            roof = sum(roofline_ms(weights, s["kv_bytes"], bandwidth) for s in decode_steps) / len(decode_steps)
+            roof = sum(roofline_ms(weights, _kv_bytes_read(engine, s), bandwidth) for s in decode_steps) / len(decode_steps)
         rows[batch] = {
             "engine_tokens": tokens, "engine_s": t.seconds, "engine_tokens_per_s": tokens / t.seconds,
             "engine_steps": len(steps), "decode_steps": len(decode),

@@ -174,6 +174,11 @@ class KVFormat:
         """
         return 2 * num_kv_heads * self.part_bytes(head_dim)
 
+    def bytes_read(self, num_kv_heads: int, head_dim: int, context_len: int) -> float:
+        """K and V bytes per layer a decode step reads for one sequence of `context_len` tokens, scales
+        included: a byte roofline's KV term (storage spread over a context, `bytes_per_token`, is not)."""
+        return context_len * 2 * num_kv_heads * self.part_bytes(head_dim)
+
 
 class PlainFormat(KVFormat):
     """Keys and values stored as they are, in `storage_dtype`."""

@@ -78,6 +78,13 @@ class KV4Format(INT4Format):
         reserve = int8_row_bytes(head_dim) * self.budget / context_len
         return 2 * num_kv_heads * (self.part_bytes(head_dim) + reserve)
 
+    def bytes_read(self, num_kv_heads, head_dim, context_len):
+        """The INT4 rows of the unprotected positions and the INT8 rows of the protected ones (the
+        decode kernels read each position in one of the two)."""
+        protected = min(context_len, self.budget)
+        rows = (context_len - protected) * self.part_bytes(head_dim) + protected * int8_row_bytes(head_dim)
+        return 2 * num_kv_heads * rows
+
     def copy_seq_state(self, cache, src_seq_slots, dst_seq_slots):
         """Copy every protected row of each source sequence to the matching destination sequence."""
         offsets = torch.arange(self.budget, device=src_seq_slots.device)
