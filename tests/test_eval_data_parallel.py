@@ -97,6 +97,24 @@ def test_one_tensor_parallel_engine_of_two_ranks_samples_what_one_process_sample
     assert tp == one
 
 
+def test_an_error_every_rank_meets_is_said_once(tmp_path):
+    """A model of one KV head cannot be split over two tensor-parallel ranks: both ranks refused it, and the
+    line was printed once per rank."""
+    from kv4rl.data.char_tokenizer import build_char_tokenizer
+    from tests.conftest import make_checkpoint
+
+    model = tmp_path / "one-kv-head"
+    tokenizer = build_char_tokenizer(model)
+    make_checkpoint(model, vocab=len(tokenizer), eos_token_id=tokenizer.eos_token_id, num_key_value_heads=1)
+    (tmp_path / "d.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    done = torchrun_eval(tmp_path, "", "--model", str(model), "--data", "d.jsonl", "--k", "1", "--device", "cpu",
+                         "--json", "out.json", "engine.tensor_parallel=2")
+    out = done.stderr + done.stdout
+    assert done.returncode != 0
+    assert out.count("error: engine.tensor_parallel=2 does not divide the model's 1 KV heads") == 1, out[-3000:]
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_one_failing_rank_ends_the_job_with_its_error(tmp_path):
     failed = torchrun_eval(tmp_path, FAILING_HOOK, *ARGS, "--json", "out.json")
     assert failed.returncode != 0

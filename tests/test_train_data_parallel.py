@@ -191,6 +191,14 @@ def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_sample
     assert four[0]["num_tokens"] == one["num_tokens"]
     assert four[0]["reward_mean"] == pytest.approx(one["reward_mean"], abs=1e-9)
     assert four[0]["response_len_mean"] == pytest.approx(one["response_len_mean"], abs=1e-9)
+    # each engine's steps once (its first rank's), at the whole engine's KV bytes: both TP ranks wrote every
+    # step, each at its shard's half of the bytes
+    traced = [json.loads(line) for line in (tmp_path / "runs" / "dptp" / "rollout_trace.jsonl").read_text().splitlines()]
+    single = [json.loads(line) for line in (tmp_path / "runs" / "one" / "rollout_trace.jsonl").read_text().splitlines()]
+    assert {t["rank"] for t in traced} == {0, 2}
+    per_token = single[0]["kv_bytes"] / (single[0]["context_mean"] * single[0]["batch_size"])
+    for t in single + traced:
+        assert t["kv_bytes"] == pytest.approx(t["context_mean"] * t["batch_size"] * per_token, rel=1e-9), t
 
 
 def test_a_lagging_tensor_parallel_engine_resumes_with_each_ranks_own_weights(tmp_path):

@@ -209,6 +209,8 @@ def eval_cmd(
                                                 reward_timeout)
         distributed.barrier()  # every rank past its last collective before any rank takes the groups down
     except ValueError as exc:
+        if ranks.world > 1 and not distributed.first_to_report(str(exc)):  # before the job's store goes
+            raise typer.Exit(2) from None  # the same error on every rank (a model the engine cannot shard)
         fail(str(exc))
     finally:
         distributed.shutdown()

@@ -321,8 +321,10 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
             rows, traces = zip(*gather_objects((row, trace)))
             if folder is not None:
                 row = merge_rank_rows(list(rows))
+                # an engine's tensor-parallel ranks step together: its first rank's trace is the engine's
+                tp = cfg.engine.tensor_parallel
                 trace = traces[0] if len(traces) == 1 else \
-                    [dict(t, rank=rank) for rank, steps in enumerate(traces) for t in steps]
+                    [dict(t, rank=rank) for rank, steps in enumerate(traces) if rank % tp == 0 for t in steps]
                 folder.write(row, trace)  # the first write opens the folder: every start-up check has passed
                 sink.log(row)
                 bar.update(row)

@@ -321,7 +321,8 @@ class Engine(BatchCalls, EngineWeights):
             self.runner.synchronize()
             wait += time.perf_counter() - t_wait
         now = time.perf_counter()
-        self.last_step = launched.record(self.bytes_per_token, self.scheduler.prefill_tokens_saved,
+        # the engine's resident KV, every tensor-parallel shard's (each holds its share of the KV heads)
+        self.last_step = launched.record(self.bytes_per_token * self.tp.size, self.scheduler.prefill_tokens_saved,
                                          latency=now - max(launched.launched_at, self._last_read), wait=wait)
         self._last_read = now
         return finished
