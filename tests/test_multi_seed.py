@@ -3,6 +3,8 @@ seed starts, and a non-zero exit with a table when a seed fails."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import yaml
@@ -57,6 +59,8 @@ def test_a_failing_seed_fails_the_command_with_a_table(testbed_cache, tmp_path, 
     assert res.exit_code == 1, res.output
     text = " ".join(res.output.split())
     assert text.count("failed (exit 2)") >= 2 and "seeds 3, 4 failed" in text
+    # what each failed seed's folder allows, as after a stop (a seed killed past a checkpoint: --resume)
+    assert "then: start seeds 3,4 with the command that started the sweep (not --resume), given --seeds 3,4" in text
     # neither started, so no folder; each log stays beside and says why
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ms-s3.log", "ms-s4.log"]
     assert "num_kv_blocks" in (tmp_path / "ms-s3.log").read_text()
@@ -229,7 +233,7 @@ def test_a_seed_folder_in_use_is_named_with_its_process_and_resumed_seeds_keep_t
         multi_seed.plan_runs([0, 1], None, [f"out_dir={tmp_path}", "name=sw"], None, True, ["--no-progress"])
     monkeypatch.setattr(multi_seed, "config_for_resume", lambda folder, overrides: load_config(None, [
         f"out_dir={tmp_path}", f"name={folder.name}"]))
-    monkeypatch.setattr("kv4rl.run_setup.find_restore", lambda cfg: None)
+    monkeypatch.setattr("kv4rl.run_setup.find_restore", lambda cfg: SimpleNamespace(state={"iteration": 0}))
     (tmp_path / "sw-s0" / "checkpoints").mkdir(parents=True)
     runs = multi_seed.plan_runs([0], None, [], tmp_path / "sw", False, ["--no-progress", "--verbose"])
     assert runs[0].args == ["--resume", str(tmp_path / "sw-s0"), "--no-progress", "--verbose"]
@@ -247,6 +251,25 @@ def test_the_hint_says_what_each_seed_folder_allows(tmp_path) -> None:
         "start seeds 2,3 with the command that started the sweep (not --resume), given --seeds 2,3",
         "seed 1 has a run but no checkpoint: start it again with the command that started the sweep, --seeds 1 and --overwrite "
         "(the old folder is moved aside, not deleted)"]
+
+
+def test_a_seed_that_finished_is_offered_a_longer_run_not_a_resume_that_trains_nothing(tmp_path) -> None:
+    """A finished seed was offered `--resume`, which trained nothing and said so only in its log; its
+    last checkpoint at the run's length is what tells (one before it: resumable). The sweep's table says so
+    where such a resume runs anyway."""
+    from kv4rl.config import load_config
+    from kv4rl.multi_seed import SeedRun, how_to_go_on, status_of
+
+    (tmp_path / "h-s0" / "checkpoints" / "iter_000002").mkdir(parents=True)
+    (tmp_path / "h-s1" / "checkpoints" / "iter_000003").mkdir(parents=True)
+    folders = {s: tmp_path / f"h-s{s}" for s in (0, 1)}
+    assert how_to_go_on(folders, tmp_path / "h", iterations=3) == [
+        f"seed 1 finished (3 iterations): to train it longer, kv4rl train --seeds 1 --resume {tmp_path / 'h'} "
+        "trainer.iterations=<more>",
+        f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'h'}"]
+    run = SeedRun(1, load_config(None, ["trainer.iterations=3"]), [], tmp_path / "log", returncode=0,
+                  nothing_to_train=True)
+    assert status_of(run) == "finished (nothing trained: its checkpoint had reached trainer.iterations=3)"
 
 
 def test_resuming_a_sweep_whose_seed_never_started_says_how_to_start_it(tmp_path) -> None:

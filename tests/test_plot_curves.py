@@ -394,3 +394,19 @@ def test_iteration_time_of_a_split_run_stacks_the_learners_wait_for_rollouts(tmp
     assert shares["rollout"] == 0.4 and shares["reward"] == 0.0
     assert shares["other"] == pytest.approx(0.1) and shares["other"] >= 0
 
+
+
+def test_until_before_a_metrics_first_row_and_common_with_an_empty_run_name_the_cause(runs, tmp_path):
+    """An eval logged from iteration 1 on, cut at --until 0, was reported as 'not in metrics.jsonl'; a run
+    with no rows made --until common say '--until -1', a value the user never gave."""
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--metric", EVAL, "--until", "0",
+                              "--out", str(runs / "z.png")])
+    assert res.exit_code == 2
+    assert squash(f"metric '{EVAL}' is first logged at iteration 1, after --until 0") in squash(res.output), res.output
+    write_run(tmp_path / "empty" / "e-s0", [{"iteration": 0, "accuracy": 0.5}])
+    write_run(tmp_path / "empty" / "e-s1", [])
+    res = runner.invoke(app, ["plot", "curves", str(tmp_path / "empty" / "e-s*"), "--until", "common",
+                              "--out", str(tmp_path / "e.png")])
+    assert res.exit_code == 2 and "--until -1" not in res.output
+    assert squash(f"--until common: {tmp_path / 'empty' / 'e-s1' / 'metrics.jsonl'} has no rows to compare") \
+        in squash(res.output), res.output

@@ -186,6 +186,8 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
     failed = multi_seed.failed(runs)
     if failed:
         error_line(f"seeds {', '.join(map(str, failed))} failed; see their logs")
+        # a seed killed after its checkpoints resumes like a stopped one, once the cause is mended
+        say(f"then: {multi_seed.continue_hint([r for r in runs if r.seed in failed])}")
         raise typer.Exit(1)
 
 

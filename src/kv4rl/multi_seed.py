@@ -51,6 +51,7 @@ class SeedRun:
     iterations: int = 0  # read from its metrics.jsonl when it ended, if it wrote the folder
     last_accuracy: float | None = None
     finished_at_signal: bool = False  # its last checkpoint saved, the signal the sweep passed on ended its shutdown
+    nothing_to_train: bool = False  # resumed at a checkpoint that already reaches trainer.iterations
 
 
 def seed_name(name: str, seed: int) -> str:
@@ -61,14 +62,36 @@ def _seeds(seeds: list[int]) -> str:
     return f"seed{'s' if len(seeds) > 1 else ''} {','.join(map(str, seeds))}"
 
 
-def how_to_go_on(folders: dict[int, Path], base: Path) -> list[str]:
-    """What each seed's folder allows next: `--resume` of the sweep for those with a checkpoint, the same
+def how_to_go_on(folders: dict[int, Path], base: Path, iterations: int | None = None) -> list[str]:
+    """What each seed's folder allows next: `--resume` of the sweep for those with a checkpoint short of
+    `iterations` (None: each folder's own config.yaml's), a higher `trainer.iterations` for those whose
+    last checkpoint reaches it (a resume trains nothing, and said so only in the seed's log), the same
     command for those without a folder, and `--overwrite` for a folder holding a run but no checkpoint
     (a resume refuses it and a fresh start does too)."""
-    saved = [s for s, d in folders.items() if (d / "checkpoints").is_dir()]
-    held = [s for s, d in folders.items() if s not in saved and run_contents(d)]
-    absent = [s for s in folders if s not in saved and s not in held]
+    from kv4rl.trainer.checkpoint import checkpoints
+
+    def done(folder: Path) -> int | None:  # the last checkpoint, where it reaches the run's length
+        saved_at = checkpoints(folder)
+        if not saved_at:
+            return None
+        target = iterations
+        if target is None:
+            try:
+                target = load_config(folder / "config.yaml", validate=False).trainer.iterations
+            except (OSError, ValueError):
+                return None
+        return saved_at[-1][0] if saved_at[-1][0] >= target else None
+
+    finished = {s: n for s, d in folders.items() if (n := done(d)) is not None}
+    saved = [s for s, d in folders.items() if (d / "checkpoints").is_dir() and s not in finished]
+    held = [s for s, d in folders.items() if s not in saved and s not in finished and run_contents(d)]
+    absent = [s for s in folders if s not in saved and s not in held and s not in finished]
     parts = []
+    if finished:
+        seeds = list(finished)
+        parts.append(f"{_seeds(seeds)} finished ({', '.join(f'{n} iterations' for n in finished.values())}): to "
+                     f"train {'them' if len(seeds) > 1 else 'it'} longer, kv4rl train --seeds "
+                     f"{','.join(map(str, seeds))} --resume {shlex.quote(str(base))} trainer.iterations=<more>")
     if saved:
         parts.append(f"continue {_seeds(saved)} with: kv4rl train --seeds {','.join(map(str, saved))} "
                      f"--resume {shlex.quote(str(base))}")
@@ -110,8 +133,9 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
                                  + "; ".join(how_to_go_on(folders, resume)))
         for seed, folder in folders.items():
             cfg = config_for_resume(folder, overrides)
-            find_restore(cfg)  # refuses a folder with no checkpoint
-            runs.append(SeedRun(seed, cfg, ["--resume", str(folder), *overrides, *extra_args], _log_path(cfg)))
+            restore = find_restore(cfg)  # refuses a folder with no checkpoint
+            runs.append(SeedRun(seed, cfg, ["--resume", str(folder), *overrides, *extra_args], _log_path(cfg),
+                                nothing_to_train=restore.state["iteration"] >= cfg.trainer.iterations))
         return runs
     base = load_config(config, overrides)
     for seed in seeds:
@@ -127,7 +151,7 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
                 raise
             # the hint is the sweep's, not one seed's: what each seed's folder allows
             folders = {s: cfg.run_dir.with_name(seed_name(base.name, s)) for s in seeds}
-            steps = how_to_go_on(folders, Path(base.out_dir) / base.name)
+            steps = how_to_go_on(folders, Path(base.out_dir) / base.name, base.trainer.iterations)
             raise RunFolderError(
                 f"{cfg.run_dir} already holds a run; {'; '.join(steps)}; or give another name=..., or start every "
                 f"seed over with --overwrite (the old runs are moved aside, not deleted)") from exc
@@ -258,14 +282,18 @@ def status_of(run: SeedRun) -> str:
         return f"finished ({run.stopped_by} as it shut down, exit {run.returncode})"
     if run.returncode != 0:  # a signal the sweep passed on ends it as stopped, whatever the child's code
         return f"stopped ({run.stopped_by}, exit {run.returncode})" if run.stopped_by else f"failed (exit {run.returncode})"
-    return f"stopped ({run.stopped_by})" if run.stopped_by else "finished"
+    if run.stopped_by:
+        return f"stopped ({run.stopped_by})"
+    return (f"finished (nothing trained: its checkpoint had reached trainer.iterations={run.cfg.trainer.iterations})"
+            if run.nothing_to_train else "finished")
 
 
 def continue_hint(runs: list[SeedRun]) -> str:
     """How to go on after a stopped sweep (`how_to_go_on` over its seeds' folders)."""
     first = runs[0]
     base = first.cfg.run_dir.with_name(first.cfg.name.removesuffix(f"-s{first.seed}"))
-    return "; ".join(how_to_go_on({r.seed: r.cfg.run_dir for r in runs if not r.finished_at_signal}, base))
+    return "; ".join(how_to_go_on({r.seed: r.cfg.run_dir for r in runs if not r.finished_at_signal}, base,
+                                  first.cfg.trainer.iterations))
 
 
 def failed(runs: list[SeedRun]) -> list[int]:

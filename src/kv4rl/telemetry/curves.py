@@ -143,9 +143,14 @@ def _numeric_keys(rows: list[dict]) -> list[str]:
 
 
 def load_seed(run: Path, metric: str, decay: float, until: int | None = None) -> SeedCurve:
-    rows = [r for r in read_metrics(run / "metrics.jsonl") if until is None or r["iteration"] <= until]
+    every = read_metrics(run / "metrics.jsonl")
+    rows = [r for r in every if until is None or r["iteration"] <= until]
     logged = [r for r in rows if metric in r]
     if not logged:
+        later = [r["iteration"] for r in every if metric in r]
+        if later:  # an evaluation every N iterations is first logged after a small --until
+            raise ValueError(f"{run}: metric '{metric}' is first logged at iteration {min(later)}, after --until "
+                             f"{until}")
         raise ValueError(f"{run}: metric '{metric}' not in metrics.jsonl; numeric keys there: "
                          f"{', '.join(_numeric_keys(rows)) or 'none'}")
     present = [r for r in logged if r[metric] is not None]
@@ -243,10 +248,17 @@ def curve_rows(curves: list[ArmCurve]) -> list[dict]:
 
 
 def last_common_iteration(arms: list[Arm]) -> int:
-    """The last iteration that every run of every arm has logged."""
-    # the curves read each file again after this: their reading warns of a torn line, once
-    return min(max((r["iteration"] for r in read_metrics(run / "metrics.jsonl", warn=False)), default=-1)
-               for a in arms for run in a.runs)
+    """The last iteration that every run of every arm has logged; ValueError naming a run with no rows."""
+    last = []
+    for a in arms:
+        for run in a.runs:
+            # the curves read each file again after this: their reading warns of a torn line, once
+            logged = [r["iteration"] for r in read_metrics(run / "metrics.jsonl", warn=False)]
+            if not logged:
+                raise ValueError(f"--until common: {run / 'metrics.jsonl'} has no rows to compare (a run killed "
+                                 "before its first iteration was written?); leave that run out")
+            last.append(max(logged))
+    return min(last)
 
 
 def learning_curves(patterns: list[str], named: list[str], metric: str,
