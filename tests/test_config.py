@@ -196,6 +196,12 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
     assert [m for m in caplog.messages if "staleness.lag" in m] == [
         "staleness.lag=1000 collects 1000 batches ahead of the learner: with trainer.iterations=1 the run collects "
         "1001 and trains on 1 (the rest wait in its checkpoint for a longer --resume)"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # a split run's engines hold theirs outside any checkpoint
+        load_config(None, ["staleness.lag=3", "trainer.iterations=2", "rollout.placement=split"])
+    assert [m for m in caplog.messages if "staleness.lag" in m] == [
+        "staleness.lag=3 collects 3 batches ahead of the learner: with trainer.iterations=2 the run collects up to 5 "
+        "and trains on 2 (the rest are dropped; a longer --resume samples them again)"]
 
 
 @pytest.mark.parametrize(("override", "suggested"), [

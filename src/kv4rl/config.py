@@ -277,10 +277,13 @@ class RunConfig:
                         "metrics.jsonl shows it; top_p=1, top_k=0 keeps it at 1)",
                         self.rollout.top_p, self.rollout.top_k, ratio)
         if self.staleness.lag >= self.trainer.iterations:
+            split = self.rollout.placement == "split"  # its engines' batches are not checkpointed: dropped
             log.warning("staleness.lag=%d collects %d batches ahead of the learner: with trainer.iterations=%d the "
-                        "run collects %d and trains on %d (the rest wait in its checkpoint for a longer --resume)",
-                        self.staleness.lag, self.staleness.lag, self.trainer.iterations,
-                        self.trainer.iterations + self.staleness.lag, self.trainer.iterations)
+                        "run collects %s%d and trains on %d (%s)",
+                        self.staleness.lag, self.staleness.lag, self.trainer.iterations, "up to " if split else "",
+                        self.trainer.iterations + self.staleness.lag, self.trainer.iterations,
+                        "the rest are dropped; a longer --resume samples them again" if split else
+                        "the rest wait in its checkpoint for a longer --resume")
         return self
 
 

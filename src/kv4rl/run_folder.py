@@ -195,12 +195,14 @@ def _say_changed(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
     changed = [f"{key}: {old.get(key)!r} -> {new[key]!r}" for key in new
                if key not in ("name", "out_dir", "trainer.iterations") and new[key] != old.get(key)]
     if changed:
-        prompts = any(key.startswith(("data.prompt_template", "data.chat_template")) for key in new
-                      if new[key] != old.get(key))
+        holds_samples = saved.rollout.placement == "colocated" and (saved.staleness.lag > 0
+                                                                     or saved.rollout.mode == "partial")
+        sampling = holds_samples and any(key.startswith(("rollout.", "data.prompt_template", "data.chat_template"))
+                                         for key in new if new[key] != old.get(key))
         log.warning("--resume %s: settings changed from its config.yaml (config.yaml takes them; the rows "
                     "before this resume ran the old ones): %s%s", folder, "; ".join(changed),
-                    " (responses in flight at the checkpoint keep the prompts they were sampled with)"
-                    if prompts else "")
+                    " (the batches the checkpoint holds sampled ahead and its responses in flight keep the "
+                    "rollout settings and prompts they were sampled with)" if sampling else "")
 
 
 def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
@@ -229,6 +231,14 @@ def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> Non
         raise ConfigError(f"--resume {folder}: {key} cannot change on resume ({_dotted(saved, key)} -> "
                           f"{_dotted(cfg, key)}): {why}. To train on under another setting, start a new run with "
                           f"model.path={folder / 'checkpoints' / '<iter_N>'}")
+    holds_samples = saved.rollout.placement == "colocated" and (saved.staleness.lag > 0
+                                                                 or saved.rollout.mode == "partial")
+    if holds_samples and cfg.rollout.temperature != saved.rollout.temperature:
+        raise ConfigError(f"--resume {folder}: rollout.temperature cannot change on resume ({saved.rollout.temperature}"
+                          f" -> {cfg.rollout.temperature}) of a run with staleness.lag > 0 or partial rollout: its "
+                          f"checkpoints hold responses sampled at the old temperature, which the learner would score "
+                          f"at the new one (a wrong PPO ratio for their updates). To train on at another "
+                          f"temperature, start a new run with model.path={folder / 'checkpoints' / '<iter_N>'}")
     if saved.rollout.mode == "partial" and cfg.rollout.mode == "sync":
         raise ConfigError(f"--resume {folder}: rollout.mode=sync cannot take over a partial run: its checkpoints "
                           f"hold responses in flight that a sync collection does not carry; resume it as partial "
