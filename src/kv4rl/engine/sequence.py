@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-MIN_TEMPERATURE = 1e-5  # the smallest positive temperature: float32 logits / 1e-5 stay finite
+# the smallest positive temperature: float32 logits / 1e-5 stay finite. Below ~1e-3 the float32 division
+# itself rounds: recorded log-probs are those of the float32-scaled logits the token was drawn from (and the
+# learner scores alike), up to 0.07 nats from float64's softmax(z / T) at 1e-5
+MIN_TEMPERATURE = 1e-5
 
 
 def temperature_problem(name: str, value: float, greedy: bool = True) -> str | None:
