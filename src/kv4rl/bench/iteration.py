@@ -116,7 +116,7 @@ class IterationBench:
     workload: Workload = Workload()
     iterations: int = 2
     # untimed iterations first: on a fresh machine one was not enough for partial rollout (its carried
-    # responses' prefill shapes come only after the first update: a first run's rollout 29% slower, H100)
+    # responses are re-prefilled only after the first update: a first run's rollout took 40-44% longer, H100)
     warmup_iterations: int = 1
     micro_batch_size: int = 1
     max_tokens_per_micro_batch: int | None = None  # packed micro-batches of this many tokens; None: padded
