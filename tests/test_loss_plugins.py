@@ -361,7 +361,19 @@ def test_registration_refuses_settings_that_would_fail_later():
             register_loss(name, settings=settings)
     with pytest.raises(ValueError, match="must not be a frozen dataclass"):
         register_loss("frozen", settings=Frozen)
-    assert not {"wrong", "private", "method", "frozen"} & set(LOSSES)
+
+    @dataclass
+    class Fine:
+        toy_fine: float = 0.5
+
+    # an instance passed `is_dataclass`, registered, and then every config's validate() raised a TypeError
+    with pytest.raises(ValueError, match=r"loss 'instance': settings must be the dataclass itself, not an instance "
+                                         r"of it: settings=Fine"):
+        register_loss("instance", settings=Fine())
+    assert not {"wrong", "private", "method", "frozen", "instance"} & set(LOSSES)
+    from kv4rl.config import load_config
+
+    load_config(None, [])  # every registered loss's settings still build
 
 
 @pytest.mark.parametrize(("source", "said"), [

@@ -260,10 +260,14 @@ def test_a_seed_that_finished_is_offered_a_longer_run_not_a_resume_that_trains_n
     from kv4rl.config import load_config
     from kv4rl.multi_seed import SeedRun, how_to_go_on, status_of
 
+    from kv4rl.config import save_config
+
     (tmp_path / "h-s0" / "checkpoints" / "iter_000002").mkdir(parents=True)
     (tmp_path / "h-s1" / "checkpoints" / "iter_000003").mkdir(parents=True)
+    for s in (0, 1):  # what a --resume runs to is the folder's own trainer.iterations, whatever a new command asks
+        save_config(load_config(None, ["trainer.iterations=3"]), tmp_path / f"h-s{s}" / "config.yaml")
     folders = {s: tmp_path / f"h-s{s}" for s in (0, 1)}
-    assert how_to_go_on(folders, tmp_path / "h", iterations=3) == [
+    assert how_to_go_on(folders, tmp_path / "h") == [
         f"seed 1 finished (3 iterations): to train it longer, kv4rl train --seeds 1 --resume {tmp_path / 'h'} "
         "trainer.iterations=<more>",
         f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'h'}"]

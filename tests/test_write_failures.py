@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -380,3 +381,51 @@ def test_a_checkpoint_that_cannot_be_pruned_is_named_and_does_not_stop_a_resume(
     assert res.exit_code == 0, res.output
     assert rows(run) == [0, 1, 2, 3, 4]
     assert any("left by an unfinished save or prune" in m and ".tmp_pruned_iter_000001" in m for m in caplog.messages)
+
+
+def test_write_together_writes_into_pipes_and_through_symlinks_instead_of_replacing_them(tmp_path):
+    """`--json` into a named pipe replaced the pipe with a plain file (its reader waited for ever), into a
+    symlink replaced the link (its target kept the old text); as root, `--json /dev/stdout` turned the
+    container's /dev/stdout into a plain file. A pipe is written into; a link's target is replaced whole."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()), daemon=True)
+    reader.start()
+    target = tmp_path / "real" / "out.json"
+    target.parent.mkdir()
+    target.write_text("old\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_together({fifo: "through the pipe\n", link: "new\n"})
+    reader.join(timeout=30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and received == ["through the pipe\n"]
+    assert link.is_symlink() and target.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe", "real"]  # no temporary left
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]
+
+
+def test_a_reader_that_closes_stdout_does_not_end_the_command_or_lose_its_files(tmp_path):
+    """`kv4rl ... | head -1`: rich ended the process with status 1 from inside a print once the reader had gone,
+    before the JSON was written, and said nothing. The command now finishes (status 0, its file written)
+    and says on stderr that stdout went away. `--json -` wrote a file named '-'."""
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    # `true` exits at once, long before the command prints after its imports: every print meets a closed pipe
+    done = subprocess.run(["bash", "-c", f"{sys.executable} -m kv4rl.cli sim clip-bias --samples 200 --json out.json"
+                                         " | true; exit ${PIPESTATUS[0]}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "out.json").read_text())["n_samples"] == 200
+    assert "stdout was closed by its reader; the command goes on without printing to it" in done.stderr
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+
+    res = CliRunner().invoke(app, ["sim", "clip-bias", "--samples", "200", "--json", "-"])
+    assert res.exit_code == 2 and "--json -: takes a file path, not '-'" in " ".join(res.output.split())
+    assert not (Path.cwd() / "-").exists()

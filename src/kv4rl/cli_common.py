@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from kv4rl.config_loader import ConfigError
 from kv4rl.durability import sync_path
 from kv4rl.file_modes import honour_umask
 from kv4rl.paths import file_in_path
+from kv4rl.telemetry.console import PipeSafeConsole
 
-console = Console()
+console = PipeSafeConsole()  # `| head` closing stdout does not end the command (its files still written)
 # errors and warnings go to stderr, as the parser's own errors and the library's logged warnings do, so
 # `kv4rl eval ... > out.txt` still shows them
-err_console = Console(stderr=True)
+err_console = PipeSafeConsole(stderr=True)
 
 
 def error_line(message: str) -> None:
@@ -101,13 +101,31 @@ def engine_config(overrides: list[str] | None, options: Mapping[str, str] | None
 PARTIAL_JSON: set[Path] = set()  # files whose last write held only the rows finished so far ("complete": false)
 
 
+def _destination(path: Path) -> tuple[Path, bool]:
+    """Where `path`'s text goes and whether by rename: a regular file (or a new one) is replaced whole; a
+    symlink's target is (the link stays); a device, pipe or /dev, /proc name (`/dev/null`, `/dev/stdout`,
+    `>(jq .)`) is written into, since a rename would put a plain file in its place (root turned
+    /dev/stdout into one) and a pipe's reader would wait for ever."""
+    if not path.is_symlink() and not (path.exists() and not path.is_file()):
+        return path, True
+    real = Path(os.path.realpath(path))
+    special = (str(path.absolute()).startswith(("/dev/", "/proc/")) or str(real).startswith(("/dev/", "/proc/"))
+               or (real.exists() and not real.is_file()))
+    return (path, False) if special else (real, True)
+
+
 def write_together(files: dict[Path | None, str | None]) -> None:
     """Write each file's text (None path or text: skipped) to a temporary file beside it, then rename them all
-    into place: a failure while writing (a full disk) leaves every target as it was and no temporary file."""
-    staged = []
+    into place: a failure while writing (a full disk) leaves every target as it was and no temporary file.
+    Devices and pipes are written into after the renames (`_destination`)."""
+    staged, streams = [], []
     try:
-        for path, text in files.items():
-            if path is None or text is None:
+        for given, text in files.items():
+            if given is None or text is None:
+                continue
+            path, by_rename = _destination(given)
+            if not by_rename:
+                streams.append((path, text))
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             # a fresh name: never another target's, nor a file the user has
@@ -124,6 +142,9 @@ def write_together(files: dict[Path | None, str | None]) -> None:
         raise
     for tmp, path in staged:
         os.replace(tmp, path)
+    for path, text in streams:
+        with open(path, "a") as out:  # "a": /dev/stdout redirected to a file is not truncated
+            out.write(text)
 
 
 def write_json(res: dict, json_out: Path | None) -> None:
@@ -164,6 +185,8 @@ def check_output_path(path: Path | None, option: str = "--json", *, create: bool
     `create` (a dry run, or checks that may still refuse) nothing is made."""
     if path is None:
         return
+    if str(path) == "-":
+        fail(f"{option} -: takes a file path, not '-' (for the terminal give /dev/stdout; the tables print there too)")
     if path.is_dir():
         fail(f"{option} {path}: is a directory; give a file path")
     blocking = file_in_path(path.parent)

@@ -119,7 +119,7 @@ def clip_bias_cmd(
     shift = result["clip"]["mean"] / rho
     console.print(f"clipped mean shift per unit ratio: {_signed(shift)} (exact "
                   f"{_signed(result['closed_form']['clip_mean_per_unit_ratio'])}); unclipped mean "
-                  f"{_signed(result['noclip']['mean'])}")
+                  f"{_signed(result['noclip']['mean'])}", soft_wrap=True)
     if json_out is not None:
         write_json({**result, "sweep": swept}, json_out)
         wrote(json_out)
@@ -211,7 +211,7 @@ def correction_variance_cmd(
     print_table(console, _variance_table(summary))
     ratio = summary["log_ratio"]
     console.print(f"c_t = log π − log μ: mean {ratio['mean']:+.4e}, var {ratio['var']:.4e}, "
-                  f"KL(μ‖π) (k3) {ratio['kl_mu_pi_k3']:.4e}")
+                  f"KL(μ‖π) (k3) {ratio['kl_mu_pi_k3']:.4e}", soft_wrap=True)
     if json_out is not None:
         write_json(summary, json_out)
         wrote(json_out)

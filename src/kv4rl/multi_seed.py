@@ -62,10 +62,10 @@ def _seeds(seeds: list[int]) -> str:
     return f"seed{'s' if len(seeds) > 1 else ''} {','.join(map(str, seeds))}"
 
 
-def how_to_go_on(folders: dict[int, Path], base: Path, iterations: int | None = None) -> list[str]:
+def how_to_go_on(folders: dict[int, Path], base: Path) -> list[str]:
     """What each seed's folder allows next: `--resume` of the sweep for those with a checkpoint short of
-    `iterations` (None: each folder's own config.yaml's), a higher `trainer.iterations` for those whose
-    last checkpoint reaches it (a resume trains nothing, and said so only in the seed's log), the same
+    their config.yaml's `trainer.iterations` (what such a resume runs to), a higher `trainer.iterations`
+    for those whose last checkpoint reaches it (a resume trains nothing, and said so only in the seed's log), the same
     command for those without a folder, and `--overwrite` for a folder holding a run but no checkpoint
     (a resume refuses it and a fresh start does too)."""
     from kv4rl.trainer.checkpoint import checkpoints
@@ -74,12 +74,10 @@ def how_to_go_on(folders: dict[int, Path], base: Path, iterations: int | None = 
         saved_at = checkpoints(folder)
         if not saved_at:
             return None
-        target = iterations
-        if target is None:
-            try:
-                target = load_config(folder / "config.yaml", validate=False).trainer.iterations
-            except (OSError, ValueError):
-                return None
+        try:
+            target = load_config(folder / "config.yaml", validate=False).trainer.iterations
+        except (OSError, ValueError):
+            return None
         return saved_at[-1][0] if saved_at[-1][0] >= target else None
 
     finished = {s: n for s, d in folders.items() if (n := done(d)) is not None}
@@ -151,7 +149,7 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
                 raise
             # the hint is the sweep's, not one seed's: what each seed's folder allows
             folders = {s: cfg.run_dir.with_name(seed_name(base.name, s)) for s in seeds}
-            steps = how_to_go_on(folders, Path(base.out_dir) / base.name, base.trainer.iterations)
+            steps = how_to_go_on(folders, Path(base.out_dir) / base.name)
             raise RunFolderError(
                 f"{cfg.run_dir} already holds a run; {'; '.join(steps)}; or give another name=..., or start every "
                 f"seed over with --overwrite (the old runs are moved aside, not deleted)") from exc
@@ -292,8 +290,7 @@ def continue_hint(runs: list[SeedRun]) -> str:
     """How to go on after a stopped sweep (`how_to_go_on` over its seeds' folders)."""
     first = runs[0]
     base = first.cfg.run_dir.with_name(first.cfg.name.removesuffix(f"-s{first.seed}"))
-    return "; ".join(how_to_go_on({r.seed: r.cfg.run_dir for r in runs if not r.finished_at_signal}, base,
-                                  first.cfg.trainer.iterations))
+    return "; ".join(how_to_go_on({r.seed: r.cfg.run_dir for r in runs if not r.finished_at_signal}, base))
 
 
 def failed(runs: list[SeedRun]) -> list[int]:

@@ -191,6 +191,10 @@ def _say_changed(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
     """One warning naming every setting the resume's overrides change (`trainer.iterations`, the way to
     train longer, aside): the run's config.yaml takes them, so the rows after the checkpoint were trained
     under other settings than the rows before, which nothing else in the folder records."""
+    from kv4rl.distributed import prints_setup_errors
+
+    if not prints_setup_errors():  # under torchrun every rank reads the same folder: one says it
+        return
     old, new = _flat(saved), _flat(cfg)
     changed = [f"{key}: {old.get(key)!r} -> {new[key]!r}" for key in new
                if key not in ("name", "out_dir", "trainer.iterations") and new[key] != old.get(key)]

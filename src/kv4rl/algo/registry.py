@@ -154,6 +154,9 @@ def _check_settings(name: str, settings: type) -> None:
 
     if not dataclasses.is_dataclass(settings):
         raise ValueError(f"loss '{name}': settings must be a dataclass, got {settings!r}")
+    if not isinstance(settings, type):  # an instance passed is_dataclass, then every config check failed
+        raise ValueError(f"loss '{name}': settings must be the dataclass itself, not an instance of it: "
+                         f"settings={type(settings).__name__}, not {settings!r}")
     if settings.__dataclass_params__.frozen:
         raise ValueError(f"loss '{name}': settings must not be a frozen dataclass (overrides set its fields)")
     try:

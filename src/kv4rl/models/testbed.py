@@ -184,7 +184,7 @@ def _write_model(spec: TestbedSpec, out_dir: Path, progress: bool, device: str) 
         console.print(f"{spec.name} built in {metadata['build_seconds']} s on {target}: accuracy "
                       f"{measured['sampled_accuracy']:.3f} sampled at temperature 1, {measured['greedy_accuracy']:.3f} "
                       f"greedy; mean response {measured['sampled_response_len']:.0f} tokens (worked solutions: "
-                      f"{measured['solution_len_mean']:.0f})", highlight=False)
+                      f"{measured['solution_len_mean']:.0f})", highlight=False, soft_wrap=True)
 
 
 class _no_change:

@@ -171,7 +171,7 @@ def _write_model(out_dir: Path, progress: bool) -> None:
     if progress:
         Console(stderr=True).print(
             f"tiny model built in {metadata['build_seconds']} s: accuracy {sampled['accuracy']:.2f} "
-            f"sampled at temperature 1, {greedy['accuracy']:.2f} greedy"
+            f"sampled at temperature 1, {greedy['accuracy']:.2f} greedy", soft_wrap=True
         )
 
 

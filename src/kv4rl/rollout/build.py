@@ -88,7 +88,7 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
     if show_progress:
         from rich.console import Console
 
-        Console(stderr=True).print(engine.summary, highlight=False)
+        Console(stderr=True).print(engine.summary, highlight=False, soft_wrap=True)  # one line a script can grep
     try:
         collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=engine_ranks)
     except ValueError as exc:

@@ -15,7 +15,6 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Self
 
-from rich import get_console
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
@@ -29,6 +28,8 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+from kv4rl.telemetry.console import PipeSafeConsole
 from rich.table import Column
 from rich.text import Text
 
@@ -113,7 +114,7 @@ class TrainProgress:
     def __init__(self, total: int, start: int, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
         self.total, self.done = total, start
-        console = console or get_console()
+        console = console or PipeSafeConsole()  # a closed stdout (`| head`) does not stop the run
         self.lines = enabled and not console.is_terminal
         self.progress = Progress(*_fixed_columns("[bold]train"), _FittedField("stats"), console=console,
                                  disable=not enabled or self.lines)

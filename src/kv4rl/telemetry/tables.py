@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kv4rl.telemetry.console import PipeSafeConsole
+
 FOLD_AFTER = 40  # longer cells (paths, long names) may fold; every number is far shorter
 COLUMN_OVERHEAD = 3  # rich's default box: one space of padding either side and one border
 EDGE = 1  # the table's closing border
@@ -125,8 +127,8 @@ def print_table(console: Console, table: ResultTable) -> None:
         return
     (part,) = table.parts(None)
     natural = rendered_width([table.natural_width(i) for i in range(len(table.headers))])
-    wide = Console(file=console.file, width=max(console.width, natural), no_color=console.no_color,
-                   color_system=None, force_terminal=False)
+    wide = PipeSafeConsole(file=console.file, width=max(console.width, natural), no_color=console.no_color,
+                           color_system=None, force_terminal=False)
     wide.print(part)
 
 

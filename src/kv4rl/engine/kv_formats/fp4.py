@@ -2,8 +2,8 @@
 
 Both pack two e2m1 codes per byte [slots, Hkv, D/2]. MXFP4 keeps one e8m0 exponent (uint8) per 32
 values. NVFP4 keeps one e4m3 scale per 16 values and a float32 scale per layer and K/V. A cache grows
-token by token, so that per-tensor scale is calibrated once, on the first write into the layer (the
-first prefill), as `amax / (6 * 448)` times `NVFP4_HEADROOM`, and then kept for the engine's life
+token by token, so that per-tensor scale is calibrated once, on the first write into the layer holding a
+non-zero value (normally the first prefill), as `amax / (6 * 448)` times `NVFP4_HEADROOM`, and then kept for the engine's life
 (across weight updates, and across `sleep` / `wake`, which re-allocate the pool). The headroom lets later blocks up to 8x larger than anything in the
 calibration prefill through without saturating; it costs no precision, because the e4m3 block
 scale keeps 3 mantissa bits over its whole normal range and that range still reaches blocks ~3500x
