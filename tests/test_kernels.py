@@ -223,6 +223,25 @@ def test_fused_write_equals_reference_without_rotation(name, gen):
                            fast[key].view(torch.uint8) if fast[key].dtype == torch.float8_e4m3fn else fast[key]), key
 
 
+def test_fused_write_reads_input_rows_past_two_to_the_31_elements():
+    """The input row's offset `token * row stride` was int32: past 2**31 elements (a merged q|k|v view, row
+    stride 6144 at Qwen3-8B's heads, from ~350k tokens in one step) it wrapped: a crash under the interpreter,
+    a fault or wrong K/V read on a GPU. Four tokens at a row stride of 2**30 elements reach it cheaply (the
+    storage is allocated but only the rows read are touched). Reference: the rows themselves (BF16 stores
+    them as they are)."""
+    from kv4rl.kernels.kv_write import write_kv
+
+    hkv, d, stride = 2, 128, 2**30
+    store = torch.empty(3 * stride + hkv * d, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.as_strided(store, (4, hkv, d), (stride, d, 1))
+    rows = torch.randn(4, hkv, d, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x.copy_(rows.to(DEVICE))
+    out = torch.zeros(8, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+    write_kv(x, torch.tensor([5, 0, 7, 2], device=DEVICE), store=DecodeKind.BF16, out=out, block_rows=8,
+             num_warps=2)
+    assert torch.equal(out[[5, 0, 7, 2]].cpu(), rows)
+
+
 @pytest.mark.parametrize("rotate", ["k", "kv"])
 def test_fused_write_with_rotation_matches_float64(rotate, gen):
     """With the Hadamard rotation, each cached value is within half a quantization step (plus the bf16

@@ -72,7 +72,7 @@ def _write_rows(
 ):
     """Rows [block * BLOCK_R, +BLOCK_R) of one of K or V: rotate, quantize, store (and the INT8 copy)."""
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    tok = rows // NUM_KV_HEADS
+    tok = (rows // NUM_KV_HEADS).to(tl.int64)  # times stride_xn: past 2**31 at 350k tokens of a merged q|k|v row
     head = rows % NUM_KV_HEADS
     slot = tl.load(slot_ptr + tok, mask=rows < num_rows, other=-1).to(tl.int64)
     live = (rows < num_rows) & (slot >= 0)
