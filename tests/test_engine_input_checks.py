@@ -229,3 +229,102 @@ def test_a_text_prompt_is_encoded_with_the_tokenizers_specials_as_vllm_does(tiny
     assert from_text.prompt_ids == [1, 5 + 97 % 50, 5 + 98 % 50, 5 + 99 % 50]
     assert from_text.token_ids == from_ids.token_ids
 
+
+
+def test_values_a_state_dict_check_missed_are_refused_before_any_copy(tiny_qwen3):
+    """Names and shapes were checked, not values: a meta tensor, a numpy array or a list failed part-way
+    (or in the check itself) and left the engine refusing to step; integer weights loaded silently; a float
+    version tagged every later token."""
+    import numpy as np
+
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    before = engine.generate([[1, 2, 3]], greedy)[0].token_ids
+    good = _hf_weights(path)
+    key = "model.layers.0.mlp.up_proj.weight"
+    for value, named in ((torch.empty(good[key].shape, device="meta"), "a meta tensor"),
+                         (good[key].numpy(), "is ndarray"), (good[key].tolist(), "is list"),
+                         (good[key].to(torch.int64), "a torch.int64 tensor"), (np.float32(1), "is float32")):
+        with pytest.raises(ValueError, match=f"load_weights: {key} {named}" if named.startswith("is")
+                           else f"load_weights: {key} is {named}"):
+            engine.load_weights({**good, key: value}, version=1)
+    with pytest.raises(ValueError, match="version must be an int, got 1.5"):
+        engine.load_weights(good, version=1.5)
+    assert engine.generate([[1, 2, 3]], greedy)[0].token_ids == before and engine.version == 0
+
+
+def test_a_step_that_fails_after_its_forward_leaves_the_engine_stepping(tiny_qwen3, monkeypatch):
+    """The forward advanced every row's cache before the sampler ran: a sampler that raised (a top_k of
+    2**63, Ctrl-C, out of memory) left caches ahead of tokens, and every later step failed ('cannot reshape
+    tensor of 0 elements'). The running requests are re-prefilled instead. Reference: the same request alone."""
+    path, _ = tiny_qwen3
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = _engine(path).generate([[5, 7, 11]], greedy)[0].token_ids
+    engine = _engine(path)
+    x = engine.add_request([5, 7, 11], greedy)
+    engine.step()
+    real, calls = engine.runner.sample, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the sampler fails once")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "sample", failing)
+    with pytest.raises(RuntimeError, match="the sampler fails once"):
+        engine.step()
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert finished == [x] and x.output_ids == alone
+    with pytest.raises(ValueError, match="top_k must be below 2\\*\\*63"):
+        engine.add_request([1, 2], SamplingParams(top_k=2**63, max_tokens=2))
+
+
+def test_a_resumed_response_is_checked_as_a_prompt_is(tiny_qwen3):
+    """`resume_from`'s lists were copied unchecked: three lengths that disagree paired log-probs with the
+    wrong tokens, an id past the vocabulary failed in a later step, a float id was kept as it was."""
+    from kv4rl.engine.sequence import Completion
+
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    params = SamplingParams(max_tokens=4)
+    for tokens, logprobs, versions, named in (([5, 5, 5], [0.0], [0], "3 tokens, 1 log-probs and 1 versions"),
+                                              ([5, 999], [0.0, 0.0], [0, 0], "token id 999"),
+                                              ([5, 2.7], [0.0, 0.0], [0, 0], "integer token ids")):
+        done = Completion(0, [1, 2], tokens, logprobs, versions, "length")
+        with pytest.raises(ValueError, match=named):
+            engine.add_request([1, 2], params, resume_from=done)
+    assert not engine.has_unfinished()
+
+
+def test_a_second_thread_is_refused_while_one_steps_the_engine(tiny_qwen3):
+    """Two threads calling generate interleaved their batches: one was handed wrong greedy tokens without an
+    error. A second thread is now refused by name; the first thread's own nested calls still run."""
+    import threading
+
+    path, _ = tiny_qwen3
+    engine = _engine(path)
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    alone = engine.generate([[4, 5]], greedy)[0].token_ids
+    errors, nested = [], []
+
+    def other_thread():
+        for call in (engine.step, lambda: engine.generate([[1, 2]], greedy)):
+            try:
+                call()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+    def on_finish(index, completion):
+        nested.append(engine.generate([[4, 5]], greedy)[0].token_ids)  # the same thread: allowed
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(timeout=60)
+
+    engine.generate_each([[4, 5]], greedy, on_finish)
+    assert nested == [alone]
+    assert len(errors) == 2 and all("the engine is in use by another thread" in e for e in errors), errors
+    assert engine.generate([[4, 5]], greedy)[0].token_ids == alone

@@ -93,6 +93,11 @@ class BatchCalls:
         for ids in encoded:  # every request checked before any runs: the window adds the last ones late
             self.scheduler.check_fits(len(ids), params.max_tokens)
         window = len(encoded) if max_in_engine is None else max_in_engine
+        with self.exclusive("generate"):
+            self._generate_encoded(encoded, params, on_finish, tags, seeds, progress, window, group)
+
+    def _generate_encoded(self, encoded, params, on_finish, tags, seeds, progress, window, group) -> None:
+        """`generate_each`'s run of its checked requests, with the engine held by this thread."""
         parked, stopped = self._park_requests()
         drained = len(self._drained_steps)  # this call's own steps are not the caller's: dropped below
         live: dict[int, tuple[int, Sequence]] = {}  # id(seq) -> (its place in `prompts`, the request)

@@ -14,7 +14,9 @@ saves in `kv4rl.engine.weights`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,7 @@ class Engine(BatchCalls, EngineWeights):
         self.generator = torch.Generator()  # only draws per-request seeds; sampling noise is counter-based
         self.generator.manual_seed(seed)
         self.version = 0
+        self._user = threading.RLock()  # `exclusive`: one thread steps the engine at a time
         self.last_step: dict = {}
         self.step_was_read = False  # the last `step` read a step (`last_step` is its record), not only stopped ones
         # all layers, scales and KV4's reserved INT8 rows (spread over max_model_len) included
@@ -156,7 +159,10 @@ class Engine(BatchCalls, EngineWeights):
             sample_seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         seq = Sequence(list(prompt_ids), params, tag=tag, sample_seed=as_int64(sample_seed))
         if resume_from is not None:
-            seq.output_ids = list(resume_from.token_ids)
+            if not len(resume_from.token_ids) == len(resume_from.logprobs) == len(resume_from.versions):
+                raise ValueError(f"resume_from holds {len(resume_from.token_ids)} tokens, {len(resume_from.logprobs)} "
+                                 f"log-probs and {len(resume_from.versions)} versions: one of each per token")
+            seq.output_ids = self.checked_ids(resume_from.token_ids, "resume_from's tokens")  # as a prompt's
             seq.output_logprobs = list(resume_from.logprobs)
             seq.output_versions = list(resume_from.versions)
             reason = self.scheduler.stop_reason(seq, self._stop_ids(params))
@@ -218,6 +224,18 @@ class Engine(BatchCalls, EngineWeights):
         """Requests queued or running, a step in flight or stopped requests not yet returned by `step`."""
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._backlog)
 
+    @contextlib.contextmanager
+    def exclusive(self, what: str):
+        """Refuse a second thread: two threads stepping one engine interleaved their batches, and one was
+        handed wrong tokens without an error (the same thread may re-enter: `generate` in `on_finish`)."""
+        if not self._user.acquire(blocking=False):
+            raise RuntimeError(f"{what}: the engine is in use by another thread (an Engine serves one thread at a "
+                               "time; give each thread its own, or a lock around the calls)")
+        try:
+            yield
+        finally:
+            self._user.release()
+
     def step(self) -> list[Sequence]:
         """Advance every scheduled sequence by one token (or one prompt chunk); return the ones that finished.
 
@@ -228,15 +246,33 @@ class Engine(BatchCalls, EngineWeights):
         call returns with a step in flight whenever requests remain, whose tokens join at the next call
         (or `drain`); an EOS stop is reported one call later, and a request added between calls joins
         a step later. `latency_s` is then the time since the previous step's tokens were read."""
+        with self.exclusive("step"):
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is freed); call wake() before stepping it")
         self._check_weights_whole()
         self.step_was_read = False
         finished, self._backlog = self._backlog, []
+        try:
+            self._advance(finished)
+            return finished
+        except BaseException:
+            # a step that failed after its forward (sampling, a token read, Ctrl-C) left caches ahead of the
+            # tokens: every later step then failed. The running sequences are re-prefilled instead, and the
+            # stopped ones are still handed over by the next step
+            self._backlog = finished + self._backlog
+            self._inflight = None
+            self.scheduler.preempt_all()
+            raise
+
+    def _advance(self, finished: list[Sequence]) -> None:
+        """The step's work; the requests that stopped in it go into `finished` as they are read."""
         launched = self._inflight
         if launched is None:
             if not self.scheduler.has_unfinished():
-                return finished  # stopped during a drain (or an idle engine): nothing left to step
+                return  # stopped during a drain (or an idle engine): nothing left to step
             launched = self._launch_scheduled()
         self._inflight = None
         rows = rows_ahead(self.scheduler, launched) if self.async_scheduling else None
@@ -251,7 +287,6 @@ class Engine(BatchCalls, EngineWeights):
             # it could not run ahead (a request may be admitted, one needs a block): launch the next step
             # now that the tokens are read, so the caller's work overlaps its device work
             self._inflight = self._launch_scheduled()
-        return finished
 
     def drain(self) -> None:
         """Read the step in flight (`engine.async_scheduling`; stopped ones are returned by the next `step`),

@@ -55,6 +55,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if abs(self.top_k) >= 2**63:  # an int64 on the device: it overflowed inside a step, after its forward
+            raise ValueError(f"top_k must be below 2**63 (any value >= the vocabulary keeps every token), got "
+                             f"{self.top_k}")
         if self.stop_token_ids is not None and (
                 isinstance(self.stop_token_ids, (int, str, bytes)) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids)):

@@ -21,6 +21,15 @@ class EngineWeights:
         anything is copied, so a refused one changes nothing. A stream is copied as it comes: one that fails
         part-way (a missing or misshapen tensor) leaves the weights part old, part new, and the engine then
         refuses to step or score until a whole set loads (holding a second copy would double the weights)."""
+        if not isinstance(version, int) or isinstance(version, bool):  # it tags every later token
+            raise ValueError(f"load_weights: version must be an int, got {version!r}")
+        if isinstance(weights, Mapping):  # what the names-and-shapes check cannot see: a copy failing half-way
+            odd = next(((k, v) for k, v in weights.items() if not isinstance(v, torch.Tensor) or v.is_meta
+                        or not (v.is_floating_point() or v.is_complex())), None)
+            if odd is not None:
+                what = (type(odd[1]).__name__ if not isinstance(odd[1], torch.Tensor) else
+                        "a meta tensor (no data)" if odd[1].is_meta else f"a {odd[1].dtype} tensor")
+                raise ValueError(f"load_weights: {odd[0]} is {what}; weights are floating-point tensors with data")
         self.drain()  # a step in flight samples under the old weights, with the old version
         self.scheduler.forget_prefixes()  # later requests must not reuse prompt KV of the old weights
         taken = [0]  # tensors the stream handed over to be copied; each is copied before the next is asked for
