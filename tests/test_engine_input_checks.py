@@ -254,14 +254,21 @@ def test_values_a_state_dict_check_missed_are_refused_before_any_copy(tiny_qwen3
     assert engine.generate([[1, 2, 3]], greedy)[0].token_ids == before and engine.version == 0
 
 
-def test_a_step_that_fails_after_its_forward_leaves_the_engine_stepping(tiny_qwen3, monkeypatch):
+def _engine_scheduled(path, run_ahead: bool):
+    return Engine(path, EngineConfig(kv=KVConfig(format="fp32"), max_model_len=64, async_scheduling=run_ahead),
+                  device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_step_that_fails_after_its_forward_leaves_the_engine_stepping(tiny_qwen3, monkeypatch, run_ahead):
     """The forward advanced every row's cache before the sampler ran: a sampler that raised (a top_k of
     2**63, Ctrl-C, out of memory) left caches ahead of tokens, and every later step failed ('cannot reshape
-    tensor of 0 elements'). The running requests are re-prefilled instead. Reference: the same request alone."""
+    tensor of 0 elements'); with async scheduling the place held for the unread token (id -1) was re-prefilled
+    (IndexError for ever). The running requests are re-prefilled instead. Reference: the same request alone."""
     path, _ = tiny_qwen3
     greedy = SamplingParams(max_tokens=6, temperature=0)
     alone = _engine(path).generate([[5, 7, 11]], greedy)[0].token_ids
-    engine = _engine(path)
+    engine = _engine_scheduled(path, run_ahead)
     x = engine.add_request([5, 7, 11], greedy)
     engine.step()
     real, calls = engine.runner.sample, []
@@ -281,6 +288,56 @@ def test_a_step_that_fails_after_its_forward_leaves_the_engine_stepping(tiny_qwe
     assert finished == [x] and x.output_ids == alone
     with pytest.raises(ValueError, match="top_k must be below 2\\*\\*63"):
         engine.add_request([1, 2], SamplingParams(top_k=2**63, max_tokens=2))
+
+
+def test_a_failed_drain_and_a_failure_after_a_requests_last_token_lose_nothing(tiny_qwen3, monkeypatch):
+    """A Ctrl-C while a drain read the step in flight (load_weights, abort, unfinished... drain first) left the
+    engine failing every later step; a failure after a step's tokens were read (its device sync) lost the
+    request that had just finished: no step returned it. Reference: each request alone."""
+    from kv4rl.engine.run_ahead import LaunchedStep
+
+    path, _ = tiny_qwen3
+    short, long = SamplingParams(max_tokens=2, temperature=0), SamplingParams(max_tokens=6, temperature=0)
+    alone = [_engine(path).generate([[5, 7, 11]], long)[0].token_ids,
+             _engine(path).generate([[13, 17]], short)[0].token_ids]
+    engine = _engine_scheduled(path, True)
+    x = engine.add_request([5, 7, 11], long)
+    engine.step()
+    engine.step()
+    real_read, reads = LaunchedStep.read, []
+
+    def read_once_interrupted(self):
+        reads.append(1)
+        if len(reads) == 1:
+            raise KeyboardInterrupt
+        return real_read(self)
+
+    monkeypatch.setattr(LaunchedStep, "read", read_once_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.unfinished()
+    while engine.has_unfinished():
+        engine.step()
+    assert x.output_ids == alone[0]
+
+    engine = _engine(path)
+    a, b = engine.add_request([5, 7, 11], long), engine.add_request([13, 17], short)
+    engine.step()  # the prefill: one token each
+    real_sync, syncs = engine.runner.synchronize, []
+
+    def sync_once_failing():
+        syncs.append(1)
+        if len(syncs) == 1:
+            raise RuntimeError("the device sync fails once")
+        return real_sync()
+
+    monkeypatch.setattr(engine.runner, "synchronize", sync_once_failing)
+    with pytest.raises(RuntimeError, match="fails once"):
+        engine.step()  # b's last token read, then the failure
+    returned = []
+    while engine.has_unfinished() or not returned:
+        returned += engine.step()
+    assert sorted(map(id, returned)) == sorted(map(id, (a, b)))
+    assert a.output_ids == alone[0] and b.output_ids == alone[1]
 
 
 def test_a_resumed_response_is_checked_as_a_prompt_is(tiny_qwen3):

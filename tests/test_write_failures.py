@@ -429,3 +429,31 @@ def test_a_reader_that_closes_stdout_does_not_end_the_command_or_lose_its_files(
     res = CliRunner().invoke(app, ["sim", "clip-bias", "--samples", "200", "--json", "-"])
     assert res.exit_code == 2 and "--json -: takes a file path, not '-'" in " ".join(res.output.split())
     assert not (Path.cwd() / "-").exists()
+
+
+def test_a_pipe_gets_only_the_complete_result_and_dev_paths_pass_the_output_check(tmp_path):
+    """The benches rewrite --json after each arm: into a pipe its reader took the first, partial document
+    as the whole and the final write then blocked. /dev/stdout and /dev/null failed the check of their folder
+    (/dev is root's) for every other user. A symlink under /dev to a regular file was appended to."""
+    import stat
+    import threading
+
+    from kv4rl.cli_common import check_output_path, write_json, writes_into
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()), daemon=True)
+    reader.start()
+    write_json({"complete": False, "rows": [1]}, fifo)
+    write_json({"complete": True, "rows": [1, 2]}, fifo)
+    reader.join(timeout=30)
+    assert [json.loads(r) for r in received] == [{"complete": True, "rows": [1, 2]}]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert writes_into(Path("/dev/null")) and writes_into(Path("/dev/stdout")) and not writes_into(tmp_path / "a")
+    check_output_path(Path("/dev/null"))  # its folder's permissions do not matter
+    target = tmp_path / "eval.json"
+    target.write_text('{"old": 1}\n')
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    assert not writes_into(link)  # a link to a regular file, wherever it lives: its target replaced whole

@@ -109,9 +109,15 @@ def _destination(path: Path) -> tuple[Path, bool]:
     if not path.is_symlink() and not (path.exists() and not path.is_file()):
         return path, True
     real = Path(os.path.realpath(path))
-    special = (str(path.absolute()).startswith(("/dev/", "/proc/")) or str(real).startswith(("/dev/", "/proc/"))
-               or (real.exists() and not real.is_file()))
+    # a process's own streams: written into even where they are files (`> out.txt`), never replaced
+    stream = re.fullmatch(r"/dev/(stdout|stderr|fd/\d+)|/proc/[^/]+/fd/\d+", str(path.absolute())) is not None
+    special = stream or (real.exists() and not real.is_file())
     return (path, False) if special else (real, True)
+
+
+def writes_into(path: Path | None) -> bool:
+    """Whether `path` is a device, pipe or stream that results are written into (`_destination`)."""
+    return path is not None and not _destination(path)[1]
 
 
 def write_together(files: dict[Path | None, str | None]) -> None:
@@ -152,6 +158,8 @@ def write_json(res: dict, json_out: Path | None) -> None:
     the write never leaves half a file; remembers a partial result for the interrupt message (`main`)."""
     if json_out is None:
         return
+    if res.get("complete") is False and writes_into(json_out):
+        return  # a pipe's reader would take the partial result as the whole one (and the next write block)
     write_together({json_out: json.dumps(res, indent=2) + "\n"})
     if res.get("complete") is False:
         PARTIAL_JSON.add(json_out)
@@ -189,6 +197,10 @@ def check_output_path(path: Path | None, option: str = "--json", *, create: bool
         fail(f"{option} -: takes a file path, not '-' (for the terminal give /dev/stdout; the tables print there too)")
     if path.is_dir():
         fail(f"{option} {path}: is a directory; give a file path")
+    if writes_into(path):  # /dev/stdout, /dev/null, a pipe: its folder is not written (/dev is root's)
+        if not os.access(path, os.W_OK):
+            fail(f"{option} {path}: cannot be written (no permission)")
+        return
     blocking = file_in_path(path.parent)
     if blocking is not None:
         fail(f"{option} {path}: cannot create its folder {path.parent} ({blocking} is a file)")

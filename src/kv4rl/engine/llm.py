@@ -35,7 +35,7 @@ from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.summary import engine_summary
 from kv4rl.engine.run_ahead import LaunchedStep, copy_to_host, rows_ahead, schedule_ahead, tally
 from kv4rl.engine.weights import EngineWeights
-from kv4rl.engine.sequence import Completion, SamplingParams, Sequence, Status
+from kv4rl.engine.sequence import PENDING_TOKEN, Completion, SamplingParams, Sequence, Status
 from kv4rl.models.decoder import Decoder
 from kv4rl.models.tensor_parallel import tensor_parallel_group
 
@@ -263,9 +263,21 @@ class Engine(BatchCalls, EngineWeights):
             # tokens: every later step then failed. The running sequences are re-prefilled instead, and the
             # stopped ones are still handed over by the next step
             self._backlog = finished + self._backlog
-            self._inflight = None
-            self.scheduler.preempt_all()
+            self._recover()
             raise
+
+    def _recover(self) -> None:
+        """After a step or a drain that failed part-way: forget the step in flight, take back the places held
+        for tokens it never read (async scheduling; re-prefilled, id -1 failed every later step), and
+        re-prefill every running request under the current weights (the forward had moved their caches
+        ahead of their tokens). The sampler's counter goes back with them: the same tokens are drawn again."""
+        self._inflight = None
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            while seq.output_ids and seq.output_ids[-1] == PENDING_TOKEN:
+                seq.output_ids.pop()
+                seq.output_logprobs.pop()
+                seq.output_versions.pop()
+        self.scheduler.preempt_all()
 
     def _advance(self, finished: list[Sequence]) -> None:
         """The step's work; the requests that stopped in it go into `finished` as they are read."""
@@ -281,7 +293,7 @@ class Engine(BatchCalls, EngineWeights):
             t1, saved = time.perf_counter(), self.scheduler.prefill_tokens_saved
             nxt, ids = schedule_ahead(self.scheduler, launched, rows, self.version)
             self._inflight = self._launch_step(nxt, t1, saved, pending_ids=ids)
-        finished += self._complete(launched)
+        self._complete(launched, finished)
         self.step_was_read = True
         if self.async_scheduling and self._inflight is None and self.scheduler.has_unfinished():
             # it could not run ahead (a request may be admitted, one needs a block): launch the next step
@@ -293,7 +305,11 @@ class Engine(BatchCalls, EngineWeights):
         before anything that changes what it relies on: weights, the pool, the running sequences."""
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
-            self._backlog += self._complete(launched)
+            try:
+                self._complete(launched, self._backlog)
+            except BaseException:  # as in `step`: the requests re-prefill, none is lost
+                self._recover()
+                raise
             # its latency since the last read spans whatever the caller did meanwhile (a learner update):
             # only the wait for the device is the step's
             self._drained_steps.append({**self.last_step, "latency_s": self.last_step["wait_s"], "drained": True})
@@ -336,10 +352,11 @@ class Engine(BatchCalls, EngineWeights):
             logits = logits[to_device(rows, torch.long, logits.device)]
         return self.runner.sample(sampled, logits)
 
-    def _complete(self, launched: LaunchedStep) -> list[Sequence]:
-        """Read a launched step's tokens into its sequences, finish the ones that stop; `last_step`."""
+    def _complete(self, launched: LaunchedStep, finished: list[Sequence]) -> None:
+        """Read a launched step's tokens into its sequences, finish the ones that stop (into `finished` at
+        once: a failure later in the step loses none of them); `last_step`."""
         tokens, logprobs, wait = launched.read()
-        finished, pending, running = [], launched.pending, Status.RUNNING
+        pending, running = launched.pending, Status.RUNNING
         for seq, tok, lp in zip(launched.sampled, tokens, logprobs):
             if seq.status is not running:
                 continue  # stopped at the step before (run ahead): this row was computed and is dropped
@@ -360,7 +377,6 @@ class Engine(BatchCalls, EngineWeights):
         self.last_step = launched.record(self.bytes_per_token * self.tp.size, self.scheduler.prefill_tokens_saved,
                                          latency=now - max(launched.launched_at, self._last_read), wait=wait)
         self._last_read = now
-        return finished
 
     # ---- sleep / wake -------------------------------------------------------------------------
     def sleep(self) -> None:
