@@ -226,9 +226,9 @@ def test_the_trace_counts_the_steps_a_refresh_read(tiny_qwen3, monkeypatch):
     read = []
     real = Engine._complete
 
-    def counting(self, launched):
+    def counting(self, launched, finished):
         read.append(1)
-        return real(self, launched)
+        return real(self, launched, finished)
 
     monkeypatch.setattr(Engine, "_complete", counting)
     path, _ = tiny_qwen3
