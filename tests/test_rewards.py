@@ -191,6 +191,14 @@ def test_math_verify_reads_the_latex_it_misparsed_in_training_golds(math_reward)
         (r"\frac ab", r"\frac{b}{a}", False),
         (r"\frac{1}2", "0.5", True),
         (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", True),
+        # a unit in words after a plain-number gold: math-verify read `18 dollars` as 18*d*o*l*l*a*r*s (0) but
+        # `18 meters` as 18 (1), so a right GSM8K answer scored by its noun
+        ("18 dollars", "18", True),
+        (r"\text{18 dollars}", "18", True),
+        (r"18 \text{ eggs}", "18", True),
+        ("17 dollars", "18", False),
+        ("18 x", "18", False),  # one letter: a variable, not a unit
+        ("18 dollars", "x", False),
     ],
 )
 def test_math_verify_reads_thin_spaces_bases_and_half_bare_fractions(answer, gold, expected):

@@ -47,6 +47,25 @@ def test_the_stall_names_unreadable_answers_or_the_cut_when_every_response_had_t
     assert "No response held" not in caplog.records[-1].getMessage()
 
 
+def test_the_stall_hint_leaves_out_what_is_on_and_names_the_cut_beside_unreadable_answers(caplog):
+    """A GSM8K run with data.chat_template=true and every response cut at 64 tokens was told to turn the chat
+    template on, and not that every response had been cut (the answer comes after the cut)."""
+    watch = RunWatch(responses_per_group=4, max_new_tokens=64, chat_template=True)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for it in range(3):
+            watch.observe(row(it, 1.0, 0.0, reward_no_answer=8.0, truncated_frac=1.0))
+    said = caplog.records[-1].getMessage()
+    assert "every response was cut at rollout.max_new_tokens=64: raise it first" in said
+    assert "chat_template" not in said
+    caplog.clear()
+    watch = RunWatch(responses_per_group=4, max_new_tokens=64)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for it in range(3):
+            watch.observe(row(it, 1.0, 0.0, reward_no_answer=8.0))
+    said = caplog.records[-1].getMessage()
+    assert "set data.chat_template=true for an instruct model" in said and "was cut" not in said
+
+
 def test_every_response_cut_is_said_once_even_with_a_reward_signal(caplog):
     watch = RunWatch(responses_per_group=4, max_new_tokens=16)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -81,7 +100,8 @@ def test_a_resume_counts_equal_rewards_across_it_and_does_not_repeat_a_warning(t
 
     from kv4rl.telemetry.run_watch import run_watch
 
-    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=4, max_new_tokens=16))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=4, max_new_tokens=16),
+                          data=SimpleNamespace(chat_template=False))
     rows = [row(0, 1.0, 0.0), row(1, 1.0, 0.0), row(2, 0.5, 0.6, truncated_frac=1.0)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{torn")
     watch = run_watch(cfg, tmp_path, start=2)

@@ -91,11 +91,32 @@ def _base_number_value(answer: str) -> int | None:
         return None
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# a number, then a unit in words: math-verify read `18 dollars` as 18*d*o*l*l*a*r*s (`18 meters` as 18)
+_NUMBER_WITH_UNIT = re.compile(
+    r"\\?\$?\s*(-?\d+(?:\.\d+)?)(?:\s+|\\ |~)(?:\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}|[A-Za-z]{2,}(?: [A-Za-z]{2,})*)")
+
+
+_TEXT_WRAPPED = re.compile(r"\\(?:text|mbox|mathrm)\{(.*)\}")
+
+
+def _unit_dropped(predicted: str, gold: str) -> str:
+    """`predicted` without a trailing unit in words where `gold` is a plain number: `18 dollars`, `18
+    \\text{ eggs}` -> `18` against 18 (a GSM8K answer a small model boxes with its unit). Anything else, as it is."""
+    if _NUMBER.fullmatch(gold.strip().strip("$").strip()) is None:
+        return predicted
+    text = predicted.strip()
+    wrapped = _TEXT_WRAPPED.fullmatch(text)  # `\text{18 dollars}` whole
+    match = _NUMBER_WITH_UNIT.fullmatch(wrapped.group(1).strip() if wrapped else text)
+    return match.group(1) if match else predicted
+
+
 def verify_answer(predicted: str, gold: str) -> bool:
     """True when the boxed answer `predicted` is mathematically equivalent to `gold` (math-verify), both
     tidied first (`tidy_answer`); two numbers written in bases (`52_8`, `101010_2`) compare by value."""
     parse, verify = _math_verify()
     gold, predicted = tidy_answer(gold), tidy_answer(predicted)
+    predicted = _unit_dropped(predicted, gold)
     gold_parsed = parse(f"${gold}$", parsing_timeout=None)
     if not gold_parsed:
         raise ValueError(f"gold answer {gold!r} does not parse with math-verify")

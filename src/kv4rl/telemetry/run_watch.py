@@ -29,9 +29,11 @@ def _no_signal(row: dict) -> bool:
 class RunWatch:
     """Fed every metrics row (`observe`); `responses_per_group` and `max_new_tokens` name the causes."""
 
-    def __init__(self, responses_per_group: int, max_new_tokens: int, iterations: int = STALL_ITERATIONS):
+    def __init__(self, responses_per_group: int, max_new_tokens: int, iterations: int = STALL_ITERATIONS,
+                 chat_template: bool = False):
         self.group_size = responses_per_group
         self.max_new_tokens = max_new_tokens
+        self.chat_template = chat_template  # on: the hint to turn it on is not given
         self.iterations = iterations
         self.stalled: list[dict] = []
         self.warned_stall = self.warned_cut = False
@@ -73,11 +75,15 @@ class RunWatch:
     def _cause(self) -> str:
         rows = self.stalled
         responses = [len(r.get("groups") or []) * self.group_size for r in rows]
+        cut = all(r.get("truncated_frac") == 1.0 for r in rows)
         if all(n and r.get("reward_no_answer") == n for r, n in zip(rows, responses)):
-            return ("No response held an answer the reward could read (reward_no_answer): check that the prompt "
-                    "asks for the answer's format (\\boxed{} for math_verify and exact), and set "
-                    "data.chat_template=true for an instruct model")
-        if all(r.get("truncated_frac") == 1.0 for r in rows):
+            # the cut first where every response was cut: its answer, if any, came after the limit
+            return ("No response held an answer the reward could read (reward_no_answer)" + (
+                f", and every response was cut at rollout.max_new_tokens={self.max_new_tokens}: raise it first"
+                if cut else "") + ": check that the prompt asks for the answer's format (\\boxed{} for math_verify "
+                "and exact)" + ("" if self.chat_template else ", and set data.chat_template=true for an instruct "
+                                                                "model"))
+        if cut:
             return f"Every response was cut at rollout.max_new_tokens={self.max_new_tokens}: raise it"
         return ("Check reward.name and the answer format it expects, or raise rollout.temperature if a group's "
                 "responses are all alike")
@@ -86,7 +92,7 @@ class RunWatch:
 def run_watch(cfg, run_dir: Path | None, start: int) -> RunWatch:
     """The watch of a run starting at iteration `start`, primed with the rows before it in `run_dir`'s
     metrics.jsonl (a resume; the log's writer names a torn line, this reader passes it over)."""
-    watch = RunWatch(cfg.rollout.group_size, cfg.rollout.max_new_tokens)
+    watch = RunWatch(cfg.rollout.group_size, cfg.rollout.max_new_tokens, chat_template=bool(cfg.data.chat_template))
     path = None if run_dir is None else Path(run_dir) / "metrics.jsonl"
     if start and path is not None and path.is_file():
         watch.resume_from([row for _, row in read_lines(path, warn=False) if row.get("iteration", start) < start])
