@@ -106,6 +106,43 @@ def test_ctrl_c_says_so_and_names_the_json_that_holds_part_of_the_results(tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # written whole, through a temporary file
 
 
+def test_a_sigterm_to_a_bench_says_which_json_holds_part_of_its_rows(tmp_path, monkeypatch, capsys):
+    """A scheduler's time limit (SIGTERM) ended eval and the benches at once (exit 143), with nothing said of the
+    partial --json they keep, where Ctrl-C names it."""
+    import os
+    import signal
+    import sys
+    import time
+
+    import pytest
+
+    import kv4rl.bench.rollout
+    from kv4rl.cli import main
+
+    def terminated(plan, progress=None, on_result=None):
+        on_result({"complete": False, "results": [{"format": "bf16", "mode": "sync", "rollout_s": 1.0}]})
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises out of it
+        raise AssertionError("the SIGTERM did not stop the command")
+
+    monkeypatch.setattr(kv4rl.bench.rollout, "bench_rollout", terminated)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["kv4rl", "bench", "rollout", "--shape", "qwen3-tiny", "--device", "cpu",
+                                      "--json", str(out)])
+    # a `kv4rl train` run in this process earlier holds SIGTERM for its start-up (`catch_early`): a command
+    # process starts with the default action
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the command's handler is gone with it
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 143
+    assert f'terminated (SIGTERM): {out} holds the rows finished before it ("complete": false)' in capsys.readouterr().err
+    assert json.loads(out.read_text())["complete"] is False
+
+
 def test_every_option_of_every_command_says_what_it_does():
     """`--help` listed options with no text at all (e.g. `--seed`, `--device`, `eval --temperature`)."""
     import click

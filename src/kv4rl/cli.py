@@ -6,6 +6,7 @@ Any config key can be overridden as `section.key=value` after the options.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -267,8 +268,14 @@ def main() -> None:
     the command's --help (exit 2), like every other refused input, not typer's boxed usage block."""
     # click's error class, whether typer uses click or its own copy of it (typer >= 0.2x vendors click)
     click_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    from kv4rl.graceful_stop import cleanup_on_sigterm
+
+    # a scheduler's SIGTERM (a time limit) ended eval and the benches at once, with nothing said of the partial
+    # --json they keep; `train` has its own handling (a checkpoint, then exit 0)
+    terminable = cleanup_on_sigterm() if sys.argv[1:2] != ["train"] else contextlib.nullcontext()
     try:
-        code = app(standalone_mode=False)  # click's own errors come here, not to typer's printer
+        with terminable:
+            code = app(standalone_mode=False)  # click's own errors come here, not to typer's printer
         if isinstance(code, int) and code:  # typer.Exit(n) in a command, 130 after Ctrl-C
             raise SystemExit(code)
     except click_error as exc:
@@ -291,15 +298,18 @@ def main() -> None:
     except SystemExit as exc:
         if exc.code == 130:  # Ctrl-C: typer exits with 130 and says nothing
             say_interrupted()
+        elif exc.code == 143:  # SIGTERM (`cleanup_on_sigterm`)
+            say_interrupted("SIGTERM")
         raise
 
 
-def say_interrupted() -> None:
-    """One line on stderr after Ctrl-C: that the command stopped, and which --json files hold only part."""
+def say_interrupted(by: str = "Ctrl-C") -> None:
+    """One line on stderr after Ctrl-C or SIGTERM: that the command stopped, and which --json files hold only
+    part."""
     from kv4rl.cli_common import PARTIAL_JSON
 
     kept = "; ".join(f"{path} holds the rows finished before it (\"complete\": false)" for path in sorted(PARTIAL_JSON))
-    print(f"interrupted (Ctrl-C){': ' + kept if kept else ''}", file=sys.stderr)
+    print(f"{'interrupted' if by == 'Ctrl-C' else 'terminated'} ({by}){': ' + kept if kept else ''}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover
