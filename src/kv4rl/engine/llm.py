@@ -35,6 +35,7 @@ from kv4rl.engine.scheduler import Scheduler
 from kv4rl.engine.summary import engine_summary
 from kv4rl.engine.run_ahead import LaunchedStep, copy_to_host, rows_ahead, schedule_ahead, tally
 from kv4rl.engine.weights import EngineWeights
+from kv4rl.engine.sleep_wake import EngineSleep
 from kv4rl.engine.sequence import PENDING_TOKEN, Completion, SamplingParams, Sequence, Status
 from kv4rl.models.decoder import Decoder
 from kv4rl.models.tensor_parallel import tensor_parallel_group
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 MAX_DRAINED_STEPS = 1024  # records kept for `take_drained_steps`
 
 
-class Engine(BatchCalls, EngineWeights):
+class Engine(BatchCalls, EngineWeights, EngineSleep):
     def __init__(
         self,
         model_dir: str | Path | None,
@@ -377,42 +378,6 @@ class Engine(BatchCalls, EngineWeights):
         self.last_step = launched.record(self.bytes_per_token * self.tp.size, self.scheduler.prefill_tokens_saved,
                                          latency=now - max(launched.launched_at, self._last_read), wait=wait)
         self._last_read = now
-
-    # ---- sleep / wake -------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """Free the KV pool and the decode CUDA graphs, so a learner on the same device can use that
-        memory during its update. The weights stay (`load_weights` works while asleep).
-
-        Unfinished requests survive by recomputation, not by a host copy of their KV: every running
-        sequence is preempted (the scheduler's own path: blocks freed, sampled tokens, log-probs and
-        versions kept, re-queued in order) and re-prefilled after `wake`, under the weights loaded by
-        then, exactly as `rollout.carry: recompute` does. Queued requests may still be added or aborted.
-        """
-        if self.asleep:
-            raise RuntimeError("the engine is already asleep")
-        self.drain()
-        self.scheduler.preempt_all()
-        self.scheduler.forget_prefixes()  # parents lose their KV
-        self.runner.sleep()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the freed pages back to the device, not only to torch's cache
-        self.asleep = True
-
-    def wake(self) -> None:
-        """Allocate the pool and graphs again (after the weight refresh). A pool that the start-up sized
-        from device memory (CUDA, `num_kv_blocks: null`) is re-sized from what is free now, with the
-        same `gpu_memory_fraction` and the activation peak measured at start-up; it never holds less
-        than one `max_model_len` sequence, which covers every queued request (else a ValueError naming
-        `engine.gpu_memory_fraction`). Other pools keep their size. The graph buckets used before
-        `sleep` are captured again here, so the capture time counts as wake time, not rollout time."""
-        if not self.asleep:
-            raise RuntimeError("the engine is awake; wake() follows sleep()")
-        self.runner.wake()
-        if self.runner.num_blocks != self.scheduler.blocks.num_blocks:  # every block is free after sleep
-            self.scheduler.blocks = BlockManager(self.runner.num_blocks, self.config.kv.block_size)
-        self.pool_tokens = self.runner.num_blocks * self.config.kv.block_size
-        self.pool_bytes = self.runner.cache_bytes
-        self.asleep = False
 
     @property
     def num_preemptions(self) -> int:

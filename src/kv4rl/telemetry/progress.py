@@ -28,10 +28,10 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-
-from kv4rl.telemetry.console import PipeSafeConsole
 from rich.table import Column
 from rich.text import Text
+
+from kv4rl.telemetry.console import PipeSafeConsole
 
 BAR_WIDTH = 12
 ITEM_GAP = "  "
