@@ -15,7 +15,6 @@ two processes would set each other's checkpoints aside as damaged and interleave
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shlex
@@ -30,7 +29,7 @@ except ImportError:  # not POSIX: folders are not locked
 
 from kv4rl.closing import close_all
 from kv4rl.config import RunConfig, load_config, save_config
-from kv4rl.config_loader import ConfigError, apply_overrides
+from kv4rl.config_loader import ConfigError, apply_overrides, to_dict
 from kv4rl.paths import file_in_path, free_sibling
 from kv4rl.telemetry.metrics import JsonlWriter
 from kv4rl.trainer.checkpoint import clear_stale_temps, set_aside_newer
@@ -180,11 +179,15 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
 
 
 def _flat(tree, prefix: str = "") -> dict:
-    if dataclasses.is_dataclass(tree):
-        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+    """A `to_dict` config as dotted keys (`engine.kv.format`)."""
     if isinstance(tree, dict):
         return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
     return {prefix[:-1]: tree}
+
+
+def _holds_samples(cfg: RunConfig) -> bool:
+    """Whether the run's checkpoints hold sampled work (batches sampled ahead, responses in flight)."""
+    return cfg.rollout.placement == "colocated" and (cfg.staleness.lag > 0 or cfg.rollout.mode == "partial")
 
 
 def _say_changed(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
@@ -195,16 +198,14 @@ def _say_changed(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
 
     if not prints_setup_errors():  # under torchrun every rank reads the same folder: one says it
         return
-    old, new = _flat(saved), _flat(cfg)
-    changed = [f"{key}: {old.get(key)!r} -> {new[key]!r}" for key in new
-               if key not in ("name", "out_dir", "trainer.iterations") and new[key] != old.get(key)]
+    old, new = _flat(to_dict(saved)), _flat(to_dict(cfg))
+    changed = [key for key in new if key not in ("name", "out_dir", "trainer.iterations") and new[key] != old.get(key)]
     if changed:
-        holds_samples = saved.rollout.placement == "colocated" and (saved.staleness.lag > 0
-                                                                     or saved.rollout.mode == "partial")
-        sampling = holds_samples and any(key.startswith(("rollout.", "data.prompt_template", "data.chat_template"))
-                                         for key in new if new[key] != old.get(key))
+        sampling = _holds_samples(saved) and any(
+            key.startswith(("rollout.", "data.prompt_template", "data.chat_template")) for key in changed)
         log.warning("--resume %s: settings changed from its config.yaml (config.yaml takes them; the rows "
-                    "before this resume ran the old ones): %s%s", folder, "; ".join(changed),
+                    "before this resume ran the old ones): %s%s", folder,
+                    "; ".join(f"{key}: {old.get(key)!r} -> {new[key]!r}" for key in changed),
                     " (the batches the checkpoint holds sampled ahead and its responses in flight keep the "
                     "rollout settings and prompts they were sampled with)" if sampling else "")
 
@@ -235,9 +236,7 @@ def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> Non
         raise ConfigError(f"--resume {folder}: {key} cannot change on resume ({_dotted(saved, key)} -> "
                           f"{_dotted(cfg, key)}): {why}. To train on under another setting, start a new run with "
                           f"model.path={folder / 'checkpoints' / '<iter_N>'}")
-    holds_samples = saved.rollout.placement == "colocated" and (saved.staleness.lag > 0
-                                                                 or saved.rollout.mode == "partial")
-    if holds_samples and cfg.rollout.temperature != saved.rollout.temperature:
+    if _holds_samples(saved) and cfg.rollout.temperature != saved.rollout.temperature:
         raise ConfigError(f"--resume {folder}: rollout.temperature cannot change on resume ({saved.rollout.temperature}"
                           f" -> {cfg.rollout.temperature}) of a run with staleness.lag > 0 or partial rollout: its "
                           f"checkpoints hold responses sampled at the old temperature, which the learner would score "
