@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The shared helpers' asserts are rewritten as test modules' are: their messages show the values, and under
+# `python -O` they still check (pytest only rewrites test modules and conftest unless told).
+pytest.register_assert_rewrite("tests.small_runs", "tests.tiny_build", "tests.kernel_cases", "tests.gloo_ranks")
+
 
 def fresh_generator() -> torch.Generator:
     """A CPU generator on a fresh random seed, so each run tests new inputs. The seed is printed, and pytest

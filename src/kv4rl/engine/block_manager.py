@@ -50,7 +50,8 @@ class BlockManager:
     def share(self, seq: Sequence, blocks: list[int]) -> None:
         """Append blocks another sequence holds to `seq`'s table (read-only for both from now on)."""
         for block in blocks:
-            assert self._refs[block] > 0, f"block {block} is free and cannot be shared"
+            if self._refs[block] <= 0:  # an explicit check: under `python -O` an assert would let two sequences own it
+                raise RuntimeError(f"block {block} is free and cannot be shared")
             self._refs[block] += 1
             self.num_shared_blocks += self._refs[block] == 2
             seq.block_table.append(block)
