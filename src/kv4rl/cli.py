@@ -38,7 +38,7 @@ from kv4rl.config_loader import ConfigError
 from kv4rl.graceful_stop import catch_early
 from kv4rl.telemetry.tables import ResultTable, metric_table, print_table
 
-app = typer.Typer(add_completion=False, no_args_is_help=False, help="kv4rl: RL post-training with cheap rollouts.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="kv4rl: RL post-training with cheap rollouts.")
 
 
 @app.callback()

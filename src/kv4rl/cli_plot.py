@@ -22,7 +22,7 @@ from kv4rl.cli_common import (
 )
 from kv4rl.telemetry.tables import ResultTable, print_table
 
-plot_app = typer.Typer(help="Plots from run folders.")
+plot_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Plots from run folders.")
 
 
 @plot_app.command("rollout-trace")
