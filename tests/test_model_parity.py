@@ -435,6 +435,52 @@ def test_old_and_new_rope_config_styles_agree():
     assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm
 
 
+_LLAMA3_NO_CONTEXT = {k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_theta", "original_max_position_embeddings")}
+
+
+@pytest.mark.parametrize("rope", [
+    # a transformers-5 checkpoint (rope_parameters) to which a user added an old-style rope_scaling
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 5e5,
+     "rope_scaling": {"rope_type": "llama3", "rope_theta": 300.0, **_LLAMA3_NO_CONTEXT, "original_max_position_embeddings": 32}},
+    # rope_theta inside an old-style rope_scaling and at the top level
+    {"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0, "rope_theta": 50.0}},
+    {"rope_theta": 5.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    # llama3's pretraining length at the top level and in the dict, old and new style
+    {"rope_theta": 5e5, "original_max_position_embeddings": 128,
+     "rope_scaling": {"rope_type": "llama3", **_LLAMA3_NO_CONTEXT, "original_max_position_embeddings": 32}},
+    {"original_max_position_embeddings": 128,
+     "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **_LLAMA3_NO_CONTEXT, "original_max_position_embeddings": 32}},
+    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **_LLAMA3_NO_CONTEXT}},
+], ids=["scaling-over-parameters", "scaling-over-parameters-llama3", "theta-in-scaling", "theta-in-parameters",
+        "llama3-context-twice-old", "llama3-context-twice-new", "llama3-context-from-max"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_rope_set_twice_rotates_as_transformers_model_does(rope, model_type, tmp_path):
+    """Where a config.json sets a RoPE value twice the engine took the other one than transformers' model (the
+    learner's), silently: log-probs 1-3 nats apart (QA). The reference is the model transformers builds from the
+    same file, its rotary embedding's frequencies (its config object can still show the other value)."""
+    from transformers import AutoConfig
+
+    config = {"model_type": model_type, **SIZES, "num_hidden_layers": 1, **rope}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_rotary = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).model.rotary_emb
+    args = ModelArgs.from_hf_config(config)
+    ours = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+    torch.testing.assert_close(ours.double(), hf_rotary.inv_freq.double(), rtol=1e-6, atol=0)
+    assert getattr(hf_rotary, "attention_scaling", 1.0) == 1.0  # the scaled types the engine runs leave it at 1
+
+
+def test_partial_rotary_factor_is_refused_where_it_is_set():
+    """A top-level one was ignored at the start (as transformers' default RoPE does) and then refused at the
+    first resume: transformers moves it into the rope dict when it saves the run's checkpoint."""
+    config = {"model_type": "llama", **SIZES}
+    for rope in ({"partial_rotary_factor": 0.5}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                      "partial_rotary_factor": 0.5}}):
+        with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
+            ModelArgs.from_hf_config({**config, **rope})
+    assert ModelArgs.from_hf_config({**config, "partial_rotary_factor": 1.0}).rope_scaling is None
+
+
 def test_llama3_inv_freq_against_float64_definition():
     head_dim, theta = 16, 10000.0
     ours = rope_inv_freq(head_dim, theta, LLAMA3_ROPE)

@@ -142,31 +142,34 @@ def _reject_unsupported_features(config: dict[str, Any], model_type: str) -> Non
 
 def parse_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) from either the transformers-5 ``rope_parameters`` dict or the older
-    top-level ``rope_theta`` + ``rope_scaling`` pair."""
-    rope_parameters = config.get("rope_parameters")
-    if rope_parameters is not None:
-        if not isinstance(rope_parameters, dict):
-            raise ValueError(f"rope_parameters must be a dict, got {type(rope_parameters).__name__}")
-        params = dict(rope_parameters)
-        theta = params.pop("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA))
-    else:
-        params = dict(config.get("rope_scaling") or {})
-        theta = config.get("rope_theta", _DEFAULT_ROPE_THETA)
+    top-level ``rope_theta`` + ``rope_scaling`` pair, read with transformers' precedence where a config sets a
+    value twice (the learner's model is transformers', so the engine must rotate as it does): a non-empty
+    ``rope_scaling`` replaces ``rope_parameters``, the dict's own ``rope_theta`` wins over the top-level one, and
+    llama3's top-level ``original_max_position_embeddings`` over the dict's."""
+    source = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    given = config.get(source)
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"{source} must be a dict, got {type(given).__name__}")
+    params = dict(given or {})
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = config.get("rope_theta") or _DEFAULT_ROPE_THETA
     # Old configs spell the key "type"; transformers accepts both.
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    partial = params.pop("partial_rotary_factor", 1.0)
-    if partial != 1.0:
+    # refused wherever it is set: transformers moves a top-level one into the rope dict when it saves, so a
+    # run that ignored it would be refused at its first resume
+    partial = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial is not None and partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     if rope_type == "default":
         return float(theta), None
-    if rope_type == "llama3" and params.get("original_max_position_embeddings") is None:
-        # As transformers does: fall back to the top-level value, then to the context length.
-        params["original_max_position_embeddings"] = config.get(
-            "original_max_position_embeddings"
-        ) or config.get("max_position_embeddings")
+    if rope_type == "llama3":
+        # As transformers' model does: the top-level value first, then the dict's, then the context length.
+        params["original_max_position_embeddings"] = config.get("original_max_position_embeddings") or params.get(
+            "original_max_position_embeddings") or config.get("max_position_embeddings")
     missing = [key for key in _ROPE_REQUIRED_KEYS[rope_type] if params.get(key) is None]
     if missing:
         raise ValueError(f"rope_type {rope_type!r} lacks parameters: {', '.join(missing)}")
