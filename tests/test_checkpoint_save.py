@@ -160,3 +160,18 @@ def test_every_file_reaches_the_disk_before_the_rename_that_publishes_it(tmp_pat
     assert ("fsync", root) in events[publish:pointer]
     assert ("fsync", root + "/latest.tmp") in events[publish:pointer]
     assert events[-1] == ("fsync", root)
+
+
+def test_a_checkpoint_names_the_software_that_wrote_it(tmp_path):
+    """checkpoint.json held the run and iteration only: a checkpoint taken to another machine did not say which
+    kv4rl, torch or transformers trained it. Reference: the installed distributions' metadata."""
+    import json
+    from importlib import metadata
+
+    import kv4rl
+
+    meta = json.loads((_save_at(tmp_path, 1) / META_FILE).read_text())
+    assert meta["run_id"] == "me" and meta["iteration"] == 1
+    assert meta["versions"]["kv4rl"] == kv4rl.__version__
+    assert meta["versions"]["torch"] == metadata.version("torch")
+    assert meta["versions"]["transformers"] == metadata.version("transformers")

@@ -7,8 +7,10 @@ import json
 import logging
 import os
 import shutil
+import sys
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -676,3 +678,58 @@ def test_a_command_group_alone_prints_its_help_and_no_empty_error_line(group, li
                          timeout=120)
     assert res.returncode == 2 and lists in res.stdout and "error" not in res.stderr, res.stderr
 
+
+
+@pytest.mark.parametrize("args", [["plot", "curves", "runs/a", "--out", "c.png"],
+                                  ["sim", "clip-bias", "--png", "c.png"]])
+def test_a_figure_without_matplotlib_is_one_error_naming_the_package(args, monkeypatch, tmp_path):
+    """A broken install without matplotlib met a ModuleNotFoundError traceback in the option check."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec and import now see no such package
+    refused(args, f"{args[-2]} c.png: figures need matplotlib, which is not installed (pip install matplotlib)")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal for want of a CUDA device")
+def test_bench_decode_attn_without_triton_says_it_needs_cuda(monkeypatch):
+    """The CPU torch wheel brings no triton: the command's import of the kernels was a traceback, where
+    the other kernel benches say they need a CUDA device."""
+    for name in [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "kv4rl.kernels", "kv4rl.bench"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    refused(["bench", "decode-attn", "--shapes", "qwen3-8b", "--batches", "1", "--contexts", "64", "--formats", "bf16"],
+            "error: this benchmark times GPU kernels and needs a CUDA device")
+
+
+def test_version_names_kv4rl_and_the_libraries_it_runs_with():
+    from importlib import metadata
+
+    import kv4rl
+
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith(f"kv4rl {kv4rl.__version__} python ")
+    assert f"torch {metadata.version('torch')}" in res.output
+    assert f"transformers {metadata.version('transformers')}" in res.output
+
+
+def test_a_json_result_records_the_software_versions(tmp_path):
+    """Only two benches recorded torch's version; a number from another torch or triton release could not be
+    told apart. Reference: the installed distributions' metadata."""
+    from importlib import metadata
+
+    out = tmp_path / "c.json"
+    res = runner.invoke(app, ["sim", "clip-bias", "--samples", "200", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    versions = json.loads(out.read_text())["versions"]
+    assert versions["torch"] == metadata.version("torch") and versions["transformers"] == metadata.version("transformers")
+
+
+def test_a_recipe_outside_the_source_tree_is_named_as_the_source_trees(tmp_path, monkeypatch):
+    """The README's `--config recipes/...` works from a checkout's root; from elsewhere (an installed wheel)
+    the error said only 'not found'."""
+    monkeypatch.chdir(tmp_path)
+    refused(["train", "--config", "recipes/baseline_clean.yaml", "--print-config"],
+            "config file not found: recipes/baseline_clean.yaml (the recipes are in kv4rl's source tree, not in "
+            "an installed package")
+    refused(["train", "--config", "mine.yaml", "--print-config"], "config file not found: mine.yaml")

@@ -68,6 +68,22 @@ def test_unknown_reward_lists_known_names():
         get_reward("nope")
 
 
+def test_math_verify_without_its_package_is_refused_when_built(monkeypatch):
+    """A missing math-verify was met by the worker at the first boxed answer, after an eval's whole sampling
+    (and a training run without boxed answers never met it); the reward is refused when it is built now."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # find_spec and import now see no such package
+    with pytest.raises(ValueError, match=r"needs the math-verify package \(pip install math-verify\)"):
+        get_reward("math_verify")
+    # a check function of one's own does not need it
+    get_reward("math_verify", check_fn="tests.test_rewards:_always_right").close()
+
+
+def _always_right(predicted: str, gold: str) -> bool:
+    return True
+
+
 def test_bad_option_is_a_value_error():
     with pytest.raises(ValueError, match="bad options.*'exact'"):
         get_reward("exact", timeout_s=3)

@@ -439,6 +439,7 @@ def test_a_pipe_gets_only_the_complete_result_and_dev_paths_pass_the_output_chec
     import threading
 
     from kv4rl.cli_common import check_output_path, write_json, writes_into
+    from kv4rl.versions import software_versions
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -448,7 +449,7 @@ def test_a_pipe_gets_only_the_complete_result_and_dev_paths_pass_the_output_chec
     write_json({"complete": False, "rows": [1]}, fifo)
     write_json({"complete": True, "rows": [1, 2]}, fifo)
     reader.join(timeout=30)
-    assert [json.loads(r) for r in received] == [{"complete": True, "rows": [1, 2]}]
+    assert [json.loads(r) for r in received] == [{"complete": True, "rows": [1, 2], "versions": software_versions()}]
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert writes_into(Path("/dev/null")) and writes_into(Path("/dev/stdout")) and not writes_into(tmp_path / "a")
     check_output_path(Path("/dev/null"))  # its folder's permissions do not matter

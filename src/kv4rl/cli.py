@@ -41,8 +41,19 @@ from kv4rl.telemetry.tables import ResultTable, metric_table, print_table
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kv4rl: RL post-training with cheap rollouts.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from kv4rl.versions import software_versions
+
+        print(" ".join(f"{name} {version}" for name, version in software_versions().items()))
+        raise typer.Exit()
+
+
 @app.callback()
-def _quiet_libraries() -> None:
+def _quiet_libraries(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="print kv4rl's version and the torch / triton / transformers it runs with"),
+) -> None:
     """Keep the terminal for kv4rl's own progress: no per-file bars or notices from transformers."""
     from transformers.utils import logging as hf_logging
 

@@ -158,6 +158,10 @@ def write_json(res: dict, json_out: Path | None) -> None:
     the write never leaves half a file; remembers a partial result for the interrupt message (`main`)."""
     if json_out is None:
         return
+    if "versions" not in res:
+        from kv4rl.versions import software_versions
+
+        res = {**res, "versions": software_versions()}
     if res.get("complete") is False and writes_into(json_out):
         return  # a pipe's reader would take the partial result as the whole one (and the next write block)
     write_together({json_out: json.dumps(res, indent=2) + "\n"})
@@ -275,6 +279,10 @@ def check_figure_path(path: Path | None, option: str, *, csv_beside: bool = Fals
     (`check_output_path`; `create`: make the missing folders)."""
     if path is None:
         return None
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:  # a declared dependency, but an install can lack it
+        fail(f"{option} {path}: figures need matplotlib, which is not installed (pip install matplotlib)")
     if path.is_dir():
         fail(f"{option} {path}: is a directory; give a file path")
     if not path.suffix:

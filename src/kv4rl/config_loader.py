@@ -277,7 +277,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         raise ConfigError(f"config file {path} is a folder; give a YAML file")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        hint = ""
+        if not path.is_absolute() and path.parts[:1] == ("recipes",):
+            hint = (" (the recipes are in kv4rl's source tree, not in an installed package: run from the "
+                    "repository's root or give the recipe file's path)")
+        raise ConfigError(f"config file not found: {path}{hint}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

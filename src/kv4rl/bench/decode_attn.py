@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kv4rl.bench.random_model import QWEN3_SHAPES
-from kv4rl.kernels.decode_attention import DecodeKernels
+
+if TYPE_CHECKING:  # the kernels need triton: imported where they run, so the CLI can check its options without it
+    from kv4rl.kernels.decode_attention import DecodeKernels
 
 # -triton: the body in Triton; kv4-serial: KV4's CUDA INT8 item after the body, not beside it
 FORMATS = ("bf16", "fp8", "int4", "kv4", "fp8-triton", "int4-triton", "kv4-triton", "kv4-serial")
@@ -153,6 +156,8 @@ def body_kernel(case: PagedCase, which: str):
 
 def run_decode_attn(shapes: list[str], batches: list[int], contexts: list[int], formats: list[str], device="cuda",
                     seed: int = 0, progress=None) -> dict:
+    from kv4rl.kernels.decode_attention import DecodeKernels
+
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     results = []

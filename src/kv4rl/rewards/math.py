@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 import multiprocessing
 import re
@@ -206,6 +207,9 @@ class MathVerifyReward(Reward):
         module_name, colon, attribute_path = check_fn.partition(":")
         if not (colon and module_name and attribute_path):
             raise ValueError(f"check_fn must look like 'package.module:function', got {check_fn!r}")
+        if check_fn == DEFAULT_CHECK_FN and importlib.util.find_spec("math_verify") is None:
+            # named now, before any sampling: the worker would meet it at the first boxed answer
+            raise ValueError("reward math_verify needs the math-verify package (pip install math-verify)")
         self.timeout_s = timeout_s
         self.check_fn = check_fn
         self.startup_timeout_s = startup_timeout_s

@@ -32,6 +32,7 @@ from kv4rl.durability import sync_path, sync_tree
 from kv4rl.file_modes import honour_umask
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder
 from kv4rl.paths import free_sibling
+from kv4rl.versions import software_versions
 from kv4rl.trainer.optimizer_checkpoint import SHARDED, optimizer_format, shards_problem
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,8 @@ def _write_and_publish(tmp: Path, final: Path, write_files: Callable[[Path], Non
         write_files(tmp)
     with _writing(tmp / STATE_FILE):
         torch.save(state, tmp / STATE_FILE)
-    (tmp / META_FILE).write_text(json.dumps({"run_id": run_id, "iteration": state["iteration"]}) + "\n")
+    meta = {"run_id": run_id, "iteration": state["iteration"], "versions": software_versions()}
+    (tmp / META_FILE).write_text(json.dumps(meta) + "\n")
     honour_umask(tmp)  # safetensors writes model.safetensors 0600, unlike every other file here
     sync_tree(tmp)  # every rank's files on the disk before the name that makes them a checkpoint
     replaced = _make_room(final, run_id) if final.exists() else None
