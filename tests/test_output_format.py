@@ -203,6 +203,24 @@ def test_train_bar_keeps_count_eta_reward_and_accuracy(width):
     assert ("gn 0.50" in line) == (width > 100)  # the least important figure goes first
 
 
+@pytest.mark.parametrize("seconds_per_iteration", [10.0, 31.0, 600.0])
+def test_train_bar_estimates_the_time_left_from_iterations_longer_than_30_s(seconds_per_iteration):
+    """rich's speed window was its default 30 s: an iteration longer than that left one sample, and the bar
+    said `ETA -:--:--` for the whole run (a 1.7B iteration takes ~40 s). Reference: (left) x (seconds each)."""
+    from kv4rl.telemetry.progress import _Eta
+
+    clock = [1000.0]
+    bar = TrainProgress(100, 0, console=Console(file=StringIO(), force_terminal=True, width=120))
+    bar.progress.get_time = lambda: clock[0]
+    with bar:
+        for _ in range(4):
+            clock[0] += seconds_per_iteration
+            bar.update({"reward_mean": 0.1, "accuracy": 0.1, "response_len_mean": 3.0, "tokens_per_s": 100.0})
+        shown = _Eta().render(bar.progress.tasks[0]).plain
+    hours, minutes, seconds = map(int, shown.removeprefix("ETA ").split(":"))
+    assert hours * 3600 + minutes * 60 + seconds == pytest.approx(96 * seconds_per_iteration, rel=0.02), shown
+
+
 def test_piped_training_prints_a_line_per_iteration():
     """Piped, the bar draws nothing, so a run printed nothing until its summary; now each iteration is one line
     with its count (from the resumed start) and figures, and a terminal gets no such lines."""

@@ -126,6 +126,24 @@ def test_periodic_eval_leaves_a_partial_runs_training_stream_unchanged(tmp_path)
         assert [r[key] for r in rows] == [r[key] for r in ref], key
 
 
+def test_a_periodic_evals_seconds_are_recorded_outside_time_total(tmp_path, monkeypatch):
+    """The eval ran after time_total closed and no field timed it: a run's wall time could not be accounted
+    for from its rows. Reference: an eval made 0.3 s slower by a sleep inside it."""
+    import time
+
+    import kv4rl.loop as loop
+
+    real = loop.run_eval
+    monkeypatch.setattr(loop, "run_eval", lambda s, it: (time.sleep(0.3), real(s, it))[1])
+    cfg = small_run(tmp_path, "timed", "trainer.iterations=2", "data.eval_size=4", "eval.every=1", "eval.k=1")
+    train(cfg, show_progress=False)
+    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert 0.3 <= row["eval/time_s"] < 30, row["eval/time_s"]
+        phases = sum(row[k] for k in ("time_rollout", "time_reward", "time_update", "time_sync", "time_sleep_wake"))
+        assert phases <= row["time_total"] < phases + 0.25  # the sleep is in no phase and not in time_total
+
+
 def test_an_evals_preemptions_are_in_its_own_row_and_the_last_one_reaches_the_log(tmp_path):
     """The row was built before the eval, so an eval's preemptions (the partial responses it parks) showed in
     the next row, and the last eval's in none: the log's final `preemptions` fell short of the run's total,

@@ -313,7 +313,10 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
                 break
             row, trace = run_iteration(s, it)
             if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
+                started = time.perf_counter()
                 evaluation = run_eval(s, it)  # every rank takes part (engines share the problems out)
+                if evaluation:  # rank 0's: outside time_total, so a run's wall time can be accounted for
+                    evaluation["eval/time_s"] = time.perf_counter() - started
                 if s.engine.tp.rank == 0:  # its preemptions in this row: the last eval's reached no row
                     row["preemptions"] = s.engine.num_preemptions
                 if folder is not None:

@@ -107,6 +107,11 @@ def train_stats(row: dict) -> list[str]:
     return items
 
 
+# rich estimates speed from the progress of its last 30 s by default: an iteration (or a bench stage's item)
+# longer than that left one sample, and no ETA for the whole run. A day's window keeps every one of a run's.
+SPEED_WINDOW_S = 24 * 3600.0
+
+
 class TrainProgress:
     """The training bar on a terminal; piped (a log file, CI), one line per iteration instead, since a bar
     that draws nothing left a piped run silent until its summary."""
@@ -117,7 +122,7 @@ class TrainProgress:
         console = console or PipeSafeConsole()  # a closed stdout (`| head`) does not stop the run
         self.lines = enabled and not console.is_terminal
         self.progress = Progress(*_fixed_columns("[bold]train"), _FittedField("stats"), console=console,
-                                 disable=not enabled or self.lines)
+                                 disable=not enabled or self.lines, speed_estimate_period=SPEED_WINDOW_S)
         self.task = self.progress.add_task("train", total=total, completed=start, stats=FittedItems([]))
 
     def __enter__(self) -> Self:
@@ -148,7 +153,7 @@ class StageProgress:
         self.lines = not console.is_terminal
         self.stage: str | None = None
         self.progress = Progress(*_fixed_columns(f"[bold]{label}"), _FittedField("stage"), console=console,
-                                 transient=True, disable=self.lines)
+                                 transient=True, disable=self.lines, speed_estimate_period=SPEED_WINDOW_S)
         self.task = self.progress.add_task(label, total=None, stage="")
 
     def __enter__(self) -> Self:
