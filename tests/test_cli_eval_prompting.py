@@ -136,7 +136,11 @@ def test_eval_of_a_runs_latest_file_evaluates_the_checkpoint_it_names(tmp_path):
     res = CliRunner().invoke(app, ["eval", "--model", str(ckpts / "latest"), "--n", "2", "--k", "1",
                                    "--device", "cpu", "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert json.loads(out.read_text())["model"] == str(ckpts / "iter_000002")
+    written = json.loads(out.read_text())
+    assert written["model"] == str(ckpts / "iter_000002")
+    from importlib import metadata  # eval's JSON is written apart from the benches': it records them too
+
+    assert written["versions"]["torch"] == metadata.version("torch")
     with pytest.raises(ModelFolderError, match=r"names a run's newest checkpoint; give the checkpoint: .*iter_000002"):
         read_model_args(ckpts / "latest")  # as model.path of a run: the checkpoint named in the error
 

@@ -43,6 +43,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="kv4rl: RL po
 
 def _print_version(value: bool) -> None:
     if value:
+        import torch  # noqa: F401  (loaded, so the versions name its CUDA release)
+
         from kv4rl.versions import software_versions
 
         print(" ".join(f"{name} {version}" for name, version in software_versions().items()))
