@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from kv4rl.models import Decoder, ModelArgs, ModelFolderError, check_model_folder, load_model
 from kv4rl.models.layers import rope_inv_freq
@@ -55,6 +55,8 @@ CASES = {
         LlamaConfig,
         {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}},
     ),
+    "mistral": (MistralConfig, {"sliding_window": None}),
+    "mistral_window_past_context": (MistralConfig, {"sliding_window": 4096}),  # 4096 >= 128 positions: no effect
 }
 
 
@@ -397,14 +399,29 @@ def test_check_model_folder(saved, tmp_path):
 
 def test_unsupported_configs_are_named(saved, tmp_path):
     config = json.loads((saved("llama")[0] / "config.json").read_text())
-    with pytest.raises(ValueError, match="'mistral'"):
-        ModelArgs.from_hf_config({**config, "model_type": "mistral"})
+    with pytest.raises(ValueError, match="'gemma'"):
+        ModelArgs.from_hf_config({**config, "model_type": "gemma"})
     with pytest.raises(ValueError, match="'yarn'"):
         ModelArgs.from_hf_config({**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
-    folder = copy_folder(saved("llama")[0], tmp_path / "mistral")
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    with pytest.raises(ModelFolderError, match="'mistral'"):
+    folder = copy_folder(saved("llama")[0], tmp_path / "gemma")
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    with pytest.raises(ModelFolderError, match="'gemma'"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("window, refused", [(None, False), (128, False), (64, True), ("absent", True)])
+def test_a_mistral_sliding_window_inside_the_context_is_refused(saved, window, refused):
+    """transformers' Mistral attends within its window (4096 where config.json leaves the key out); the
+    engine attends over the whole context, so only a window that covers every position is taken."""
+    config = {**json.loads((saved("mistral")[0] / "config.json").read_text()), "sliding_window": window}
+    if window == "absent":
+        config = {**config, "max_position_embeddings": 8192}
+        del config["sliding_window"]
+    if refused:
+        with pytest.raises(ValueError, match=r"mistral: sliding_window=\d+ below max_position_embeddings"):
+            ModelArgs.from_hf_config(config)
+    else:
+        assert ModelArgs.from_hf_config(config).model_type == "mistral"
 
 
 # ---- config parsing and RoPE maths ---------------------------------------------------------------

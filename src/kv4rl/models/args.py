@@ -1,8 +1,9 @@
 """Architecture hyper-parameters read from a Hugging Face ``config.json``.
 
-One frozen dataclass covers the three supported families because they differ only in a few
+One frozen dataclass covers the supported families because they differ only in a few
 switches: Qwen2 has biases on q/k/v, Qwen3 normalises q and k per head, Llama may carry biases on
-all four attention projections. Anything the decoder cannot reproduce exactly (sliding windows,
+all four attention projections, Mistral is Llama without them (and without a sliding window, where it
+has one it is refused). Anything the decoder cannot reproduce exactly (sliding windows,
 MLP biases, other activations, other RoPE variants) is rejected here, at load time, instead of
 producing silently different log-probs from the learner's ``transformers`` model.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_REQUIRED_KEYS = {
     "default": (),
@@ -20,7 +21,8 @@ _ROPE_REQUIRED_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 # transformers' per-family defaults for keys a config.json may omit.
-_DEFAULT_MAX_POSITIONS = {"qwen3": 32768, "qwen2": 32768, "llama": 2048}
+_DEFAULT_MAX_POSITIONS = {"qwen3": 32768, "qwen2": 32768, "llama": 2048, "mistral": 4096 * 32}
+_MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
 _QWEN3_DEFAULT_HEAD_DIM = 128
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -105,7 +107,7 @@ class ModelArgs:
         head_dim = config.get("head_dim")
         if head_dim is None:
             head_dim = _QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else hidden_size // num_heads
-        attention_bias = bool(config.get("attention_bias", False))
+        attention_bias = model_type != "mistral" and bool(config.get("attention_bias", False))
         rope_theta, rope_scaling = parse_rope(config)
         return cls(
             vocab_size=int(config["vocab_size"]),
@@ -138,6 +140,14 @@ def _reject_unsupported_features(config: dict[str, Any], model_type: str) -> Non
         raise ValueError(f"{model_type}: mlp_bias=true is not supported")
     if config.get("use_sliding_window"):
         raise ValueError(f"{model_type}: use_sliding_window=true is not supported")
+    if model_type == "mistral":
+        # transformers' Mistral attends within `sliding_window` tokens (4096 where config.json leaves it out);
+        # the engine attends over the whole context, so a window shorter than the context is refused
+        window = config.get("sliding_window", _MISTRAL_DEFAULT_SLIDING_WINDOW)
+        context = config.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS["mistral"]
+        if window is not None and window < context:
+            raise ValueError(f"mistral: sliding_window={window} below max_position_embeddings={context} is not "
+                             f"supported (the engine attends over the whole context)")
 
 
 def parse_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
