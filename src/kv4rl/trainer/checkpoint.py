@@ -32,8 +32,8 @@ from kv4rl.durability import sync_path, sync_tree
 from kv4rl.file_modes import honour_umask
 from kv4rl.models.hf_weights import ModelFolderError, check_model_folder
 from kv4rl.paths import free_sibling
-from kv4rl.versions import software_versions
 from kv4rl.trainer.optimizer_checkpoint import SHARDED, optimizer_format, shards_problem
+from kv4rl.versions import software_versions
 
 log = logging.getLogger(__name__)
 
