@@ -7,10 +7,10 @@ from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.learner import Learner
 
 
-def make_learner(path, micro, ckpt, updates=1):
-    return Learner(path, None, algo=AlgoConfig(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9,
-                   micro_batch_size=micro, updates_per_batch=updates, temperature=1.0, device=torch.device("cpu"),
-                   grad_checkpointing=ckpt)
+def make_learner(path, micro, ckpt, updates=1, epochs=1, old_logprob="behavior"):
+    return Learner(path, None, algo=AlgoConfig(old_logprob=old_logprob), lr=1e-3, weight_decay=0.0,
+                   betas=(0.9, 0.999), grad_clip=1e9, micro_batch_size=micro, updates_per_batch=updates,
+                   temperature=1.0, device=torch.device("cpu"), grad_checkpointing=ckpt, epochs_per_batch=epochs)
 
 
 def batch():
@@ -49,6 +49,28 @@ def test_each_update_of_a_batch_is_one_optimizer_step_whatever_the_rows(tiny_qwe
     assert int(next(iter(learner.optimizer.state.values()))["step"]) == 3
     with pytest.raises(ValueError, match="updates_per_batch=5 optimizer steps need at least as many rows"):
         make_learner(path, 4, False, updates=5).step(b)
+
+
+def test_epochs_pass_over_the_batch_again_with_the_old_policy_fixed(tiny_qwen3, monkeypatch):
+    """trainer.epochs_per_batch (verl's ppo_epochs). Reference: one epoch a step, stepped twice on the same
+    batch (the behaviour log-probs are the old policy in both), takes the same AdamW steps on the same rows."""
+    path, _ = tiny_qwen3
+    b = batch()
+    two_epochs = make_learner(path, 4, False, updates=2, epochs=2)
+    metrics = two_epochs.step(b)
+    one_epoch = make_learner(path, 4, False, updates=2)
+    one_epoch.step(b)
+    one_epoch.step(b)
+    assert int(next(iter(two_epochs.optimizer.state.values()))["step"]) == 4
+    for name, weight in one_epoch.state_dict().items():
+        assert torch.equal(two_epochs.state_dict()[name], weight), name
+    assert metrics["num_tokens"] == 14 and metrics["skipped_steps"] == 0
+    # recomputed old log-probs: one forward over the batch before its first step, not one per epoch
+    forwards = []
+    real = Learner._logprobs
+    monkeypatch.setattr(Learner, "_logprobs", lambda self, *a, **k: (forwards.append(1), real(self, *a, **k))[1])
+    make_learner(path, 4, False, updates=2, epochs=3, old_logprob="recompute").step(b)
+    assert len(forwards) == 1
 
 
 def test_a_restored_optimizer_keeps_its_moments_but_takes_the_configured_settings(tiny_qwen3):

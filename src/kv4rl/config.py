@@ -78,6 +78,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 64
     updates_per_batch: int = 1
+    epochs_per_batch: int = 1  # passes over each learner batch (verl's ppo_epochs), each updates_per_batch steps
     grad_checkpointing: bool = False
     fsdp: bool = True  # FSDP2-wrapped policy (world size 1 unless launched by torchrun)
     offload: bool = False  # FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW state on the CPU (CUDA only)
@@ -186,6 +187,7 @@ class RunConfig:
             (self.trainer.warmup_iters >= 0, "trainer.warmup_iters must be >= 0"),
             (self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
             (self.trainer.updates_per_batch >= 1, "trainer.updates_per_batch must be >= 1"),
+            (self.trainer.epochs_per_batch >= 1, "trainer.epochs_per_batch must be >= 1"),
             (self.trainer.updates_per_batch <= self.rollout.quota_groups * self.rollout.group_size,
              f"trainer.updates_per_batch={self.trainer.updates_per_batch} optimizer steps need at least as many "
              f"responses in the learner batch (rollout.quota_groups x rollout.group_size = "

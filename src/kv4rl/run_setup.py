@@ -103,7 +103,7 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
     t = cfg.trainer
     return Learner(policy_dir, base_dir, algo=cfg.algo, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                    grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-                   updates_per_batch=t.updates_per_batch, temperature=cfg.rollout.temperature,
+                   updates_per_batch=t.updates_per_batch, epochs_per_batch=t.epochs_per_batch, temperature=cfg.rollout.temperature,
                    device=device, grad_checkpointing=t.grad_checkpointing, fsdp=t.fsdp, offload=t.offload,
                    max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every,
                    attention=t.attention, group=group, fuse_elementwise=t.fuse_elementwise,

@@ -76,7 +76,7 @@ class Learner:
                  offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
                  attention: str = "auto", group: dist.ProcessGroup | None = None,
                  fuse_elementwise: bool | None = None, compile_layers: bool | None = None,
-                 fused_logprobs: bool | None = None, offload_optimizer: bool = False):
+                 fused_logprobs: bool | None = None, offload_optimizer: bool = False, epochs_per_batch: int = 1):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
         `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
@@ -87,7 +87,8 @@ class Learner:
         decoder layers it recognises. `fused_logprobs`: the log-prob head (log-probs, entropy, their
         gradient) in Triton (`kv4rl.kernels.logprob_head`); None: where those kernels can run on CUDA.
         `offload_optimizer`: AdamW's moments in pinned CPU memory, streamed through the GPU each step
-        (`kv4rl.trainer.offloaded_adamw`; CUDA only, not with `offload`)."""
+        (`kv4rl.trainer.offloaded_adamw`; CUDA only, not with `offload`). `epochs_per_batch`: passes over the
+        batch, each `updates_per_batch` steps (verl's ppo_epochs), the old policy fixed before the first."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs,
                               offload_optimizer=offload_optimizer)
         if fused_logprobs is None:
@@ -102,11 +103,10 @@ class Learner:
         if not fsdp and ranks > 1:
             raise ValueError(f"{ranks} ranks need trainer.fsdp=true: the data-parallel learner "
                              "is FSDP2's (one shard per rank, gradients reduced across ranks)")
-        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
-            raise ValueError(f"trainer.max_tokens_per_micro_batch must be >= 1 (or null), "
-                             f"got {max_tokens_per_micro_batch}")
-        if ref_kl_every < 0:
-            raise ValueError(f"trainer.ref_kl_every must be >= 0, got {ref_kl_every}")
+        for name, value, least in (("max_tokens_per_micro_batch", max_tokens_per_micro_batch, 1),
+                                   ("ref_kl_every", ref_kl_every, 0), ("epochs_per_batch", epochs_per_batch, 1)):
+            if value is not None and value < least:
+                raise ValueError(f"trainer.{name} must be >= {least}, got {value}")
         self.device = device
         self.algo = algo
         self.loss_fn = get_loss(algo.loss)
@@ -115,10 +115,9 @@ class Learner:
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens_per_micro_batch
-        self.updates_per_batch = updates_per_batch
+        self.updates_per_batch, self.epochs_per_batch = updates_per_batch, epochs_per_batch
         self.ref_kl_every = ref_kl_every
-        self.fsdp = fsdp
-        self.offload, self.offload_optimizer = offload, offload_optimizer
+        self.fsdp, self.offload, self.offload_optimizer = fsdp, offload, offload_optimizer
         self.num_steps = 0  # steps taken; the reference schedule's clock when no iteration is given
         if isinstance(policy_path, nn.Module):
             self.model = prepare_policy(policy_path, grad_checkpointing)
@@ -262,7 +261,8 @@ class Learner:
         return out
 
     def step(self, batch: TrainBatch, lr: float | None = None, iteration: int | None = None) -> dict[str, float]:
-        """One learner batch: `updates_per_batch` optimizer steps over contiguous mini-batches.
+        """One learner batch: `updates_per_batch` optimizer steps over contiguous mini-batches, `epochs_per_batch`
+        times over (the old log-probs and the reference's are taken once, before the first step).
 
         `iteration` clocks the `ref_kl_every` schedule (default: the number of steps taken so far). A step whose
         gradient norm is not finite is left out (`skipped_steps`, with a warning), as verl's actor does: one NaN
@@ -284,7 +284,7 @@ class Learner:
         # exactly updates_per_batch mini-batches, sizes within one row of each other (`chunk` made fewer when the
         # rows do not split evenly: 8 rows in 6 updates gave 4 steps)
         rows = torch.arange(len(batch), device=self.device).tensor_split(self.updates_per_batch)
-        for update, mini_rows in enumerate(rows):
+        for update, mini_rows in enumerate(rows * self.epochs_per_batch):
             mini = batch.select(mini_rows)
             num_seqs = float((mini.response_mask.sum(1) > 0).sum())
             num_tokens, num_seqs = global_counts(self.group, self.world_size, mini.num_tokens, num_seqs)
@@ -324,7 +324,7 @@ class Learner:
         if skipped and self.rank == 0:
             log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
                         "weights and the optimizer state stay as they were (lower trainer.lr?)",
-                        self.num_steps - 1 if iteration is None else iteration, skipped, len(rows))
+                        self.num_steps - 1 if iteration is None else iteration, skipped, len(rows) * self.epochs_per_batch)
         out = {"grad_norm": math.nan, **combine_metrics(every_rank(self.group, self.world_size, parts))}
         out["skipped_steps"] = skipped
         out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
