@@ -373,3 +373,58 @@ def test_a_reward_giving_its_scores_as_a_generator_keeps_them():
         (float(r == g) for r, g in zip(responses, golds)), {"n": 2, "odd": float("nan")}))
     result = reward(["1", "2"], ["1", "1"])
     assert result.scores == [1.0, 0.0] and result.stats["n"] == 2
+
+
+_GROUP_SIGNAL_SCRIPT = """
+import os, signal, sys
+from kv4rl.rewards import get_reward
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda *a: None)  # the run finishes its iteration, as GracefulStop has it
+    with get_reward("math_verify") as reward:
+        reward([r"\\\\boxed{1}"], ["1"])  # the worker is up
+        os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole foreground group
+        os.killpg(0, signal.SIGTERM if len(sys.argv) > 1 else signal.SIGINT)
+        result = reward([r"\\\\boxed{2}", r"\\\\boxed{3}"], ["2", "3"])
+        print(result.scores, result.stats["errors"])
+"""
+
+
+@pytest.mark.parametrize("then", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_runs_process_group_leaves_the_math_worker_running(tmp_path, then):
+    """Ctrl-C (and torchrun's SIGTERM) went to the worker too: the run, finishing its iteration, crashed at the
+    next reward with a reset pipe, or scored the item in check 0 (QA). Reference: both answers are right."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "group_signal.py"
+    script.write_text(_GROUP_SIGNAL_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    args = [sys.executable, str(script)] + (["term"] if then == "SIGTERM" else [])
+    if then == "SIGTERM":  # the script's own SIGTERM would end it: it ignores that one too
+        script.write_text(_GROUP_SIGNAL_SCRIPT.replace(
+            "signal.signal(signal.SIGINT, lambda *a: None)",
+            "signal.signal(signal.SIGINT, lambda *a: None); signal.signal(signal.SIGTERM, lambda *a: None)"))
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180, start_new_session=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split("\n")[0] == "[1.0, 1.0] 0.0", res.stdout + res.stderr[-3000:]
+
+
+def test_a_worker_whose_pipe_was_reset_is_replaced_and_the_batch_scored(math_reward):
+    """A worker killed between batches (out of memory, a signal) left a pipe that raised ConnectionResetError
+    at the next send, which only EOFError was caught for: the run crashed."""
+    math_reward([r"\boxed{1}"], ["1"])
+    worker = math_reward.reward  # get_reward's CheckedReward holds the MathVerifyReward
+    real = worker._conn
+    assert real is not None
+
+    class Reset:
+        def send(self, _):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    worker._conn = Reset()
+    result = math_reward([r"\boxed{2}", r"\boxed{3}"], ["2", "3"])
+    assert result.scores == [1.0, 1.0] and result.stats["errors"] == 0

@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import logging
 import multiprocessing
+import os
 import re
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -167,7 +168,12 @@ def _resolve_check_fn(check_fn: str) -> CheckFn:
 
 
 def _serve(conn: Connection, check_fn: str) -> None:
-    """Worker main loop: load the check, report ready, then answer batches until told to stop."""
+    """Worker main loop: load the check, report ready, then answer batches until told to stop.
+
+    It leaves the run's process group first: a terminal's Ctrl-C and torchrun's SIGTERM go to the whole
+    group, and a worker that died with the run still finishing its iteration crashed the run at the next
+    reward (a reset pipe) or scored a correct answer 0. The parent stops it (`close`, or EOF on its pipe)."""
+    os.setsid()
     try:
         check = _resolve_check_fn(check_fn)
         check("0", "0")  # pay for imports and sympy warm-up before any item's clock starts
@@ -238,7 +244,11 @@ class MathVerifyReward(Reward):
         remaining = items
         while remaining:
             conn = self._ensure_worker()
-            conn.send(remaining)
+            try:
+                conn.send(remaining)
+            except OSError:  # died since the last batch, its pipe already reset: a new worker takes them all
+                self._stop_worker(graceful=False)
+                continue
             remaining = remaining[self._collect(conn, remaining, outcomes) :]
         return outcomes
 
@@ -257,7 +267,7 @@ class MathVerifyReward(Reward):
                 return position + 1
             try:
                 got_index, kind, value = conn.recv()
-            except EOFError:
+            except (EOFError, OSError):  # died on this item: counted as an error, the rest go to a new worker
                 outcomes[index] = ("error", "worker process died")
                 self._stop_worker(graceful=False)
                 return position + 1
