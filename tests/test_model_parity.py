@@ -424,6 +424,24 @@ def test_a_mistral_sliding_window_inside_the_context_is_refused(saved, window, r
         assert ModelArgs.from_hf_config(config).model_type == "mistral"
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama", "mistral"])
+@pytest.mark.parametrize("kv_heads", ["absent", None])
+def test_kv_heads_left_out_or_null_default_as_transformers_does(model_type, kv_heads):
+    """The engine took as many KV heads as query heads wherever config.json left the key out; transformers
+    takes its family's default there (8 for Mistral, 32 for Qwen), so a loadable folder failed with wrong
+    tensor shapes. Reference: the transformers config built from the same keys."""
+    from transformers import AutoConfig
+
+    config = {"model_type": model_type, **SIZES, "num_attention_heads": 32, "hidden_size": 512, "head_dim": 16}
+    del config["num_key_value_heads"]
+    if kv_heads is None:
+        if model_type == "mistral":
+            pytest.skip("transformers' MistralConfig refuses a null num_key_value_heads: the learner stops first")
+        config["num_key_value_heads"] = None
+    expected = AutoConfig.for_model(**config).num_key_value_heads
+    assert ModelArgs.from_hf_config(config).num_kv_heads == expected
+
+
 # ---- config parsing and RoPE maths ---------------------------------------------------------------
 
 
@@ -448,7 +466,7 @@ def test_old_and_new_rope_config_styles_agree():
     assert new_style.head_dim == 8 and new_style.num_kv_heads == 4 and new_style.eos_token_ids == (3, 7)
     plain = ModelArgs.from_hf_config({**base, "rope_theta": 1e6, "rope_scaling": None})
     assert plain.rope_scaling is None and plain.rope_theta == 1e6
-    qwen2 = ModelArgs.from_hf_config({**base, "model_type": "qwen2", "attention_bias": False})
+    qwen2 = ModelArgs.from_hf_config({**base, "model_type": "qwen2", "attention_bias": False, "num_key_value_heads": 4})
     assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm
 
 

@@ -428,3 +428,47 @@ def test_a_worker_whose_pipe_was_reset_is_replaced_and_the_batch_scored(math_rew
     worker._conn = Reset()
     result = math_reward([r"\boxed{2}", r"\boxed{3}"], ["2", "3"])
     assert result.scores == [1.0, 1.0] and result.stats["errors"] == 0
+
+
+_BUSY_PARENT_SCRIPT = """
+import sys
+from kv4rl.rewards.math import MathVerifyReward
+if __name__ == "__main__":
+    reward = MathVerifyReward(check_fn="hangs:check", timeout_s=1000)
+    reward.score([r"\\\\boxed{1}"], ["1"])  # the worker is up
+    print(reward._process.pid, flush=True)
+    reward.score([r"\\\\boxed{hang}"], ["1"])  # never returns
+"""
+
+
+def test_a_worker_busy_on_a_hanging_check_dies_with_its_parent(tmp_path):
+    """Out of the run's process group (so a Ctrl-C leaves it alive), a worker stuck in a check outlived a parent
+    killed outright, using a core with no owner for ever (review)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "hangs.py").write_text("import time\ndef check(a, b):\n    if a == 'hang':\n        time.sleep(10**6)\n"
+                                       "    return True\n")
+    (tmp_path / "parent.py").write_text(_BUSY_PARENT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], env=env, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    worker = int(parent.stdout.readline())
+    time.sleep(0.5)  # the worker is in the check now
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return  # gone (reaped by init)
+        with open(f"/proc/{worker}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":
+                return  # dead, waiting for init to reap it
+        time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)
+    raise AssertionError("the math_verify worker outlived its killed parent")

@@ -23,6 +23,8 @@ _ROPE_REQUIRED_KEYS = {
 # transformers' per-family defaults for keys a config.json may omit.
 _DEFAULT_MAX_POSITIONS = {"qwen3": 32768, "qwen2": 32768, "llama": 2048, "mistral": 4096 * 32}
 _MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
+# where config.json leaves num_key_value_heads out (null: as many as the query heads, in every family)
+_DEFAULT_KV_HEADS = {"qwen3": 32, "qwen2": 32, "mistral": 8}
 _QWEN3_DEFAULT_HEAD_DIM = 128
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -99,7 +101,10 @@ class ModelArgs:
             raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
         hidden_size = int(config["hidden_size"])
         num_heads = int(config["num_attention_heads"])
-        num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+        if "num_key_value_heads" in config:
+            num_kv_heads = int(config["num_key_value_heads"] or num_heads)
+        else:
+            num_kv_heads = _DEFAULT_KV_HEADS.get(model_type, num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"

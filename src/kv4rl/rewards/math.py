@@ -22,6 +22,9 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
+import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -167,6 +170,29 @@ def _resolve_check_fn(check_fn: str) -> CheckFn:
     return target
 
 
+def _die_with_parent() -> None:
+    """Out of the run's process group, a worker busy on a check that never returns would outlive a parent
+    killed outright (SIGKILL, torchrun's escalation): the kernel kills it with its parent (Linux), elsewhere
+    a thread watching the parent's pid does."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) == 0:  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before the request took effect
+                os._exit(1)
+            return
+    except (OSError, AttributeError):  # no prctl: not Linux
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kv4rl-math-verify-parent", daemon=True).start()
+
+
 def _serve(conn: Connection, check_fn: str) -> None:
     """Worker main loop: load the check, report ready, then answer batches until told to stop.
 
@@ -174,6 +200,7 @@ def _serve(conn: Connection, check_fn: str) -> None:
     group, and a worker that died with the run still finishing its iteration crashed the run at the next
     reward (a reset pipe) or scored a correct answer 0. The parent stops it (`close`, or EOF on its pipe)."""
     os.setsid()
+    _die_with_parent()
     try:
         check = _resolve_check_fn(check_fn)
         check("0", "0")  # pay for imports and sympy warm-up before any item's clock starts
@@ -191,8 +218,13 @@ def _serve(conn: Connection, check_fn: str) -> None:
         for index, (predicted, gold) in batch:
             try:
                 conn.send((index, "ok", bool(check(predicted, gold))))
+            except OSError:  # the parent is gone (its end of the pipe closed)
+                return
             except Exception as exc:  # noqa: BLE001 - a failing check must not kill the worker
-                conn.send((index, "error", f"{type(exc).__name__}: {exc}"))
+                try:
+                    conn.send((index, "error", f"{type(exc).__name__}: {exc}"))
+                except OSError:
+                    return
 
 
 @register_reward("math_verify")
