@@ -113,7 +113,6 @@ def _with_ref_kl(
     logp = torch.where(valid, inp.logprobs, 0)
     ref_logp = torch.where(valid, inp.ref_logprobs.detach(), 0)
     # ρ held at e^LOG_RATIO_LIMIT, as the PPO ratio is: one token the policy pushed below e^-88 of the
-    # reference's probability overflowed expm1 to inf in float32 and skipped the whole batch's step
     # reference's probability overflowed expm1 to inf in float32 and skipped the whole batch's step. Summed in
     # float64: ~6,000 tokens at the limit overflow a float32 sum (their mean, <= e^80, fits float32)
     k3 = k3_kl(torch.maximum(logp, ref_logp - LOG_RATIO_LIMIT).double(), ref_logp.double())
