@@ -213,6 +213,24 @@ def test_reference_kl_term_by_hand(name):
 
 
 @pytest.mark.parametrize("name", ["ppo_clip", "future_kl"])
+def test_the_ref_kl_clamp_caps_each_tokens_k3_as_verls_low_var_kl(name):
+    """algo.kl_ref_clamp: each token's k3 at most the cap, and no gradient past it (verl's low_var_kl clamps at
+    10). Hand-worked: log rho = 2 gives k3 = e^2 - 3 = 4.389 (gradient 1 - e^2), log rho = 3 gives 16.09 -> 10.
+    The logged kl_ref stays the true k3."""
+    logprobs = torch.tensor([[-3.0, -4.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    inp = LossInputs(logprobs=logprobs, behavior_logprobs=logprobs.detach(), advantages=torch.zeros(1, 2),
+                     mask=torch.ones(1, 2, dtype=torch.bool), ref_logprobs=ref)
+    loss, metrics = get_loss(name)(inp, AlgoConfig(loss=name, kl_ref_coef=1.0, kl_ref_clamp=10.0, is_mode="none"))
+    loss.backward()
+    assert loss.item() == pytest.approx((math.exp(2) - 3 + 10.0) / 2)
+    assert logprobs.grad[0].tolist() == pytest.approx([(1 - math.exp(2)) / 2, 0.0])
+    assert metrics["kl_ref"] == pytest.approx((math.exp(2) - 3 + math.exp(3) - 4) / 2)
+    with pytest.raises(ValueError, match="algo.kl_ref_clamp must be > 0"):
+        AlgoConfig(kl_ref_clamp=0.0).validate()
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "future_kl"])
 def test_a_token_far_below_the_reference_leaves_the_ref_kl_term_finite(name):
     """k3 = expm1(log ρ) − log ρ overflowed float32 past log ρ = 88.7: one such token made the loss inf and the
     step was skipped. Held at 80 as the PPO ratio is; below that the term is exact."""

@@ -18,20 +18,21 @@ from kv4rl.algo.registry import COMMON_KEYS, LOSSES, get_loss, import_plugins, k
 class AlgoConfig:
     """The policy loss (docs/objectives.md): the keys every loss shares plus each registered loss's settings.
 
-    `loss` names a registered loss; `kl_ref_coef > 0` adds the k3 reference KL to it; `plugins`
+    `loss` names a registered loss; `kl_ref_coef > 0` adds the k3 reference KL to it (each token's k3 capped
+    at `kl_ref_clamp` where set, as verl's low_var_kl caps it at 10); `plugins`
     lists modules to import first, which register more losses. Every other `algo.*` key belongs to
     one loss's settings dataclass (see `registry`) and reads back as an attribute (`cfg.eps_low`)
     or through the whole section (`cfg.section("ppo_clip")`). The keys are not a fixed list, so
     this is not a dataclass: the config loader asks `config_schema()` and `config_values()`.
     """
 
-    __slots__ = ("_sections", "kl_ref_coef", "loss", "loss_agg", "plugins")
+    __slots__ = ("_sections", "kl_ref_clamp", "kl_ref_coef", "loss", "loss_agg", "plugins")
 
     def __init__(self, *, loss: str = "ppo_clip", loss_agg: AggMode = "token_mean", kl_ref_coef: float = 0.0,
-                 plugins: list[str] | None = None, **loss_keys: Any):
+                 kl_ref_clamp: float | None = None, plugins: list[str] | None = None, **loss_keys: Any):
         self.plugins = list(plugins or [])
         import_plugins(self.plugins)  # before the keys below: a plugin's loss owns some of them
-        self.loss, self.loss_agg, self.kl_ref_coef = loss, loss_agg, kl_ref_coef
+        self.loss, self.loss_agg, self.kl_ref_coef, self.kl_ref_clamp = loss, loss_agg, kl_ref_coef, kl_ref_clamp
         self._sections: dict[str, Any] = {}
         for key, value in loss_keys.items():
             try:
@@ -99,6 +100,8 @@ class AlgoConfig:
         require_choice("algo.loss_agg", self.loss_agg, typing.get_args(AggMode))
         if not self.kl_ref_coef >= 0.0:
             raise ValueError(f"algo.kl_ref_coef must be >= 0, got {self.kl_ref_coef}")
+        if self.kl_ref_clamp is not None and not self.kl_ref_clamp > 0.0:
+            raise ValueError(f"algo.kl_ref_clamp must be > 0 (or null: no cap), got {self.kl_ref_clamp}")
         if self.kl_ref_coef > 0 and "ref_logprobs" not in get_loss(self.loss).inputs(self):
             raise ValueError(f"algo.kl_ref_coef: algo.loss={self.loss} does not read reference log-probs, "
                              "so it cannot add the reference KL; set algo.kl_ref_coef=0")

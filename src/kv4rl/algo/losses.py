@@ -118,6 +118,8 @@ def _with_ref_kl(
     k3 = k3_kl(torch.maximum(logp, ref_logp - LOG_RATIO_LIMIT).double(), ref_logp.double())
     stats["kl_ref"] = _mean(k3.detach(), valid).to(loss.dtype)
     if cfg.kl_ref_coef > 0:
+        if cfg.kl_ref_clamp is not None:  # verl's low_var_kl: a token past the cap adds the cap, and no gradient
+            k3 = k3.clamp(max=cfg.kl_ref_clamp)
         term = aggregate(k3, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
         loss = loss + cfg.kl_ref_coef * term.to(loss.dtype)
     return loss

@@ -35,7 +35,7 @@ LOSS_INPUTS: dict[str, str] = {
     "ref_logprobs": "log π_ref of the frozen reference policy (one extra forward; given when the run has one)",
     "versions": "policy version that sampled each token (an integer tensor)",
 }
-COMMON_KEYS = ("loss", "loss_agg", "kl_ref_coef", "plugins")  # algo keys every loss shares
+COMMON_KEYS = ("loss", "loss_agg", "kl_ref_coef", "kl_ref_clamp", "plugins")  # algo keys every loss shares
 
 
 @dataclass(kw_only=True)
