@@ -65,11 +65,15 @@ def assert_events_equal_jsonl(run_dir):
 @pytest.mark.slow
 def test_training_writes_event_files_equal_to_metrics_and_resume_logs_once(tmp_path):
     pytest.importorskip("tensorboard")
-    run_dir = tmp_path / "tb"
-    res = runner.invoke(app, ["train", "name=tb", f"out_dir={tmp_path}", "trainer.iterations=3",
+    import shlex
+
+    out_dir = tmp_path / "my runs"  # the viewing hint quotes it: pasted unquoted, a space split the path
+    run_dir = out_dir / "tb"
+    res = runner.invoke(app, ["train", "name=tb", f"out_dir={out_dir}", "trainer.iterations=3",
                               "checkpoint.save_every=2", *TINY])
     assert res.exit_code == 0, res.output
     assert squash(f"tensorboard: event files in {run_dir}") in squash(res.output)
+    assert squash(f"tensorboard --logdir {shlex.quote(str(out_dir))})") in squash(res.output)
     assert list(run_dir.glob("events.out.tfevents.*"))
     assert_events_equal_jsonl(run_dir)
 
@@ -186,6 +190,35 @@ def test_wandb_run_named_after_the_run_grouped_by_arm_and_resumed_by_id(tmp_path
     assert (first["project"], first["name"], first["group"], first["resume"]) == ("kv4rl", "ppo-s1", "ppo", "allow")
     assert first["config"]["name"] == "ppo-s1" and first["dir"] == str(cfg.run_dir)
     assert fake.logged == [(4, {"loss": 0.25})] * 2 and fake.finished == 2
+
+
+def test_a_copied_run_folder_gets_a_wandb_run_of_its_own_and_a_moved_one_keeps_its(tmp_path, monkeypatch):
+    """A copy (`cp -r`, to branch a run) resumed into the original's W&B run by the id in the folder: its
+    rows went into the original's curves (QA). A moved folder is the same run and keeps its id."""
+    from kv4rl.config import load_config
+    from kv4rl.telemetry.sinks import MetricsSink
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    def resume(folder):
+        cfg = load_config(overrides=[f"name={folder.name}", f"out_dir={folder.parent}", "logging.wandb=true",
+                                     "logging.tensorboard=false"])
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        lines = []
+        sink = MetricsSink(cfg, announce=lines.append)
+        sink.log({"iteration": 1, "loss": 0.5})
+        sink.close()
+        return fake.inits[-1]["id"], lines
+
+    original = tmp_path / "a"
+    first, _ = resume(original)
+    shutil.copytree(original, tmp_path / "b")
+    copy, lines = resume(tmp_path / "b")
+    assert copy != first and f"wandb: {tmp_path / 'b'} is a copy of {original}" in lines[0]
+    assert resume(tmp_path / "b")[0] == copy and resume(original)[0] == first  # each keeps its own
+    original.rename(tmp_path / "moved")
+    assert resume(tmp_path / "moved")[0] == first  # the folder it names is gone: moved, the same run
 
 
 def test_a_resumed_event_file_is_created_after_the_second_of_the_newest_one(tmp_path):

@@ -248,6 +248,35 @@ def test_resume_refuses_another_starting_model(run, tmp_path):
     assert tree_state(run) == before
 
 
+def test_resume_refuses_other_weights_at_the_starting_models_path(tmp_path):
+    """The path was compared, not the weights: a model folder replaced at the same path (another machine's
+    build of a testbed, another cache) was taken as the run's reference, and kl_ref went 0.0006 -> 1.08 at the
+    resume (QA). Reference: the model_sha256 the run's rows record."""
+    from safetensors.torch import load_file, save_file
+
+    from kv4rl.models.tiny import tiny_model_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(), model)
+    run = new_run(tmp_path / "runs", "swapped", f"model.path={model}", "trainer.iterations=1")
+    assert train_cli("--resume", str(run), "trainer.iterations=2", "--no-progress").exit_code == 0  # same model
+    weights = load_file(model / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g).to(v.dtype) for k, v in weights.items()},
+              model / "model.safetensors", metadata={"format": "pt"})
+    (model / "kv4rl_tiny.json").unlink()  # its recorded fingerprint was of the old weights
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"the starting model {model} is not the one this run started from" in text, text
+    assert tree_state(run) == before
+    model.rename(tmp_path / "moved")  # the bare 'does not exist' did not say where the path comes from
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"(model.path in {run / 'config.yaml'}); if the folder moved, change" in text, text
+    assert tree_state(run) == before
+
+
 @pytest.mark.parametrize("override, message", [
     ("staleness.lag=1", "staleness.lag cannot change on resume (0 -> 1): its checkpoints hold the batches"),
     ("rollout.group_size=4", "rollout.group_size cannot change on resume (2 -> 4)"),

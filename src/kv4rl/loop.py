@@ -45,6 +45,7 @@ from kv4rl.run_folder import RunFolder, check_new_run
 from kv4rl.run_setup import (
     Restore,
     build_learner,
+    check_same_model,
     check_same_stream,
     check_updates_per_rank,
     find_restore,
@@ -125,6 +126,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
                                task=task_of_model(base_dir))
     if restore is not None:
         check_same_stream(restore, source.stream_fingerprint(), cfg.run_dir / "config.yaml")
+        check_same_model(restore, base_dir, cfg.run_dir / "metrics.jsonl")
     policy_dir = base_dir if restore is None else restore.path
     model_args = check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     tokenizer = load_tokenizer(policy_dir, model_args.vocab_size if ranks.main else None)  # ... and its tokenizer

@@ -6,6 +6,7 @@ ranks) share these, so they live apart from either loop.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,37 @@ def check_same_stream(restore: Restore, now: dict, run_config: Path | None = Non
         "the run's place in it would point at other problems, repeating some and skipping others in this "
         "epoch. Resume with the same data.train contents, seed and data.shuffle, or start a new run from the "
         f"checkpoint with model.path={restore.path}")
+
+
+def check_same_model(restore: Restore, base_dir: Path, metrics: Path) -> None:
+    """Refuse a resume whose starting model is not the one the run's rows record (`model_sha256`): the
+    folder at `model.path` replaced, or a testbed or the embedded model rebuilt otherwise on another machine
+    or cache. The starting model is the reference of `kl_ref` and of the KL loss, so the run would go on
+    against another one (QA: `kl_ref` 0.0006 -> 1.08 at the resume). Every rank reads the same files, so
+    every rank refuses alike. Nothing to compare without a recorded or computable fingerprint."""
+    from kv4rl.models.fingerprint import row_fingerprint
+
+    if not base_dir.exists():  # said before the bare "model folder ... does not exist" of the model check
+        raise ConfigError(f"--resume {restore.path}: the run's starting model {base_dir} does not exist (model.path "
+                          f"in {metrics.parent / 'config.yaml'}); if the folder moved, change model.path there")
+    recorded = None
+    if metrics.is_file():
+        for line in reversed(metrics.read_text(encoding="utf-8", errors="replace").splitlines()):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("model_sha256"), str):
+                recorded = row["model_sha256"]
+                break
+    now = row_fingerprint(base_dir) if recorded is not None else None
+    if now is None or now == recorded:
+        return
+    raise ConfigError(
+        f"--resume {restore.path}: the starting model {base_dir} is not the one this run started from (its rows "
+        f"record weights {recorded}, the folder now holds {now}): the starting model is the reference of kl_ref "
+        f"and of the KL loss, so the run would go on against another one. Put the run's model back at that path, "
+        f"or start a new run from the checkpoint with model.path={restore.path}")
 
 
 def check_updates_per_rank(cfg, learner_ranks: int) -> None:

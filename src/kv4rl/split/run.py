@@ -29,6 +29,7 @@ from kv4rl.run_folder import RunFolder, check_new_run
 from kv4rl.run_setup import (
     Restore,
     build_learner,
+    check_same_model,
     check_same_stream,
     check_updates_per_rank,
     find_restore,
@@ -121,6 +122,7 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
                                       task=None if cfg.data.train else task_of_model(base_dir))).stream_fingerprint()
     if restore is not None:
         check_same_stream(restore, stream, cfg.run_dir / "config.yaml")
+        check_same_model(restore, base_dir, cfg.run_dir / "metrics.jsonl")
     with GracefulStop() as stop:
         if ranks.rank >= learners:
             return None, _engine(cfg, groups, ranks.rank - learners, device, source, base_dir, restore, stop)

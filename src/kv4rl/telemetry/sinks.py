@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import shlex
 import sys
 import threading
 import time
@@ -71,7 +72,7 @@ class MetricsSink:
                 if self._tb is None:
                     self._tb = self._open_tensorboard(step)
                     self._announce(f"tensorboard: event files in {self.cfg.run_dir} "
-                                   f"(view: tensorboard --logdir {self.cfg.run_dir.parent})")
+                                   f"(view: tensorboard --logdir {shlex.quote(str(self.cfg.run_dir.parent))})")
                 for key, value in values.items():
                     self._tb.add_scalar(key, value, global_step=step)
                 self._tb.flush()  # one row per iteration: keep the viewer current, lose nothing on a crash
@@ -108,8 +109,15 @@ class MetricsSink:
 
         log_cfg, run_dir = self.cfg.logging, Path(self.cfg.run_dir)
         id_file = run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-        id_file.write_text(run_id + "\n")
+        # the id, then the folder that took it: a copied folder (a run branched with `cp -r` and resumed
+        # with other settings) took the original's id, and its rows went into the original's W&B run
+        run_id, folder = ((id_file.read_text().splitlines() if id_file.is_file() else []) + [None, None])[:2]
+        here = str(run_dir.resolve())
+        if run_id and folder and folder != here and Path(folder).is_dir():
+            self._announce(f"wandb: {run_dir} is a copy of {folder}, whose W&B run it does not continue: a new one")
+            run_id = None
+        run_id = run_id or wandb.util.generate_id()
+        id_file.write_text(f"{run_id}\n{here}\n")
         return wandb.init(project=log_cfg.wandb_project, name=log_cfg.wandb_name or self.cfg.name,
                           group=log_cfg.wandb_group or SEED_SUFFIX.sub("", self.cfg.name),
                           config=to_dict(self.cfg), dir=str(run_dir), id=run_id, resume="allow")
