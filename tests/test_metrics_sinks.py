@@ -219,6 +219,10 @@ def test_a_copied_run_folder_gets_a_wandb_run_of_its_own_and_a_moved_one_keeps_i
     assert resume(tmp_path / "b")[0] == copy and resume(original)[0] == first  # each keeps its own
     original.rename(tmp_path / "moved")
     assert resume(tmp_path / "moved")[0] == first  # the folder it names is gone: moved, the same run
+    (tmp_path / "moved").rename(tmp_path / "moved again")
+    newcomer, _ = resume(tmp_path / "moved")  # a new run at its old path, before the moved one resumes (review)
+    again, lines = resume(tmp_path / "moved again")
+    assert newcomer not in (first, copy) and again == first and "is a copy of" not in lines[0]
 
 
 def test_a_resumed_event_file_is_created_after_the_second_of_the_newest_one(tmp_path):

@@ -113,7 +113,7 @@ class MetricsSink:
         # with other settings) took the original's id, and its rows went into the original's W&B run
         run_id, folder = ((id_file.read_text().splitlines() if id_file.is_file() else []) + [None, None])[:2]
         here = str(run_dir.resolve())
-        if run_id and folder and folder != here and Path(folder).is_dir():
+        if run_id and folder and folder != here and _holds_wandb_id(Path(folder), run_id):
             self._announce(f"wandb: {run_dir} is a copy of {folder}, whose W&B run it does not continue: a new one")
             run_id = None
         run_id = run_id or wandb.util.generate_id()
@@ -126,6 +126,15 @@ class MetricsSink:
         tb, run, self._tb, self._wandb_run = self._tb, self._wandb_run, None, None
         close_all({"tensorboard writer": None if tb is None else tb.close,
                    "wandb run": None if run is None else run.finish}, failing)
+
+
+def _holds_wandb_id(folder: Path, run_id: str) -> bool:
+    """Whether `folder` is still the run that took `run_id` (the original of a copy); a folder made at a moved
+    run's old path is another run, and the moved one keeps its id."""
+    try:
+        return (folder / "wandb_id.txt").read_text().split("\n", 1)[0].strip() == run_id
+    except OSError:
+        return False
 
 
 def _quiet_event_writer_threads() -> None:
