@@ -6,7 +6,6 @@ ranks) share these, so they live apart from either loop.
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,20 +139,14 @@ def check_same_model(restore: Restore, base_dir: Path, metrics: Path) -> None:
     against another one (QA: `kl_ref` 0.0006 -> 1.08 at the resume). Every rank reads the same files, so
     every rank refuses alike. Nothing to compare without a recorded or computable fingerprint."""
     from kv4rl.models.fingerprint import row_fingerprint
+    from kv4rl.telemetry.metrics import read_lines
 
     if not base_dir.exists():  # said before the bare "model folder ... does not exist" of the model check
         raise ConfigError(f"--resume {restore.path}: the run's starting model {base_dir} does not exist (model.path "
                           f"in {metrics.parent / 'config.yaml'}); if the folder moved, change model.path there")
-    recorded = None
-    if metrics.is_file():
-        for line in reversed(metrics.read_text(encoding="utf-8", errors="replace").splitlines()):
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("model_sha256"), str):
-                recorded = row["model_sha256"]
-                break
+    rows = read_lines(metrics, warn=False) if metrics.is_file() else []  # a torn last line passed over
+    recorded = next((row["model_sha256"] for _, row in reversed(rows)
+                     if isinstance(row, dict) and isinstance(row.get("model_sha256"), str)), None)
     now = row_fingerprint(base_dir) if recorded is not None else None
     if now is None or now == recorded:
         return
