@@ -158,10 +158,9 @@ def write_json(res: dict, json_out: Path | None) -> None:
     the write never leaves half a file; remembers a partial result for the interrupt message (`main`)."""
     if json_out is None:
         return
-    if "versions" not in res:
-        from kv4rl.versions import software_versions
+    from kv4rl.versions import stamped
 
-        res = {**res, "versions": software_versions()}
+    res = stamped(res)
     if res.get("complete") is False and writes_into(json_out):
         return  # a pipe's reader would take the partial result as the whole one (and the next write block)
     write_together({json_out: json.dumps(res, indent=2) + "\n"})

@@ -220,9 +220,9 @@ def eval_cmd(
     check_output_path(json_out)
     check_output_path(samples_out, "--samples")
     # both whole or neither: a failed write (a full disk) leaves the earlier pair as it was
-    from kv4rl.versions import software_versions
+    from kv4rl.versions import stamped
 
-    write_together({json_out: json.dumps({**res, **settings, "versions": software_versions()}, indent=2) + "\n",
+    write_together({json_out: json.dumps(stamped({**res, **settings}), indent=2) + "\n",
                     samples_out: _samples_text(problems, results) if samples_out is not None else None})
     wrote(json_out, samples_out)
 

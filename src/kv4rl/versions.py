@@ -31,3 +31,8 @@ def software_versions() -> dict[str, str]:
     if cuda:
         versions["cuda"] = cuda
     return versions
+
+
+def stamped(result: dict) -> dict:
+    """`result` with `versions` (`software_versions`) added where it has none: every --json result's record."""
+    return result if "versions" in result else {**result, "versions": software_versions()}

@@ -99,7 +99,7 @@ def _base_number_value(answer: str) -> int | None:
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 # a number, then a unit in words: math-verify read `18 dollars` as 18*d*o*l*l*a*r*s (`18 meters` as 18)
 _NUMBER_WITH_UNIT = re.compile(
-    r"\\?\$?\s*(-?\d+(?:\.\d+)?)(?:\s+|\\ |~)(?:\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}|[A-Za-z]{2,}(?: [A-Za-z]{2,})*)")
+    r"\\?\$?\s*(" + _NUMBER.pattern + r")(?:\s+|\\ |~)(?:\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}|[A-Za-z]{2,}(?: [A-Za-z]{2,})*)")
 
 
 _TEXT_WRAPPED = re.compile(r"\\(?:text|mbox|mathrm)\{(.*)\}")
