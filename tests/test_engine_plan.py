@@ -256,6 +256,22 @@ def test_prefill_backend_follows_the_decode_kernels_unless_set():
     assert "prefill=triton" in _plan(INTERPRETER, kv={"format": "bf16"}).explain()
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "int4", "kv4"])
+def test_more_query_heads_per_kv_head_than_a_prefill_tile_holds_prefill_on_the_reference_path(kv):
+    """66 query heads over one KV head started on the kernels and failed at the first prefill ("exceed
+    BLOCK_M=64", QA); the plan now sends such a model's prefill to the reference path, or refuses a forced
+    kernel at start. 64 per KV head (the smallest tile's M rows) keeps the kernel."""
+    wide = _args(num_attention_heads=66, num_key_value_heads=1, head_dim=64, hidden_size=66 * 64)
+    kv = {"format": kv, **({"group_size": 64} if kv in ("int4", "kv4") else {})}
+    plan = _plan(CUDA, args=wide, kv=kv)
+    assert plan.attention.value == "triton" and plan.prefill.value == "torch"
+    assert plan.prefill.reason == "the prefill kernel holds up to 64 query heads per KV head in a tile, this model has 66"
+    with pytest.raises(ValueError, match="engine.prefill_backend=triton cannot run here: the prefill kernel holds up to 64"):
+        _plan(CUDA, args=wide, kv=kv, prefill_backend="triton")
+    edge = _args(num_attention_heads=64, num_key_value_heads=1, head_dim=64, hidden_size=64 * 64)
+    assert _plan(CUDA, args=edge, kv=kv).prefill.value == "triton"
+
+
 def test_an_engine_refuses_a_context_past_the_models_positions_and_no_slots():
     """max_model_len=600 over 512 positions sized and printed a pool, then failed mid-generation indexing
     RoPE's table; max_num_seqs=0 built an empty pool and blamed engine.num_kv_blocks."""

@@ -143,7 +143,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, dtype: torch.dtype, caps: C
     attention = _attention(config, kv_format, dtype, args.head_dim, caps)
     sampler = _kernel_setting("engine.sampler", config.sampler, "triton", "torch", caps)
     on_kernels = attention.value == "triton"
-    prefill, cuda_graphs = _prefill(config, attention), _cuda_graphs(config, on_kernels, caps)
+    prefill, cuda_graphs = _prefill(config, attention, args), _cuda_graphs(config, on_kernels, caps)
     fp8_gemm = _fp8_gemm(config, fused_ops.value, dtype, caps)
     return EnginePlan(
         kv_format=kv_format, kv_format_name=kv_name, max_model_len=max_model_len, fused_ops=fused_ops,
@@ -218,11 +218,21 @@ def _attention(config: EngineConfig, kv_format: KVFormat, dtype: torch.dtype, he
     return Choice("torch", problem)
 
 
-def _prefill(config: EngineConfig, attention: Choice[str]) -> Choice[str]:
-    """The prefill kernel serves exactly the formats and devices the decode kernels serve."""
+def _prefill(config: EngineConfig, attention: Choice[str], args: ModelArgs) -> Choice[str]:
+    """The prefill kernel serves the formats and devices the decode kernels serve, for up to MAX_PREFILL_GROUP
+    query heads per KV head (one query's heads share a tile)."""
+    from kv4rl.kernels.prefill_plan import MAX_PREFILL_GROUP
+
     backend = config.prefill_backend
     if backend == "torch":
         return Choice("torch", "engine.prefill_backend=torch")
+    group = args.num_heads // args.num_kv_heads
+    if attention.value == "triton" and group > MAX_PREFILL_GROUP:
+        problem = (f"the prefill kernel holds up to {MAX_PREFILL_GROUP} query heads per KV head in a tile, "
+                   f"this model has {group}")
+        if backend == "triton":
+            raise ValueError(f"engine.prefill_backend=triton cannot run here: {problem}")
+        return Choice("torch", problem)
     if attention.value == "triton":
         return Choice("triton", f"engine.prefill_backend={backend}: the varlen prefill kernel reads the cache as stored")
     if backend == "triton":

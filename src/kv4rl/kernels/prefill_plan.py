@@ -29,6 +29,12 @@ LONG_PREFILL_LAUNCH = {  # (kind, KV4 side rows)
 }
 
 
+# Every tile holds all of a query's GQA heads, so a model with more query heads per KV head than the smallest
+# BLOCK_M of any launch above cannot run the kernel (the engine prefills it on the torch path instead).
+MAX_PREFILL_GROUP = min(launch["BLOCK_M"] for table in (DEFAULT_PREFILL_LAUNCH, LONG_PREFILL_LAUNCH)
+                        for launch in table.values())
+
+
 def prefill_launch(kind: DecodeKind, side: bool, longest_context: int) -> dict:
     """Launch settings of a prefill step whose longest row ends at `longest_context` tokens."""
     if longest_context >= LONG_PREFILL_CONTEXT and (kind, side) in LONG_PREFILL_LAUNCH:
