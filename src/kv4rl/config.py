@@ -8,6 +8,7 @@ entry point used by the CLI and by `--resume` (which reloads the run folder's sa
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -73,6 +74,10 @@ class TrainerConfig:
     iterations: int = 100
     lr: float = 1e-4
     warmup_iters: int = 5  # linear learning-rate warm-up over the first iterations
+    # after the warm-up: constant, or cosine down to lr x min_lr_ratio at trainer.iterations (verl's
+    # lr_scheduler_type / min_lr_ratio; transformers' cosine-with-min-lr schedule, stepped per iteration)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
@@ -99,10 +104,16 @@ class TrainerConfig:
     ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
 
     def learning_rate(self, iteration: int) -> float:
-        """Linear warm-up over `warmup_iters`, then constant (a pure function of the iteration)."""
+        """Linear warm-up over `warmup_iters`, then constant or a half cosine from `lr` (at the first
+        iteration after the warm-up) towards `lr * min_lr_ratio` (reached at `iterations`): a pure
+        function of the iteration, so a resumed run continues the same curve."""
         if self.warmup_iters and iteration < self.warmup_iters:
             return self.lr * (iteration + 1) / self.warmup_iters
-        return self.lr
+        if self.lr_schedule == "constant":
+            return self.lr
+        progress = min(1.0, (iteration - self.warmup_iters) / max(1, self.iterations - self.warmup_iters))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -185,6 +196,9 @@ class RunConfig:
             (self.trainer.iterations >= 1, "trainer.iterations must be >= 1"),
             (self.trainer.lr > 0, "trainer.lr must be > 0"),
             (self.trainer.warmup_iters >= 0, "trainer.warmup_iters must be >= 0"),
+            (0 <= self.trainer.min_lr_ratio <= 1,
+             f"trainer.min_lr_ratio must be in [0, 1] (the cosine schedule's last rate as a share of trainer.lr), "
+             f"got {self.trainer.min_lr_ratio}"),
             (self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
             (self.trainer.updates_per_batch >= 1, "trainer.updates_per_batch must be >= 1"),
             (self.trainer.epochs_per_batch >= 1, "trainer.epochs_per_batch must be >= 1"),
@@ -270,6 +284,9 @@ class RunConfig:
                 raise ConfigError(str(exc)) from None
         for line in self.algo.ignored_keys():
             log.warning(line)
+        if self.trainer.lr_schedule == "constant" and self.trainer.min_lr_ratio != 0:
+            log.warning("trainer.min_lr_ratio=%g belongs to trainer.lr_schedule=cosine; the constant schedule "
+                        "ignores it", self.trainer.min_lr_ratio)
         if self.rollout.top_p < 1 or self.rollout.top_k > 0:
             ratio = ("PPO's ratio (algo.old_logprob=behavior)" if self.algo.loss == "ppo_clip"
                      and self.algo.old_logprob == "behavior" else "the behaviour log-ratio")
