@@ -46,13 +46,14 @@
 #   bash tools/device_benches.sh rope_rotation 2>&1 | tee $OUT/log.txt      # q/k rotated in the RoPE kernel: settings, write layouts, generate vs tools/_trees/ (~6 min)
 #   bash tools/device_benches.sh rope_trees 2>&1 | tee $OUT/log.txt         # RoPE-kernel candidates in tools/_trees/ against main's (~2 min each)
 #   bash tools/device_benches.sh write_small 2>&1 | tee $OUT/log.txt        # unrotated decode KV writes in 1-16-row programs (~1 min)
+#   bash tools/device_benches.sh shapes 2>&1 | tee $OUT/log.txt                # decode + prefill kernels at 64/256-dim heads (~2 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
 KERNEL_TESTS="tests/test_kernels.py tests/test_logprob_head_kernel.py tests/test_roofline.py tests/gpu/test_fp8_linear_gpu.py
     tests/gpu/test_fp8_quant_kernel_gpu.py tests/gpu/test_fused_elementwise_gpu.py tests/gpu/test_fused_ops_gpu.py
-    tests/gpu/test_prefill_kernel_gpu.py tests/gpu/test_sampling_kernel_gpu.py"
+    tests/gpu/test_prefill_kernel_gpu.py tests/gpu/test_sampling_kernel_gpu.py tests/gpu/test_kernel_shapes_gpu.py"
 
 tests() {  # every GPU-side test: kernels (the CUDA INT4 kernel and KV4 in every layout), engine, FP8, pool
     # (443 s whole on an H200 on 2026-12-04; on an H100 on 2026-12-05 it passed 540 s at 237 of 252: run it as two
@@ -613,6 +614,11 @@ targets_8b() {  # issue 11's 8B targets as the issue states them, BF16 and KV4 i
         | grep "│" | tail -3
     timeout 130 python -m kv4rl.cli bench decode-forward --shapes qwen3-8b --json $OUT/decode_forward_8b.json 2>&1 \
         | grep "│" | tail -14
+}
+
+shapes() {  # the decode and prefill kernels at 64- and 256-dim heads (SmolLM2, Llama-3.2-1B, Qwen2.5-0.5B shapes)
+    timeout 300 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_kernel_shapes_gpu.py \
+        > $OUT/gpu_tests_shapes.txt 2>&1; tail -8 $OUT/gpu_tests_shapes.txt
 }
 
 date
