@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from kv4rl.data.source import DEFAULT_POOL_SIZE
 from kv4rl.durability import sync_path
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.sequence import temperature_problem
+from kv4rl.paths import text_problem
 from kv4rl.rollout.config import RolloutConfig, StalenessConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "save_config"]
@@ -245,7 +247,13 @@ class RunConfig:
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
              f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
-            (bool(self.name) and "/" not in self.name and self.name not in (".", "..") and self.name.isprintable(),
+            *[(problem is None, problem) for problem in
+              (text_problem(key, str(value), path=key != "data.prompt_template") for key, value in (
+                  ("name", self.name), ("out_dir", self.out_dir), ("model.path", self.model.path),
+                  ("data.train", self.data.train), ("data.eval", self.data.eval),
+                  ("data.prompt_template", self.data.prompt_template)) if value is not None)],
+            (bool(self.name) and "/" not in self.name and self.name not in (".", "..")
+             and not any(unicodedata.category(c) == "Cc" for c in self.name),
              f"name={self.name!r}: must be a folder name (not empty, '.' or '..', no '/' or control characters)"),
             (bool(str(self.out_dir).strip()),
              "out_dir is empty; give the folder that holds the run folders (default: runs)"),

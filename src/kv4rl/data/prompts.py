@@ -10,12 +10,16 @@ from __future__ import annotations
 import string
 
 from kv4rl.data.types import Problem
+from kv4rl.paths import text_problem
 
 SNIPPET_CHARS = 60  # how much of an offending problem an error message quotes
 
 
 def check_template(template: str, option: str) -> None:
     """Raise ValueError, naming `option`, unless `template` formats with exactly one field, `{problem}`."""
+    problem = text_problem(option, template, path=False)
+    if problem is not None:  # the tokenizer's raw TypeError came out of the first prompt, a traceback
+        raise ValueError(problem)
     try:
         parsed = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
                   if name is not None]

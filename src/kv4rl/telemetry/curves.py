@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kv4rl.paths import SET_ASIDE
+from kv4rl.paths import SET_ASIDE, readable
 from kv4rl.telemetry.metrics import read_metrics
 
 SEED_SUFFIX = re.compile(r"-s\d+$")
@@ -99,7 +99,8 @@ def expand(pattern: str) -> list[Path]:
 
 
 def arm_name(run: Path) -> str:
-    return SEED_SUFFIX.sub("", run.name)
+    """The folder's name without its `-s<seed>` suffix, as UTF-8 text (`paths.readable`)."""
+    return readable(SEED_SUFFIX.sub("", run.name))
 
 
 def group_arms(patterns: list[str], named: list[str]) -> list[Arm]:
@@ -126,6 +127,7 @@ def group_arms(patterns: list[str], named: list[str]) -> list[Arm]:
             raise ValueError(f"arm {arm.name}: several folders named {dup[0]}; name the arms with --arm NAME=GLOB")
     for spec in named:
         name, sep, pattern = spec.partition("=")
+        name = readable(name)
         if not sep or not name or not pattern:
             raise ValueError(f"--arm {spec!r} must look like NAME=GLOB")
         if name in arms:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kv4rl.durability import sync_path
+from kv4rl.paths import readable
 
 log = logging.getLogger(__name__)
 
@@ -181,5 +182,5 @@ def distinct_runs(runs: list[Path]) -> list[Path]:
 def run_labels(runs: list[Path]) -> list[str]:
     """How plots name runs: by folder name, or by the paths as given when two folders share a name (their
     rows would otherwise merge into one curve)."""
-    names = [Path(r).name for r in runs]
-    return names if len(set(names)) == len(names) else [str(r) for r in runs]
+    names = [readable(Path(r).name) for r in runs]
+    return names if len(set(names)) == len(names) else [readable(str(r)) for r in runs]
