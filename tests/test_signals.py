@@ -192,3 +192,23 @@ def test_a_rank_killed_without_a_word_is_one_error_line_with_the_resume_hint(tmp
     monkeypatch.setattr(kv4rl.loop, "train", own_bug)
     res = runner.invoke(app, ["train", "--resume", str(run), "trainer.iterations=3", "--no-progress"])
     assert res.exit_code == 1 and isinstance(res.exception, RuntimeError)  # raised as it is
+
+
+@pytest.mark.parametrize("args", [["--print-config"], ["trainer.iterations=0"], ["trainer.iterations=1"]])
+def test_the_command_puts_back_the_signal_handlers_it_found(tmp_path, args):
+    """`kv4rl train` called in a process that goes on (this test session, a notebook) left its start-up
+    handler installed after it returned, so the process's next Ctrl-C or SIGTERM was held, not acted on
+    (QA: a test session ignored the first SIGTERM of a CI time limit). A run, a refused config and
+    --print-config alike leave the handlers as they found them."""
+    def mine(signum, frame):
+        raise AssertionError("not called")
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for s in before:
+            signal.signal(s, mine)
+        train_cli(f"out_dir={tmp_path}", "name=r", *SMALL, *args)
+        assert {s: signal.getsignal(s) for s in before} == {signal.SIGINT: mine, signal.SIGTERM: mine}
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -35,7 +35,7 @@ from kv4rl.cli_eval import eval_cmd
 from kv4rl.cli_plot import plot_app
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
-from kv4rl.graceful_stop import catch_early
+from kv4rl.graceful_stop import catch_early, release_early
 from kv4rl.telemetry.tables import ResultTable, metric_table, print_table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kv4rl: RL post-training with cheap rollouts.")
@@ -94,8 +94,21 @@ def train(
     """
     if seeds is None and parallel is None:
         # before the training code's imports (~4 s of torch and transformers): a SIGTERM or Ctrl-C from here on
-        # stops the run, exit 0, instead of exit 143 or a KeyboardInterrupt
+        # stops the run, exit 0, instead of exit 143 or a KeyboardInterrupt; the handlers it replaced are put
+        # back when the command returns (a program or test session that calls it keeps its own Ctrl-C)
         catch_early()
+        try:
+            _train_command(config, overrides, resume, overwrite, verbose, progress, print_config)
+        finally:
+            release_early()
+        return
+    _train_command(config, overrides, resume, overwrite, verbose, progress, print_config, seeds, parallel)
+
+
+def _train_command(config: Path | None, overrides: list[str] | None, resume: Path | None, overwrite: bool,
+                   verbose: bool,
+               progress: bool, print_config: bool, seeds: str | None = None, parallel: int | None = None) -> None:
+    """`kv4rl train` once its signals are held: one run (or, with --seeds / --parallel, the seeds' runs)."""
     from kv4rl.config import load_config
     from kv4rl.loop import train as run_train
     from kv4rl.run_folder import config_for_resume

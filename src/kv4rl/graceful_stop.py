@@ -22,16 +22,19 @@ log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _early: str | None = None  # a signal `catch_early` caught before any GracefulStop was entered
+_before: dict | None = None  # the handlers `catch_early` replaced, put back by `release_early`
 
 
 def catch_early() -> None:
     """Hold a signal that arrives while the command starts (config, checkpoint search), before the run's
     GracefulStop is entered: it then stops the run before its first iteration, exit 0, instead of the
     default action killing the process (exit 143). A second signal still ends the process at once."""
-    global _early
+    global _early, _before
     _early = None
     if threading.current_thread() is not threading.main_thread():
         return
+    if _before is None:
+        _before = {s: signal.getsignal(s) for s in SIGNALS}
 
     def held(signum: int, frame) -> None:
         global _early
@@ -41,6 +44,17 @@ def catch_early() -> None:
 
     for s in SIGNALS:
         signal.signal(s, held)
+
+
+def release_early() -> None:
+    """Put back the handlers `catch_early` replaced, once the command is over: `kv4rl train` called in a
+    process that goes on (a test session, a notebook, a program embedding the CLI) left its own handler
+    installed, so that process's next Ctrl-C or SIGTERM was held, not acted on."""
+    global _early, _before
+    if _before is not None and threading.current_thread() is threading.main_thread():
+        for s, handler in _before.items():
+            signal.signal(s, handler)
+    _early, _before = None, None
 
 
 class GracefulStop:
