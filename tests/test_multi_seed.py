@@ -3,6 +3,8 @@ seed starts, and a non-zero exit with a table when a seed fails."""
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,9 +15,11 @@ from typer.testing import CliRunner
 from kv4rl.cli import app
 from tests.small_runs import tree_state
 
+TEST_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "testbed_longmul_test.yaml"  # any cwd
+
 pytestmark = pytest.mark.slow  # the seeds are child processes (~10 s each to start on 2 cores)
 runner = CliRunner()
-TINY = ["--config", "recipes/testbed_longmul_test.yaml", "trainer.iterations=1", "rollout.max_new_tokens=32",
+TINY = ["--config", str(TEST_RECIPE), "trainer.iterations=1", "rollout.max_new_tokens=32",
         "data.eval_size=2", "name=ms"]
 
 
@@ -146,7 +150,7 @@ def test_a_signal_stops_the_sweep_the_waiting_seeds_never_start_and_the_hint_res
     assert [multi_seed.status_of(r) for r in runs] == ["stopped (SIGINT)", "not started (SIGINT)"]
     assert "SIGINT: seeds 1 will not start" in lines
     hint = multi_seed.continue_hint(runs)
-    assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'sw'}" in hint
+    assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {shlex.quote(str(tmp_path / 'sw'))}" in hint
     assert "start seed 1 with the command that started the sweep (not --resume), given --seeds 1" in hint
 
 
@@ -247,7 +251,7 @@ def test_the_hint_says_what_each_seed_folder_allows(tmp_path) -> None:
     (tmp_path / "h-s1" / "metrics.jsonl").write_text("")
     folders = {s: tmp_path / f"h-s{s}" for s in (0, 1, 2, 3)}
     assert how_to_go_on(folders, tmp_path / "h") == [
-        f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'h'}",
+        f"continue seed 0 with: kv4rl train --seeds 0 --resume {shlex.quote(str(tmp_path / 'h'))}",
         "start seeds 2,3 with the command that started the sweep (not --resume), given --seeds 2,3",
         "seed 1 has a run but no checkpoint: start it again with the command that started the sweep, --seeds 1 and --overwrite "
         "(the old folder is moved aside, not deleted)"]
@@ -268,9 +272,9 @@ def test_a_seed_that_finished_is_offered_a_longer_run_not_a_resume_that_trains_n
         save_config(load_config(None, ["trainer.iterations=3"]), tmp_path / f"h-s{s}" / "config.yaml")
     folders = {s: tmp_path / f"h-s{s}" for s in (0, 1)}
     assert how_to_go_on(folders, tmp_path / "h") == [
-        f"seed 1 finished (3 iterations): to train it longer, kv4rl train --seeds 1 --resume {tmp_path / 'h'} "
+        f"seed 1 finished (3 iterations): to train it longer, kv4rl train --seeds 1 --resume {shlex.quote(str(tmp_path / 'h'))} "
         "trainer.iterations=<more>",
-        f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'h'}"]
+        f"continue seed 0 with: kv4rl train --seeds 0 --resume {shlex.quote(str(tmp_path / 'h'))}"]
     run = SeedRun(1, load_config(None, ["trainer.iterations=3"]), [], tmp_path / "log", returncode=0,
                   nothing_to_train=True)
     assert status_of(run) == "finished (nothing trained: its checkpoint had reached trainer.iterations=3)"
@@ -288,7 +292,7 @@ def test_resuming_a_sweep_whose_seed_never_started_says_how_to_start_it(tmp_path
         plan_runs([0, 1], None, [], tmp_path / "ms", False, [])
     message = str(info.value)
     assert f"--seeds 0,1 --resume {tmp_path / 'ms'}: seed 1 has no checkpoint to continue from" in message
-    assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {tmp_path / 'ms'}" in message
+    assert f"continue seed 0 with: kv4rl train --seeds 0 --resume {shlex.quote(str(tmp_path / 'ms'))}" in message
     assert "start seed 1 with the command that started the sweep (not --resume), given --seeds 1" in message
 
 

@@ -54,7 +54,7 @@ def test_train_into_a_folder_holding_a_run_refuses_before_any_work(run):
     res = train_cli(f"out_dir={run.parent}", "name=run", *SMALL, "trainer.iterations=3")
     assert res.exit_code == 2
     text = " ".join(res.output.split())
-    assert "already holds a run" in text and f"--resume {run}" in text and "name=" in text and "--overwrite" in text
+    assert "already holds a run" in text and f"--resume {shlex.quote(str(run))}" in text and "name=" in text and "--overwrite" in text
     assert tree_state(run.parent) == before
 
 

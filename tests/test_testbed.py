@@ -4,6 +4,8 @@ stops the GPU warm-up matches a per-problem float64 computation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hashlib
 import json
 import shutil
@@ -20,6 +22,8 @@ from kv4rl.data.source import ProblemSource
 from kv4rl.data.synthetic import ArithmeticTask
 from kv4rl.models import testbed, testbed_spec, warmup
 from tests.conftest import assert_plain_modes
+
+TEST_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "testbed_longmul_test.yaml"  # any cwd
 
 runner = CliRunner()
 
@@ -134,7 +138,7 @@ def test_config_names_a_testbed_or_a_path_not_both() -> None:
 def test_train_on_the_test_testbed_recipe(testbed_cache, tmp_path, monkeypatch) -> None:
     cache, _ = testbed_cache
     monkeypatch.setenv("KV4RL_CACHE", str(cache))
-    res = runner.invoke(app, ["train", "--config", "recipes/testbed_longmul_test.yaml", f"out_dir={tmp_path}",
+    res = runner.invoke(app, ["train", "--config", str(TEST_RECIPE), f"out_dir={tmp_path}",
                               "trainer.iterations=1", "rollout.max_new_tokens=96", "checkpoint.save_every=1",
                               "--no-progress"])
     assert res.exit_code == 0, res.output

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def test_a_checkpoint_save_on_a_full_disk_keeps_the_earlier_ones_and_says_how_to
     assert res.exit_code == 1, res.output
     text = " ".join(res.output.split())
     assert f"{asked[2]}: No space left on device" in text and "Traceback" not in res.output
-    assert f"continue with kv4rl train --resume {run}" in text
+    assert f"continue with kv4rl train --resume {shlex.quote(str(run))}" in text
     assert saved(run) == ["iter_000001", "iter_000002", "latest"]  # the failed save left nothing behind
     assert (run / "checkpoints" / "latest").read_text() == "iter_000002"
     assert rows(run) == [0, 1, 2]
@@ -315,7 +316,7 @@ def test_a_checkpoint_the_disk_refuses_is_one_error_line_naming_it(tmp_path, lim
     text = " ".join((res.stdout + res.stderr).split())
     assert res.returncode == 1, text
     assert "Traceback" not in text and text.count("error:") == 1, text
-    assert re.search(rf"error: \S*{re.escape(said)}", text), text
+    assert re.search(rf"error: {re.escape(str(tmp_path))}/big/\S*{re.escape(said)}", text), text
     assert sorted(p.name for p in (tmp_path / "big" / "checkpoints").iterdir()) == []
     assert rows(tmp_path / "big") == [0]
 
@@ -340,8 +341,6 @@ def test_torch_saves_unexplained_write_failure_is_named_a_full_disk_when_the_dis
 
 def test_the_resume_hint_is_quoted_for_a_shell(tmp_path, monkeypatch):
     """A run folder named with a space: the hint pasted back resumed a folder cut at the space."""
-    import shlex
-
     from kv4rl.distributed import resume_command
 
     fail_nth_state_save(monkeypatch, 2)
