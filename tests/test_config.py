@@ -206,6 +206,13 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
 
 @pytest.mark.parametrize(("override", "suggested"), [
     ("lr=1e-5", "unknown config key 'lr'; did you mean trainer.lr?"),  # a key one section too high
+    # another framework's name: its kv4rl key, not a look-alike (TRL's `beta` was pointed to algo.beta)
+    ("beta=0.04", "unknown config key 'beta'; TRL's beta (the reference-KL coefficient) is algo.kl_ref_coef; "
+                  "algo.beta is future_kl's future-KL cost"),
+    ("algo.loss_type=dr_grpo", "unknown config key 'algo.loss_type'; TRL's loss_type is algo.loss_agg (dapo: "
+                               "token_mean, grpo: seq_mean)"),
+    ("trainer.num_iterations=2", "unknown config key 'trainer.num_iterations'; TRL's num_iterations is "
+                                 "trainer.epochs_per_batch (with algo.old_logprob=recompute)"),
     ("trainer.lrr=1e-5", "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
     ("engine.kv.fromat=kv4", "unknown config key 'engine.kv.fromat'; did you mean engine.kv.format?"),
 ])

@@ -175,7 +175,8 @@ def test_loss_is_an_open_name_not_a_closed_literal(toy_loss):
 def test_a_key_of_another_loss_is_warned_about_naming_its_owner(caplog, toy_loss):
     with caplog.at_level(logging.WARNING, logger="kv4rl.config"):
         load_config(overrides=["algo.loss=ppo_clip", "algo.beta=0.5", "algo.toy_scale=2"])
-    assert "algo.beta=0.5 belongs to algo.loss=future_kl; algo.loss=ppo_clip ignores it" in caplog.messages
+    assert "algo.beta=0.5 belongs to algo.loss=future_kl; algo.loss=ppo_clip ignores it (TRL's beta, the " \
+           "reference-KL coefficient, is algo.kl_ref_coef)" in caplog.messages
     assert "algo.toy_scale=2.0 belongs to algo.loss=toy_pg; algo.loss=ppo_clip ignores it" in caplog.messages
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kv4rl.config"):

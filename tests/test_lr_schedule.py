@@ -1,5 +1,5 @@
-"""The learning-rate schedule: a linear warm-up, then constant or a cosine towards `lr x min_lr_ratio`,
-against transformers' cosine-with-min-lr schedule and hand-worked warm-up values; a run's rows carry the
+"""The learning-rate schedule: a linear warm-up, then constant, linear or cosine towards `lr x min_lr_ratio`,
+against transformers' linear and cosine-with-min-lr schedules and hand-worked warm-up values; a run's rows carry the
 rate its optimizer stepped with, and a resume continues the same curve."""
 
 import json
@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from kv4rl.config import ConfigError, load_config
 from kv4rl.loop import train
@@ -47,10 +47,28 @@ def test_the_cosine_schedule_after_the_warm_up_is_transformers_cosine_with_min_l
         assert got[warmup + (iterations - warmup) // 2] == pytest.approx(lr * (1 + ratio) / 2)
 
 
+@pytest.mark.parametrize("warmup,iterations", [(0, 10), (3, 20), (5, 6), (0, 1)])
+def test_the_linear_schedule_after_the_warm_up_is_transformers_linear(warmup, iterations):
+    """TRL's default: transformers' linear decay to 0 at `iterations` (min_lr_ratio 0); with a floor, the same
+    line lifted to it: lr x (ratio + (1 - ratio) x (1 - progress)), by hand."""
+    lr = 1e-3
+    t = trainer(f"trainer.lr={lr}", f"trainer.warmup_iters={warmup}", f"trainer.iterations={iterations}",
+                "trainer.lr_schedule=linear")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = get_linear_schedule_with_warmup(opt, warmup, iterations)
+    expected = [sched.lr_lambdas[0](s) * lr for s in range(iterations + 3)]
+    assert [t.learning_rate(i) for i in range(warmup, iterations + 3)] == pytest.approx(expected[warmup:], abs=1e-18)
+    floor = trainer(f"trainer.lr={lr}", f"trainer.warmup_iters={warmup}", f"trainer.iterations={iterations}",
+                    "trainer.lr_schedule=linear", "trainer.min_lr_ratio=0.25")
+    for i in range(warmup, iterations + 2):
+        progress = min(1.0, (i - warmup) / max(1, iterations - warmup))
+        assert floor.learning_rate(i) == pytest.approx(lr * (0.25 + 0.75 * (1 - progress)))
+
+
 @pytest.mark.parametrize("override,needle", [
     ("trainer.min_lr_ratio=-0.1", "trainer.min_lr_ratio must be in [0, 1]"),
     ("trainer.min_lr_ratio=1.5", "trainer.min_lr_ratio must be in [0, 1]"),
-    ("trainer.lr_schedule=linear", "trainer.lr_schedule: 'linear' is not one of 'constant' | 'cosine'"),
+    ("trainer.lr_schedule=polynomial", "trainer.lr_schedule: 'polynomial' is not one of 'constant' | 'linear' | 'cosine'"),
 ])
 def test_bad_schedule_settings_are_refused_by_key(override, needle):
     with pytest.raises(ConfigError) as info:
@@ -61,7 +79,7 @@ def test_bad_schedule_settings_are_refused_by_key(override, needle):
 def test_a_floor_without_the_cosine_schedule_is_said_to_do_nothing(caplog):
     with caplog.at_level("WARNING"):
         load_config(overrides=["trainer.min_lr_ratio=0.1"])
-    assert any("trainer.min_lr_ratio=0.1 belongs to trainer.lr_schedule=cosine" in m for m in caplog.messages)
+    assert any("trainer.min_lr_ratio=0.1 belongs to trainer.lr_schedule=linear or cosine" in m for m in caplog.messages)
     caplog.clear()
     with caplog.at_level("WARNING"):
         load_config(overrides=["trainer.min_lr_ratio=0.1", "trainer.lr_schedule=cosine"])

@@ -76,9 +76,9 @@ class TrainerConfig:
     iterations: int = 100
     lr: float = 1e-4
     warmup_iters: int = 5  # linear learning-rate warm-up over the first iterations
-    # after the warm-up: constant, or cosine down to lr x min_lr_ratio at trainer.iterations (verl's
-    # lr_scheduler_type / min_lr_ratio; transformers' cosine-with-min-lr schedule, stepped per iteration)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    # after the warm-up: constant, or linear / cosine down to lr x min_lr_ratio at trainer.iterations (verl's
+    # and TRL's lr_scheduler_type / min_lr_ratio; transformers' schedules, stepped per iteration)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -106,16 +106,16 @@ class TrainerConfig:
     ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
 
     def learning_rate(self, iteration: int) -> float:
-        """Linear warm-up over `warmup_iters`, then constant or a half cosine from `lr` (at the first
-        iteration after the warm-up) towards `lr * min_lr_ratio` (reached at `iterations`): a pure
-        function of the iteration, so a resumed run continues the same curve."""
+        """Linear warm-up over `warmup_iters`, then constant, or a straight line or a half cosine from `lr`
+        (at the first iteration after the warm-up) towards `lr * min_lr_ratio` (reached at `iterations`): a
+        pure function of the iteration, so a resumed run continues the same curve."""
         if self.warmup_iters and iteration < self.warmup_iters:
             return self.lr * (iteration + 1) / self.warmup_iters
         if self.lr_schedule == "constant":
             return self.lr
         progress = min(1.0, (iteration - self.warmup_iters) / max(1, self.iterations - self.warmup_iters))
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+        left = 1.0 - progress if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * left)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -199,7 +199,7 @@ class RunConfig:
             (self.trainer.lr > 0, "trainer.lr must be > 0"),
             (self.trainer.warmup_iters >= 0, "trainer.warmup_iters must be >= 0"),
             (0 <= self.trainer.min_lr_ratio <= 1,
-             f"trainer.min_lr_ratio must be in [0, 1] (the cosine schedule's last rate as a share of trainer.lr), "
+             f"trainer.min_lr_ratio must be in [0, 1] (the decaying schedules' last rate as a share of trainer.lr), "
              f"got {self.trainer.min_lr_ratio}"),
             (self.trainer.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
             (self.trainer.updates_per_batch >= 1, "trainer.updates_per_batch must be >= 1"),
@@ -293,8 +293,8 @@ class RunConfig:
         for line in self.algo.ignored_keys():
             log.warning(line)
         if self.trainer.lr_schedule == "constant" and self.trainer.min_lr_ratio != 0:
-            log.warning("trainer.min_lr_ratio=%g belongs to trainer.lr_schedule=cosine; the constant schedule "
-                        "ignores it", self.trainer.min_lr_ratio)
+            log.warning("trainer.min_lr_ratio=%g belongs to trainer.lr_schedule=linear or cosine; the constant "
+                        "schedule ignores it", self.trainer.min_lr_ratio)
         if self.rollout.top_p < 1 or self.rollout.top_k > 0:
             ratio = ("PPO's ratio (algo.old_logprob=behavior)" if self.algo.loss == "ppo_clip"
                      and self.algo.old_logprob == "behavior" else "the behaviour log-ratio")

@@ -134,9 +134,36 @@ def _schema(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+# Other frameworks' key names (TRL's GRPOConfig, verl's GRPO config) -> what kv4rl calls them: a pasted name
+# is refused with its kv4rl key, not a look-alike (`beta` pointed to algo.beta, future_kl's cost).
+OTHER_FRAMEWORKS = {
+    "beta": "TRL's beta (the reference-KL coefficient) is algo.kl_ref_coef; algo.beta is future_kl's future-KL cost",
+    "kl_loss_coef": "verl's kl_loss_coef is algo.kl_ref_coef",
+    "use_kl_loss": "verl's use_kl_loss is algo.kl_ref_coef > 0",
+    "num_generations": "TRL's num_generations is rollout.group_size",
+    "learning_rate": "the learning rate is trainer.lr",
+    "epsilon": "TRL's epsilon is algo.eps_low (and algo.eps_high, which it also sets)",
+    "epsilon_high": "TRL's epsilon_high is algo.eps_high",
+    "clip_ratio": "verl's clip_ratio is algo.eps_low and algo.eps_high",
+    "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean)",
+    "loss_agg_mode": "verl's loss_agg_mode is algo.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean)",
+    "num_iterations": "TRL's num_iterations is trainer.epochs_per_batch (with algo.old_logprob=recompute)",
+    "ppo_epochs": "verl's ppo_epochs is trainer.epochs_per_batch",
+    "max_completion_length": "TRL's max_completion_length is rollout.max_new_tokens",
+    "max_response_length": "verl's max_response_length is rollout.max_new_tokens",
+    "scale_rewards": "TRL's scale_rewards (group / none) is advantage.normalize_std (true / false)",
+    "lr_scheduler_type": "the schedule is trainer.lr_schedule (constant, linear or cosine)",
+    "warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
+    "lr_warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
+    "train_batch_size": "verl's train_batch_size (prompts per step) is rollout.quota_groups",
+}
+
+
 def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
-    """`; did you mean ...?` for an unknown key: a close name in its section, or the same name one section
-    down (`lr=...` for `trainer.lr=...`); empty when there is none."""
+    """`; did you mean ...?` for an unknown key: another framework's name for a kv4rl key, a close name in its
+    section, or the same name one section down (`lr=...` for `trainer.lr=...`); empty when there is none."""
+    if name in OTHER_FRAMEWORKS:
+        return f"; {OTHER_FRAMEWORKS[name]}"
     dotted = lambda n: f"{prefix}.{n}" if prefix else n  # noqa: E731
     nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
               if _is_section(tp) and name in _schema(tp)]

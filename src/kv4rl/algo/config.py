@@ -119,9 +119,12 @@ class AlgoConfig:
                 continue
             current, default = self.section(name), spec.settings()
             lines += [f"algo.{key}={getattr(current, key)!r} belongs to algo.loss={name}; "
-                      f"algo.loss={self.loss} ignores it"
+                      f"algo.loss={self.loss} ignores it{_BETA_HINT if key == 'beta' else ''}"
                       for key in spec.keys() if getattr(current, key) != getattr(default, key)]
         return lines
+
+
+_BETA_HINT = " (TRL's beta, the reference-KL coefficient, is algo.kl_ref_coef)"
 
 
 @dataclass(kw_only=True, slots=True)
