@@ -248,10 +248,10 @@ class RunConfig:
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
              f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),
             *[(problem is None, problem) for problem in
+              # what the run writes (its folder) and its prompt text; files it only reads may be named in any bytes
               (text_problem(key, str(value), path=key != "data.prompt_template") for key, value in (
-                  ("name", self.name), ("out_dir", self.out_dir), ("model.path", self.model.path),
-                  ("data.train", self.data.train), ("data.eval", self.data.eval),
-                  ("data.prompt_template", self.data.prompt_template)) if value is not None)],
+                  ("name", self.name), ("out_dir", self.out_dir), ("data.prompt_template", self.data.prompt_template))
+               if value is not None)],
             (bool(self.name) and "/" not in self.name and self.name not in (".", "..")
              and not any(unicodedata.category(c) == "Cc" for c in self.name),
              f"name={self.name!r}: must be a folder name (not empty, '.' or '..', no '/' or control characters)"),

@@ -33,20 +33,19 @@ def free_sibling(path: Path, suffix: str) -> Path:
 
 def text_problem(key: str, value: str, path: bool = True) -> str | None:
     """Why `value` (a name, path or template a user gave; `path`: used as a file name) cannot be written as
-    UTF-8 text or used as a file name here, or None. Tokenizers, TensorBoard and JSON write UTF-8 only: a path
-    whose bytes are not UTF-8 (it reaches Python as lone surrogates) failed at the first checkpoint, after the
-    run's first iterations. Under a locale whose encoding is not UTF-8 (`LC_ALL=C` with `PYTHONUTF8=0`),
-    non-ASCII arguments arrive so too, and a non-ASCII path cannot be a file name."""
-    raw = os.fsencode(value) if path or not _encodes(value, "utf-8") else value.encode("utf-8")
-    shown = raw.decode("utf-8", "backslashreplace")  # the bytes as given, readable
+    UTF-8 text or used as a file name here, or None. Tokenizers, TensorBoard and JSON write UTF-8 only: a run
+    folder whose path's bytes are not UTF-8 (they reach Python as lone surrogates) failed at the first
+    checkpoint, after the run's first iterations. Under a locale whose encoding is not UTF-8 (`LC_ALL=C` with
+    `PYTHONUTF8=0`) non-ASCII arguments arrive so too, and a non-ASCII path cannot be a file name."""
+    shown = readable(value)
     locale_hint = (f"{key}='{shown}': this locale's encoding ({sys.getfilesystemencoding()}) cannot hold it; run "
                    f"under a UTF-8 locale (LANG=C.UTF-8) or with PYTHONUTF8=1")
     if not _encodes(value, "utf-8"):
         try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
+            value.encode("utf-8", "surrogateescape").decode("utf-8")
+        except UnicodeError:  # bytes that are no UTF-8, or a surrogate that stands for no byte at all
             return f"{key}='{shown}' holds bytes that are not UTF-8 text (written in another encoding?); give it in UTF-8"
-        return locale_hint
+        return locale_hint  # UTF-8 bytes a non-UTF-8 locale passed on as surrogate escapes
     if path and not _encodes(value, None):
         return locale_hint
     return None
@@ -64,5 +63,8 @@ def _encodes(value: str, encoding: str | None) -> bool:
 def readable(text: str) -> str:
     """`text` (a folder name from the file system) as valid UTF-8 text: the bytes a non-UTF-8 locale passed on
     as surrogate escapes decoded as UTF-8, bytes that are no UTF-8 shown as \\xNN (matplotlib and a UTF-8
-    CSV cannot hold lone surrogates)."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    CSV cannot hold lone surrogates), any other lone surrogate as \\udNNN."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -32,23 +32,28 @@ CASES = [(d, hkv, hq, name) for d, hkv, hq, names in SHAPES for name in names]
 LENS = [1, 7, 16, 17, 150, 1000, 2049]
 
 
-def _kernels(magic: bool):
+def _kernels(variant: str):
+    """The engine's launch settings (`default`: heads on M for BF16/FP8, tokens on M with the bit-trick
+    conversions for INT4/KV4), or every kind with tokens on M, with or without those conversions."""
     from kv4rl.kernels.decode_attention import DEFAULT_LAUNCH, DecodeKernels
 
-    launch = {kind: {**cfg, "tokens_on_m": True, "magic": magic} for kind, cfg in DEFAULT_LAUNCH.items()}
+    if variant == "default":
+        return DecodeKernels(DEFAULT_LAUNCH, int4_cuda=False, fp8_cuda=False)
+    launch = {kind: {**cfg, "tokens_on_m": True, "magic": variant == "tokens_on_m+magic"}
+              for kind, cfg in DEFAULT_LAUNCH.items()}
     return DecodeKernels(launch, int4_cuda=False, fp8_cuda=False)
 
 
-@pytest.mark.parametrize("magic", [False, True], ids=["plain", "magic"])
+@pytest.mark.parametrize("variant", ["default", "tokens_on_m", "tokens_on_m+magic"])
 @pytest.mark.parametrize("head_dim,hkv,hq,name", CASES)
-def test_decode_kernels_at_other_head_shapes(head_dim, hkv, hq, name, magic):
+def test_decode_kernels_at_other_head_shapes(head_dim, hkv, hq, name, variant):
     gen = fresh_generator()
     fmt = make_format(name, head_dim, n_sink=4, n_recent=128)
     cache, meta = random_paged_batch(fmt, LENS, hkv, head_dim, 16, DEVICE, gen)
     q = torch.randn(len(LENS), hq, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
     ref = reference_decode(fmt, cache, meta, q)
     for max_splits, split in [(1, max(LENS)), (8, 320), (64, 64)]:
-        out = fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=torch.float32, kernels=_kernels(magic))
+        out = fast_decode(fmt, cache, meta, q, max_splits, split, out_dtype=torch.float32, kernels=_kernels(variant))
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < TOL, (max_splits, split, rel_err(out, ref))
         for i in range(len(LENS)):
