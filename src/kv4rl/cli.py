@@ -106,8 +106,8 @@ def train(
 
 
 def _train_command(config: Path | None, overrides: list[str] | None, resume: Path | None, overwrite: bool,
-                   verbose: bool,
-               progress: bool, print_config: bool, seeds: str | None = None, parallel: int | None = None) -> None:
+                   verbose: bool, progress: bool, print_config: bool, seeds: str | None = None,
+                   parallel: int | None = None) -> None:
     """`kv4rl train` once its signals are held: one run (or, with --seeds / --parallel, the seeds' runs)."""
     from kv4rl.config import load_config
     from kv4rl.loop import train as run_train

@@ -44,7 +44,8 @@ def text_problem(key: str, value: str, path: bool = True) -> str | None:
         try:
             value.encode("utf-8", "surrogateescape").decode("utf-8")
         except UnicodeError:  # bytes that are no UTF-8, or a surrogate that stands for no byte at all
-            return f"{key}='{shown}' holds bytes that are not UTF-8 text (written in another encoding?); give it in UTF-8"
+            return (f"{key}='{shown}' holds bytes that are not UTF-8 text (written in another encoding?); "
+                    f"give it in UTF-8")
         return locale_hint  # UTF-8 bytes a non-UTF-8 locale passed on as surrogate escapes
     if path and not _encodes(value, None):
         return locale_hint

@@ -192,8 +192,9 @@ def _holds_samples(cfg: RunConfig) -> bool:
 
 def _say_changed(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
     """One warning naming every setting the resume's overrides change (`trainer.iterations`, the way to
-    train longer, aside unless a decaying learning-rate schedule stretches with it): the run's config.yaml takes them, so the rows after the checkpoint were trained
-    under other settings than the rows before, which nothing else in the folder records."""
+    train longer, aside unless a decaying learning-rate schedule stretches with it): the run's config.yaml
+    takes them, so the rows after the checkpoint were trained under other settings than the rows before,
+    which nothing else in the folder records."""
     from kv4rl.distributed import prints_setup_errors
 
     if not prints_setup_errors():  # under torchrun every rank reads the same folder: one says it
