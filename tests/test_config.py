@@ -213,6 +213,9 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
                                "token_mean, grpo: seq_mean)"),
     ("trainer.num_iterations=2", "unknown config key 'trainer.num_iterations'; TRL's num_iterations is "
                                  "trainer.epochs_per_batch (with algo.old_logprob=recompute)"),
+    ("delta=3", "unknown config key 'delta'; TRL's delta is algo.dual_clip"),
+    ("optim.lr=1e-6", "unknown config key 'optim'; verl's optim keys are trainer.lr, trainer.weight_decay, "
+                      "trainer.warmup_iters, trainer.lr_schedule and trainer.min_lr_ratio"),
     ("trainer.lrr=1e-5", "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
     ("engine.kv.fromat=kv4", "unknown config key 'engine.kv.fromat'; did you mean engine.kv.format?"),
 ])

@@ -156,6 +156,17 @@ OTHER_FRAMEWORKS = {
     "warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
     "lr_warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
     "train_batch_size": "verl's train_batch_size (prompts per step) is rollout.quota_groups",
+    "delta": "TRL's delta is algo.dual_clip",
+    "warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
+    "lr_warmup_steps_ratio": "the warm-up is trainer.warmup_iters, in iterations",
+    "warmup_style": "the schedule is trainer.lr_schedule (constant, linear or cosine)",
+    "per_device_train_batch_size": "TRL's per_device_train_batch_size (completions) is trainer.micro_batch_size; "
+                                   "the prompts per iteration are rollout.quota_groups",
+    "generation_batch_size": "TRL's generation_batch_size (completions) is rollout.quota_groups x rollout.group_size",
+    "steps_per_generation": "TRL's steps_per_generation / gradient_accumulation_steps (optimizer steps per "
+                            "generation) is trainer.updates_per_batch",
+    "optim": "verl's optim keys are trainer.lr, trainer.weight_decay, trainer.warmup_iters, trainer.lr_schedule "
+             "and trainer.min_lr_ratio",
 }
 
 
