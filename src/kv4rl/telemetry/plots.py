@@ -7,7 +7,6 @@ import math
 from array import array
 from pathlib import Path
 
-from kv4rl.paths import readable
 from kv4rl.telemetry.metrics import distinct_runs, iter_rows, run_labels
 
 
@@ -23,10 +22,6 @@ def _pyplot():
 def _save(fig, out_png: Path) -> Path:
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    from matplotlib.text import Text
-
-    for text in fig.findobj(Text):  # run names from folder names: lone surrogates stopped the drawing
-        text.set_text(readable(text.get_text()))
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     _pyplot().close(fig)
@@ -37,11 +32,10 @@ def write_csv(rows: list[dict], path: Path) -> Path:
     """The numbers behind a figure, one row per plotted point (columns from the first row)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=[readable(str(key)) for key in rows[0]])
+    with path.open("w", newline="", encoding="utf-8") as f:  # run names are UTF-8 text (`paths.readable`)
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows([{readable(str(k)): readable(v) if isinstance(v, str) else v for k, v in row.items()}
-                          for row in rows])
+        writer.writerows(rows)
     return path
 
 
