@@ -1,8 +1,10 @@
 """Rollout orchestration: quota-based partial rollout, sync mode, lag, refresh, max_versions."""
 
+import io
 import random
 
 import pytest
+import torch
 
 from kv4rl.data.source import ProblemSource
 from kv4rl.engine.config import EngineConfig, KVConfig
@@ -23,6 +25,18 @@ def make_engine(path, slots, num_blocks=None, prefix_sharing=True, async_schedul
     cfg = EngineConfig(kv=KVConfig(format="fp32", block_size=4), num_kv_blocks=num_blocks, max_model_len=96,
                        prefix_sharing=prefix_sharing, async_scheduling=async_scheduling)
     return Engine(path, cfg, max_num_seqs=slots, device="cpu", dtype="float32", seed=0)
+
+
+def restored(pipe, build, version: int):
+    """`pipe` saved with torch.save and loaded into a fresh pipeline (`build() -> (collector, pipeline)`) whose
+    engine holds weights `version`, as a resumed run's; returns the new (collector, pipeline)."""
+    saved = io.BytesIO()
+    torch.save(pipe.state_dict(), saved)
+    saved.seek(0)
+    col, fresh = build()
+    col.engine.version = version
+    fresh.load_state_dict(torch.load(saved, weights_only=False))
+    return col, fresh
 
 
 def make_collector(path, lengths, *, mode="partial", quota=2, group=2, slots=4, carry="keep_kv", num_blocks=None,
@@ -189,10 +203,6 @@ def test_a_checkpoint_keeps_responses_that_stopped_in_the_drained_step(tiny_qwen
     """`state_dict` saved the engine's queues and the groups, but a response that stopped in the step a refresh
     drained was in neither: after a resume its group never completed. Reference: every group started is
     delivered once, as in an uninterrupted run."""
-    import io
-
-    import torch
-
     path, _ = tiny_qwen3
     lengths = lambda g, j: 1 + (3 * g + 5 * j) % 7
     col, pipe = async_pipeline(path, StalenessConfig(), lengths)
@@ -249,10 +259,6 @@ def test_a_checkpoint_keeps_the_trace_of_the_step_a_refresh_read(tiny_qwen3):
     """The record of the step a refresh drained (async scheduling) waited in the engine for the next `step`;
     `state_dict` did not save it, so a resumed run's next batch traced one step fewer than an uninterrupted
     run's (`decode_steps` 3 for 4, `slot_util` off). Reference: the same pipeline run without a checkpoint."""
-    import io
-
-    import torch
-
     path, _ = tiny_qwen3
     lengths = lambda g, j: 1 + (3 * g + 5 * j) % 7
 
@@ -265,12 +271,7 @@ def test_a_checkpoint_keeps_the_trace_of_the_step_a_refresh_read(tiny_qwen3):
             col.engine.load_weights(col.engine.weights_state(), version=u + 1)
             pipe.after_update(u, True)
             if u == save_after:
-                saved = io.BytesIO()
-                torch.save(pipe.state_dict(), saved)
-                saved.seek(0)
-                col, pipe = async_pipeline(path, StalenessConfig(), lengths)
-                col.engine.version = u + 1
-                pipe.load_state_dict(torch.load(saved, weights_only=False))
+                col, pipe = restored(pipe, lambda: async_pipeline(path, StalenessConfig(), lengths), u + 1)
         return traces
 
     whole = run(None)

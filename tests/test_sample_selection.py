@@ -3,12 +3,10 @@
 re-sampled responses, a resume that keeps their attempt counts, per-token staleness, each row's advantage."""
 
 import collections
-import io
 import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from kv4rl.data.source import ProblemSource
 from kv4rl.engine.sequence import Completion
@@ -16,7 +14,7 @@ from kv4rl.rollout.config import StalenessConfig
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.telemetry.run_stats import staleness_stats
 from kv4rl.trainer.batch import build_batch
-from tests.test_rollout import make_collector
+from tests.test_rollout import make_collector, restored
 
 N = 20
 
@@ -119,22 +117,18 @@ def test_a_resume_keeps_each_responses_resample_count(tiny_qwen3):
     path, _ = tiny_qwen3
     staleness = StalenessConfig(max_versions=1)
 
-    def run(save_after=None, updates=10):
+    def build():
         col = make_collector(path, _long_every_third, mode="partial", quota=2, group=2, slots=4, carry="recompute")
-        pipe, out = RolloutPipeline(col, staleness), []
+        return col, RolloutPipeline(col, staleness)
+
+    def run(save_after=None, updates=10):
+        (col, pipe), out = build(), []
         for u in range(updates):
             out.append([(g.index, [tuple(c.token_ids) for c in g.completions]) for g in pipe.next_batch()])
             col.engine.load_weights(col.engine.weights_state(), version=u + 1)
             pipe.after_update(u, True)
             if u == save_after:
-                buffer = io.BytesIO()
-                torch.save(pipe.state_dict(), buffer)
-                buffer.seek(0)
-                col = make_collector(path, _long_every_third, mode="partial", quota=2, group=2, slots=4,
-                                     carry="recompute")
-                col.engine.version = u + 1
-                pipe = RolloutPipeline(col, staleness)
-                pipe.load_state_dict(torch.load(buffer, weights_only=False))
+                col, pipe = restored(pipe, build, u + 1)
         return out, col.num_dropped
 
     whole, dropped = run()
