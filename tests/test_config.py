@@ -1,5 +1,6 @@
 """Config loading: YAML + dotted overrides into typed dataclasses; errors name the key."""
 
+import logging
 import re
 
 import pytest
@@ -210,7 +211,7 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
     ("beta=0.04", "unknown config key 'beta'; TRL's beta (the reference-KL coefficient) is algo.kl_ref_coef; "
                   "algo.beta is future_kl's future-KL cost"),
     ("algo.loss_type=dr_grpo", "unknown config key 'algo.loss_type'; TRL's loss_type is algo.loss_agg (dapo: "
-                               "token_mean, grpo: seq_mean)"),
+                               "token_mean, grpo: seq_mean, dr_grpo: token_sum_norm)"),
     ("trainer.num_iterations=2", "unknown config key 'trainer.num_iterations'; TRL's num_iterations is "
                                  "trainer.epochs_per_batch (with algo.old_logprob=recompute)"),
     ("delta=3", "unknown config key 'delta'; TRL's delta is algo.dual_clip"),
@@ -259,3 +260,33 @@ def test_an_override_that_yaml_would_cut_at_a_comment_is_refused():
     assert kept.data.prompt_template == "### Question: {problem} #1"
     assert load_config(overrides=["data.prompt_template=C# {problem}"]).data.prompt_template == "C# {problem}"
 
+
+
+def test_token_sum_norms_length_is_checked_and_said_to_be_unused_elsewhere(caplog, tmp_path):
+    """algo.loss_norm_tokens is read by token_sum_norm only; a run's learner gets rollout.max_new_tokens as the
+    length unless it is set, and a Learner built without either is refused by name."""
+    with pytest.raises(ConfigError, match=r"algo.loss_norm_tokens must be >= 1"):
+        load_config(overrides=["algo.loss_agg=token_sum_norm", "algo.loss_norm_tokens=0"])
+    with caplog.at_level(logging.WARNING):
+        load_config(overrides=["algo.loss_agg=token_sum_norm", "algo.loss_norm_tokens=512"])
+    assert not [m for m in caplog.messages if "loss_norm_tokens" in m]
+    with caplog.at_level(logging.WARNING):
+        load_config(overrides=["algo.loss_norm_tokens=512"])
+    assert [m for m in caplog.messages if "loss_norm_tokens" in m] == [
+        "algo.loss_norm_tokens=512 is read by algo.loss_agg=token_sum_norm only; algo.loss_agg=token_mean ignores it"]
+
+    import torch
+
+    from kv4rl.run_setup import build_learner
+    from kv4rl.trainer.learner import Learner
+    from tests.conftest import make_checkpoint
+
+    make_checkpoint(tmp_path)
+    cfg = load_config(overrides=["algo.loss_agg=token_sum_norm", "rollout.max_new_tokens=24", "device=cpu"])
+    assert build_learner(cfg, tmp_path, tmp_path, torch.device("cpu")).norm_tokens == 24
+    cfg = load_config(overrides=["algo.loss_agg=token_sum_norm", "algo.loss_norm_tokens=40", "device=cpu"])
+    assert build_learner(cfg, tmp_path, tmp_path, torch.device("cpu")).norm_tokens == 40
+    with pytest.raises(ValueError, match="token_sum_norm divides by a constant length: set algo.loss_norm_tokens"):
+        Learner(tmp_path, None, algo=cfg.algo.__class__(loss_agg="token_sum_norm"), lr=1e-3, weight_decay=0.0,
+                betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=2, updates_per_batch=1, temperature=1.0,
+                device=torch.device("cpu"))

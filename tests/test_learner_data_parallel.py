@@ -65,12 +65,14 @@ def checkpoint(tmp_path_factory):
 
 
 FUTURE_KL_SEQ_MEAN = {"loss": "future_kl", "loss_agg": "seq_mean", "horizon": 4, "is_mode": "sequence"}
+DR_GRPO = {"loss_agg": "token_sum_norm", "loss_norm_tokens": 16}  # each rank's own 4 rows would double the step
 
 
 @pytest.mark.parametrize("packed,old_logprob,algo,uneven", [
     (False, "behavior", None, False), (True, "behavior", None, False), (True, "recompute", None, False),
-    (False, "behavior", None, True), (True, "behavior", FUTURE_KL_SEQ_MEAN, True)],
-    ids=["padded", "packed", "packed-recompute", "padded-uneven-tokens", "packed-uneven-future-kl-seq-mean"])
+    (False, "behavior", None, True), (True, "behavior", FUTURE_KL_SEQ_MEAN, True), (False, "behavior", DR_GRPO, True)],
+    ids=["padded", "packed", "packed-recompute", "padded-uneven-tokens", "packed-uneven-future-kl-seq-mean",
+         "padded-uneven-token-sum-norm"])
 def test_two_ranks_equal_one_process_on_the_whole_batch(checkpoint, tmp_path, packed, old_logprob, algo, uneven):
     single = _step(checkpoint, list(range(len(LENGTHS))), packed, old_logprob, algo)
     ranks = run_on_gloo_ranks(_half_batch_step, 2, tmp_path, str(checkpoint), packed, old_logprob, algo, uneven)

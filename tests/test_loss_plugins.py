@@ -290,7 +290,7 @@ def _readme_loss_module() -> str:
     return readme[start:readme.index("```", start)]
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean", "token_sum_norm"])
 def test_the_readme_example_loss_adds_up_over_micro_batches(tmp_path, monkeypatch, loss_agg):
     """The README's `stale_pg`, loaded through `algo.plugins` as documented: its loss on a batch equals the
     sum over micro-batches of whole rows (full-batch denominators, as the learner passes them), and its
@@ -312,7 +312,7 @@ def test_the_readme_example_loss_adds_up_over_micro_batches(tmp_path, monkeypatc
 
         def run(rows):
             inp = LossInputs(logprobs=logprobs[rows], advantages=advantages[rows], mask=mask[rows],
-                             versions=versions[rows], num_tokens=num_tokens, num_seqs=num_seqs)
+                             versions=versions[rows], num_tokens=num_tokens, num_seqs=num_seqs, norm_tokens=6.0)
             return fn(inp, algo)
 
         whole, metrics = run(slice(None))
@@ -321,6 +321,8 @@ def test_the_readme_example_loss_adds_up_over_micro_batches(tmp_path, monkeypatc
         per_token = -(weights * advantages * logprobs.detach())
         if loss_agg == "token_mean":
             want = per_token.sum() / num_tokens
+        elif loss_agg == "token_sum_norm":
+            want = per_token.sum() / (num_seqs * 6.0)
         else:
             want = (per_token.sum(1) / mask.sum(1)).sum() / num_seqs
         assert float(whole) == pytest.approx(float(want), rel=1e-12)

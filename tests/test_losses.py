@@ -126,6 +126,39 @@ def test_aggregate_modes_by_hand():
         aggregate(values, mask, "sum")
     with pytest.raises(ValueError, match="num_tokens"):
         aggregate(values, mask, "token_mean", num_tokens=0.0)
+    # Dr. GRPO: every response's token sum over one constant length, then the mean over responses
+    assert aggregate(values, mask, "token_sum_norm", norm_tokens=5.0).item() == pytest.approx((1 + 2 + 4) / (2 * 5))
+    assert aggregate(values, mask, "token_sum_norm", num_seqs=5.0, norm_tokens=4.0).item() == pytest.approx(7 / 20)
+    with pytest.raises(ValueError, match="token_sum_norm' needs norm_tokens"):
+        aggregate(values, mask, "token_sum_norm")
+    with pytest.raises(ValueError, match="norm_tokens must be > 0"):
+        aggregate(values, mask, "token_sum_norm", norm_tokens=0.0)
+
+
+def test_token_sum_norm_equals_trls_dr_grpo_loss_and_weighs_every_token_alike():
+    """TRL's `loss_type: dr_grpo` written out in float64: per-token −min(ρA, clip(ρ)A), summed over the
+    batch's response tokens and divided by rows x max_completion_length. A token's gradient does not depend
+    on its response's length (under seq_mean a 2-token response's tokens weigh 2.5x a 5-token one's)."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([2, 5, 4])
+    mask = (torch.arange(6)[None] < lengths[:, None]).double()
+    behavior = -torch.rand(3, 6, generator=gen, dtype=torch.float64) * 2
+    logprobs = (behavior + 0.3 * torch.randn(3, 6, generator=gen, dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([[1.5], [-0.5], [0.25]], dtype=torch.float64).expand(3, 6) * mask
+    cfg = AlgoConfig(loss="ppo_clip", loss_agg="token_sum_norm", eps_low=0.2, eps_high=0.28)
+    max_completion_length = 8
+    loss, _ = get_loss("ppo_clip")(LossInputs(logprobs=logprobs, behavior_logprobs=behavior, advantages=adv,
+                                              mask=mask, norm_tokens=max_completion_length), cfg)
+    ratio = torch.exp(logprobs.detach() - behavior)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - 0.2, 1 + 0.28) * adv)
+    trl = (per_token * mask).sum() / (3 * max_completion_length)
+    assert loss.item() == pytest.approx(trl.item(), rel=1e-12)
+    # at ρ = 1 (nothing clipped) d loss / d log π = −A / (rows · L) at every response token, whatever its length
+    at_one = behavior.clone().requires_grad_()
+    loss, _ = get_loss("ppo_clip")(LossInputs(logprobs=at_one, behavior_logprobs=behavior, advantages=adv,
+                                              mask=mask, norm_tokens=max_completion_length), cfg)
+    (grad,) = torch.autograd.grad(loss, at_one)
+    torch.testing.assert_close(grad, -adv / (3 * max_completion_length), rtol=0, atol=1e-15)
 
 
 def _random_batch(seed, with_ref=True):
@@ -151,14 +184,17 @@ CONFIGS = [
     AlgoConfig(loss="ppo_clip", loss_agg="seq_mean", eps_high=0.28),
     AlgoConfig(loss="future_kl", loss_agg="token_mean", horizon=2, is_mode="token", future_cost_clip=0.5),
     AlgoConfig(loss="future_kl", loss_agg="seq_mean", is_mode="sequence", kl_ref_coef=0.2),
+    AlgoConfig(loss="ppo_clip", loss_agg="token_sum_norm", kl_ref_coef=0.1),
+    AlgoConfig(loss="future_kl", loss_agg="token_sum_norm", horizon=3),
 ]
+NORM_TOKENS = 9.0  # token_sum_norm's constant length (rollout.max_new_tokens in a run)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss}-{c.loss_agg}")
 def test_micro_batches_with_full_denominators_equal_the_full_batch(cfg):
     batch = _random_batch(0)
     loss_fn = get_loss(cfg.loss)
-    full_loss, full_metrics = loss_fn(LossInputs(**batch), cfg)
+    full_loss, full_metrics = loss_fn(LossInputs(**batch, norm_tokens=NORM_TOKENS), cfg)
     (full_grad,) = torch.autograd.grad(full_loss, batch["logprobs"])
 
     num_tokens, num_seqs = batch_denominators(batch["mask"])
@@ -166,7 +202,8 @@ def test_micro_batches_with_full_denominators_equal_the_full_batch(cfg):
     parts = []
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
         micro = {k: (v[rows] if v is not None else None) for k, v in batch.items()}
-        loss, metrics = loss_fn(LossInputs(**micro, num_tokens=num_tokens, num_seqs=num_seqs), cfg)
+        loss, metrics = loss_fn(LossInputs(**micro, num_tokens=num_tokens, num_seqs=num_seqs, norm_tokens=NORM_TOKENS),
+                                cfg)
         total = total + loss
         parts.append((metrics, float(micro["mask"].sum())))
     (micro_grad,) = torch.autograd.grad(total, batch["logprobs"])
@@ -268,7 +305,7 @@ def test_garbage_in_padding_never_reaches_loss_or_gradient(cfg):
     dirty["logprobs"].requires_grad_()
     losses, grads = [], []
     for batch in (clean, dirty):
-        loss, metrics = get_loss(cfg.loss)(LossInputs(**batch), cfg)
+        loss, metrics = get_loss(cfg.loss)(LossInputs(**batch, norm_tokens=NORM_TOKENS), cfg)
         losses.append(loss)
         grads.append(torch.autograd.grad(loss, batch["logprobs"])[0])
         assert all(math.isfinite(v) for v in metrics.values())
@@ -314,6 +351,7 @@ def test_shape_mismatch_is_a_value_error():
         ("kl_ref_coef", -0.1),
         ("loss", "pg"),
         ("loss_agg", "sum"),
+        ("loss_norm_tokens", 0),
         ("is_mode", "seq"),
         ("old_logprob", "old"),
     ],

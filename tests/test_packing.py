@@ -24,7 +24,7 @@ def ragged_batch(seed=0):
 def make_learner(path, max_tokens, micro=8, updates=1, agg="token_mean"):
     return Learner(path, None, algo=AlgoConfig(loss_agg=agg), lr=1e-3, weight_decay=0.0,
                    betas=(0.9, 0.999), grad_clip=1e9, micro_batch_size=micro, updates_per_batch=updates,
-                   temperature=1.0, device=torch.device("cpu"), max_tokens_per_micro_batch=max_tokens)
+                   temperature=1.0, device=torch.device("cpu"), max_tokens_per_micro_batch=max_tokens, max_new_tokens=12)
 
 
 def test_plan_fills_first_fits_count_of_micro_batches_evenly_and_a_long_row_goes_alone():
@@ -71,7 +71,7 @@ def test_pack_rows_lays_real_tokens_end_to_end_with_restarting_positions():
     assert packed.gather[1, :6].tolist() == list(range(7, 13)) and not packed.valid[1, 6:].any()
 
 
-@pytest.mark.parametrize("agg, updates", [("token_mean", 1), ("seq_mean", 2)])
+@pytest.mark.parametrize("agg, updates", [("token_mean", 1), ("seq_mean", 2), ("token_sum_norm", 2)])
 def test_packed_and_padded_give_the_same_logprobs_gradients_and_update(tiny_qwen3, agg, updates):
     """The loss gets the mini-batch's token and sequence counts either way; with two updates the
     mini-batches are rows 0-2 and 3-4 in both paths."""

@@ -145,8 +145,9 @@ OTHER_FRAMEWORKS = {
     "epsilon": "TRL's epsilon is algo.eps_low (and algo.eps_high, which it also sets)",
     "epsilon_high": "TRL's epsilon_high is algo.eps_high",
     "clip_ratio": "verl's clip_ratio is algo.eps_low and algo.eps_high",
-    "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean)",
-    "loss_agg_mode": "verl's loss_agg_mode is algo.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean)",
+    "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean, dr_grpo: token_sum_norm)",
+    "loss_agg_mode": "verl's loss_agg_mode is algo.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean, "
+                     "seq-mean-token-sum-norm: token_sum_norm)",
     "num_iterations": "TRL's num_iterations is trainer.epochs_per_batch (with algo.old_logprob=recompute)",
     "ppo_epochs": "verl's ppo_epochs is trainer.epochs_per_batch",
     "max_completion_length": "TRL's max_completion_length is rollout.max_new_tokens",

@@ -108,7 +108,7 @@ def build_learner(cfg: RunConfig, policy_dir: Path, base_dir: Path, device: torc
                    max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, ref_kl_every=t.ref_kl_every,
                    attention=t.attention, group=group, fuse_elementwise=t.fuse_elementwise,
                    compile_layers=t.compile_layers, fused_logprobs=t.fused_logprobs,
-                   offload_optimizer=t.offload_optimizer)
+                   offload_optimizer=t.offload_optimizer, max_new_tokens=cfg.rollout.max_new_tokens)
 
 
 def check_same_stream(restore: Restore, now: dict, run_config: Path | None = None) -> None:

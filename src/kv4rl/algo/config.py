@@ -18,7 +18,8 @@ from kv4rl.algo.registry import COMMON_KEYS, LOSSES, get_loss, import_plugins, k
 class AlgoConfig:
     """The policy loss (docs/objectives.md): the keys every loss shares plus each registered loss's settings.
 
-    `loss` names a registered loss; `kl_ref_coef > 0` adds the k3 reference KL to it (each token's k3 capped
+    `loss` names a registered loss; `loss_agg` reduces its per-token terms, and `loss_norm_tokens` is
+    `token_sum_norm`'s constant length (null: the run's `rollout.max_new_tokens`); `kl_ref_coef > 0` adds the k3 reference KL to it (each token's k3 capped
     at `kl_ref_clamp` where set, as verl's low_var_kl caps it at 10); `plugins`
     lists modules to import first, which register more losses. Every other `algo.*` key belongs to
     one loss's settings dataclass (see `registry`) and reads back as an attribute (`cfg.eps_low`)
@@ -26,13 +27,15 @@ class AlgoConfig:
     this is not a dataclass: the config loader asks `config_schema()` and `config_values()`.
     """
 
-    __slots__ = ("_sections", "kl_ref_clamp", "kl_ref_coef", "loss", "loss_agg", "plugins")
+    __slots__ = ("_sections", "kl_ref_clamp", "kl_ref_coef", "loss", "loss_agg", "loss_norm_tokens", "plugins")
 
-    def __init__(self, *, loss: str = "ppo_clip", loss_agg: AggMode = "token_mean", kl_ref_coef: float = 0.0,
-                 kl_ref_clamp: float | None = None, plugins: list[str] | None = None, **loss_keys: Any):
+    def __init__(self, *, loss: str = "ppo_clip", loss_agg: AggMode = "token_mean", loss_norm_tokens: int | None = None,
+                 kl_ref_coef: float = 0.0, kl_ref_clamp: float | None = None, plugins: list[str] | None = None,
+                 **loss_keys: Any):
         self.plugins = list(plugins or [])
         import_plugins(self.plugins)  # before the keys below: a plugin's loss owns some of them
         self.loss, self.loss_agg, self.kl_ref_coef, self.kl_ref_clamp = loss, loss_agg, kl_ref_coef, kl_ref_clamp
+        self.loss_norm_tokens = loss_norm_tokens
         self._sections: dict[str, Any] = {}
         for key, value in loss_keys.items():
             try:
@@ -98,6 +101,9 @@ class AlgoConfig:
             raise ValueError(f"algo.loss: unknown loss {self.loss!r} (registered: {', '.join(sorted(LOSSES))}; "
                              "a loss of your own needs algo.plugins=[its module])")
         require_choice("algo.loss_agg", self.loss_agg, typing.get_args(AggMode))
+        if self.loss_norm_tokens is not None and not self.loss_norm_tokens >= 1:
+            raise ValueError(f"algo.loss_norm_tokens must be >= 1 (or null: rollout.max_new_tokens), "
+                             f"got {self.loss_norm_tokens}")
         if not self.kl_ref_coef >= 0.0:
             raise ValueError(f"algo.kl_ref_coef must be >= 0, got {self.kl_ref_coef}")
         if self.kl_ref_clamp is not None and not self.kl_ref_clamp > 0.0:
@@ -114,6 +120,9 @@ class AlgoConfig:
         """One line per key set away from its default in the section of a loss this run does not
         use. Not an error: a config written for one loss stays loadable with `algo.loss` switched."""
         lines = []
+        if self.loss_norm_tokens is not None and self.loss_agg != "token_sum_norm":
+            lines.append(f"algo.loss_norm_tokens={self.loss_norm_tokens} is read by algo.loss_agg=token_sum_norm "
+                         f"only; algo.loss_agg={self.loss_agg} ignores it")
         for name, spec in LOSSES.items():
             if name == self.loss or spec.settings is None:
                 continue

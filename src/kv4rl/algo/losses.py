@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from kv4rl.algo.aggregation import aggregate
 from kv4rl.algo.logprobs import k3_kl
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
@@ -120,7 +119,7 @@ def _with_ref_kl(
     if cfg.kl_ref_coef > 0:
         if cfg.kl_ref_clamp is not None:  # verl's low_var_kl: a token past the cap adds the cap, and no gradient
             k3 = k3.clamp(max=cfg.kl_ref_clamp)
-        term = aggregate(k3, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
+        term = inp.aggregate(k3, valid, cfg.loss_agg)
         loss = loss + cfg.kl_ref_coef * term.to(loss.dtype)
     return loss
 
@@ -167,7 +166,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
     if s.dual_clip is not None:
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)
-    loss = -aggregate(surrogate, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
+    loss = -inp.aggregate(surrogate, valid, cfg.loss_agg)
 
     ratio = ratio.detach()
     clipped_high = valid & (adv > 0) & (ratio > 1.0 + s.eps_high)
@@ -240,7 +239,7 @@ def future_kl_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, 
     weights, capped = _importance_weights(log_ratio, valid, s)
     adv = torch.where(valid, inp.advantages.detach(), 0)
     coef = torch.where(valid, weights * (adv - s.beta * charged), 0)
-    loss = -aggregate(coef * inp.logprobs, valid, cfg.loss_agg, inp.num_tokens, inp.num_seqs)
+    loss = -inp.aggregate(coef * inp.logprobs, valid, cfg.loss_agg)
 
     credit_mean = _mean(credit, valid)
     stats = {

@@ -35,14 +35,16 @@ LOSS_INPUTS: dict[str, str] = {
     "ref_logprobs": "log π_ref of the frozen reference policy (one extra forward; given when the run has one)",
     "versions": "policy version that sampled each token (an integer tensor)",
 }
-COMMON_KEYS = ("loss", "loss_agg", "kl_ref_coef", "kl_ref_clamp", "plugins")  # algo keys every loss shares
+# algo keys every loss shares
+COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_clamp", "plugins")
 
 
 @dataclass(kw_only=True)
 class LossInputs:
-    """One (micro-)batch, `[B, T]` tensors. `num_tokens`/`num_seqs`: full-batch denominators
-    (see aggregation). The optional tensors are those of `LOSS_INPUTS`; a loss reads a declared
-    one through `need()`, which says which loss input is missing instead of failing on None.
+    """One (micro-)batch, `[B, T]` tensors. `num_tokens`/`num_seqs`: full-batch denominators, `norm_tokens`
+    `token_sum_norm`'s constant length (see aggregation; `aggregate()` passes all three). The optional
+    tensors are those of `LOSS_INPUTS`; a loss reads a declared one through `need()`, which says which
+    loss input is missing instead of failing on None.
     """
 
     logprobs: Tensor  # learner log π_θ at temperature τ, with grad
@@ -54,6 +56,13 @@ class LossInputs:
     versions: Tensor | None = None
     num_tokens: float | None = None
     num_seqs: float | None = None
+    norm_tokens: float | None = None
+
+    def aggregate(self, values: Tensor, valid: Tensor, mode: str) -> Tensor:
+        """`values [B, T]` reduced over `valid` by `mode` (`algo.loss_agg`) with this batch's denominators."""
+        from kv4rl.algo.aggregation import aggregate
+
+        return aggregate(values, valid, mode, self.num_tokens, self.num_seqs, self.norm_tokens)
 
     def need(self, name: str, why: str = "") -> Tensor:
         """The optional input `name`, or a ValueError that names it (and `why` it is needed)."""

@@ -76,7 +76,8 @@ class Learner:
                  offload: bool = False, max_tokens_per_micro_batch: int | None = None, ref_kl_every: int = 1,
                  attention: str = "auto", group: dist.ProcessGroup | None = None,
                  fuse_elementwise: bool | None = None, compile_layers: bool | None = None,
-                 fused_logprobs: bool | None = None, offload_optimizer: bool = False, epochs_per_batch: int = 1):
+                 fused_logprobs: bool | None = None, offload_optimizer: bool = False, epochs_per_batch: int = 1,
+                 max_new_tokens: int | None = None):
         """`policy_path`/`ref_path` are HF folders, or in-memory transformers models (benchmarks): the
         policy in fp32 on `device`, the reference in the dtype it should run in. `attention`: see
         `trainer.attention` (kv4rl.trainer.attention). `group`: the learner's ranks when they are not
@@ -88,7 +89,9 @@ class Learner:
         gradient) in Triton (`kv4rl.kernels.logprob_head`); None: where those kernels can run on CUDA.
         `offload_optimizer`: AdamW's moments in pinned CPU memory, streamed through the GPU each step
         (`kv4rl.trainer.offloaded_adamw`; CUDA only, not with `offload`). `epochs_per_batch`: passes over the
-        batch, each `updates_per_batch` steps (verl's ppo_epochs), the old policy fixed before the first."""
+        batch, each `updates_per_batch` steps (verl's ppo_epochs), the old policy fixed before the first.
+        `max_new_tokens`: the responses' length cap, `algo.loss_agg=token_sum_norm`'s constant length unless
+        `algo.loss_norm_tokens` sets one."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs,
                               offload_optimizer=offload_optimizer)
         if fused_logprobs is None:
@@ -109,6 +112,10 @@ class Learner:
                 raise ValueError(f"trainer.{name} must be >= {least}, got {value}")
         self.device = device
         self.algo = algo
+        self.norm_tokens = algo.loss_norm_tokens or max_new_tokens
+        if algo.loss_agg == "token_sum_norm" and self.norm_tokens is None:
+            raise ValueError("algo.loss_agg=token_sum_norm divides by a constant length: set algo.loss_norm_tokens "
+                             "(a run passes its rollout.max_new_tokens)")
         self.loss_fn = get_loss(algo.loss)
         self.loss_inputs = self.loss_fn.inputs(algo)  # the optional LossInputs fields to fill
         self.temperature = temperature
@@ -296,7 +303,7 @@ class Learner:
                 optional = {name: getattr(mb, name) for name in FROM_BATCH & self.loss_inputs}
                 optional.update({name: values[mb_rows] for name, values in before_update.items()})
                 inp = LossInputs(logprobs=logp, advantages=mb.advantages, mask=mb.response_mask,
-                                 num_tokens=num_tokens, num_seqs=num_seqs, **optional)
+                                 num_tokens=num_tokens, num_seqs=num_seqs, norm_tokens=self.norm_tokens, **optional)
                 loss, metrics = self.loss_fn(inp, self.algo)
                 if dummy:
                     (loss * 0.0).backward()
