@@ -62,7 +62,7 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("algo.future_cost_clip=.inf", "algo.future_cost_clip: expected a finite number, got inf"),  # "not of type"
     ("algo.dual_clip=abc", "algo.dual_clip: 'abc' is not of type float \\| null"),
     ("device=cudax", "device must be"),
-    ("reward.name=bogus", "reward.name: unknown reward 'bogus'; known: auto, exact, math_verify"),
+    ("reward.name=bogus", "reward.name: unknown reward 'bogus'; known: auto, boxed_format, exact, math_verify"),
     ("data.prompt_template='{problem:d}'", "data.prompt_template: '{problem:d}' does not format a problem"),
     ("data.prompt_template='{problem!x}'", "data.prompt_template: '{problem!x}' does not format a problem"),
 ])
@@ -215,6 +215,8 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
     ("trainer.num_iterations=2", "unknown config key 'trainer.num_iterations'; TRL's num_iterations is "
                                  "trainer.epochs_per_batch (with algo.old_logprob=recompute)"),
     ("delta=3", "unknown config key 'delta'; TRL's delta is algo.dual_clip"),
+    ("reward.reward_weights=[1,2]", "unknown config key 'reward.reward_weights'; TRL's reward_weights are "
+                                    "reward.weights (reward.name's first)"),
     ("optim.lr=1e-6", "unknown config key 'optim'; verl's optim keys are trainer.lr, trainer.weight_decay, "
                       "trainer.warmup_iters, trainer.lr_schedule and trainer.min_lr_ratio"),
     ("trainer.lrr=1e-5", "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),

@@ -48,6 +48,7 @@ CASES: dict[str, Case] = {
     "kv4rl train": Case(TINY_TRAIN),
     "kv4rl train --config recipes/baseline_clean.yaml trainer.lr=1e-5 rollout.group_size=8": Case(TINY_TRAIN),
     "kv4rl train --resume runs/tiny-arith": Case("--no-progress"),
+    "kv4rl train reward.extra=[boxed_format] reward.weights=[1.0,0.2]": Case(TINY_TRAIN + " name=two-rewards"),
     "kv4rl train --resume runs/tiny-arith trainer.iterations=200": Case("trainer.iterations=3 --no-progress"),
     # starts over: the run above moves aside, and the new one ends at iteration 3 like it did
     "kv4rl train --overwrite": Case(TINY_TRAIN + " trainer.iterations=3"),

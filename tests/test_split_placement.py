@@ -116,16 +116,19 @@ def _train_rank(rank: int, out_dir: str, overrides: list[str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("engines", "updates"), [(1, 1), (1, 2), (2, 2)])
-def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engines, updates):
+@pytest.mark.parametrize(("engines", "updates", "rewards"), [
+    (1, 1, []), (1, 2, []), (2, 2, ["reward.extra=[boxed_format]", "reward.weights=[1.0,0.6]"])])
+def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engines, updates, rewards):
     """lag 0, refresh every update: the engine starts batch b only with the weights of update b - 1, so
     the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step. With two
     optimizer steps a batch, each mini-batch holds one process's groups: two engines' groups came in engine
-    order (0, 2, 1, 3) and two learner ranks took contiguous shares, so mini-batch 0 trained groups 0 and 2."""
+    order (0, 2, 1, 3) and two learner ranks took contiguous shares, so mini-batch 0 trained groups 0 and 2. A
+    weighted sum of rewards: its accuracy (the verifier's) and each reward's mean, which two engines' messages
+    carry to the head, equal one process's."""
     from kv4rl.loop import train
 
     common = ["trainer.iterations=2", "rollout.mode=sync", "staleness.lag=0", "staleness.refresh_every=1",
-              f"trainer.updates_per_batch={updates}"]
+              f"trainer.updates_per_batch={updates}", *rewards]
     run_on_gloo_ranks(_train_rank, 3, tmp_path, str(tmp_path),
                       ["name=split", "rollout.placement=split", f"rollout.engine_ranks={engines}", *common])
     train(load_config(None, [f"out_dir={tmp_path}", "name=one", *SMALL, *common]), show_progress=False)
@@ -134,8 +137,15 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
         assert a["groups"] == b["groups"]
         assert a["time_sleep_wake"] == b["time_sleep_wake"] == 0.0  # every row has it (the split's lacked it)
         assert a["staleness_hist"] == b["staleness_hist"] == {"0": b["num_tokens"]}
-        for key in ("num_tokens", "reward_mean", "response_len_mean", "adv_std"):
+        for key in ("num_tokens", "reward_mean", "accuracy", "response_len_mean", "adv_std"):
             assert a[key] == b[key], key
+        reward_means = sorted(key for key in b if key.startswith("rewards/"))
+        assert reward_means == (["rewards/boxed_format/mean", "rewards/exact/mean"] if rewards else [])
+        assert all(a[key] == b[key] for key in reward_means)
+        if rewards:
+            # a wrong answer in a box scores 0.6: counted as correct by the sum, not by the verifier
+            assert a["reward_mean"] == pytest.approx(b["rewards/exact/mean"] + 0.6 * b["rewards/boxed_format/mean"])
+            assert a["accuracy"] == pytest.approx(b["rewards/exact/mean"], abs=1e-7)
         for key in ("loss", "grad_norm", "entropy", "mismatch_abs_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 

@@ -65,10 +65,14 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
-    """`name: auto` is `exact` for the embedded task and `math_verify` for dataset files."""
+    """`name: auto` is `exact` for the embedded task and `math_verify` for dataset files. `extra` rewards are added
+    to it, each times its `weights` entry (one per reward, `name` first; null: 1 each); `name` stays the verifier,
+    whose own score counts for `accuracy` and the evaluation (`rewards.combined`)."""
 
     name: str = "auto"
     timeout_s: float = 5.0
+    extra: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -182,6 +186,28 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.name
 
+    def _check_rewards(self) -> None:
+        from kv4rl.rewards import registered_rewards
+
+        known = registered_rewards()
+        if self.reward.name != "auto" and self.reward.name not in known:
+            raise ConfigError(f"reward.name: unknown reward {self.reward.name!r}; known: auto, {', '.join(known)}")
+        for name in self.reward.extra:
+            if name not in known:
+                raise ConfigError(f"reward.extra: unknown reward {name!r}; known: {', '.join(known)} (a reward of "
+                                  "your own needs algo.plugins=[its module])")
+        named = [n for n in (self.reward.name, *self.reward.extra) if n != "auto"]
+        if len(set(named)) != len(named):
+            raise ConfigError(f"reward.extra: each reward may be named once (reward.name={self.reward.name}, "
+                              f"reward.extra={self.reward.extra})")
+        weights = self.reward.weights
+        if weights is not None:
+            if len(weights) != 1 + len(self.reward.extra):
+                raise ConfigError(f"reward.weights: {len(weights)} weights for {1 + len(self.reward.extra)} rewards "
+                                  "(one for reward.name, then one per reward.extra)")
+            if not all(math.isfinite(w) for w in weights):
+                raise ConfigError(f"reward.weights must be finite numbers, got {weights}")
+
     def validate(self) -> RunConfig:
         """Cross-field checks; each error names the key."""
         try:
@@ -279,12 +305,7 @@ class RunConfig:
                 "engine.sleep_between_rollouts frees the KV cache during every update, so the responses that "
                 "partial rollout carries over are recomputed; set rollout.carry=recompute with it "
                 "(rollout.carry=keep_kv would need their KV kept)")
-        if self.reward.name != "auto":
-            from kv4rl.rewards import registered_rewards
-
-            if self.reward.name not in registered_rewards():
-                raise ConfigError(f"reward.name: unknown reward {self.reward.name!r}; known: auto, "
-                                  f"{', '.join(registered_rewards())}")
+        self._check_rewards()
         if self.data.prompt_template is not None:
             try:
                 check_template(self.data.prompt_template, "data.prompt_template")

@@ -153,6 +153,8 @@ OTHER_FRAMEWORKS = {
     "max_completion_length": "TRL's max_completion_length is rollout.max_new_tokens",
     "max_response_length": "verl's max_response_length is rollout.max_new_tokens",
     "scale_rewards": "TRL's scale_rewards (group / none) is advantage.normalize_std (true / false)",
+    "reward_funcs": "TRL's reward_funcs are reward.name (the verifier, which accuracy reads) and reward.extra",
+    "reward_weights": "TRL's reward_weights are reward.weights (reward.name's first)",
     "lr_scheduler_type": "the schedule is trainer.lr_schedule (constant, linear or cosine)",
     "warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
     "lr_warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",

@@ -37,6 +37,7 @@ from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
+from kv4rl.rewards import WeightedRewards, reward_metrics
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
@@ -181,6 +182,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     answers = [g.problem.answer for g in groups for _ in g.completions]
     reward = s.reward_fn(texts, answers)
     rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
+    reward_row = reward_metrics(reward, s.reward_fn.verifier_name if isinstance(s.reward_fn, WeightedRewards) else None)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process
     advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, group_keys=keys)
     times["time_reward"] = time.perf_counter() - t1
@@ -217,8 +219,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     num_gen = sum(len(c.token_ids) for c in completions)
     row = {
         "iteration": it,
-        "reward_mean": float(rewards.mean()),
-        "accuracy": float((rewards > 0.5).float().mean()),
+        **reward_row,
         "response_len_mean": num_gen / len(completions),
         "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
         # None when the engine took no step (the batch was finished earlier): its ~1e6 was the time of a hand-over
@@ -246,7 +247,8 @@ def run_eval(s: Setup, it: int) -> dict:
     are preempted and re-prefilled afterwards, so a `carry: keep_kv` run's KV of old weights is recomputed)."""
     cfg = s.cfg
     problems = s.source.eval_problems(cfg.data.eval_size)
-    res, _ = evaluate_ranks(s.engine, s.formatter, problems, s.reward_fn, current(), k=cfg.eval.k,
+    verifier = s.reward_fn.verifier if isinstance(s.reward_fn, WeightedRewards) else s.reward_fn
+    res, _ = evaluate_ranks(s.engine, s.formatter, problems, verifier, current(), k=cfg.eval.k,
                             temperature=cfg.eval.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
                             seed=stream_seed(cfg.seed, EVAL_STREAM, it))
     if res is None:

@@ -1,4 +1,5 @@
-"""Reward functions scored per batch; importing this package registers `math_verify` and `exact`."""
+"""Reward functions scored per batch; importing this package registers `math_verify`, `exact` and
+`boxed_format`."""
 
 from kv4rl.rewards.base import (
     Reward,
@@ -9,9 +10,11 @@ from kv4rl.rewards.base import (
     register_reward,
     registered_rewards,
 )
+from kv4rl.rewards.combined import BoxedFormatReward, WeightedRewards, reward_metrics
 from kv4rl.rewards.math import ExactReward, MathVerifyReward, exact_match, verify_answer
 
 __all__ = [
+    "BoxedFormatReward",
     "ExactReward",
     "MathVerifyReward",
     "Reward",
@@ -23,4 +26,6 @@ __all__ = [
     "register_reward",
     "registered_rewards",
     "verify_answer",
+    "WeightedRewards",
+    "reward_metrics",
 ]

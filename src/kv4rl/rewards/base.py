@@ -30,10 +30,12 @@ __all__ = [
 
 @dataclass
 class RewardResult:
-    """Per-response scores plus batch-level diagnostic counts."""
+    """Per-response scores plus batch-level diagnostic counts; a combined reward (`rewards.combined`) also gives
+    each of its rewards' own scores, by name."""
 
     scores: list[float]
     stats: dict[str, float] = field(default_factory=dict)
+    components: dict[str, list[float]] = field(default_factory=dict)
 
 
 RewardFn = Callable[[list[str], list[str]], RewardResult]

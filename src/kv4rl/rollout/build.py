@@ -17,7 +17,7 @@ from kv4rl.distributed import Ranks
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
-from kv4rl.rewards import get_reward
+from kv4rl.rewards import WeightedRewards, get_reward
 from kv4rl.rollout.collector import Collector
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,28 @@ def engine_slots(cfg: RunConfig, device: torch.device, world: int) -> int:
     return r.max_slots
 
 
+def build_reward(cfg: RunConfig, source: ProblemSource):
+    """The run's reward: `reward.name` (auto: the source's), or with `reward.extra` / `reward.weights` the weighted
+    sum of it and the extras (`WeightedRewards`, its first reward the verifier)."""
+    verifier = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
+    names = [verifier, *cfg.reward.extra]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward.extra: {verifier!r} is already the verifier (reward.name={cfg.reward.name}"
+                          f"{' picks it for this data' if cfg.reward.name == 'auto' else ''}); name it once")
+    built = []
+    try:
+        for name in names:
+            built.append(get_reward(name, timeout_s=cfg.reward.timeout_s) if name == "math_verify" else get_reward(name))
+    except BaseException:
+        for reward in built:
+            reward.close()
+        raise
+    if len(built) == 1 and cfg.reward.weights is None:
+        return built[0]
+    weights = cfg.reward.weights or [1.0] * len(names)
+    return WeightedRewards(list(zip(names, built, weights, strict=True)))
+
+
 def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,
                   engine_ranks: Ranks, show_progress: bool, update_memory: Callable[[int], int] | None = None,
                   tokenizer=None) -> tuple[PromptFormatter, object, Engine, Collector]:
@@ -75,9 +97,7 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
         tokenizer = load_tokenizer(policy_dir)
     formatter = PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template,
                                 cfg.data.chat_template)
-    reward_name = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
-    reward_fn = get_reward(reward_name, timeout_s=cfg.reward.timeout_s) if reward_name == "math_verify" \
-        else get_reward(reward_name)
+    reward_fn = build_reward(cfg, source)
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
     engine_cfg.max_model_len = max_model_len(cfg, source, formatter, model_max)
     reserve = 0

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.engine.llm import Engine
 from kv4rl.graceful_stop import GracefulStop
+from kv4rl.rewards import WeightedRewards
 from kv4rl.rollout.collector import Collector
 from kv4rl.split.channel import EngineLink, Stopped
 
@@ -43,6 +44,11 @@ class EngineSide:
     synced: float = 0.0  # seconds spent receiving and loading weights since the last batch was sent
     first_batch: int = 0  # a resumed run's engine starts at the checkpoint's update (`kv4rl.split.resume`)
 
+    @property
+    def verifier_name(self) -> str | None:
+        """The name of the reward whose score counts for accuracy, where the reward is a weighted sum."""
+        return self.reward_fn.verifier_name if isinstance(self.reward_fn, WeightedRewards) else None
+
     def take_weights(self, block: bool) -> None:
         """Load the weights the head announces (if any, or wait for them with `block`)."""
         t = time.perf_counter()
@@ -57,12 +63,14 @@ class EngineSide:
         self.synced += time.perf_counter() - t
 
 
-def score(side: EngineSide, groups) -> tuple[list[float], dict]:
+def score(side: EngineSide, groups) -> tuple[list[float], dict, dict[str, list[float]]]:
+    """(scores, the reward's counts, each combined reward's own scores) of `groups`' responses in order."""
     texts = [side.formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True)
              for g in groups for c in g.completions]
     answers = [g.problem.answer for g in groups for _ in g.completions]
     reward = side.reward_fn(texts, answers)
-    return [float(x) for x in reward.scores], {k: float(v) for k, v in reward.stats.items()}
+    return ([float(x) for x in reward.scores], {k: float(v) for k, v in reward.stats.items()},
+            {name: [float(x) for x in values] for name, values in reward.components.items()})
 
 
 def run_engine(side: EngineSide) -> dict:
@@ -82,10 +90,11 @@ def run_engine(side: EngineSide) -> dict:
             t0 = time.perf_counter()
             groups = side.collector.collect()
             t1 = time.perf_counter()
-            scores, reward_stats = score(side, groups)
+            scores, reward_stats, components = score(side, groups)
             message = {
                 "batch": batch, "engine": side.rank, "groups": groups, "scores": scores,
-                "reward_stats": reward_stats, "trace": side.collector.take_trace(),
+                "reward_stats": reward_stats, "reward_components": components, "verifier": side.verifier_name,
+                "trace": side.collector.take_trace(),
                 "time_rollout": t1 - t0, "time_reward": time.perf_counter() - t1,
                 "time_engine_wait": side.waited, "time_engine_sync": side.synced,
                 "preemptions": side.engine.num_preemptions, "dropped_stale": side.collector.num_dropped,

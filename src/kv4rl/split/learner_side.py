@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from kv4rl.algo.advantages import compute_advantages, noise_key
 from kv4rl.graceful_stop import GracefulStop
+from kv4rl.rewards import RewardResult, reward_metrics
 from kv4rl.run_folder import RunFolder
 from kv4rl.run_setup import write_policy_files
 from kv4rl.split.channel import HeadLink, SplitGroups
@@ -72,14 +73,18 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     """The head's part: check the batch, compute advantages, split it into the learner ranks' shares."""
     cfg = s.cfg
     size = cfg.rollout.group_size
-    scored = [(g, m["scores"][j * size:(j + 1) * size]) for m in messages for j, g in enumerate(m["groups"])]
+    scored = [(g, m["scores"][j * size:(j + 1) * size],
+               {name: values[j * size:(j + 1) * size] for name, values in m["reward_components"].items()})
+              for m in messages for j, g in enumerate(m["groups"])]
     if cfg.rollout.mode == "sync":  # in prompt order, as one process trains a sync batch (in engine order two
         # engines' groups came as 0, 2, 1, 3: with trainer.updates_per_batch > 1 each mini-batch held others)
         scored.sort(key=lambda pair: pair[0].index)
-    groups = [g for g, _ in scored]
+    groups = [g for g, _, _ in scored]
     check_versions(it, groups, cfg.staleness.max_versions)
     completions = [c for g in groups for c in g.completions]
-    rewards = torch.tensor([x for _, scores in scored for x in scores], dtype=torch.float64)
+    rewards = torch.tensor([x for _, scores, _ in scored for x in scores], dtype=torch.float64)
+    components = {name: [x for _, _, parts in scored for x in parts[name]] for name in messages[0]["reward_components"]}
+    reward = RewardResult(rewards.tolist(), {}, components)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]
     advantages, adv_metrics = compute_advantages(rewards, size, cfg.advantage, group_keys=keys)
     adv = advantages.tolist()
@@ -91,8 +96,7 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     num_gen = sum(len(c.token_ids) for c in completions)
     engines = len(messages)
     row = {
-        "reward_mean": float(rewards.mean()),
-        "accuracy": float((rewards > 0.5).float().mean()),
+        **reward_metrics(reward, messages[0]["verifier"]),
         "response_len_mean": num_gen / len(completions),
         "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "tokens_per_s": sum_known(sum(len(c.token_ids) for g in m["groups"] for c in g.completions)

@@ -1,0 +1,88 @@
+"""Several rewards as one: the verifier (`reward.name`) plus `reward.extra`, each times its `reward.weights` entry.
+
+TRL's `reward_funcs` / `reward_weights`, with one difference that keeps the run's numbers honest: the first
+reward is the verifier, so `accuracy` and the periodic evaluation read its own score, not the weighted sum (a
+format bonus of 0.6 would otherwise count every well-formatted wrong answer as correct). The sum trains;
+each reward's own mean is logged as `rewards/<name>/mean`, as TRL logs it, and an extra reward's stats as
+`reward_<name>_<stat>` beside the verifier's `reward_<stat>`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kv4rl.rewards.base import Reward, RewardFn, RewardResult, extract_boxed, register_reward
+
+__all__ = ["BoxedFormatReward", "WeightedRewards", "reward_metrics"]
+
+
+class WeightedRewards(Reward):
+    """`Σ_k w_k r_k` per response over `parts` = [(name, reward, weight)], the first the verifier."""
+
+    def __init__(self, parts: Sequence[tuple[str, RewardFn, float]]):
+        if not parts:
+            raise ValueError("WeightedRewards needs at least one reward")
+        names = [name for name, _, _ in parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each reward may be named once, got {names}")
+        self.parts = list(parts)
+
+    @property
+    def verifier(self) -> RewardFn:
+        """The first reward: its score says whether a response is correct (accuracy, evaluation)."""
+        return self.parts[0][1]
+
+    @property
+    def verifier_name(self) -> str:
+        return self.parts[0][0]
+
+    def score(self, responses: list[str], golds: list[str]) -> RewardResult:
+        totals = [0.0] * len(responses)
+        stats: dict[str, float] = {}
+        components: dict[str, list[float]] = {}
+        for k, (name, reward, weight) in enumerate(self.parts):
+            result = reward(responses, golds)
+            scores = [float(x) for x in result.scores]
+            components[name] = scores
+            totals = [t + weight * x for t, x in zip(totals, scores, strict=True)]
+            prefix = "" if k == 0 else f"{name}_"  # the verifier's counts keep their names (reward_no_answer)
+            stats.update({f"{prefix}{key}": value for key, value in result.stats.items()})
+        return RewardResult(totals, stats, components)
+
+    def close(self) -> None:
+        """Close every part, even when one fails (its error is raised after the others are closed)."""
+        failure: BaseException | None = None
+        for _, reward, _ in self.parts:
+            close = getattr(reward, "close", None)
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - the first failure is raised once all are closed
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+
+@register_reward("boxed_format")
+class BoxedFormatReward(Reward):
+    """1.0 for a response that ends its answer in a closed `\\boxed{...}` (whatever it holds), else 0.0: the
+    format part of a verifier + format pair (`reward.extra=[boxed_format]`)."""
+
+    def score(self, responses: list[str], golds: list[str]) -> RewardResult:
+        return RewardResult([1.0 if extract_boxed(text) is not None else 0.0 for text in responses])
+
+
+def reward_metrics(result: RewardResult, verifier_name: str | None = None) -> dict[str, float]:
+    """`reward_mean` (of the trained scores), `accuracy` (the verifier's score > 0.5, where the scores are a
+    weighted sum; else the scores') and, for combined rewards, each reward's mean as `rewards/<name>/mean`."""
+    scores = torch.tensor(result.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
+    verified = result.components.get(verifier_name) if verifier_name is not None else None
+    verified = scores if verified is None else torch.tensor(verified, dtype=torch.float64)
+    out = {"reward_mean": float(scores.mean()), "accuracy": float((verified > 0.5).float().mean())}
+    if len(result.components) > 1:
+        out.update({f"rewards/{name}/mean": float(torch.tensor(values, dtype=torch.float64).mean())
+                    for name, values in result.components.items()})
+    return out
