@@ -117,14 +117,16 @@ def _train_rank(rank: int, out_dir: str, overrides: list[str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("engines", "updates", "rewards"), [
-    (1, 1, []), (1, 2, []), (2, 2, ["reward.extra=[boxed_format]", "reward.weights=[1.0,0.6]"])])
+    (1, 1, []), (1, 2, []),
+    (2, 2, ["reward.extra=[boxed_format]", "reward.weights=[1.0,0.6]", "trainer.mask_truncated=true",
+            "rollout.max_new_tokens=4"])])
 def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engines, updates, rewards):
     """lag 0, refresh every update: the engine starts batch b only with the weights of update b - 1, so
     the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step. With two
     optimizer steps a batch, each mini-batch holds one process's groups: two engines' groups came in engine
     order (0, 2, 1, 3) and two learner ranks took contiguous shares, so mini-batch 0 trained groups 0 and 2. A
     weighted sum of rewards: its accuracy (the verifier's) and each reward's mean, which two engines' messages
-    carry to the head, equal one process's."""
+    carry to the head, equal one process's; so do the trained tokens where cut responses are masked."""
     from kv4rl.loop import train
 
     common = ["trainer.iterations=2", "rollout.mode=sync", "staleness.lag=0", "staleness.refresh_every=1",
@@ -133,10 +135,13 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
                       ["name=split", "rollout.placement=split", f"rollout.engine_ranks={engines}", *common])
     train(load_config(None, [f"out_dir={tmp_path}", "name=one", *SMALL, *common]), show_progress=False)
     split, one = _rows(tmp_path / "split"), _rows(tmp_path / "one")
+    if rewards:
+        assert any(row["truncated_frac"] > 0 for row in one)  # some responses were masked
     for a, b in zip(split, one, strict=True):
         assert a["groups"] == b["groups"]
         assert a["time_sleep_wake"] == b["time_sleep_wake"] == 0.0  # every row has it (the split's lacked it)
-        assert a["staleness_hist"] == b["staleness_hist"] == {"0": b["num_tokens"]}
+        # every response token was sampled by the update's own weights (trained or masked: 4 groups of 2)
+        assert a["staleness_hist"] == b["staleness_hist"] == {"0": round(8 * b["response_len_mean"])}
         for key in ("num_tokens", "reward_mean", "accuracy", "response_len_mean", "adv_std"):
             assert a[key] == b[key], key
         reward_means = sorted(key for key in b if key.startswith("rewards/"))
@@ -146,6 +151,7 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
             # a wrong answer in a box scores 0.6: counted as correct by the sum, not by the verifier
             assert a["reward_mean"] == pytest.approx(b["rewards/exact/mean"] + 0.6 * b["rewards/boxed_format/mean"])
             assert a["accuracy"] == pytest.approx(b["rewards/exact/mean"], abs=1e-7)
+            assert b["num_tokens"] == pytest.approx(8 * (b["response_len_mean"] - 4 * b["truncated_frac"]))
         for key in ("loss", "grad_norm", "entropy", "mismatch_abs_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 

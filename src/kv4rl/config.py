@@ -108,6 +108,9 @@ class TrainerConfig:
     # 1.7B learner step on an H200); true needs CUDA
     fused_logprobs: bool | None = None
     ref_kl_every: int = 1  # reference forward for the logged kl_ref every N iterations (0: only for kl_ref_coef > 0)
+    # responses cut at rollout.max_new_tokens train no token (TRL's mask_truncated_completions, DAPO's overlong
+    # filtering): they count in their group's advantages, then in no loss and no loss denominator
+    mask_truncated: bool = False
 
     def learning_rate(self, iteration: int) -> float:
         """Linear warm-up over `warmup_iters`, then constant, or a straight line or a half cosine from `lr`

@@ -227,7 +227,7 @@ def shutdown() -> None:
 
 
 _SUMMED = frozenset({"preemptions", "dropped_stale", "tokens_per_s"})
-_SAME_ON_EVERY_RANK = frozenset({"iteration", "skipped_steps"})  # the learner's steps are the whole job's
+_SAME_ON_EVERY_RANK = frozenset({"iteration", "skipped_steps", "empty_steps"})  # the learner's steps are the whole job's
 
 
 def merge_rank_rows(rows: list[dict]) -> dict:

@@ -198,7 +198,8 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     pad_id = s.formatter.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else 0
     batch = build_batch(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
-                        [c.versions for c in completions], advantages.tolist(), pad_id)
+                        [c.versions for c in completions], advantages.tolist(), pad_id,
+                        [c.finish_reason == "length" for c in completions] if cfg.trainer.mask_truncated else None)
     mismatch = s.attribution.observe(it, batch) if s.attribution is not None else {}
     t2 += mismatch.get("mismatch/time_s", 0.0)  # a diagnostic, not update time
     learn = s.learner.step(batch, lr=cfg.trainer.learning_rate(it), iteration=it)

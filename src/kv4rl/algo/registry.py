@@ -89,7 +89,7 @@ InputsDecl = Iterable[str] | Callable[["AlgoConfig"], Iterable[str]]
 
 # what the learner logs under its own names beside a loss's metrics (a loss's `grad_norm` was averaged into the
 # real norm, its `loss` silently replaced)
-LEARNER_METRICS = frozenset({"loss", "grad_norm", "skipped_steps", "num_tokens", "lr", "entropy", "mismatch_abs_mean",
+LEARNER_METRICS = frozenset({"loss", "grad_norm", "skipped_steps", "empty_steps", "num_tokens", "lr", "entropy", "mismatch_abs_mean",
                              "mismatch_absmax"})
 
 

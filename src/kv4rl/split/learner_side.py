@@ -91,7 +91,8 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     ranks = dist.get_world_size(s.groups.learner)
     # whole groups dealt in turn (rank r: groups r, r + R, ...), as the colocated ranks hold theirs, so that
     # each rank's u-th mini-batch joins the others' into the u-th of one process
-    shares = [([(g.prompt_ids, c.token_ids, c.logprobs, c.versions) for g in groups[r::ranks] for c in g.completions],
+    shares = [([(g.prompt_ids, c.token_ids, c.logprobs, c.versions, c.finish_reason == "length")
+                for g in groups[r::ranks] for c in g.completions],
                [a for i in range(r, len(groups), ranks) for a in adv[i * size:(i + 1) * size]]) for r in range(ranks)]
     num_gen = sum(len(c.token_ids) for c in completions)
     engines = len(messages)
@@ -134,7 +135,7 @@ def update(s: LearnerSide, it: int, stop: GracefulStop) -> tuple[dict | None, li
     t1 = time.perf_counter()
     pad_id = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else 0
     batch = build_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
-                        adv, pad_id)
+                        adv, pad_id, [r[4] for r in rows] if cfg.trainer.mask_truncated else None)
     learn = s.learner.step(batch, lr=cfg.trainer.learning_rate(it), iteration=it)
     t2 = time.perf_counter()
     flag = torch.tensor([int(stopping)], dtype=torch.long)

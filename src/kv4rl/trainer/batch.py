@@ -41,8 +41,10 @@ def build_batch(
     versions: list[list[int]],
     advantages: list[float],
     pad_id: int,
+    masked: list[bool] | None = None,
 ) -> TrainBatch:
-    """Assemble rows `prompt + response`; every response must be non-empty."""
+    """Assemble rows `prompt + response`; every response must be non-empty. A row whose `masked` entry is true
+    stays in the batch with no token to train (`trainer.mask_truncated`), in no loss denominator."""
     n = len(prompts)
     length = max(len(p) + len(r) for p, r in zip(prompts, responses))
     ids = torch.full((n, length), pad_id, dtype=torch.long)
@@ -57,7 +59,7 @@ def build_batch(
         ids[i, :total] = torch.tensor(p + r)
         attn[i, :total] = 1
         cols = slice(len(p) - 1, total - 1)
-        mask[i, cols] = 1.0
+        mask[i, cols] = 0.0 if masked is not None and masked[i] else 1.0
         blp[i, cols] = torch.tensor(behavior_logprobs[i], dtype=torch.float32)
         adv[i, cols] = advantages[i]
         ver[i, cols] = torch.tensor(versions[i])

@@ -284,6 +284,7 @@ class Learner:
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
         skipped = 0  # optimizer steps left out for a non-finite gradient norm
         nonfinite_losses = 0  # micro-batches whose loss was NaN or inf (a gradient can still be finite)
+        empty = 0  # optimizer steps left out because no row of their mini-batch had a token to train
         if len(batch) < self.updates_per_batch:
             where = "this rank's share of the learner batch" if self.world_size > 1 else "the learner batch"
             raise ValueError(f"trainer.updates_per_batch={self.updates_per_batch} optimizer steps need at least as many "
@@ -295,6 +296,9 @@ class Learner:
             mini = batch.select(mini_rows)
             num_seqs = float((mini.response_mask.sum(1) > 0).sum())
             num_tokens, num_seqs = global_counts(self.group, self.world_size, mini.num_tokens, num_seqs)
+            if num_tokens == 0:  # every row masked (trainer.mask_truncated) on every rank: no loss, and no step
+                empty += 1  # (AdamW would still decay the weights and move its moments on a zero gradient)
+                continue
             self.optimizer.zero_grad(set_to_none=True)
             micro = self.micro_batches(batch, mini_rows)
             for mb_rows, dummy in rank_passes(self.group, self.world_size, micro, mini_rows):  # a dummy pass has zero weight
@@ -328,12 +332,19 @@ class Learner:
             log.warning("iteration %d: the loss was not finite in %d micro-batch(es) (logged as null); check the "
                         "loss (algo.loss=%s)", self.num_steps - 1 if iteration is None else iteration,
                         nonfinite_losses, self.algo.loss)
+        if empty and self.rank == 0:
+            log.warning("iteration %d: %d of %d optimizer steps had no token to train, so none was taken: every "
+                        "response of their mini-batches was masked (trainer.mask_truncated masks responses cut at "
+                        "rollout.max_new_tokens)", self.num_steps - 1 if iteration is None else iteration, empty,
+                        len(rows) * self.epochs_per_batch)
         if skipped and self.rank == 0:
             log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
                         "weights and the optimizer state stay as they were (lower trainer.lr?)",
                         self.num_steps - 1 if iteration is None else iteration, skipped, len(rows) * self.epochs_per_batch)
         out = {"grad_norm": math.nan, **combine_metrics(every_rank(self.group, self.world_size, parts))}
         out["skipped_steps"] = skipped
+        if empty:
+            out["empty_steps"] = empty
         out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
