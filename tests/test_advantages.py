@@ -18,6 +18,27 @@ def test_hand_worked_groups():
     assert adv.tolist() == pytest.approx(expected, rel=1e-6)
 
 
+def test_the_whole_batchs_std_as_trls_scale_rewards_batch():
+    """Group means, then one unbiased std over all eight rewards (mean 0.5, every deviation 0.5: var = 2/7); a
+    flat group stays exactly zero; with normalize_std off the scope changes nothing."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+                           dtype=torch.float64)
+    cfg = AdvantageConfig(std_scope="batch")
+    adv, _ = compute_advantages(rewards[:8], 4, cfg)
+    std = math.sqrt(2 / 7)
+    want = [d / (std + 1e-6) for d in (0.75, -0.25, -0.25, -0.25, 0.25, 0.25, -0.75, 0.25)]
+    assert adv.tolist() == pytest.approx(want, rel=1e-12)
+    # one rank's share with the whole batch's rewards (torchrun): the std is the batch's, not the share's
+    adv, _ = compute_advantages(rewards[:4], 4, cfg, batch_rewards=rewards[:8])
+    assert adv.tolist() == pytest.approx(want[:4], rel=1e-12)
+    adv, _ = compute_advantages(rewards, 4, cfg)
+    assert adv[8:].tolist() == [0.0] * 8 and adv[0] == pytest.approx(0.75 / (float(rewards.std()) + 1e-6), rel=1e-12)
+    off = AdvantageConfig(std_scope="batch", normalize_std=False)
+    assert compute_advantages(rewards, 4, off)[0].tolist() == grpo_advantages(rewards, 4, normalize_std=False).tolist()
+    with pytest.raises(ValueError, match="advantage.std_scope"):
+        AdvantageConfig(std_scope="global").validate()
+
+
 def test_without_std_normalisation():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 4.0, 6.0, 8.0])
     adv = grpo_advantages(rewards, group_size=4, normalize_std=False)

@@ -38,11 +38,11 @@ def test_an_extra_rewards_counts_are_logged_under_its_name_and_every_part_is_clo
     closed = []
 
     class Counting:
-        def __init__(self, name, fail_close=False):
-            self.name, self.fail_close = name, fail_close
+        def __init__(self, name, fail_close=False, score=0.5):
+            self.name, self.fail_close, self.score = name, fail_close, score
 
         def __call__(self, responses, golds):
-            return RewardResult([0.5] * len(responses), {"calls": 1.0})
+            return RewardResult([self.score] * len(responses), {"calls": 1.0})
 
         def close(self):
             closed.append(self.name)
@@ -57,6 +57,10 @@ def test_an_extra_rewards_counts_are_logged_under_its_name_and_every_part_is_clo
     assert closed == ["a", "b"]  # b closed although a failed first
     with pytest.raises(ValueError, match="named once"):
         WeightedRewards([("a", Counting("a"), 1.0), ("a", Counting("a"), 1.0)])
+    # finite scores times finite weights overflowed to inf: every advantage became 0 and the run trained nothing
+    huge = WeightedRewards([("a", Counting("a", score=1.0), 1e308), ("b", Counting("b", score=1.0), 1e308)])
+    with pytest.raises(ValueError, match=r"weighted sum of rewards \['a', 'b'\] .* is inf for response 0 of 2"):
+        huge(["x", "y"], ["1", "2"])
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -177,20 +177,26 @@ def test_the_ranks_a_failing_rank_leaves_behind_say_so_in_one_line(tmp_path):
 def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_samples(tmp_path, monkeypatch):
     """DP2 x TP2 (four ranks, paper B's layout): every group once per batch, and the first batch's
     responses (token counts, rewards) equal a single-process run's: sampling is seeded per request and
-    the sharded engines compute the unsharded logits to float32 rounding."""
+    the sharded engines compute the unsharded logits to float32 rounding. Advantages over the whole batch's std
+    (`advantage.std_scope=batch`) read every rank's rewards: each rank's own std gave other advantages."""
     from kv4rl.config import load_config
     from kv4rl.loop import train
 
-    done = torchrun(tmp_path, "name=dptp", "trainer.iterations=2", "engine.tensor_parallel=2", *SMALL, ranks=4)
+    done = torchrun(tmp_path, "name=dptp", "trainer.iterations=2", "engine.tensor_parallel=2",
+                    "advantage.std_scope=batch", "seed=3", *SMALL, ranks=4)
     assert done.returncode == 0, done.stderr[-3000:]
     four = rows(tmp_path / "runs" / "dptp")
     assert [r["groups"] for r in four] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     monkeypatch.chdir(tmp_path)
-    train(load_config(None, ["name=one", "trainer.iterations=1", *SMALL[:-1]]), show_progress=False)
+    train(load_config(None, ["name=one", "trainer.iterations=1", "advantage.std_scope=batch", "seed=3", *SMALL[:-1]]),
+          show_progress=False)
     one = rows(tmp_path / "runs" / "one")[0]
     assert four[0]["num_tokens"] == one["num_tokens"]
     assert four[0]["reward_mean"] == pytest.approx(one["reward_mean"], abs=1e-9)
     assert four[0]["response_len_mean"] == pytest.approx(one["response_len_mean"], abs=1e-9)
+    assert one["adv_std"] > 0  # seed 3: three groups of four differ within (the rewards of seed 0 were all 0)
+    for key in ("adv_std", "adv_absmax"):
+        assert four[0][key] == pytest.approx(one[key], rel=1e-9), key
     # each engine's steps once (its first rank's), at the whole engine's KV bytes: both TP ranks wrote every
     # step, each at its shard's half of the bytes
     traced = [json.loads(line) for line in (tmp_path / "runs" / "dptp" / "rollout_trace.jsonl").read_text().splitlines()]

@@ -152,7 +152,8 @@ OTHER_FRAMEWORKS = {
     "ppo_epochs": "verl's ppo_epochs is trainer.epochs_per_batch",
     "max_completion_length": "TRL's max_completion_length is rollout.max_new_tokens",
     "max_response_length": "verl's max_response_length is rollout.max_new_tokens",
-    "scale_rewards": "TRL's scale_rewards (group / none) is advantage.normalize_std (true / false)",
+    "scale_rewards": "TRL's scale_rewards is advantage.normalize_std and advantage.std_scope (group: true; batch: true "
+                     "with std_scope=batch; none: false)",
     "reward_funcs": "TRL's reward_funcs are reward.name (the verifier, which accuracy reads) and reward.extra",
     "reward_weights": "TRL's reward_weights are reward.weights (reward.name's first)",
     "lr_scheduler_type": "the schedule is trainer.lr_schedule (constant, linear or cosine)",

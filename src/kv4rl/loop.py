@@ -184,7 +184,11 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
     reward_row = reward_metrics(reward, s.reward_fn.verifier_name if isinstance(s.reward_fn, WeightedRewards) else None)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process
-    advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, group_keys=keys)
+    # the whole learner batch's std: every rank's rewards (ranks hold disjoint groups, tensor-parallel ones too)
+    everyone = torch.tensor([x for part in gather_objects(reward.scores) for x in part], dtype=torch.float64) \
+        if cfg.advantage.std_scope == "batch" and current().world > 1 else None
+    advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, group_keys=keys,
+                                                 batch_rewards=everyone)
     times["time_reward"] = time.perf_counter() - t1
 
     sleep = s.engine.config.sleep_between_rollouts

@@ -20,8 +20,9 @@ from kv4rl.algo.config import AdvantageConfig
 
 STD_EPS = 1e-6
 
-# (rewards[N], group_size, cfg) -> (advantages[N], metrics)
-AdvantageFn = Callable[[Tensor, int, AdvantageConfig], tuple[Tensor, dict[str, float]]]
+# (rewards[N], group_size, cfg, batch std or None) -> (advantages[N], metrics); the batch std is the one of every
+# reward of the learner batch, over all ranks, given when `advantage.std_scope` is `batch`
+AdvantageFn = Callable[[Tensor, int, AdvantageConfig, float | None], tuple[Tensor, dict[str, float]]]
 ADVANTAGES: dict[str, AdvantageFn] = {}
 
 
@@ -52,10 +53,11 @@ def _zero_variance(grouped: Tensor) -> Tensor:
     return grouped.amax(dim=1) == grouped.amin(dim=1)
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True, std: float | None = None) -> Tensor:
     """`(r − mean_group) / (std_group + 1e-6)` per response (std: unbiased sample std).
 
-    With `normalize_std=False` the result is `r − mean_group`. Computed in float64 and returned in the
+    With `normalize_std=False` the result is `r − mean_group`; with `std` given, `(r − mean_group) / (std + 1e-6)`
+    (TRL's `scale_rewards: batch`: `std` is the whole batch's, `batch_std`). Computed in float64 and returned in the
     rewards' float dtype: a float32 group mean of rewards on a large offset (1e8 + 8 and 1e8) is rounded
     enough to move every advantage off zero mean, even to the wrong sign.
     """
@@ -63,10 +65,18 @@ def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True
     out_dtype = grouped.dtype
     grouped = grouped.double()
     centered = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_std and group_size > 1:
+    if normalize_std and std is not None:
+        centered = centered / (std + STD_EPS)
+    elif normalize_std and group_size > 1:
         centered = centered / (grouped.std(dim=1, correction=1, keepdim=True) + STD_EPS)
     flat_groups = _zero_variance(grouped)[:, None]
     return torch.where(flat_groups, torch.zeros_like(centered), centered).reshape(-1).to(out_dtype)
+
+
+def batch_std(rewards: Tensor) -> float:
+    """The unbiased std of every reward in `rewards` (float64; 0 for fewer than two)."""
+    flat = rewards.reshape(-1).double()
+    return float(flat.std(correction=1)) if flat.numel() > 1 else 0.0
 
 
 def perturb_baseline(adv: Tensor, sigma: float, generator: torch.Generator | None = None,
@@ -102,8 +112,8 @@ def noise_key(seed: int, iteration: int, group_index: int) -> int:
 
 
 @register_advantage("grpo")
-def _grpo(rewards: Tensor, group_size: int, cfg: AdvantageConfig) -> tuple[Tensor, dict[str, float]]:
-    adv = grpo_advantages(rewards, group_size, cfg.normalize_std)
+def _grpo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, std: float | None) -> tuple[Tensor, dict[str, float]]:
+    adv = grpo_advantages(rewards, group_size, cfg.normalize_std, std)
     grouped = _grouped(rewards, group_size)
     zero_var = _zero_variance(grouped).float().mean()
     return adv, {"zero_var_group_frac": float(zero_var)}
@@ -115,8 +125,12 @@ def compute_advantages(
     cfg: AdvantageConfig,
     generator: torch.Generator | None = None,
     group_keys: list[int] | None = None,
+    batch_rewards: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Run the configured estimator, then the optional ±σ baseline perturbation.
+
+    `batch_rewards`: every reward of the learner batch where `rewards` is one rank's share (torchrun), for
+    `advantage.std_scope: batch` (default: `rewards`).
 
     Metrics: the estimator's own (GRPO: `zero_var_group_frac`), plus `reward_mean`, `reward_std`,
     `adv_mean`, `adv_std`, `adv_absmax` of the final advantages.
@@ -125,7 +139,8 @@ def compute_advantages(
         raise ValueError(
             f"unknown advantage estimator '{cfg.estimator}' (known: {', '.join(sorted(ADVANTAGES))})"
         )
-    adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg)
+    std = batch_std(rewards if batch_rewards is None else batch_rewards) if cfg.std_scope == "batch" else None
+    adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg, std)
     if cfg.baseline_noise > 0:
         adv = perturb_baseline(adv, cfg.baseline_noise, generator, group_keys)
     rewards_f = rewards.double()

@@ -9,6 +9,7 @@ each reward's own mean is logged as `rewards/<name>/mean`, as TRL logs it, and a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +40,7 @@ class WeightedRewards(Reward):
         return self.parts[0][0]
 
     def score(self, responses: list[str], golds: list[str]) -> RewardResult:
+        names, weights = [name for name, _, _ in self.parts], [weight for _, _, weight in self.parts]
         totals = [0.0] * len(responses)
         stats: dict[str, float] = {}
         components: dict[str, list[float]] = {}
@@ -49,6 +51,10 @@ class WeightedRewards(Reward):
             totals = [t + weight * x for t, x in zip(totals, scores, strict=True)]
             prefix = "" if k == 0 else f"{name}_"  # the verifier's counts keep their names (reward_no_answer)
             stats.update({f"{prefix}{key}": value for key, value in result.stats.items()})
+        for i, total in enumerate(totals):  # each score is finite (checked), their weighted sum need not be
+            if not math.isfinite(total):
+                raise ValueError(f"the weighted sum of rewards {names} with reward.weights {weights} is {total} for "
+                                 f"response {i} of {len(totals)}; it must be a finite number (smaller weights?)")
         return RewardResult(totals, stats, components)
 
     def close(self) -> None:
