@@ -116,6 +116,14 @@ class AlgoConfig:
             if validate is not None:
                 validate()
 
+    def norm_tokens(self, max_new_tokens: int | None) -> int | None:
+        """`token_sum_norm`'s constant length: `loss_norm_tokens`, else the run's `max_new_tokens`."""
+        length = self.loss_norm_tokens or max_new_tokens
+        if self.loss_agg == "token_sum_norm" and length is None:
+            raise ValueError("algo.loss_agg=token_sum_norm divides by a constant length: set algo.loss_norm_tokens "
+                             "(a run passes its rollout.max_new_tokens)")
+        return length
+
     def ignored_keys(self) -> list[str]:
         """One line per key set away from its default in the section of a loss this run does not
         use. Not an error: a config written for one loss stays loadable with `algo.loss` switched."""

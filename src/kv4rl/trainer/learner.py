@@ -50,7 +50,7 @@ from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.learner_options import check_learner_options, describe_options, fused_logprobs_by_default
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 from kv4rl.trainer.update_memory import largest_micro_batch, measure_update_memory
-from kv4rl.trainer.update_stats import global_scalar, token_stats
+from kv4rl.trainer.update_stats import global_scalar, token_stats, warn_left_out
 from kv4rl.trainer.optimizer_checkpoint import (
     FULL,
     SHARDED,
@@ -90,8 +90,7 @@ class Learner:
         `offload_optimizer`: AdamW's moments in pinned CPU memory, streamed through the GPU each step
         (`kv4rl.trainer.offloaded_adamw`; CUDA only, not with `offload`). `epochs_per_batch`: passes over the
         batch, each `updates_per_batch` steps (verl's ppo_epochs), the old policy fixed before the first.
-        `max_new_tokens`: the responses' length cap, `algo.loss_agg=token_sum_norm`'s constant length unless
-        `algo.loss_norm_tokens` sets one."""
+        `max_new_tokens`: the responses' length cap, `token_sum_norm`'s length (`AlgoConfig.norm_tokens`)."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs,
                               offload_optimizer=offload_optimizer)
         if fused_logprobs is None:
@@ -112,10 +111,7 @@ class Learner:
                 raise ValueError(f"trainer.{name} must be >= {least}, got {value}")
         self.device = device
         self.algo = algo
-        self.norm_tokens = algo.loss_norm_tokens or max_new_tokens
-        if algo.loss_agg == "token_sum_norm" and self.norm_tokens is None:
-            raise ValueError("algo.loss_agg=token_sum_norm divides by a constant length: set algo.loss_norm_tokens "
-                             "(a run passes its rollout.max_new_tokens)")
+        self.norm_tokens = algo.norm_tokens(max_new_tokens)
         self.loss_fn = get_loss(algo.loss)
         self.loss_inputs = self.loss_fn.inputs(algo)  # the optional LossInputs fields to fill
         self.temperature = temperature
@@ -328,23 +324,12 @@ class Learner:
                 # differently, and under FSDP not at all
                 self.optimizer.zero_grad(set_to_none=True)
         self.num_steps += 1
-        if nonfinite_losses and self.rank == 0:  # logged as null without a word; a finite gradient still steps
-            log.warning("iteration %d: the loss was not finite in %d micro-batch(es) (logged as null); check the "
-                        "loss (algo.loss=%s)", self.num_steps - 1 if iteration is None else iteration,
-                        nonfinite_losses, self.algo.loss)
-        if empty and self.rank == 0:
-            log.warning("iteration %d: %d of %d optimizer steps had no token to train, so none was taken: every "
-                        "response of their mini-batches was masked (trainer.mask_truncated masks responses cut at "
-                        "rollout.max_new_tokens)", self.num_steps - 1 if iteration is None else iteration, empty,
-                        len(rows) * self.epochs_per_batch)
-        if skipped and self.rank == 0:
-            log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
-                        "weights and the optimizer state stay as they were (lower trainer.lr?)",
-                        self.num_steps - 1 if iteration is None else iteration, skipped, len(rows) * self.epochs_per_batch)
+        if self.rank == 0:
+            warn_left_out(self.num_steps - 1 if iteration is None else iteration, len(rows) * self.epochs_per_batch,
+                          nonfinite_losses, empty, skipped, self.algo.loss)
         out = {"grad_norm": math.nan, **combine_metrics(every_rank(self.group, self.world_size, parts))}
         out["skipped_steps"] = skipped
-        if empty:
-            out["empty_steps"] = empty
+        out.update({"empty_steps": empty} if empty else {})
         out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out

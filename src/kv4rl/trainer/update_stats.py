@@ -4,8 +4,12 @@ gradient norm as a plain float on every rank."""
 
 from __future__ import annotations
 
+import logging
+
 from kv4rl.algo.logprobs import k3_kl
 from kv4rl.trainer.batch import TrainBatch
+
+log = logging.getLogger("kv4rl.trainer.learner")  # the learner's warnings, under its name
 
 
 def global_scalar(value) -> float:
@@ -27,3 +31,18 @@ def token_stats(logp, ent, mb: TrainBatch, first: bool) -> dict[str, float]:
         stats["mismatch_abs_mean"] = float(diff.abs().sum() / n)
         stats["mismatch_absmax"] = float(diff.abs().max())
     return stats
+
+
+def warn_left_out(iteration: int, steps: int, nonfinite_losses: int, empty: int, skipped: int, loss: str) -> None:
+    """Say what an update left out: micro-batches with a non-finite loss (logged as null, a finite gradient still
+    steps), optimizer steps with no token to train, and steps whose gradient norm was not finite."""
+    if nonfinite_losses:
+        log.warning("iteration %d: the loss was not finite in %d micro-batch(es) (logged as null); check the "
+                    "loss (algo.loss=%s)", iteration, nonfinite_losses, loss)
+    if empty:
+        log.warning("iteration %d: %d of %d optimizer steps had no token to train, so none was taken: every "
+                    "response of their mini-batches was masked (trainer.mask_truncated masks responses cut at "
+                    "rollout.max_new_tokens)", iteration, empty, steps)
+    if skipped:
+        log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
+                    "weights and the optimizer state stay as they were (lower trainer.lr?)", iteration, skipped, steps)
