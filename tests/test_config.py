@@ -3,6 +3,8 @@
 import logging
 import re
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -292,3 +294,28 @@ def test_token_sum_norms_length_is_checked_and_said_to_be_unused_elsewhere(caplo
         Learner(tmp_path, None, algo=cfg.algo.__class__(loss_agg="token_sum_norm"), lr=1e-3, weight_decay=0.0,
                 betas=(0.9, 0.999), grad_clip=1.0, micro_batch_size=2, updates_per_batch=1, temperature=1.0,
                 device=torch.device("cpu"))
+
+
+def _migration_table_keys() -> list[str]:
+    """The verl and TRL key names in the first column of README's "Coming from" tables (values such as `grpo` in
+    `loss_type: dapo` / `grpo` left out)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    names = []
+    for title in ("## Coming from verl", "## Coming from TRL"):
+        start = readme.index(title)
+        for line in readme[start:readme.index("\n## ", start + 5)].splitlines():
+            if line.startswith("| `"):
+                cells = re.findall(r"`([^`]+)`", line.split("|")[1])
+                names += [c.split(":")[0] for c in cells if c not in ("grpo", "batch", "none")]
+    return names
+
+
+@pytest.mark.parametrize("name", _migration_table_keys())
+def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
+    """README says a pasted verl or TRL name gets the kv4rl key it means: a dozen of its own names got only the
+    list of known keys, and whole verl paths (actor_rollout_ref.actor.clip_ratio_high) never got a pointer."""
+    try:
+        load_config(None, [f"{name}=1"])
+    except ConfigError as exc:
+        said = str(exc)
+        assert re.match(r"unknown config key '[^']+'; ", said) or "must be" in said or "expected" in said, said

@@ -58,7 +58,7 @@ def test_masked_rows_step_as_the_batch_without_them(tiny_qwen3, agg):
         torch.testing.assert_close(grads_a[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     for key in ("loss", "grad_norm", "num_tokens", "entropy", "mismatch_abs_mean"):
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-    assert "empty_steps" not in a
+    assert a["empty_steps"] == 0
 
 
 def test_a_batch_with_nothing_to_train_takes_no_step(tiny_qwen3, caplog):
@@ -94,3 +94,57 @@ def test_a_run_trains_only_the_tokens_of_responses_that_ended(tmp_path):
         assert row["num_tokens"] == pytest.approx(16 * row["response_len_mean"])
     for row in masked:
         assert row["num_tokens"] == pytest.approx(16 * (row["response_len_mean"] - 3 * row["truncated_frac"]))
+
+
+def test_the_mismatch_is_measured_on_the_first_mini_batch_with_tokens(tiny_qwen3):
+    """Two updates, the first mini-batch all masked: no step is taken before the second, so the engine-vs-learner
+    mismatch comes from it, as from a learner given those rows alone (it went missing from the row)."""
+    path, _ = tiny_qwen3
+
+    def learner(updates):
+        torch.manual_seed(0)
+        return Learner(path, None, algo=AlgoConfig(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9,
+                       micro_batch_size=4, updates_per_batch=updates, temperature=1.0, device=torch.device("cpu"))
+
+    got = learner(2).step(_batch(range(4), [True, True, False, False]))
+    alone = learner(1).step(_batch([2, 3]))
+    assert got["empty_steps"] == 1
+    for key in ("mismatch_k3", "mismatch_abs_mean", "mismatch_absmax"):
+        assert got[key] == pytest.approx(alone[key], rel=1e-6), key
+
+
+def test_masked_rows_are_attributed_from_their_sampled_tokens():
+    """The mismatch attribution finds a response by its sampling versions: a masked row's tokens, versions and
+    recorded log-probs are all still there (it took the empty mask's first column and failed)."""
+    from kv4rl.telemetry.attribution import batch_responses
+
+    plain, masked = batch_responses(_batch(range(5))), batch_responses(_batch(range(5), MASKED))
+    assert len(masked) == len(plain) == 5
+    for a, b in zip(masked, plain, strict=True):
+        assert a[:4] == b[:4] and torch.equal(a[4], b[4])
+    assert [r[2] for r in plain] == [list(r) for r in RESPONSES]
+
+
+def test_a_resume_that_changes_max_new_tokens_says_token_sum_norms_scale_changes(tmp_path, caplog):
+    from kv4rl.run_folder import config_for_resume
+    from tests.small_runs import new_run
+
+    run = new_run(tmp_path, "sumnorm", "trainer.iterations=1", "algo.loss_agg=token_sum_norm", "rollout.max_new_tokens=12")
+    with caplog.at_level("WARNING"):
+        config_for_resume(run, ["rollout.max_new_tokens=16"])
+    (said,) = [m for m in caplog.messages if "settings changed" in m]
+    assert said.endswith("(algo.loss_agg=token_sum_norm divides by rollout.max_new_tokens, so the loss's scale "
+                         "changes with it; algo.loss_norm_tokens=12 keeps the old one)")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        config_for_resume(run, ["rollout.max_new_tokens=16", "algo.loss_norm_tokens=12"])
+    (said,) = [m for m in caplog.messages if "settings changed" in m]
+    assert "scale" not in said
+
+
+def test_batch_std_without_normalize_std_is_said_to_change_nothing(caplog):
+    with caplog.at_level(logging.WARNING):
+        load_config(None, ["advantage.std_scope=batch", "advantage.normalize_std=false"])
+    assert [m for m in caplog.messages if "std_scope" in m] == [
+        "advantage.std_scope=batch picks the std that advantage.normalize_std divides by; with "
+        "advantage.normalize_std=false nothing is divided and it changes nothing"]

@@ -171,7 +171,53 @@ OTHER_FRAMEWORKS = {
                             "generation) is trainer.updates_per_batch",
     "optim": "verl's optim keys are trainer.lr, trainer.weight_decay, trainer.warmup_iters, trainer.lr_schedule "
              "and trainer.min_lr_ratio",
+    "n": "verl's rollout.n is rollout.group_size",
+    "grad_clip": "verl's actor.grad_clip is trainer.grad_clip",
+    "ppo_mini_batch_size": "verl's ppo_mini_batch_size is trainer.updates_per_batch, a count of optimizer steps "
+                           "(train_batch_size / ppo_mini_batch_size)",
+    "ppo_micro_batch_size_per_gpu": "verl's ppo_micro_batch_size_per_gpu is trainer.micro_batch_size",
+    "ppo_micro_batch_size": "verl's ppo_micro_batch_size is trainer.micro_batch_size (rows per rank)",
+    "use_dynamic_bsz": "verl's use_dynamic_bsz is trainer.max_tokens_per_micro_batch (packed rows)",
+    "ppo_max_token_len_per_gpu": "verl's ppo_max_token_len_per_gpu is trainer.max_tokens_per_micro_batch",
+    "clip_ratio_low": "verl's clip_ratio_low is algo.eps_low",
+    "clip_ratio_high": "verl's clip_ratio_high is algo.eps_high",
+    "clip_ratio_c": "verl's clip_ratio_c is algo.dual_clip (off by default here; 3.0 is verl's)",
+    "kl_loss_type": "verl's kl_loss_type is always k3 here (algo.kl_ref_coef; algo.kl_ref_clamp=10 for low_var_kl)",
+    "entropy_coeff": "verl's entropy_coeff does not exist: entropy is logged, not optimized",
+    "norm_adv_by_std_in_grpo": "verl's norm_adv_by_std_in_grpo is advantage.normalize_std",
+    "total_epochs": "verl's total_epochs is trainer.iterations (iterations, computed by hand)",
+    "total_training_steps": "verl's total_training_steps is trainer.iterations",
+    "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "
+                              "device, the colocated learner's memory included)",
+    "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
+    "save_freq": "verl's save_freq is checkpoint.save_every",
+    "test_freq": "verl's test_freq is eval.every",
+    "val_before_train": "verl's val_before_train does not exist: evaluate the starting model with kv4rl eval --model",
+    "max_prompt_length": "verl's max_prompt_length does not exist: a prompt longer than the context is refused at start",
+    "filter_overlong_prompts": "verl's filter_overlong_prompts does not exist: a prompt longer than the context is "
+                               "refused at start",
+    "filter_groups": "verl's filter_groups (DAPO's dynamic sampling) does not exist: groups of equal rewards train "
+                     "with advantage 0 and zero_var_group_frac logs their share",
+    "overlong_buffer": "verl's overlong_buffer (DAPO's overlong reward shaping) does not exist; trainer.mask_truncated "
+                       "is the overlong filtering",
+    "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
+    "importance_sampling_level": "TRL's importance_sampling_level does not exist for algo.loss=ppo_clip (future_kl "
+                                 "has algo.is_mode=token or sequence)",
+    "top_entropy_quantile": "TRL's top_entropy_quantile does not exist",
 }
+
+
+def _foreign_key(key: str, value: Any) -> tuple[str, str] | None:
+    """(the dotted key, its hint) for the first key under `key` (a whole pasted verl path such as
+    actor_rollout_ref.actor.clip_ratio_high=0.28 arrives as one unknown top-level key) that another framework
+    names: the deepest name along each path is checked first."""
+    if isinstance(value, dict):
+        for name, inner in value.items():
+            found = _foreign_key(f"{key}.{name}", inner)
+            if found is not None:
+                return found
+    last = key.rsplit(".", 1)[-1]
+    return (key, OTHER_FRAMEWORKS[last]) if last in OTHER_FRAMEWORKS else None
 
 
 def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
@@ -196,6 +242,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if name not in schema:
             hint = ("; a key of a loss in your own module needs that module in algo.plugins"
                     if prefix == "algo" else "")
+            foreign = _foreign_key(key, value) if name not in OTHER_FRAMEWORKS else None
+            if foreign is not None and foreign[0] != key:
+                raise ConfigError(f"unknown config key '{foreign[0]}'; {foreign[1]}")
             raise ConfigError(f"unknown config key '{key}'{_did_you_mean(name, schema, prefix)} (known here: "
                               f"{', '.join(schema)}){hint}")
         kwargs[name] = _coerce(value, schema[name], key)

@@ -206,11 +206,16 @@ def _say_changed(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
     if changed:
         sampling = _holds_samples(saved) and any(
             key.startswith(("rollout.", "data.prompt_template", "data.chat_template")) for key in changed)
+        rescaled = ("rollout.max_new_tokens" in changed and cfg.algo.loss_agg == "token_sum_norm"
+                    and cfg.algo.loss_norm_tokens is None)
         log.warning("--resume %s: settings changed from its config.yaml (config.yaml takes them; the rows "
-                    "before this resume ran the old ones): %s%s", folder,
+                    "before this resume ran the old ones): %s%s%s", folder,
                     "; ".join(f"{key}: {old.get(key)!r} -> {new[key]!r}" for key in changed),
                     " (the batches the checkpoint holds sampled ahead and its responses in flight keep the "
-                    "rollout settings and prompts they were sampled with)" if sampling else "")
+                    "rollout settings and prompts they were sampled with)" if sampling else "",
+                    f" (algo.loss_agg=token_sum_norm divides by rollout.max_new_tokens, so the loss's scale changes "
+                    f"with it; algo.loss_norm_tokens={saved.rollout.max_new_tokens} keeps the old one)"
+                    if rescaled else "")
 
 
 def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:

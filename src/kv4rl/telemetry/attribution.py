@@ -79,10 +79,12 @@ class Response:
 
 
 def batch_responses(batch) -> list[tuple[int, list[int], list[int], list[int], torch.Tensor]]:
-    """Per row of a `TrainBatch`: (row, prompt ids, response ids, token versions, recorded log-probs)."""
+    """Per row of a `TrainBatch`: (row, prompt ids, response ids, token versions, recorded log-probs). A row's
+    response is where it has a sampling version, trained or not (`trainer.mask_truncated` leaves a cut response
+    no token to train: its mask is empty, its versions and log-probs are there)."""
     out = []
     for i in range(len(batch)):
-        cols = batch.response_mask[i].nonzero().flatten()
+        cols = (batch.versions[i] >= 0).nonzero().flatten()
         first, last = int(cols[0]), int(cols[-1])
         ids = batch.input_ids[i].tolist()
         out.append((i, ids[: first + 1], ids[first + 1: last + 2], batch.versions[i, cols].tolist(),

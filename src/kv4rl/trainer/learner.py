@@ -281,6 +281,7 @@ class Learner:
         skipped = 0  # optimizer steps left out for a non-finite gradient norm
         nonfinite_losses = 0  # micro-batches whose loss was NaN or inf (a gradient can still be finite)
         empty = 0  # optimizer steps left out because no row of their mini-batch had a token to train
+        stepped = False  # the mismatch is measured before the batch's first step (its first mini-batch with tokens)
         if len(batch) < self.updates_per_batch:
             where = "this rank's share of the learner batch" if self.world_size > 1 else "the learner batch"
             raise ValueError(f"trainer.updates_per_batch={self.updates_per_batch} optimizer steps need at least as many "
@@ -288,7 +289,7 @@ class Learner:
         # exactly updates_per_batch mini-batches, sizes within one row of each other (`chunk` made fewer when the
         # rows do not split evenly: 8 rows in 6 updates gave 4 steps)
         rows = torch.arange(len(batch), device=self.device).tensor_split(self.updates_per_batch)
-        for update, mini_rows in enumerate(rows * self.epochs_per_batch):
+        for mini_rows in rows * self.epochs_per_batch:
             mini = batch.select(mini_rows)
             num_seqs = float((mini.response_mask.sum(1) > 0).sum())
             num_tokens, num_seqs = global_counts(self.group, self.world_size, mini.num_tokens, num_seqs)
@@ -311,12 +312,13 @@ class Learner:
                 (loss * self.world_size if self.world_size > 1 else loss).backward()
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
                 nonfinite_losses += not math.isfinite(metrics["loss"])
-                metrics.update(token_stats(logp.detach(), ent, mb, first=update == 0))
+                metrics.update(token_stats(logp.detach(), ent, mb, first=not stepped))
                 parts.append((metrics, mb.num_tokens))
             grad_norm = global_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
             if math.isfinite(grad_norm):  # the global norm, the same on every rank
                 parts.append(({"grad_norm": grad_norm}, 1.0))  # the steps taken (`skipped_steps` counts the rest)
                 self.optimizer.step()
+                stepped = True
             else:  # a NaN or inf gradient would make every weight NaN: every rank skips this step alike
                 skipped += 1
                 # not left on the parameters: a save before any step would find them and keep an empty AdamW
@@ -329,7 +331,7 @@ class Learner:
                           nonfinite_losses, empty, skipped, self.algo.loss)
         out = {"grad_norm": math.nan, **combine_metrics(every_rank(self.group, self.world_size, parts))}
         out["skipped_steps"] = skipped
-        out.update({"empty_steps": empty} if empty else {})
+        out["empty_steps"] = empty
         out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
