@@ -10,7 +10,14 @@ import pytest
 from kv4rl.config import ConfigError, load_config
 from kv4rl.data.source import ProblemSource
 from kv4rl.loop import train
-from kv4rl.rewards import RewardResult, WeightedRewards, get_reward, register_reward, reward_metrics
+from kv4rl.rewards import (
+    RewardResult,
+    WeightedRewards,
+    get_reward,
+    register_reward,
+    reward_metrics,
+    with_overlong_penalty,
+)
 from kv4rl.rollout.build import build_reward
 
 RESPONSES = ["so \\boxed{4}", "4", "\\boxed{5}", "no idea", "\\boxed{4"]
@@ -122,3 +129,39 @@ def test_each_rewards_mean_is_averaged_over_data_parallel_ranks_and_its_counts_a
     rows = [{"rewards/exact/mean": 0.25, "reward_boxed_format_calls": 1.0, "accuracy": 0.25},
             {"rewards/exact/mean": 0.5, "reward_boxed_format_calls": 1.0, "accuracy": 0.5}]
     assert merge_rank_rows(rows) == {"rewards/exact/mean": 0.375, "reward_boxed_format_calls": 2.0, "accuracy": 0.375}
+
+
+def test_dapos_overlong_penalty_by_hand():
+    """max_new_tokens 16, buffer 4: no penalty up to 12 tokens, then -(n - 12) / 4 x factor, -factor at 16."""
+    from kv4rl.rewards.combined import overlong_penalties
+
+    assert overlong_penalties([3, 12, 13, 14, 16], 16, 4, 0.5) == [0.0, 0.0, -0.125, -0.25, -0.5]
+    result = with_overlong_penalty(RewardResult([1.0, 1.0, 0.0], {"no_answer": 1.0}), [12, 16, 14], "exact", 16, 4, 1.0)
+    assert result.scores == [1.0, 0.0, -0.5] and result.stats == {"no_answer": 1.0}
+    assert result.components == {"exact": [1.0, 1.0, 0.0], "overlong": [0.0, -1.0, -0.5]}
+    # a right answer at the cap scores 0 in all: accuracy still counts it, by the verifier's own score
+    assert reward_metrics(result, "exact")["accuracy"] == pytest.approx(2 / 3)
+    assert reward_metrics(result, "exact")["rewards/overlong/mean"] == pytest.approx(-0.5)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.max_new_tokens=16", "reward.overlong_buffer=16"], r"reward.overlong_buffer must be in \[0, "),
+    (["reward.overlong_buffer=-1"], "reward.overlong_buffer"),
+    (["reward.overlong_buffer=4", "reward.overlong_penalty=-1"], "reward.overlong_penalty must be"),
+])
+def test_bad_overlong_settings_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_run_with_the_overlong_penalty_logs_it_apart_from_the_verifier(tmp_path):
+    cfg = load_config(None, [f"out_dir={tmp_path}", "name=o", "device=cpu", "rollout.quota_groups=4",
+                             "rollout.group_size=4", "trainer.iterations=2", "rollout.max_new_tokens=6",
+                             "reward.overlong_buffer=3", "reward.overlong_penalty=0.5"])
+    train(cfg, show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert any(row["rewards/overlong/mean"] < 0 for row in rows)
+    for row in rows:
+        assert -0.5 <= row["rewards/overlong/mean"] <= 0
+        assert row["reward_mean"] == pytest.approx(row["rewards/exact/mean"] + row["rewards/overlong/mean"], abs=1e-12)
+        assert row["accuracy"] == pytest.approx(row["rewards/exact/mean"], abs=1e-7)

@@ -119,7 +119,7 @@ def _train_rank(rank: int, out_dir: str, overrides: list[str]) -> None:
 @pytest.mark.parametrize(("engines", "updates", "rewards"), [
     (1, 1, []), (1, 2, []),
     (2, 2, ["reward.extra=[boxed_format]", "reward.weights=[1.0,0.6]", "trainer.mask_truncated=true",
-            "rollout.max_new_tokens=4"])])
+            "rollout.max_new_tokens=4", "reward.overlong_buffer=2"])])
 def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engines, updates, rewards):
     """lag 0, refresh every update: the engine starts batch b only with the weights of update b - 1, so
     the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step. With two
@@ -145,11 +145,13 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
         for key in ("num_tokens", "reward_mean", "accuracy", "response_len_mean", "adv_std"):
             assert a[key] == b[key], key
         reward_means = sorted(key for key in b if key.startswith("rewards/"))
-        assert reward_means == (["rewards/boxed_format/mean", "rewards/exact/mean"] if rewards else [])
+        assert reward_means == (["rewards/boxed_format/mean", "rewards/exact/mean", "rewards/overlong/mean"]
+                                if rewards else [])
         assert all(a[key] == b[key] for key in reward_means)
         if rewards:
             # a wrong answer in a box scores 0.6: counted as correct by the sum, not by the verifier
-            assert a["reward_mean"] == pytest.approx(b["rewards/exact/mean"] + 0.6 * b["rewards/boxed_format/mean"])
+            assert a["reward_mean"] == pytest.approx(b["rewards/exact/mean"] + 0.6 * b["rewards/boxed_format/mean"]
+                                                     + b["rewards/overlong/mean"])
             assert a["accuracy"] == pytest.approx(b["rewards/exact/mean"], abs=1e-7)
             assert b["num_tokens"] == pytest.approx(8 * (b["response_len_mean"] - 4 * b["truncated_frac"]))
         for key in ("loss", "grad_norm", "entropy", "mismatch_abs_mean"):

@@ -73,6 +73,10 @@ class RewardConfig:
     timeout_s: float = 5.0
     extra: list[str] = field(default_factory=list)
     weights: list[float] | None = None
+    # DAPO's overlong reward shaping: a response longer than rollout.max_new_tokens - overlong_buffer tokens
+    # loses up to overlong_penalty, linearly to the cap (0: off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -203,6 +207,11 @@ class RunConfig:
         if len(set(named)) != len(named):
             raise ConfigError(f"reward.extra: each reward may be named once (reward.name={self.reward.name}, "
                               f"reward.extra={self.reward.extra})")
+        if not 0 <= self.reward.overlong_buffer < self.rollout.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer must be in [0, rollout.max_new_tokens) (0: off), got "
+                              f"{self.reward.overlong_buffer} with rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        if not (math.isfinite(self.reward.overlong_penalty) and self.reward.overlong_penalty >= 0):
+            raise ConfigError(f"reward.overlong_penalty must be a finite number >= 0, got {self.reward.overlong_penalty}")
         weights = self.reward.weights
         if weights is not None:
             if len(weights) != 1 + len(self.reward.extra):

@@ -198,8 +198,9 @@ OTHER_FRAMEWORKS = {
                                "refused at start",
     "filter_groups": "verl's filter_groups (DAPO's dynamic sampling) does not exist: groups of equal rewards train "
                      "with advantage 0 and zero_var_group_frac logs their share",
-    "overlong_buffer": "verl's overlong_buffer (DAPO's overlong reward shaping) does not exist; trainer.mask_truncated "
-                       "is the overlong filtering",
+    "overlong_buffer": "verl's overlong_buffer (DAPO's overlong reward shaping) is reward.overlong_buffer (its len) and "
+                       "reward.overlong_penalty (its penalty_factor)",
+    "penalty_factor": "verl's overlong_buffer.penalty_factor is reward.overlong_penalty",
     "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
     "importance_sampling_level": "TRL's importance_sampling_level does not exist for algo.loss=ppo_clip (future_kl "
                                  "has algo.is_mode=token or sequence)",

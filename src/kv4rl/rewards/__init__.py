@@ -10,7 +10,13 @@ from kv4rl.rewards.base import (
     register_reward,
     registered_rewards,
 )
-from kv4rl.rewards.combined import BoxedFormatReward, WeightedRewards, reward_metrics
+from kv4rl.rewards.combined import (
+    BoxedFormatReward,
+    WeightedRewards,
+    reward_metrics,
+    verifier_name,
+    with_overlong_penalty,
+)
 from kv4rl.rewards.math import ExactReward, MathVerifyReward, exact_match, verify_answer
 
 __all__ = [
@@ -28,4 +34,6 @@ __all__ = [
     "verify_answer",
     "WeightedRewards",
     "reward_metrics",
+    "verifier_name",
+    "with_overlong_penalty",
 ]

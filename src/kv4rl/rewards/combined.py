@@ -14,9 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kv4rl.rewards.base import Reward, RewardFn, RewardResult, extract_boxed, register_reward
+from kv4rl.rewards.base import CheckedReward, Reward, RewardFn, RewardResult, extract_boxed, register_reward
 
-__all__ = ["BoxedFormatReward", "WeightedRewards", "reward_metrics"]
+__all__ = ["BoxedFormatReward", "WeightedRewards", "overlong_penalties", "reward_metrics", "verifier_name",
+           "with_overlong_penalty"]
 
 
 class WeightedRewards(Reward):
@@ -79,6 +80,32 @@ class BoxedFormatReward(Reward):
 
     def score(self, responses: list[str], golds: list[str]) -> RewardResult:
         return RewardResult([1.0 if extract_boxed(text) is not None else 0.0 for text in responses])
+
+
+def verifier_name(reward: RewardFn) -> str | None:
+    """The name of the reward whose own score says whether a response is correct (None: not known)."""
+    if isinstance(reward, WeightedRewards):
+        return reward.verifier_name
+    return reward.name if isinstance(reward, CheckedReward) else None
+
+
+def overlong_penalties(lengths: Sequence[int], max_new_tokens: int, buffer: int, factor: float) -> list[float]:
+    """DAPO's overlong reward shaping: 0 up to `max_new_tokens - buffer` tokens, then falling linearly to
+    `-factor` at `max_new_tokens`."""
+    expected = max_new_tokens - buffer
+    return [min(0.0, -(n - expected) / buffer * factor) for n in lengths]
+
+
+def with_overlong_penalty(result: RewardResult, lengths: Sequence[int], verifier: str | None, max_new_tokens: int,
+                          buffer: int, factor: float) -> RewardResult:
+    """`result` with `overlong_penalties` added to its scores, and logged as the component `overlong` beside the
+    reward's own (the verifier's score, which `accuracy` reads, is kept apart from the penalty)."""
+    penalties = overlong_penalties(lengths, max_new_tokens, buffer, factor)
+    components = dict(result.components) if result.components else \
+        ({verifier: [float(x) for x in result.scores]} if verifier is not None else {})
+    components["overlong"] = penalties
+    return RewardResult([float(x) + p for x, p in zip(result.scores, penalties, strict=True)], result.stats,
+                        components)
 
 
 def reward_metrics(result: RewardResult, verifier_name: str | None = None) -> dict[str, float]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.engine.llm import Engine
 from kv4rl.graceful_stop import GracefulStop
-from kv4rl.rewards import WeightedRewards
+from kv4rl.rewards import verifier_name, with_overlong_penalty
 from kv4rl.rollout.collector import Collector
 from kv4rl.split.channel import EngineLink, Stopped
 
@@ -46,8 +46,8 @@ class EngineSide:
 
     @property
     def verifier_name(self) -> str | None:
-        """The name of the reward whose score counts for accuracy, where the reward is a weighted sum."""
-        return self.reward_fn.verifier_name if isinstance(self.reward_fn, WeightedRewards) else None
+        """The name of the reward whose own score counts for accuracy (`rewards.verifier_name`)."""
+        return verifier_name(self.reward_fn)
 
     def take_weights(self, block: bool) -> None:
         """Load the weights the head announces (if any, or wait for them with `block`)."""
@@ -69,6 +69,11 @@ def score(side: EngineSide, groups) -> tuple[list[float], dict, dict[str, list[f
              for g in groups for c in g.completions]
     answers = [g.problem.answer for g in groups for _ in g.completions]
     reward = side.reward_fn(texts, answers)
+    r = side.cfg.reward
+    if r.overlong_buffer:
+        reward = with_overlong_penalty(reward, [len(c.token_ids) for g in groups for c in g.completions],
+                                       side.verifier_name, side.cfg.rollout.max_new_tokens, r.overlong_buffer,
+                                       r.overlong_penalty)
     return ([float(x) for x in reward.scores], {k: float(v) for k, v in reward.stats.items()},
             {name: [float(x) for x in values] for name, values in reward.components.items()})
 
