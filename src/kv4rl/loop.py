@@ -37,7 +37,7 @@ from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
-from kv4rl.rewards import WeightedRewards, reward_metrics, verifier_name, with_overlong_penalty
+from kv4rl.rewards import WeightedRewards, reward_metrics, score_responses, verifier_name
 from kv4rl.rollout.build import build_rollout
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
@@ -180,13 +180,10 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     prompts = [g.prompt_ids for g in groups for _ in g.completions]
     texts = [s.formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     answers = [g.problem.answer for g in groups for _ in g.completions]
-    reward = s.reward_fn(texts, answers)
-    verifier = verifier_name(s.reward_fn)
-    if cfg.reward.overlong_buffer:
-        reward = with_overlong_penalty(reward, [len(c.token_ids) for c in completions], verifier, r.max_new_tokens,
-                                       cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+    reward = score_responses(s.reward_fn, texts, answers, [len(c.token_ids) for c in completions], cfg.reward,
+                             r.max_new_tokens)
     rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
-    reward_row = reward_metrics(reward, verifier)
+    reward_row = reward_metrics(reward, verifier_name(s.reward_fn))
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process
     # the whole learner batch's std: every rank's rewards (ranks hold disjoint groups, tensor-parallel ones too)
     everyone = torch.tensor([x for part in gather_objects(reward.scores) for x in part], dtype=torch.float64) \

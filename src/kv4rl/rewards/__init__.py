@@ -14,6 +14,7 @@ from kv4rl.rewards.combined import (
     BoxedFormatReward,
     WeightedRewards,
     reward_metrics,
+    score_responses,
     verifier_name,
     with_overlong_penalty,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "verify_answer",
     "WeightedRewards",
     "reward_metrics",
+    "score_responses",
     "verifier_name",
     "with_overlong_penalty",
 ]

@@ -16,8 +16,8 @@ import torch
 
 from kv4rl.rewards.base import CheckedReward, Reward, RewardFn, RewardResult, extract_boxed, register_reward
 
-__all__ = ["BoxedFormatReward", "WeightedRewards", "overlong_penalties", "reward_metrics", "verifier_name",
-           "with_overlong_penalty"]
+__all__ = ["BoxedFormatReward", "WeightedRewards", "overlong_penalties", "reward_metrics", "score_responses",
+           "verifier_name", "with_overlong_penalty"]
 
 
 class WeightedRewards(Reward):
@@ -106,6 +106,17 @@ def with_overlong_penalty(result: RewardResult, lengths: Sequence[int], verifier
     components["overlong"] = penalties
     return RewardResult([float(x) + p for x, p in zip(result.scores, penalties, strict=True)], result.stats,
                         components)
+
+
+def score_responses(reward: RewardFn, texts: list[str], golds: list[str], lengths: Sequence[int], cfg,
+                    max_new_tokens: int) -> RewardResult:
+    """The run's scores of decoded responses (`lengths`: their token counts): `reward`'s, plus the overlong
+    penalty where `cfg` (the run's `reward` section) asks for it."""
+    result = reward(texts, golds)
+    if cfg.overlong_buffer:
+        result = with_overlong_penalty(result, lengths, verifier_name(reward), max_new_tokens, cfg.overlong_buffer,
+                                       cfg.overlong_penalty)
+    return result
 
 
 def reward_metrics(result: RewardResult, verifier_name: str | None = None) -> dict[str, float]:
