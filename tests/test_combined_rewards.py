@@ -135,7 +135,7 @@ def test_dapos_overlong_penalty_by_hand():
     """max_new_tokens 16, buffer 4: no penalty up to 12 tokens, then -(n - 12) / 4 x factor, -factor at 16."""
     from kv4rl.rewards.combined import overlong_penalties
 
-    assert overlong_penalties([3, 12, 13, 14, 16], 16, 4, 0.5) == [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert overlong_penalties([3, 12, 13, 14, 16, 20], 16, 4, 0.5) == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
     result = with_overlong_penalty(RewardResult([1.0, 1.0, 0.0], {"no_answer": 1.0}), [12, 16, 14], "exact", 16, 4, 1.0)
     assert result.scores == [1.0, 0.0, -0.5] and result.stats == {"no_answer": 1.0}
     assert result.components == {"exact": [1.0, 1.0, 0.0], "overlong": [0.0, -1.0, -0.5]}

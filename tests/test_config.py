@@ -319,3 +319,19 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
     except ConfigError as exc:
         said = str(exc)
         assert re.match(r"unknown config key '[^']+'; ", said) or "must be" in said or "expected" in said, said
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("actor_rollout_ref.rollout.val_kwargs.n=1", "unknown config key 'actor_rollout_ref.rollout.val_kwargs.n'; "
+                                                 "verl's rollout.n is rollout.group_size (its val_kwargs.n, samples "
+                                                 "per evaluated problem, is eval.k)"),
+    ("actor_rollout_ref.rollout.temperature=0.7", "unknown config key 'actor_rollout_ref.rollout.temperature'; did you "
+                                                  "mean rollout.temperature or eval.temperature?"),
+    ("algorithm.filter_groups.max_num_gen_batches=5", "unknown config key 'algorithm.filter_groups.max_num_gen_batches'"
+                                                      "; verl's filter_groups.max_num_gen_batches is "
+                                                      "rollout.filter_max_batches"),
+])
+def test_a_whole_pasted_verl_path_is_pointed_to_its_kv4rl_key(override, said):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    assert str(exc.value) == said

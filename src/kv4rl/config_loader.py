@@ -140,7 +140,8 @@ OTHER_FRAMEWORKS = {
     "beta": "TRL's beta (the reference-KL coefficient) is algo.kl_ref_coef; algo.beta is future_kl's future-KL cost",
     "kl_loss_coef": "verl's kl_loss_coef is algo.kl_ref_coef",
     "use_kl_loss": "verl's use_kl_loss is algo.kl_ref_coef > 0",
-    "num_generations": "TRL's num_generations is rollout.group_size",
+    "num_generations": "TRL's num_generations is rollout.group_size (num_generations_eval is eval.k)",
+    "num_generations_eval": "TRL's num_generations_eval is eval.k",
     "learning_rate": "the learning rate is trainer.lr",
     "epsilon": "TRL's epsilon is algo.eps_low (and algo.eps_high, which it also sets)",
     "epsilon_high": "TRL's epsilon_high is algo.eps_high",
@@ -171,7 +172,7 @@ OTHER_FRAMEWORKS = {
                             "generation) is trainer.updates_per_batch",
     "optim": "verl's optim keys are trainer.lr, trainer.weight_decay, trainer.warmup_iters, trainer.lr_schedule "
              "and trainer.min_lr_ratio",
-    "n": "verl's rollout.n is rollout.group_size",
+    "n": "verl's rollout.n is rollout.group_size (its val_kwargs.n, samples per evaluated problem, is eval.k)",
     "grad_clip": "verl's actor.grad_clip is trainer.grad_clip",
     "ppo_mini_batch_size": "verl's ppo_mini_batch_size is trainer.updates_per_batch, a count of optimizer steps "
                            "(train_batch_size / ppo_mini_batch_size)",
@@ -196,8 +197,8 @@ OTHER_FRAMEWORKS = {
     "max_prompt_length": "verl's max_prompt_length does not exist: a prompt longer than the context is refused at start",
     "filter_overlong_prompts": "verl's filter_overlong_prompts does not exist: a prompt longer than the context is "
                                "refused at start",
-    "filter_groups": "verl's filter_groups (DAPO's dynamic sampling) does not exist: groups of equal rewards train "
-                     "with advantage 0 and zero_var_group_frac logs their share",
+    "filter_groups": "verl's filter_groups (DAPO's dynamic sampling) is rollout.filter_groups",
+    "max_num_gen_batches": "verl's filter_groups.max_num_gen_batches is rollout.filter_max_batches",
     "overlong_buffer": "verl's overlong_buffer (DAPO's overlong reward shaping) is reward.overlong_buffer (its len) and "
                        "reward.overlong_penalty (its penalty_factor)",
     "penalty_factor": "verl's overlong_buffer.penalty_factor is reward.overlong_penalty",
@@ -208,17 +209,23 @@ OTHER_FRAMEWORKS = {
 }
 
 
-def _foreign_key(key: str, value: Any) -> tuple[str, str] | None:
+def _foreign_key(key: str, value: Any, schema: dict[str, Any]) -> tuple[str, str] | None:
     """(the dotted key, its hint) for the first key under `key` (a whole pasted verl path such as
     actor_rollout_ref.actor.clip_ratio_high=0.28 arrives as one unknown top-level key) that another framework
-    names: the deepest name along each path is checked first."""
+    names, or whose last name is a key of a kv4rl section (`schema`: the top level's): the deepest name along
+    each path is checked first."""
     if isinstance(value, dict):
         for name, inner in value.items():
-            found = _foreign_key(f"{key}.{name}", inner)
+            found = _foreign_key(f"{key}.{name}", inner, schema)
             if found is not None:
                 return found
     last = key.rsplit(".", 1)[-1]
-    return (key, OTHER_FRAMEWORKS[last]) if last in OTHER_FRAMEWORKS else None
+    if last in OTHER_FRAMEWORKS:
+        return key, OTHER_FRAMEWORKS[last]
+    if isinstance(value, dict):
+        return None
+    same = [f"{section}.{last}" for section, tp in schema.items() if _is_section(tp) and last in _schema(tp)]
+    return (key, f"did you mean {' or '.join(same)}?") if same and "." in key else None
 
 
 def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
@@ -243,7 +250,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if name not in schema:
             hint = ("; a key of a loss in your own module needs that module in algo.plugins"
                     if prefix == "algo" else "")
-            foreign = _foreign_key(key, value) if name not in OTHER_FRAMEWORKS else None
+            foreign = _foreign_key(key, value, schema) if name not in OTHER_FRAMEWORKS else None
             if foreign is not None and foreign[0] != key:
                 raise ConfigError(f"unknown config key '{foreign[0]}'; {foreign[1]}")
             raise ConfigError(f"unknown config key '{key}'{_did_you_mean(name, schema, prefix)} (known here: "

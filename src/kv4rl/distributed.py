@@ -226,7 +226,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-_SUMMED = frozenset({"preemptions", "dropped_stale", "tokens_per_s"})
+_SUMMED = frozenset({"preemptions", "dropped_stale", "tokens_per_s", "filtered_groups"})
 _SAME_ON_EVERY_RANK = frozenset({"iteration", "skipped_steps", "empty_steps"})  # the learner's steps are the whole job's
 
 

@@ -91,9 +91,10 @@ def verifier_name(reward: RewardFn) -> str | None:
 
 def overlong_penalties(lengths: Sequence[int], max_new_tokens: int, buffer: int, factor: float) -> list[float]:
     """DAPO's overlong reward shaping: 0 up to `max_new_tokens - buffer` tokens, then falling linearly to
-    `-factor` at `max_new_tokens`."""
+    `-factor` at `max_new_tokens` (and no lower: a response carried from before a resume that lowered the cap
+    may be longer)."""
     expected = max_new_tokens - buffer
-    return [min(0.0, -(n - expected) / buffer * factor) for n in lengths]
+    return [max(-factor, min(0.0, -(n - expected) / buffer * factor)) for n in lengths]
 
 
 def with_overlong_penalty(result: RewardResult, lengths: Sequence[int], verifier: str | None, max_new_tokens: int,

@@ -17,8 +17,8 @@ from kv4rl.distributed import Ranks
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
-from kv4rl.rewards import WeightedRewards, get_reward
-from kv4rl.rollout.collector import Collector
+from kv4rl.rewards import WeightedRewards, get_reward, score_responses
+from kv4rl.rollout.collector import Collector, GroupResult
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,16 @@ def build_reward(cfg: RunConfig, source: ProblemSource):
     return WeightedRewards(list(zip(names, built, weights, strict=True)))
 
 
+def group_scorer(cfg: RunConfig, formatter: PromptFormatter, reward_fn) -> Callable[[GroupResult], list[float]]:
+    """The trained score of each response of a complete group, as the learner will get it (`rollout.filter_groups`
+    drops a group whose scores are all equal)."""
+    def score(group: GroupResult) -> list[float]:
+        texts = [formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group.completions]
+        return score_responses(reward_fn, texts, [group.problem.answer] * len(texts),
+                               [len(c.token_ids) for c in group.completions], cfg.reward, cfg.rollout.max_new_tokens).scores
+    return score
+
+
 def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,
                   engine_ranks: Ranks, show_progress: bool, update_memory: Callable[[int], int] | None = None,
                   tokenizer=None) -> tuple[PromptFormatter, object, Engine, Collector]:
@@ -110,7 +120,8 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
 
         Console(stderr=True).print(engine.summary, highlight=False, soft_wrap=True)  # one line a script can grep
     try:
-        collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=engine_ranks)
+        collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=engine_ranks,
+                              score_group=group_scorer(cfg, formatter, reward_fn) if cfg.rollout.filter_groups else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return formatter, reward_fn, engine, collector

@@ -6,7 +6,8 @@ scheduling. In `partial` mode the engine's slots are topped up with new groups b
 as soon as `quota_groups` groups are complete, exactly those leave in completion order, and every
 unfinished response stays resident (its tokens, behaviour log-probs and versions kept) to continue
 after the weight update. `max_versions` drops responses that would be too stale when consumed and
-re-samples them; nothing is lost or delivered twice.
+re-samples them; nothing is lost or delivered twice. With `filter_groups` a complete group whose responses
+all scored the same (`score_group`) is dropped instead of delivered (`take_filtered` counts them).
 
 With several data-parallel ranks (`kv4rl.distributed`) each rank's collector takes every
 `world`-th group of the stream (group g goes to rank g mod world) and `quota_groups / world` of
@@ -15,6 +16,7 @@ each learner batch, so the ranks' groups never overlap and their union is the si
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,8 @@ from kv4rl.engine.llm import Engine
 from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
 from kv4rl.rollout.config import RolloutConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -54,9 +58,13 @@ class _Group:
 
 class Collector:
     def __init__(self, engine: Engine, source: ProblemSource, formatter: PromptFormatter, cfg: RolloutConfig,
-                 seed: int, max_tokens_fn: Callable[[int, int], int] | None = None, ranks: Ranks = Ranks()):
+                 seed: int, max_tokens_fn: Callable[[int, int], int] | None = None, ranks: Ranks = Ranks(),
+                 score_group: Callable[[GroupResult], list[float]] | None = None):
         """`max_tokens_fn(group, j)` overrides the response length limit (benchmarks script lengths).
-        `ranks`: this data-parallel rank's place (its share of the groups)."""
+        `ranks`: this data-parallel rank's place (its share of the groups). `score_group`: the run's score of
+        each response of a complete group, which `cfg.filter_groups` needs."""
+        if cfg.filter_groups and score_group is None:
+            raise ValueError("rollout.filter_groups needs the responses' scores (score_group)")
         if cfg.quota_groups % ranks.world:
             raise ValueError(f"rollout.quota_groups={cfg.quota_groups} must split evenly over {ranks.world} ranks "
                              "(a prompt group is never split across engines)")
@@ -70,6 +78,11 @@ class Collector:
         self.trace: list[dict] = []
         self.num_dropped = 0
         self.skip: set[int] = set()  # positions of this rank's share already consumed before a resume
+        self.score_group = score_group
+        self.filtered = 0  # groups dropped for equal scores since the last `take_filtered`
+        self.filtered_now = 0  # ... in the collection under way (capped at filter_max_batches - 1 batches)
+        self.flat: dict[int, bool] = {}  # complete groups' verdicts: every score the same
+        self.said_capped = False
         # called before every engine step: a split run's engine takes new weights here (`kv4rl.split`)
         self.before_step: Callable[[], None] | None = None
 
@@ -77,10 +90,13 @@ class Collector:
     def collect(self) -> list[GroupResult]:
         """Run the engine until a learner batch of `quota_groups` complete groups is ready."""
         quota = self.quota
+        for index in [i for i in self.ready if self.cfg.filter_groups]:  # kept past the last batch's cap: this
+            if self._dropped(self.groups[index]):  # batch's cap may drop them
+                self.ready.remove(index)
         if self.cfg.mode == "sync":
-            while len(self.groups) < quota:
-                self._start_group()
             while len(self.ready) < quota:
+                while len(self.groups) < quota:  # a dropped group's place is taken by the next one
+                    self._start_group()
                 self._step()
         else:
             while len(self.ready) < quota:
@@ -89,9 +105,11 @@ class Collector:
         out = []
         for _ in range(quota):
             g = self.groups.pop(self.ready.popleft())
+            self.flat.pop(g.index, None)
             out.append(GroupResult(g.index, g.problem, g.prompt_ids, list(g.done)))  # type: ignore[arg-type]
         if self.cfg.mode == "sync":
             out.sort(key=lambda g: g.index)  # the whole batch ends together: keep prompt order
+        self.filtered_now = 0  # groups that complete from here on (a drain after the update) count for the next
         return out
 
     def _top_up(self) -> None:
@@ -144,8 +162,34 @@ class Collector:
             index, j = seq.tag
             group = self.groups[index]
             group.done[j] = Completion.from_sequence(seq)
-            if group.complete:
+            if group.complete and not self._dropped(group):
                 self.ready.append(index)
+
+    def _dropped(self, group: _Group) -> bool:
+        """Drop a complete group whose responses all scored the same (`filter_groups`), within the cap."""
+        if not self.cfg.filter_groups or self.filtered_now >= (self.cfg.filter_max_batches - 1) * self.quota:
+            return False
+        if group.index not in self.flat:  # scored once (a resumed run scores its held groups again)
+            scores = self.score_group(GroupResult(group.index, group.problem, group.prompt_ids, list(group.done)))
+            self.flat[group.index] = max(scores) == min(scores)
+        if not self.flat[group.index]:
+            return False
+        del self.flat[group.index]
+        del self.groups[group.index]
+        self.filtered += 1
+        self.filtered_now += 1
+        if self.filtered_now == (self.cfg.filter_max_batches - 1) * self.quota and not self.said_capped:
+            self.said_capped = True  # once a run: a policy that gets most groups all right or all wrong hits it often
+            log.warning("rollout.filter_groups dropped %d groups of equal scores while collecting one batch "
+                        "(rollout.filter_max_batches=%d batches' worth); the rest are kept as they come (said once; "
+                        "filtered_groups and zero_var_group_frac count them)", self.filtered_now,
+                        self.cfg.filter_max_batches)
+        return True
+
+    def take_filtered(self) -> int:
+        """Groups dropped for equal scores since the last call."""
+        count, self.filtered = self.filtered, 0
+        return count
 
     # ---- weight updates ---------------------------------------------------------------------
     def on_refresh(self) -> None:
@@ -180,6 +224,7 @@ class Collector:
                 if c is not None and too_old(c.versions):
                     if index in self.ready:
                         self.ready.remove(index)
+                    self.flat.pop(index, None)  # its scores change with the re-sampled response
                     group.done[j] = None
                     self._redo(index, j)
 
@@ -209,6 +254,7 @@ class Collector:
             "groups": [(g.index, g.problem, g.prompt_ids, g.done, g.attempts) for g in self.groups.values()],
             "in_engine": in_engine,
             "trace": [dict(step) for step in self.trace],
+            "filtered": (self.filtered, self.filtered_now),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -218,6 +264,7 @@ class Collector:
         self.ready = deque(state["ready"])
         self.num_dropped = state["num_dropped"]
         self.trace = [dict(step) for step in state.get("trace", [])]  # checkpoints before it was saved: none
+        self.filtered, self.filtered_now = state.get("filtered", (0, 0))
         self.groups = {i: _Group(i, p, ids, list(done), list(att)) for i, p, ids, done, att in state["groups"]}
         for (index, j), partial in state["in_engine"]:
             self._submit(self.groups[index], j, resume_from=partial if partial.token_ids else None)

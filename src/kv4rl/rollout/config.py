@@ -16,6 +16,11 @@ class RolloutConfig:
     keeps `max_slots` decode slots full and hands over the first `quota_groups` groups to complete,
     carrying unfinished responses across the weight update (`carry`).
 
+    `filter_groups` (DAPO's dynamic sampling, verl's `filter_groups`): a group whose responses all got the same
+    score is dropped as it completes and the collection goes on, so every group of a batch teaches something;
+    past `filter_max_batches` batches' worth of dropped groups in one collection the rest are kept (a policy
+    that gets every group right or wrong would otherwise sample forever).
+
     `placement: colocated` runs an engine and a learner shard on every rank (one process, or
     torchrun's data-parallel layout); `placement: split` (torchrun, `kv4rl.split`) gives the last
     `engine_ranks` ranks to engines that generate without waiting for training, the others to the learner.
@@ -32,6 +37,8 @@ class RolloutConfig:
     top_k: int = 0
     placement: Literal["colocated", "split"] = "colocated"
     engine_ranks: int = 1
+    filter_groups: bool = False
+    filter_max_batches: int = 10
 
     def validate(self) -> None:
         checks = [
@@ -45,6 +52,7 @@ class RolloutConfig:
             (0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]"),
             (self.top_k >= 0, f"rollout.top_k must be >= 0 (0: off), got {self.top_k}"),
             (self.engine_ranks >= 1, f"rollout.engine_ranks must be >= 1, got {self.engine_ranks}"),
+            (self.filter_max_batches >= 1, f"rollout.filter_max_batches must be >= 1, got {self.filter_max_batches}"),
         ]
         for ok, message in checks:
             if not ok:

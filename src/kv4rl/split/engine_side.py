@@ -99,6 +99,7 @@ def run_engine(side: EngineSide) -> dict:
                 "time_rollout": t1 - t0, "time_reward": time.perf_counter() - t1,
                 "time_engine_wait": side.waited, "time_engine_sync": side.synced,
                 "preemptions": side.engine.num_preemptions, "dropped_stale": side.collector.num_dropped,
+                "filtered_groups": side.collector.take_filtered(),
                 "version": side.engine.version, "stop": bool(side.stop.requested),
             }
             side.waited = side.synced = 0.0

@@ -107,6 +107,7 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
         "slot_util": mean_known(collection_stats(m["trace"], cfg.rollout.max_slots)["slot_util"] for m in messages),
         "preemptions": sum(m["preemptions"] for m in messages),
         "dropped_stale": sum(m["dropped_stale"] for m in messages),
+        **({"filtered_groups": sum(m["filtered_groups"] for m in messages)} if cfg.rollout.filter_groups else {}),
         "engine_version_min": min(m["version"] for m in messages),
         "groups": sorted(g.index for g in groups),
         **{f"reward_{k}": sum(m["reward_stats"][k] for m in messages) for k in messages[0]["reward_stats"]},  # counts
