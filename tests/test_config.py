@@ -306,7 +306,7 @@ def _migration_table_keys() -> list[str]:
         for line in readme[start:readme.index("\n## ", start + 5)].splitlines():
             if line.startswith("| `"):
                 cells = re.findall(r"`([^`]+)`", line.split("|")[1])
-                names += [c.split(":")[0] for c in cells if c not in ("grpo", "batch", "none")]
+                names += [c.split(":")[0] for c in cells if c not in ("grpo", "batch", "none", "sequence")]
     return names
 
 

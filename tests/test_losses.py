@@ -161,6 +161,31 @@ def test_token_sum_norm_equals_trls_dr_grpo_loss_and_weighs_every_token_alike():
     torch.testing.assert_close(grad, -adv / (3 * max_completion_length), rtol=0, atol=1e-15)
 
 
+def test_sequence_ratio_equals_trls_importance_sampling_level_sequence():
+    """TRL's GSPO branch written out in float64: log-ratios averaged over each response's tokens, exp, then the
+    clipped surrogate per token with loss_type dapo (token_mean); the loss and the gradient match."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([3, 6, 1])
+    mask = (torch.arange(6)[None] < lengths[:, None]).double()
+    old = -torch.rand(3, 6, generator=gen, dtype=torch.float64) * 2
+    logprobs = (old + 0.05 * torch.randn(3, 6, generator=gen, dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([[1.0], [-0.7], [0.4]], dtype=torch.float64)
+    cfg = AlgoConfig(loss="ppo_clip", ratio_level="sequence", eps_low=3e-3, eps_high=4e-3)
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logprobs, behavior_logprobs=old,
+                                                    advantages=adv.expand(3, 6) * mask, mask=mask), cfg)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    trl_logp = logprobs.detach().clone().requires_grad_()
+    seq = (((trl_logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
+    coef_1 = torch.exp(seq)
+    coef_2 = coef_1.clamp(1 - 3e-3, 1 + 4e-3)
+    per_token = -torch.minimum(coef_1 * adv, coef_2 * adv)
+    trl = (per_token * mask).sum() / mask.sum()
+    (trl_grad,) = torch.autograd.grad(trl, trl_logp)
+    assert loss.item() == pytest.approx(trl.item(), rel=1e-12)
+    torch.testing.assert_close(grad, trl_grad, rtol=1e-12, atol=1e-15)
+    assert grad.abs().sum() > 0 and metrics["ratio_max"] == pytest.approx(float(coef_1.max()), rel=1e-12)
+
+
 def _random_batch(seed, with_ref=True):
     gen = torch.Generator().manual_seed(seed)
     num_rows, length = 6, 7
@@ -186,6 +211,7 @@ CONFIGS = [
     AlgoConfig(loss="future_kl", loss_agg="seq_mean", is_mode="sequence", kl_ref_coef=0.2),
     AlgoConfig(loss="ppo_clip", loss_agg="token_sum_norm", kl_ref_coef=0.1),
     AlgoConfig(loss="future_kl", loss_agg="token_sum_norm", horizon=3),
+    AlgoConfig(loss="ppo_clip", loss_agg="seq_mean", ratio_level="sequence", eps_low=0.01, eps_high=0.01),
 ]
 NORM_TOKENS = 9.0  # token_sum_norm's constant length (rollout.max_new_tokens in a run)
 
@@ -354,6 +380,7 @@ def test_shape_mismatch_is_a_value_error():
         ("loss_norm_tokens", 0),
         ("is_mode", "seq"),
         ("old_logprob", "old"),
+        ("ratio_level", "seq"),
     ],
 )
 def test_algo_config_validate_names_the_key(field, value):

@@ -203,8 +203,7 @@ OTHER_FRAMEWORKS = {
                        "reward.overlong_penalty (its penalty_factor)",
     "penalty_factor": "verl's overlong_buffer.penalty_factor is reward.overlong_penalty",
     "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
-    "importance_sampling_level": "TRL's importance_sampling_level does not exist for algo.loss=ppo_clip (future_kl "
-                                 "has algo.is_mode=token or sequence)",
+    "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",
     "top_entropy_quantile": "TRL's top_entropy_quantile does not exist",
 }
 

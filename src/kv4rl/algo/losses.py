@@ -126,15 +126,19 @@ def _with_ref_kl(
 
 @dataclass(kw_only=True)
 class PPOClipSettings:
-    """`ppo_clip`'s keys: the clip range, the dual-clip constant c > 1 (null: off) and π_old."""
+    """`ppo_clip`'s keys: the clip range, the dual-clip constant c > 1 (null: off), π_old, and whether each token
+    has its own ratio or every token of a response the response's (`sequence`: GSPO, TRL's
+    importance_sampling_level=sequence: exp of the mean of its tokens' log-ratios, with its gradient)."""
 
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None
     old_logprob: Literal["behavior", "recompute"] = "behavior"
+    ratio_level: Literal["token", "sequence"] = "token"
 
     def validate(self) -> None:
         require_choice("algo.old_logprob", self.old_logprob, ("behavior", "recompute"))
+        require_choice("algo.ratio_level", self.ratio_level, ("token", "sequence"))
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"algo.eps_low must be in [0, 1), got {self.eps_low}")
         if not self.eps_high >= 0.0:
@@ -158,6 +162,9 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     else:
         old_logprobs = inp.need("behavior_logprobs")
     log_ratio = torch.where(valid, inp.logprobs - old_logprobs.detach(), 0)
+    if s.ratio_level == "sequence":  # within a row: the same in any micro-batch
+        row_mean = log_ratio.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = torch.where(valid, row_mean.expand_as(log_ratio), 0)
     # e^88.7 overflows float32, and an infinite ratio made a clipped token's gradient and an A = 0 token's loss
     # NaN; past ±LOG_RATIO_LIMIT (e^80 ≈ 5.5e34, far beyond any clip range) the ratio is held there
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
