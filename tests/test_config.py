@@ -335,3 +335,24 @@ def test_a_whole_pasted_verl_path_is_pointed_to_its_kv4rl_key(override, said):
     with pytest.raises(ConfigError) as exc:
         load_config(None, [override])
     assert str(exc.value) == said
+
+
+def test_every_config_key_is_in_the_readme_configuration_reference():
+    """A key is listed by its dotted name, or by its last name in a row that names another key of its section
+    (`trainer.lr`, `weight_decay`, `betas`). New keys of this session were nearly left out of the table."""
+    def flat(mapping: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key, value in mapping.items():
+            out += flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+        return out
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("## Configuration reference")
+    rows = [line for line in readme[start:readme.index("\n## ", start + 5)].splitlines() if line.startswith("| `")]
+    missing = []
+    for key in flat(to_dict(load_config(None, []))):
+        section, _, last = key.rpartition(".")
+        if not any(f"`{key}`" in row or (section and f"`{section}." in row.split("|")[1] and f"`{last}`" in row.split("|")[1])
+                   for row in rows):
+            missing.append(key)
+    assert not missing, missing
