@@ -45,7 +45,7 @@ def test_flat_groups_are_dropped_and_every_other_group_is_delivered_once(tiny_qw
     assert max(started) < 24  # all within the reference
     dropped = started - set(indices) - set(col.groups)
     assert dropped and all(len(set(parity(reference[i]))) == 1 for i in dropped)
-    assert col.take_filtered() == len(dropped) and col.take_filtered() == 0
+    assert sorted(col.take_filtered()) == sorted(dropped) and col.take_filtered() == []
 
 
 def test_past_the_cap_flat_groups_are_kept_with_a_warning(tiny_qwen3, caplog):
@@ -54,7 +54,7 @@ def test_past_the_cap_flat_groups_are_kept_with_a_warning(tiny_qwen3, caplog):
     col = collector(path, "sync", 2, max_batches=3, score=lambda g: [1.0, 1.0])
     with caplog.at_level(logging.WARNING):
         batch = col.collect()
-    assert len(batch) == 2 and col.take_filtered() == 4
+    assert len(batch) == 2 and len(col.take_filtered()) == 4
     assert [m for m in caplog.messages if "filter_groups" in m] == [
         "rollout.filter_groups dropped 4 groups of equal scores while collecting one batch "
         "(rollout.filter_max_batches=3 batches' worth); the rest are kept as they come (said once; "
@@ -62,7 +62,7 @@ def test_past_the_cap_flat_groups_are_kept_with_a_warning(tiny_qwen3, caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         col.collect()
-    assert col.take_filtered() == 4 and not caplog.messages  # the cap is per batch, the warning once
+    assert len(col.take_filtered()) == 4 and not caplog.messages  # the cap is per batch, the warning once
 
 
 def test_filtering_needs_a_scorer():
@@ -78,3 +78,46 @@ def test_a_run_trains_only_groups_that_teach(tmp_path):
     assert all(row["zero_var_group_frac"] == 0.0 and row["adv_std"] > 0 for row in rows)
     assert sum(row["filtered_groups"] for row in rows) > 0
     assert len({g for row in rows for g in row["groups"]}) == 8
+
+
+def _split_rank_recording_drops(rank: int, out_dir: str, overrides: list[str], resume: bool = False) -> dict:
+    """One rank of a split run; an engine rank also returns every group its collector dropped."""
+    from kv4rl.rollout import collector as collector_module
+    from kv4rl.split.run import run_split
+
+    dropped: list[int] = []
+    take = collector_module.Collector.take_filtered
+
+    def recording(self):
+        out = take(self)
+        dropped.extend(out)
+        return out
+
+    collector_module.Collector.take_filtered = recording
+    cfg = load_config(None, [f"out_dir={out_dir}", *overrides])
+    run_split(cfg, resume=resume, show_progress=False, overwrite=False)
+    return {"dropped": dropped}
+
+
+@pytest.mark.slow
+def test_a_resumed_split_run_does_not_sample_its_dropped_groups_again(tmp_path):
+    """The head records the groups each consumed batch's engine dropped: without them the checkpoint's place in
+    each engine's stream stayed at the first drop, and the resumed engines sampled every dropped group again
+    (and trained some: the cap filled at once)."""
+    from tests.gloo_ranks import run_on_gloo_ranks
+
+    layout = ["name=fs", "device=cpu", "rollout.quota_groups=4", "rollout.group_size=2", "rollout.max_slots=4",
+              "rollout.placement=split", "rollout.engine_ranks=2", "rollout.filter_groups=true",
+              "checkpoint.save_every=100", "staleness.lag=0"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    before = run_on_gloo_ranks(_split_rank_recording_drops, 3, tmp_path / "a", str(tmp_path),
+                               [*layout, "trainer.iterations=2"])
+    run_on_gloo_ranks(_split_rank_recording_drops, 3, tmp_path / "b", str(tmp_path), [*layout, "trainer.iterations=4"],
+                      True)
+    rows = [json.loads(line) for line in (tmp_path / "fs" / "metrics.jsonl").read_text().splitlines()]
+    dropped_before = {g for r in before for g in r["dropped"]}
+    assert dropped_before and sum(r["filtered_groups"] for r in rows[:2]) == len(dropped_before)
+    after = {g for r in rows[2:] for g in r["groups"]}
+    assert after and after.isdisjoint(dropped_before)
+    assert all(r["zero_var_group_frac"] == 0.0 for r in rows)

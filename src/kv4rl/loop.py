@@ -235,7 +235,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         # engine counts, once per engine (its tensor-parallel ranks all see the same)
         "preemptions": s.engine.num_preemptions if tp.rank == 0 else 0,
         "dropped_stale": s.collector.num_dropped if tp.rank == 0 else 0,
-        **({"filtered_groups": s.collector.take_filtered() if tp.rank == 0 else 0} if r.filter_groups else {}),
+        **({"filtered_groups": len(s.collector.take_filtered()) if tp.rank == 0 else 0} if r.filter_groups else {}),
         "groups": [g.index for g in groups],
         **{f"reward_{k}": float(v) for k, v in reward.stats.items()},
         **adv_metrics,

@@ -7,7 +7,7 @@ as soon as `quota_groups` groups are complete, exactly those leave in completion
 unfinished response stays resident (its tokens, behaviour log-probs and versions kept) to continue
 after the weight update. `max_versions` drops responses that would be too stale when consumed and
 re-samples them; nothing is lost or delivered twice. With `filter_groups` a complete group whose responses
-all scored the same (`score_group`) is dropped instead of delivered (`take_filtered` counts them).
+all scored the same (`score_group`) is dropped instead of delivered (`take_filtered` lists them).
 
 With several data-parallel ranks (`kv4rl.distributed`) each rank's collector takes every
 `world`-th group of the stream (group g goes to rank g mod world) and `quota_groups / world` of
@@ -79,7 +79,7 @@ class Collector:
         self.num_dropped = 0
         self.skip: set[int] = set()  # positions of this rank's share already consumed before a resume
         self.score_group = score_group
-        self.filtered = 0  # groups dropped for equal scores since the last `take_filtered`
+        self.filtered: list[int] = []  # groups dropped for equal scores since the last `take_filtered`
         self.filtered_now = 0  # ... in the collection under way (capped at filter_max_batches - 1 batches)
         self.flat: dict[int, bool] = {}  # complete groups' verdicts: every score the same
         self.said_capped = False
@@ -176,7 +176,7 @@ class Collector:
             return False
         del self.flat[group.index]
         del self.groups[group.index]
-        self.filtered += 1
+        self.filtered.append(group.index)
         self.filtered_now += 1
         if self.filtered_now == (self.cfg.filter_max_batches - 1) * self.quota and not self.said_capped:
             self.said_capped = True  # once a run: a policy that gets most groups all right or all wrong hits it often
@@ -186,10 +186,10 @@ class Collector:
                         self.cfg.filter_max_batches)
         return True
 
-    def take_filtered(self) -> int:
-        """Groups dropped for equal scores since the last call."""
-        count, self.filtered = self.filtered, 0
-        return count
+    def take_filtered(self) -> list[int]:
+        """The groups dropped for equal scores since the last call (a split run's head marks them used)."""
+        dropped, self.filtered = self.filtered, []
+        return dropped
 
     # ---- weight updates ---------------------------------------------------------------------
     def on_refresh(self) -> None:
@@ -254,7 +254,7 @@ class Collector:
             "groups": [(g.index, g.problem, g.prompt_ids, g.done, g.attempts) for g in self.groups.values()],
             "in_engine": in_engine,
             "trace": [dict(step) for step in self.trace],
-            "filtered": (self.filtered, self.filtered_now),
+            "filtered": (self.filtered, self.filtered_now, self.said_capped),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -264,7 +264,7 @@ class Collector:
         self.ready = deque(state["ready"])
         self.num_dropped = state["num_dropped"]
         self.trace = [dict(step) for step in state.get("trace", [])]  # checkpoints before it was saved: none
-        self.filtered, self.filtered_now = state.get("filtered", (0, 0))
+        self.filtered, self.filtered_now, self.said_capped = state.get("filtered", ([], 0, False))
         self.groups = {i: _Group(i, p, ids, list(done), list(att)) for i, p, ids, done, att in state["groups"]}
         for (index, j), partial in state["in_engine"]:
             self._submit(self.groups[index], j, resume_from=partial if partial.token_ids else None)

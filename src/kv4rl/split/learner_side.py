@@ -107,7 +107,7 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
         "slot_util": mean_known(collection_stats(m["trace"], cfg.rollout.max_slots)["slot_util"] for m in messages),
         "preemptions": sum(m["preemptions"] for m in messages),
         "dropped_stale": sum(m["dropped_stale"] for m in messages),
-        **({"filtered_groups": sum(m["filtered_groups"] for m in messages)} if cfg.rollout.filter_groups else {}),
+        **({"filtered_groups": sum(len(m["filtered_groups"]) for m in messages)} if cfg.rollout.filter_groups else {}),
         "engine_version_min": min(m["version"] for m in messages),
         "groups": sorted(g.index for g in groups),
         **{f"reward_{k}": sum(m["reward_stats"][k] for m in messages) for k in messages[0]["reward_stats"]},  # counts
@@ -128,7 +128,9 @@ def update(s: LearnerSide, it: int, stop: GracefulStop) -> tuple[dict | None, li
         wait = time.perf_counter() - t0
         stopping = stopping or any(m["stop"] for m in messages)
         shares, row = _head_batch(s, it, messages)
-        s.consumed.take([g.index for m in messages for g in m["groups"]])
+        # the groups dropped for equal scores are used up too: a resume must not sample them again
+        s.consumed.take([g.index for m in messages for g in m["groups"]]
+                        + [index for m in messages for index in m["filtered_groups"]])
         row = {"iteration": it, **row, "time_learner_wait": wait}
         trace = [dict(t, engine=m["engine"], iteration=it) for m in messages for t in m["trace"]]
     dist.scatter_object_list(share, shares if s.head else None, group=s.groups.learner, group_src=0)

@@ -4,7 +4,8 @@ A split run is asynchronous (how far the engines ran ahead depends on timing), s
 repeat the run that stopped; it continues it consistently instead. The checkpoint of update u holds
 the learner's weights, its AdamW state (DCP shards over the learner ranks, or the full state when the
 learner is one rank), u, the job's world size and `rollout.engine_ranks`, and which groups of each
-engine's share of the prompt stream the learner had consumed. On resume the learner continues at
+engine's share of the prompt stream the learner had consumed (or the engines dropped, `rollout.filter_groups`,
+in the batches it consumed). On resume the learner continues at
 update u; every engine loads the checkpoint's weights as version u, starts at its batch u and skips
 the groups already consumed, so no group is lost or consumed twice. Batches sent but not consumed
 before the stop, and responses in flight, are dropped and their groups sampled afresh.
