@@ -13,6 +13,8 @@ import pytest
 from kv4rl.config import load_config
 from kv4rl.data.source import ProblemSource
 from kv4rl.loop import train
+from kv4rl.rewards import RewardResult, register_reward
+from kv4rl.rollout.build import batch_reward
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.config import RolloutConfig
 from tests.test_rollout import IdsFormatter, make_engine
@@ -20,7 +22,7 @@ from tests.test_rollout import IdsFormatter, make_engine
 
 def parity(group):
     """A score the random checkpoint gives: the first token's parity (about half the groups of 2 are flat)."""
-    return [float(c.token_ids[0] % 2) for c in group.completions]
+    return RewardResult([float(c.token_ids[0] % 2) for c in group.completions], {"scored": 1.0})
 
 
 def collector(path, mode, quota, filter_groups=True, max_batches=10, score=parity):
@@ -39,19 +41,19 @@ def test_flat_groups_are_dropped_and_every_other_group_is_delivered_once(tiny_qw
     indices = [g.index for g in delivered]
     assert len(indices) == len(set(indices)) == 6
     for g in delivered:
-        assert len(set(parity(g))) == 2, g.index
+        assert len(set(parity(g).scores)) == 2 and g.reward == parity(g), g.index  # scored once, handed on
         assert [c.token_ids for c in g.completions] == [c.token_ids for c in reference[g.index].completions]
     started = set(range(col.next_group))
     assert max(started) < 24  # all within the reference
     dropped = started - set(indices) - set(col.groups)
-    assert dropped and all(len(set(parity(reference[i]))) == 1 for i in dropped)
+    assert dropped and all(len(set(parity(reference[i]).scores)) == 1 for i in dropped)
     assert sorted(col.take_filtered()) == sorted(dropped) and col.take_filtered() == []
 
 
 def test_past_the_cap_flat_groups_are_kept_with_a_warning(tiny_qwen3, caplog):
     """Every group flat: filter_max_batches=3 drops two batches' worth (4 groups) and delivers the next."""
     path, _ = tiny_qwen3
-    col = collector(path, "sync", 2, max_batches=3, score=lambda g: [1.0, 1.0])
+    col = collector(path, "sync", 2, max_batches=3, score=lambda g: RewardResult([1.0, 1.0]))
     with caplog.at_level(logging.WARNING):
         batch = col.collect()
     assert len(batch) == 2 and len(col.take_filtered()) == 4
@@ -121,3 +123,48 @@ def test_a_resumed_split_run_does_not_sample_its_dropped_groups_again(tmp_path):
     after = {g for r in rows[2:] for g in r["groups"]}
     assert after and after.isdisjoint(dropped_before)
     assert all(r["zero_var_group_frac"] == 0.0 for r in rows)
+
+
+def test_a_batch_scores_only_the_groups_the_collector_did_not():
+    """Two groups scored by the collector (their counts add up), one left to a single call, in batch order."""
+    from kv4rl.rollout.collector import GroupResult
+
+    def group(index, reward=None):
+        return GroupResult(index, None, [1], [None, None], reward)
+
+    calls = []
+
+    def score(groups):
+        calls.append([g.index for g in groups])
+        return RewardResult([0.5, 0.25], {"no_answer": 2.0}, {"v": [0.5, 0.25], "overlong": [0.0, 0.0]})
+
+    cached = [RewardResult([1.0, 0.0], {"no_answer": 1.0}, {"v": [1.0, 0.0], "overlong": [0.0, -0.5]}),
+              RewardResult([0.0, 1.0], {"no_answer": 0.0}, {"v": [0.0, 1.0], "overlong": [0.0, 0.0]})]
+    merged = batch_reward([group(0, cached[0]), group(1), group(2, cached[1])], score)
+    assert calls == [[1]]
+    assert merged.scores == [1.0, 0.0, 0.5, 0.25, 0.0, 1.0] and merged.stats == {"no_answer": 3.0}
+    assert merged.components == {"v": [1.0, 0.0, 0.5, 0.25, 0.0, 1.0], "overlong": [0.0, -0.5, 0.0, 0.0, 0.0, 0.0]}
+    assert batch_reward([group(3, cached[0])], score) == cached[0] and calls == [[1]]
+
+
+@pytest.fixture
+def counting_reward(monkeypatch):
+    """A reward that counts the responses it scores (the first token's parity of the response text)."""
+    from kv4rl.rewards import base
+
+    scored = []
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    register_reward("counting_for_tests")(
+        lambda: lambda responses, golds: (scored.extend(responses), RewardResult([float(len(r) % 2) for r in responses]))[1])
+    return scored
+
+
+def test_each_group_is_scored_once(tmp_path, counting_reward):
+    """The collector scores a group as it completes; the loop reuses those scores instead of scoring again."""
+    cfg = load_config(None, [f"out_dir={tmp_path}", "name=once", "device=cpu", "rollout.quota_groups=4",
+                             "rollout.group_size=2", "trainer.iterations=3", "rollout.filter_groups=true",
+                             "reward.name=counting_for_tests"])
+    train(cfg, show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "once" / "metrics.jsonl").read_text().splitlines()]
+    delivered, dropped = sum(len(r["groups"]) for r in rows), sum(r["filtered_groups"] for r in rows)
+    assert dropped > 0 and len(counting_reward) == 2 * (delivered + dropped)

@@ -37,8 +37,8 @@ from kv4rl.graceful_stop import GracefulStop
 from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
-from kv4rl.rewards import WeightedRewards, reward_metrics, score_responses, verifier_name
-from kv4rl.rollout.build import build_rollout
+from kv4rl.rewards import WeightedRewards, reward_metrics, verifier_name
+from kv4rl.rollout.build import batch_reward, build_rollout, groups_scorer
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_checkpoint import restore_state, save
@@ -178,10 +178,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     t1 = time.perf_counter()
     completions = [c for g in groups for c in g.completions]
     prompts = [g.prompt_ids for g in groups for _ in g.completions]
-    texts = [s.formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-    answers = [g.problem.answer for g in groups for _ in g.completions]
-    reward = score_responses(s.reward_fn, texts, answers, [len(c.token_ids) for c in completions], cfg.reward,
-                             r.max_new_tokens)
+    reward = batch_reward(groups, groups_scorer(cfg, s.formatter, s.reward_fn))  # filter_groups scored some
     rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
     reward_row = reward_metrics(reward, verifier_name(s.reward_fn))
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process

@@ -17,7 +17,7 @@ from kv4rl.distributed import Ranks
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.llm import Engine
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
-from kv4rl.rewards import WeightedRewards, get_reward, score_responses
+from kv4rl.rewards import RewardResult, WeightedRewards, get_reward, score_responses
 from kv4rl.rollout.collector import Collector, GroupResult
 
 log = logging.getLogger(__name__)
@@ -84,14 +84,38 @@ def build_reward(cfg: RunConfig, source: ProblemSource):
     return WeightedRewards(list(zip(names, built, weights, strict=True)))
 
 
-def group_scorer(cfg: RunConfig, formatter: PromptFormatter, reward_fn) -> Callable[[GroupResult], list[float]]:
-    """The trained score of each response of a complete group, as the learner will get it (`rollout.filter_groups`
-    drops a group whose scores are all equal)."""
-    def score(group: GroupResult) -> list[float]:
-        texts = [formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group.completions]
-        return score_responses(reward_fn, texts, [group.problem.answer] * len(texts),
-                               [len(c.token_ids) for c in group.completions], cfg.reward, cfg.rollout.max_new_tokens).scores
+def groups_scorer(cfg: RunConfig, formatter: PromptFormatter, reward_fn) -> Callable[[list[GroupResult]], RewardResult]:
+    """The trained scores of every response of `groups`, in order, as the learner gets them."""
+    def score(groups: list[GroupResult]) -> RewardResult:
+        completions = [c for g in groups for c in g.completions]
+        texts = [formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        return score_responses(reward_fn, texts, [g.problem.answer for g in groups for _ in g.completions],
+                               [len(c.token_ids) for c in completions], cfg.reward, cfg.rollout.max_new_tokens)
     return score
+
+
+def batch_reward(groups: list[GroupResult], score: Callable[[list[GroupResult]], RewardResult]) -> RewardResult:
+    """The scores of every response of `groups` in order: a group's own where the collector scored it
+    (`rollout.filter_groups`), one `score` call for the rest; the counts (stats) add up."""
+    missing = [g for g in groups if getattr(g, "reward", None) is None]
+    fresh = score(missing) if missing else RewardResult([])
+    parts, offset = [], 0
+    for g in groups:
+        own = getattr(g, "reward", None)
+        if own is None:
+            n = len(g.completions)
+            own = RewardResult(fresh.scores[offset:offset + n], {},
+                               {name: values[offset:offset + n] for name, values in fresh.components.items()})
+            offset += n
+        parts.append(own)
+    stats: dict[str, float] = dict(fresh.stats)
+    for part, g in zip(parts, groups, strict=True):
+        if getattr(g, "reward", None) is not None:
+            for key, value in part.stats.items():
+                stats[key] = stats.get(key, 0.0) + float(value)
+    names = parts[0].components.keys() if parts else ()
+    return RewardResult([x for p in parts for x in p.scores], stats,
+                        {name: [x for p in parts for x in p.components[name]] for name in names})
 
 
 def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,
@@ -121,7 +145,8 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
         Console(stderr=True).print(engine.summary, highlight=False, soft_wrap=True)  # one line a script can grep
     try:
         collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=engine_ranks,
-                              score_group=group_scorer(cfg, formatter, reward_fn) if cfg.rollout.filter_groups else None)
+                              score_group=(lambda g, score=groups_scorer(cfg, formatter, reward_fn): score([g]))
+                              if cfg.rollout.filter_groups else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return formatter, reward_fn, engine, collector

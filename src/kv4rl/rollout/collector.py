@@ -28,6 +28,7 @@ from kv4rl.distributed import Ranks
 from kv4rl.engine.llm import Engine
 from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.sequence import Completion, SamplingParams, Sequence
+from kv4rl.rewards.base import RewardResult
 from kv4rl.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -35,12 +36,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class GroupResult:
-    """One complete prompt group, as handed to the learner."""
+    """One complete prompt group, as handed to the learner; `reward`: its responses' scores where the collector
+    scored it (`filter_groups`), so the run does not score it again (read with getattr: older checkpoints' groups
+    have no such slot)."""
 
     index: int
     problem: Problem
     prompt_ids: list[int]
     completions: list[Completion]
+    reward: RewardResult | None = None
 
 
 @dataclass(slots=True)
@@ -59,7 +63,7 @@ class _Group:
 class Collector:
     def __init__(self, engine: Engine, source: ProblemSource, formatter: PromptFormatter, cfg: RolloutConfig,
                  seed: int, max_tokens_fn: Callable[[int, int], int] | None = None, ranks: Ranks = Ranks(),
-                 score_group: Callable[[GroupResult], list[float]] | None = None):
+                 score_group: Callable[[GroupResult], RewardResult] | None = None):
         """`max_tokens_fn(group, j)` overrides the response length limit (benchmarks script lengths).
         `ranks`: this data-parallel rank's place (its share of the groups). `score_group`: the run's score of
         each response of a complete group, which `cfg.filter_groups` needs."""
@@ -81,7 +85,7 @@ class Collector:
         self.score_group = score_group
         self.filtered: list[int] = []  # groups dropped for equal scores since the last `take_filtered`
         self.filtered_now = 0  # ... in the collection under way (capped at filter_max_batches - 1 batches)
-        self.flat: dict[int, bool] = {}  # complete groups' verdicts: every score the same
+        self.scored: dict[int, RewardResult] = {}  # complete groups' scores (filter_groups), handed on with them
         self.said_capped = False
         # called before every engine step: a split run's engine takes new weights here (`kv4rl.split`)
         self.before_step: Callable[[], None] | None = None
@@ -105,8 +109,8 @@ class Collector:
         out = []
         for _ in range(quota):
             g = self.groups.pop(self.ready.popleft())
-            self.flat.pop(g.index, None)
-            out.append(GroupResult(g.index, g.problem, g.prompt_ids, list(g.done)))  # type: ignore[arg-type]
+            out.append(GroupResult(g.index, g.problem, g.prompt_ids, list(g.done),  # type: ignore[arg-type]
+                                   self.scored.pop(g.index, None)))
         if self.cfg.mode == "sync":
             out.sort(key=lambda g: g.index)  # the whole batch ends together: keep prompt order
         self.filtered_now = 0  # groups that complete from here on (a drain after the update) count for the next
@@ -169,12 +173,13 @@ class Collector:
         """Drop a complete group whose responses all scored the same (`filter_groups`), within the cap."""
         if not self.cfg.filter_groups or self.filtered_now >= (self.cfg.filter_max_batches - 1) * self.quota:
             return False
-        if group.index not in self.flat:  # scored once (a resumed run scores its held groups again)
-            scores = self.score_group(GroupResult(group.index, group.problem, group.prompt_ids, list(group.done)))
-            self.flat[group.index] = max(scores) == min(scores)
-        if not self.flat[group.index]:
+        if group.index not in self.scored:  # scored once (a resumed run scores its held groups again)
+            self.scored[group.index] = self.score_group(
+                GroupResult(group.index, group.problem, group.prompt_ids, list(group.done)))
+        scores = self.scored[group.index].scores
+        if max(scores) != min(scores):
             return False
-        del self.flat[group.index]
+        del self.scored[group.index]
         del self.groups[group.index]
         self.filtered.append(group.index)
         self.filtered_now += 1
@@ -224,7 +229,7 @@ class Collector:
                 if c is not None and too_old(c.versions):
                     if index in self.ready:
                         self.ready.remove(index)
-                    self.flat.pop(index, None)  # its scores change with the re-sampled response
+                    self.scored.pop(index, None)  # its scores change with the re-sampled response
                     group.done[j] = None
                     self._redo(index, j)
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from kv4rl.data.prompts import PromptFormatter
 from kv4rl.engine.llm import Engine
 from kv4rl.graceful_stop import GracefulStop
-from kv4rl.rewards import score_responses, verifier_name
+from kv4rl.rewards import verifier_name
+from kv4rl.rollout.build import batch_reward, groups_scorer
 from kv4rl.rollout.collector import Collector
 from kv4rl.split.channel import EngineLink, Stopped
 
@@ -65,11 +66,7 @@ class EngineSide:
 
 def score(side: EngineSide, groups) -> tuple[list[float], dict, dict[str, list[float]]]:
     """(scores, the reward's counts, each combined reward's own scores) of `groups`' responses in order."""
-    texts = [side.formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-             for g in groups for c in g.completions]
-    answers = [g.problem.answer for g in groups for _ in g.completions]
-    reward = score_responses(side.reward_fn, texts, answers, [len(c.token_ids) for g in groups for c in g.completions],
-                             side.cfg.reward, side.cfg.rollout.max_new_tokens)
+    reward = batch_reward(groups, groups_scorer(side.cfg, side.formatter, side.reward_fn))
     return ([float(x) for x in reward.scores], {k: float(v) for k, v in reward.stats.items()},
             {name: [float(x) for x in values] for name, values in reward.components.items()})
 
