@@ -327,6 +327,7 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
                                                  "per evaluated problem, is eval.k)"),
     ("actor_rollout_ref.rollout.temperature=0.7", "unknown config key 'actor_rollout_ref.rollout.temperature'; did you "
                                                   "mean rollout.temperature or eval.temperature?"),
+    ("engine.foo.block_size=16", "unknown config key 'engine.foo.block_size'; did you mean engine.kv.block_size?"),
     ("algorithm.filter_groups.max_num_gen_batches=5", "unknown config key 'algorithm.filter_groups.max_num_gen_batches'"
                                                       "; verl's filter_groups.max_num_gen_batches is "
                                                       "rollout.filter_max_batches"),

@@ -67,6 +67,24 @@ def test_past_the_cap_flat_groups_are_kept_with_a_warning(tiny_qwen3, caplog):
     assert len(col.take_filtered()) == 4 and not caplog.messages  # the cap is per batch, the warning once
 
 
+def test_filter_max_batches_zero_is_no_cap_and_one_drops_nothing(tiny_qwen3):
+    """verl's max_num_gen_batches=0 is no limit: every flat group is dropped (here: two flat in a row, then the
+    scores differ); with 1 nothing is dropped and the scorer is not called."""
+    path, _ = tiny_qwen3
+    calls = []
+
+    def two_flat_then_mixed(group):
+        calls.append(group.index)
+        return RewardResult([1.0, 1.0] if len(calls) <= 6 else [1.0, 0.0])
+
+    col = collector(path, "sync", 2, max_batches=0, score=two_flat_then_mixed)
+    batch = col.collect()
+    assert len(batch) == 2 and len(col.take_filtered()) == 6 and all(len(set(g.reward.scores)) == 2 for g in batch)
+    calls.clear()
+    col = collector(path, "sync", 2, max_batches=1, score=two_flat_then_mixed)
+    assert len(col.collect()) == 2 and col.take_filtered() == [] and calls == []
+
+
 def test_filtering_needs_a_scorer():
     with pytest.raises(ValueError, match="filter_groups needs the responses' scores"):
         Collector(None, None, None, RolloutConfig(filter_groups=True), seed=0)

@@ -18,6 +18,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from kv4rl.config_foreign import OTHER_FRAMEWORKS
+
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -134,88 +136,14 @@ def _schema(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-# Other frameworks' key names (TRL's GRPOConfig, verl's GRPO config) -> what kv4rl calls them: a pasted name
-# is refused with its kv4rl key, not a look-alike (`beta` pointed to algo.beta, future_kl's cost).
-OTHER_FRAMEWORKS = {
-    "beta": "TRL's beta (the reference-KL coefficient) is algo.kl_ref_coef; algo.beta is future_kl's future-KL cost",
-    "kl_loss_coef": "verl's kl_loss_coef is algo.kl_ref_coef",
-    "use_kl_loss": "verl's use_kl_loss is algo.kl_ref_coef > 0",
-    "num_generations": "TRL's num_generations is rollout.group_size (num_generations_eval is eval.k)",
-    "num_generations_eval": "TRL's num_generations_eval is eval.k",
-    "learning_rate": "the learning rate is trainer.lr",
-    "epsilon": "TRL's epsilon is algo.eps_low (and algo.eps_high, which it also sets)",
-    "epsilon_high": "TRL's epsilon_high is algo.eps_high",
-    "clip_ratio": "verl's clip_ratio is algo.eps_low and algo.eps_high",
-    "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean, dr_grpo: token_sum_norm)",
-    "loss_agg_mode": "verl's loss_agg_mode is algo.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean, "
-                     "seq-mean-token-sum-norm: token_sum_norm)",
-    "num_iterations": "TRL's num_iterations is trainer.epochs_per_batch (with algo.old_logprob=recompute)",
-    "ppo_epochs": "verl's ppo_epochs is trainer.epochs_per_batch",
-    "max_completion_length": "TRL's max_completion_length is rollout.max_new_tokens",
-    "max_response_length": "verl's max_response_length is rollout.max_new_tokens",
-    "scale_rewards": "TRL's scale_rewards is advantage.normalize_std and advantage.std_scope (group: true; batch: true "
-                     "with std_scope=batch; none: false)",
-    "reward_funcs": "TRL's reward_funcs are reward.name (the verifier, which accuracy reads) and reward.extra",
-    "reward_weights": "TRL's reward_weights are reward.weights (reward.name's first)",
-    "lr_scheduler_type": "the schedule is trainer.lr_schedule (constant, linear or cosine)",
-    "warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
-    "lr_warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
-    "train_batch_size": "verl's train_batch_size (prompts per step) is rollout.quota_groups",
-    "delta": "TRL's delta is algo.dual_clip",
-    "warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
-    "lr_warmup_steps_ratio": "the warm-up is trainer.warmup_iters, in iterations",
-    "warmup_style": "the schedule is trainer.lr_schedule (constant, linear or cosine)",
-    "per_device_train_batch_size": "TRL's per_device_train_batch_size (completions) is trainer.micro_batch_size; "
-                                   "the prompts per iteration are rollout.quota_groups",
-    "generation_batch_size": "TRL's generation_batch_size (completions) is rollout.quota_groups x rollout.group_size",
-    "steps_per_generation": "TRL's steps_per_generation / gradient_accumulation_steps (optimizer steps per "
-                            "generation) is trainer.updates_per_batch",
-    "optim": "verl's optim keys are trainer.lr, trainer.weight_decay, trainer.warmup_iters, trainer.lr_schedule "
-             "and trainer.min_lr_ratio",
-    "n": "verl's rollout.n is rollout.group_size (its val_kwargs.n, samples per evaluated problem, is eval.k)",
-    "grad_clip": "verl's actor.grad_clip is trainer.grad_clip",
-    "ppo_mini_batch_size": "verl's ppo_mini_batch_size is trainer.updates_per_batch, a count of optimizer steps "
-                           "(train_batch_size / ppo_mini_batch_size)",
-    "ppo_micro_batch_size_per_gpu": "verl's ppo_micro_batch_size_per_gpu is trainer.micro_batch_size",
-    "ppo_micro_batch_size": "verl's ppo_micro_batch_size is trainer.micro_batch_size (rows per rank)",
-    "use_dynamic_bsz": "verl's use_dynamic_bsz is trainer.max_tokens_per_micro_batch (packed rows)",
-    "ppo_max_token_len_per_gpu": "verl's ppo_max_token_len_per_gpu is trainer.max_tokens_per_micro_batch",
-    "clip_ratio_low": "verl's clip_ratio_low is algo.eps_low",
-    "clip_ratio_high": "verl's clip_ratio_high is algo.eps_high",
-    "clip_ratio_c": "verl's clip_ratio_c is algo.dual_clip (off by default here; 3.0 is verl's)",
-    "kl_loss_type": "verl's kl_loss_type is always k3 here (algo.kl_ref_coef; algo.kl_ref_clamp=10 for low_var_kl)",
-    "entropy_coeff": "verl's entropy_coeff does not exist: entropy is logged, not optimized",
-    "norm_adv_by_std_in_grpo": "verl's norm_adv_by_std_in_grpo is advantage.normalize_std",
-    "total_epochs": "verl's total_epochs is trainer.iterations (iterations, computed by hand)",
-    "total_training_steps": "verl's total_training_steps is trainer.iterations",
-    "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "
-                              "device, the colocated learner's memory included)",
-    "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
-    "save_freq": "verl's save_freq is checkpoint.save_every",
-    "test_freq": "verl's test_freq is eval.every",
-    "val_before_train": "verl's val_before_train does not exist: evaluate the starting model with kv4rl eval --model",
-    "max_prompt_length": "verl's max_prompt_length does not exist: a prompt longer than the context is refused at start",
-    "filter_overlong_prompts": "verl's filter_overlong_prompts does not exist: a prompt longer than the context is "
-                               "refused at start",
-    "filter_groups": "verl's filter_groups (DAPO's dynamic sampling) is rollout.filter_groups",
-    "max_num_gen_batches": "verl's filter_groups.max_num_gen_batches is rollout.filter_max_batches",
-    "overlong_buffer": "verl's overlong_buffer (DAPO's overlong reward shaping) is reward.overlong_buffer (its len) and "
-                       "reward.overlong_penalty (its penalty_factor)",
-    "penalty_factor": "verl's overlong_buffer.penalty_factor is reward.overlong_penalty",
-    "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
-    "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",
-    "top_entropy_quantile": "TRL's top_entropy_quantile does not exist",
-}
-
-
-def _foreign_key(key: str, value: Any, schema: dict[str, Any]) -> tuple[str, str] | None:
+def _foreign_key(key: str, value: Any, schema: dict[str, Any], prefix: str = "") -> tuple[str, str] | None:
     """(the dotted key, its hint) for the first key under `key` (a whole pasted verl path such as
     actor_rollout_ref.actor.clip_ratio_high=0.28 arrives as one unknown top-level key) that another framework
     names, or whose last name is a key of a kv4rl section (`schema`: the top level's): the deepest name along
     each path is checked first."""
     if isinstance(value, dict):
         for name, inner in value.items():
-            found = _foreign_key(f"{key}.{name}", inner, schema)
+            found = _foreign_key(f"{key}.{name}", inner, schema, prefix)
             if found is not None:
                 return found
     last = key.rsplit(".", 1)[-1]
@@ -223,7 +151,8 @@ def _foreign_key(key: str, value: Any, schema: dict[str, Any]) -> tuple[str, str
         return key, OTHER_FRAMEWORKS[last]
     if isinstance(value, dict):
         return None
-    same = [f"{section}.{last}" for section, tp in schema.items() if _is_section(tp) and last in _schema(tp)]
+    same = [f"{prefix}.{section}.{last}" if prefix else f"{section}.{last}"
+            for section, tp in schema.items() if _is_section(tp) and last in _schema(tp)]
     return (key, f"did you mean {' or '.join(same)}?") if same and "." in key else None
 
 
@@ -249,7 +178,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if name not in schema:
             hint = ("; a key of a loss in your own module needs that module in algo.plugins"
                     if prefix == "algo" else "")
-            foreign = _foreign_key(key, value, schema) if name not in OTHER_FRAMEWORKS else None
+            foreign = _foreign_key(key, value, schema, prefix) if name not in OTHER_FRAMEWORKS else None
             if foreign is not None and foreign[0] != key:
                 raise ConfigError(f"unknown config key '{foreign[0]}'; {foreign[1]}")
             raise ConfigError(f"unknown config key '{key}'{_did_you_mean(name, schema, prefix)} (known here: "

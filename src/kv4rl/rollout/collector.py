@@ -171,7 +171,8 @@ class Collector:
 
     def _dropped(self, group: _Group) -> bool:
         """Drop a complete group whose responses all scored the same (`filter_groups`), within the cap."""
-        if not self.cfg.filter_groups or self.filtered_now >= (self.cfg.filter_max_batches - 1) * self.quota:
+        cap = (self.cfg.filter_max_batches - 1) * self.quota if self.cfg.filter_max_batches else None
+        if not self.cfg.filter_groups or (cap is not None and self.filtered_now >= cap):
             return False
         if group.index not in self.scored:  # scored once (a resumed run scores its held groups again)
             self.scored[group.index] = self.score_group(
@@ -183,7 +184,7 @@ class Collector:
         del self.groups[group.index]
         self.filtered.append(group.index)
         self.filtered_now += 1
-        if self.filtered_now == (self.cfg.filter_max_batches - 1) * self.quota and not self.said_capped:
+        if self.filtered_now == cap and not self.said_capped:
             self.said_capped = True  # once a run: a policy that gets most groups all right or all wrong hits it often
             log.warning("rollout.filter_groups dropped %d groups of equal scores while collecting one batch "
                         "(rollout.filter_max_batches=%d batches' worth); the rest are kept as they come (said once; "

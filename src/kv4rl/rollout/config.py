@@ -18,7 +18,7 @@ class RolloutConfig:
 
     `filter_groups` (DAPO's dynamic sampling, verl's `filter_groups`): a group whose responses all got the same
     score is dropped as it completes and the collection goes on, so every group of a batch teaches something;
-    past `filter_max_batches` batches' worth of dropped groups in one collection the rest are kept (a policy
+    past `filter_max_batches - 1` batches' worth of dropped groups in one collection the rest are kept (0: no cap; a policy
     that gets every group right or wrong would otherwise sample forever).
 
     `placement: colocated` runs an engine and a learner shard on every rank (one process, or
@@ -52,7 +52,8 @@ class RolloutConfig:
             (0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]"),
             (self.top_k >= 0, f"rollout.top_k must be >= 0 (0: off), got {self.top_k}"),
             (self.engine_ranks >= 1, f"rollout.engine_ranks must be >= 1, got {self.engine_ranks}"),
-            (self.filter_max_batches >= 1, f"rollout.filter_max_batches must be >= 1, got {self.filter_max_batches}"),
+            (self.filter_max_batches >= 0, f"rollout.filter_max_batches must be >= 0 (0: no cap), got "
+                                            f"{self.filter_max_batches}"),
         ]
         for ok, message in checks:
             if not ok:

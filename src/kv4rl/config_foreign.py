@@ -1,0 +1,79 @@
+"""Other frameworks' key names (TRL's GRPOConfig, verl's GRPO and DAPO configs) and what kv4rl calls them.
+
+The config loader refuses an unknown key; where the key is one of these, the error names the kv4rl key it
+means, or says the feature does not exist, instead of listing the known keys. README's "Coming from verl" and
+"Coming from TRL" tables list the same names (tests/test_config.py checks every one of them gets a pointer).
+"""
+
+# Other frameworks' key names (TRL's GRPOConfig, verl's GRPO config) -> what kv4rl calls them: a pasted name
+# is refused with its kv4rl key, not a look-alike (`beta` pointed to algo.beta, future_kl's cost).
+OTHER_FRAMEWORKS = {
+    "beta": "TRL's beta (the reference-KL coefficient) is algo.kl_ref_coef; algo.beta is future_kl's future-KL cost",
+    "kl_loss_coef": "verl's kl_loss_coef is algo.kl_ref_coef",
+    "use_kl_loss": "verl's use_kl_loss is algo.kl_ref_coef > 0",
+    "num_generations": "TRL's num_generations is rollout.group_size (num_generations_eval is eval.k)",
+    "num_generations_eval": "TRL's num_generations_eval is eval.k",
+    "learning_rate": "the learning rate is trainer.lr",
+    "epsilon": "TRL's epsilon is algo.eps_low (and algo.eps_high, which it also sets)",
+    "epsilon_high": "TRL's epsilon_high is algo.eps_high",
+    "clip_ratio": "verl's clip_ratio is algo.eps_low and algo.eps_high",
+    "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean, dr_grpo: token_sum_norm)",
+    "loss_agg_mode": "verl's loss_agg_mode is algo.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean, "
+                     "seq-mean-token-sum-norm: token_sum_norm)",
+    "num_iterations": "TRL's num_iterations is trainer.epochs_per_batch (with algo.old_logprob=recompute)",
+    "ppo_epochs": "verl's ppo_epochs is trainer.epochs_per_batch",
+    "max_completion_length": "TRL's max_completion_length is rollout.max_new_tokens",
+    "max_response_length": "verl's max_response_length is rollout.max_new_tokens",
+    "scale_rewards": "TRL's scale_rewards is advantage.normalize_std and advantage.std_scope (group: true; batch: true "
+                     "with std_scope=batch; none: false)",
+    "reward_funcs": "TRL's reward_funcs are reward.name (the verifier, which accuracy reads) and reward.extra",
+    "reward_weights": "TRL's reward_weights are reward.weights (reward.name's first)",
+    "lr_scheduler_type": "the schedule is trainer.lr_schedule (constant, linear or cosine)",
+    "warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
+    "lr_warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
+    "train_batch_size": "verl's train_batch_size (prompts per step) is rollout.quota_groups",
+    "delta": "TRL's delta is algo.dual_clip",
+    "warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
+    "lr_warmup_steps_ratio": "the warm-up is trainer.warmup_iters, in iterations",
+    "warmup_style": "the schedule is trainer.lr_schedule (constant, linear or cosine)",
+    "per_device_train_batch_size": "TRL's per_device_train_batch_size (completions) is trainer.micro_batch_size; "
+                                   "the prompts per iteration are rollout.quota_groups",
+    "generation_batch_size": "TRL's generation_batch_size (completions) is rollout.quota_groups x rollout.group_size",
+    "steps_per_generation": "TRL's steps_per_generation / gradient_accumulation_steps (optimizer steps per "
+                            "generation) is trainer.updates_per_batch",
+    "optim": "verl's optim keys are trainer.lr, trainer.weight_decay, trainer.warmup_iters, trainer.lr_schedule "
+             "and trainer.min_lr_ratio",
+    "n": "verl's rollout.n is rollout.group_size (its val_kwargs.n, samples per evaluated problem, is eval.k)",
+    "grad_clip": "verl's actor.grad_clip is trainer.grad_clip",
+    "ppo_mini_batch_size": "verl's ppo_mini_batch_size is trainer.updates_per_batch, a count of optimizer steps "
+                           "(train_batch_size / ppo_mini_batch_size)",
+    "ppo_micro_batch_size_per_gpu": "verl's ppo_micro_batch_size_per_gpu is trainer.micro_batch_size",
+    "ppo_micro_batch_size": "verl's ppo_micro_batch_size is trainer.micro_batch_size (rows per rank)",
+    "use_dynamic_bsz": "verl's use_dynamic_bsz is trainer.max_tokens_per_micro_batch (packed rows)",
+    "ppo_max_token_len_per_gpu": "verl's ppo_max_token_len_per_gpu is trainer.max_tokens_per_micro_batch",
+    "clip_ratio_low": "verl's clip_ratio_low is algo.eps_low",
+    "clip_ratio_high": "verl's clip_ratio_high is algo.eps_high",
+    "clip_ratio_c": "verl's clip_ratio_c is algo.dual_clip (off by default here; 3.0 is verl's)",
+    "kl_loss_type": "verl's kl_loss_type is always k3 here (algo.kl_ref_coef; algo.kl_ref_clamp=10 for low_var_kl)",
+    "entropy_coeff": "verl's entropy_coeff does not exist: entropy is logged, not optimized",
+    "norm_adv_by_std_in_grpo": "verl's norm_adv_by_std_in_grpo is advantage.normalize_std",
+    "total_epochs": "verl's total_epochs is trainer.iterations (iterations, computed by hand)",
+    "total_training_steps": "verl's total_training_steps is trainer.iterations",
+    "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "
+                              "device, the colocated learner's memory included)",
+    "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
+    "save_freq": "verl's save_freq is checkpoint.save_every",
+    "test_freq": "verl's test_freq is eval.every",
+    "val_before_train": "verl's val_before_train does not exist: evaluate the starting model with kv4rl eval --model",
+    "max_prompt_length": "verl's max_prompt_length does not exist: a prompt longer than the context is refused at start",
+    "filter_overlong_prompts": "verl's filter_overlong_prompts does not exist: a prompt longer than the context is "
+                               "refused at start",
+    "filter_groups": "verl's filter_groups (DAPO's dynamic sampling) is rollout.filter_groups",
+    "max_num_gen_batches": "verl's filter_groups.max_num_gen_batches is rollout.filter_max_batches",
+    "overlong_buffer": "verl's overlong_buffer (DAPO's overlong reward shaping) is reward.overlong_buffer (its len) and "
+                       "reward.overlong_penalty (its penalty_factor)",
+    "penalty_factor": "verl's overlong_buffer.penalty_factor is reward.overlong_penalty",
+    "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
+    "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",
+    "top_entropy_quantile": "TRL's top_entropy_quantile does not exist",
+}
