@@ -49,6 +49,11 @@ CASES: dict[str, Case] = {
     "kv4rl train --config recipes/baseline_clean.yaml trainer.lr=1e-5 rollout.group_size=8": Case(TINY_TRAIN),
     "kv4rl train --resume runs/tiny-arith": Case("--no-progress"),
     "kv4rl train reward.extra=[boxed_format] reward.weights=[1.0,0.2]": Case(TINY_TRAIN + " name=two-rewards"),
+    "kv4rl train algo.loss_agg=token_sum_norm advantage.normalize_std=false": Case(TINY_TRAIN + " name=dr-grpo"),
+    "kv4rl train algo.eps_high=0.28 trainer.mask_truncated=true reward.overlong_buffer=4 rollout.filter_groups=true":
+        Case(TINY_TRAIN + " name=dapo"),
+    "kv4rl train algo.ratio_level=sequence algo.eps_low=3e-4 algo.eps_high=4e-4 algo.loss_agg=seq_mean":
+        Case(TINY_TRAIN + " name=gspo"),
     "kv4rl train --resume runs/tiny-arith trainer.iterations=200": Case("trainer.iterations=3 --no-progress"),
     # starts over: the run above moves aside, and the new one ends at iteration 3 like it did
     "kv4rl train --overwrite": Case(TINY_TRAIN + " trainer.iterations=3"),
