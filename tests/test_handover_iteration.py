@@ -51,3 +51,12 @@ def test_known_means_and_sums_leave_out_the_iterations_without_a_step():
 
     assert mean_known([2.0, None, 4.0]) == 3.0 and sum_known([2.0, None, 4.0]) == 6.0
     assert mean_known([None, None]) is None and sum_known([]) is None
+
+
+def test_a_step_not_taken_shows_as_a_dash_in_the_progress_line():
+    """An iteration whose optimizer steps were all skipped or empty has grad_norm NaN (null in metrics.jsonl): the
+    progress line said `gn nan`."""
+    row = {"reward_mean": 0.5, "accuracy": 0.25, "tokens_per_s": 10.0, "response_len_mean": 3.0,
+           "entropy": 0.1234, "grad_norm": float("nan")}
+    assert train_stats(row)[-2:] == ["ent 0.123", "gn -"]
+    assert train_stats(dict(row, grad_norm=1.0))[-1] == "gn 1.00"

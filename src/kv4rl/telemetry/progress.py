@@ -12,6 +12,7 @@ terminal (piped, a CI log) it draws nothing live and prints one short line per s
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Self
 
@@ -101,10 +102,14 @@ def train_stats(row: dict) -> list[str]:
     rate = row["tokens_per_s"]
     items += [f"len {row['response_len_mean']:.1f}", "- tok/s" if rate is None else f"{rate:.0f} tok/s"]
     if "entropy" in row:
-        items.append(f"ent {row['entropy']:.3f}")
-    if "grad_norm" in row:
-        items.append(f"gn {row['grad_norm']:.2f}")
+        items.append(f"ent {_figure(row['entropy'], 3)}")
+    if "grad_norm" in row:  # NaN when no step was taken (metrics.jsonl: null): shown as "-", as the rate is
+        items.append(f"gn {_figure(row['grad_norm'], 2)}")
     return items
+
+
+def _figure(value: float | None, digits: int) -> str:
+    return f"{value:.{digits}f}" if value is not None and math.isfinite(value) else "-"
 
 
 # rich estimates speed from the progress of its last 30 s by default: an iteration (or a bench stage's item)
