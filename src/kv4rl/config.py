@@ -27,6 +27,7 @@ from kv4rl.durability import sync_path
 from kv4rl.engine.config import EngineConfig
 from kv4rl.engine.sequence import temperature_problem
 from kv4rl.paths import text_problem
+from kv4rl.reward_config import RewardConfig
 from kv4rl.rollout.config import RolloutConfig, StalenessConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "save_config"]
@@ -61,22 +62,6 @@ class DataConfig:
     chat_template: bool = False
     eval_size: int = 256
     shuffle: bool = True
-
-
-@dataclass(kw_only=True, slots=True)
-class RewardConfig:
-    """`name: auto` is `exact` for the embedded task and `math_verify` for dataset files. `extra` rewards are added
-    to it, each times its `weights` entry (one per reward, `name` first; null: 1 each); `name` stays the verifier,
-    whose own score counts for `accuracy` and the evaluation (`rewards.combined`)."""
-
-    name: str = "auto"
-    timeout_s: float = 5.0
-    extra: list[str] = field(default_factory=list)
-    weights: list[float] | None = None
-    # DAPO's overlong reward shaping: a response longer than rollout.max_new_tokens - overlong_buffer tokens
-    # loses up to overlong_penalty, linearly to the cap (0: off)
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,33 +178,6 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.name
 
-    def _check_rewards(self) -> None:
-        from kv4rl.rewards import registered_rewards
-
-        known = registered_rewards()
-        if self.reward.name != "auto" and self.reward.name not in known:
-            raise ConfigError(f"reward.name: unknown reward {self.reward.name!r}; known: auto, {', '.join(known)}")
-        for name in self.reward.extra:
-            if name not in known:
-                raise ConfigError(f"reward.extra: unknown reward {name!r}; known: {', '.join(known)} (a reward of "
-                                  "your own needs algo.plugins=[its module])")
-        named = [n for n in (self.reward.name, *self.reward.extra) if n != "auto"]
-        if len(set(named)) != len(named):
-            raise ConfigError(f"reward.extra: each reward may be named once (reward.name={self.reward.name}, "
-                              f"reward.extra={self.reward.extra})")
-        if not 0 <= self.reward.overlong_buffer < self.rollout.max_new_tokens:
-            raise ConfigError(f"reward.overlong_buffer must be in [0, rollout.max_new_tokens) (0: off), got "
-                              f"{self.reward.overlong_buffer} with rollout.max_new_tokens={self.rollout.max_new_tokens}")
-        if not (math.isfinite(self.reward.overlong_penalty) and self.reward.overlong_penalty >= 0):
-            raise ConfigError(f"reward.overlong_penalty must be a finite number >= 0, got {self.reward.overlong_penalty}")
-        weights = self.reward.weights
-        if weights is not None:
-            if len(weights) != 1 + len(self.reward.extra):
-                raise ConfigError(f"reward.weights: {len(weights)} weights for {1 + len(self.reward.extra)} rewards "
-                                  "(one for reward.name, then one per reward.extra)")
-            if not all(math.isfinite(w) for w in weights):
-                raise ConfigError(f"reward.weights must be finite numbers, got {weights}")
-
     def validate(self) -> RunConfig:
         """Cross-field checks; each error names the key."""
         try:
@@ -317,7 +275,7 @@ class RunConfig:
                 "engine.sleep_between_rollouts frees the KV cache during every update, so the responses that "
                 "partial rollout carries over are recomputed; set rollout.carry=recompute with it "
                 "(rollout.carry=keep_kv would need their KV kept)")
-        self._check_rewards()
+        self.reward.validate(self.rollout.max_new_tokens)
         if self.data.prompt_template is not None:
             try:
                 check_template(self.data.prompt_template, "data.prompt_template")

@@ -88,9 +88,9 @@ class Learner:
         decoder layers it recognises. `fused_logprobs`: the log-prob head (log-probs, entropy, their
         gradient) in Triton (`kv4rl.kernels.logprob_head`); None: where those kernels can run on CUDA.
         `offload_optimizer`: AdamW's moments in pinned CPU memory, streamed through the GPU each step
-        (`kv4rl.trainer.offloaded_adamw`; CUDA only, not with `offload`). `epochs_per_batch`: passes over the
-        batch, each `updates_per_batch` steps (verl's ppo_epochs), the old policy fixed before the first.
-        `max_new_tokens`: the responses' length cap, `token_sum_norm`'s length (`AlgoConfig.norm_tokens`)."""
+        (`kv4rl.trainer.offloaded_adamw`; CUDA only, not with `offload`). `epochs_per_batch`: passes over the batch,
+        each `updates_per_batch` steps (verl's ppo_epochs), the old policy fixed before the first. `max_new_tokens`:
+        the responses' length cap, `token_sum_norm`'s length (`AlgoConfig.norm_tokens`)."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs,
                               offload_optimizer=offload_optimizer)
         if fused_logprobs is None:
@@ -278,23 +278,21 @@ class Learner:
         mask = batch.response_mask
         before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration)
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
-        skipped = 0  # optimizer steps left out for a non-finite gradient norm
+        skipped = empty = 0  # optimizer steps left out: a non-finite gradient norm / no token to train
         nonfinite_losses = 0  # micro-batches whose loss was NaN or inf (a gradient can still be finite)
-        empty = 0  # optimizer steps left out because no row of their mini-batch had a token to train
-        stepped = False  # the mismatch is measured before the batch's first step (its first mini-batch with tokens)
+        stepped = False  # the mismatch is measured before the batch's first step
         if len(batch) < self.updates_per_batch:
             where = "this rank's share of the learner batch" if self.world_size > 1 else "the learner batch"
             raise ValueError(f"trainer.updates_per_batch={self.updates_per_batch} optimizer steps need at least as many "
                              f"rows in {where}, which has {len(batch)} here")
-        # exactly updates_per_batch mini-batches, sizes within one row of each other (`chunk` made fewer when the
-        # rows do not split evenly: 8 rows in 6 updates gave 4 steps)
+        # exactly updates_per_batch mini-batches within one row of each other (`chunk` made 4 of 8 rows in 6)
         rows = torch.arange(len(batch), device=self.device).tensor_split(self.updates_per_batch)
         for mini_rows in rows * self.epochs_per_batch:
             mini = batch.select(mini_rows)
             num_seqs = float((mini.response_mask.sum(1) > 0).sum())
             num_tokens, num_seqs = global_counts(self.group, self.world_size, mini.num_tokens, num_seqs)
-            if num_tokens == 0:  # every row masked (trainer.mask_truncated) on every rank: no loss, and no step
-                empty += 1  # (AdamW would still decay the weights and move its moments on a zero gradient)
+            if num_tokens == 0:  # all masked on every rank: no step (AdamW would still decay on a zero gradient)
+                empty += 1
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             micro = self.micro_batches(batch, mini_rows)
@@ -321,17 +319,15 @@ class Learner:
                 stepped = True
             else:  # a NaN or inf gradient would make every weight NaN: every rank skips this step alike
                 skipped += 1
-                # not left on the parameters: a save before any step would find them and keep an empty AdamW
-                # state (torch fills the state for saving only when there are no gradients), which resumes
-                # differently, and under FSDP not at all
+                # not left on the parameters: a save before any step would keep an empty AdamW state (torch fills
+                # it for saving only without gradients), which resumes differently, and under FSDP not at all
                 self.optimizer.zero_grad(set_to_none=True)
         self.num_steps += 1
         if self.rank == 0:
             warn_left_out(self.num_steps - 1 if iteration is None else iteration, len(rows) * self.epochs_per_batch,
                           nonfinite_losses, empty, skipped, self.algo.loss)
         out = {"grad_norm": math.nan, **combine_metrics(every_rank(self.group, self.world_size, parts))}
-        out["skipped_steps"] = skipped
-        out["empty_steps"] = empty
+        out.update(skipped_steps=skipped, empty_steps=empty)
         out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out

@@ -1,0 +1,53 @@
+"""The run's `reward` section: the verifier, the rewards added to it, and DAPO's overlong shaping."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kv4rl.config_loader import ConfigError
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """`name: auto` is `exact` for the embedded task and `math_verify` for dataset files. `extra` rewards are added
+    to it, each times its `weights` entry (one per reward, `name` first; null: 1 each); `name` stays the verifier,
+    whose own score counts for `accuracy` and the evaluation (`rewards.combined`)."""
+
+    name: str = "auto"
+    timeout_s: float = 5.0
+    extra: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    # DAPO's overlong reward shaping: a response longer than rollout.max_new_tokens - overlong_buffer tokens
+    # loses up to overlong_penalty, linearly to the cap (0: off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def validate(self, max_new_tokens: int) -> None:
+        """Names registered (plug-ins imported first), each once; weights one per reward and finite; the overlong
+        buffer inside `rollout.max_new_tokens`."""
+        from kv4rl.rewards import registered_rewards
+
+        known = registered_rewards()
+        if self.name != "auto" and self.name not in known:
+            raise ConfigError(f"reward.name: unknown reward {self.name!r}; known: auto, {', '.join(known)}")
+        for name in self.extra:
+            if name not in known:
+                raise ConfigError(f"reward.extra: unknown reward {name!r}; known: {', '.join(known)} (a reward of "
+                                  "your own needs algo.plugins=[its module])")
+        named = [n for n in (self.name, *self.extra) if n != "auto"]
+        if len(set(named)) != len(named):
+            raise ConfigError(f"reward.extra: each reward may be named once (reward.name={self.name}, "
+                              f"reward.extra={self.extra})")
+        if not 0 <= self.overlong_buffer < max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer must be in [0, rollout.max_new_tokens) (0: off), got "
+                              f"{self.overlong_buffer} with rollout.max_new_tokens={max_new_tokens}")
+        if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty >= 0):
+            raise ConfigError(f"reward.overlong_penalty must be a finite number >= 0, got {self.overlong_penalty}")
+        weights = self.weights
+        if weights is not None:
+            if len(weights) != 1 + len(self.extra):
+                raise ConfigError(f"reward.weights: {len(weights)} weights for {1 + len(self.extra)} rewards "
+                                  "(one for reward.name, then one per reward.extra)")
+            if not all(math.isfinite(w) for w in weights):
+                raise ConfigError(f"reward.weights must be finite numbers, got {weights}")
