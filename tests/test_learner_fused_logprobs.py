@@ -13,15 +13,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton")
 
+from kv4rl.algo.config import AlgoConfig  # noqa: E402
 from kv4rl.config import RunConfig, TrainerConfig  # noqa: E402
 from kv4rl.trainer.learner import check_learner_options  # noqa: E402
 from tests.test_learner_fsdp import make, ragged_batch  # noqa: E402
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_fused_head_takes_the_same_steps_as_the_torch_head(tiny_qwen3, packed):
+@pytest.mark.parametrize("entropy_coeff", [0.0, 0.3])
+def test_the_fused_head_takes_the_same_steps_as_the_torch_head(tiny_qwen3, packed, entropy_coeff):
+    """With an entropy bonus too, whose gradient each head takes its own way (test_entropy_bonus.py: the torch
+    head's against verl's formula in float64)."""
     path, _ = tiny_qwen3
     kw = {"max_tokens_per_micro_batch": 24} if packed else {}
+    kw["algo"] = AlgoConfig(entropy_coeff=entropy_coeff)
     torch_head, fused_head = make(path, True, **kw), make(path, True, fused_logprobs=True, **kw)
     # the default (null) is the torch head on the CPU, even with the interpreter able to run the kernels
     assert fused_head.fused_logprobs and not torch_head.fused_logprobs

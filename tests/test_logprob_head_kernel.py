@@ -17,7 +17,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton")
 
-from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs  # noqa: E402
+from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs, token_logprobs_and_entropy  # noqa: E402
 from kv4rl.kernels.logprob_head import BLOCK_V, fused_token_logprobs  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -56,7 +56,34 @@ def test_logprobs_entropy_and_gradient_match_float64(shape, temperature, gen):
     assert grad[:, -1].abs().max() == 0  # the position the view skips gets no gradient
     g_tol = 2 ** -8 if CUDA else 1e-6
     torch.testing.assert_close(grad, ref_grad, rtol=g_tol, atol=g_tol * ref_grad.abs().max().item())
-    assert not ent.requires_grad and logp.requires_grad
+    assert ent.requires_grad and logp.requires_grad  # the entropy unused: no gradient of its own was taken
+
+
+@pytest.mark.parametrize("use", ["both", "entropy"])
+def test_the_entropy_gradient_matches_float64(use, gen):
+    """An entropy bonus (`algo.entropy_coeff`) backpropagates through the entropy too: the logits' gradient of
+    Σ w·logp + Σ u·H against the float64 reference, a -inf logit included (its gradient 0, never NaN)."""
+    batch, length, vocab = SHAPES[-1]
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    full = (3.0 * torch.randn(batch, length + 1, vocab, generator=gen)).to(dtype)
+    full[0, 0, 3] = float("-inf")
+    ids = torch.randint(0, vocab, (batch, length), generator=gen)
+    ids[0, 0] = 4
+    w_logp, w_ent = torch.randn(batch, length, generator=gen), torch.randn(batch, length, generator=gen)
+
+    def weighted(logp, ent, dev):
+        terms = (ent * w_ent.to(dev, ent.dtype)).sum()
+        return terms + (logp * w_logp.to(dev, logp.dtype)).sum() if use == "both" else terms
+
+    logits = full.to(DEVICE, copy=True).requires_grad_(True)
+    weighted(*fused_token_logprobs(logits[:, :-1], ids.to(DEVICE), 0.7), DEVICE).backward()
+    ref_logits = full.double().requires_grad_(True)
+    weighted(*token_logprobs_and_entropy(ref_logits[:, :-1], ids, 0.7), "cpu").backward()
+
+    grad, ref_grad = logits.grad.double().cpu(), ref_logits.grad
+    assert torch.isfinite(grad).all() and grad[0, 0, 3] == 0 and grad[:, -1].abs().max() == 0
+    g_tol = 2 ** -8 if CUDA else 1e-6
+    torch.testing.assert_close(grad, ref_grad, rtol=g_tol, atol=g_tol * ref_grad.abs().max().item())
 
 
 def test_bad_arguments_are_refused_by_name():

@@ -55,7 +55,7 @@ OTHER_FRAMEWORKS = {
     "clip_ratio_high": "verl's clip_ratio_high is algo.eps_high",
     "clip_ratio_c": "verl's clip_ratio_c is algo.dual_clip (off by default here; 3.0 is verl's)",
     "kl_loss_type": "verl's kl_loss_type is always k3 here (algo.kl_ref_coef; algo.kl_ref_clamp=10 for low_var_kl)",
-    "entropy_coeff": "verl's entropy_coeff does not exist: entropy is logged, not optimized",
+    "entropy_coeff": "verl's entropy_coeff is algo.entropy_coeff",
     "norm_adv_by_std_in_grpo": "verl's norm_adv_by_std_in_grpo is advantage.normalize_std",
     "total_epochs": "verl's total_epochs is trainer.iterations (iterations, computed by hand)",
     "total_training_steps": "verl's total_training_steps is trainer.iterations",

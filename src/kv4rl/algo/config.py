@@ -6,6 +6,7 @@ values the type annotations cannot (ranges, cross-field rules) and names the off
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,22 +21,24 @@ class AlgoConfig:
 
     `loss` names a registered loss; `loss_agg` reduces its per-token terms, and `loss_norm_tokens` is
     `token_sum_norm`'s constant length (null: the run's `rollout.max_new_tokens`); `kl_ref_coef > 0` adds the k3 reference KL to it (each token's k3 capped
-    at `kl_ref_clamp` where set, as verl's low_var_kl caps it at 10); `plugins`
+    at `kl_ref_clamp` where set, as verl's low_var_kl caps it at 10); `entropy_coeff > 0` subtracts that many times
+    the policy's entropy, aggregated as the loss (verl's entropy_coeff; the learner adds it to any loss); `plugins`
     lists modules to import first, which register more losses. Every other `algo.*` key belongs to
     one loss's settings dataclass (see `registry`) and reads back as an attribute (`cfg.eps_low`)
     or through the whole section (`cfg.section("ppo_clip")`). The keys are not a fixed list, so
     this is not a dataclass: the config loader asks `config_schema()` and `config_values()`.
     """
 
-    __slots__ = ("_sections", "kl_ref_clamp", "kl_ref_coef", "loss", "loss_agg", "loss_norm_tokens", "plugins")
+    __slots__ = ("_sections", "entropy_coeff", "kl_ref_clamp", "kl_ref_coef", "loss", "loss_agg", "loss_norm_tokens",
+                 "plugins")
 
     def __init__(self, *, loss: str = "ppo_clip", loss_agg: AggMode = "token_mean", loss_norm_tokens: int | None = None,
-                 kl_ref_coef: float = 0.0, kl_ref_clamp: float | None = None, plugins: list[str] | None = None,
-                 **loss_keys: Any):
+                 kl_ref_coef: float = 0.0, kl_ref_clamp: float | None = None, entropy_coeff: float = 0.0,
+                 plugins: list[str] | None = None, **loss_keys: Any):
         self.plugins = list(plugins or [])
         import_plugins(self.plugins)  # before the keys below: a plugin's loss owns some of them
         self.loss, self.loss_agg, self.kl_ref_coef, self.kl_ref_clamp = loss, loss_agg, kl_ref_coef, kl_ref_clamp
-        self.loss_norm_tokens = loss_norm_tokens
+        self.loss_norm_tokens, self.entropy_coeff = loss_norm_tokens, entropy_coeff
         self._sections: dict[str, Any] = {}
         for key, value in loss_keys.items():
             try:
@@ -106,6 +109,8 @@ class AlgoConfig:
                              f"got {self.loss_norm_tokens}")
         if not self.kl_ref_coef >= 0.0:
             raise ValueError(f"algo.kl_ref_coef must be >= 0, got {self.kl_ref_coef}")
+        if not 0.0 <= self.entropy_coeff < math.inf:
+            raise ValueError(f"algo.entropy_coeff must be a finite number >= 0 (0: no entropy bonus), got {self.entropy_coeff}")
         if self.kl_ref_clamp is not None and not self.kl_ref_clamp > 0.0:
             raise ValueError(f"algo.kl_ref_clamp must be > 0 (or null: no cap), got {self.kl_ref_clamp}")
         if self.kl_ref_coef > 0 and "ref_logprobs" not in get_loss(self.loss).inputs(self):

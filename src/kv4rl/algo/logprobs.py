@@ -96,6 +96,63 @@ def token_logprobs(
     return _SelectiveLogSoftmax.apply(logits, ids.long(), temperature, step)
 
 
+class _LogprobsAndEntropy(torch.autograd.Function):
+    """(log softmax(logits/τ)[id], entropy of softmax(logits/τ)), both differentiable, chunked in both passes.
+
+    With x = logits/τ and log p = x − lse: ∂log p_id/∂x_v = [v = id] − p_v and ∂H/∂x_v = −p_v (log p_v + H);
+    a p_v of 0 (a −inf logit) contributes 0 to both.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_BTV: Tensor, ids_BT: Tensor, temperature: float, step: int):
+        dtype = _compute_dtype(logits_BTV)
+        out_BT = torch.empty(ids_BT.shape, dtype=dtype, device=logits_BTV.device)
+        lse_BT, ent_BT = torch.empty_like(out_BT), torch.empty_like(out_BT)
+        for block in _chunks(*ids_BT.shape, step):
+            scaled = logits_BTV[block].to(dtype) / temperature
+            lse_BT[block] = torch.logsumexp(scaled, dim=-1)
+            log_p = scaled - lse_BT[block].unsqueeze(-1)
+            out_BT[block] = log_p.gather(-1, ids_BT[block].unsqueeze(-1)).squeeze(-1)
+            ent_BT[block] = -(log_p.exp() * log_p.clamp_min(torch.finfo(dtype).min)).sum(dim=-1)
+        ctx.save_for_backward(logits_BTV, ids_BT, lse_BT, ent_BT)
+        ctx.temperature, ctx.step = temperature, step
+        ctx.set_materialize_grads(False)  # a None gradient (the entropy unused) costs nothing below
+        return out_BT, ent_BT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp_BT: Tensor | None, grad_ent_BT: Tensor | None):
+        logits_BTV, ids_BT, lse_BT, ent_BT = ctx.saved_tensors
+        grad_logits = torch.zeros_like(logits_BTV)
+        for block in _chunks(*ids_BT.shape, ctx.step):
+            log_p = logits_BTV[block].to(lse_BT.dtype) / ctx.temperature - lse_BT[block].unsqueeze(-1)
+            p = log_p.exp()
+            chunk_grad = torch.zeros_like(p)
+            if grad_logp_BT is not None:
+                g = grad_logp_BT[block].unsqueeze(-1).to(p.dtype)
+                chunk_grad = (-g * p).scatter_add_(-1, ids_BT[block].unsqueeze(-1), g)
+            if grad_ent_BT is not None:
+                g_ent = grad_ent_BT[block].unsqueeze(-1).to(p.dtype)
+                spread = torch.where(p > 0, p * (log_p + ent_BT[block].unsqueeze(-1)), torch.zeros_like(p))
+                chunk_grad = chunk_grad - g_ent * spread
+            grad_logits[block] = (chunk_grad / ctx.temperature).to(grad_logits.dtype)
+        return grad_logits, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk_tokens: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` and the entropy of `softmax(logits / τ)`, both `[B, T]` and both differentiable
+    w.r.t. `logits` (an entropy bonus, `algo.entropy_coeff`); memory as `token_logprobs`'."""
+    _check_temperature(temperature)
+    if logits.dim() != 3 or logits.shape[:-1] != ids.shape:
+        raise ValueError(
+            f"expected logits [B, T, V] and ids [B, T], got {tuple(logits.shape)} and {tuple(ids.shape)}"
+        )
+    step = _chunk_step(logits.shape[-1], chunk_tokens)
+    return _LogprobsAndEntropy.apply(logits, ids.long(), temperature, step)
+
+
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_tokens: int | None = None) -> Tensor:
     """Entropy of `softmax(logits / τ)` per position: `[B, T, V]` -> `[B, T]`.
 

@@ -36,7 +36,7 @@ LOSS_INPUTS: dict[str, str] = {
     "versions": "policy version that sampled each token (an integer tensor)",
 }
 # algo keys every loss shares
-COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_clamp", "plugins")
+COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_clamp", "entropy_coeff", "plugins")
 
 
 @dataclass(kw_only=True)

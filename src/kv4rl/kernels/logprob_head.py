@@ -12,7 +12,10 @@ the forward reads each logit once (an online logsumexp that also accumulates Σ 
 running max m, so the entropy comes free) and the backward reads it once and writes its gradient once:
 
     x = logits / τ,  lse = log Σ_v e^{x_v},  logp = x_id - lse,  H = lse - Σ_v e^{x_v - lse} x_v,
-    ∂logp/∂logits_v = ([v = id] - e^{x_v - lse}) / τ.
+    ∂logp/∂logits_v = ([v = id] - p_v) / τ,  ∂H/∂logits_v = -p_v (x_v - lse + H) / τ,  p_v = e^{x_v - lse}.
+
+The entropy's gradient (an entropy bonus, `algo.entropy_coeff`) is taken only when the entropy reaches
+the loss; logged alone it costs the backward nothing.
 
 Maths in fp32; the gradient is written in the logits' dtype, as the reference writes it.
 """
@@ -56,8 +59,8 @@ def _forward_kernel(logits_ptr, stride_b, stride_t, ids_ptr, logp_ptr, lse_ptr, 
 
 
 @triton.jit
-def _backward_kernel(logits_ptr, stride_b, stride_t, ids_ptr, lse_ptr, grad_out_ptr, grad_ptr, length, vocab,
-                     inv_t, BLOCK: tl.constexpr):
+def _backward_kernel(logits_ptr, stride_b, stride_t, ids_ptr, lse_ptr, grad_out_ptr, ent_ptr, grad_ent_ptr, grad_ptr,
+                     length, vocab, inv_t, BLOCK: tl.constexpr, HAS_ENT: tl.constexpr):
     row = tl.program_id(0)
     b = row // length
     base = logits_ptr + b.to(tl.int64) * stride_b + (row - b * length).to(tl.int64) * stride_t
@@ -66,17 +69,24 @@ def _backward_kernel(logits_ptr, stride_b, stride_t, ids_ptr, lse_ptr, grad_out_
     lse = tl.load(lse_ptr + row)
     g = tl.load(grad_out_ptr + row).to(tl.float32)
     token = tl.load(ids_ptr + row)
+    if HAS_ENT:
+        g_ent = tl.load(grad_ent_ptr + row).to(tl.float32)
+        h = tl.load(ent_ptr + row)
     for start in range(0, vocab, BLOCK):
         offs = start + lane
         live = offs < vocab
         x = tl.load(base + offs, mask=live, other=0.0).to(tl.float32) * inv_t
-        grad = (tl.where(offs == token, 1.0, 0.0) - tl.exp(x - lse)) * (g * inv_t)
+        p = tl.exp(x - lse)
+        grad = (tl.where(offs == token, 1.0, 0.0) - p) * g
+        if HAS_ENT:  # p = 0 (a -inf logit) adds nothing, where 0 * -inf would be NaN
+            grad -= g_ent * tl.where(p > 0, p * (x - lse + h), 0.0)
+        grad = grad * inv_t
         tl.store(out + offs, grad.to(grad_ptr.dtype.element_ty), mask=live)
 
 
 class FusedLogprobHead(torch.autograd.Function):
     """(log softmax(logits/τ)[ids], entropy of softmax(logits/τ)) for `[B, T, V]` logits (unit stride
-    over V) and `[B, T]` ids; differentiable in the log-probs, the entropy is for logging."""
+    over V) and `[B, T]` ids; both differentiable."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, temperature: float):
@@ -88,27 +98,30 @@ class FusedLogprobHead(torch.autograd.Function):
         if rows:
             _forward_kernel[(rows,)](logits, logits.stride(0), logits.stride(1), ids_flat, logp, lse, ent, length,
                                      vocab, 1.0 / temperature, BLOCK=BLOCK_V)
-        ctx.save_for_backward(logits, ids_flat, lse)
+        ctx.save_for_backward(logits, ids_flat, lse, ent)
         ctx.temperature = temperature
-        logp, ent = logp.view(batch, length), ent.view(batch, length)
-        ctx.mark_non_differentiable(ent)
-        return logp, ent
+        ctx.set_materialize_grads(False)  # the entropy's gradient is None unless it reached the loss
+        return logp.view(batch, length), ent.view(batch, length)
 
     @staticmethod
-    def backward(ctx, grad_logp: torch.Tensor, _grad_ent: torch.Tensor | None):
-        logits, ids_flat, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None):
+        logits, ids_flat, lse, ent = ctx.saved_tensors
         batch, length, vocab = logits.shape
         grad = torch.empty((batch, length, vocab), dtype=logits.dtype, device=logits.device)
+        if grad_logp is None:  # only the entropy reached the loss
+            grad_logp = torch.zeros_like(lse)
+        has_ent = grad_ent is not None
         if batch * length:
             _backward_kernel[(batch * length,)](logits, logits.stride(0), logits.stride(1), ids_flat, lse,
-                                                grad_logp.contiguous(), grad, length, vocab, 1.0 / ctx.temperature,
-                                                BLOCK=BLOCK_V)
+                                                grad_logp.contiguous(), ent,
+                                                grad_ent.contiguous() if has_ent else ent, grad, length, vocab,
+                                                1.0 / ctx.temperature, BLOCK=BLOCK_V, HAS_ENT=has_ent)
         return grad, None, None
 
 
 def fused_token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs `[B, T]` (differentiable) and entropies `[B, T]` (not) of `logits / τ`."""
+    """Per-token log-probs and entropies `[B, T]` of `logits / τ`, both differentiable."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 3 or logits.shape[:-1] != ids.shape:

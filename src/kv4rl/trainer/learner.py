@@ -36,7 +36,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from kv4rl.algo.config import AlgoConfig
-from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs
+from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs, token_logprobs_and_entropy
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
@@ -199,12 +199,14 @@ class Learner:
         return packed.unpack(logp), (packed.unpack(ent) if with_entropy else None)
 
     def _logprob_head(self, logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
-        """Per-token log-probs (differentiable) and, if asked, entropies of `logits / temperature` at `ids`."""
+        """Log-probs and, if asked, entropies of `logits / temperature` at `ids` (both differentiable)."""
         if self.fused_logprobs:
             from kv4rl.kernels.logprob_head import fused_token_logprobs  # Triton: imported only when used
 
             logp, ent = fused_token_logprobs(logits, ids, self.temperature)  # the entropy comes with the pass
             return logp, (ent if with_entropy else None)
+        if with_entropy and self.algo.entropy_coeff > 0:
+            return token_logprobs_and_entropy(logits, ids, self.temperature)
         logp = token_logprobs(logits, ids, self.temperature)
         return logp, (entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None)
 
@@ -304,13 +306,15 @@ class Learner:
                 inp = LossInputs(logprobs=logp, advantages=mb.advantages, mask=mb.response_mask,
                                  num_tokens=num_tokens, num_seqs=num_seqs, norm_tokens=self.norm_tokens, **optional)
                 loss, metrics = self.loss_fn(inp, self.algo)
+                if self.algo.entropy_coeff > 0:  # verl's entropy bonus, aggregated as the loss is
+                    loss = loss - self.algo.entropy_coeff * inp.aggregate(ent, inp.mask.bool(), self.algo.loss_agg)
                 if dummy:
                     (loss * 0.0).backward()
                     continue
                 (loss * self.world_size if self.world_size > 1 else loss).backward()
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
                 nonfinite_losses += not math.isfinite(metrics["loss"])
-                metrics.update(token_stats(logp.detach(), ent, mb, first=not stepped))
+                metrics.update(token_stats(logp.detach(), ent.detach(), mb, first=not stepped))
                 parts.append((metrics, mb.num_tokens))
             grad_norm = global_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
             if math.isfinite(grad_norm):  # the global norm, the same on every rank
@@ -341,10 +345,9 @@ class Learner:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full weights one parameter at a time (each FSDP2 shard gathered when it is reached), for a
-        weight refresh that never holds a second whole copy of the model: the engine copies each tensor
-        and drops it before the next is gathered. Every rank must consume the stream (the gathers are
-        collectives). A tied output head appears once, under the embedding's name."""
+        """The full weights one parameter at a time (each FSDP2 shard gathered when reached): a weight refresh that
+        never holds a second whole copy (the engine copies each tensor, drops it before the next is gathered). Every
+        rank must consume the stream (the gathers are collectives). A tied head appears once, as the embedding."""
         for name, param in self.model.named_parameters():
             full = getattr(param, "full_tensor", None)
             yield name, (full() if full is not None else param).detach()
@@ -360,16 +363,15 @@ class Learner:
 
     # ---- checkpointing ----------------------------------------------------------------------
     def save_pretrained(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-        """The policy as a Hugging Face folder (safetensors), loadable by transformers. `state`: the full
-        weights already gathered (under FSDP2 every rank takes part in gathering; one rank writes)."""
+        """The policy as a Hugging Face folder (safetensors). `state`: the full weights already gathered (under
+        FSDP2 every rank takes part in gathering; one rank writes)."""
         if state is None:
             state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
         write_policy_folder(self.model, path, state)
 
     @property
     def optimizer_format(self) -> str:
-        """How checkpoints hold the optimizer state: full in the trainer state at world size 1 (older
-        checkpoints' format), one DCP shard per rank beyond (`kv4rl.trainer.optimizer_checkpoint`)."""
+        """Optimizer state in checkpoints: full in the trainer state at world size 1, a DCP shard per rank beyond."""
         return SHARDED if self.world_size > 1 else FULL
 
     def checkpoint_state(self) -> dict:
@@ -381,8 +383,7 @@ class Learner:
         return {"optimizer_format": FULL, "world": 1, "optimizer": full_state(self.model, self.optimizer)}
 
     def write_shards(self, folder: Path) -> None:
-        """Every rank writes its optimizer shard into checkpoint `folder` (a collective); nothing at world
-        size 1, whose state is all in `checkpoint_state()`."""
+        """Every rank writes its optimizer shard into `folder` (a collective); nothing at world size 1."""
         if self.optimizer_format == SHARDED:
             save_shards(self.model, self.optimizer, folder, self.group)
 
@@ -394,7 +395,6 @@ class Learner:
             raise ValueError("a checkpoint with sharded optimizer state loads from its folder: pass `folder`")
         else:
             load_shards(self.model, self.optimizer, folder, self.group)
-        # torch's load_state_dict also restores the saved groups' settings: a resume that changes
-        # trainer.weight_decay or trainer.betas (config.yaml records the new values) would run the old ones
+        # load_state_dict restored the saved groups' settings: a resume changing weight_decay or betas ran the old
         for group in self.optimizer.param_groups:
             group.update(self._configured)
