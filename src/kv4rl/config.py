@@ -62,6 +62,9 @@ class DataConfig:
     chat_template: bool = False
     eval_size: int = 256
     shuffle: bool = True
+    # drop the data.train / data.eval rows whose formatted prompt is longer (verl's max_prompt_length with
+    # filter_overlong_prompts); null: every row, refused at start only where one fills the context
+    max_prompt_tokens: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -240,6 +243,11 @@ class RunConfig:
             (self.telemetry.attribution_samples >= 1, "telemetry.attribution_samples must be >= 1"),
             (self.data.eval_size >= 1, "data.eval_size must be >= 1"),
             (self.data.pool_size >= 0, "data.pool_size must be >= 0"),
+            (self.data.max_prompt_tokens is None or self.data.max_prompt_tokens >= 1,
+             f"data.max_prompt_tokens must be >= 1 (or null: no limit), got {self.data.max_prompt_tokens}"),
+            (self.data.max_prompt_tokens is None or self.data.train is not None or self.data.eval is not None,
+             "data.max_prompt_tokens drops rows of the data.train / data.eval files, and this run has neither "
+             "(the embedded task's prompts are a few tokens); leave it null"),
             (self.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
             (re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
              f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}"),

@@ -65,9 +65,10 @@ OTHER_FRAMEWORKS = {
     "save_freq": "verl's save_freq is checkpoint.save_every",
     "test_freq": "verl's test_freq is eval.every",
     "val_before_train": "verl's val_before_train does not exist: evaluate the starting model with kv4rl eval --model",
-    "max_prompt_length": "verl's max_prompt_length does not exist: a prompt longer than the context is refused at start",
-    "filter_overlong_prompts": "verl's filter_overlong_prompts does not exist: a prompt longer than the context is "
-                               "refused at start",
+    "max_prompt_length": "verl's max_prompt_length with filter_overlong_prompts is data.max_prompt_tokens (the longer "
+                         "rows are dropped; verl's truncation does not exist)",
+    "filter_overlong_prompts": "verl's filter_overlong_prompts is data.max_prompt_tokens (the length; longer rows are "
+                               "dropped)",
     "filter_groups": "verl's filter_groups (DAPO's dynamic sampling) is rollout.filter_groups",
     "max_num_gen_batches": "verl's filter_groups.max_num_gen_batches is rollout.filter_max_batches",
     "overlong_buffer": "verl's overlong_buffer (DAPO's overlong reward shaping) is reward.overlong_buffer (its len) and "

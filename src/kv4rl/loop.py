@@ -38,7 +38,7 @@ from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
 from kv4rl.rewards import WeightedRewards, reward_metrics, verifier_name
-from kv4rl.rollout.build import batch_reward, build_rollout, groups_scorer
+from kv4rl.rollout.build import batch_reward, build_rollout, drop_long_prompts, groups_scorer, prompt_formatter
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_checkpoint import restore_state, save
@@ -97,8 +97,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         raise ConfigError(str(exc)) from None
     torch.manual_seed(cfg.seed)
     # a training file is read (and checked) before any model is built; without one, the model's task is used
-    source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size) \
-        if cfg.data.train is not None else None
+    source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
+                           max_prompt_tokens=cfg.data.max_prompt_tokens) if cfg.data.train is not None else None
     if source is None and cfg.data.eval is not None:  # read again below, with the model's task: a bad file is
         load_jsonl(cfg.data.eval)                     # named now, not after a missing model's build (~30 s)
     ranks = current()
@@ -124,13 +124,14 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         barrier()
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
-                               task=task_of_model(base_dir))
+                               task=task_of_model(base_dir), max_prompt_tokens=cfg.data.max_prompt_tokens)
     if restore is not None:
         check_same_stream(restore, source.stream_fingerprint(), cfg.run_dir / "config.yaml")
         check_same_model(restore, base_dir, cfg.run_dir / "metrics.jsonl")
     policy_dir = base_dir if restore is None else restore.path
     model_args = check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     tokenizer = load_tokenizer(policy_dir, model_args.vocab_size if ranks.main else None)  # ... and its tokenizer
+    drop_long_prompts(source, prompt_formatter(cfg, source, tokenizer))  # a file it would empty: refused before the learner
     if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)
         try:
             check_shardable(model_args, tp)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 
 from kv4rl.data.datasets import load_jsonl
 from kv4rl.data.longmul import LongMulTask
@@ -41,8 +42,10 @@ def default_prompt_template(embedded: bool) -> str:
 
 class ProblemSource:
     def __init__(self, train_path: str | None, eval_path: str | None, seed: int, shuffle: bool = True,
-                 pool_size: int = DEFAULT_POOL_SIZE, task: EmbeddedTask | None = None):
-        """`task`: the embedded task (default: the arithmetic task), used when there is no training file."""
+                 pool_size: int = DEFAULT_POOL_SIZE, task: EmbeddedTask | None = None,
+                 max_prompt_tokens: int | None = None):
+        """`task`: the embedded task (default: the arithmetic task), used when there is no training file.
+        `max_prompt_tokens`: the files' rows with longer prompts are dropped by `drop_long_prompts`."""
         self.train_embedded = train_path is None  # the training stream is the embedded task
         self.embedded = train_path is None and eval_path is None  # no dataset file at all
         self.seed = seed
@@ -54,6 +57,7 @@ class ProblemSource:
         else:
             self.train = load_jsonl(train_path)
         self.eval_file = None if eval_path is None else load_jsonl(eval_path)
+        self.max_prompt_tokens = max_prompt_tokens
         self._chunk: tuple[int, list[Problem]] = (-1, [])  # the last task chunk / epoch order used
         self._order: tuple[int, list[int]] = (-1, [])
         self._fingerprint: dict | None = None  # `stream_fingerprint`, computed once
@@ -90,9 +94,34 @@ class ProblemSource:
             rows = len(self.train)
             spec = {"seed": self.seed, "shuffle": self.shuffle,
                     "problems": [[p.id, p.problem, p.answer] for p in self.train]}
+            if self.max_prompt_tokens is not None:  # which rows stay (older checkpoints' digests stay valid)
+                spec["max_prompt_tokens"] = self.max_prompt_tokens
         digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
         self._fingerprint = {"rows": rows, "seed": self.seed, "shuffle": self.shuffle, "sha256": digest}
         return self._fingerprint
+
+    def drop_long_prompts(self, count_tokens: Callable[[Problem], int]) -> list[str]:
+        """Drop the files' rows whose prompt is more than `max_prompt_tokens` tokens long (`count_tokens`); one
+        line per file that lost rows. The fingerprint stays the whole file's with the limit, so every rank
+        agrees without a tokenizer. Refuses a file that would lose every row. Dropping twice drops nothing."""
+        if self.max_prompt_tokens is None:
+            return []
+        self.stream_fingerprint()
+        said = []
+        for name, rows in (("data.train", None if self.train_embedded else self.train), ("data.eval", self.eval_file)):
+            if not rows:
+                continue
+            lengths = [count_tokens(p) for p in rows]
+            kept = [p for p, n in zip(rows, lengths) if n <= self.max_prompt_tokens]
+            if not kept:
+                raise ValueError(f"data.max_prompt_tokens={self.max_prompt_tokens} drops every row of {name} "
+                                 f"({len(rows)} rows; its shortest prompt is {min(lengths)} tokens)")
+            if len(kept) < len(rows):
+                rows[:] = kept  # in place: the train list, or the eval file's
+                said.append(f"{name}: dropped {len(lengths) - len(kept)} of {len(lengths)} rows whose prompt is longer "
+                            f"than data.max_prompt_tokens={self.max_prompt_tokens} (longest {max(lengths)} tokens)")
+        self._order = (-1, [])
+        return said
 
     def batch(self, iteration: int, n: int) -> list[Problem]:
         return [self.problem_at(iteration * n + j) for j in range(n)]

@@ -23,6 +23,20 @@ from kv4rl.rollout.collector import Collector, GroupResult
 log = logging.getLogger(__name__)
 
 
+def prompt_formatter(cfg: RunConfig, source: ProblemSource, tokenizer) -> PromptFormatter:
+    """The run's prompts: `data.prompt_template` (or the data's default), in the chat template if asked."""
+    return PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template, cfg.data.chat_template)
+
+
+def drop_long_prompts(source: ProblemSource, formatter: PromptFormatter) -> None:
+    """`data.max_prompt_tokens`: drop the files' longer rows, saying how many (nothing on a second call)."""
+    try:
+        for line in source.drop_long_prompts(lambda problem: len(formatter.ids(problem))):
+            log.warning(line)  # shown: the run trains on fewer rows than the file has
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter, model_max: int) -> int:
     """`engine.max_model_len` as given, else the longest prompt of the data (embedded task: a sample, with
     headroom) plus the response limit.
@@ -129,8 +143,8 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
     model_max = check_model_folder(base_dir).max_position_embeddings
     if tokenizer is None:
         tokenizer = load_tokenizer(policy_dir)
-    formatter = PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template,
-                                cfg.data.chat_template)
+    formatter = prompt_formatter(cfg, source, tokenizer)
+    drop_long_prompts(source, formatter)
     reward_fn = build_reward(cfg, source)
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
     engine_cfg.max_model_len = max_model_len(cfg, source, formatter, model_max)
