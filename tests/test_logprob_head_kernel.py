@@ -82,7 +82,9 @@ def test_the_entropy_gradient_matches_float64(use, gen):
 
     grad, ref_grad = logits.grad.double().cpu(), ref_logits.grad
     assert torch.isfinite(grad).all() and grad[0, 0, 3] == 0 and grad[:, -1].abs().max() == 0
-    g_tol = 2 ** -8 if CUDA else 1e-6
+    # the entropy's term p (x - lse + H) sums ~20-nat numbers in fp32: up to 2.1e-6 of the largest gradient (2 of
+    # 25 seeds passed 1e-6, the log-prob's tolerance; 50 seeds all within 5e-6)
+    g_tol = 2 ** -8 if CUDA else 5e-6
     torch.testing.assert_close(grad, ref_grad, rtol=g_tol, atol=g_tol * ref_grad.abs().max().item())
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kv4rl.config import ConfigError, load_config
 from kv4rl.data.source import ProblemSource
-from tests.small_runs import SMALL, train_cli
+from tests.small_runs import SMALL, train_cli, tree_state
 
 
 def write_rows(path, problems):
@@ -73,3 +73,19 @@ def test_a_run_trains_without_the_prompts_that_would_not_fit(tmp_path, caplog):
            "tokens)" in caplog.text
     rows = [json.loads(line) for line in (tmp_path / "limited" / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [0, 1]
+
+
+def test_a_resume_that_changes_the_limit_is_refused_and_one_that_keeps_it_goes_on(tmp_path):
+    """Another limit keeps other rows, so the run's place in the stream would point at other problems."""
+    train = write_rows(tmp_path / "train.jsonl", ["1+1", "2+3", "1+1+1+1+1+1", "4+4"])
+    run = tmp_path / "r"
+    common = [f"data.train={train}", "data.prompt_template={problem}=", "reward.name=exact", "checkpoint.save_every=1"]
+    res = train_cli(f"out_dir={tmp_path}", "name=r", *SMALL, *common, "trainer.iterations=1", "data.max_prompt_tokens=8")
+    assert res.exit_code == 0, res.output
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), "trainer.iterations=2", "data.max_prompt_tokens=20", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "differs from the checkpoint's (max_prompt_tokens 8 -> 20)" in text, text
+    assert tree_state(run) == before  # refused before the folder was touched
+    res = train_cli("--resume", str(run), "trainer.iterations=2", "--no-progress")
+    assert res.exit_code == 0, res.output  # the recorded config keeps the limit

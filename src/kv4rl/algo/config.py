@@ -21,7 +21,7 @@ class AlgoConfig:
 
     `loss` names a registered loss; `loss_agg` reduces its per-token terms, and `loss_norm_tokens` is
     `token_sum_norm`'s constant length (null: the run's `rollout.max_new_tokens`); `kl_ref_coef > 0` adds the k3 reference KL to it (each token's k3 capped
-    at `kl_ref_clamp` where set, as verl's low_var_kl caps it at 10); `entropy_coeff > 0` subtracts that many times
+    at `kl_ref_clamp` where set, as verl's low_var_kl caps it at 10); `entropy_coeff` (0: off) subtracts that many times
     the policy's entropy, aggregated as the loss (verl's entropy_coeff; the learner adds it to any loss); `plugins`
     lists modules to import first, which register more losses. Every other `algo.*` key belongs to
     one loss's settings dataclass (see `registry`) and reads back as an attribute (`cfg.eps_low`)
@@ -109,8 +109,9 @@ class AlgoConfig:
                              f"got {self.loss_norm_tokens}")
         if not self.kl_ref_coef >= 0.0:
             raise ValueError(f"algo.kl_ref_coef must be >= 0, got {self.kl_ref_coef}")
-        if not 0.0 <= self.entropy_coeff < math.inf:
-            raise ValueError(f"algo.entropy_coeff must be a finite number >= 0 (0: no entropy bonus), got {self.entropy_coeff}")
+        if not math.isfinite(self.entropy_coeff):
+            raise ValueError(f"algo.entropy_coeff must be a finite number (0: no entropy bonus; < 0 minimises the "
+                             f"entropy), got {self.entropy_coeff}")
         if self.kl_ref_clamp is not None and not self.kl_ref_clamp > 0.0:
             raise ValueError(f"algo.kl_ref_clamp must be > 0 (or null: no cap), got {self.kl_ref_clamp}")
         if self.kl_ref_coef > 0 and "ref_logprobs" not in get_loss(self.loss).inputs(self):

@@ -98,6 +98,8 @@ class ProblemSource:
                 spec["max_prompt_tokens"] = self.max_prompt_tokens
         digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
         self._fingerprint = {"rows": rows, "seed": self.seed, "shuffle": self.shuffle, "sha256": digest}
+        if self.max_prompt_tokens is not None:
+            self._fingerprint["max_prompt_tokens"] = self.max_prompt_tokens
         return self._fingerprint
 
     def drop_long_prompts(self, count_tokens: Callable[[Problem], int]) -> list[str]:

@@ -205,7 +205,7 @@ class Learner:
 
             logp, ent = fused_token_logprobs(logits, ids, self.temperature)  # the entropy comes with the pass
             return logp, (ent if with_entropy else None)
-        if with_entropy and self.algo.entropy_coeff > 0:
+        if with_entropy and self.algo.entropy_coeff:
             return token_logprobs_and_entropy(logits, ids, self.temperature)
         logp = token_logprobs(logits, ids, self.temperature)
         return logp, (entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None)
@@ -306,7 +306,7 @@ class Learner:
                 inp = LossInputs(logprobs=logp, advantages=mb.advantages, mask=mb.response_mask,
                                  num_tokens=num_tokens, num_seqs=num_seqs, norm_tokens=self.norm_tokens, **optional)
                 loss, metrics = self.loss_fn(inp, self.algo)
-                if self.algo.entropy_coeff > 0:  # verl's entropy bonus, aggregated as the loss is
+                if self.algo.entropy_coeff:  # verl's entropy bonus, aggregated as the loss is
                     loss = loss - self.algo.entropy_coeff * inp.aggregate(ent, inp.mask.bool(), self.algo.loss_agg)
                 if dummy:
                     (loss * 0.0).backward()
