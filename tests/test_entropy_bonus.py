@@ -74,9 +74,9 @@ def verl_step(path, batch, coeff, mode, norm_tokens, eps=0.2):
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "token_sum_norm"])
 @pytest.mark.parametrize("layout", [{"micro_batch_size": 1}, {"micro_batch_size": 4}, {"max_tokens_per_micro_batch": 9}])
-def test_a_step_takes_verls_loss_with_the_entropy_bonus(tiny_qwen3, agg, layout):
+@pytest.mark.parametrize("coeff", [0.3, -0.3])  # a bonus, or entropy minimisation
+def test_a_step_takes_verls_loss_with_the_entropy_bonus(tiny_qwen3, agg, layout, coeff):
     path, _ = tiny_qwen3
-    coeff = 0.3
     kw = {"micro_batch_size": 2, **layout}
     learner = Learner(path, None, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.999), grad_clip=1e9, updates_per_batch=1,
                       temperature=1.0, device=torch.device("cpu"), fsdp=False,
