@@ -125,11 +125,13 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    """Periodic evaluation of the policy during training (`every: 0` turns it off)."""
+    """Periodic evaluation of the policy during training (`every: 0` turns it off); `before_training` also
+    evaluates the starting model once (verl's val_before_train), logged as `eval_start/*` in the first row."""
 
     every: int = 0
     k: int = 1
     temperature: float = 1.0
+    before_training: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

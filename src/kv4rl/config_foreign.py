@@ -64,7 +64,7 @@ OTHER_FRAMEWORKS = {
     "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
     "save_freq": "verl's save_freq is checkpoint.save_every",
     "test_freq": "verl's test_freq is eval.every",
-    "val_before_train": "verl's val_before_train does not exist: evaluate the starting model with kv4rl eval --model",
+    "val_before_train": "verl's val_before_train is eval.before_training (off by default here)",
     "max_prompt_length": "verl's max_prompt_length with filter_overlong_prompts is data.max_prompt_tokens (the longer "
                          "rows are dropped; verl's truncation does not exist)",
     "filter_overlong_prompts": "verl's filter_overlong_prompts is data.max_prompt_tokens (the length; longer rows are "

@@ -306,6 +306,19 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
     return summary
 
 
+def eval_before_training(s: Setup, bar: TrainProgress) -> dict:
+    """`eval.before_training`: the starting model's evaluation as `eval_start/*` (rank 0's; {} elsewhere), said
+    on the console, with its own sampling seeds (the periodic evaluations' stream at index -1)."""
+    started = time.perf_counter()
+    evaluation = {f"eval_start/{key.removeprefix('eval/')}": value for key, value in run_eval(s, -1).items()}
+    if evaluation:
+        evaluation["eval_start/time_s"] = time.perf_counter() - started
+        bar.say("eval before training  " + "  ".join(f"{key.removeprefix('eval_start/')} {value:.3f}"
+                                                     for key, value in evaluation.items()
+                                                     if key.startswith(("eval_start/mean@", "eval_start/pass@"))))
+    return evaluation
+
+
 def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progress: bool,
              sink: MetricsSink | None) -> int:
     """Iterate from the start iteration to the end (or a stop signal); returns iterations done.
@@ -316,6 +329,8 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
     end, done = cfg.trainer.iterations, s.start_iteration
     watch = run_watch(cfg, None if folder is None else folder.path, s.start_iteration)
     with TrainProgress(end, s.start_iteration, enabled=show_progress) as bar:
+        # the starting model, once (not on resume): into the first row, where plots and viewers find it at step 0
+        start_eval = eval_before_training(s, bar) if cfg.eval.before_training and s.start_iteration == 0 else {}
         for it in range(s.start_iteration, end):
             if any_rank(bool(stop.requested)):
                 stop.requested = stop.requested or "a stop signal on another rank"  # said in the summary
@@ -330,6 +345,9 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
                     row["preemptions"] = s.engine.num_preemptions
                 if folder is not None:
                     row.update(evaluation)  # rank 0's
+            if folder is not None and start_eval:
+                row.update(start_eval)
+                start_eval = {}
             rows, traces = zip(*gather_objects((row, trace)))
             if folder is not None:
                 row = merge_rank_rows(list(rows))

@@ -67,6 +67,8 @@ def check_split(cfg: RunConfig, world: int) -> None:
                                                 "on different ranks: set it to false"),
         (cfg.eval.every == 0, "eval.every > 0 runs only with rollout.placement=colocated; evaluate a split run's "
                               "checkpoints with `kv4rl eval --model <checkpoint>`"),
+        (not cfg.eval.before_training, "eval.before_training runs only with rollout.placement=colocated; evaluate "
+                                       "the starting model with `kv4rl eval --model <model>`"),
         (cfg.telemetry.attribution_every == 0, "telemetry.attribution_every runs in one process; set it to 0"),
     ]
     for ok, message in checks:

@@ -137,6 +137,11 @@ class TrainProgress:
     def __exit__(self, *exc) -> None:
         self.progress.stop()
 
+    def say(self, line: str) -> None:
+        """One line above the bar (or among the piped lines); nothing when the bar is off."""
+        if self.enabled:
+            self.progress.console.print(line, highlight=False, soft_wrap=True)
+
     def update(self, row: dict) -> None:
         self.done += 1
         self.progress.update(self.task, advance=1, stats=FittedItems(train_stats(row)))
