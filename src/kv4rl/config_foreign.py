@@ -76,5 +76,5 @@ OTHER_FRAMEWORKS = {
     "penalty_factor": "verl's overlong_buffer.penalty_factor is reward.overlong_penalty",
     "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
     "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",
-    "top_entropy_quantile": "TRL's top_entropy_quantile does not exist",
+    "top_entropy_quantile": "TRL's top_entropy_quantile is algo.top_entropy_quantile",
 }

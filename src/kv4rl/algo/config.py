@@ -22,7 +22,8 @@ class AlgoConfig:
     `loss` names a registered loss; `loss_agg` reduces its per-token terms, and `loss_norm_tokens` is
     `token_sum_norm`'s constant length (null: the run's `rollout.max_new_tokens`); `kl_ref_coef > 0` adds the k3 reference KL to it (each token's k3 capped
     at `kl_ref_clamp` where set, as verl's low_var_kl caps it at 10); `entropy_coeff` (0: off) subtracts that many times
-    the policy's entropy, aggregated as the loss (verl's entropy_coeff; the learner adds it to any loss); `plugins`
+    the policy's entropy, aggregated as the loss (verl's entropy_coeff; the learner adds it to any loss);
+    `top_entropy_quantile` < 1 keeps each micro-batch's highest-entropy tokens in the loss (TRL's); `plugins`
     lists modules to import first, which register more losses. Every other `algo.*` key belongs to
     one loss's settings dataclass (see `registry`) and reads back as an attribute (`cfg.eps_low`)
     or through the whole section (`cfg.section("ppo_clip")`). The keys are not a fixed list, so
@@ -30,15 +31,16 @@ class AlgoConfig:
     """
 
     __slots__ = ("_sections", "entropy_coeff", "kl_ref_clamp", "kl_ref_coef", "loss", "loss_agg", "loss_norm_tokens",
-                 "plugins")
+                 "plugins", "top_entropy_quantile")
 
     def __init__(self, *, loss: str = "ppo_clip", loss_agg: AggMode = "token_mean", loss_norm_tokens: int | None = None,
                  kl_ref_coef: float = 0.0, kl_ref_clamp: float | None = None, entropy_coeff: float = 0.0,
-                 plugins: list[str] | None = None, **loss_keys: Any):
+                 top_entropy_quantile: float = 1.0, plugins: list[str] | None = None, **loss_keys: Any):
         self.plugins = list(plugins or [])
         import_plugins(self.plugins)  # before the keys below: a plugin's loss owns some of them
         self.loss, self.loss_agg, self.kl_ref_coef, self.kl_ref_clamp = loss, loss_agg, kl_ref_coef, kl_ref_clamp
         self.loss_norm_tokens, self.entropy_coeff = loss_norm_tokens, entropy_coeff
+        self.top_entropy_quantile = top_entropy_quantile
         self._sections: dict[str, Any] = {}
         for key, value in loss_keys.items():
             try:
@@ -112,6 +114,9 @@ class AlgoConfig:
         if not math.isfinite(self.entropy_coeff):
             raise ValueError(f"algo.entropy_coeff must be a finite number (0: no entropy bonus; < 0 minimises the "
                              f"entropy), got {self.entropy_coeff}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"algo.top_entropy_quantile must be in [0, 1] (the share of each micro-batch's tokens "
+                             f"kept in the loss, by entropy; 1: all), got {self.top_entropy_quantile}")
         if self.kl_ref_clamp is not None and not self.kl_ref_clamp > 0.0:
             raise ValueError(f"algo.kl_ref_clamp must be > 0 (or null: no cap), got {self.kl_ref_clamp}")
         if self.kl_ref_coef > 0 and "ref_logprobs" not in get_loss(self.loss).inputs(self):

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -36,7 +37,8 @@ LOSS_INPUTS: dict[str, str] = {
     "versions": "policy version that sampled each token (an integer tensor)",
 }
 # algo keys every loss shares
-COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_clamp", "entropy_coeff", "plugins")
+COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_clamp", "entropy_coeff", "top_entropy_quantile",
+               "plugins")
 
 
 @dataclass(kw_only=True)
@@ -57,11 +59,15 @@ class LossInputs:
     num_tokens: float | None = None
     num_seqs: float | None = None
     norm_tokens: float | None = None
+    keep: Tensor | None = None  # the tokens whose terms count (algo.top_entropy_quantile); denominators count all
 
     def aggregate(self, values: Tensor, valid: Tensor, mode: str) -> Tensor:
-        """`values [B, T]` reduced over `valid` by `mode` (`algo.loss_agg`) with this batch's denominators."""
+        """`values [B, T]` reduced over `valid` by `mode` (`algo.loss_agg`) with this batch's denominators; a token
+        outside `keep` adds 0 (and no gradient) but still counts in them."""
         from kv4rl.algo.aggregation import aggregate
 
+        if self.keep is not None:
+            values = torch.where(self.keep.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
         return aggregate(values, valid, mode, self.num_tokens, self.num_seqs, self.norm_tokens)
 
     def need(self, name: str, why: str = "") -> Tensor:

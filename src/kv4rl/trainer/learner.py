@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs, token_logprobs_and_entropy
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
+from kv4rl.trainer.entropy_tokens import high_entropy_tokens
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
 from kv4rl.trainer.rank_sums import every_rank, global_counts, rank_passes
@@ -62,7 +62,7 @@ from kv4rl.trainer.optimizer_checkpoint import (
 )
 from kv4rl.trainer.policy_folder import write_policy_folder
 from kv4rl.trainer.packing import pack_rows, plan_micro_batches
-from kv4rl.trainer.policy_model import load_hf_model, prepare_policy, shard_policy
+from kv4rl.trainer.policy_model import load_hf_model, load_reference, prepare_policy, shard_policy
 
 FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a TrainBatch already holds
 log = logging.getLogger(__name__)
@@ -140,13 +140,7 @@ class Learner:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0  # within the learner ranks
         self.ref_model = None
         if ref_path is not None and "ref_logprobs" in self.loss_inputs and (algo.kl_ref_coef > 0 or ref_kl_every):
-            if isinstance(ref_path, nn.Module):
-                self.ref_model = ref_path
-            else:
-                dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-                self.ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=dtype).to(device)
-            self.ref_model.config.use_cache = False
-            self.ref_model.eval().requires_grad_(False)
+            self.ref_model = load_reference(ref_path, device)
             if fuse_elementwise:
                 fuse_elementwise_modules(self.ref_model)
             if compile_layers:
@@ -303,8 +297,10 @@ class Learner:
                 logp, ent = self._forward(self.model, mb, with_entropy=True)
                 optional = {name: getattr(mb, name) for name in FROM_BATCH & self.loss_inputs}
                 optional.update({name: values[mb_rows] for name, values in before_update.items()})
-                inp = LossInputs(logprobs=logp, advantages=mb.advantages, mask=mb.response_mask,
-                                 num_tokens=num_tokens, num_seqs=num_seqs, norm_tokens=self.norm_tokens, **optional)
+                keep = None if self.algo.top_entropy_quantile == 1 else high_entropy_tokens(
+                    self.group, self.world_size, ent, mb.response_mask, self.algo.top_entropy_quantile, dummy)
+                inp = LossInputs(logprobs=logp, advantages=mb.advantages, mask=mb.response_mask, num_tokens=num_tokens,
+                                 num_seqs=num_seqs, norm_tokens=self.norm_tokens, keep=keep, **optional)
                 loss, metrics = self.loss_fn(inp, self.algo)
                 if self.algo.entropy_coeff:  # verl's entropy bonus, aggregated as the loss is
                     loss = loss - self.algo.entropy_coeff * inp.aggregate(ent, inp.mask.bool(), self.algo.loss_agg)

@@ -29,6 +29,16 @@ def load_hf_model(path: str | Path, device: torch.device, grad_checkpointing: bo
     return prepare_policy(model, grad_checkpointing)
 
 
+def load_reference(ref: str | Path | nn.Module, device: torch.device) -> nn.Module:
+    """The frozen reference policy (a folder, or a model as it is): bf16 on CUDA, fp32 on the CPU, no KV cache, no
+    gradients."""
+    if not isinstance(ref, nn.Module):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        ref = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype).to(device)
+    ref.config.use_cache = False
+    return ref.eval().requires_grad_(False)
+
+
 def prepare_policy(model, grad_checkpointing: bool = False):
     if grad_checkpointing:  # transformers renamed the switch; 5.17 has only the old name
         enable = getattr(model, "activation_checkpointing_enable", None)
