@@ -153,9 +153,9 @@ def test_advantage_registry_and_config():
     with pytest.raises(ValueError, match="advantage.baseline_noise"):
         AdvantageConfig(baseline_noise=-0.1).validate()
     with pytest.raises(ValueError, match="advantage.estimator"):
-        AdvantageConfig(estimator="rloo").validate()
+        AdvantageConfig(estimator="gae").validate()
     with pytest.raises(ValueError, match="unknown advantage estimator"):
-        compute_advantages(torch.zeros(4), 2, AdvantageConfig(estimator="rloo"))
+        compute_advantages(torch.zeros(4), 2, AdvantageConfig(estimator="gae"))
 
 
 def test_baseline_noise_of_a_group_is_the_same_on_any_rank_and_at_any_place_in_the_batch():
@@ -173,3 +173,29 @@ def test_baseline_noise_of_a_group_is_the_same_on_any_rank_and_at_any_place_in_t
     assert not torch.equal(rank0, rank1)  # the ranks' draws differ (they were equal)
     many = perturb_baseline(torch.zeros(4000), 1.0, group_keys=[noise_key(0, 5, g) for g in range(2000)])
     assert abs(float(many.mean())) < 0.05  # fair signs
+
+
+def test_rloo_is_the_leave_one_out_baseline_as_verl_writes_it():
+    """Reference 1: each response's reward minus the mean of the others, by enumeration. Reference 2: verl's
+    compute_rloo_outcome_advantage, r · n/(n−1) − mean · n/(n−1). A flat group and a group of one give 0."""
+    from kv4rl.algo.advantages import compute_advantages, rloo_advantages
+    from kv4rl.algo.config import AdvantageConfig
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.0, 0.2, 0.9, 0.3])
+    g = 4
+    want = []
+    for start in range(0, len(rewards), g):
+        group = rewards[start:start + g].double().tolist()
+        flat = max(group) == min(group)
+        want += [0.0 if flat else r - sum(group[:i] + group[i + 1:]) / (g - 1) for i, r in enumerate(group)]
+    got = rloo_advantages(rewards, g)
+    assert got.dtype == rewards.dtype
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-7)
+    grouped = rewards.double().reshape(-1, g)
+    verl = grouped * g / (g - 1) - grouped.mean(1, keepdim=True) * g / (g - 1)
+    torch.testing.assert_close(got.double(), verl.reshape(-1), rtol=0, atol=1e-7)
+    assert rloo_advantages(torch.tensor([0.3, 1.0]), 1).tolist() == [0.0, 0.0]
+    # through the configured estimator: the same, with no std division whatever normalize_std says
+    adv, metrics = compute_advantages(rewards, g, AdvantageConfig(estimator="rloo", normalize_std=True))
+    torch.testing.assert_close(adv, got, rtol=0, atol=0)
+    assert metrics["zero_var_group_frac"] == pytest.approx(1 / 3)

@@ -293,7 +293,10 @@ class RunConfig:
                 raise ConfigError(str(exc)) from None
         for line in self.algo.ignored_keys():
             log.warning(line)
-        if self.advantage.std_scope == "batch" and not self.advantage.normalize_std:
+        if self.advantage.std_scope == "batch" and self.advantage.estimator == "rloo":
+            log.warning("advantage.std_scope=batch picks the std GRPO divides by; advantage.estimator=rloo divides "
+                        "by none, so it changes nothing")
+        elif self.advantage.std_scope == "batch" and not self.advantage.normalize_std:
             log.warning("advantage.std_scope=batch picks the std that advantage.normalize_std divides by; with "
                         "advantage.normalize_std=false nothing is divided and it changes nothing")
         if self.trainer.lr_schedule == "constant" and self.trainer.min_lr_ratio != 0:

@@ -1,4 +1,4 @@
-"""Advantage estimators (docs/objectives.md) as registered pure functions.
+"""Advantage estimators (docs/objectives.md) as registered pure functions: `grpo` and `rloo`.
 
 Every estimator maps one reward per response, groups contiguous (`[g0r0, g0r1, …, g1r0, …]`),
 to one advantage per response; the learner broadcasts it over the response's tokens.
@@ -117,6 +117,25 @@ def _grpo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, std: float | N
     grouped = _grouped(rewards, group_size)
     zero_var = _zero_variance(grouped).float().mean()
     return adv, {"zero_var_group_frac": float(zero_var)}
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO: `r_i − mean_{j≠i} r_j` per response, the leave-one-out baseline (= G/(G−1) · (r_i − mean_group)), in
+    float64; no std division. A group of one has no other response to compare with: 0, as GRPO gives it."""
+    grouped = _grouped(rewards, group_size)
+    out_dtype = grouped.dtype
+    grouped = grouped.double()
+    if group_size == 1:
+        return torch.zeros_like(grouped).reshape(-1).to(out_dtype)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    centered = torch.where(_zero_variance(grouped)[:, None], torch.zeros_like(grouped), grouped - others)
+    return centered.reshape(-1).to(out_dtype)
+
+
+@register_advantage("rloo")
+def _rloo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, std: float | None) -> tuple[Tensor, dict[str, float]]:
+    adv = rloo_advantages(rewards, group_size)
+    return adv, {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
 
 
 def compute_advantages(

@@ -157,17 +157,18 @@ _BETA_HINT = " (TRL's beta, the reference-KL coefficient, is algo.kl_ref_coef)"
 
 @dataclass(kw_only=True, slots=True)
 class AdvantageConfig:
-    """The advantage estimator (docs/objectives.md). `normalize_std` divides by the std of each group's rewards, or
-    with `std_scope: batch` by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
+    """The advantage estimator (docs/objectives.md): `grpo`, or `rloo` (the leave-one-out baseline, no std).
+    `normalize_std` divides GRPO's by the std of each group's rewards, or with `std_scope: batch` by the std of
+    the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation."""
 
-    estimator: Literal["grpo"] = "grpo"
+    estimator: Literal["grpo", "rloo"] = "grpo"
     normalize_std: bool = True
     std_scope: Literal["group", "batch"] = "group"
     baseline_noise: float = 0.0
 
     def validate(self) -> None:
-        require_choice("advantage.estimator", self.estimator, ("grpo",))
+        require_choice("advantage.estimator", self.estimator, ("grpo", "rloo"))
         require_choice("advantage.std_scope", self.std_scope, ("group", "batch"))
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")
