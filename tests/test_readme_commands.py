@@ -54,6 +54,8 @@ CASES: dict[str, Case] = {
         Case(TINY_TRAIN + " name=dapo"),
     "kv4rl train algo.ratio_level=sequence algo.eps_low=3e-4 algo.eps_high=4e-4 algo.loss_agg=seq_mean":
         Case(TINY_TRAIN + " name=gspo"),
+    "kv4rl train advantage.estimator=rloo algo.top_entropy_quantile=0.2 algo.entropy_coeff=0.001 "
+    "eval.before_training=true": Case(TINY_TRAIN + " name=rloo-80-20"),
     "kv4rl train --resume runs/tiny-arith trainer.iterations=200": Case("trainer.iterations=3 --no-progress"),
     # starts over: the run above moves aside, and the new one ends at iteration 3 like it did
     "kv4rl train --overwrite": Case(TINY_TRAIN + " trainer.iterations=3"),
