@@ -48,6 +48,16 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
+def _checked_step(logits: Tensor, ids: Tensor, temperature: float, chunk_tokens: int | None) -> int:
+    """Tokens per chunk, after refusing a temperature or shapes the heads cannot take."""
+    _check_temperature(temperature)
+    if logits.dim() != 3 or logits.shape[:-1] != ids.shape:
+        raise ValueError(
+            f"expected logits [B, T, V] and ids [B, T], got {tuple(logits.shape)} and {tuple(ids.shape)}"
+        )
+    return _chunk_step(logits.shape[-1], chunk_tokens)
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """log softmax(logits/τ)[id] for `[B, T, V]` logits, chunked in both passes."""
 
@@ -87,12 +97,7 @@ def token_logprobs(
     Differentiable w.r.t. `logits`. `chunk_tokens` caps how many tokens share one fp32 work
     chunk (default: about 512 MiB of fp32 per chunk).
     """
-    _check_temperature(temperature)
-    if logits.dim() != 3 or logits.shape[:-1] != ids.shape:
-        raise ValueError(
-            f"expected logits [B, T, V] and ids [B, T], got {tuple(logits.shape)} and {tuple(ids.shape)}"
-        )
-    step = _chunk_step(logits.shape[-1], chunk_tokens)
+    step = _checked_step(logits, ids, temperature, chunk_tokens)
     return _SelectiveLogSoftmax.apply(logits, ids.long(), temperature, step)
 
 
@@ -144,12 +149,7 @@ def token_logprobs_and_entropy(
 ) -> tuple[Tensor, Tensor]:
     """`token_logprobs` and the entropy of `softmax(logits / τ)`, both `[B, T]` and both differentiable
     w.r.t. `logits` (an entropy bonus, `algo.entropy_coeff`); memory as `token_logprobs`'."""
-    _check_temperature(temperature)
-    if logits.dim() != 3 or logits.shape[:-1] != ids.shape:
-        raise ValueError(
-            f"expected logits [B, T, V] and ids [B, T], got {tuple(logits.shape)} and {tuple(ids.shape)}"
-        )
-    step = _chunk_step(logits.shape[-1], chunk_tokens)
+    step = _checked_step(logits, ids, temperature, chunk_tokens)
     return _LogprobsAndEntropy.apply(logits, ids.long(), temperature, step)
 
 
