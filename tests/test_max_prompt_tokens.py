@@ -87,5 +87,20 @@ def test_a_resume_that_changes_the_limit_is_refused_and_one_that_keeps_it_goes_o
     text = " ".join(res.output.split())
     assert res.exit_code == 2 and "differs from the checkpoint's (max_prompt_tokens 8 -> 20)" in text, text
     assert tree_state(run) == before  # refused before the folder was touched
+    # the same limit over another prompt format keeps other rows too (QA: a chat template took 344 of GSM8K's
+    # rows where the plain template took 61, and the resume went on)
+    res = train_cli("--resume", str(run), "trainer.iterations=2", "data.prompt_template={problem} = ?", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "(prompt_format ['{problem}=', False] -> ['{problem} = ?', False])" in text, text
+    assert tree_state(run) == before
     res = train_cli("--resume", str(run), "trainer.iterations=2", "--no-progress")
     assert res.exit_code == 0, res.output  # the recorded config keeps the limit
+
+
+def test_a_limit_on_the_eval_file_alone_leaves_the_training_stream_as_it_was(tmp_path):
+    """Training on the embedded task, the limit drops only evaluation rows: a resume that changes it was refused as
+    a changed training stream (QA)."""
+    held = write_rows(tmp_path / "eval.jsonl", ["a b c d", "a"])
+    plain = ProblemSource(None, held, seed=0).stream_fingerprint()
+    assert ProblemSource(None, held, seed=0, max_prompt_tokens=3, prompt_format=["{problem}", True]
+                         ).stream_fingerprint() == plain

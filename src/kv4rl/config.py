@@ -66,6 +66,11 @@ class DataConfig:
     # filter_overlong_prompts); null: every row, refused at start only where one fills the context
     max_prompt_tokens: int | None = None
 
+    def prompt_limit(self) -> dict:
+        """`ProblemSource`'s `max_prompt_tokens` and the prompt format its lengths are measured in (which rows a
+        resume keeps depends on both)."""
+        return {"max_prompt_tokens": self.max_prompt_tokens, "prompt_format": [self.prompt_template, self.chat_template]}
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:

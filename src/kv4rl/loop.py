@@ -98,7 +98,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     torch.manual_seed(cfg.seed)
     # a training file is read (and checked) before any model is built; without one, the model's task is used
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
-                           max_prompt_tokens=cfg.data.max_prompt_tokens) if cfg.data.train is not None else None
+                           **cfg.data.prompt_limit()) if cfg.data.train is not None else None
     if source is None and cfg.data.eval is not None:  # read again below, with the model's task: a bad file is
         load_jsonl(cfg.data.eval)                     # named now, not after a missing model's build (~30 s)
     ranks = current()
@@ -124,14 +124,15 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
         barrier()
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
-                               task=task_of_model(base_dir), max_prompt_tokens=cfg.data.max_prompt_tokens)
+                               task=task_of_model(base_dir), **cfg.data.prompt_limit())
     if restore is not None:
         check_same_stream(restore, source.stream_fingerprint(), cfg.run_dir / "config.yaml")
         check_same_model(restore, base_dir, cfg.run_dir / "metrics.jsonl")
     policy_dir = base_dir if restore is None else restore.path
     model_args = check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     tokenizer = load_tokenizer(policy_dir, model_args.vocab_size if ranks.main else None)  # ... and its tokenizer
-    drop_long_prompts(source, prompt_formatter(cfg, source, tokenizer))  # a file it would empty: refused before the learner
+    # a file it would empty is refused before the learner's build
+    drop_long_prompts(source, prompt_formatter(cfg, source, tokenizer), say=ranks.main)
     if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)
         try:
             check_shardable(model_args, tp)

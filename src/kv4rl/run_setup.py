@@ -123,13 +123,14 @@ def check_same_stream(restore: Restore, now: dict, run_config: Path | None = Non
         saved = {**now, "seed": recorded.seed, "shuffle": recorded.data.shuffle}
     if saved is None or saved == now:
         return
-    changes = [f"{key} {saved.get(key)} -> {now.get(key)}" for key in ("rows", "seed", "shuffle", "max_prompt_tokens")
+    changes = [f"{key} {saved.get(key)} -> {now.get(key)}" for key in ("rows", "seed", "shuffle", "max_prompt_tokens", "prompt_format")
                if saved.get(key) != now.get(key)] or ["the problems' text or answers"]
     raise ConfigError(
         f"--resume {restore.path}: the training stream differs from the checkpoint's ({', '.join(changes)}): "
         "the run's place in it would point at other problems, repeating some and skipping others in this "
-        "epoch. Resume with the same data.train contents, seed, data.shuffle and data.max_prompt_tokens, or start "
-        f"a new run from the checkpoint with model.path={restore.path}")
+        "epoch. Resume with the same data.train contents, seed and data.shuffle (and with data.max_prompt_tokens, the "
+        "same limit, data.prompt_template and data.chat_template), or start a new run from the checkpoint with "
+        f"model.path={restore.path}")
 
 
 def check_same_model(restore: Restore, base_dir: Path, metrics: Path) -> None:

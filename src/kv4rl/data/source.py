@@ -43,9 +43,10 @@ def default_prompt_template(embedded: bool) -> str:
 class ProblemSource:
     def __init__(self, train_path: str | None, eval_path: str | None, seed: int, shuffle: bool = True,
                  pool_size: int = DEFAULT_POOL_SIZE, task: EmbeddedTask | None = None,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, prompt_format: list | None = None):
         """`task`: the embedded task (default: the arithmetic task), used when there is no training file.
-        `max_prompt_tokens`: the files' rows with longer prompts are dropped by `drop_long_prompts`."""
+        `max_prompt_tokens`: the files' rows with longer prompts are dropped by `drop_long_prompts`, lengths measured
+        in `prompt_format` (data.prompt_template, data.chat_template), which the fingerprint records with it."""
         self.train_embedded = train_path is None  # the training stream is the embedded task
         self.embedded = train_path is None and eval_path is None  # no dataset file at all
         self.seed = seed
@@ -57,7 +58,7 @@ class ProblemSource:
         else:
             self.train = load_jsonl(train_path)
         self.eval_file = None if eval_path is None else load_jsonl(eval_path)
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.prompt_format = max_prompt_tokens, prompt_format
         self._chunk: tuple[int, list[Problem]] = (-1, [])  # the last task chunk / epoch order used
         self._order: tuple[int, list[int]] = (-1, [])
         self._fingerprint: dict | None = None  # `stream_fingerprint`, computed once
@@ -94,13 +95,17 @@ class ProblemSource:
             rows = len(self.train)
             spec = {"seed": self.seed, "shuffle": self.shuffle,
                     "problems": [[p.id, p.problem, p.answer] for p in self.train]}
-            if self.max_prompt_tokens is not None:  # which rows stay (older checkpoints' digests stay valid)
-                spec["max_prompt_tokens"] = self.max_prompt_tokens
+            spec.update(self._row_limit())  # which rows stay (none: older checkpoints' digests stay valid)
         digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
         self._fingerprint = {"rows": rows, "seed": self.seed, "shuffle": self.shuffle, "sha256": digest}
-        if self.max_prompt_tokens is not None:
-            self._fingerprint["max_prompt_tokens"] = self.max_prompt_tokens
+        self._fingerprint.update(self._row_limit())
         return self._fingerprint
+
+    def _row_limit(self) -> dict:
+        """What decides which rows of the training file stay: nothing without a limit or a training file."""
+        if self.max_prompt_tokens is None or self.train_embedded:
+            return {}
+        return {"max_prompt_tokens": self.max_prompt_tokens, "prompt_format": self.prompt_format}
 
     def drop_long_prompts(self, count_tokens: Callable[[Problem], int]) -> list[str]:
         """Drop the files' rows whose prompt is more than `max_prompt_tokens` tokens long (`count_tokens`); one

@@ -28,11 +28,13 @@ def prompt_formatter(cfg: RunConfig, source: ProblemSource, tokenizer) -> Prompt
     return PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template, cfg.data.chat_template)
 
 
-def drop_long_prompts(source: ProblemSource, formatter: PromptFormatter) -> None:
-    """`data.max_prompt_tokens`: drop the files' longer rows, saying how many (nothing on a second call)."""
+def drop_long_prompts(source: ProblemSource, formatter: PromptFormatter, say: bool = True) -> None:
+    """`data.max_prompt_tokens`: drop the files' longer rows, saying how many where `say` (one rank of a job; nothing
+    on a second call)."""
     try:
         for line in source.drop_long_prompts(lambda problem: len(formatter.ids(problem))):
-            log.warning(line)  # shown: the run trains on fewer rows than the file has
+            if say:  # shown: the run trains on fewer rows than the file has
+                log.warning(line)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -144,7 +146,7 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
     if tokenizer is None:
         tokenizer = load_tokenizer(policy_dir)
     formatter = prompt_formatter(cfg, source, tokenizer)
-    drop_long_prompts(source, formatter)
+    drop_long_prompts(source, formatter, say=engine_ranks.rank == 0)
     reward_fn = build_reward(cfg, source)
     engine_cfg = EngineConfig(**{f: getattr(cfg.engine, f) for f in EngineConfig.__slots__})
     engine_cfg.max_model_len = max_model_len(cfg, source, formatter, model_max)

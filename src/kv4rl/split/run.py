@@ -111,7 +111,7 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
         check_new_run(cfg.run_dir, overwrite)
     torch.manual_seed(cfg.seed)
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
-                           max_prompt_tokens=cfg.data.max_prompt_tokens) \
+                           **cfg.data.prompt_limit()) \
         if cfg.data.train is not None and ranks.rank >= learners else None
     groups = make_groups(k, ranks.world)
     if not ranks.main:  # rank 0 builds a missing embedded model or testbed into the cache first
@@ -123,7 +123,7 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     # every rank checks a resume's stream and the head records it: the learner ranks read no problems otherwise
     stream = (source or ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                       task=None if cfg.data.train else task_of_model(base_dir),
-                                      max_prompt_tokens=cfg.data.max_prompt_tokens)).stream_fingerprint()
+                                      **cfg.data.prompt_limit())).stream_fingerprint()
     if restore is not None:
         check_same_stream(restore, stream, cfg.run_dir / "config.yaml")
         check_same_model(restore, base_dir, cfg.run_dir / "metrics.jsonl")
@@ -138,7 +138,7 @@ def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.devi
             base_dir, restore: Restore | None, stop: GracefulStop) -> dict:
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
-                               task=task_of_model(base_dir), max_prompt_tokens=cfg.data.max_prompt_tokens)
+                               task=task_of_model(base_dir), **cfg.data.prompt_limit())
     policy_dir = base_dir if restore is None else restore.path
     formatter, reward_fn, llm, collector = build_rollout(
         cfg, source, base_dir, policy_dir, device, Ranks(engine, cfg.rollout.engine_ranks), show_progress=False)
