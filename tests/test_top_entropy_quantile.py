@@ -33,9 +33,10 @@ def test_the_threshold_is_the_quantile_of_the_valid_tokens(rho, kept):
     assert not high_entropy_tokens(None, 1, ENTROPY, torch.zeros_like(MASK), 0.5).any()
 
 
-def trl_step(path, batch, rho, mode):
+def trl_step(path, batch, rho, mode, ref=None, beta=0.0):
     """TRL's compute_loss on one micro-batch: per-token PPO-clip terms times the high-entropy mask (threshold over
-    the micro-batch's valid tokens), aggregated with the full completion mask; (loss, gradients by name)."""
+    the micro-batch's valid tokens), then beta x the k3 KL to `ref` on every token, aggregated with the full
+    completion mask; (loss, gradients by name, the kept tokens)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     logp, ent = plain_logprobs_and_entropy(logits, batch.input_ids[:, 1:], 1.0)
@@ -44,6 +45,12 @@ def trl_step(path, batch, rho, mode):
     keep = (ent.detach() >= threshold) & mask.bool()
     ratio = torch.exp(logp - batch.behavior_logprobs.double())
     per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * keep
+    if ref is not None:  # TRL adds the KL after its entropy mask
+        with torch.no_grad():
+            ref_model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float64)
+            ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            ref_logp, _ = plain_logprobs_and_entropy(ref_logits, batch.input_ids[:, 1:], 1.0)
+        per_token = per_token + beta * (torch.exp(ref_logp - logp) - (ref_logp - logp) - 1)
     loss = verl_agg_loss(per_token, mask, mode, 6)
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, keep
@@ -64,6 +71,23 @@ def test_a_step_takes_trls_loss_on_the_high_entropy_tokens(tiny_qwen3, agg):
     _, every_token, _ = trl_step(path, batch, 1.0, agg)
     tol = 1e-5 * max(g.abs().max().item() for g in want.values())
     assert max((want[n] - every_token[n]).abs().max().item() for n in want) > 100 * tol  # the filter shows
+    for name, param in learner.model.named_parameters():
+        torch.testing.assert_close(param.grad.double(), want[name], rtol=0, atol=tol, msg=name)
+
+
+def test_the_reference_kl_counts_on_every_token_as_trls_does(tiny_qwen3, tmp_path):
+    """TRL adds beta x KL after multiplying by the entropy mask: a filtered KL pulled ~rho times as hard (QA)."""
+    path, _ = tiny_qwen3
+    ref = tmp_path / "ref"
+    make_checkpoint(ref, seed=7)  # another model: the KL and its gradient are not 0 at the first step
+    learner = Learner(path, ref, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9, micro_batch_size=4,
+                      updates_per_batch=1, temperature=1.0, device=torch.device("cpu"), fsdp=False,
+                      algo=AlgoConfig(top_entropy_quantile=0.3, kl_ref_coef=0.5))
+    batch = ragged_batch(5)
+    batch.behavior_logprobs = (learner.logprobs(batch) - 0.05) * batch.response_mask
+    want_loss, want, _ = trl_step(path, batch, 0.3, "token_mean", ref=ref, beta=0.5)
+    assert learner.step(batch)["loss"] == pytest.approx(want_loss, rel=1e-5)
+    tol = 1e-5 * max(g.abs().max().item() for g in want.values())
     for name, param in learner.model.named_parameters():
         torch.testing.assert_close(param.grad.double(), want[name], rtol=0, atol=tol, msg=name)
 

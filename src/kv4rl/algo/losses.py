@@ -119,7 +119,7 @@ def _with_ref_kl(
     if cfg.kl_ref_coef > 0:
         if cfg.kl_ref_clamp is not None:  # verl's low_var_kl: a token past the cap adds the cap, and no gradient
             k3 = k3.clamp(max=cfg.kl_ref_clamp)
-        term = inp.aggregate(k3, valid, cfg.loss_agg)
+        term = inp.aggregate(k3, valid, cfg.loss_agg, filtered=False)  # every token, as TRL's (top_entropy_quantile)
         loss = loss + cfg.kl_ref_coef * term.to(loss.dtype)
     return loss
 

@@ -61,12 +61,13 @@ class LossInputs:
     norm_tokens: float | None = None
     keep: Tensor | None = None  # the tokens whose terms count (algo.top_entropy_quantile); denominators count all
 
-    def aggregate(self, values: Tensor, valid: Tensor, mode: str) -> Tensor:
+    def aggregate(self, values: Tensor, valid: Tensor, mode: str, filtered: bool = True) -> Tensor:
         """`values [B, T]` reduced over `valid` by `mode` (`algo.loss_agg`) with this batch's denominators; a token
-        outside `keep` adds 0 (and no gradient) but still counts in them."""
+        outside `keep` adds 0 (and no gradient) but still counts in them, unless not `filtered` (the reference KL,
+        which TRL adds after its entropy mask)."""
         from kv4rl.algo.aggregation import aggregate
 
-        if self.keep is not None:
+        if self.keep is not None and filtered:
             values = torch.where(self.keep.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
         return aggregate(values, valid, mode, self.num_tokens, self.num_seqs, self.norm_tokens)
 

@@ -1,5 +1,5 @@
 """`algo.top_entropy_quantile` (TRL's, from "Beyond the 80/20 Rule"): the loss on a micro-batch's highest-entropy
-tokens only, the rest still in its denominators.
+tokens only (the reference KL on every token, as TRL's), the rest still in its denominators.
 
 The threshold is the (1 − ρ) quantile of the entropies of one learner pass's valid tokens over every rank (a rank's
 dummy pass adds none), as TRL takes it over its processes' micro-batch: so unlike the rest of the loss it depends
