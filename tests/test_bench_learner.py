@@ -117,3 +117,17 @@ def test_the_table_says_when_a_row_is_longer_than_the_packing_limit_and_shows_mf
     assert "<= 8 tokens (packed, a longer row (up to 12) alone)" in text and "MFU only on a GPU" in text
     assert "%" in text  # the padding column
     assert json.loads(out.read_text())["results"][1]["micro_batches"] == 2
+
+
+def test_the_entropy_objectives_are_timed_and_recorded(tmp_path):
+    """`--entropy-coeff` / `--top-entropy-quantile` run every variant under them (the entropy's gradient, the
+    quantile); a share outside [0, 1] is refused before any work."""
+    res = run(tmp_path, "--num-seqs", "2", "--prompt-len", "4", "--seq-len", "12", "--layouts", "padded",
+              "--checkpointing", "off", "--reference", "off", "--entropy-coeff", "0.01", "--top-entropy-quantile", "0.5")
+    assert res["algo"] == {"entropy_coeff": 0.01, "top_entropy_quantile": 0.5}
+    assert len(res["results"]) == 1 and res["results"][0]["step_s"] > 0
+    bad = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--seq-len", "12",
+                                   "--prompt-len", "4", "--top-entropy-quantile", "1.5", "--json",
+                                   str(tmp_path / "bad.json")])
+    assert bad.exit_code != 0 and "algo.top_entropy_quantile must be in [0, 1]" in bad.output
+    assert not (tmp_path / "bad.json").exists()

@@ -7,6 +7,7 @@
 #   bash tools/device_benches.sh tests_kernels attn generate forward 2>&1 | tee $OUT/log.txt
 #   bash tools/device_benches.sh tests_engine 2>&1 | tee $OUT/log.txt              # the engine's GPU tests (~5 min)
 #   bash tools/device_benches.sh learner 2>&1 | tee $OUT/log.txt               # the learner (~4 min)
+#   bash tools/device_benches.sh entropy_objectives 2>&1 | tee $OUT/log.txt    # entropy bonus / top-entropy step vs plain (~3 min)
 #   bash tools/device_benches.sh profile_learner 2>&1 | tee $OUT/log.txt       # its step by kernel family, eager and fused (~3 min)
 #   bash tools/device_benches.sh compiled 2>&1 | tee $OUT/log.txt              # trainer.compile_layers vs fused (~5 min)
 #   bash tools/device_benches.sh fused_logprobs 2>&1 | tee $OUT/log.txt        # the Triton log-prob head (~4 min)
@@ -175,6 +176,17 @@ fused_logprobs() {  # issue 12: trainer.fused_logprobs (the Triton log-prob head
         timeout 200 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload $w --layouts packed \
             --attention flex --fuse-elementwise on --compile-layers on --fused-logprobs off,on --checkpointing off \
             --reference off --steps 2 --json $OUT/learner_fused_logprobs_$w.json 2>&1 | grep -E "│|/[0-9]+ pa"
+    done
+}
+
+entropy_objectives() {  # the forty-fifth session's entropy bonus (the Triton head's entropy gradient) and
+    # top_entropy_quantile: the head's GPU tests, then the 1.7B uniform step with each against without (~3 min)
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/test_logprob_head_kernel.py \
+        > $OUT/entropy_tests.txt 2>&1; tail -3 $OUT/entropy_tests.txt
+    for arm in "0 1" "0.001 1" "0 0.2"; do set -- $arm
+        timeout 100 python -m kv4rl.cli bench learner --shape qwen3-1.7b --workload uniform --layouts packed \
+            --attention flex --checkpointing off --reference off --steps 2 --entropy-coeff $1 \
+            --top-entropy-quantile $2 --json $OUT/learner_entropy_$1_$2.json 2>&1 | grep -E "│"
     done
 }
 

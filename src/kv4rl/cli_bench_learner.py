@@ -208,12 +208,17 @@ def register_learner_benches(app: typer.Typer) -> None:
             "--fused-logprobs", help="comma-separated trainer.fused_logprobs settings: off, on (log-probs, entropy "
                                      "and their gradient in two Triton passes over the logits; on needs CUDA; "
                                      "default: on for CUDA, off on the CPU)")] = "",
+        entropy_coeff: Annotated[float, Option("--entropy-coeff", parser=finite_float,
+            help="algo.entropy_coeff of every variant (the entropy's gradient through the log-prob head)")] = 0.0,
+        top_entropy_quantile: Annotated[float, Option("--top-entropy-quantile", parser=finite_float,
+            help="algo.top_entropy_quantile of every variant (the loss on each pass's highest-entropy tokens)")] = 1.0,
         steps: Annotated[int, Option("--steps", help="timed steps per variant, after one warm-up step")] = 2,
         device: Annotated[str, Option("--device", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")] = "auto",
         seed: Annotated[int, Option("--seed", help="random seed (weights, prompts and sampling are a function of it)")] = 0,
         json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
     ) -> None:
         """Learner step throughput (real tokens/s, MFU, peak memory) on a random-init model."""
+        from kv4rl.algo.config import AlgoConfig
         from kv4rl.bench.learner import LearnerWorkload, bench_learner
         from kv4rl.bench.random_model import qwen3_args
         from kv4rl.engine.placement import resolve_device
@@ -232,6 +237,8 @@ def register_learner_benches(app: typer.Typer) -> None:
             layout_list = option_list(layouts, "--layouts", known=["padded", "packed"])
             ckpt_list = [switch[v] for v in option_list(checkpointing, "--checkpointing", known=list(switch))]
             ref_list = [switch[v] for v in option_list(reference, "--reference", known=list(switch))]
+            algo = AlgoConfig(entropy_coeff=entropy_coeff, top_entropy_quantile=top_entropy_quantile)
+            algo.validate()
             check_device(device)
             dev = resolve_device(device)
             fuse_list = [switch[v] for v in option_list(fuse or ("on" if fuses_by_default(dev) else "off"),
@@ -272,7 +279,7 @@ def register_learner_benches(app: typer.Typer) -> None:
             res = bench_learner(shape, work, device=dev, steps=steps,
                                 micro_batch_size=micro_batch_size, max_tokens=max_tokens, layouts=layout_list,
                                 attentions=attention_list, checkpointing=ckpt_list, reference=ref_list, fuse=fuse_list,
-                                compile=compile_list, fused_logprobs=head_list,
+                                compile=compile_list, fused_logprobs=head_list, algo=algo,
                                 progress=lambda what: stages(f"{shape} {workload}: {what} ({variants} variants)"),
                                 on_result=finished)
         print_table(console, learner_table(res))

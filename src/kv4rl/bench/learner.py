@@ -114,11 +114,12 @@ def _sync(device: torch.device) -> None:
 def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, steps: int = 2,
                   micro_batch_size: int = 4, max_tokens: int = 16384, layouts=("padded", "packed"),
                   attentions=("sdpa",), checkpointing=(False, True), reference=(False, True), fuse=(False,),
-                  compile=(False,), fused_logprobs=(False,),
+                  compile=(False,), fused_logprobs=(False,), algo: AlgoConfig | None = None,
                   progress: Callable[[str], None] = lambda _: None,
                   on_result: Callable[[dict], None] = lambda _: None) -> dict:
-    """Time `Learner.step` for every layout (x attention, packed) x checkpointing x reference variant;
-    `on_result(summary)` after each variant, with the variants timed so far."""
+    """Time `Learner.step` for every layout (x attention, packed) x checkpointing x reference variant, each under
+    `algo` (default: the run default, PPO-clip); `on_result(summary)` after each variant, with those timed so far."""
+    algo = algo or AlgoConfig()
     config = _shape(shape)
     batch = synthetic_batch(work, config["vocab_size"])
     lengths = batch.attention_mask.sum(1).tolist()
@@ -138,13 +139,14 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
             "num_seqs": len(batch), "tokens": tokens, "response_tokens": response_tokens,
             "sequence_lengths": lengths, "padded_width": int(batch.input_ids.shape[1]),
             "peak_flops": PEAK_FLOPS, "alt_peak_flops": ALT_PEAK_FLOPS, "complete": complete, "results": results,
+            "algo": {"entropy_coeff": algo.entropy_coeff, "top_entropy_quantile": algo.top_entropy_quantile},
         }
 
     for ckpt, fused, compiled, head in [(c, f, k, h) for c in checkpointing for f in fuse for k in compile
                                         for h in fused_logprobs]:
         policy = random_hf_qwen3(shape, device, dtype=torch.float32, seed=work.seed)
         n_params = matmul_params(policy)
-        learner = Learner(policy, None, algo=AlgoConfig(), lr=1e-7, weight_decay=0.0, betas=(0.9, 0.999),
+        learner = Learner(policy, None, algo=algo, lr=1e-7, weight_decay=0.0, betas=(0.9, 0.999),
                           grad_clip=1.0, micro_batch_size=micro_batch_size, updates_per_batch=1, temperature=1.0,
                           device=device, grad_checkpointing=ckpt, ref_kl_every=1, attention="sdpa",
                           fuse_elementwise=fused, compile_layers=compiled, fused_logprobs=head)
