@@ -39,9 +39,9 @@ from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs, token_logpr
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
-from kv4rl.trainer.entropy_tokens import high_entropy_tokens
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
+from kv4rl.trainer.entropy_tokens import high_entropy_tokens
 from kv4rl.trainer.rank_sums import every_rank, global_counts, rank_passes
 from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
