@@ -41,6 +41,9 @@ def test_the_starting_model_is_evaluated_once_as_kv4rl_eval_scores_it(tmp_path):
     assert ref.exit_code == 0, ref.output
     want = json.loads(out.read_text())["mean@1"]
     assert rows[0]["eval_start/mean@1"] == want and 0 < want < 1  # some right, some wrong: a score that tells
+    summary = {line.split()[1]: line.split()[3] for line in res.output.splitlines() if line.startswith("│ eval_")}
+    assert float(summary["eval_start_mean@1"]) == pytest.approx(rows[0]["eval_start/mean@1"], abs=1e-4)
+    assert float(summary["eval_last_mean@1"]) == pytest.approx(rows[-1]["eval/mean@1"], abs=1e-4)
     said = [line for line in res.output.splitlines() if line.startswith("eval before training")]
     assert said == [f"eval before training  mean@1 {rows[0]['eval_start/mean@1']:.3f}  pass@1 "
                     f"{rows[0]['eval_start/pass@1']:.3f}"], res.output

@@ -65,6 +65,12 @@ def summarize_run(run_dir: Path, resumed_from: int | None, written: bool = True)
             "reward_first": rows[0]["reward_mean"],
             "reward_last": rows[-1]["reward_mean"],
         })
+        # the evaluation's mean@k before training (eval.before_training) and at its last evaluation
+        for name, prefix, ordered in (("eval_start", "eval_start/", rows), ("eval_last", "eval/", rows[::-1])):
+            found = next(((key, value) for row in ordered for key, value in row.items()
+                          if key.startswith(prefix + "mean@") and value is not None), None)
+            if found is not None:
+                out[f"{name}_{found[0].removeprefix(prefix)}"] = found[1]
         skipped = sum(r.get("skipped_steps") or 0 for r in rows)
         if skipped:  # optimizer steps left out for a non-finite gradient norm (each warned about as it happened)
             out["skipped_steps"] = skipped
