@@ -78,5 +78,7 @@ OTHER_FRAMEWORKS = {
     "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
     "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",
     "top_entropy_quantile": "TRL's top_entropy_quantile is algo.top_entropy_quantile",
-    "entropy_coef": "TRL's entropy_coef is algo.entropy_coeff (divided by all valid tokens, as TRL's dapo loss)",
+    "entropy_coef": "TRL's entropy_coef is algo.entropy_coeff (aggregated by algo.loss_agg; TRL's token mean is "
+                    "algo.loss_agg=token_mean)",
+    "use_adaptive_entropy": "TRL's use_adaptive_entropy does not exist: algo.entropy_coeff is constant",
 }

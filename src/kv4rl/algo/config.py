@@ -115,7 +115,7 @@ class AlgoConfig:
             raise ValueError(f"algo.entropy_coeff must be a finite number (0: no entropy bonus; < 0 minimises the "
                              f"entropy), got {self.entropy_coeff}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"algo.top_entropy_quantile must be in [0, 1] (the share of each micro-batch's tokens "
+            raise ValueError(f"algo.top_entropy_quantile must be in [0, 1] (the share of each learner pass's tokens "
                              f"kept in the loss, by entropy; 1: all), got {self.top_entropy_quantile}")
         if self.kl_ref_clamp is not None and not self.kl_ref_clamp > 0.0:
             raise ValueError(f"algo.kl_ref_clamp must be > 0 (or null: no cap), got {self.kl_ref_clamp}")
