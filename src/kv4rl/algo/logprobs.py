@@ -58,6 +58,28 @@ def _checked_step(logits: Tensor, ids: Tensor, temperature: float, chunk_tokens:
     return _chunk_step(logits.shape[-1], chunk_tokens)
 
 
+def _logits_grad(logits_BTV: Tensor, ids_BT: Tensor, lse_BT: Tensor, ent_BT: Tensor | None, grad_logp_BT: Tensor | None,
+                 grad_ent_BT: Tensor | None, temperature: float, step: int) -> Tensor:
+    """The logits' gradient, one chunk at a time, of the log-probs at `ids` (`grad_logp`) and of the entropies
+    (`grad_ent`; either may be None): ([v = id] − p_v)·g − p_v (log p_v + H)·g_H, over τ. A p_v of 0 (a −inf
+    logit) adds nothing, where 0 · −inf would be NaN."""
+    grad_logits = torch.empty_like(logits_BTV)
+    for block in _chunks(*ids_BT.shape, step):
+        log_p = logits_BTV[block].to(lse_BT.dtype) / temperature - lse_BT[block].unsqueeze(-1)
+        p = log_p.exp()
+        if grad_logp_BT is not None:
+            g = grad_logp_BT[block].unsqueeze(-1).to(p.dtype)
+            chunk_grad = (-g * p).scatter_add_(-1, ids_BT[block].unsqueeze(-1), g)
+        else:
+            chunk_grad = torch.zeros_like(p)
+        if grad_ent_BT is not None:
+            g_ent = grad_ent_BT[block].unsqueeze(-1).to(p.dtype)
+            spread = torch.where(p > 0, p * (log_p + ent_BT[block].unsqueeze(-1)), torch.zeros_like(p))
+            chunk_grad = chunk_grad - g_ent * spread
+        grad_logits[block] = (chunk_grad / temperature).to(grad_logits.dtype)
+    return grad_logits
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """log softmax(logits/τ)[id] for `[B, T, V]` logits, chunked in both passes."""
 
@@ -79,14 +101,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_BT: Tensor):
         logits_BTV, ids_BT, lse_BT = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits_BTV)
-        for block in _chunks(*ids_BT.shape, ctx.step):
-            g = grad_BT[block].unsqueeze(-1).to(lse_BT.dtype)
-            log_p = logits_BTV[block].to(lse_BT.dtype) / ctx.temperature - lse_BT[block].unsqueeze(-1)
-            chunk_grad = -g * log_p.exp()
-            chunk_grad.scatter_add_(-1, ids_BT[block].unsqueeze(-1), g)
-            grad_logits[block] = (chunk_grad / ctx.temperature).to(grad_logits.dtype)
-        return grad_logits, None, None, None
+        return _logits_grad(logits_BTV, ids_BT, lse_BT, None, grad_BT, None, ctx.temperature, ctx.step), None, None, None
 
 
 def token_logprobs(
@@ -128,20 +143,8 @@ class _LogprobsAndEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logp_BT: Tensor | None, grad_ent_BT: Tensor | None):
         logits_BTV, ids_BT, lse_BT, ent_BT = ctx.saved_tensors
-        grad_logits = torch.zeros_like(logits_BTV)
-        for block in _chunks(*ids_BT.shape, ctx.step):
-            log_p = logits_BTV[block].to(lse_BT.dtype) / ctx.temperature - lse_BT[block].unsqueeze(-1)
-            p = log_p.exp()
-            chunk_grad = torch.zeros_like(p)
-            if grad_logp_BT is not None:
-                g = grad_logp_BT[block].unsqueeze(-1).to(p.dtype)
-                chunk_grad = (-g * p).scatter_add_(-1, ids_BT[block].unsqueeze(-1), g)
-            if grad_ent_BT is not None:
-                g_ent = grad_ent_BT[block].unsqueeze(-1).to(p.dtype)
-                spread = torch.where(p > 0, p * (log_p + ent_BT[block].unsqueeze(-1)), torch.zeros_like(p))
-                chunk_grad = chunk_grad - g_ent * spread
-            grad_logits[block] = (chunk_grad / ctx.temperature).to(grad_logits.dtype)
-        return grad_logits, None, None, None
+        grad = _logits_grad(logits_BTV, ids_BT, lse_BT, ent_BT, grad_logp_BT, grad_ent_BT, ctx.temperature, ctx.step)
+        return grad, None, None, None
 
 
 def token_logprobs_and_entropy(

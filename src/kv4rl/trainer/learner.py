@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kv4rl.algo.config import AlgoConfig
-from kv4rl.algo.logprobs import entropy_from_logits, token_logprobs, token_logprobs_and_entropy
+from kv4rl.algo.logprobs import token_logprobs, token_logprobs_and_entropy
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
@@ -199,10 +199,9 @@ class Learner:
 
             logp, ent = fused_token_logprobs(logits, ids, self.temperature)  # the entropy comes with the pass
             return logp, (ent if with_entropy else None)
-        if with_entropy and self.algo.entropy_coeff:
+        if with_entropy:  # one pass for both; the entropy's gradient is taken only if it reaches the loss
             return token_logprobs_and_entropy(logits, ids, self.temperature)
-        logp = token_logprobs(logits, ids, self.temperature)
-        return logp, (entropy_from_logits(logits.detach(), self.temperature) if with_entropy else None)
+        return token_logprobs(logits, ids, self.temperature), None
 
     def update_memory_bytes(self, max_len: int) -> int:
         """Device bytes its update will allocate beyond what it holds now, for sequences of at most `max_len`
