@@ -59,6 +59,7 @@ class ProblemSource:
             self.train = load_jsonl(train_path)
         self.eval_file = None if eval_path is None else load_jsonl(eval_path)
         self.max_prompt_tokens, self.prompt_format = max_prompt_tokens, prompt_format
+        self._prompts_limited = False  # `drop_long_prompts` done: a second call reads no prompt again
         self._chunk: tuple[int, list[Problem]] = (-1, [])  # the last task chunk / epoch order used
         self._order: tuple[int, list[int]] = (-1, [])
         self._fingerprint: dict | None = None  # `stream_fingerprint`, computed once
@@ -111,7 +112,7 @@ class ProblemSource:
         """Drop the files' rows whose prompt is more than `max_prompt_tokens` tokens long (`count_tokens`); one
         line per file that lost rows. The fingerprint stays the whole file's with the limit, so every rank
         agrees without a tokenizer. Refuses a file that would lose every row. Dropping twice drops nothing."""
-        if self.max_prompt_tokens is None:
+        if self.max_prompt_tokens is None or self._prompts_limited:  # the loop's pass, then the engine build's
             return []
         self.stream_fingerprint()
         said = []
@@ -128,6 +129,7 @@ class ProblemSource:
                 said.append(f"{name}: dropped {len(lengths) - len(kept)} of {len(lengths)} rows whose prompt is longer "
                             f"than data.max_prompt_tokens={self.max_prompt_tokens} (longest {max(lengths)} tokens)")
         self._order = (-1, [])
+        self._prompts_limited = True
         return said
 
     def batch(self, iteration: int, n: int) -> list[Problem]:

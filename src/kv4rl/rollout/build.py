@@ -113,22 +113,21 @@ def groups_scorer(cfg: RunConfig, formatter: PromptFormatter, reward_fn) -> Call
 def batch_reward(groups: list[GroupResult], score: Callable[[list[GroupResult]], RewardResult]) -> RewardResult:
     """The scores of every response of `groups` in order: a group's own where the collector scored it
     (`rollout.filter_groups`), one `score` call for the rest; the counts (stats) add up."""
-    missing = [g for g in groups if getattr(g, "reward", None) is None]
+    owns = [getattr(g, "reward", None) for g in groups]
+    missing = [g for g, own in zip(groups, owns) if own is None]
     fresh = score(missing) if missing else RewardResult([])
+    stats: dict[str, float] = dict(fresh.stats)
     parts, offset = [], 0
-    for g in groups:
-        own = getattr(g, "reward", None)
+    for g, own in zip(groups, owns):
         if own is None:
             n = len(g.completions)
             own = RewardResult(fresh.scores[offset:offset + n], {},
                                {name: values[offset:offset + n] for name, values in fresh.components.items()})
             offset += n
-        parts.append(own)
-    stats: dict[str, float] = dict(fresh.stats)
-    for part, g in zip(parts, groups, strict=True):
-        if getattr(g, "reward", None) is not None:
-            for key, value in part.stats.items():
+        else:
+            for key, value in own.stats.items():
                 stats[key] = stats.get(key, 0.0) + float(value)
+        parts.append(own)
     names = parts[0].components.keys() if parts else ()
     return RewardResult([x for p in parts for x in p.scores], stats,
                         {name: [x for p in parts for x in p.components[name]] for name in names})

@@ -17,12 +17,12 @@ def high_entropy_tokens(group, world_size: int, entropy: torch.Tensor, mask: tor
     """Bool `[b, T]`: the valid tokens whose entropy is at least the (1 − `rho`) quantile of this pass's valid tokens on
     every rank (torch.quantile's linear interpolation, as TRL's); none where no rank has a valid token."""
     valid = mask.bool()
-    local = entropy.detach()[valid].double().cpu() if not dummy else torch.zeros(0, dtype=torch.float64)
-    if world_size > 1:
+    values = entropy.detach().double()
+    pool = values[valid] if not dummy else values.new_zeros(0)
+    if world_size > 1:  # one process keeps it on its device: no host copy in the step
         gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, local, group=group)
-        local = torch.cat(gathered)
-    if local.numel() == 0:
+        dist.all_gather_object(gathered, pool.cpu(), group=group)
+        pool = torch.cat(gathered).to(values.device)
+    if pool.numel() == 0:
         return torch.zeros_like(valid)
-    threshold = torch.quantile(local, 1.0 - rho)
-    return valid & (entropy.detach().double() >= threshold.to(entropy.device))
+    return valid & (values >= torch.quantile(pool, 1.0 - rho))
