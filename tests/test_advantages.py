@@ -199,3 +199,90 @@ def test_rloo_is_the_leave_one_out_baseline_as_verl_writes_it():
     adv, metrics = compute_advantages(rewards, g, AdvantageConfig(estimator="rloo", normalize_std=True))
     torch.testing.assert_close(adv, got, rtol=0, atol=0)
     assert metrics["zero_var_group_frac"] == pytest.approx(1 / 3)
+
+
+def _verl_reinforce_pp(scores: list[float], lengths: list[int], group_size: int, baseline: bool) -> list[list[float]]:
+    """verl's reinforce_plus_plus(_baseline) outcome advantages written out on a token matrix in float64 (b178a3c):
+    the score at the last valid token, the row's sum, the group mean off (baseline; a group of more than one),
+    spread over the row's tokens (γ = 1: every return is the score), then masked_whiten over every valid token:
+    mean, variance times N/(N−1), (v − mean) · rsqrt(var + 1e-8), masked."""
+    width = max(lengths)
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths], dtype=torch.float64)
+    token_rewards = torch.zeros_like(mask)
+    for i, n in enumerate(lengths):
+        token_rewards[i, n - 1] = scores[i]
+    s = token_rewards.sum(-1)
+    if baseline:
+        for start in range(0, len(scores), group_size):
+            s[start:start + group_size] -= s[start:start + group_size].mean()
+    values = s[:, None] * mask
+    n = mask.sum()
+    mean = (values * mask).sum() / n
+    var = (((values - mean) ** 2) * mask).sum() / n * (n / (n - 1))
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8) * mask
+    return [whitened[i, :k].tolist() for i, k in enumerate(lengths)]
+
+
+def test_reinforce_pp_baseline_by_hand():
+    """Groups [1, 0] (lengths 1, 3) and [1, 1] (2, 2): c = [0.5, -0.5, 0, 0] over 8 tokens, μ = -1/8, the
+    unbiased token variance (0.625² + 3·0.375² + 4·0.125²) / 7 = 1/8, A = (c − μ) / sqrt(1/8 + 1e-8)."""
+    from kv4rl.algo.advantages import reinforce_pp_advantages
+
+    got = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, torch.tensor([1.0, 3.0, 2.0, 2.0]))
+    sigma = math.sqrt(1 / 8 + 1e-8)
+    assert got.tolist() == pytest.approx([0.625 / sigma, -0.375 / sigma, 0.125 / sigma, 0.125 / sigma], rel=1e-7)
+    # without the baseline the rewards themselves are whitened: [1, 0, 1, 1] over 8 tokens, μ = 5/8
+    raw = reinforce_pp_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, torch.tensor([1.0, 3.0, 2.0, 2.0]), False)
+    var = (5 * (3 / 8) ** 2 + 3 * (5 / 8) ** 2) / 7
+    assert raw.tolist() == pytest.approx([d / math.sqrt(var + 1e-8) for d in (3 / 8, -5 / 8, 3 / 8, 3 / 8)],
+                                         rel=1e-7)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus_baseline", "reinforce_plus_plus"])
+def test_reinforce_pp_equals_verls_token_formula(estimator):
+    """Every token's advantage of verl's formula equals the response's advantage here, on random rewards and
+    lengths with a flat group; one rank's share with the whole batch beside it gets the whole batch's slice."""
+    gen = torch.Generator().manual_seed(7)
+    g = 4
+    scores = torch.rand(16, generator=gen, dtype=torch.float64)
+    scores[4:8] = 0.25  # a flat group
+    lengths = torch.randint(1, 40, (16,), generator=gen)
+    baseline = estimator.endswith("baseline")
+    want = _verl_reinforce_pp(scores.tolist(), lengths.tolist(), g, baseline)
+    adv, metrics = compute_advantages(scores, g, AdvantageConfig(estimator=estimator), lengths=lengths)
+    for i, tokens in enumerate(want):
+        assert tokens == pytest.approx([float(adv[i])] * len(tokens), rel=1e-12, abs=1e-12)
+    assert metrics["zero_var_group_frac"] == pytest.approx(1 / 4)
+    assert float((adv * lengths).sum()) == pytest.approx(0.0, abs=1e-9)  # whitened over the tokens: mean 0
+    share, _ = compute_advantages(scores[8:], g, AdvantageConfig(estimator=estimator), lengths=lengths[8:],
+                                  batch_rewards=scores, batch_lengths=lengths)
+    assert share.tolist() == pytest.approx(adv[8:].tolist(), rel=1e-12)
+    own, _ = compute_advantages(scores[8:], g, AdvantageConfig(estimator=estimator), lengths=lengths[8:])
+    assert own.tolist() != pytest.approx(share.tolist(), rel=1e-3)  # the share alone is whitened otherwise
+
+
+def test_reinforce_pp_refuses_missing_or_bad_lengths():
+    cfg = AdvantageConfig(estimator="reinforce_plus_plus_baseline")
+    with pytest.raises(ValueError, match="weighs responses by their tokens"):
+        compute_advantages(torch.tensor([1.0, 0.0]), 2, cfg)
+    with pytest.raises(ValueError, match="one token count per response"):
+        compute_advantages(torch.tensor([1.0, 0.0]), 2, cfg, lengths=torch.tensor([3.0]))
+    with pytest.raises(ValueError, match="at least 2"):
+        compute_advantages(torch.tensor([1.0, 0.0]), 2, cfg, lengths=torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="batch_lengths go with batch_rewards"):
+        compute_advantages(torch.tensor([1.0, 0.0]), 2, cfg, lengths=torch.tensor([1.0, 2.0]),
+                           batch_rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    AdvantageConfig(estimator="reinforce_plus_plus").validate()
+    with pytest.raises(ValueError, match="advantage.estimator"):
+        AdvantageConfig(estimator="reinforce++").validate()
+
+
+def test_which_settings_read_the_whole_batch():
+    """Under torchrun the loop gathers every rank's rewards (and token counts) only for these."""
+    from kv4rl.algo.advantages import needs_whole_batch
+
+    assert needs_whole_batch(AdvantageConfig(std_scope="batch"))
+    assert not needs_whole_batch(AdvantageConfig())
+    assert not needs_whole_batch(AdvantageConfig(estimator="rloo", std_scope="batch"))
+    assert needs_whole_batch(AdvantageConfig(estimator="reinforce_plus_plus"))
+    assert needs_whole_batch(AdvantageConfig(estimator="reinforce_plus_plus_baseline"))

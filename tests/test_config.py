@@ -357,3 +357,20 @@ def test_every_config_key_is_in_the_readme_configuration_reference():
                    for row in rows):
             missing.append(key)
     assert not missing, missing
+
+
+def test_another_frameworks_value_names_the_kv4rl_value_that_works():
+    """verl's `algo.kl_ref_type=low_var_kl` or `algo.loss_agg=token-mean` is refused with the kv4rl value, and that
+    value (the hint's first word) loads."""
+    from kv4rl.config_foreign import OTHER_VALUES
+
+    assert OTHER_VALUES["algo.kl_ref_type"]["mse"].startswith("k2")
+    for key, values in OTHER_VALUES.items():
+        for foreign, hint in values.items():
+            with pytest.raises(ConfigError, match=re.escape(f"; use {key}={hint}")):
+                load_config(None, [f"{key}={foreign}"])
+            kv4rl_value = hint.split()[0]
+            assert getattr(load_config(None, [f"{key}={kv4rl_value}"]).algo, key.split(".")[1]) == kv4rl_value
+    with pytest.raises(ConfigError) as bad:
+        load_config(None, ["algo.loss_agg=sum"])
+    assert "; use" not in str(bad.value)

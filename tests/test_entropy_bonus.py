@@ -49,12 +49,14 @@ def test_logprobs_and_entropy_match_float64_autograd(use, gen):
 
 
 def verl_agg_loss(loss_mat, mask, mode, norm_tokens):
-    """verl's agg_loss (core_algos.py) for the three modes, with the full batch's denominators."""
+    """verl's agg_loss (core_algos.py) for the four modes, with the full batch's denominators."""
     if mode == "token_mean":
         return (loss_mat * mask).sum() / mask.sum()
     rows = mask.sum(-1) > 0
     if mode == "seq_mean":  # verl's seq-mean-token-mean
         return ((loss_mat * mask).sum(-1)[rows] / mask.sum(-1)[rows]).mean()
+    if mode == "seq_mean_token_sum":  # verl's seq-mean-token-sum
+        return (loss_mat * mask).sum(-1)[rows].mean()
     return (loss_mat * mask).sum() / (rows.sum() * norm_tokens)  # seq-mean-token-sum-norm
 
 
@@ -72,7 +74,7 @@ def verl_step(path, batch, coeff, mode, norm_tokens, eps=0.2):
     return float(loss.detach()), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "token_sum_norm"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "token_sum_norm", "seq_mean_token_sum"])
 @pytest.mark.parametrize("layout", [{"micro_batch_size": 1}, {"micro_batch_size": 4}, {"max_tokens_per_micro_batch": 9}])
 @pytest.mark.parametrize("coeff", [0.3, -0.3])  # a bonus, or entropy minimisation
 def test_a_step_takes_verls_loss_with_the_entropy_bonus(tiny_qwen3, agg, layout, coeff):

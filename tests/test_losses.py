@@ -133,6 +133,9 @@ def test_aggregate_modes_by_hand():
         aggregate(values, mask, "token_sum_norm")
     with pytest.raises(ValueError, match="norm_tokens must be > 0"):
         aggregate(values, mask, "token_sum_norm", norm_tokens=0.0)
+    # verl's seq-mean-token-sum: each response's token sum, averaged over the responses that have a token
+    assert aggregate(values, mask, "seq_mean_token_sum").item() == pytest.approx((1 + 2 + 4) / 2)
+    assert aggregate(values, mask, "seq_mean_token_sum", num_seqs=7.0).item() == pytest.approx(1.0)
 
 
 def test_token_sum_norm_equals_trls_dr_grpo_loss_and_weighs_every_token_alike():
@@ -413,3 +416,64 @@ def test_ppo_clip_stays_finite_where_the_ratio_overflows_float32():
     assert loss32.item() == pytest.approx(loss64.item(), rel=1e-6)
     torch.testing.assert_close(grad32, grad64, rtol=1e-6, atol=0)
     assert grad64[0, 0] == 0 and grad64[0, 3] == 0  # clipped (A > 0) and dual-clipped (A < 0)
+
+
+def _verl_kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    """verl's kl_penalty_forward (core_algos.py, b178a3c) written out in float64: kl/k1 δ, abs |δ|, mse/k2 δ²/2,
+    low_var_kl/k3 e^x − x − 1 with x = clamp(−δ, −20, 20), clamped to [−10, 10]."""
+    delta = logp - ref
+    if kind == "k1":
+        return delta
+    if kind == "abs":
+        return delta.abs()
+    if kind == "k2":
+        return 0.5 * delta**2
+    x = torch.clamp(-delta, -20, 20)
+    return torch.clamp(torch.exp(x) - x - 1, -10, 10)
+
+
+@pytest.mark.parametrize("kind", ["k3", "k1", "k2", "abs"])
+@pytest.mark.parametrize("name,agg", [("ppo_clip", "token_mean"), ("future_kl", "seq_mean"),
+                                      ("ppo_clip", "token_sum_norm")])
+def test_each_ref_kl_type_adds_verls_penalty(kind, name, agg):
+    """algo.kl_ref_type: the loss with the penalty is the loss without it plus kl_ref_coef x the penalty
+    aggregated as the loss, value and gradient, against verl's formulas; the logged kl_ref stays k3's mean."""
+    batch = _random_batch(5)
+    base_cfg = AlgoConfig(loss=name, loss_agg=agg, is_mode="none") if name == "future_kl" else \
+        AlgoConfig(loss=name, loss_agg=agg)
+    cfg = AlgoConfig(**{**base_cfg.config_values(), "kl_ref_coef": 0.3, "kl_ref_type": kind})
+    cfg.validate()
+    extra = {"norm_tokens": 7.0} if agg == "token_sum_norm" else {}
+    loss, metrics = get_loss(name)(LossInputs(**batch, **extra), cfg)
+    (grad,) = torch.autograd.grad(loss, batch["logprobs"])
+    plain, _ = get_loss(name)(LossInputs(**batch, **extra), base_cfg)
+    penalty = _verl_kl_penalty(batch["logprobs"], batch["ref_logprobs"], kind)
+    mask = batch["mask"]
+    lengths = mask.sum(-1, keepdim=True).double()
+    if agg == "token_mean":
+        term = (penalty * mask).sum() / mask.sum()
+    elif agg == "seq_mean":
+        term = ((penalty * mask).sum(-1, keepdim=True) / lengths).sum() / len(lengths)
+    else:
+        term = (penalty * mask).sum() / (len(lengths) * 7.0)
+    want = plain + 0.3 * term
+    (want_grad,) = torch.autograd.grad(want, batch["logprobs"])
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+    k3 = _verl_kl_penalty(batch["logprobs"], batch["ref_logprobs"], "k3").detach()
+    assert metrics["kl_ref"] == pytest.approx(float((k3 * mask).sum() / mask.sum()), rel=1e-12)
+
+
+def test_the_ref_kl_type_is_checked_and_said_to_need_a_coefficient():
+    with pytest.raises(ValueError, match="algo.kl_ref_type"):
+        AlgoConfig(kl_ref_type="k4").validate()
+    assert any("algo.kl_ref_type=k2" in line for line in AlgoConfig(kl_ref_type="k2").ignored_keys())
+    assert not AlgoConfig(kl_ref_type="k2", kl_ref_coef=0.1).ignored_keys()
+    # the cap holds every type's term: k2 of δ = 5 is 12.5, capped at 10 with no gradient
+    logprobs = torch.tensor([[-6.0, -1.5]], dtype=torch.float64, requires_grad=True)
+    inp = LossInputs(logprobs=logprobs, behavior_logprobs=logprobs.detach(), advantages=torch.zeros(1, 2),
+                     mask=torch.ones(1, 2, dtype=torch.bool), ref_logprobs=torch.tensor([[-1.0, -1.0]]))
+    loss, _ = get_loss("ppo_clip")(inp, AlgoConfig(kl_ref_coef=1.0, kl_ref_type="k2", kl_ref_clamp=10.0))
+    loss.backward()
+    assert loss.item() == pytest.approx((10.0 + 0.125) / 2)
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, -0.5 / 2])

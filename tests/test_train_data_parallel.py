@@ -177,18 +177,20 @@ def test_the_ranks_a_failing_rank_leaves_behind_say_so_in_one_line(tmp_path):
 def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_samples(tmp_path, monkeypatch):
     """DP2 x TP2 (four ranks, paper B's layout): every group once per batch, and the first batch's
     responses (token counts, rewards) equal a single-process run's: sampling is seeded per request and
-    the sharded engines compute the unsharded logits to float32 rounding. Advantages over the whole batch's std
-    (`advantage.std_scope=batch`) read every rank's rewards: each rank's own std gave other advantages."""
+    the sharded engines compute the unsharded logits to float32 rounding. REINFORCE++'s advantages, whitened over
+    the whole batch's tokens, read every rank's rewards and token counts: each rank's own gave other advantages
+    (GRPO's `advantage.std_scope=batch` reads the same gathered rewards, `needs_whole_batch`)."""
     from kv4rl.config import load_config
     from kv4rl.loop import train
 
     done = torchrun(tmp_path, "name=dptp", "trainer.iterations=2", "engine.tensor_parallel=2",
-                    "advantage.std_scope=batch", "seed=3", *SMALL, ranks=4)
+                    "advantage.estimator=reinforce_plus_plus_baseline", "seed=3", *SMALL, ranks=4)
     assert done.returncode == 0, done.stderr[-3000:]
     four = rows(tmp_path / "runs" / "dptp")
     assert [r["groups"] for r in four] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     monkeypatch.chdir(tmp_path)
-    train(load_config(None, ["name=one", "trainer.iterations=1", "advantage.std_scope=batch", "seed=3", *SMALL[:-1]]),
+    train(load_config(None, ["name=one", "trainer.iterations=1", "advantage.estimator=reinforce_plus_plus_baseline",
+                             "seed=3", *SMALL[:-1]]),
           show_progress=False)
     one = rows(tmp_path / "runs" / "one")[0]
     assert four[0]["num_tokens"] == one["num_tokens"]

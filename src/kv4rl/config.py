@@ -298,9 +298,12 @@ class RunConfig:
                 raise ConfigError(str(exc)) from None
         for line in self.algo.ignored_keys():
             log.warning(line)
-        if self.advantage.std_scope == "batch" and self.advantage.estimator == "rloo":
-            log.warning("advantage.std_scope=batch picks the std GRPO divides by; advantage.estimator=rloo divides "
-                        "by none, so it changes nothing")
+        adv = self.advantage
+        if adv.estimator != "grpo" and (adv.std_scope == "batch" or not adv.normalize_std):
+            key = "advantage.std_scope=batch" if adv.std_scope == "batch" else "advantage.normalize_std=false"
+            log.warning("%s picks the std GRPO divides by; advantage.estimator=%s %s, so it changes nothing", key,
+                        adv.estimator, "divides by none" if adv.estimator == "rloo" else
+                        "divides by the std of the batch's tokens whatever it says")
         elif self.advantage.std_scope == "batch" and not self.advantage.normalize_std:
             log.warning("advantage.std_scope=batch picks the std that advantage.normalize_std divides by; with "
                         "advantage.normalize_std=false nothing is divided and it changes nothing")

@@ -19,7 +19,7 @@ OTHER_FRAMEWORKS = {
     "clip_ratio": "verl's clip_ratio is algo.eps_low and algo.eps_high",
     "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean, dr_grpo: token_sum_norm)",
     "loss_agg_mode": "verl's loss_agg_mode is algo.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean, "
-                     "seq-mean-token-sum-norm: token_sum_norm)",
+                     "seq-mean-token-sum-norm: token_sum_norm, seq-mean-token-sum: seq_mean_token_sum)",
     "num_iterations": "TRL's num_iterations is trainer.epochs_per_batch (with algo.old_logprob=recompute)",
     "ppo_epochs": "verl's ppo_epochs is trainer.epochs_per_batch",
     "max_completion_length": "TRL's max_completion_length is rollout.max_new_tokens",
@@ -54,10 +54,12 @@ OTHER_FRAMEWORKS = {
     "clip_ratio_low": "verl's clip_ratio_low is algo.eps_low",
     "clip_ratio_high": "verl's clip_ratio_high is algo.eps_high",
     "clip_ratio_c": "verl's clip_ratio_c is algo.dual_clip (off by default here; 3.0 is verl's)",
-    "kl_loss_type": "verl's kl_loss_type is always k3 here (algo.kl_ref_coef; algo.kl_ref_clamp=10 for low_var_kl)",
+    "kl_loss_type": "verl's kl_loss_type is algo.kl_ref_type (low_var_kl: k3 with algo.kl_ref_clamp=10, kl: k1, "
+                    "mse: k2, abs)",
     "entropy_coeff": "verl's entropy_coeff is algo.entropy_coeff",
     "norm_adv_by_std_in_grpo": "verl's norm_adv_by_std_in_grpo is advantage.normalize_std",
-    "adv_estimator": "verl's adv_estimator is advantage.estimator (grpo or rloo)",
+    "adv_estimator": "verl's adv_estimator is advantage.estimator (grpo, rloo, reinforce_plus_plus_baseline or "
+                     "reinforce_plus_plus)",
     "total_epochs": "verl's total_epochs is trainer.iterations (iterations, computed by hand)",
     "total_training_steps": "verl's total_training_steps is trainer.iterations",
     "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "
@@ -82,3 +84,20 @@ OTHER_FRAMEWORKS = {
                     "algo.loss_agg=token_mean)",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy does not exist: algo.entropy_coeff is constant",
 }
+
+
+# Other frameworks' values of a kv4rl key whose values differ: a pasted value is refused with the kv4rl one
+OTHER_VALUES: dict[str, dict[str, str]] = {
+    "algo.kl_ref_type": {"low_var_kl": "k3 (verl's low_var_kl; its cap at 10 is algo.kl_ref_clamp=10)",
+                         "kl": "k1 (verl's kl)", "mse": "k2 (verl's mse)"},
+    "algo.loss_agg": {"token-mean": "token_mean (verl's token-mean)", "seq-mean-token-mean": "seq_mean (verl's)",
+                      "seq-mean-token-sum": "seq_mean_token_sum (verl's)",
+                      "seq-mean-token-sum-norm": "token_sum_norm (verl's seq-mean-token-sum-norm)",
+                      "dapo": "token_mean (TRL's loss_type dapo)", "grpo": "seq_mean (TRL's loss_type grpo)",
+                      "dr_grpo": "token_sum_norm (TRL's loss_type dr_grpo)"},
+}
+
+
+def other_value_hint(key: str, value: object) -> str | None:
+    """`key`'s kv4rl value meant by another framework's `value` (verl's or TRL's spelling), or None."""
+    return OTHER_VALUES.get(key, {}).get(value) if isinstance(value, str) else None

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from kv4rl.config_foreign import OTHER_FRAMEWORKS
+from kv4rl.config_foreign import OTHER_FRAMEWORKS, other_value_hint
 
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
@@ -58,7 +58,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is Literal:
         if any(value == arm and type(value) is type(arm) for arm in get_args(tp)):
             return value
-        raise ConfigError(f"{key}: {value!r} is not one of {_type_name(tp)}")
+        hint = other_value_hint(key, value)
+        raise ConfigError(f"{key}: {value!r} is not one of {_type_name(tp)}" + (f"; use {key}={hint}" if hint else ""))
     if origin in (typing.Union, types.UnionType):
         not_finite = None
         for arm in get_args(tp):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kv4rl.algo.advantages import compute_advantages, noise_key
+from kv4rl.algo.advantages import compute_advantages, needs_whole_batch, noise_key
 from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter
@@ -184,11 +184,16 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
     reward_row = reward_metrics(reward, verifier_name(s.reward_fn))
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process
-    # the whole learner batch's std: every rank's rewards (ranks hold disjoint groups, tensor-parallel ones too)
-    everyone = torch.tensor([x for part in gather_objects(reward.scores) for x in part], dtype=torch.float64) \
-        if cfg.advantage.std_scope == "batch" and current().world > 1 else None
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
+    everyone = everyone_lengths = None
+    if needs_whole_batch(cfg.advantage) and current().world > 1:  # every rank's rewards and token counts (ranks
+        # hold disjoint groups, tensor-parallel ones too), in rank order
+        parts = gather_objects((reward.scores, lengths.tolist()))
+        everyone = torch.tensor([x for scores, _ in parts for x in scores], dtype=torch.float64)
+        everyone_lengths = torch.tensor([n for _, counts in parts for n in counts], dtype=torch.float64)
     advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, group_keys=keys,
-                                                 batch_rewards=everyone)
+                                                 batch_rewards=everyone, lengths=lengths,
+                                                 batch_lengths=everyone_lengths)
     times["time_reward"] = time.perf_counter() - t1
 
     sleep = s.engine.config.sleep_between_rollouts

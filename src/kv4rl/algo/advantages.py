@@ -1,7 +1,9 @@
-"""Advantage estimators (docs/objectives.md) as registered pure functions: `grpo` and `rloo`.
+"""Advantage estimators (docs/objectives.md) as registered pure functions: `grpo`, `rloo` and REINFORCE++'s two.
 
 Every estimator maps one reward per response, groups contiguous (`[g0r0, g0r1, …, g1r0, …]`),
-to one advantage per response; the learner broadcasts it over the response's tokens.
+to one advantage per response; the learner broadcasts it over the response's tokens. An estimator that
+normalises over the whole learner batch (GRPO's `std_scope: batch`, REINFORCE++'s whitening) reads every
+rank's rewards, and REINFORCE++ their token counts, from `WholeBatch`.
 
 GRPO divides by the *unbiased* (sample, n−1) standard deviation of the group, as most GRPO
 implementations do; the method leaves population vs sample open. Groups whose rewards are all equal
@@ -12,6 +14,7 @@ baseline information, so it gets zero too.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,11 +22,28 @@ from torch import Tensor
 from kv4rl.algo.config import AdvantageConfig
 
 STD_EPS = 1e-6
+WHITEN_EPS = 1e-8  # inside the square root, as verl's masked_whiten
 
-# (rewards[N], group_size, cfg, batch std or None) -> (advantages[N], metrics); the batch std is the one of every
-# reward of the learner batch, over all ranks, given when `advantage.std_scope` is `batch`
-AdvantageFn = Callable[[Tensor, int, AdvantageConfig, float | None], tuple[Tensor, dict[str, float]]]
+
+@dataclass(frozen=True)
+class WholeBatch:
+    """Every response of the learner batch, all ranks' groups in one order (in one process, this rank's):
+    its rewards and, where an estimator weighs responses by their tokens, each response's token count."""
+
+    rewards: Tensor
+    lengths: Tensor | None = None
+
+
+# (rewards[N], group_size, cfg, whole batch) -> (advantages[N], metrics); `rewards` are this rank's share
+AdvantageFn = Callable[[Tensor, int, AdvantageConfig, WholeBatch], tuple[Tensor, dict[str, float]]]
 ADVANTAGES: dict[str, AdvantageFn] = {}
+# the estimators that read `WholeBatch.lengths` (a caller gathers them over the ranks only for these)
+TOKEN_WEIGHTED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def needs_whole_batch(cfg: AdvantageConfig) -> bool:
+    """Whether `cfg`'s advantages read the whole learner batch (under torchrun, every rank's rewards)."""
+    return (cfg.std_scope == "batch" and cfg.estimator == "grpo") or cfg.estimator in TOKEN_WEIGHTED
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
@@ -112,7 +132,8 @@ def noise_key(seed: int, iteration: int, group_index: int) -> int:
 
 
 @register_advantage("grpo")
-def _grpo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, std: float | None) -> tuple[Tensor, dict[str, float]]:
+def _grpo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
+    std = batch_std(whole.rewards) if cfg.std_scope == "batch" else None
     adv = grpo_advantages(rewards, group_size, cfg.normalize_std, std)
     grouped = _grouped(rewards, group_size)
     zero_var = _zero_variance(grouped).float().mean()
@@ -133,9 +154,63 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 @register_advantage("rloo")
-def _rloo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, std: float | None) -> tuple[Tensor, dict[str, float]]:
+def _rloo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
     adv = rloo_advantages(rewards, group_size)
     return adv, {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
+
+
+def _group_centered(grouped: Tensor) -> Tensor:
+    """`r − mean_group` in float64, exactly 0 in a flat group (and so in a group of one)."""
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    return torch.where(_zero_variance(grouped)[:, None], torch.zeros_like(centered), centered)
+
+
+def reinforce_pp_advantages(rewards: Tensor, group_size: int, lengths: Tensor, baseline: bool = True,
+                            whole_rewards: Tensor | None = None) -> Tensor:
+    """REINFORCE++ (verl's `reinforce_plus_plus_baseline` / `reinforce_plus_plus` at γ = 1 without a KL reward):
+    `c_i = r_i − mean_group` (`baseline`; else `c_i = r_i`), then whitened over every response token of the whole
+    batch, `A_i = (c_i − μ) / sqrt(σ² + 1e-8)`, with μ and σ² the mean and the unbiased (N − 1) variance of `c`
+    over the batch's N tokens, so a response weighs by its token count. The mean is not added back.
+
+    `lengths`: the token count of each response of the whole batch, `whole_rewards` (whole groups, all ranks';
+    by default `rewards`, which is then the whole batch). A flat group's `c` is exactly 0, so its advantage is
+    `−μ / σ`, as in verl. Float64, returned in the rewards' float dtype.
+    """
+    grouped = _grouped(rewards, group_size)
+    out_dtype = grouped.dtype
+    whole = grouped if whole_rewards is None else _grouped(whole_rewards, group_size)
+    if lengths.shape != (whole.numel(),):
+        raise ValueError(f"lengths must hold one token count per response of the whole batch ({whole.numel()}), "
+                         f"got shape {tuple(lengths.shape)}")
+    weights = lengths.double().to(whole.device)
+    tokens = float(weights.sum())
+    if bool((weights < 0).any()) or tokens < 2:
+        raise ValueError(f"REINFORCE++ whitens over the batch's response tokens: the lengths must be >= 0 and add "
+                         f"up to at least 2, got {lengths.tolist()}")
+
+    def centred(g: Tensor) -> Tensor:
+        return (_group_centered(g.double()) if baseline else g.double()).reshape(-1)
+
+    c_whole = centred(whole)
+    mean = (weights * c_whole).sum() / tokens
+    var = (weights * (c_whole - mean) ** 2).sum() / (tokens - 1)
+    return ((centred(grouped) - mean) / torch.sqrt(var + WHITEN_EPS)).to(out_dtype)
+
+
+def _reinforce_pp(baseline: bool) -> AdvantageFn:
+    def estimator(rewards: Tensor, group_size: int, cfg: AdvantageConfig,
+                  whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
+        if whole.lengths is None:
+            raise ValueError(f"advantage.estimator={cfg.estimator} weighs responses by their tokens: pass the "
+                             "response lengths (compute_advantages(lengths=...))")
+        adv = reinforce_pp_advantages(rewards, group_size, whole.lengths, baseline, whole.rewards)
+        return adv, {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
+
+    return estimator
+
+
+register_advantage("reinforce_plus_plus_baseline")(_reinforce_pp(baseline=True))
+register_advantage("reinforce_plus_plus")(_reinforce_pp(baseline=False))
 
 
 def compute_advantages(
@@ -145,11 +220,14 @@ def compute_advantages(
     generator: torch.Generator | None = None,
     group_keys: list[int] | None = None,
     batch_rewards: Tensor | None = None,
+    lengths: Tensor | None = None,
+    batch_lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Run the configured estimator, then the optional ±σ baseline perturbation.
 
-    `batch_rewards`: every reward of the learner batch where `rewards` is one rank's share (torchrun), for
-    `advantage.std_scope: batch` (default: `rewards`).
+    `batch_rewards`: every reward of the learner batch where `rewards` is one rank's share (torchrun), for the
+    estimators that read the whole batch (`needs_whole_batch`; default: `rewards`). `lengths`: each response's
+    token count, which REINFORCE++ weighs by (`batch_lengths`: the whole batch's, beside `batch_rewards`).
 
     Metrics: the estimator's own (GRPO: `zero_var_group_frac`), plus `reward_mean`, `reward_std`,
     `adv_mean`, `adv_std`, `adv_absmax` of the final advantages.
@@ -158,8 +236,10 @@ def compute_advantages(
         raise ValueError(
             f"unknown advantage estimator '{cfg.estimator}' (known: {', '.join(sorted(ADVANTAGES))})"
         )
-    std = batch_std(rewards if batch_rewards is None else batch_rewards) if cfg.std_scope == "batch" else None
-    adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg, std)
+    if (batch_rewards is None) != (batch_lengths is None) and lengths is not None:
+        raise ValueError("batch_lengths go with batch_rewards: pass both (the whole batch) or neither")
+    whole = WholeBatch(rewards, lengths) if batch_rewards is None else WholeBatch(batch_rewards, batch_lengths)
+    adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg, whole)
     if cfg.baseline_noise > 0:
         adv = perturb_baseline(adv, cfg.baseline_noise, generator, group_keys)
     rewards_f = rewards.double()

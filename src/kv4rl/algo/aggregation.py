@@ -1,5 +1,5 @@
-"""Reduce per-token loss terms `[B, T]` to a scalar (docs/objectives.md: `token_mean`, `seq_mean` or
-`token_sum_norm`).
+"""Reduce per-token loss terms `[B, T]` to a scalar (docs/objectives.md: `token_mean`, `seq_mean`,
+`token_sum_norm` or `seq_mean_token_sum`).
 
 The denominators are explicit arguments because a learner splits a batch into micro-batches and
 sums their losses: passing the *full batch's* token count (token_mean) or sequence count (seq_mean)
@@ -16,7 +16,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-AggMode = Literal["token_mean", "seq_mean", "token_sum_norm"]
+AggMode = Literal["token_mean", "seq_mean", "token_sum_norm", "seq_mean_token_sum"]
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 
@@ -35,6 +35,8 @@ def aggregate(
       at least 1); rows with no valid token contribute 0.
     - `token_sum_norm`: Σ_{i,t} values·mask / (num_seqs · norm_tokens), `num_seqs` as in `seq_mean` and
       `norm_tokens` a constant length (the run's `rollout.max_new_tokens` unless `algo.loss_norm_tokens`).
+    - `seq_mean_token_sum` (verl's seq-mean-token-sum): Σ_{i,t} values·mask / num_seqs, each response's token sum
+      averaged over the responses.
     """
     if values.shape != mask.shape or values.dim() != 2:
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} must both be [B, T]")
@@ -57,6 +59,9 @@ def aggregate(
                              "response's token sum is divided by (LossInputs.aggregate passes it)")
         denom = num_seqs if num_seqs is not None else (valid.sum(dim=-1) > 0).sum().clamp(min=1).to(values.dtype)
         return masked.sum() / (denom * norm_tokens)
+    if mode == "seq_mean_token_sum":
+        denom = num_seqs if num_seqs is not None else (valid.sum(dim=-1) > 0).sum().clamp(min=1).to(values.dtype)
+        return masked.sum() / denom
     raise ValueError(f"unknown loss aggregation '{mode}' (known: {', '.join(AGG_MODES)})")
 
 

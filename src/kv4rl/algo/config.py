@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import kv4rl.algo.losses  # noqa: F401  (registers the built-in losses before any config is read)
 from kv4rl.algo.aggregation import AggMode
+from kv4rl.algo.logprobs import KL_TYPES, KLType
 from kv4rl.algo.registry import COMMON_KEYS, LOSSES, get_loss, import_plugins, key_owner, require_choice
 
 
@@ -20,8 +21,9 @@ class AlgoConfig:
     """The policy loss (docs/objectives.md): the keys every loss shares plus each registered loss's settings.
 
     `loss` names a registered loss; `loss_agg` reduces its per-token terms, and `loss_norm_tokens` is
-    `token_sum_norm`'s constant length (null: the run's `rollout.max_new_tokens`); `kl_ref_coef > 0` adds the k3 reference KL to it (each token's k3 capped
-    at `kl_ref_clamp` where set, as verl's low_var_kl caps it at 10); `entropy_coeff` (0: off) subtracts that many times
+    `token_sum_norm`'s constant length (null: the run's `rollout.max_new_tokens`); `kl_ref_coef > 0` adds the reference
+    KL penalty `kl_ref_type` to it (k3, or verl's k1, k2, abs; each token's capped at `kl_ref_clamp` where set, as
+    verl's low_var_kl caps k3 at 10); `entropy_coeff` (0: off) subtracts that many times
     the policy's entropy, aggregated as the loss (verl's entropy_coeff; the learner adds it to any loss);
     `top_entropy_quantile` < 1 keeps each micro-batch's highest-entropy tokens in the loss (TRL's); `plugins`
     lists modules to import first, which register more losses. Every other `algo.*` key belongs to
@@ -30,16 +32,17 @@ class AlgoConfig:
     this is not a dataclass: the config loader asks `config_schema()` and `config_values()`.
     """
 
-    __slots__ = ("_sections", "entropy_coeff", "kl_ref_clamp", "kl_ref_coef", "loss", "loss_agg", "loss_norm_tokens",
-                 "plugins", "top_entropy_quantile")
+    __slots__ = ("_sections", "entropy_coeff", "kl_ref_clamp", "kl_ref_coef", "kl_ref_type", "loss", "loss_agg",
+                 "loss_norm_tokens", "plugins", "top_entropy_quantile")
 
     def __init__(self, *, loss: str = "ppo_clip", loss_agg: AggMode = "token_mean", loss_norm_tokens: int | None = None,
-                 kl_ref_coef: float = 0.0, kl_ref_clamp: float | None = None, entropy_coeff: float = 0.0,
+                 kl_ref_coef: float = 0.0, kl_ref_type: KLType = "k3", kl_ref_clamp: float | None = None,
+                 entropy_coeff: float = 0.0,
                  top_entropy_quantile: float = 1.0, plugins: list[str] | None = None, **loss_keys: Any):
         self.plugins = list(plugins or [])
         import_plugins(self.plugins)  # before the keys below: a plugin's loss owns some of them
         self.loss, self.loss_agg, self.kl_ref_coef, self.kl_ref_clamp = loss, loss_agg, kl_ref_coef, kl_ref_clamp
-        self.loss_norm_tokens, self.entropy_coeff = loss_norm_tokens, entropy_coeff
+        self.loss_norm_tokens, self.entropy_coeff, self.kl_ref_type = loss_norm_tokens, entropy_coeff, kl_ref_type
         self.top_entropy_quantile = top_entropy_quantile
         self._sections: dict[str, Any] = {}
         for key, value in loss_keys.items():
@@ -109,6 +112,7 @@ class AlgoConfig:
         if self.loss_norm_tokens is not None and not self.loss_norm_tokens >= 1:
             raise ValueError(f"algo.loss_norm_tokens must be >= 1 (or null: rollout.max_new_tokens), "
                              f"got {self.loss_norm_tokens}")
+        require_choice("algo.kl_ref_type", self.kl_ref_type, KL_TYPES)
         if not self.kl_ref_coef >= 0.0:
             raise ValueError(f"algo.kl_ref_coef must be >= 0, got {self.kl_ref_coef}")
         if not math.isfinite(self.entropy_coeff):
@@ -139,6 +143,9 @@ class AlgoConfig:
         """One line per key set away from its default in the section of a loss this run does not
         use. Not an error: a config written for one loss stays loadable with `algo.loss` switched."""
         lines = []
+        if self.kl_ref_type != "k3" and not self.kl_ref_coef > 0:
+            lines.append(f"algo.kl_ref_type={self.kl_ref_type} is the penalty algo.kl_ref_coef weighs; with "
+                         f"algo.kl_ref_coef={self.kl_ref_coef} no penalty is added and it changes nothing")
         if self.loss_norm_tokens is not None and self.loss_agg != "token_sum_norm":
             lines.append(f"algo.loss_norm_tokens={self.loss_norm_tokens} is read by algo.loss_agg=token_sum_norm "
                          f"only; algo.loss_agg={self.loss_agg} ignores it")
@@ -157,18 +164,20 @@ _BETA_HINT = " (TRL's beta, the reference-KL coefficient, is algo.kl_ref_coef)"
 
 @dataclass(kw_only=True, slots=True)
 class AdvantageConfig:
-    """The advantage estimator (docs/objectives.md): `grpo`, or `rloo` (the leave-one-out baseline, no std).
-    `normalize_std` divides GRPO's by the std of each group's rewards, or with `std_scope: batch` by the std of
-    the whole learner batch's (TRL's `scale_rewards: batch`).
+    """The advantage estimator (docs/objectives.md): `grpo`, `rloo` (the leave-one-out baseline, no std), or
+    REINFORCE++'s `reinforce_plus_plus_baseline` (the group mean, then whitened over the batch's tokens) and
+    `reinforce_plus_plus` (the rewards whitened so). `normalize_std` divides GRPO's by the std of each group's
+    rewards, or with `std_scope: batch` by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation."""
 
-    estimator: Literal["grpo", "rloo"] = "grpo"
+    estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus"] = "grpo"
     normalize_std: bool = True
     std_scope: Literal["group", "batch"] = "group"
     baseline_noise: float = 0.0
 
     def validate(self) -> None:
-        require_choice("advantage.estimator", self.estimator, ("grpo", "rloo"))
+        require_choice("advantage.estimator", self.estimator,
+                       ("grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus"))
         require_choice("advantage.std_scope", self.std_scope, ("group", "batch"))
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")

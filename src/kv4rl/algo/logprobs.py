@@ -1,4 +1,4 @@
-"""Per-token log-probabilities, entropy and the k3 reference KL, computed from logits.
+"""Per-token log-probabilities, entropy and the reference-KL penalties (k3, k1, k2, abs), computed from logits.
 
 The LM head's logits `[B, T, V]` are the learner's largest activation (V ≈ 150k for Qwen3). A plain
 `log_softmax(logits.float() / τ).gather(...)` materialises an fp32 `[B, T, V]` copy and autograd
@@ -10,6 +10,8 @@ Maths runs in fp32, or in the logits' dtype if that is wider (float64 in the tes
 """
 
 from __future__ import annotations
+
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -182,3 +184,23 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """
     log_rho = ref_logp - logp
     return torch.expm1(log_rho) - log_rho
+
+
+KLType = Literal["k3", "k1", "k2", "abs"]
+KL_TYPES: tuple[str, ...] = get_args(KLType)
+
+
+def ref_kl_terms(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Per-token penalty of `algo.kl_ref_type` (verl's kl_loss_type), with `δ = logp − ref_logp`: `k3` (verl's
+    low_var_kl: `k3_kl`), `k1` (kl: δ), `k2` (mse: δ²/2, whose gradient δ·∇logp is KL's unbiased one on-policy) or
+    `abs` (|δ|). Gradients flow through both arguments, as in `k3_kl`."""
+    if kind == "k3":
+        return k3_kl(logp, ref_logp)
+    delta = logp - ref_logp
+    if kind == "k1":
+        return delta
+    if kind == "k2":
+        return 0.5 * delta.square()
+    if kind == "abs":
+        return delta.abs()
+    raise ValueError(f"unknown reference-KL type {kind!r} (known: {', '.join(KL_TYPES)})")

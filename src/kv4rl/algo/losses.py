@@ -12,8 +12,8 @@ Padding never reaches a loss or a gradient, even when it holds NaN or ±inf.
 - `future_kl` (§3.2): `−agg(sg(g_t) · log π_θ(y_t))`, `g_t = w_t (A_t − β clipF(F_t^H))`, with the
   future-KL credit `F_t^H` of `c_k = log π_θ − log μ` (detached, taken from the current π_θ; μ is
   always the behaviour policy, `old_logprob` does not apply). No ratio clipping.
-- Both add `kl_ref_coef · agg(k3)` when `kl_ref_coef > 0` and `ref_logprobs` is given, and log
-  `kl_ref` (token mean of k3) whenever `ref_logprobs` is given.
+- Both add `kl_ref_coef · agg(penalty)` when `kl_ref_coef > 0` and `ref_logprobs` is given (`algo.kl_ref_type`:
+  k3 by default, or k1, k2, abs), and log `kl_ref` (token mean of k3) whenever `ref_logprobs` is given.
 
 Metrics are Python floats describing this call's valid tokens. To combine micro-batches
 (`combine_metrics`), names ending in `_max` or `absmax` take the max (all of them describe
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from kv4rl.algo.logprobs import k3_kl
+from kv4rl.algo.logprobs import k3_kl, ref_kl_terms
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
 if TYPE_CHECKING:
@@ -114,12 +114,14 @@ def _with_ref_kl(
     # ρ held at e^LOG_RATIO_LIMIT, as the PPO ratio is: one token the policy pushed below e^-88 of the
     # reference's probability overflowed expm1 to inf in float32 and skipped the whole batch's step. Summed in
     # float64: ~6,000 tokens at the limit overflow a float32 sum (their mean, <= e^80, fits float32)
-    k3 = k3_kl(torch.maximum(logp, ref_logp - LOG_RATIO_LIMIT).double(), ref_logp.double())
-    stats["kl_ref"] = _mean(k3.detach(), valid).to(loss.dtype)
+    held = torch.maximum(logp, ref_logp - LOG_RATIO_LIMIT).double()
+    k3 = k3_kl(held, ref_logp.double())
+    stats["kl_ref"] = _mean(k3.detach(), valid).to(loss.dtype)  # the KL's estimate whatever algo.kl_ref_type
     if cfg.kl_ref_coef > 0:
+        penalty = k3 if cfg.kl_ref_type == "k3" else ref_kl_terms(held, ref_logp.double(), cfg.kl_ref_type)
         if cfg.kl_ref_clamp is not None:  # verl's low_var_kl: a token past the cap adds the cap, and no gradient
-            k3 = k3.clamp(max=cfg.kl_ref_clamp)
-        term = inp.aggregate(k3, valid, cfg.loss_agg, filtered=False)  # every token, as TRL's (top_entropy_quantile)
+            penalty = penalty.clamp(max=cfg.kl_ref_clamp)
+        term = inp.aggregate(penalty, valid, cfg.loss_agg, filtered=False)  # every token, as TRL's (top_entropy_quantile)
         loss = loss + cfg.kl_ref_coef * term.to(loss.dtype)
     return loss
 

@@ -37,8 +37,8 @@ LOSS_INPUTS: dict[str, str] = {
     "versions": "policy version that sampled each token (an integer tensor)",
 }
 # algo keys every loss shares
-COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_clamp", "entropy_coeff", "top_entropy_quantile",
-               "plugins")
+COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_type", "kl_ref_clamp", "entropy_coeff",
+               "top_entropy_quantile", "plugins")
 
 
 @dataclass(kw_only=True)

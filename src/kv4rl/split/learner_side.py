@@ -86,7 +86,8 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     components = {name: [x for _, _, parts in scored for x in parts[name]] for name in messages[0]["reward_components"]}
     reward = RewardResult(rewards.tolist(), {}, components)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]
-    advantages, adv_metrics = compute_advantages(rewards, size, cfg.advantage, group_keys=keys)
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
+    advantages, adv_metrics = compute_advantages(rewards, size, cfg.advantage, group_keys=keys, lengths=lengths)
     adv = advantages.tolist()
     ranks = dist.get_world_size(s.groups.learner)
     # whole groups dealt in turn (rank r: groups r, r + R, ...), as the colocated ranks hold theirs, so that
