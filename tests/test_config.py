@@ -374,3 +374,14 @@ def test_another_frameworks_value_names_the_kv4rl_value_that_works():
     with pytest.raises(ConfigError) as bad:
         load_config(None, ["algo.loss_agg=sum"])
     assert "; use" not in str(bad.value)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus_baseline"])
+def test_grpos_std_keys_under_another_estimator_are_each_said_to_change_nothing(caplog, estimator):
+    with caplog.at_level(logging.WARNING):
+        load_config(None, [f"advantage.estimator={estimator}", "advantage.std_scope=batch",
+                           "advantage.normalize_std=false"])
+    said = [m for m in caplog.messages if "changes nothing" in m]
+    assert len(said) == 2 and said[0].startswith("advantage.std_scope=batch is read by advantage.estimator=grpo only")
+    assert said[1].startswith("advantage.normalize_std=false is read by advantage.estimator=grpo only")
+    assert all(f"advantage.estimator={estimator} divides by" in m for m in said)

@@ -410,3 +410,22 @@ def test_until_before_a_metrics_first_row_and_common_with_an_empty_run_name_the_
     assert res.exit_code == 2 and "--until -1" not in res.output
     assert squash(f"--until common: {tmp_path / 'empty' / 'e-s1' / 'metrics.jsonl'} has no rows to compare") \
         in squash(res.output), res.output
+
+
+def test_the_starting_models_evaluation_opens_the_eval_curve(tmp_path):
+    """eval.before_training logs eval_start/mean@1 in the first row: the eval curve starts there, at iteration -1
+    (before the first update), and the EMA and the worst drop count it. EMA 0.5 by hand: x = .8, .2, .6 at -1, 1,
+    3 -> s = .8, .5, .55; the worst drop is .8 - .5. A run without it (or with a null there) starts at 1."""
+    rows = eval_rows({1: 0.2, 3: 0.6})
+    rows[0]["eval_start/mean@1"] = 0.8
+    write_run(tmp_path / "a-s0", rows)
+    bare = eval_rows({1: 0.2, 3: 0.6})
+    bare[0]["eval_start/mean@1"] = None
+    write_run(tmp_path / "b-s0", bare)
+    res = runner.invoke(app, ["plot", "curves", str(tmp_path / "a-s0"), str(tmp_path / "b-s0"), "--metric", EVAL,
+                              "--ema", "0.5", "--out", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json")])
+    assert res.exit_code == 0, res.output
+    got = [(int(r["iteration"]), r["arm"], float(r["mean"])) for r in read_csv(tmp_path / "c.csv")]
+    assert [(i, m) for i, arm, m in got if arm == "a"] == [(-1, 0.8), (1, pytest.approx(0.5)), (3, pytest.approx(0.55))]
+    assert [i for i, arm, _ in got if arm == "b"] == [1, 3]
+    assert json.loads((tmp_path / "c.json").read_text())["arms"]["a"]["worst_drop_mean_curve"] == pytest.approx(0.3)

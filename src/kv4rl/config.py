@@ -299,11 +299,13 @@ class RunConfig:
         for line in self.algo.ignored_keys():
             log.warning(line)
         adv = self.advantage
-        if adv.estimator != "grpo" and (adv.std_scope == "batch" or not adv.normalize_std):
-            key = "advantage.std_scope=batch" if adv.std_scope == "batch" else "advantage.normalize_std=false"
-            log.warning("%s picks the std GRPO divides by; advantage.estimator=%s %s, so it changes nothing", key,
-                        adv.estimator, "divides by none" if adv.estimator == "rloo" else
-                        "divides by the std of the batch's tokens whatever it says")
+        if adv.estimator != "grpo":  # GRPO's std keys, set for an estimator that reads neither
+            divides = "divides by no std" if adv.estimator == "rloo" else "divides by its own (the batch's tokens')"
+            for key, what in (("advantage.std_scope=batch", adv.std_scope == "batch"),
+                              ("advantage.normalize_std=false", not adv.normalize_std)):
+                if what:
+                    log.warning("%s is read by advantage.estimator=grpo only; advantage.estimator=%s %s, so it "
+                                "changes nothing", key, adv.estimator, divides)
         elif self.advantage.std_scope == "batch" and not self.advantage.normalize_std:
             log.warning("advantage.std_scope=batch picks the std that advantage.normalize_std divides by; with "
                         "advantage.normalize_std=false nothing is divided and it changes nothing")

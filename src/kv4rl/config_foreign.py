@@ -89,12 +89,16 @@ OTHER_FRAMEWORKS = {
 # Other frameworks' values of a kv4rl key whose values differ: a pasted value is refused with the kv4rl one
 OTHER_VALUES: dict[str, dict[str, str]] = {
     "algo.kl_ref_type": {"low_var_kl": "k3 (verl's low_var_kl; its cap at 10 is algo.kl_ref_clamp=10)",
-                         "kl": "k1 (verl's kl)", "mse": "k2 (verl's mse)"},
+                         "kl": "k1 (verl's kl)", "mse": "k2 (verl's mse)",
+                         "k3+": "k2 (k3+'s gradient; verl's straight-through types do not exist here)",
+                         "k1+": "k2 (k1+'s gradient; verl's straight-through types do not exist here)"},
     "algo.loss_agg": {"token-mean": "token_mean (verl's token-mean)", "seq-mean-token-mean": "seq_mean (verl's)",
                       "seq-mean-token-sum": "seq_mean_token_sum (verl's)",
                       "seq-mean-token-sum-norm": "token_sum_norm (verl's seq-mean-token-sum-norm)",
                       "dapo": "token_mean (TRL's loss_type dapo)", "grpo": "seq_mean (TRL's loss_type grpo)",
-                      "dr_grpo": "token_sum_norm (TRL's loss_type dr_grpo)"},
+                      "dr_grpo": "token_sum_norm (TRL's loss_type dr_grpo)",
+                      "bnpo": "token_mean (the nearest: TRL's bnpo divides by each process's tokens, token_mean by "
+                              "the whole mini-batch's)"},
 }
 
 

@@ -8,6 +8,9 @@ Definitions (the figure, CSV and JSON all use these):
   `-s<seed>` (`ppo-s0`, `ppo-s1` -> arm `ppo`), or the runs named by `--arm NAME=GLOB`.
 - Per seed, the metric's series keeps the iterations whose row has the key with a non-null value
   (evaluation metrics are logged every N iterations; non-finite values are written as null).
+- An `eval/<x>` series starts with the starting model's evaluation where the run made one
+  (`eval.before_training`, logged as `eval_start/<x>` in its first row): a point at iteration −1, before the
+  first update, as `eval/<x>` at iteration i is the model after update i.
 - EMA per seed over that series: s_0 = x_0, s_t = ema * s_{t-1} + (1 - ema) * x_t (`ema=0`: raw).
 - Per arm and iteration, over the seeds that logged that iteration: mean, low = min, high = max.
 - Final value: each seed's EMA at its last logged iteration; mean and sample std (ddof=1) over seeds.
@@ -165,10 +168,25 @@ def load_seed(run: Path, metric: str, decay: float, until: int | None = None) ->
             raise ValueError(f"{run}: metric '{metric}' is not a number (iteration {r['iteration']}: "
                              f"{type(v).__name__})")
     present.sort(key=lambda r: r["iteration"])
-    values = [float(r[metric]) for r in present]
+    iterations, values = [r["iteration"] for r in present], [float(r[metric]) for r in present]
+    start = _start_eval(rows, metric)
+    if start is not None:
+        iterations, values = [start[0], *iterations], [start[1], *values]
     models = [r[MODEL_KEY] for r in sorted(rows, key=lambda r: r["iteration"]) if r.get(MODEL_KEY) is not None]
-    return SeedCurve(run, [r["iteration"] for r in present], values, ema(values, decay),
-                     len(logged) - len(present), list(dict.fromkeys(models)))
+    return SeedCurve(run, iterations, values, ema(values, decay), len(logged) - len(present),
+                     list(dict.fromkeys(models)))
+
+
+def _start_eval(rows: list[dict], metric: str) -> tuple[int, float] | None:
+    """(iteration − 1 of the run's first row, the value) of `eval_start/<x>` for metric `eval/<x>`, where the first
+    row has a finite number there (`eval.before_training`); else None."""
+    if not metric.startswith("eval/") or not rows:
+        return None
+    first = min(rows, key=lambda r: r["iteration"])
+    value = first.get("eval_start/" + metric.removeprefix("eval/"))
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return None
+    return first["iteration"] - 1, float(value)
 
 
 def arm_curve(arm: Arm, metric: str, decay: float, until: int | None = None) -> ArmCurve:
