@@ -83,6 +83,21 @@ OTHER_FRAMEWORKS = {
     "entropy_coef": "TRL's entropy_coef is algo.entropy_coeff (aggregated by algo.loss_agg; TRL's token mean is "
                     "algo.loss_agg=token_mean)",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy does not exist: algo.entropy_coeff is constant",
+    "vllm_importance_sampling_correction": "TRL's vllm_importance_sampling_correction is algo.behavior_is (off unless "
+                                           "set, with algo.old_logprob=recompute)",
+    "vllm_importance_sampling_mode": "TRL's vllm_importance_sampling_mode is algo.behavior_is (token_truncate, "
+                                     "token_mask, sequence_truncate or sequence_mask)",
+    "vllm_importance_sampling_clip_max": "TRL's vllm_importance_sampling_clip_max is algo.behavior_is_max",
+    "vllm_importance_sampling_cap": "TRL's vllm_importance_sampling_cap is algo.behavior_is_max",
+    "vllm_importance_sampling_clip_min": "TRL's vllm_importance_sampling_clip_min is algo.behavior_is_min",
+    "rollout_is": "verl's rollout_correction.rollout_is (token, sequence) is algo.behavior_is (token_truncate, "
+                  "sequence_truncate), with algo.old_logprob=recompute",
+    "rollout_is_threshold": "verl's rollout_is_threshold is algo.behavior_is_max",
+    "bypass_mode": "verl's rollout_correction.bypass_mode=true (with ppo_clip) is algo.old_logprob=behavior, "
+                   "kv4rl's default",
+    "behav_imp_weight_cap": "AReaL's behav_imp_weight_cap is algo.behavior_is_max with algo.behavior_is=token_mask "
+                            "and algo.old_logprob=recompute",
+    "use_decoupled_loss": "AReaL's decoupled PPO loss is algo.old_logprob=recompute with algo.behavior_is=token_mask",
 }
 
 

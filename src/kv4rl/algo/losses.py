@@ -24,6 +24,7 @@ std; every other name is a mean weighted by the micro-batch's valid-token count.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -130,13 +131,19 @@ def _with_ref_kl(
 class PPOClipSettings:
     """`ppo_clip`'s keys: the clip range, the dual-clip constant c > 1 (null: off), π_old, and whether each token
     has its own ratio or every token of a response the response's (`sequence`: GSPO, TRL's
-    importance_sampling_level=sequence: exp of the mean of its tokens' log-ratios, with its gradient)."""
+    importance_sampling_level=sequence: exp of the mean of its tokens' log-ratios, with its gradient).
+    `behavior_is` weighs each token's surrogate by π_old/μ, the recomputed π_old over the engine's μ, truncated to
+    or masked outside [`behavior_is_min`, `behavior_is_max`] (TRL's vllm_importance_sampling_*, AReaL's decoupled
+    PPO; `behavior_importance_weights`)."""
 
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None
     old_logprob: Literal["behavior", "recompute"] = "behavior"
     ratio_level: Literal["token", "sequence"] = "token"
+    behavior_is: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    behavior_is_max: float | None = 3.0
+    behavior_is_min: float | None = None
 
     def validate(self) -> None:
         require_choice("algo.old_logprob", self.old_logprob, ("behavior", "recompute"))
@@ -147,12 +154,44 @@ class PPOClipSettings:
             raise ValueError(f"algo.eps_high must be >= 0, got {self.eps_high}")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"algo.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        require_choice("algo.behavior_is", self.behavior_is, BEHAVIOR_IS_MODES)
+        low, high = self.behavior_is_min, self.behavior_is_max
+        if (low is not None and not low >= 0.0) or (high is not None and not high > 0.0):
+            raise ValueError(f"algo.behavior_is_min must be >= 0 and algo.behavior_is_max > 0 (or null: no bound), "
+                             f"got {low} and {high}")
+        if low is not None and high is not None and not low < high:
+            raise ValueError(f"algo.behavior_is_min ({low}) must be below algo.behavior_is_max ({high})")
+        if self.behavior_is != "none" and self.old_logprob != "recompute":
+            raise ValueError(f"algo.behavior_is={self.behavior_is} weighs by π_old/μ, the learner's recomputed "
+                             "log-probs over the engine's; with algo.old_logprob=behavior π_old is μ and every weight "
+                             "is 1: set algo.old_logprob=recompute")
+
+
+BEHAVIOR_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def behavior_importance_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, valid: Tensor, mode: str,
+                                low: float | None, high: float | None) -> tuple[Tensor, Tensor]:
+    """(w [B, T], cut [B, T] bool), no gradient: π_old/μ per token (`token_*`), or per response from the sum of
+    its tokens' log-ratios (`sequence_*`), then clamped to [low, high] (`*_truncate`) or set to 0 outside it
+    (`*_mask`); a null bound is no bound. `cut` marks the tokens whose weight was outside. The log-ratio is held
+    at ±80 (e^88.7 overflows float32), so a masked mode always drops a response that far off."""
+    log_w = torch.where(valid, old_logprobs.detach().double() - behavior_logprobs.detach().double(), 0)
+    if mode.startswith("sequence"):
+        log_w = torch.where(valid, log_w.sum(-1, keepdim=True).expand_as(log_w), 0)
+    w = torch.exp(log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    lo = torch.full_like(w, -math.inf if low is None else low)
+    hi = torch.full_like(w, math.inf if high is None else high)
+    cut = valid & ((w < lo) | (w > hi))
+    w = torch.minimum(torch.maximum(w, lo), hi) if mode.endswith("truncate") else torch.where(cut, 0.0, w)
+    return torch.where(valid, w, 0.0), cut
 
 
 def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
-    """π_old is either the engine's log-probs or a recompute by the learner, never both."""
-    old = "old_logprobs" if cfg.section("ppo_clip").old_logprob == "recompute" else "behavior_logprobs"
-    return {old, "ref_logprobs"}
+    """π_old is either the engine's log-probs or a recompute by the learner; both with `behavior_is`."""
+    s = cfg.section("ppo_clip")
+    old = "old_logprobs" if s.old_logprob == "recompute" else "behavior_logprobs"
+    return {old, "ref_logprobs"} | ({"behavior_logprobs"} if s.behavior_is != "none" else set())
 
 
 @register_loss("ppo_clip", settings=PPOClipSettings, inputs=_ppo_clip_inputs)
@@ -175,6 +214,11 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
     if s.dual_clip is not None:
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)
+    weights = None
+    if s.behavior_is != "none":
+        weights, cut = behavior_importance_weights(old_logprobs, inp.need("behavior_logprobs", "algo.behavior_is"),
+                                                   valid, s.behavior_is, s.behavior_is_min, s.behavior_is_max)
+        surrogate = surrogate * weights.to(surrogate.dtype)
     loss = -inp.aggregate(surrogate, valid, cfg.loss_agg)
 
     ratio = ratio.detach()
@@ -189,6 +233,9 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     }
     if s.dual_clip is not None:
         stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > s.dual_clip)).double(), valid)
+    if weights is not None:
+        stats.update(behavior_is_mean=_mean(weights, valid), behavior_is_max=_max(weights, valid),
+                     behavior_is_cut_frac=_mean(cut.double(), valid))
     loss = _with_ref_kl(loss, inp, cfg, valid, stats)
     return loss, _floats(stats)
 
