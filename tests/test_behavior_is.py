@@ -91,12 +91,20 @@ def test_weights_by_hand_and_the_cut_tokens():
     w, _ = behavior_importance_weights(torch.full((1, 3), 40.0), behavior, torch.ones(1, 3, dtype=torch.bool),
                                        "sequence_mask", None, 3.0)
     assert w.tolist() == [[0.0, 0.0, 0.0]]
+    # without an upper bound it is kept at e^80, finite (TRL's weight is inf there, and its loss NaN)
+    w, _ = behavior_importance_weights(torch.full((1, 3), 40.0), behavior, torch.ones(1, 3, dtype=torch.bool),
+                                       "sequence_mask", 0.5, None)
+    assert w[0].tolist() == pytest.approx([math.exp(80.0)] * 3)
 
 
 def test_the_settings_are_checked():
     AlgoConfig(old_logprob="recompute", behavior_is="sequence_mask").validate()
     with pytest.raises(ValueError, match="set algo.old_logprob=recompute"):
         AlgoConfig(behavior_is="token_truncate").validate()
+    # under another loss the keys are ppo_clip's, ignored with a warning, not refused with ppo_clip's advice
+    other = AlgoConfig(loss="future_kl", behavior_is="token_truncate")
+    other.validate()
+    assert any("algo.behavior_is='token_truncate' belongs to algo.loss=ppo_clip" in line for line in other.ignored_keys())
     with pytest.raises(ValueError, match="algo.behavior_is"):
         AlgoConfig(old_logprob="recompute", behavior_is="token").validate()
     with pytest.raises(ValueError, match=r"behavior_is_min \(2.0\) must be below algo.behavior_is_max \(2.0\)"):

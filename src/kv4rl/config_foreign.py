@@ -92,12 +92,14 @@ OTHER_FRAMEWORKS = {
     "vllm_importance_sampling_clip_min": "TRL's vllm_importance_sampling_clip_min is algo.behavior_is_min",
     "rollout_is": "verl's rollout_correction.rollout_is (token, sequence) is algo.behavior_is (token_truncate, "
                   "sequence_truncate), with algo.old_logprob=recompute",
-    "rollout_is_threshold": "verl's rollout_is_threshold is algo.behavior_is_max",
+    "rollout_is_threshold": "verl's rollout_is_threshold (2.0) is algo.behavior_is_max (3.0 by default here)",
     "bypass_mode": "verl's rollout_correction.bypass_mode=true (with ppo_clip) is algo.old_logprob=behavior, "
                    "kv4rl's default",
     "behav_imp_weight_cap": "AReaL's behav_imp_weight_cap is algo.behavior_is_max with algo.behavior_is=token_mask "
-                            "and algo.old_logprob=recompute",
-    "use_decoupled_loss": "AReaL's decoupled PPO loss is algo.old_logprob=recompute with algo.behavior_is=token_mask",
+                            "and algo.old_logprob=recompute (AReaL's default null is algo.behavior_is_max=null; "
+                            "3.0 here)",
+    "use_decoupled_loss": "AReaL's decoupled PPO loss is algo.old_logprob=recompute with algo.behavior_is=token_mask "
+                          "(and algo.behavior_is_max=null for AReaL's default of no cap)",
 }
 
 

@@ -130,6 +130,9 @@ class AlgoConfig:
             validate = getattr(self.section(name), "validate", None)
             if validate is not None:
                 validate()
+        check_in_use = getattr(self.section(self.loss), "check_in_use", None)
+        if check_in_use is not None:
+            check_in_use()
 
     def norm_tokens(self, max_new_tokens: int | None) -> int | None:
         """`token_sum_norm`'s constant length: `loss_norm_tokens`, else the run's `max_new_tokens`."""

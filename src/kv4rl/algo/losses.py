@@ -161,6 +161,9 @@ class PPOClipSettings:
                              f"got {low} and {high}")
         if low is not None and high is not None and not low < high:
             raise ValueError(f"algo.behavior_is_min ({low}) must be below algo.behavior_is_max ({high})")
+
+    def check_in_use(self) -> None:
+        """The rules that hold only when `ppo_clip` is the run's loss (another loss ignores these keys)."""
         if self.behavior_is != "none" and self.old_logprob != "recompute":
             raise ValueError(f"algo.behavior_is={self.behavior_is} weighs by π_old/μ, the learner's recomputed "
                              "log-probs over the engine's; with algo.old_logprob=behavior π_old is μ and every weight "
@@ -175,7 +178,8 @@ def behavior_importance_weights(old_logprobs: Tensor, behavior_logprobs: Tensor,
     """(w [B, T], cut [B, T] bool), no gradient: π_old/μ per token (`token_*`), or per response from the sum of
     its tokens' log-ratios (`sequence_*`), then clamped to [low, high] (`*_truncate`) or set to 0 outside it
     (`*_mask`); a null bound is no bound. `cut` marks the tokens whose weight was outside. The log-ratio is held
-    at ±80 (e^88.7 overflows float32), so a masked mode always drops a response that far off."""
+    at ±80 (e^88.7 overflows float32): a weight is at most e^80, never inf, and a masked mode with an upper bound
+    drops a response that far off."""
     log_w = torch.where(valid, old_logprobs.detach().double() - behavior_logprobs.detach().double(), 0)
     if mode.startswith("sequence"):
         log_w = torch.where(valid, log_w.sum(-1, keepdim=True).expand_as(log_w), 0)

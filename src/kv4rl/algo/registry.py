@@ -6,7 +6,8 @@ A loss is a function `fn(inp: LossInputs, cfg: AlgoConfig) -> (loss, metrics)` r
 - `settings`: a dataclass of the loss's own knobs (every field with a default). Each field is a
   config key `algo.<field>` and reads back as `cfg.<field>`; a key belongs to exactly one loss, so
   a run config that sets another loss's key is refused with the name of the loss that owns it.
-  An optional `validate()` method raises ValueError naming `algo.<field>` for bad values.
+  An optional `validate()` method raises ValueError naming `algo.<field>` for bad values (run for every loss's
+  settings), and an optional `check_in_use()` for the rules that hold only when the loss is the run's.
 - `inputs`: which optional `LossInputs` fields the loss reads (names in `LOSS_INPUTS`), as a set or
   as a function of the config. The learner computes and passes only those; the others stay None,
   so an extra forward pass (old or reference log-probs) is paid only by the losses that use it.
