@@ -17,7 +17,8 @@ OTHER_FRAMEWORKS = {
     "epsilon": "TRL's epsilon is algo.eps_low (and algo.eps_high, which it also sets)",
     "epsilon_high": "TRL's epsilon_high is algo.eps_high",
     "clip_ratio": "verl's clip_ratio is algo.eps_low and algo.eps_high",
-    "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean, dr_grpo: token_sum_norm)",
+    "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean, dr_grpo: token_sum_norm; cispo: "
+                 "token_mean with algo.surrogate=cispo, sapo: seq_mean with algo.surrogate=sapo)",
     "loss_agg_mode": "verl's loss_agg_mode is algo.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean, "
                      "seq-mean-token-sum-norm: token_sum_norm, seq-mean-token-sum: seq_mean_token_sum)",
     "num_iterations": "TRL's num_iterations is trainer.epochs_per_batch (with algo.old_logprob=recompute)",
@@ -82,6 +83,8 @@ OTHER_FRAMEWORKS = {
     "top_entropy_quantile": "TRL's top_entropy_quantile is algo.top_entropy_quantile",
     "entropy_coef": "TRL's entropy_coef is algo.entropy_coeff (aggregated by algo.loss_agg; TRL's token mean is "
                     "algo.loss_agg=token_mean)",
+    "sapo_temperature_pos": "TRL's sapo_temperature_pos is algo.sapo_tau_pos (with algo.surrogate=sapo)",
+    "sapo_temperature_neg": "TRL's sapo_temperature_neg is algo.sapo_tau_neg (with algo.surrogate=sapo)",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy does not exist: algo.entropy_coeff is constant",
     "vllm_importance_sampling_correction": "TRL's vllm_importance_sampling_correction is algo.behavior_is (off unless "
                                            "set, with algo.old_logprob=recompute)",
@@ -114,6 +117,8 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
                       "seq-mean-token-sum-norm": "token_sum_norm (verl's seq-mean-token-sum-norm)",
                       "dapo": "token_mean (TRL's loss_type dapo)", "grpo": "seq_mean (TRL's loss_type grpo)",
                       "dr_grpo": "token_sum_norm (TRL's loss_type dr_grpo)",
+                      "cispo": "token_mean (TRL's cispo divides so; its objective is algo.surrogate=cispo)",
+                      "sapo": "seq_mean (TRL's sapo divides so; its objective is algo.surrogate=sapo)",
                       "bnpo": "token_mean (the nearest: TRL's bnpo divides by each process's tokens, token_mean by "
                               "the whole mini-batch's)"},
 }

@@ -152,6 +152,9 @@ class AlgoConfig:
         if self.loss_norm_tokens is not None and self.loss_agg != "token_sum_norm":
             lines.append(f"algo.loss_norm_tokens={self.loss_norm_tokens} is read by algo.loss_agg=token_sum_norm "
                          f"only; algo.loss_agg={self.loss_agg} ignores it")
+        in_use = getattr(self.section(self.loss), "ignored_in_use", None)
+        if in_use is not None:
+            lines += in_use()
         for name, spec in LOSSES.items():
             if name == self.loss or spec.settings is None:
                 continue

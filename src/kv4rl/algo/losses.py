@@ -134,7 +134,8 @@ class PPOClipSettings:
     importance_sampling_level=sequence: exp of the mean of its tokens' log-ratios, with its gradient).
     `behavior_is` weighs each token's surrogate by π_old/μ, the recomputed π_old over the engine's μ, truncated to
     or masked outside [`behavior_is_min`, `behavior_is_max`] (TRL's vllm_importance_sampling_*, AReaL's decoupled
-    PPO; `behavior_importance_weights`)."""
+    PPO; `behavior_importance_weights`). `surrogate` swaps the clipped objective for CISPO's or SAPO's (TRL's
+    loss_type cispo / sapo), which share π_old, the ratio level and the weights (`_surrogate`)."""
 
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -144,6 +145,10 @@ class PPOClipSettings:
     behavior_is: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     behavior_is_max: float | None = 3.0
     behavior_is_min: float | None = None
+    surrogate: Literal["clip", "cispo", "sapo"] = "clip"
+    cispo_max: float = 5.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
     def validate(self) -> None:
         require_choice("algo.old_logprob", self.old_logprob, ("behavior", "recompute"))
@@ -155,6 +160,10 @@ class PPOClipSettings:
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"algo.dual_clip must be > 1 (or null), got {self.dual_clip}")
         require_choice("algo.behavior_is", self.behavior_is, BEHAVIOR_IS_MODES)
+        require_choice("algo.surrogate", self.surrogate, ("clip", "cispo", "sapo"))
+        for key in ("cispo_max", "sapo_tau_pos", "sapo_tau_neg"):
+            if not getattr(self, key) > 0.0:
+                raise ValueError(f"algo.{key} must be > 0, got {getattr(self, key)}")
         low, high = self.behavior_is_min, self.behavior_is_max
         if (low is not None and not low >= 0.0) or (high is not None and not high > 0.0):
             raise ValueError(f"algo.behavior_is_min must be >= 0 and algo.behavior_is_max > 0 (or null: no bound), "
@@ -162,8 +171,22 @@ class PPOClipSettings:
         if low is not None and high is not None and not low < high:
             raise ValueError(f"algo.behavior_is_min ({low}) must be below algo.behavior_is_max ({high})")
 
+    def ignored_in_use(self) -> list[str]:
+        """One line per key set away from its default that this surrogate does not read."""
+        default, lines = PPOClipSettings(), []
+        readers = {"eps_low": "clip", "eps_high": "clip", "cispo_max": "cispo", "sapo_tau_pos": "sapo",
+                   "sapo_tau_neg": "sapo"}
+        for key, reader in readers.items():
+            if reader != self.surrogate and getattr(self, key) != getattr(default, key):
+                lines.append(f"algo.{key}={getattr(self, key)!r} is read by algo.surrogate={reader} only; "
+                             f"algo.surrogate={self.surrogate} ignores it")
+        return lines
+
     def check_in_use(self) -> None:
         """The rules that hold only when `ppo_clip` is the run's loss (another loss ignores these keys)."""
+        if self.dual_clip is not None and self.surrogate != "clip":
+            raise ValueError(f"algo.dual_clip bounds the clipped surrogate; algo.surrogate={self.surrogate} has no "
+                             "clip to bound: set algo.dual_clip=null")
         if self.behavior_is != "none" and self.old_logprob != "recompute":
             raise ValueError(f"algo.behavior_is={self.behavior_is} weighs by π_old/μ, the learner's recomputed "
                              "log-probs over the engine's; with algo.old_logprob=behavior π_old is μ and every weight "
@@ -198,6 +221,21 @@ def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
     return {old, "ref_logprobs"} | ({"behavior_logprobs"} if s.behavior_is != "none" else set())
 
 
+def _surrogate(s: PPOClipSettings, ratio: Tensor, adv: Tensor, logprobs: Tensor) -> Tensor:
+    """Per-token objective to maximise (`algo.surrogate`): PPO's clipped `min(ρA, clip(ρ)A)` (with the dual clip
+    for A < 0), CISPO's `sg(min(ρ, cispo_max)) · A · log π` (a capped, gradient-free weight on REINFORCE), or
+    SAPO's soft gate `σ(τ(ρ − 1)) · 4/τ · A`, τ = `sapo_tau_pos` for A > 0 and `sapo_tau_neg` otherwise."""
+    if s.surrogate == "cispo":
+        return ratio.clamp(max=s.cispo_max).detach() * adv * logprobs
+    if s.surrogate == "sapo":
+        tau = torch.where(adv > 0, s.sapo_tau_pos, s.sapo_tau_neg).to(ratio.dtype)
+        return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - s.eps_low, 1.0 + s.eps_high) * adv)
+    if s.dual_clip is not None:
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)
+    return surrogate
+
+
 @register_loss("ppo_clip", settings=PPOClipSettings, inputs=_ppo_clip_inputs)
 def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, float]]:
     s: PPOClipSettings = cfg.section("ppo_clip")
@@ -214,10 +252,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     # NaN; past ±LOG_RATIO_LIMIT (e^80 ≈ 5.5e34, far beyond any clip range) the ratio is held there
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     adv = torch.where(valid, inp.advantages.detach(), 0)
-    clipped_ratio = ratio.clamp(1.0 - s.eps_low, 1.0 + s.eps_high)
-    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
-    if s.dual_clip is not None:
-        surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)
+    surrogate = _surrogate(s, ratio, adv, torch.where(valid, inp.logprobs, 0))
     weights = None
     if s.behavior_is != "none":
         weights, cut = behavior_importance_weights(old_logprobs, inp.need("behavior_logprobs", "algo.behavior_is"),
@@ -226,15 +261,14 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     loss = -inp.aggregate(surrogate, valid, cfg.loss_agg)
 
     ratio = ratio.detach()
-    clipped_high = valid & (adv > 0) & (ratio > 1.0 + s.eps_high)
-    clipped_low = valid & (adv < 0) & (ratio < 1.0 - s.eps_low)
-    stats = {
-        "clip_frac": _mean((clipped_high | clipped_low).double(), valid),
-        "clip_frac_low": _mean(clipped_low.double(), valid),
-        "clip_frac_high": _mean(clipped_high.double(), valid),
-        "ratio_mean": _mean(ratio, valid),
-        "ratio_max": _max(ratio, valid),
-    }
+    stats = {"ratio_mean": _mean(ratio, valid), "ratio_max": _max(ratio, valid)}
+    if s.surrogate == "clip":
+        clipped_high = valid & (adv > 0) & (ratio > 1.0 + s.eps_high)
+        clipped_low = valid & (adv < 0) & (ratio < 1.0 - s.eps_low)
+        stats.update(clip_frac=_mean((clipped_high | clipped_low).double(), valid),
+                     clip_frac_low=_mean(clipped_low.double(), valid), clip_frac_high=_mean(clipped_high.double(), valid))
+    elif s.surrogate == "cispo":  # TRL's cispo_clip_ratio: capped tokens of positive advantage
+        stats["cispo_clip_frac"] = _mean((valid & (adv > 0) & (ratio > s.cispo_max)).double(), valid)
     if s.dual_clip is not None:
         stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > s.dual_clip)).double(), valid)
     if weights is not None:

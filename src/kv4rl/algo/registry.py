@@ -7,7 +7,8 @@ A loss is a function `fn(inp: LossInputs, cfg: AlgoConfig) -> (loss, metrics)` r
   config key `algo.<field>` and reads back as `cfg.<field>`; a key belongs to exactly one loss, so
   a run config that sets another loss's key is refused with the name of the loss that owns it.
   An optional `validate()` method raises ValueError naming `algo.<field>` for bad values (run for every loss's
-  settings), and an optional `check_in_use()` for the rules that hold only when the loss is the run's.
+  settings), an optional `check_in_use()` for the rules that hold only when the loss is the run's, and an optional
+  `ignored_in_use()` listing its own keys set but unread in the run's setting (warned at start).
 - `inputs`: which optional `LossInputs` fields the loss reads (names in `LOSS_INPUTS`), as a set or
   as a function of the config. The learner computes and passes only those; the others stay None,
   so an extra forward pass (old or reference log-probs) is paid only by the losses that use it.

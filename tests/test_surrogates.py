@@ -1,0 +1,107 @@
+"""`algo.surrogate`: CISPO's and SAPO's objectives in place of PPO's clip (TRL's loss_type cispo / sapo), against
+TRL's `_compute_loss` written out in float64 (TRL f2cd577): loss, gradient and metrics, with the sequence-level
+ratio and the behaviour importance weights they share with the clip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv4rl.algo.config import AlgoConfig
+from kv4rl.algo.registry import LossInputs, get_loss
+from kv4rl.config import ConfigError, load_config
+from tests.test_behavior_is import trl_is_ratio
+
+
+def trl_per_token_loss(logp, old, adv, mask, loss_type, level, eps_high=2.0, tau_pos=1.0, tau_neg=1.05):
+    log_ratio = logp - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        return -torch.clamp(coef_1, max=eps_high).detach() * adv * logp
+    temperatures = torch.where(adv > 0, tau_pos, tau_neg)
+    return -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * adv
+
+
+def batch(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows, width = 6, 8
+    lengths = torch.tensor([8, 3, 6, 1, 5, 7])
+    mask = (torch.arange(width)[None] < lengths[:, None]).double()
+    sampling = -3 * torch.rand(rows, width, generator=gen, dtype=torch.float64)
+    old = sampling + 0.2 * torch.randn(rows, width, generator=gen, dtype=torch.float64)
+    logp = (old + 0.9 * torch.randn(rows, width, generator=gen, dtype=torch.float64)).requires_grad_(True)  # some ρ > 5
+    adv = torch.randn(rows, 1, generator=gen, dtype=torch.float64).expand(rows, width).clone()
+    return logp, old, sampling, adv, mask
+
+
+@pytest.mark.parametrize("surrogate", ["cispo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("is_mode", ["none", "token_truncate", "sequence_mask"])
+def test_the_surrogate_equals_trls_loss_type(surrogate, level, is_mode):
+    """Token-mean aggregation (TRL's cispo divides by the batch's tokens; its sapo is a mean of row means, checked
+    with seq_mean below)."""
+    logp, old, sampling, adv, mask = batch(3)
+    keys = {"surrogate": surrogate, "ratio_level": level, "old_logprob": "recompute", "behavior_is": is_mode,
+            "cispo_max": 2.0, "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}
+    for agg in ("token_mean", "seq_mean"):
+        cfg = AlgoConfig(loss_agg=agg, **keys)
+        cfg.validate()
+        loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                                        behavior_logprobs=sampling), cfg)
+        (grad,) = torch.autograd.grad(loss, logp)
+        per_token = trl_per_token_loss(logp, old, adv, mask, surrogate, level)
+        if is_mode != "none":
+            per_token = per_token * trl_is_ratio(old, sampling, mask, is_mode, None, 3.0)
+        want = (per_token * mask).sum() / mask.sum() if agg == "token_mean" else \
+            ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+        (want_grad,) = torch.autograd.grad(want, logp)
+        assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-14)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+        assert "clip_frac" not in metrics
+    if surrogate == "cispo":  # TRL's cispo_clip_ratio: ρ above the cap with A > 0, over the tokens
+        ratio = torch.exp(logp - old).detach() if level == "token" else torch.exp(
+            ((logp - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).detach().expand_as(mask)
+        capped = ((ratio > 2.0) & (adv > 0)).double()
+        assert metrics["cispo_clip_frac"] == pytest.approx(float((capped * mask).sum() / mask.sum()), rel=1e-12)
+        assert metrics["cispo_clip_frac"] > 0 or level == "sequence"  # a response's mean log-ratio stays below ln 2
+
+
+def test_sapos_two_temperatures_and_cispos_cap_by_hand():
+    """One token each: SAPO at ρ = e^0.5, A = 1 (τ = 1): loss −4σ(e^0.5 − 1), gradient −4σ'(·)·ρ; at A = −1 (τ =
+    1.05): loss (4/1.05)σ(1.05(ρ − 1)). CISPO at ρ = e^2 > 5: weight 5, loss −5·A·log π, gradient −5A."""
+    logp = torch.tensor([[0.5 - 1.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.0]], dtype=torch.float64)
+    rho = torch.exp(torch.tensor(0.5, dtype=torch.float64))
+    for a, tau in ((1.0, 1.0), (-1.0, 1.05)):
+        inp = LossInputs(logprobs=logp, advantages=torch.tensor([[a]], dtype=torch.float64), mask=torch.ones(1, 1),
+                         behavior_logprobs=old)
+        loss, _ = get_loss("ppo_clip")(inp, AlgoConfig(surrogate="sapo"))
+        (grad,) = torch.autograd.grad(loss, logp)
+        s = torch.sigmoid(tau * (rho - 1))
+        assert loss.item() == pytest.approx(float(-s * 4 / tau * a))
+        assert grad.item() == pytest.approx(float(-a * 4 * s * (1 - s) * rho))
+    logp = torch.tensor([[1.0]], dtype=torch.float64, requires_grad=True)
+    inp = LossInputs(logprobs=logp, advantages=torch.tensor([[0.5]], dtype=torch.float64), mask=torch.ones(1, 1),
+                     behavior_logprobs=torch.tensor([[-1.0]], dtype=torch.float64))
+    loss, metrics = get_loss("ppo_clip")(inp, AlgoConfig(surrogate="cispo"))
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(-5.0 * 0.5 * 1.0) and grad.item() == pytest.approx(-5.0 * 0.5)
+    assert metrics["cispo_clip_frac"] == 1.0
+
+
+def test_the_settings_are_checked_and_unread_ones_said():
+    with pytest.raises(ValueError, match="algo.surrogate"):
+        AlgoConfig(surrogate="gspo").validate()
+    with pytest.raises(ValueError, match="algo.cispo_max must be > 0"):
+        AlgoConfig(surrogate="cispo", cispo_max=0.0).validate()
+    with pytest.raises(ValueError, match="algo.dual_clip bounds the clipped surrogate"):
+        AlgoConfig(surrogate="sapo", dual_clip=3.0).validate()
+    AlgoConfig(loss="future_kl", surrogate="sapo", dual_clip=3.0).validate()  # ppo_clip's keys, ignored there
+    assert AlgoConfig(surrogate="cispo", eps_high=0.28).ignored_keys() == [
+        "algo.eps_high=0.28 is read by algo.surrogate=clip only; algo.surrogate=cispo ignores it"]
+    assert load_config(None, ["algo.surrogate=cispo", "algo.cispo_max=4"]).algo.cispo_max == 4.0
+    with pytest.raises(ConfigError, match=r"use algo.loss_agg=token_mean \(TRL's cispo divides so; its objective is "
+                                          r"algo.surrogate=cispo"):
+        load_config(None, ["algo.loss_agg=cispo"])
