@@ -10,7 +10,7 @@ import torch
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.config import ConfigError, load_config
-from tests.test_behavior_is import trl_is_ratio
+from tests.test_off_policy_corrections import trl_is_ratio
 
 
 def trl_per_token_loss(logp, old, adv, mask, loss_type, level, eps_high=2.0, tau_pos=1.0, tau_neg=1.05):

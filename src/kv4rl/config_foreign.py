@@ -83,6 +83,7 @@ OTHER_FRAMEWORKS = {
     "top_entropy_quantile": "TRL's top_entropy_quantile is algo.top_entropy_quantile",
     "entropy_coef": "TRL's entropy_coef is algo.entropy_coeff (aggregated by algo.loss_agg; TRL's token mean is "
                     "algo.loss_agg=token_mean)",
+    "off_policy_mask_threshold": "TRL's off_policy_mask_threshold is algo.off_policy_mask",
     "sapo_temperature_pos": "TRL's sapo_temperature_pos is algo.sapo_tau_pos (with algo.surrogate=sapo)",
     "sapo_temperature_neg": "TRL's sapo_temperature_neg is algo.sapo_tau_neg (with algo.surrogate=sapo)",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy does not exist: algo.entropy_coeff is constant",

@@ -186,6 +186,10 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.expm1(log_rho) - log_rho
 
 
+# a log-ratio is held within ±LOG_RATIO_LIMIT before exp: e^88.7 overflows float32, and e^80 ≈ 5.5e34 is far past
+# any clip, cap or bound
+LOG_RATIO_LIMIT = 80.0
+
 KLType = Literal["k3", "k1", "k2", "abs"]
 KL_TYPES: tuple[str, ...] = get_args(KLType)
 

@@ -24,7 +24,6 @@ std; every other name is a mean weighted by the micro-batch's valid-token count.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -32,7 +31,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from kv4rl.algo.logprobs import k3_kl, ref_kl_terms
+from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, k3_kl, ref_kl_terms
+from kv4rl.algo.off_policy import BEHAVIOR_IS_MODES, behavior_importance_weights, off_policy_keep
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ __all__ = ["LOSSES", "FutureKLSettings", "LossFn", "LossInputs", "PPOClipSetting
            "future_kl_credit", "future_kl_loss", "get_loss", "ppo_clip_loss", "register_loss"]
 
 
-LOG_RATIO_LIMIT = 80.0
 
 
 def future_kl_credit(log_ratio: Tensor, mask: Tensor, horizon: int | None) -> Tensor:
@@ -135,7 +134,9 @@ class PPOClipSettings:
     `behavior_is` weighs each token's surrogate by π_old/μ, the recomputed π_old over the engine's μ, truncated to
     or masked outside [`behavior_is_min`, `behavior_is_max`] (TRL's vllm_importance_sampling_*, AReaL's decoupled
     PPO; `behavior_importance_weights`). `surrogate` swaps the clipped objective for CISPO's or SAPO's (TRL's
-    loss_type cispo / sapo), which share π_old, the ratio level and the weights (`_surrogate`)."""
+    loss_type cispo / sapo), which share π_old, the ratio level and the weights (`_surrogate`). `off_policy_mask` =
+    δ drops a response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's
+    off_policy_mask_threshold; `off_policy_keep`)."""
 
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -145,6 +146,7 @@ class PPOClipSettings:
     behavior_is: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     behavior_is_max: float | None = 3.0
     behavior_is_min: float | None = None
+    off_policy_mask: float | None = None
     surrogate: Literal["clip", "cispo", "sapo"] = "clip"
     cispo_max: float = 5.0
     sapo_tau_pos: float = 1.0
@@ -161,6 +163,9 @@ class PPOClipSettings:
             raise ValueError(f"algo.dual_clip must be > 1 (or null), got {self.dual_clip}")
         require_choice("algo.behavior_is", self.behavior_is, BEHAVIOR_IS_MODES)
         require_choice("algo.surrogate", self.surrogate, ("clip", "cispo", "sapo"))
+        if self.off_policy_mask is not None and not self.off_policy_mask >= 0.0:
+            raise ValueError(f"algo.off_policy_mask must be >= 0 (the largest mean log μ − log π_θ a response of "
+                             f"negative advantage may have; null: off), got {self.off_policy_mask}")
         for key in ("cispo_max", "sapo_tau_pos", "sapo_tau_neg"):
             if not getattr(self, key) > 0.0:
                 raise ValueError(f"algo.{key} must be > 0, got {getattr(self, key)}")
@@ -193,32 +198,12 @@ class PPOClipSettings:
                              "is 1: set algo.old_logprob=recompute")
 
 
-BEHAVIOR_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def behavior_importance_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, valid: Tensor, mode: str,
-                                low: float | None, high: float | None) -> tuple[Tensor, Tensor]:
-    """(w [B, T], cut [B, T] bool), no gradient: π_old/μ per token (`token_*`), or per response from the sum of
-    its tokens' log-ratios (`sequence_*`), then clamped to [low, high] (`*_truncate`) or set to 0 outside it
-    (`*_mask`); a null bound is no bound. `cut` marks the tokens whose weight was outside. The log-ratio is held
-    at ±80 (e^88.7 overflows float32): a weight is at most e^80, never inf, and a masked mode with an upper bound
-    drops a response that far off."""
-    log_w = torch.where(valid, old_logprobs.detach().double() - behavior_logprobs.detach().double(), 0)
-    if mode.startswith("sequence"):
-        log_w = torch.where(valid, log_w.sum(-1, keepdim=True).expand_as(log_w), 0)
-    w = torch.exp(log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    lo = torch.full_like(w, -math.inf if low is None else low)
-    hi = torch.full_like(w, math.inf if high is None else high)
-    cut = valid & ((w < lo) | (w > hi))
-    w = torch.minimum(torch.maximum(w, lo), hi) if mode.endswith("truncate") else torch.where(cut, 0.0, w)
-    return torch.where(valid, w, 0.0), cut
-
-
 def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
     """π_old is either the engine's log-probs or a recompute by the learner; both with `behavior_is`."""
     s = cfg.section("ppo_clip")
     old = "old_logprobs" if s.old_logprob == "recompute" else "behavior_logprobs"
-    return {old, "ref_logprobs"} | ({"behavior_logprobs"} if s.behavior_is != "none" else set())
+    engine = s.behavior_is != "none" or s.off_policy_mask is not None
+    return {old, "ref_logprobs"} | ({"behavior_logprobs"} if engine else set())
 
 
 def _surrogate(s: PPOClipSettings, ratio: Tensor, adv: Tensor, logprobs: Tensor) -> Tensor:
@@ -253,6 +238,11 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     adv = torch.where(valid, inp.advantages.detach(), 0)
     surrogate = _surrogate(s, ratio, adv, torch.where(valid, inp.logprobs, 0))
+    kept = None
+    if s.off_policy_mask is not None:
+        kept = off_policy_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.off_policy_mask"), adv, valid,
+                               s.off_policy_mask)
+        surrogate = torch.where(kept, surrogate, torch.zeros((), dtype=surrogate.dtype, device=surrogate.device))
     weights = None
     if s.behavior_is != "none":
         weights, cut = behavior_importance_weights(old_logprobs, inp.need("behavior_logprobs", "algo.behavior_is"),
@@ -271,6 +261,8 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         stats["cispo_clip_frac"] = _mean((valid & (adv > 0) & (ratio > s.cispo_max)).double(), valid)
     if s.dual_clip is not None:
         stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > s.dual_clip)).double(), valid)
+    if kept is not None:  # the tokens of the responses it dropped
+        stats["off_policy_masked_frac"] = _mean((valid & ~kept).double(), valid)
     if weights is not None:
         stats.update(behavior_is_mean=_mean(weights, valid), behavior_is_max=_max(weights, valid),
                      behavior_is_cut_frac=_mean(cut.double(), valid))

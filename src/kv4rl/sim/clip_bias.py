@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from kv4rl.algo.config import AlgoConfig
-from kv4rl.algo.losses import LOG_RATIO_LIMIT, LossInputs, ppo_clip_loss
+from kv4rl.algo.logprobs import LOG_RATIO_LIMIT
+from kv4rl.algo.losses import LossInputs, ppo_clip_loss
 
 
 def closed_form(rho: float, eps: float, sigma: float) -> dict:

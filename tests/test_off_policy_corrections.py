@@ -1,6 +1,7 @@
-"""`algo.behavior_is` (TRL's vllm_importance_sampling_correction, AReaL's decoupled PPO): the PPO surrogate of each
-token weighed by π_old/μ, truncated or masked. The loss against TRL's `_compute_loss` written out in float64 (TRL
-f2cd577), and a learner step's logged weights against the learner's own recomputed log-probs."""
+"""The engine–learner gap corrections of `ppo_clip`: `algo.behavior_is` (TRL's vllm_importance_sampling_correction,
+AReaL's decoupled PPO), each token's surrogate weighed by π_old/μ, truncated or masked; and `algo.off_policy_mask`
+(DeepSeek-V3.2, TRL's off_policy_mask_threshold). The loss against TRL's `_compute_loss` written out in float64
+(TRL f2cd577), and a learner step's logged weights against the learner's own recomputed log-probs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kv4rl.algo.config import AlgoConfig
-from kv4rl.algo.losses import behavior_importance_weights
+from kv4rl.algo.off_policy import behavior_importance_weights, off_policy_keep
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.config import load_config
 from kv4rl.trainer.learner import Learner
@@ -134,3 +135,64 @@ def test_a_learner_step_weighs_by_its_recomputed_logprobs_over_the_engines(tiny_
     assert metrics["behavior_is_mean"] == pytest.approx(float(w[mask].mean()), rel=1e-5)
     assert metrics["behavior_is_max"] == pytest.approx(float(w[mask].max()), rel=1e-5)
     assert 0 < metrics["behavior_is_cut_frac"] < 1
+
+
+def trl_off_policy_mask(adv, logp, sampling, mask, threshold):
+    """TRL's get_off_policy_mask: keep a row if A >= 0 or the mean of (sampling − current) log-probs is <= δ."""
+    kl = sampling - logp.detach()
+    avg = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    return ((adv[:, :1] >= 0) | (avg <= threshold)).to(mask.dtype)
+
+
+@pytest.mark.parametrize("surrogate", ["clip", "cispo"])
+@pytest.mark.parametrize("is_mode", ["none", "token_truncate"])
+def test_the_off_policy_mask_equals_trls(surrogate, is_mode):
+    """TRL multiplies each row's per-token loss by the mask, then by the IS ratio; the threshold sits between the
+    rows' gaps so that some rows of negative advantage are dropped and some kept."""
+    gen = torch.Generator().manual_seed(5)
+    rows, width = 8, 7
+    lengths = torch.tensor([7, 3, 6, 1, 5, 7, 2, 4])
+    mask = (torch.arange(width)[None] < lengths[:, None]).double()
+    sampling = -3 * torch.rand(rows, width, generator=gen, dtype=torch.float64)
+    old = sampling + 0.2 * torch.randn(rows, width, generator=gen, dtype=torch.float64)
+    logp = (old + 0.3 * torch.randn(rows, width, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, -0.5, -2.0, 0.0, -1.0, 0.7, -0.3], dtype=torch.float64)[:, None].expand(rows, width)
+    gaps = ((sampling - logp.detach()) * mask).sum(1) / mask.sum(1)
+    threshold = float(gaps[adv[:, 0] < 0].median())
+    keys = {"old_logprob": "recompute", "behavior_is": is_mode, "off_policy_mask": threshold, "surrogate": surrogate}
+    if surrogate == "clip":
+        keys.update(eps_low=0.2, eps_high=0.28)
+    cfg = AlgoConfig(**keys)
+    cfg.validate()
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                                    behavior_logprobs=sampling), cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    coef_1 = torch.exp(logp - old)
+    if surrogate == "clip":
+        per_token = -torch.min(coef_1 * adv, torch.clamp(coef_1, 0.8, 1.28) * adv)
+    else:
+        per_token = -torch.clamp(coef_1, max=5.0).detach() * adv * logp
+    keep = trl_off_policy_mask(adv, logp, sampling, mask, threshold)
+    per_token = per_token * keep
+    if is_mode != "none":
+        per_token = per_token * trl_is_ratio(old, sampling, mask, is_mode, None, 3.0)
+    want = (per_token * mask).sum() / mask.sum()
+    (want_grad,) = torch.autograd.grad(want, logp)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-14)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+    dropped = (1 - keep).expand(rows, width) * mask
+    assert 0 < metrics["off_policy_masked_frac"] == pytest.approx(float(dropped.sum() / mask.sum()), rel=1e-12)
+
+
+def test_the_off_policy_mask_by_hand():
+    """Row 0: A < 0, gap (0.5 + 1.5) / 2 = 1 > 0.8: dropped. Row 1: the same gap, A = 0: kept. Row 2: A < 0, gap 0.5:
+    kept. A padded position never counts."""
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, -2.0, 0.0], [-1.0, -1.0, 0.0]])
+    behavior = torch.tensor([[-0.5, -0.5, 9.0], [-0.5, -0.5, 9.0], [-0.5, -0.5, 9.0]])
+    adv = torch.tensor([[-1.0] * 3, [0.0] * 3, [-1.0] * 3])
+    valid = torch.tensor([[True, True, False]] * 3)
+    kept = off_policy_keep(logp, behavior, adv, valid, 0.8)
+    assert kept.tolist() == [[False, False, False], [True, True, False], [True, True, False]]
+    with pytest.raises(ValueError, match="algo.off_policy_mask must be >= 0"):
+        AlgoConfig(off_policy_mask=-0.1).validate()
+    assert load_config(None, ["algo.off_policy_mask=0.5"]).algo.off_policy_mask == 0.5
