@@ -286,3 +286,12 @@ def test_which_settings_read_the_whole_batch():
     assert not needs_whole_batch(AdvantageConfig(estimator="rloo", std_scope="batch"))
     assert needs_whole_batch(AdvantageConfig(estimator="reinforce_plus_plus"))
     assert needs_whole_batch(AdvantageConfig(estimator="reinforce_plus_plus_baseline"))
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus_baseline", "reinforce_plus_plus"])
+def test_reinforce_pp_gives_exact_zeros_when_the_batch_tells_nothing_apart(estimator):
+    """Every reward 0.1 (0.1 x 3 / 3 != 0.1 in floats) over unequal lengths: exactly 0, so the run's "reward taught
+    nothing" watch (adv_std == 0) still sees it."""
+    adv, metrics = compute_advantages(torch.full((6,), 0.1, dtype=torch.float64), 3,
+                                      AdvantageConfig(estimator=estimator), lengths=torch.tensor([3.0, 7, 1, 9, 2, 5]))
+    assert adv.tolist() == [0.0] * 6 and metrics["adv_std"] == 0.0

@@ -60,7 +60,8 @@ def test_the_surrogate_equals_trls_loss_type(surrogate, level, is_mode):
         assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-14)
         torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
         assert "clip_frac" not in metrics
-    if surrogate == "cispo":  # TRL's cispo_clip_ratio: ρ above the cap with A > 0, over the tokens
+    if surrogate == "cispo":  # TRL's cispo_clip_ratio: ρ above the cap with A > 0 (over tokens here; at sequence
+        # level TRL counts responses, README says so)
         ratio = torch.exp(logp - old).detach() if level == "token" else torch.exp(
             ((logp - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).detach().expand_as(mask)
         capped = ((ratio > 2.0) & (adv > 0)).double()
@@ -100,7 +101,8 @@ def test_the_settings_are_checked_and_unread_ones_said():
         AlgoConfig(surrogate="sapo", dual_clip=3.0).validate()
     AlgoConfig(loss="future_kl", surrogate="sapo", dual_clip=3.0).validate()  # ppo_clip's keys, ignored there
     assert AlgoConfig(surrogate="cispo", eps_high=0.28).ignored_keys() == [
-        "algo.eps_high=0.28 is read by algo.surrogate=clip only; algo.surrogate=cispo ignores it"]
+        "algo.eps_high=0.28 is read by algo.surrogate=clip only; algo.surrogate=cispo ignores it (its cap is "
+        "algo.cispo_max)"]
     assert load_config(None, ["algo.surrogate=cispo", "algo.cispo_max=4"]).algo.cispo_max == 4.0
     with pytest.raises(ConfigError, match=r"use algo.loss_agg=token_mean \(TRL's cispo divides so; its objective is "
                                           r"algo.surrogate=cispo"):

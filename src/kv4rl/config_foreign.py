@@ -15,7 +15,8 @@ OTHER_FRAMEWORKS = {
     "num_generations_eval": "TRL's num_generations_eval is eval.k",
     "learning_rate": "the learning rate is trainer.lr",
     "epsilon": "TRL's epsilon is algo.eps_low (and algo.eps_high, which it also sets)",
-    "epsilon_high": "TRL's epsilon_high is algo.eps_high",
+    "epsilon_high": "TRL's epsilon_high is algo.eps_high (with loss_type cispo: algo.cispo_max, under "
+                    "algo.surrogate=cispo)",
     "clip_ratio": "verl's clip_ratio is algo.eps_low and algo.eps_high",
     "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean, dr_grpo: token_sum_norm; cispo: "
                  "token_mean with algo.surrogate=cispo, sapo: seq_mean with algo.surrogate=sapo)",

@@ -174,7 +174,8 @@ def reinforce_pp_advantages(rewards: Tensor, group_size: int, lengths: Tensor, b
 
     `lengths`: the token count of each response of the whole batch, `whole_rewards` (whole groups, all ranks';
     by default `rewards`, which is then the whole batch). A flat group's `c` is exactly 0, so its advantage is
-    `−μ / σ`, as in verl. Float64, returned in the rewards' float dtype.
+    `−μ / σ`, as in verl; a batch whose `c` are all equal gets exactly 0. Float64, returned in the rewards' float
+    dtype.
     """
     grouped = _grouped(rewards, group_size)
     out_dtype = grouped.dtype
@@ -192,6 +193,8 @@ def reinforce_pp_advantages(rewards: Tensor, group_size: int, lengths: Tensor, b
         return (_group_centered(g.double()) if baseline else g.double()).reshape(-1)
 
     c_whole = centred(whole)
+    if bool(c_whole.amax() == c_whole.amin()):  # nothing to tell apart: exactly 0, not a rounding residue of c − μ
+        return torch.zeros(grouped.numel(), dtype=out_dtype, device=grouped.device)
     mean = (weights * c_whole).sum() / tokens
     var = (weights * (c_whole - mean) ** 2).sum() / (tokens - 1)
     return ((centred(grouped) - mean) / torch.sqrt(var + WHITEN_EPS)).to(out_dtype)

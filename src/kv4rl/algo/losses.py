@@ -183,8 +183,9 @@ class PPOClipSettings:
                    "sapo_tau_neg": "sapo"}
         for key, reader in readers.items():
             if reader != self.surrogate and getattr(self, key) != getattr(default, key):
+                cap = " (its cap is algo.cispo_max)" if key == "eps_high" and self.surrogate == "cispo" else ""
                 lines.append(f"algo.{key}={getattr(self, key)!r} is read by algo.surrogate={reader} only; "
-                             f"algo.surrogate={self.surrogate} ignores it")
+                             f"algo.surrogate={self.surrogate} ignores it{cap}")
         return lines
 
     def check_in_use(self) -> None:
