@@ -286,6 +286,8 @@ def test_which_settings_read_the_whole_batch():
     assert not needs_whole_batch(AdvantageConfig(estimator="rloo", std_scope="batch"))
     assert needs_whole_batch(AdvantageConfig(estimator="reinforce_plus_plus"))
     assert needs_whole_batch(AdvantageConfig(estimator="reinforce_plus_plus_baseline"))
+    assert needs_whole_batch(AdvantageConfig(estimator="gpg"))  # its scale counts every rank's rewarded responses
+    assert not needs_whole_batch(AdvantageConfig(estimator="opo"))
 
 
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus_baseline", "reinforce_plus_plus"])
@@ -295,3 +297,58 @@ def test_reinforce_pp_gives_exact_zeros_when_the_batch_tells_nothing_apart(estim
     adv, metrics = compute_advantages(torch.full((6,), 0.1, dtype=torch.float64), 3,
                                       AdvantageConfig(estimator=estimator), lengths=torch.tensor([3.0, 7, 1, 9, 2, 5]))
     assert adv.tolist() == [0.0] * 6 and metrics["adv_std"] == 0.0
+
+
+def _verl_by_group(scores, group_size):
+    """verl groups responses by uid with a dict of lists; here groups are contiguous."""
+    return [list(range(s, s + group_size)) for s in range(0, len(scores), group_size)]
+
+
+def test_opo_is_verls_length_weighted_baseline():
+    """verl's compute_opo_outcome_advantage (b178a3c): each score minus its group's Σ L·r / Σ L; no std."""
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.rand(12, generator=gen, dtype=torch.float64)
+    scores[4:8] = 0.5  # flat
+    lengths = torch.randint(1, 50, (12,), generator=gen)
+    want = scores.clone()
+    for idx in _verl_by_group(scores, 4):
+        s, n = scores[idx], lengths[idx].double()
+        want[idx] = s - (n * s).sum() / n.sum()
+    adv, metrics = compute_advantages(scores, 4, AdvantageConfig(estimator="opo"), lengths=lengths)
+    torch.testing.assert_close(adv, want, rtol=0, atol=1e-15)
+    assert adv[4:8].tolist() == [0.0] * 4 and metrics["zero_var_group_frac"] == pytest.approx(1 / 3)
+    # by hand: rewards 1, 0 with lengths 1, 3: baseline 1/4, advantages 3/4 and -1/4
+    hand, _ = compute_advantages(torch.tensor([1.0, 0.0]), 2, AdvantageConfig(estimator="opo"), lengths=torch.tensor([1, 3]))
+    assert hand.tolist() == [0.75, -0.25]
+    with pytest.raises(ValueError, match="opo weighs a group's rewards by their tokens"):
+        compute_advantages(scores, 4, AdvantageConfig(estimator="opo"))
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_grpo_passk_is_verls(normalize_std):
+    """verl's compute_grpo_passk_outcome_advantage: the group's best gets r_max − r_second (over std + 1e-6), the
+    rest 0; a tie at the top gives 0 to all."""
+    scores = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.2, 0.9, 0.4, 0.1], dtype=torch.float64)
+    want = torch.zeros_like(scores)
+    for idx in _verl_by_group(scores, 4):
+        r = scores[idx]
+        top, where = torch.topk(r, 2)
+        lead = top[0] - top[1]
+        want[idx[int(where[0])]] = lead / (torch.std(r) + 1e-6) if normalize_std else lead
+    adv, _ = compute_advantages(scores, 4, AdvantageConfig(estimator="grpo_passk", normalize_std=normalize_std))
+    torch.testing.assert_close(adv, want, rtol=0, atol=1e-15)
+    assert adv[4:8].tolist() == [0.0] * 4  # two at the top
+    assert adv[9] == pytest.approx(0.5 / ((float(scores[8:].std()) + 1e-6) if normalize_std else 1.0))
+
+
+def test_gpg_is_verls_and_counts_every_ranks_rewards():
+    """verl's compute_gpg_outcome_advantage: α (r − group mean), α = batch size / non-zero scores in the batch."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    alpha = 8 / 3
+    want = torch.cat([alpha * (scores[i:i + 4] - scores[i:i + 4].mean()) for i in (0, 4)])
+    adv, _ = compute_advantages(scores, 4, AdvantageConfig(estimator="gpg"))
+    torch.testing.assert_close(adv, want, rtol=0, atol=1e-15)
+    share, _ = compute_advantages(scores[4:], 4, AdvantageConfig(estimator="gpg"), batch_rewards=scores)
+    torch.testing.assert_close(share, want[4:], rtol=0, atol=1e-15)  # α of the whole batch, not of the share (4/2)
+    zero, _ = compute_advantages(torch.zeros(4, dtype=torch.float64), 2, AdvantageConfig(estimator="gpg"))
+    assert zero.tolist() == [0.0] * 4

@@ -377,12 +377,18 @@ def test_another_frameworks_value_names_the_kv4rl_value_that_works():
     assert "; use" not in str(bad.value)
 
 
-@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus_baseline", "grpo_passk"])
 def test_grpos_std_keys_under_another_estimator_are_each_said_to_change_nothing(caplog, estimator):
+    """std_scope is GRPO's alone; normalize_std GRPO's and grpo_passk's (which divides its lead by the group std)."""
     with caplog.at_level(logging.WARNING):
         load_config(None, [f"advantage.estimator={estimator}", "advantage.std_scope=batch",
                            "advantage.normalize_std=false"])
     said = [m for m in caplog.messages if "changes nothing" in m]
-    assert len(said) == 2 and said[0].startswith("advantage.std_scope=batch is read by advantage.estimator=grpo only")
-    assert said[1].startswith("advantage.normalize_std=false is read by advantage.estimator=grpo only")
+    assert said[0].startswith("advantage.std_scope=batch is read by advantage.estimator=grpo only")
+    if estimator == "grpo_passk":
+        assert len(said) == 1
+    else:
+        assert len(said) == 2
+        assert said[1].startswith("advantage.normalize_std=false is read by advantage.estimator=grpo and grpo_passk "
+                                  "only")
     assert all(f"advantage.estimator={estimator} divides by" in m for m in said)

@@ -1,9 +1,11 @@
-"""Advantage estimators (docs/objectives.md) as registered pure functions: `grpo`, `rloo` and REINFORCE++'s two.
+"""Advantage estimators (docs/objectives.md) as registered pure functions: `grpo`, `rloo`, REINFORCE++'s two and
+verl's `opo`, `grpo_passk` and `gpg`.
 
 Every estimator maps one reward per response, groups contiguous (`[g0r0, g0r1, …, g1r0, …]`),
 to one advantage per response; the learner broadcasts it over the response's tokens. An estimator that
 normalises over the whole learner batch (GRPO's `std_scope: batch`, REINFORCE++'s whitening) reads every
-rank's rewards, and REINFORCE++ their token counts, from `WholeBatch`.
+rank's rewards, and REINFORCE++ their token counts, from `WholeBatch`; OPO weighs a group's rewards by this
+rank's own token counts.
 
 GRPO divides by the *unbiased* (sample, n−1) standard deviation of the group, as most GRPO
 implementations do; the method leaves population vs sample open. Groups whose rewards are all equal
@@ -28,10 +30,12 @@ WHITEN_EPS = 1e-8  # inside the square root, as verl's masked_whiten
 @dataclass(frozen=True)
 class WholeBatch:
     """Every response of the learner batch, all ranks' groups in one order (in one process, this rank's):
-    its rewards and, where an estimator weighs responses by their tokens, each response's token count."""
+    its rewards and, where an estimator weighs responses by their tokens, each response's token count; and the
+    token counts of this rank's own responses (`local_lengths`, beside the estimator's `rewards`)."""
 
     rewards: Tensor
     lengths: Tensor | None = None
+    local_lengths: Tensor | None = None
 
 
 # (rewards[N], group_size, cfg, whole batch) -> (advantages[N], metrics); `rewards` are this rank's share
@@ -43,7 +47,7 @@ TOKEN_WEIGHTED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 def needs_whole_batch(cfg: AdvantageConfig) -> bool:
     """Whether `cfg`'s advantages read the whole learner batch (under torchrun, every rank's rewards)."""
-    return (cfg.std_scope == "batch" and cfg.estimator == "grpo") or cfg.estimator in TOKEN_WEIGHTED
+    return (cfg.std_scope == "batch" and cfg.estimator == "grpo") or cfg.estimator in (*TOKEN_WEIGHTED, "gpg")
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
@@ -216,6 +220,56 @@ register_advantage("reinforce_plus_plus_baseline")(_reinforce_pp(baseline=True))
 register_advantage("reinforce_plus_plus")(_reinforce_pp(baseline=False))
 
 
+def _flat_metrics(rewards: Tensor, group_size: int) -> dict[str, float]:
+    return {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
+
+
+@register_advantage("opo")
+def _opo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
+    """OPO (verl's `opo`): `r_i − Σ_j L_j r_j / Σ_j L_j` over the group, the length-weighted mean as the baseline
+    (L: token counts); no std. A flat group gets exactly 0."""
+    if whole.local_lengths is None:
+        raise ValueError("advantage.estimator=opo weighs a group's rewards by their tokens: pass the response lengths "
+                         "(compute_advantages(lengths=...))")
+    grouped = _grouped(rewards, group_size)
+    lengths = whole.local_lengths.double().to(grouped.device)
+    if lengths.shape != (grouped.numel(),) or bool((lengths <= 0).any()):
+        raise ValueError(f"advantage.estimator=opo needs one token count >= 1 per response ({grouped.numel()}), got "
+                         f"{whole.local_lengths.tolist()}")
+    values, lengths = grouped.double(), lengths.reshape(grouped.shape)
+    baseline = (lengths * values).sum(1, keepdim=True) / lengths.sum(1, keepdim=True)
+    adv = torch.where(_zero_variance(values)[:, None], torch.zeros_like(values), values - baseline)
+    return adv.reshape(-1).to(grouped.dtype), _flat_metrics(rewards, group_size)
+
+
+@register_advantage("grpo_passk")
+def _grpo_passk(rewards: Tensor, group_size: int, cfg: AdvantageConfig,
+                whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
+    """Pass@k training (verl's `grpo_passk`): only the group's best response gets `r_max − r_second`, over the
+    group's unbiased std + 1e-6 with `normalize_std`; every other response 0 (so does a tie at the top, and a group
+    of one, which has no second)."""
+    grouped = _grouped(rewards, group_size)
+    values = grouped.double()
+    adv = torch.zeros_like(values)
+    if group_size > 1:
+        top2, where = values.topk(2, dim=1)
+        gap = top2[:, 0] - top2[:, 1]
+        if cfg.normalize_std:
+            gap = gap / (values.std(dim=1, correction=1) + STD_EPS)
+        adv = adv.scatter(1, where[:, :1], gap[:, None])
+    return adv.reshape(-1).to(grouped.dtype), _flat_metrics(rewards, group_size)
+
+
+@register_advantage("gpg")
+def _gpg(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
+    """GPG (verl's `gpg`): `α (r_i − mean_group)`, α = the batch's responses over its responses of non-zero reward
+    (all ranks'; at least 1), so a batch of few rewarded responses gets a larger step; no std."""
+    everyone = whole.rewards.reshape(-1).double()
+    alpha = everyone.numel() / max(int((everyone != 0).sum()), 1)
+    grouped = _grouped(rewards, group_size)
+    return (alpha * _group_centered(grouped.double())).reshape(-1).to(grouped.dtype), _flat_metrics(rewards, group_size)
+
+
 def compute_advantages(
     rewards: Tensor,
     group_size: int,
@@ -241,7 +295,8 @@ def compute_advantages(
         )
     if (batch_rewards is None) != (batch_lengths is None) and lengths is not None:
         raise ValueError("batch_lengths go with batch_rewards: pass both (the whole batch) or neither")
-    whole = WholeBatch(rewards, lengths) if batch_rewards is None else WholeBatch(batch_rewards, batch_lengths)
+    whole = WholeBatch(rewards, lengths, lengths) if batch_rewards is None else \
+        WholeBatch(batch_rewards, batch_lengths, lengths)
     adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg, whole)
     if cfg.baseline_noise > 0:
         adv = perturb_baseline(adv, cfg.baseline_noise, generator, group_keys)

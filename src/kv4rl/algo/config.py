@@ -172,18 +172,21 @@ _BETA_HINT = " (TRL's beta, the reference-KL coefficient, is algo.kl_ref_coef)"
 class AdvantageConfig:
     """The advantage estimator (docs/objectives.md): `grpo`, `rloo` (the leave-one-out baseline, no std), or
     REINFORCE++'s `reinforce_plus_plus_baseline` (the group mean, then whitened over the batch's tokens) and
-    `reinforce_plus_plus` (the rewards whitened so). `normalize_std` divides GRPO's by the std of each group's
-    rewards, or with `std_scope: batch` by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
+    `reinforce_plus_plus` (the rewards whitened so), and verl's `opo` (the length-weighted group mean), `grpo_passk`
+    (only the best response, by its lead) and `gpg` (the group mean, scaled up by the rewarded share).
+    `normalize_std` divides GRPO's (and `grpo_passk`'s) by the std of each group's rewards, or with
+    `std_scope: batch` GRPO's by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation."""
 
-    estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus"] = "grpo"
+    estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "opo", "grpo_passk",
+                       "gpg"] = "grpo"
     normalize_std: bool = True
     std_scope: Literal["group", "batch"] = "group"
     baseline_noise: float = 0.0
 
     def validate(self) -> None:
         require_choice("advantage.estimator", self.estimator,
-                       ("grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus"))
+                       typing.get_args(typing.get_type_hints(AdvantageConfig)["estimator"]))
         require_choice("advantage.std_scope", self.std_scope, ("group", "batch"))
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")
