@@ -314,7 +314,7 @@ def main() -> None:
         print("aborted", file=sys.stderr)
         sys.exit(1)
     except ConfigError as exc:
-        error_line(str(exc))
+        error_line(str(exc))  # a line per problem: a pasted config hears of all its keys at once
         sys.exit(2)
     except OSError as exc:  # the machine, not the input: a full disk, a folder without write permission
         if wants_traceback(bool({"-v", "--verbose"} & set(sys.argv[1:]))):

@@ -36,8 +36,10 @@ err_console = PipeSafeConsole(stderr=True)
 
 
 def error_line(message: str) -> None:
-    """Print one error line, unwrapped; escaped, so a path or value in [brackets] is text, not rich markup."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    """Print one error line, unwrapped (one each for a message of several lines, as a config's problems are);
+    escaped, so a path or value in [brackets] is text, not rich markup."""
+    for line in message.splitlines() or [""]:
+        err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 TRACEBACK_ENV = "KV4RL_TRACEBACK"  # set to 1: a failed file operation shows its traceback, not one line

@@ -67,7 +67,8 @@ OTHER_FRAMEWORKS = {
     "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "
                               "device, the colocated learner's memory included)",
     "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
-    "save_freq": "verl's save_freq is checkpoint.save_every",
+    "save_freq": "verl's save_freq is checkpoint.save_every (>= 1; a checkpoint is also written at the end and on a "
+                 "stop, and none is never: -1 has no counterpart)",
     "test_freq": "verl's test_freq is eval.every",
     "val_before_train": "verl's val_before_train is eval.before_training (off by default here)",
     "max_prompt_length": "verl's max_prompt_length with filter_overlong_prompts is data.max_prompt_tokens (the longer "
@@ -85,6 +86,36 @@ OTHER_FRAMEWORKS = {
     "entropy_coef": "TRL's entropy_coef is algo.entropy_coeff (aggregated by algo.loss_agg; TRL's token mean is "
                     "algo.loss_agg=token_mean)",
     "off_policy_mask_threshold": "TRL's off_policy_mask_threshold is algo.off_policy_mask",
+    "train_files": "verl's data.train_files is data.train (one JSONL file of {problem, answer} rows)",
+    "val_files": "verl's data.val_files is data.eval (one JSONL file of {problem, answer} rows)",
+    "enable_gradient_checkpointing": "verl's enable_gradient_checkpointing is trainer.grad_checkpointing",
+    "param_offload": "verl's fsdp_config.param_offload is trainer.offload (FSDP2 CPU offload; "
+                     "trainer.offload_optimizer keeps only AdamW's moments on the CPU)",
+    "optimizer_offload": "verl's fsdp_config.optimizer_offload is trainer.offload_optimizer",
+    "logger": "verl's trainer.logger: TensorBoard event files are always written; logging.wandb=true adds W&B",
+    "project_name": "verl's trainer.project_name is logging.wandb_project",
+    "experiment_name": "verl's trainer.experiment_name is name (the run folder is out_dir/name)",
+    "n_gpus_per_node": "verl's n_gpus_per_node is torchrun's --nproc-per-node (README, 'Several GPUs: torchrun')",
+    "nnodes": "verl's nnodes is torchrun's --nnodes (README, 'Several GPUs: torchrun')",
+    "use_kl_in_reward": "verl's use_kl_in_reward does not exist: the reference KL is a loss term here "
+                        "(algo.kl_ref_coef, algo.kl_ref_type)",
+    "rollout_is_batch_normalize": "verl's rollout_is_batch_normalize does not exist (algo.behavior_is is not "
+                                  "normalised)",
+    "rollout_rs": "verl's rejection sampling (rollout_rs) does not exist; the nearest is algo.behavior_is=token_mask "
+                  "or sequence_mask with algo.behavior_is_min/max, or algo.off_policy_mask",
+    "rollout_rs_threshold": "verl's rollout_rs_threshold does not exist (see algo.behavior_is_min/max)",
+    "truncation": "verl's data.truncation does not exist: data.max_prompt_tokens drops the longer prompts",
+    "model_name_or_path": "TRL's model_name_or_path is model.path (a local model folder; nothing is downloaded)",
+    "gradient_accumulation_steps": "TRL's gradient_accumulation_steps has no key here: each optimizer step "
+                                   "accumulates every micro-batch (trainer.micro_batch_size rows) of its "
+                                   "mini-batch, the batch over trainer.updates_per_batch",
+    "use_peft": "LoRA / PEFT does not exist here: the learner trains every weight in BF16",
+    "min_p": "min_p sampling does not exist (rollout.temperature, rollout.top_p, rollout.top_k)",
+    "repetition_penalty": "repetition_penalty does not exist (rollout.temperature, rollout.top_p, rollout.top_k)",
+    "rollout_correction.loss_type": "verl's rollout_correction.loss_type (bypass mode's reinforce / ppo_clip) does not "
+                                    "exist: kv4rl's bypass mode is algo.old_logprob=behavior with the clip",
+    "rollout.name": "verl's rollout.name (vllm / sglang) has no counterpart: kv4rl rolls out with its own engine "
+                    "(engine.*)",
     "sapo_temperature_pos": "TRL's sapo_temperature_pos is algo.sapo_tau_pos (with algo.surrogate=sapo)",
     "sapo_temperature_neg": "TRL's sapo_temperature_neg is algo.sapo_tau_neg (with algo.surrogate=sapo)",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy does not exist: algo.entropy_coeff is constant",
@@ -114,6 +145,8 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
                          "kl": "k1 (verl's kl)", "mse": "k2 (verl's mse)",
                          "k3+": "k2 (k3+'s gradient; verl's straight-through types do not exist here)",
                          "k1+": "k2 (k1+'s gradient; verl's straight-through types do not exist here)"},
+    "algo.behavior_is": {"token": "token_truncate (verl's rollout_is: token)",
+                         "sequence": "sequence_truncate (verl's rollout_is: sequence)"},
     "algo.loss_agg": {"token-mean": "token_mean (verl's token-mean)", "seq-mean-token-mean": "seq_mean (verl's)",
                       "seq-mean-token-sum": "seq_mean_token_sum (verl's)",
                       "seq-mean-token-sum-norm": "token_sum_norm (verl's seq-mean-token-sum-norm)",
@@ -124,6 +157,17 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
                       "bnpo": "token_mean (the nearest: TRL's bnpo divides by each process's tokens, token_mean by "
                               "the whole mini-batch's)"},
 }
+
+
+def other_key_hint(key: str) -> str | None:
+    """What kv4rl calls the pasted key `key` (dotted): an entry naming the end of its path (`rollout_correction.
+    loss_type`) before one naming its last name (`loss_type`, TRL's), or None."""
+    names = key.split(".")
+    for start in range(len(names)):
+        hint = OTHER_FRAMEWORKS.get(".".join(names[start:]))
+        if hint is not None:
+            return hint
+    return None
 
 
 def other_value_hint(key: str, value: object) -> str | None:

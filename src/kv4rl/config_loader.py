@@ -18,13 +18,22 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from kv4rl.config_foreign import OTHER_FRAMEWORKS, other_value_hint
+from kv4rl.config_foreign import OTHER_FRAMEWORKS, other_key_hint, other_value_hint
 
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or conflicts with another key."""
+    """A config key is unknown, has the wrong type, or conflicts with another key. `problems` holds one line per
+    problem (a config is checked whole, so a pasted foreign config hears of all its keys at once, not one a run)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = list(problems) if problems else [message]
+        super().__init__("\n".join(self.problems))
+
+    @classmethod
+    def of(cls, problems: list[str]) -> ConfigError:
+        return cls(problems[0], problems)
 
 
 def _type_name(tp: Any) -> str:
@@ -41,6 +50,8 @@ def _quote_hint(value: Any, tp: Any, key: str) -> str:
     """A text key given `{problem}` or `Label: {x}` unquoted: YAML read a mapping, so say to quote it, in a
     form the shell passes on (it strips one level of quotes)."""
     wants_text = str in get_args(tp) or tp is str
+    if wants_text and isinstance(value, list) and key.endswith(("data.train", "data.eval", "model.path")):
+        return " (one path: a list of files is not read; join the rows into one JSONL file)"
     if wants_text and isinstance(value, (dict, list)):
         return (f" (the value was read as YAML, which made it a mapping or list; quote it for YAML: in a config "
                 f"file {key.rsplit('.', 1)[-1]}: 'Q: {{problem}}', on the command line \"{key}='Q: {{problem}}'\", "
@@ -137,24 +148,22 @@ def _schema(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _foreign_key(key: str, value: Any, schema: dict[str, Any], prefix: str = "") -> tuple[str, str] | None:
-    """(the dotted key, its hint) for the first key under `key` (a whole pasted verl path such as
-    actor_rollout_ref.actor.clip_ratio_high=0.28 arrives as one unknown top-level key) that another framework
-    names, or whose last name is a key of a kv4rl section (`schema`: the top level's): the deepest name along
-    each path is checked first."""
-    if isinstance(value, dict):
-        for name, inner in value.items():
-            found = _foreign_key(f"{key}.{name}", inner, schema, prefix)
-            if found is not None:
-                return found
+def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = "") -> list[tuple[str, str | None]]:
+    """(dotted key, hint or None) for every leaf under `key` (a whole pasted verl path such as
+    actor_rollout_ref.actor.clip_ratio_high=0.28, or a pasted verl section, arrives as one unknown top-level key):
+    the hint where another framework names the leaf (or a section on its path, deepest first), or where its last
+    name is a key of a kv4rl section (`schema`: the top level's)."""
+    if isinstance(value, dict) and value:
+        found = [leaf for name, inner in value.items() for leaf in _foreign_keys(f"{key}.{name}", inner, schema, prefix)]
+        if other_key_hint(key) is not None and all(hint is None for _, hint in found):
+            return [(key, other_key_hint(key))]
+        return found
     last = key.rsplit(".", 1)[-1]
-    if last in OTHER_FRAMEWORKS:
-        return key, OTHER_FRAMEWORKS[last]
-    if isinstance(value, dict):
-        return None
+    if other_key_hint(key) is not None:
+        return [(key, other_key_hint(key))]
     same = [f"{prefix}.{section}.{last}" if prefix else f"{section}.{last}"
             for section, tp in schema.items() if _is_section(tp) and last in _schema(tp)]
-    return (key, f"did you mean {' or '.join(same)}?") if same and "." in key else None
+    return [(key, f"did you mean {' or '.join(same)}?" if same and "." in key else None)]
 
 
 def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
@@ -171,20 +180,34 @@ def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
 
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build section `cls` from a (possibly partial) mapping; unknown keys are errors."""
+    """Build section `cls` from a (possibly partial) mapping; unknown keys are errors, every one of them (and of
+    the sections inside) in one ConfigError."""
     schema = _schema(cls)
-    kwargs = {}
+    kwargs, problems = {}, []
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
         if name not in schema:
             hint = ("; a key of a loss in your own module needs that module in algo.plugins"
                     if prefix == "algo" else "")
-            foreign = _foreign_key(key, value, schema, prefix) if name not in OTHER_FRAMEWORKS else None
-            if foreign is not None and foreign[0] != key:
-                raise ConfigError(f"unknown config key '{foreign[0]}'; {foreign[1]}")
-            raise ConfigError(f"unknown config key '{key}'{_did_you_mean(name, schema, prefix)} (known here: "
-                              f"{', '.join(schema)}){hint}")
-        kwargs[name] = _coerce(value, schema[name], key)
+            leaves = _foreign_keys(key, value, schema, prefix) if name not in OTHER_FRAMEWORKS else []
+            named = [(leaf, why) for leaf, why in leaves if why is not None and leaf != key]
+            if named:  # a pasted path or section: each key another framework names, then the rest in one line
+                problems += [f"unknown config key '{leaf}'; {why}" for leaf, why in named]
+                rest = [leaf for leaf, why in leaves if why is None]
+                if rest:
+                    problems.append(f"unknown config key{'s' if len(rest) > 1 else ''} {', '.join(rest)}: no kv4rl "
+                                    "counterpart known (README's 'Coming from verl' and 'Coming from TRL' list "
+                                    "the keys that have one)")
+            else:
+                problems.append(f"unknown config key '{key}'{_did_you_mean(name, schema, prefix)} (known here: "
+                                f"{', '.join(schema)}){hint}")
+            continue
+        try:
+            kwargs[name] = _coerce(value, schema[name], key)
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError.of(problems)
     return cls(**kwargs)
 
 
