@@ -434,3 +434,25 @@ def test_the_cli_prints_one_error_line_per_problem(tmp_path, monkeypatch):
     assert res.exit_code == 2
     lines = [line for line in res.output.splitlines() if line.startswith("error:")]
     assert len(lines) == 3 and not (tmp_path / "runs").exists()
+
+
+def test_print_config_says_what_train_would_refuse_without_reading_it(tmp_path, monkeypatch):
+    """--print-config reads no model or data, so a Hub id as model.path passed it and train refused it: the
+    missing paths and a tensor-parallel engine without torchrun's processes are now warned about (exit 0)."""
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    res = CliRunner().invoke(app, ["train", "model.path=Qwen/Qwen3-8B", "data.train=train.jsonl",
+                                   "data.eval=gone.jsonl", "engine.tensor_parallel=2", "--print-config"])
+    assert res.exit_code == 0, res.output
+    warned = [line for line in res.output.splitlines() if line.startswith("warning:")]
+    assert warned == [f"warning: model.path={tmp_path / 'Qwen' / 'Qwen3-8B'} does not exist; train would refuse it",
+                      f"warning: data.eval={tmp_path / 'gone.jsonl'} does not exist; train would refuse it",
+                      "warning: engine.tensor_parallel=2 needs 2 processes per engine: start with `torchrun "
+                      "--nproc-per-node 2 -m kv4rl.cli train ...`"]
+    assert not (tmp_path / "runs").exists()
+    clean = CliRunner().invoke(app, ["train", "data.train=train.jsonl", "--print-config"])
+    assert clean.exit_code == 0 and "warning:" not in clean.output

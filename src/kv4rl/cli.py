@@ -105,6 +105,21 @@ def train(
     _train_command(config, overrides, resume, overwrite, verbose, progress, print_config, seeds, parallel)
 
 
+def _unread_inputs(cfg) -> list[str]:
+    """--print-config reads no model or data; these cheap checks say what `train` would then refuse: a model or
+    data path that is not there, and a tensor-parallel engine without the processes torchrun starts."""
+    from kv4rl import distributed
+
+    lines = [f"{key}={path} does not exist; train would refuse it"
+             for key, path in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
+                               ("data.eval", cfg.data.eval)) if path and not Path(path).exists()]
+    tp = cfg.engine.tensor_parallel
+    if tp > 1 and distributed.launched_ranks() % tp:
+        lines.append(f"engine.tensor_parallel={tp} needs {tp} processes per engine: start with "
+                     f"`torchrun --nproc-per-node {tp} -m kv4rl.cli train ...`")
+    return lines
+
+
 def _train_command(config: Path | None, overrides: list[str] | None, resume: Path | None, overwrite: bool,
                    verbose: bool, progress: bool, print_config: bool, seeds: str | None = None,
                    parallel: int | None = None) -> None:
@@ -139,6 +154,8 @@ def _train_command(config: Path | None, overrides: list[str] | None, resume: Pat
             from kv4rl.config import to_dict
 
             typer.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False), nl=False)
+            for line in _unread_inputs(cfg):  # what train would refuse once it reads them, said without reading
+                warn(line)
             return
         ranks = distributed.init_from_torchrun(cfg.device)  # torchrun: one engine + learner shard per rank
         try:

@@ -54,7 +54,9 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
         raise ModelFolderError(f"model folder {model_dir} is a file; give the folder holding config.json and "
                                f"the *.safetensors weights")
     if not model_dir.is_dir():
-        raise ModelFolderError(f"model folder {model_dir} does not exist")
+        raise ModelFolderError(f"model folder {model_dir} does not exist (nothing is downloaded: a Hugging Face Hub "
+                               f"id such as Qwen/Qwen3-8B must be downloaded to a local folder first, e.g. with "
+                               f"`hf download Qwen/Qwen3-8B --local-dir models/qwen3-8b`)")
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         latest = model_dir / "checkpoints" / "latest"
