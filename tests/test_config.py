@@ -372,7 +372,8 @@ def test_another_frameworks_value_names_the_kv4rl_value_that_works():
                 load_config(None, [f"{key}={foreign}"])
             kv4rl_value = hint.split()[0]
             extra = ["algo.old_logprob=recompute"] if key == "algo.behavior_is" else []
-            assert getattr(load_config(None, [f"{key}={kv4rl_value}", *extra]).algo, key.split(".")[1]) == kv4rl_value
+            section, name = key.split(".")
+            assert getattr(getattr(load_config(None, [f"{key}={kv4rl_value}", *extra]), section), name) == kv4rl_value
     with pytest.raises(ConfigError) as bad:
         load_config(None, ["algo.loss_agg=sum"])
     assert "; use" not in str(bad.value)

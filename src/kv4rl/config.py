@@ -227,6 +227,9 @@ class RunConfig:
             (self.trainer.attention in ("auto", "sdpa", "flex"),
              f"trainer.attention must be auto, sdpa or flex, got '{self.trainer.attention}'"),
             (self.trainer.ref_kl_every >= 0, "trainer.ref_kl_every must be >= 0 (0: only when algo.kl_ref_coef > 0)"),
+            (self.advantage.kl_reward_coef == 0 or self.trainer.ref_kl_every > 0 or self.algo.kl_ref_coef > 0,
+             "advantage.kl_reward_coef reads the reference model's log-probs every iteration, which "
+             "trainer.ref_kl_every=0 (with algo.kl_ref_coef=0) leaves unloaded: set trainer.ref_kl_every=1"),
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),

@@ -97,8 +97,10 @@ OTHER_FRAMEWORKS = {
     "experiment_name": "verl's trainer.experiment_name is name (the run folder is out_dir/name)",
     "n_gpus_per_node": "verl's n_gpus_per_node is torchrun's --nproc-per-node (README, 'Several GPUs: torchrun')",
     "nnodes": "verl's nnodes is torchrun's --nnodes (README, 'Several GPUs: torchrun')",
-    "use_kl_in_reward": "verl's use_kl_in_reward does not exist: the reference KL is a loss term here "
-                        "(algo.kl_ref_coef, algo.kl_ref_type)",
+    "use_kl_in_reward": "verl's use_kl_in_reward with kl_ctrl.kl_coef is advantage.kl_reward_coef > 0 (fixed; the "
+                        "adaptive controller does not exist)",
+    "kl_coef": "verl's kl_ctrl.kl_coef is advantage.kl_reward_coef",
+    "kl_penalty": "verl's algorithm.kl_penalty is advantage.kl_reward_type (kl: k1, low_var_kl: k3, mse: k2, abs)",
     "rollout_is_batch_normalize": "verl's rollout_is_batch_normalize does not exist (algo.behavior_is is not "
                                   "normalised)",
     "rollout_rs": "verl's rejection sampling (rollout_rs) does not exist; the nearest is algo.behavior_is=token_mask "
@@ -145,6 +147,7 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
                          "kl": "k1 (verl's kl)", "mse": "k2 (verl's mse)",
                          "k3+": "k2 (k3+'s gradient; verl's straight-through types do not exist here)",
                          "k1+": "k2 (k1+'s gradient; verl's straight-through types do not exist here)"},
+    "advantage.kl_reward_type": {"kl": "k1 (verl's kl)", "low_var_kl": "k3 (verl's low_var_kl)", "mse": "k2 (verl's mse)"},
     "algo.behavior_is": {"token": "token_truncate (verl's rollout_is: token)",
                          "sequence": "sequence_truncate (verl's rollout_is: sequence)"},
     "algo.loss_agg": {"token-mean": "token_mean (verl's token-mean)", "seq-mean-token-mean": "seq_mean (verl's)",

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kv4rl.algo.advantages import compute_advantages, needs_whole_batch, noise_key
+from kv4rl.algo.kl_reward import kl_reward_penalty
 from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter
@@ -165,6 +166,19 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     return s
 
 
+def reward_kl(s: Setup, batch) -> tuple[dict, torch.Tensor, dict]:
+    """`advantage.kl_reward_coef`: (the log-probs taken, for the update to reuse; each response's penalty; its
+    metrics). π_old is the learner's recomputed log-probs with `algo.old_logprob=recompute`, else the engine's μ."""
+    a = s.cfg.advantage
+    given = {"ref_logprobs": s.learner.logprobs(batch, reference=True)}
+    if s.cfg.algo.loss == "ppo_clip" and s.cfg.algo.old_logprob == "recompute":
+        given["old_logprobs"] = s.learner.logprobs(batch)
+    old = given.get("old_logprobs", batch.behavior_logprobs)
+    penalty, metrics = kl_reward_penalty(old.cpu(), given["ref_logprobs"].cpu(), batch.response_mask, a.kl_reward_coef,
+                                         a.kl_reward_type)
+    return given, penalty, metrics
+
+
 def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     """One learner update; returns its metrics row and the engine trace of its collection."""
     cfg, r = s.cfg, s.cfg.rollout
@@ -176,6 +190,12 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     tp = s.engine.tp
     if tp.size > 1:  # the ranks of one tensor-parallel engine share its groups out for the learner
         groups = groups[tp.rank::tp.size]
+    sleep = s.engine.config.sleep_between_rollouts
+    times["time_sleep_wake"] = 0.0
+    if sleep:  # the learner gets the KV pool's memory for its forward passes (a KL in the reward) and update
+        t = time.perf_counter()
+        s.engine.sleep()
+        times["time_sleep_wake"] += time.perf_counter() - t
 
     t1 = time.perf_counter()
     completions = [c for g in groups for c in g.completions]
@@ -183,12 +203,21 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     reward = batch_reward(groups, groups_scorer(cfg, s.formatter, s.reward_fn))  # filter_groups scored some
     rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
     reward_row = reward_metrics(reward, verifier_name(s.reward_fn))
+    pad_id = s.formatter.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else 0
+    rows = (prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
+            [c.versions for c in completions])
+    truncated = [c.finish_reason == "length" for c in completions] if cfg.trainer.mask_truncated else None
+    given: dict[str, torch.Tensor] = {}  # log-probs taken for the reward's KL, which the update reuses
+    if cfg.advantage.kl_reward_coef > 0:
+        given, penalty, kl_row = reward_kl(s, build_batch(*rows, [0.0] * len(completions), pad_id, truncated))
+        rewards, reward_row = rewards - penalty, {**reward_row, **kl_row}
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
     everyone = everyone_lengths = None
     if needs_whole_batch(cfg.advantage) and current().world > 1:  # every rank's rewards and token counts (ranks
         # hold disjoint groups, tensor-parallel ones too), in rank order
-        parts = gather_objects((reward.scores, lengths.tolist()))
+        parts = gather_objects((rewards.tolist(), lengths.tolist()))
         everyone = torch.tensor([x for scores, _ in parts for x in scores], dtype=torch.float64)
         everyone_lengths = torch.tensor([n for _, counts in parts for n in counts], dtype=torch.float64)
     advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, group_keys=keys,
@@ -196,22 +225,11 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
                                                  batch_lengths=everyone_lengths)
     times["time_reward"] = time.perf_counter() - t1
 
-    sleep = s.engine.config.sleep_between_rollouts
-    times["time_sleep_wake"] = 0.0
-    if sleep:  # the learner gets the KV pool's memory for its update
-        t = time.perf_counter()
-        s.engine.sleep()
-        times["time_sleep_wake"] += time.perf_counter() - t
-
     t2 = time.perf_counter()
-    pad_id = s.formatter.tokenizer.pad_token_id
-    pad_id = pad_id if pad_id is not None else 0
-    batch = build_batch(prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
-                        [c.versions for c in completions], advantages.tolist(), pad_id,
-                        [c.finish_reason == "length" for c in completions] if cfg.trainer.mask_truncated else None)
+    batch = build_batch(*rows, advantages.tolist(), pad_id, truncated)
     mismatch = s.attribution.observe(it, batch) if s.attribution is not None else {}
     t2 += mismatch.get("mismatch/time_s", 0.0)  # a diagnostic, not update time
-    learn = s.learner.step(batch, lr=cfg.trainer.learning_rate(it), iteration=it)
+    learn = s.learner.step(batch, lr=cfg.trainer.learning_rate(it), iteration=it, given=given)
     times["time_update"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()

@@ -176,17 +176,27 @@ class AdvantageConfig:
     (only the best response, by its lead) and `gpg` (the group mean, scaled up by the rewarded share).
     `normalize_std` divides GRPO's (and `grpo_passk`'s) by the std of each group's rewards, or with
     `std_scope: batch` GRPO's by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
-    `baseline_noise` is σ of the ±σ baseline perturbation."""
+    `baseline_noise` is σ of the ±σ baseline perturbation. `kl_reward_coef` > 0 takes that many times each response's
+    summed KL to the reference (`kl_reward_type`, k1 by default as verl's) off its score first (`algo.kl_reward`)."""
 
     estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "opo", "grpo_passk",
                        "gpg"] = "grpo"
     normalize_std: bool = True
     std_scope: Literal["group", "batch"] = "group"
     baseline_noise: float = 0.0
+    kl_reward_coef: float = 0.0
+    kl_reward_type: KLType = "k1"
 
     def validate(self) -> None:
         require_choice("advantage.estimator", self.estimator,
                        typing.get_args(typing.get_type_hints(AdvantageConfig)["estimator"]))
         require_choice("advantage.std_scope", self.std_scope, ("group", "batch"))
+        require_choice("advantage.kl_reward_type", self.kl_reward_type, KL_TYPES)
+        if not self.kl_reward_coef >= 0.0:
+            raise ValueError(f"advantage.kl_reward_coef must be >= 0 (0: no KL in the reward), got {self.kl_reward_coef}")
+        if self.kl_reward_coef > 0 and self.estimator == "reinforce_plus_plus":
+            raise ValueError("advantage.kl_reward_coef with advantage.estimator=reinforce_plus_plus: its token-level "
+                             "returns of a per-token KL reward are not implemented; reinforce_plus_plus_baseline "
+                             "(verl's REINFORCE++ recipe) takes the penalty per response")
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")

@@ -70,6 +70,8 @@ def check_split(cfg: RunConfig, world: int) -> None:
         (not cfg.eval.before_training, "eval.before_training runs only with rollout.placement=colocated; evaluate "
                                        "the starting model with `kv4rl eval --model <model>`"),
         (cfg.telemetry.attribution_every == 0, "telemetry.attribution_every runs in one process; set it to 0"),
+        (cfg.advantage.kl_reward_coef == 0, "advantage.kl_reward_coef runs only with rollout.placement=colocated (the "
+                                            "head takes the advantages of a split run, without the learner's models)"),
     ]
     for ok, message in checks:
         if not ok:

@@ -87,10 +87,8 @@ class Learner:
         region (`kv4rl.trainer.compiled_layers`), policy and reference; None: on CUDA when the model has
         decoder layers it recognises. `fused_logprobs`: the log-prob head (log-probs, entropy, their
         gradient) in Triton (`kv4rl.kernels.logprob_head`); None: where those kernels can run on CUDA.
-        `offload_optimizer`: AdamW's moments in pinned CPU memory, streamed through the GPU each step
-        (`kv4rl.trainer.offloaded_adamw`; CUDA only, not with `offload`). `epochs_per_batch`: passes over the batch,
-        each `updates_per_batch` steps (verl's ppo_epochs), the old policy fixed before the first. `max_new_tokens`:
-        the responses' length cap, `token_sum_norm`'s length (`AlgoConfig.norm_tokens`)."""
+        `offload_optimizer`: AdamW's moments in pinned CPU memory (`kv4rl.trainer.offloaded_adamw`). `epochs_per_batch`:
+        passes over the batch (verl's ppo_epochs). `max_new_tokens`: `token_sum_norm`'s length."""
         check_learner_options(device, fsdp=fsdp, offload=offload, attention=attention, fused_logprobs=fused_logprobs,
                               offload_optimizer=offload_optimizer)
         if fused_logprobs is None:
@@ -238,10 +236,13 @@ class Learner:
                 out[mb_rows] = logp.float()
         return out
 
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Per-token log-probs [B, L-1] of `batch` under the current weights, as the first update sees
-        them (no grad; used by mismatch attribution)."""
-        return self._logprobs(self.model, batch.to(self.device))
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Per-token log-probs [B, L-1] of `batch` under the current weights, as the first update sees them, or the
+        frozen reference's (no grad; mismatch attribution, a KL penalty in the reward)."""
+        if reference and self.ref_model is None:
+            raise ValueError("the reference model is not loaded (trainer.ref_kl_every=0 with algo.kl_ref_coef=0, or "
+                             "a loss that reads no reference log-probs)")
+        return self._logprobs(self.ref_model if reference else self.model, batch.to(self.device))
 
     def ref_due(self, iteration: int) -> bool:
         """Whether this iteration computes reference log-probs (loss term or logged `kl_ref`)."""
@@ -249,18 +250,20 @@ class Learner:
             return False
         return self.algo.kl_ref_coef > 0 or (self.ref_kl_every > 0 and iteration % self.ref_kl_every == 0)
 
-    def _before_update_inputs(self, batch: TrainBatch, iteration: int) -> dict[str, torch.Tensor]:
-        """The loss inputs that cost a forward pass over the whole batch before its first update."""
-        out = {}
-        if "ref_logprobs" in self.loss_inputs and self.ref_due(iteration):
+    def _before_update_inputs(self, batch: TrainBatch, iteration: int, given: dict) -> dict[str, torch.Tensor]:
+        """The loss inputs that cost a forward pass over the whole batch before its first update (`given`: taken
+        already, by `logprobs` before the advantages)."""
+        out = {name: given[name].to(self.device) for name in self.loss_inputs & given.keys()}
+        if "ref_logprobs" in self.loss_inputs and "ref_logprobs" not in out and self.ref_due(iteration):
             out["ref_logprobs"] = self._logprobs(self.ref_model, batch)
-        if "old_logprobs" in self.loss_inputs:
+        if "old_logprobs" in self.loss_inputs and "old_logprobs" not in out:
             out["old_logprobs"] = self._logprobs(self.model, batch)
         return out
 
-    def step(self, batch: TrainBatch, lr: float | None = None, iteration: int | None = None) -> dict[str, float]:
+    def step(self, batch: TrainBatch, lr: float | None = None, iteration: int | None = None,
+             given: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """One learner batch: `updates_per_batch` optimizer steps over contiguous mini-batches, `epochs_per_batch`
-        times over (the old log-probs and the reference's are taken once, before the first step).
+        times over (the old log-probs and the reference's are taken once, before the first step, or `given`).
 
         `iteration` clocks the `ref_kl_every` schedule (default: the number of steps taken so far). A step whose
         gradient norm is not finite is left out (`skipped_steps`, with a warning), as verl's actor does: one NaN
@@ -271,7 +274,8 @@ class Learner:
                 group["lr"] = lr
         batch = batch.to(self.device)
         mask = batch.response_mask
-        before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration)
+        before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration,
+                                                   given or {})
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
         skipped = empty = 0  # optimizer steps left out: a non-finite gradient norm / no token to train
         nonfinite_losses = 0  # micro-batches whose loss was NaN or inf (a gradient can still be finite)

@@ -1,0 +1,26 @@
+"""A KL penalty in the reward (docs/objectives.md, "KL in the reward"; verl's use_kl_in_reward, TRL's RLOOTrainer):
+each response's score less β times the sum over its tokens of a KL estimate between the policy that sampled the batch
+and the frozen reference, before the advantages are taken from it."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, ref_kl_terms
+
+
+def kl_reward_penalty(old_logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, coef: float,
+                      kind: str) -> tuple[Tensor, dict[str, float]]:
+    """(penalty [B] float64, metrics): `coef · Σ_t kl_t` over each row's `mask`ed tokens, kl_t the `kind` estimate
+    (`algo.logprobs.ref_kl_terms`: k1 = log π_old − log π_ref, verl's default `kl`) with the log-ratio held at ±80.
+    Metrics: `kl_reward/token_mean` (kl_t over every masked token, verl's actor/reward_kl_penalty) and
+    `kl_reward/penalty_mean` (the penalty over the rows)."""
+    valid = mask.bool()
+    old, ref = old_logprobs.double(), ref_logprobs.double().to(old_logprobs.device)
+    held = torch.clamp(old, ref - LOG_RATIO_LIMIT, ref + LOG_RATIO_LIMIT)
+    kl = torch.where(valid, ref_kl_terms(held, ref, kind), 0.0)
+    penalty = coef * kl.sum(-1)
+    tokens = int(valid.sum())
+    return penalty, {"kl_reward/token_mean": float(kl.sum()) / max(tokens, 1),
+                     "kl_reward/penalty_mean": float(penalty.mean()) if len(penalty) else 0.0}

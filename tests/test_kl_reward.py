@@ -1,0 +1,95 @@
+"""`advantage.kl_reward_coef` (verl's use_kl_in_reward, TRL's RLOOTrainer's beta): each response's score less
+β x the sum of its tokens' KL estimate to the reference, before the advantages. By hand, through the loop's
+`reward_kl` with a real learner, and the update reusing the log-probs it took."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kv4rl.algo.advantages import compute_advantages
+from kv4rl.algo.config import AdvantageConfig, AlgoConfig
+from kv4rl.algo.kl_reward import kl_reward_penalty
+from kv4rl.config import ConfigError, load_config
+from kv4rl.loop import reward_kl
+from tests.test_learner_fsdp import make, ragged_batch
+
+
+def test_the_penalty_by_hand_and_verls_order():
+    """Row 0: log-ratios 0.5 and -0.25 (third token masked): k1 sum 0.25, x beta 0.4 = 0.1; row 1: k1 2.0 on its one
+    token -> 0.8. verl's apply_kl_penalty puts -beta x kl on every token and its estimators sum the row: the GRPO
+    advantages of the penalised scores."""
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.75, 9.0], [-2.5, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    penalty, metrics = kl_reward_penalty(old, ref, mask, 0.4, "k1")
+    assert penalty.tolist() == pytest.approx([0.1, 0.8])
+    assert metrics["kl_reward/token_mean"] == pytest.approx(2.25 / 3)
+    assert metrics["kl_reward/penalty_mean"] == pytest.approx(0.45)
+    k3, _ = kl_reward_penalty(old, ref, mask, 1.0, "k3")  # e^-δ - 1 + δ summed
+    want = sum(torch.expm1(-d) + d for d in torch.tensor([0.5, -0.25, 2.0], dtype=torch.float64))
+    assert float(k3.sum()) == pytest.approx(float(want))
+    scores = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    token_rewards = torch.zeros(2, 3, dtype=torch.float64)
+    token_rewards[0, 1], token_rewards[1, 0] = 1.0, 1.0
+    token_rewards = token_rewards - 0.4 * (old - ref).double() * mask
+    adv, _ = compute_advantages(scores - penalty, 2, AdvantageConfig())
+    verl, _ = compute_advantages(token_rewards.sum(-1), 2, AdvantageConfig())
+    torch.testing.assert_close(adv, verl, rtol=0, atol=1e-12)
+    assert adv[0] > 0 > adv[1]  # the same score: the response further from the reference is pushed down
+
+
+@pytest.mark.parametrize("old_logprob", ["behavior", "recompute"])
+def test_the_loop_takes_the_penalty_from_mu_or_the_recomputed_policy(tiny_qwen3, old_logprob):
+    """The learner's policy is the reference at the start, so with recompute every KL is 0; with behavior, mu is
+    set 0.1 below the policy's log-probs on every token: k1 = -0.1 per token. The update then reuses the log-probs
+    taken (it would fail computing them again)."""
+    path, _ = tiny_qwen3
+    algo = AlgoConfig(old_logprob=old_logprob)
+    learner = make(path, False, ref=path, algo=algo)
+    batch = ragged_batch()
+    batch.behavior_logprobs = (learner.logprobs(batch) - 0.1) * batch.response_mask
+    cfg = SimpleNamespace(algo=algo, advantage=AdvantageConfig(kl_reward_coef=0.5))
+    given, penalty, metrics = reward_kl(SimpleNamespace(cfg=cfg, learner=learner), batch)
+    lengths = batch.response_mask.sum(-1).double()
+    want = torch.zeros(4, dtype=torch.float64) if old_logprob == "recompute" else -0.05 * lengths
+    torch.testing.assert_close(penalty, want, rtol=0, atol=1e-5)
+    assert set(given) == ({"ref_logprobs", "old_logprobs"} if old_logprob == "recompute" else {"ref_logprobs"})
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("the update took the log-probs again")
+
+    learner._logprobs = no_second_pass
+    # the second mini-batch's policy has taken one step: its KL to the reference is small, not 0
+    assert 0 <= learner.step(batch, given=given)["kl_ref"] < 1e-2
+
+
+def test_the_settings_are_checked():
+    assert load_config(None, ["advantage.kl_reward_coef=0.001"]).advantage.kl_reward_type == "k1"
+    with pytest.raises(ConfigError, match="advantage.kl_reward_coef must be >= 0"):
+        load_config(None, ["advantage.kl_reward_coef=-1"])
+    with pytest.raises(ConfigError, match="reinforce_plus_plus_baseline"):
+        load_config(None, ["advantage.kl_reward_coef=0.01", "advantage.estimator=reinforce_plus_plus"])
+    with pytest.raises(ConfigError, match="set trainer.ref_kl_every=1"):
+        load_config(None, ["advantage.kl_reward_coef=0.01", "trainer.ref_kl_every=0"])
+    with pytest.raises(ConfigError, match="advantage.kl_reward_type"):
+        load_config(None, ["advantage.kl_reward_type=low_var_kl"])
+
+
+def test_a_run_trains_on_the_penalised_scores(tmp_path, monkeypatch):
+    """Two iterations with the learner's recomputed π_old: the trained reward's mean is the verifier's (accuracy)
+    less the mean penalty, and the penalty grows once the policy has moved from the reference."""
+    import json
+
+    from kv4rl.loop import train
+
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, ["trainer.iterations=2", "rollout.quota_groups=4", "rollout.group_size=4",
+                             "advantage.kl_reward_coef=0.5", "algo.old_logprob=recompute", "device=cpu"]),
+          show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny-arith" / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["reward_mean"] + row["kl_reward/penalty_mean"] == pytest.approx(row["accuracy"], abs=1e-9)
+    assert rows[0]["kl_reward/token_mean"] == 0.0 < rows[1]["kl_reward/token_mean"]  # π_old is the reference at first
