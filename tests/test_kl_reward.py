@@ -26,7 +26,7 @@ def test_the_penalty_by_hand_and_verls_order():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     penalty, metrics = kl_reward_penalty(old, ref, mask, 0.4, "k1")
     assert penalty.tolist() == pytest.approx([0.1, 0.8])
-    assert metrics["kl_reward/token_mean"] == pytest.approx(2.25 / 3)
+    assert metrics["kl_reward/token_mean"] == pytest.approx((0.25 / 2 + 2.0) / 2)  # verl's: row means, then their mean
     assert metrics["kl_reward/penalty_mean"] == pytest.approx(0.45)
     k3, _ = kl_reward_penalty(old, ref, mask, 1.0, "k3")  # e^-δ - 1 + δ summed
     want = sum(torch.expm1(-d) + d for d in torch.tensor([0.5, -0.25, 2.0], dtype=torch.float64))
@@ -93,3 +93,33 @@ def test_a_run_trains_on_the_penalised_scores(tmp_path, monkeypatch):
     for row in rows:
         assert row["reward_mean"] + row["kl_reward/penalty_mean"] == pytest.approx(row["accuracy"], abs=1e-9)
     assert rows[0]["kl_reward/token_mean"] == 0.0 < rows[1]["kl_reward/token_mean"]  # π_old is the reference at first
+
+
+def test_a_loss_without_the_reference_is_refused_at_start():
+    """The learner loads the reference only for a loss that reads reference log-probs: a plug-in loss without them
+    and a KL reward failed after the first rollout; now the config is refused."""
+    from kv4rl.algo.registry import LOSSES, register_loss
+
+    if "kl_reward_test_pg" not in LOSSES:
+        @register_loss("kl_reward_test_pg", inputs={"behavior_logprobs"})
+        def _pg(inp, cfg):
+            return -(inp.advantages * inp.logprobs).sum(), {}
+
+    load_config(None, ["algo.loss=kl_reward_test_pg"])
+    with pytest.raises(ConfigError, match="algo.loss=kl_reward_test_pg does not"):
+        load_config(None, ["algo.loss=kl_reward_test_pg", "advantage.kl_reward_coef=0.1"])
+
+
+def test_every_bad_value_is_said_at_once():
+    """Value problems of several sections and of the run's own checks, one line each (a run heard of one a time);
+    a key or type problem is said first, alone, since the values are read only once the keys parse."""
+    with pytest.raises(ConfigError) as bad:
+        load_config(None, ["advantage.kl_reward_coef=-1", "trainer.ref_kl_every=-1", "rollout.group_size=0"])
+    problems = bad.value.problems  # a fourth follows from group_size 0: no response for the optimizer steps
+    assert [p.split(" must")[0] for p in problems] == ["rollout.group_size", "advantage.kl_reward_coef",
+                                                       "trainer.updates_per_batch=1 optimizer steps need at least as "
+                                                       "many responses in the learner batch (rollout.quota_groups x "
+                                                       "rollout.group_size = 0)", "trainer.ref_kl_every"]
+    with pytest.raises(ConfigError) as typed:
+        load_config(None, ["advantage.estimator=bogus", "rollout.group_size=0"])
+    assert len(typed.value.problems) == 1 and "advantage.estimator" in typed.value.problems[0]

@@ -154,8 +154,8 @@ def _train_command(config: Path | None, overrides: list[str] | None, resume: Pat
             from kv4rl.config import to_dict
 
             typer.echo(yaml.safe_dump(to_dict(cfg), sort_keys=False), nl=False)
-            for line in _unread_inputs(cfg):  # what train would refuse once it reads them, said without reading
-                warn(line)
+            for line in _unread_inputs(cfg) if distributed.prints_setup_errors() else []:  # once under torchrun:
+                warn(line)  # what train would refuse once it reads them, said without reading
             return
         ranks = distributed.init_from_torchrun(cfg.device)  # torchrun: one engine + learner shard per rank
         try:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from kv4rl.algo.config import AdvantageConfig, AlgoConfig
-from kv4rl.algo.registry import import_plugins
+from kv4rl.algo.registry import get_loss, import_plugins
 from kv4rl.config_loader import ConfigError, apply_overrides, from_dict, merge, read_yaml, to_dict
 from kv4rl.data.prompts import check_template
 from kv4rl.data.source import DEFAULT_POOL_SIZE
@@ -189,17 +189,16 @@ class RunConfig:
         return Path(self.out_dir) / self.name
 
     def validate(self) -> RunConfig:
-        """Cross-field checks; each error names the key."""
-        try:
-            self.engine.validate()
-            self.rollout.validate()
-            self.staleness.validate()
-            self.algo.validate()
-            self.advantage.validate()
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
+        """Cross-field checks; each error names the key. Every section's first problem and every failing check below
+        are raised together (one ConfigError, a line each), so a config is fixed in one pass."""
+        problems: list[str] = []
+        for section in (self.engine, self.rollout, self.staleness, self.algo, self.advantage):
+            try:
+                section.validate()
+            except ConfigError as exc:
+                problems += exc.problems
+            except ValueError as exc:
+                problems.append(str(exc))
         checks = [
             (self.trainer.iterations >= 1, "trainer.iterations must be >= 1"),
             (self.trainer.lr > 0, "trainer.lr must be > 0"),
@@ -227,7 +226,7 @@ class RunConfig:
             (self.trainer.attention in ("auto", "sdpa", "flex"),
              f"trainer.attention must be auto, sdpa or flex, got '{self.trainer.attention}'"),
             (self.trainer.ref_kl_every >= 0, "trainer.ref_kl_every must be >= 0 (0: only when algo.kl_ref_coef > 0)"),
-            (self.advantage.kl_reward_coef == 0 or self.trainer.ref_kl_every > 0 or self.algo.kl_ref_coef > 0,
+            (not self.advantage.kl_reward_coef > 0 or self.trainer.ref_kl_every > 0 or self.algo.kl_ref_coef > 0,
              "advantage.kl_reward_coef reads the reference model's log-probs every iteration, which "
              "trainer.ref_kl_every=0 (with algo.kl_ref_coef=0) leaves unloaded: set trainer.ref_kl_every=1"),
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
@@ -276,9 +275,13 @@ class RunConfig:
               for key, value in (("model.path", self.model.path), ("data.train", self.data.train),
                                  ("data.eval", self.data.eval))],
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+        problems += [message for ok, message in checks if not ok]
+        if problems:
+            raise ConfigError.of(problems)
+        if self.advantage.kl_reward_coef > 0 and "ref_logprobs" not in get_loss(self.algo.loss).inputs(self.algo):
+            raise ConfigError(f"advantage.kl_reward_coef reads the reference model, which the learner loads only for "
+                              f"a loss that reads reference log-probs; algo.loss={self.algo.loss} does not (declare "
+                              "ref_logprobs in its inputs)")
         if self.model.testbed is not None:
             from kv4rl.models.testbed import check_testbed
 

@@ -147,7 +147,8 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
                          "kl": "k1 (verl's kl)", "mse": "k2 (verl's mse)",
                          "k3+": "k2 (k3+'s gradient; verl's straight-through types do not exist here)",
                          "k1+": "k2 (k1+'s gradient; verl's straight-through types do not exist here)"},
-    "advantage.kl_reward_type": {"kl": "k1 (verl's kl)", "low_var_kl": "k3 (verl's low_var_kl)", "mse": "k2 (verl's mse)"},
+    "advantage.kl_reward_type": {"kl": "k1 (verl's kl)", "low_var_kl": "k3 (verl's low_var_kl, without its cap of 10 a "
+                                                                    "token)", "mse": "k2 (verl's mse)"},
     "algo.behavior_is": {"token": "token_truncate (verl's rollout_is: token)",
                          "sequence": "sequence_truncate (verl's rollout_is: sequence)"},
     "algo.loss_agg": {"token-mean": "token_mean (verl's token-mean)", "seq-mean-token-mean": "seq_mean (verl's)",

@@ -14,13 +14,16 @@ def kl_reward_penalty(old_logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, 
                       kind: str) -> tuple[Tensor, dict[str, float]]:
     """(penalty [B] float64, metrics): `coef · Σ_t kl_t` over each row's `mask`ed tokens, kl_t the `kind` estimate
     (`algo.logprobs.ref_kl_terms`: k1 = log π_old − log π_ref, verl's default `kl`) with the log-ratio held at ±80.
-    Metrics: `kl_reward/token_mean` (kl_t over every masked token, verl's actor/reward_kl_penalty) and
-    `kl_reward/penalty_mean` (the penalty over the rows)."""
+    Metrics over the rows that have a token, verl's way (so ranks of equal row counts average to one process's):
+    `kl_reward/token_mean` (each row's mean kl_t, then their mean: verl's actor/reward_kl_penalty) and
+    `kl_reward/penalty_mean`. `k3` has no cap here (verl's low_var_kl holds each token's at 10)."""
     valid = mask.bool()
     old, ref = old_logprobs.double(), ref_logprobs.double().to(old_logprobs.device)
     held = torch.clamp(old, ref - LOG_RATIO_LIMIT, ref + LOG_RATIO_LIMIT)
     kl = torch.where(valid, ref_kl_terms(held, ref, kind), 0.0)
     penalty = coef * kl.sum(-1)
-    tokens = int(valid.sum())
-    return penalty, {"kl_reward/token_mean": float(kl.sum()) / max(tokens, 1),
+    counts = valid.sum(-1)
+    rows = counts > 0
+    row_means = kl.sum(-1)[rows] / counts[rows]
+    return penalty, {"kl_reward/token_mean": float(row_means.mean()) if len(row_means) else 0.0,
                      "kl_reward/penalty_mean": float(penalty.mean()) if len(penalty) else 0.0}
