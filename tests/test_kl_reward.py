@@ -100,14 +100,16 @@ def test_a_loss_without_the_reference_is_refused_at_start():
     and a KL reward failed after the first rollout; now the config is refused."""
     from kv4rl.algo.registry import LOSSES, register_loss
 
-    if "kl_reward_test_pg" not in LOSSES:
-        @register_loss("kl_reward_test_pg", inputs={"behavior_logprobs"})
-        def _pg(inp, cfg):
-            return -(inp.advantages * inp.logprobs).sum(), {}
+    @register_loss("kl_reward_test_pg", inputs={"behavior_logprobs"})
+    def _pg(inp, cfg):
+        return -(inp.advantages * inp.logprobs).sum(), {}
 
-    load_config(None, ["algo.loss=kl_reward_test_pg"])
-    with pytest.raises(ConfigError, match="algo.loss=kl_reward_test_pg does not"):
-        load_config(None, ["algo.loss=kl_reward_test_pg", "advantage.kl_reward_coef=0.1"])
+    try:  # the registry is the process's: the loss leaves it again (other tests list the registered losses)
+        load_config(None, ["algo.loss=kl_reward_test_pg"])
+        with pytest.raises(ConfigError, match="algo.loss=kl_reward_test_pg does not"):
+            load_config(None, ["algo.loss=kl_reward_test_pg", "advantage.kl_reward_coef=0.1"])
+    finally:
+        del LOSSES["kl_reward_test_pg"]
 
 
 def test_every_bad_value_is_said_at_once():
