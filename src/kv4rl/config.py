@@ -308,12 +308,12 @@ class RunConfig:
         if adv.estimator != "grpo":  # GRPO's std keys, set for an estimator that does not read them
             divides = "divides by its own std (the batch's tokens')" if adv.estimator.startswith("reinforce") else \
                 "divides by the group's std" if adv.estimator == "grpo_passk" else "divides by no std"
-            for key, what, readers in (("advantage.std_scope=batch", adv.std_scope == "batch", "grpo"),
+            for key, what, readers in (("advantage.std_scope=batch", adv.std_scope == "batch", ("grpo",)),
                                        ("advantage.normalize_std=false", not adv.normalize_std,
-                                        "grpo and grpo_passk")):
-                if what and adv.estimator not in readers.split(" and "):
+                                        ("grpo", "grpo_passk"))):
+                if what and adv.estimator not in readers:
                     log.warning("%s is read by advantage.estimator=%s only; advantage.estimator=%s %s, so it "
-                                "changes nothing", key, readers, adv.estimator, divides)
+                                "changes nothing", key, " and ".join(readers), adv.estimator, divides)
         elif self.advantage.std_scope == "batch" and not self.advantage.normalize_std:
             log.warning("advantage.std_scope=batch picks the std that advantage.normalize_std divides by; with "
                         "advantage.normalize_std=false nothing is divided and it changes nothing")

@@ -153,14 +153,13 @@ def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = ""
     actor_rollout_ref.actor.clip_ratio_high=0.28, or a pasted verl section, arrives as one unknown top-level key):
     the hint where another framework names the leaf (or a section on its path, deepest first), or where its last
     name is a key of a kv4rl section (`schema`: the top level's)."""
+    own = other_key_hint(key)
     if isinstance(value, dict) and value:
         found = [leaf for name, inner in value.items() for leaf in _foreign_keys(f"{key}.{name}", inner, schema, prefix)]
-        if other_key_hint(key) is not None and all(hint is None for _, hint in found):
-            return [(key, other_key_hint(key))]
-        return found
+        return [(key, own)] if own is not None and all(hint is None for _, hint in found) else found
+    if own is not None:
+        return [(key, own)]
     last = key.rsplit(".", 1)[-1]
-    if other_key_hint(key) is not None:
-        return [(key, other_key_hint(key))]
     same = [f"{prefix}.{section}.{last}" if prefix else f"{section}.{last}"
             for section, tp in schema.items() if _is_section(tp) and last in _schema(tp)]
     return [(key, f"did you mean {' or '.join(same)}?" if same and "." in key else None)]

@@ -88,13 +88,12 @@ def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True
     grouped = _grouped(rewards, group_size)
     out_dtype = grouped.dtype
     grouped = grouped.double()
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    centered = _group_centered(grouped)
     if normalize_std and std is not None:
         centered = centered / (std + STD_EPS)
     elif normalize_std and group_size > 1:
         centered = centered / (grouped.std(dim=1, correction=1, keepdim=True) + STD_EPS)
-    flat_groups = _zero_variance(grouped)[:, None]
-    return torch.where(flat_groups, torch.zeros_like(centered), centered).reshape(-1).to(out_dtype)
+    return centered.reshape(-1).to(out_dtype)
 
 
 def batch_std(rewards: Tensor) -> float:
@@ -135,13 +134,21 @@ def noise_key(seed: int, iteration: int, group_index: int) -> int:
     return ((seed * 1_000_003 + iteration) * 1_000_033 + group_index) % 2**63
 
 
+def _group_centered(grouped: Tensor) -> Tensor:
+    """`r − mean_group` (callers pass float64), exactly 0 in a flat group (and so in a group of one)."""
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    return torch.where(_zero_variance(grouped)[:, None], torch.zeros_like(centered), centered)
+
+
+def _flat_metrics(rewards: Tensor, group_size: int) -> dict[str, float]:
+    return {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
+
+
 @register_advantage("grpo")
 def _grpo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
     std = batch_std(whole.rewards) if cfg.std_scope == "batch" else None
     adv = grpo_advantages(rewards, group_size, cfg.normalize_std, std)
-    grouped = _grouped(rewards, group_size)
-    zero_var = _zero_variance(grouped).float().mean()
-    return adv, {"zero_var_group_frac": float(zero_var)}
+    return adv, _flat_metrics(rewards, group_size)
 
 
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
@@ -160,13 +167,7 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 @register_advantage("rloo")
 def _rloo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
     adv = rloo_advantages(rewards, group_size)
-    return adv, {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
-
-
-def _group_centered(grouped: Tensor) -> Tensor:
-    """`r − mean_group` in float64, exactly 0 in a flat group (and so in a group of one)."""
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    return torch.where(_zero_variance(grouped)[:, None], torch.zeros_like(centered), centered)
+    return adv, _flat_metrics(rewards, group_size)
 
 
 def reinforce_pp_advantages(rewards: Tensor, group_size: int, lengths: Tensor, baseline: bool = True,
@@ -211,17 +212,13 @@ def _reinforce_pp(baseline: bool) -> AdvantageFn:
             raise ValueError(f"advantage.estimator={cfg.estimator} weighs responses by their tokens: pass the "
                              "response lengths (compute_advantages(lengths=...))")
         adv = reinforce_pp_advantages(rewards, group_size, whole.lengths, baseline, whole.rewards)
-        return adv, {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
+        return adv, _flat_metrics(rewards, group_size)
 
     return estimator
 
 
 register_advantage("reinforce_plus_plus_baseline")(_reinforce_pp(baseline=True))
 register_advantage("reinforce_plus_plus")(_reinforce_pp(baseline=False))
-
-
-def _flat_metrics(rewards: Tensor, group_size: int) -> dict[str, float]:
-    return {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
 
 
 @register_advantage("opo")

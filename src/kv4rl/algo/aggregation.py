@@ -53,15 +53,12 @@ def aggregate(
         row_means = masked.sum(dim=-1) / lengths.clamp(min=1).to(values.dtype)
         denom = num_seqs if num_seqs is not None else (lengths > 0).sum().clamp(min=1).to(values.dtype)
         return row_means.sum() / denom
-    if mode == "token_sum_norm":
-        if norm_tokens is None:
+    if mode in ("token_sum_norm", "seq_mean_token_sum"):  # token sums over the responses (x one constant length)
+        if mode == "token_sum_norm" and norm_tokens is None:
             raise ValueError("loss aggregation 'token_sum_norm' needs norm_tokens, the constant length each "
                              "response's token sum is divided by (LossInputs.aggregate passes it)")
         denom = num_seqs if num_seqs is not None else (valid.sum(dim=-1) > 0).sum().clamp(min=1).to(values.dtype)
-        return masked.sum() / (denom * norm_tokens)
-    if mode == "seq_mean_token_sum":
-        denom = num_seqs if num_seqs is not None else (valid.sum(dim=-1) > 0).sum().clamp(min=1).to(values.dtype)
-        return masked.sum() / denom
+        return masked.sum() / (denom * (norm_tokens if mode == "token_sum_norm" else 1.0))
     raise ValueError(f"unknown loss aggregation '{mode}' (known: {', '.join(AGG_MODES)})")
 
 

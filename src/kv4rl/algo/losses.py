@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, k3_kl, ref_kl_terms
-from kv4rl.algo.off_policy import BEHAVIOR_IS_MODES, behavior_importance_weights, off_policy_keep
+from kv4rl.algo.off_policy import BEHAVIOR_IS_MODES, BehaviorIS, behavior_importance_weights, off_policy_keep
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
 if TYPE_CHECKING:
@@ -126,6 +126,9 @@ def _with_ref_kl(
     return loss
 
 
+Surrogate = Literal["clip", "cispo", "sapo"]
+
+
 @dataclass(kw_only=True)
 class PPOClipSettings:
     """`ppo_clip`'s keys: the clip range, the dual-clip constant c > 1 (null: off), π_old, and whether each token
@@ -143,11 +146,11 @@ class PPOClipSettings:
     dual_clip: float | None = None
     old_logprob: Literal["behavior", "recompute"] = "behavior"
     ratio_level: Literal["token", "sequence"] = "token"
-    behavior_is: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    behavior_is: BehaviorIS = "none"
     behavior_is_max: float | None = 3.0
     behavior_is_min: float | None = None
     off_policy_mask: float | None = None
-    surrogate: Literal["clip", "cispo", "sapo"] = "clip"
+    surrogate: Surrogate = "clip"
     cispo_max: float = 5.0
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
@@ -162,7 +165,7 @@ class PPOClipSettings:
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"algo.dual_clip must be > 1 (or null), got {self.dual_clip}")
         require_choice("algo.behavior_is", self.behavior_is, BEHAVIOR_IS_MODES)
-        require_choice("algo.surrogate", self.surrogate, ("clip", "cispo", "sapo"))
+        require_choice("algo.surrogate", self.surrogate, get_args(Surrogate))
         if self.off_policy_mask is not None and not self.off_policy_mask >= 0.0:
             raise ValueError(f"algo.off_policy_mask must be >= 0 (the largest mean log μ − log π_θ a response of "
                              f"negative advantage may have; null: off), got {self.off_policy_mask}")

@@ -5,13 +5,15 @@ learner's, and neither carries a gradient. `ppo_clip` applies them to its per-to
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT
 
-BEHAVIOR_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+BehaviorIS = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+BEHAVIOR_IS_MODES: tuple[str, ...] = get_args(BehaviorIS)
 
 
 def behavior_importance_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, valid: Tensor, mode: str,
