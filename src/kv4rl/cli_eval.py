@@ -151,7 +151,7 @@ def eval_cmd(
     engine_overrides: list[str] | None = typer.Argument(
         None, help="engine settings as in the run config, e.g. engine.kv.format=kv4 engine.kv.group_size=32"),
     model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
-    data: Path | None = typer.Option(None, "--data", help="JSONL with problem/answer rows (default: embedded task)"),
+    data: Path | None = typer.Option(None, "--data", help="JSON Lines or Parquet with problem/answer rows, or verl's Parquet (default: embedded task)"),
     k: int = typer.Option(8, "--k", help="samples per problem"),
     n: int = typer.Option(0, "--n", "--num-problems",
                           help="evaluate the first n problems (0: all; embedded task: 256); under torchrun give "
@@ -244,9 +244,9 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     from kv4rl.rewards import get_reward
 
     if model is None and data is not None:  # read again once the model is there: a bad file is named before
-        from kv4rl.data.datasets import load_jsonl  # a missing embedded model is built (~30 s)
+        from kv4rl.data.datasets import load_problems  # a missing embedded model is built (~30 s)
 
-        load_jsonl(data)
+        load_problems(data)
     given = model if model is not None else _default_model(ranks.main)
     for attempt in range(1, LATEST_ATTEMPTS + 1):
         # `checkpoints/latest`: the newest checkpoint it names, read by rank 0 for every rank (a run saving
@@ -313,6 +313,8 @@ def _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, tem
     formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
     if ranks.main:
         for line in _prompting_differences(model, chat, template, formatter.template):
+            warn(line)
+        for line in source.verl_prompt_notes(template, chat, "--template", "--chat"):
             warn(line)
         if temperature == 0 and k > 1:
             warn(f"--temperature 0 samples greedily: a problem's {k} samples are the same, so pass@j equals pass@1 "

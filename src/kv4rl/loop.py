@@ -26,7 +26,7 @@ from kv4rl.algo.kl_reward import kl_reward_penalty
 from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter
-from kv4rl.data.datasets import load_jsonl
+from kv4rl.data.datasets import load_problems
 from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks, any_rank, barrier, current, gather_objects, merge_rank_rows
 from kv4rl.engine.llm import Engine
@@ -39,7 +39,8 @@ from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
 from kv4rl.rewards import WeightedRewards, reward_metrics, verifier_name
-from kv4rl.rollout.build import batch_reward, build_rollout, drop_long_prompts, groups_scorer, prompt_formatter
+from kv4rl.rollout.build import (batch_reward, build_rollout, drop_long_prompts, groups_scorer, prompt_formatter,
+                                 prompt_warnings)
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_checkpoint import restore_state, save
@@ -101,7 +102,7 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                            **cfg.data.prompt_limit()) if cfg.data.train is not None else None
     if source is None and cfg.data.eval is not None:  # read again below, with the model's task: a bad file is
-        load_jsonl(cfg.data.eval)                     # named now, not after a missing model's build (~30 s)
+        load_problems(cfg.data.eval)                  # named now, not after a missing model's build (~30 s)
     ranks = current()
     if restore is not None:
         check_resume_world(restore.path, restore.state, ranks.world)
@@ -133,7 +134,10 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     model_args = check_model_folder(base_dir)  # a clear error before the learner (built first, below) reads it
     tokenizer = load_tokenizer(policy_dir, model_args.vocab_size if ranks.main else None)  # ... and its tokenizer
     # a file it would empty is refused before the learner's build
-    drop_long_prompts(source, prompt_formatter(cfg, source, tokenizer), say=ranks.main)
+    formatter = prompt_formatter(cfg, source, tokenizer)
+    drop_long_prompts(source, formatter, say=ranks.main)
+    for line in prompt_warnings(cfg, source, formatter) if ranks.main else ():
+        log.warning(line)
     if tp > 1:  # the engine would refuse the model's shape only after the learner loaded (minutes at 8B)
         try:
             check_shardable(model_args, tp)

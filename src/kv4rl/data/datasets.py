@@ -1,4 +1,5 @@
-"""Load problem sets from JSON Lines files (one object per line with `problem` and `answer`).
+"""Load problem sets from JSON Lines files (one object per line with `problem` and `answer`), or from Parquet
+files (`data/parquet.py`: the same columns, or verl's layout), told apart by the file's first bytes.
 
 Validation is strict and eager: a bad row fails the load with the file and 1-based line number,
 because a silently skipped or mis-typed row would quietly change an evaluation set.
@@ -15,17 +16,17 @@ from typing import Any
 
 from kv4rl.data.types import Problem
 
-__all__ = ["DatasetError", "load_jsonl"]
+__all__ = ["DatasetError", "load_jsonl", "load_problems", "read_problems"]
 
 
 class DatasetError(ValueError):
     """A dataset file is missing or malformed; the message names the file (and line)."""
 
 
-class _WrittenFloat(float):
+class WrittenFloat(float):
     """A JSON number with a fraction or exponent, remembering how the file wrote it (`text`)."""
 
-    def __new__(cls, text: str) -> _WrittenFloat:
+    def __new__(cls, text: str) -> WrittenFloat:
         value = super().__new__(cls, text)
         value.text = text
         return value
@@ -45,6 +46,27 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 OTHER_FORMATS = (".json", ".parquet", ".csv", ".arrow", ".txt")  # what a misread file likely is, for the hint
+
+
+def read_problems(path: str | os.PathLike[str]) -> tuple[list[Problem], str]:
+    """(the problems of a dataset file, its layout: "jsonl", "parquet" or "verl"), a Parquet file known by its
+    magic bytes (whatever its name), anything else read as JSON Lines."""
+    path = Path(path)
+    try:
+        with path.open("rb") as file:
+            parquet = file.read(4) == b"PAR1"
+    except OSError:  # a missing or unreadable file: load_jsonl says which
+        parquet = False
+    if parquet:
+        from kv4rl.data.parquet import load_parquet  # pyarrow only where a Parquet file is read
+
+        return load_parquet(path)
+    return load_jsonl(path), "jsonl"
+
+
+def load_problems(path: str | os.PathLike[str]) -> list[Problem]:
+    """The problems of a dataset file, JSON Lines or Parquet (`read_problems`)."""
+    return read_problems(path)[0]
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
@@ -99,7 +121,7 @@ def _not_text(raw: bytes) -> str | None:
 
 def _parse_row(line_bytes: bytes, where: str, *, default_id: str) -> Problem:
     try:
-        row = json.loads(line_bytes.decode("utf-8"), parse_float=_WrittenFloat, object_pairs_hook=_object)
+        row = json.loads(line_bytes.decode("utf-8"), parse_float=WrittenFloat, object_pairs_hook=_object)
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{where}: not valid UTF-8 ({exc.reason})") from None
     except json.JSONDecodeError as exc:
@@ -113,14 +135,14 @@ def _parse_row(line_bytes: bytes, where: str, *, default_id: str) -> Problem:
     if not isinstance(row, dict):
         hint = " (a dataset file is JSON Lines: one object per line)" if isinstance(row, list) else ""
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}{hint}")
-    problem = _required_text(row, "problem", where, allow_number=False)
-    answer = _required_text(row, "answer", where, allow_number=True)
-    row_id = _required_text(row, "id", where, allow_number=True) if "id" in row else default_id
+    problem = check_row_text(row, "problem", where, allow_number=False)
+    answer = check_row_text(row, "answer", where, allow_number=True)
+    row_id = check_row_text(row, "id", where, allow_number=True) if "id" in row else default_id
     meta = {key: value for key, value in row.items() if key not in ("problem", "answer", "id")}
     return Problem(problem=problem, answer=answer, id=row_id, meta=meta)
 
 
-def _required_text(row: dict[str, Any], key: str, where: str, *, allow_number: bool) -> str:
+def check_row_text(row: dict[str, Any], key: str, where: str, *, allow_number: bool) -> str:
     if key not in row:
         raise DatasetError(f"{where}: missing field {key!r}")
     value = row[key]
@@ -128,7 +150,7 @@ def _required_text(row: dict[str, Any], key: str, where: str, *, allow_number: b
     if allow_number and is_number:
         if not math.isfinite(value):
             raise DatasetError(f"{where}: field {key!r} is not a finite number: {value!r}")
-        if isinstance(value, _WrittenFloat):  # as written, without an exponent: math-verify reads 1e+20 as e + 20
+        if isinstance(value, WrittenFloat):  # as written, without an exponent: math-verify reads 1e+20 as e + 20
             return format(Decimal(value.text), "f")
         return str(value)
     if not isinstance(value, str):

@@ -1,4 +1,4 @@
-"""Where each iteration's problems come from: the embedded task or a JSONL file.
+"""Where each iteration's problems come from: the embedded task or a dataset file (JSON Lines or Parquet).
 
 Any dataset file (for training or for evaluation) makes the run a dataset run: its default prompt is
 the boxed-answer instruction and its default reward is math-verify, because real answers (`18`,
@@ -21,7 +21,7 @@ import json
 import random
 from collections.abc import Callable
 
-from kv4rl.data.datasets import load_jsonl
+from kv4rl.data.datasets import read_problems
 from kv4rl.data.longmul import LongMulTask
 from kv4rl.data.synthetic import PROMPT_TEMPLATE as ARITH_TEMPLATE
 from kv4rl.data.synthetic import ArithmeticTask
@@ -53,11 +53,14 @@ class ProblemSource:
         self.shuffle = shuffle
         self.embedded_task = task if task is not None else ArithmeticTask()
         self.task = self.embedded_task if self.train_embedded and pool_size == 0 else None
+        self.layouts: dict[str, str] = {}  # each file's layout by its key ("jsonl", "parquet", "verl")
         if self.train_embedded:
             self.train = _distinct(self.embedded_task, pool_size, seed) if pool_size else None
         else:
-            self.train = load_jsonl(train_path)
-        self.eval_file = None if eval_path is None else load_jsonl(eval_path)
+            self.train, self.layouts["data.train"] = read_problems(train_path)
+        self.eval_file = None
+        if eval_path is not None:
+            self.eval_file, self.layouts["data.eval"] = read_problems(eval_path)
         self.max_prompt_tokens, self.prompt_format = max_prompt_tokens, prompt_format
         self._prompts_limited = False  # `drop_long_prompts` done: a second call reads no prompt again
         self._chunk: tuple[int, list[Problem]] = (-1, [])  # the last task chunk / epoch order used
@@ -67,6 +70,24 @@ class ProblemSource:
     @property
     def default_template(self) -> str:
         return default_prompt_template(self.embedded)
+
+    def verl_prompt_notes(self, template: str | None, chat: bool, template_option: str = "data.prompt_template",
+                          chat_option: str = "data.chat_template=true") -> list[str]:
+        """What prompting verl's rows with `template` (None: the default) and `chat` sends unlike verl does, one
+        line each naming the options that change it: verl sends a row's user message alone, in the chat template."""
+        keys = [key for key, layout in self.layouts.items() if layout == "verl"]
+        if not keys:
+            return []
+        named = " and ".join(keys)
+        lines = []
+        if template is None:
+            lines.append(f"{named} holds verl's prompts, their instruction included; the default {template_option} "
+                         f"adds kv4rl's boxed-answer instruction after each: "
+                         f"\"{template_option}='{{problem}}'\" (quoted so for the shell) sends them as verl does")
+        if not chat:
+            lines.append(f"{named} holds verl's prompts, which verl sends in the tokenizer's chat template: "
+                         f"{chat_option} does the same")
+        return lines
 
     @property
     def default_reward(self) -> str:

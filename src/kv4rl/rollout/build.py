@@ -28,6 +28,27 @@ def prompt_formatter(cfg: RunConfig, source: ProblemSource, tokenizer) -> Prompt
     return PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template, cfg.data.chat_template)
 
 
+BOXED_GRADERS = ("math_verify", "exact")  # the rewards that grade a response's last \\boxed{...} and nothing else
+PROMPTS_SAMPLED = 64  # how many training prompts the boxed-request check reads
+
+
+def prompt_warnings(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter) -> list[str]:
+    """What the run's prompts ask for unlike what verl sends or the reward grades, one line each (said at start): a
+    dataset run whose verifier grades only a boxed answer, and none of whose first prompts asks for one, scores
+    every answer 0 (verl's GSM8K prompts ask for '#### <answer>')."""
+    lines = source.verl_prompt_notes(cfg.data.prompt_template, cfg.data.chat_template)
+    verifier = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
+    if source.train_embedded or verifier not in BOXED_GRADERS:
+        return lines
+    sampled = source.train[:PROMPTS_SAMPLED]
+    if not any("boxed" in formatter.text(problem) for problem in sampled):
+        lines.append(f"reward {verifier} grades a response's last \\boxed{{...}} only, and none of the first "
+                     f"{len(sampled)} training prompts asks for one, so an answer written otherwise scores 0: ask for "
+                     "it in data.prompt_template, e.g. \"data.prompt_template='{problem} Put the final answer within "
+                     "\\boxed{{}}.'\"")
+    return lines
+
+
 def drop_long_prompts(source: ProblemSource, formatter: PromptFormatter, say: bool = True) -> None:
     """`data.max_prompt_tokens`: drop the files' longer rows, saying how many where `say` (one rank of a job; nothing
     on a second call)."""
