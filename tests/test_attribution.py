@@ -29,10 +29,10 @@ def learner_for(path):
                    micro_batch_size=8, updates_per_batch=1, temperature=TEMPERATURE, device=torch.device("cpu"))
 
 
-def rollout(path, config: EngineConfig, top_k: int = 0, dtype: str = "auto"):
+def rollout(path, config: EngineConfig, top_k: int = 0, dtype: str = "auto", min_p: float = 0.0):
     """An engine of `config` and a batch of its responses (version 0, 10 tokens each)."""
     engine = Engine(path, config, max_num_seqs=4, device="cpu", dtype=dtype)
-    params = SamplingParams(temperature=TEMPERATURE, top_k=top_k, max_tokens=10, ignore_eos=True, seed=3)
+    params = SamplingParams(temperature=TEMPERATURE, top_k=top_k, min_p=min_p, max_tokens=10, ignore_eos=True, seed=3)
     done = engine.generate(PROMPTS, params)
     batch = build_batch(PROMPTS, [c.token_ids for c in done], [c.logprobs for c in done],
                         [c.versions for c in done], [0.0] * len(done), pad_id=0)
@@ -55,8 +55,9 @@ def float64_total(path_or_model, batch) -> torch.Tensor:
     return torch.cat(out)
 
 
-def attribute(engine, learner, batch, iteration=0, top_k=0, keep=None):
-    att = MismatchAttribution(engine, learner, every=1, samples=len(batch), sampling=Sampling(TEMPERATURE, top_k),
+def attribute(engine, learner, batch, iteration=0, top_k=0, keep=None, min_p=0.0):
+    att = MismatchAttribution(engine, learner, every=1, samples=len(batch),
+                              sampling=Sampling(TEMPERATURE, top_k, min_p=min_p),
                               horizon=1)
     att.weights.update(keep or {})
     terms, skipped = att.token_terms(iteration, batch)
@@ -170,6 +171,13 @@ def test_top_k_only_moves_the_truncation_term(checkpoint, learner):
     path = checkpoint
     engine, batch = rollout(path, EngineConfig(), top_k=5)
     moved(attribute(engine, learner, batch, top_k=5), "truncation")
+
+
+def test_min_p_only_moves_the_truncation_term(checkpoint, learner):
+    """The engine's min-p reaches its sampler (the engine's log-probs are of the cut distribution) and the
+    attribution's scoring cuts alike (nothing is left in the kernels term)."""
+    engine, batch = rollout(checkpoint, EngineConfig(), min_p=0.2)
+    moved(attribute(engine, learner, batch, min_p=0.2), "truncation")
 
 
 def test_decompose_by_hand():

@@ -42,6 +42,7 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     ("rollout.group_size=1", "rollout.group_size"),
     ("rollout.temperature=0", "rollout.temperature"),
     ("rollout.top_k=-5", "rollout.top_k must be >= 0"),
+    ("rollout.min_p=1.5", r"rollout.min_p must be in \[0, 1\] \(0: off\), got 1.5"),
     ("trainer.weight_decay=-0.1", "trainer.weight_decay must be >= 0"),
     ("trainer.weight_decay=1e4", "trainer.lr x trainer.weight_decay must be < 1, got 0.0001 x 10000"),
     ("trainer.betas=[1.0,0.999]", "trainer.betas must each be in"),
@@ -218,6 +219,7 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
     ("trainer.num_iterations=2", "unknown config key 'trainer.num_iterations'; TRL's num_iterations is "
                                  "trainer.epochs_per_batch (with algo.old_logprob=recompute)"),
     ("delta=3", "unknown config key 'delta'; TRL's delta is algo.dual_clip"),
+    ("min_p=0.1", "unknown config key 'min_p'; TRL's and vLLM's min_p is rollout.min_p"),
     ("reward.reward_weights=[1,2]", "unknown config key 'reward.reward_weights'; TRL's reward_weights are "
                                     "reward.weights (reward.name's first)"),
     ("optim.lr=1e-6", "unknown config key 'optim'; verl's optim keys are trainer.lr, trainer.weight_decay, "
@@ -240,6 +242,7 @@ def test_an_unknown_key_with_nothing_close_suggests_nothing():
 @pytest.mark.parametrize("overrides, says", [
     (["rollout.top_p=0.95"], "PPO's ratio (algo.old_logprob=behavior) starts below 1"),
     (["rollout.top_k=5", "algo.loss=future_kl"], "the behaviour log-ratio starts below 1"),
+    (["rollout.min_p=0.1"], "rollout.min_p=0.1 truncate what the engine samples"),
     ([], None),
 ])
 def test_a_truncating_rollout_is_warned_about_its_ratio(caplog, overrides, says):

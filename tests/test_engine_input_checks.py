@@ -288,6 +288,9 @@ def test_a_step_that_fails_after_its_forward_leaves_the_engine_stepping(tiny_qwe
     assert finished == [x] and x.output_ids == alone
     with pytest.raises(ValueError, match="top_k must be below 2\\*\\*63"):
         engine.add_request([1, 2], SamplingParams(top_k=2**63, max_tokens=2))
+    for min_p in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\] \(0: off\)"):
+            engine.add_request([1, 2], SamplingParams(min_p=min_p, max_tokens=2))
 
 
 def test_a_failed_drain_and_a_failure_after_a_requests_last_token_lose_nothing(tiny_qwen3, monkeypatch):

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from kv4rl.engine.sampler import sample, uniform_noise
@@ -92,6 +93,61 @@ def test_a_top_p_of_one_keeps_its_whole_tail_beside_a_truncating_row():
     assert torch.equal(out[0], logits[0])
     assert torch.equal(out[1], truncate_logits(logits[1:], no_k[1:], torch.tensor([0.5]))[0])
     assert torch.isfinite(out[1]).sum() == 1  # token 0 alone holds more than half the mass
+
+
+def test_min_p_keeps_the_tokens_as_likely_as_its_share_of_the_likeliest_and_renormalises():
+    """min-p against float64 by enumeration: a token stays where p_i >= min_p * max_j p_j; the reported log-prob is
+    log(p_i / sum of the kept p); rows of other min_p (0: off) beside each other; with top-k and top-p the kept
+    set is the intersection of each one's (the ratio does not move under renormalisation)."""
+    gen = torch.Generator().manual_seed(5)
+    b, v = 48, 13
+    logits = torch.randn(b, v, generator=gen) * 2.5
+    min_p = torch.tensor([0.0, 0.05, 0.3, 1.0] * (b // 4))
+    seeds = torch.arange(b, dtype=torch.long) * 17 + 3
+    zeros = torch.zeros(b, dtype=torch.long)
+    probs = torch.softmax(logits.double(), -1)
+    kept = probs >= min_p.double()[:, None] * probs.max(-1, keepdim=True).values
+    for step in range(20):
+        steps = zeros + step
+        tokens, lp = sample(logits, torch.ones(b), zeros, torch.ones(b), seeds, steps, min_p=min_p)
+        assert kept.gather(1, tokens[:, None]).all()
+        want = (probs.gather(1, tokens[:, None]).squeeze(1) / (probs * kept).sum(-1)).log()
+        assert torch.allclose(lp.double(), want, atol=1e-5)
+    assert kept[0].all() and kept[3].sum() == 1  # min_p 0 keeps every token, 1 only the likeliest
+    off, _ = sample(logits, torch.ones(b), zeros, torch.ones(b), seeds, zeros, min_p=torch.zeros(b))
+    assert torch.equal(off, sample(logits, torch.ones(b), zeros, torch.ones(b), seeds, zeros)[0])
+
+    from kv4rl.engine.sampler import truncate_logits
+
+    top_k, top_p = torch.full((b,), 6, dtype=torch.long), torch.full((b,), 0.8)
+    both = torch.isfinite(truncate_logits(logits, top_k, top_p, min_p))
+    by_k_p = torch.isfinite(truncate_logits(logits, top_k, top_p))
+    assert torch.equal(both, by_k_p & kept)
+
+
+def test_min_p_keeps_what_transformers_min_p_warper_keeps():
+    transformers = pytest.importorskip("transformers")
+    from kv4rl.engine.sampler import truncate_logits
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, 200, generator=gen) * 3
+    for min_p in (0.01, 0.1, 0.5, 0.9):
+        ours = truncate_logits(logits, torch.zeros(64, dtype=torch.long), torch.ones(64), torch.full((64,), min_p))
+        theirs = transformers.MinPLogitsWarper(min_p)(None, logits.clone())
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), min_p
+
+
+def test_min_p_samples_follow_the_renormalised_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])  # min_p 0.25 keeps p >= 0.125: the first three
+    n = 20000
+    logits = probs.log()[None].repeat(n, 1)
+    tokens, _ = sample(logits, torch.ones(n), torch.zeros(n, dtype=torch.long), torch.ones(n),
+                       torch.arange(n, dtype=torch.long) * 7919 + 1, torch.zeros(n, dtype=torch.long),
+                       min_p=torch.full((n,), 0.25))
+    freq = torch.bincount(tokens, minlength=4).double() / n
+    want = torch.tensor([0.5, 0.3, 0.15, 0.0], dtype=torch.float64) / 0.95
+    assert freq[3] == 0
+    assert torch.all((freq - want).abs() < 5 * torch.sqrt(want * (1 - want) / n) + 1e-12), freq
 
 
 def test_host_known_flags_change_no_token_or_log_prob():

@@ -203,6 +203,11 @@ def test_truncated_batches_keep_the_torch_path(gen, kernel_calls):
         fused = sample(logits, temp, k, p, seeds, steps, fused=True)
         plain = sample(logits, temp, k, p, seeds, steps)
         assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    min_p = torch.zeros_like(top_p)
+    min_p[0] = 0.3  # a min-p row truncates too
+    fused = sample(logits, temp, top_k, top_p, seeds, steps, fused=True, min_p=min_p)
+    plain = sample(logits, temp, top_k, top_p, seeds, steps, min_p=min_p)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
     assert kernel_calls == []
 
 

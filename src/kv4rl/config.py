@@ -320,14 +320,15 @@ class RunConfig:
         if self.trainer.lr_schedule == "constant" and self.trainer.min_lr_ratio != 0:
             log.warning("trainer.min_lr_ratio=%g belongs to trainer.lr_schedule=linear or cosine; the constant "
                         "schedule ignores it", self.trainer.min_lr_ratio)
-        if self.rollout.top_p < 1 or self.rollout.top_k > 0:
+        if self.rollout.top_p < 1 or self.rollout.top_k > 0 or self.rollout.min_p > 0:
             ratio = ("PPO's ratio (algo.old_logprob=behavior)" if self.algo.loss == "ppo_clip"
                      and self.algo.old_logprob == "behavior" else "the behaviour log-ratio")
-            log.warning("rollout.top_p=%g, rollout.top_k=%d truncate what the engine samples: it reports log-probs of "
+            log.warning("rollout.top_p=%g, rollout.top_k=%d, rollout.min_p=%g truncate what the engine samples: it "
+                        "reports log-probs of "
                         "the truncated distribution, the learner of the whole softmax(logits / temperature), so "
                         "%s starts below 1 on every kept token by the mass the truncation kept (mismatch_* in "
-                        "metrics.jsonl shows it; top_p=1, top_k=0 keeps it at 1)",
-                        self.rollout.top_p, self.rollout.top_k, ratio)
+                        "metrics.jsonl shows it; top_p=1, top_k=0, min_p=0 keeps it at 1)",
+                        self.rollout.top_p, self.rollout.top_k, self.rollout.min_p, ratio)
         if self.staleness.lag >= self.trainer.iterations:
             split = self.rollout.placement == "split"  # its engines' batches are not checkpointed: dropped
             log.warning("staleness.lag=%d collects %d batches ahead of the learner: with trainer.iterations=%d the "

@@ -112,7 +112,7 @@ OTHER_FRAMEWORKS = {
                                    "accumulates every micro-batch (trainer.micro_batch_size rows) of its "
                                    "mini-batch, the batch over trainer.updates_per_batch",
     "use_peft": "LoRA / PEFT does not exist here: the learner trains every weight in BF16",
-    "min_p": "min_p sampling does not exist (rollout.temperature, rollout.top_p, rollout.top_k)",
+    "min_p": "TRL's and vLLM's min_p is rollout.min_p",
     "repetition_penalty": "repetition_penalty does not exist (rollout.temperature, rollout.top_p, rollout.top_k)",
     "rollout_correction.loss_type": "verl's rollout_correction.loss_type (bypass mode's reinforce / ppo_clip) does not "
                                     "exist: kv4rl's bypass mode is algo.old_logprob=behavior with the clip",

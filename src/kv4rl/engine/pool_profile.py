@@ -79,7 +79,7 @@ class PoolProfile:
     @torch.inference_mode()
     def step(self, max_num_seqs: int) -> None:
         """The largest step's work on dummy tokens and a one-block cache: its prefill, then sampling
-        for `max_num_seqs` rows with top-k and top-p on (their sorts are the sampler's peak)."""
+        for `max_num_seqs` rows with top-k, top-p and min-p on (their sorts are the sampler's peak)."""
         block_size, max_model_len = self.config.kv.block_size, self.plan.max_model_len.value
         from kv4rl.engine.runner import ModelRunner  # it sizes its pool with this class
 
@@ -90,4 +90,5 @@ class PoolProfile:
         rows = {"size": (max_num_seqs,), "device": self.device}
         sample(torch.zeros(max_num_seqs, self.model.args.vocab_size, device=self.device),
                torch.ones(**rows), torch.ones(**rows, dtype=torch.long), torch.full(fill_value=0.5, **rows),
-               torch.zeros(**rows, dtype=torch.long), torch.zeros(**rows, dtype=torch.long))
+               torch.zeros(**rows, dtype=torch.long), torch.zeros(**rows, dtype=torch.long),
+               min_p=torch.full(fill_value=0.5, **rows))

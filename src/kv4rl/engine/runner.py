@@ -176,16 +176,18 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token and its log-prob under the row's sampling parameters."""
         params = [s.params for s in seqs]
-        # two host-to-device copies instead of five, and whether any row truncates known here: read from
+        # two host-to-device copies instead of six, and whether any row truncates known here: read from
         # the device tensors it would make the host wait for the forward before launching the sampler
-        floats = to_device([[p.temperature for p in params], [p.top_p for p in params]], torch.float32, self.device)
+        floats = to_device([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+                           torch.float32, self.device)
         ints = to_device([[p.top_k for p in params], [s.sample_seed for s in seqs], [len(s.output_ids) for s in seqs]],
                          torch.long, self.device)
-        truncated = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        truncated = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         greedy = [p.temperature <= 0 for p in params]
         unit = all(g or p.temperature == 1 for g, p in zip(greedy, params))
         return sample(logits, floats[0], ints[0], floats[1], ints[1], ints[2], fused=self.sampler == "triton",
-                      truncated=truncated, greedy_rows=any(greedy), unit_temperature=unit)
+                      truncated=truncated, greedy_rows=any(greedy), unit_temperature=unit,
+                      min_p=floats[2] if any(p.min_p > 0 for p in params) else None)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

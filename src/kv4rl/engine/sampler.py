@@ -1,7 +1,7 @@
 """Token sampling that reports each token's log-prob under the distribution actually sampled.
 
 The reported log-prob is `log_softmax(truncate(logits / τ))` at the sampled token, so with top-p = 1
-and top-k off it is exactly the behaviour policy μ that RL needs; greedy rows report 0 (a point mass).
+and top-k and min-p off it is exactly the behaviour policy μ that RL needs; greedy rows report 0 (a point mass).
 
 Randomness is counter-based: the Gumbel noise for a token is a hash of (the sequence's seed, its
 position, the vocabulary index). A sequence therefore samples the same tokens whatever batch it
@@ -46,8 +46,11 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     return (bits.double() + 0.5) * 2.0**-53
 
 
-def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside top-k / top-p with -inf (rows with k <= 0 / p == 1 are unchanged)."""
+def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask logits outside top-k / top-p / min-p with -inf (rows with k <= 0 / p == 1 / min_p == 0 are unchanged),
+    in transformers' order. min-p keeps a token whose probability is at least `min_p` times the row's largest, a
+    ratio that renormalising leaves alone: whether it comes before or after top-k / top-p keeps the same tokens."""
     vocab = scaled.shape[-1]
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
@@ -62,17 +65,24 @@ def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
+    if min_p is not None and bool((min_p > 0).any()):
+        # p_i >= min_p * p_max  <=>  z_i - z_max >= log(min_p); log(0) = -inf keeps a row whole
+        floor = scaled.max(dim=-1, keepdim=True).values + min_p.double().log().float()[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     return scaled
 
 
-def _fused_usable(device: torch.device, top_k: torch.Tensor, top_p: torch.Tensor, truncated: bool | None) -> bool:
-    """The fused kernel covers untruncated rows (top-k off, top-p = 1) on CUDA or the interpreter;
+def _fused_usable(device: torch.device, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None,
+                  truncated: bool | None) -> bool:
+    """The fused kernel covers untruncated rows (top-k off, top-p = 1, min-p = 0) on CUDA or the interpreter;
     greedy rows are fine too, their token is the logits' argmax whatever the kernel draws."""
     from kv4rl.kernels import kernels_usable
 
     if not kernels_usable(device):
         return False
-    return not (bool(((top_k > 0) | (top_p < 1)).any()) if truncated is None else truncated)
+    if truncated is None:
+        truncated = bool(((top_k > 0) | (top_p < 1)).any()) or (min_p is not None and bool((min_p > 0).any()))
+    return not truncated
 
 
 def sample(
@@ -86,13 +96,15 @@ def sample(
     truncated: bool | None = None,
     greedy_rows: bool | None = None,
     unit_temperature: bool | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p / seed / step.
+    """logits[B, V] -> (token ids[B], log-probs[B]); per-row temperature / top-k / top-p / seed / step, and min-p
+    where given (None: off).
 
     `fused` draws the Gumbel-max tokens with the Triton kernel (`kv4rl.kernels.sampling`: the same
     tokens without materialising the [B, V] noise, and log-probs equal to float32 rounding) when no row
     is truncated and the kernels can run on the logits' device; otherwise, and for truncated batches,
-    the torch path below runs. `truncated`: whether any row has top-k or top-p on, when the caller
+    the torch path below runs. `truncated`: whether any row has top-k, top-p or min-p on, when the caller
     knows it from the host-side parameters; None reads it from the tensors, a device-to-host wait
     before the sampling kernels are launched.
     `greedy_rows` (any row at temperature <= 0) and `unit_temperature` (every row at temperature 1 or
@@ -106,7 +118,7 @@ def sample(
     else:
         safe_temp = torch.where(greedy, torch.ones_like(temperature), temperature)
         scaled = logits / safe_temp[:, None]
-    if fused and _fused_usable(logits.device, top_k, top_p, truncated):
+    if fused and _fused_usable(logits.device, top_k, top_p, min_p, truncated):
         from kv4rl.kernels.sampling import gumbel_argmax
 
         # no row truncates, so truncate_logits would return `scaled`; the kernel's pass also gives each
@@ -114,7 +126,7 @@ def sample(
         sampled, log_norm = gumbel_argmax(scaled, seeds, steps, with_log_norm=True)
         token_logprob = lambda tokens: (scaled.gather(1, tokens[:, None]).squeeze(1).double() - log_norm).float()
     else:
-        kept = truncate_logits(scaled, top_k, top_p)
+        kept = truncate_logits(scaled, top_k, top_p, min_p)
         gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
         sampled = (kept.double() + gumbel).argmax(-1)
         logprobs_all = kept.log_softmax(-1)

@@ -45,15 +45,16 @@ def scoring_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, fp8
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """The distribution the engine sampled from: temperature, then top-k / top-p truncation."""
+    """The distribution the engine sampled from: temperature, then top-k / top-p / min-p truncation."""
 
     temperature: float
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     @property
     def truncates(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
 @torch.inference_mode()
@@ -94,7 +95,8 @@ def reference_logprobs(model: Decoder, kv_format: KVFormat, prompt: list[int], r
         if sampling.truncates:
             n = scaled.shape[0]
             cut = truncate_logits(scaled, torch.full((n,), sampling.top_k, device=device),
-                                  torch.full((n,), sampling.top_p, device=device))
+                                  torch.full((n,), sampling.top_p, device=device),
+                                  torch.full((n,), sampling.min_p, device=device))
             truncated.append(cut.log_softmax(-1).gather(1, targets[rows]).squeeze(1))
     return torch.cat(plain).double().cpu(), torch.cat(truncated).double().cpu() if truncated else None
 

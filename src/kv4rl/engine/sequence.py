@@ -28,7 +28,8 @@ def temperature_problem(name: str, value: float, greedy: bool = True) -> str | N
 
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
-    """How to sample one request. `temperature == 0` is greedy; `top_k <= 0` and `top_p == 1` are off.
+    """How to sample one request. `temperature == 0` is greedy; `top_k <= 0`, `top_p == 1` and `min_p == 0` are
+    off (`min_p`: keep the tokens at least `min_p` times as likely as the likeliest, as vLLM and transformers).
 
     The engine reports each token's log-prob under the distribution it actually sampled from
     (temperature-scaled and truncated), so RL with the defaults sees the exact behaviour policy.
@@ -37,6 +38,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] | None = None  # stop at these too, besides the model's EOS ids (as vLLM)
     ignore_eos: bool = False  # no stop token ends it (the EOS ids or `stop_token_ids`), only the length limits
@@ -49,6 +51,8 @@ class SamplingParams:
             raise ValueError(problem)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got {self.min_p}")
         for name in ("top_k", "max_tokens") + (("seed",) if self.seed is not None else ()):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):

@@ -141,7 +141,8 @@ class Collector:
     def _params(self, group: int, j: int) -> SamplingParams:
         c = self.cfg
         max_tokens = c.max_new_tokens if self.max_tokens_fn is None else self.max_tokens_fn(group, j)
-        return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=max_tokens,
+        return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
+                              max_tokens=max_tokens,
                               ignore_eos=self.max_tokens_fn is not None)
 
     def _submit(self, group: _Group, j: int, resume_from: Completion | None = None) -> Sequence:

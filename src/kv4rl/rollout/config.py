@@ -35,6 +35,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # keep the tokens at least min_p times as likely as the likeliest (vLLM's, TRL's); 0: off
     placement: Literal["colocated", "split"] = "colocated"
     engine_ranks: int = 1
     filter_groups: bool = False
@@ -51,6 +52,7 @@ class RolloutConfig:
              f"rollout.temperature must be at least {MIN_TEMPERATURE}, got {self.temperature}"),
             (0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]"),
             (self.top_k >= 0, f"rollout.top_k must be >= 0 (0: off), got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"rollout.min_p must be in [0, 1] (0: off), got {self.min_p}"),
             (self.engine_ranks >= 1, f"rollout.engine_ranks must be >= 1, got {self.engine_ranks}"),
             (self.filter_max_batches >= 0, f"rollout.filter_max_batches must be >= 0 (0: no cap), got "
                                             f"{self.filter_max_batches}"),

@@ -114,7 +114,7 @@ class MismatchAttribution:
             return None
         horizon = st.max_versions if st.max_versions is not None else st.lag + st.refresh_every - 1
         return cls(engine, learner, every=t.attribution_every, samples=t.attribution_samples,
-                   sampling=Sampling(r.temperature, r.top_k, r.top_p), horizon=horizon, seed=cfg.seed)
+                   sampling=Sampling(r.temperature, r.top_k, r.top_p, r.min_p), horizon=horizon, seed=cfg.seed)
 
     def due(self, iteration: int) -> bool:
         return (iteration + 1) % self.every == 0
