@@ -49,7 +49,14 @@ def math_reward():
         ("no box here", None),
         (r"\boxed{\frac{1}{2}", None),
         (r"\boxed{1} and a truncated \boxed{\frac{3", None),
-        (r"\boxed 5", None),
+        # without braces, the one token after it, as TeX reads it (math-verify alone takes `\boxed 18` as 18)
+        (r"\boxed 5", "5"),
+        (r"\boxed 18", "1"),
+        (r"\boxed\pi", r"\pi"),
+        (r"\boxed{1} then \boxed 2.", "2"),
+        (r"\framebox{7}", "7"),
+        (r"\boxedx{3}", None),
+        (r"\boxed }", None),
     ],
 )
 def test_extract_boxed(text, expected):
@@ -215,6 +222,25 @@ def test_math_verify_reads_the_latex_it_misparsed_in_training_golds(math_reward)
         ("17 dollars", "18", False),
         ("18 x", "18", False),  # one letter: a variable, not a unit
         ("18 dollars", "x", False),
+        # a square or cubic unit (math-verify read `18~\text{cm}^2` as nothing)
+        (r"18~\text{cm}^2", "18", True),
+        (r"18 \text{ cm}^{2}", "18", True),
+        (r"17~\text{cm}^2", "18", False),
+        # Unicode a model writes: full-width digits, the degree sign, the root sign, thousands apart by spaces
+        ("\uff11\uff18", "18", True),
+        ("\uff11\uff19", "18", False),
+        ("30\u00b0", r"30^\circ", True),
+        ("30\u00b0", "30", True),
+        (r"30\degree", r"30^\circ", True),
+        ("31\u00b0", "30", False),
+        ("3\u221a13", r"3\sqrt{13}", True),
+        ("\u221a{2}/2", r"\frac{\sqrt{2}}{2}", True),
+        ("3\u221a12", r"3\sqrt{13}", False),
+        ("1\u00a0000", "1000", True),
+        ("1\u2009000\u2009000", "10^6", True),
+        ("1\u202f000", "100", False),
+        ("1 000", "1000", True),
+        ("1 000", "100", False),
     ],
 )
 def test_math_verify_reads_thin_spaces_bases_and_half_bare_fractions(answer, gold, expected):

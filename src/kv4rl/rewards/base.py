@@ -173,11 +173,14 @@ class CheckedReward(Reward):
         return getattr(self.reward, attr)
 
 
-_BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# `\boxed{...}`, or `\boxed` and the one token after it, as TeX reads an argument without braces (`\boxed 5`,
+# `\boxed\pi`; `\boxed 18` boxes the 1); `\boxedx` is another command
+_BOX_OPENING = re.compile(r"\\(?:boxed|fbox|framebox)(?![a-zA-Z])\s*(?:(\{)|(\\[a-zA-Z]+|\\.|[^\s{}\\]))")
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), or None if there is none or it is unclosed.
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`, `\\framebox{...}`), or None if there is none or it
+    is unclosed; a box without braces holds the one token after it, as in TeX.
 
     Braces nest; backslash escapes such as `\\{`, `\\}` and `\\\\` are skipped when counting, so
     `\\boxed{\\{1, 2\\}}` gives `\\{1, 2\\}`. An unclosed last box (a truncated response) gives None
@@ -186,6 +189,8 @@ def extract_boxed(text: str) -> str | None:
     openings = list(_BOX_OPENING.finditer(text))
     if not openings:
         return None
+    if openings[-1].group(1) is None:
+        return openings[-1].group(2)
     start = openings[-1].end()
     depth = 1
     i = start

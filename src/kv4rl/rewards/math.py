@@ -64,6 +64,12 @@ _BARE_FRAC = re.compile(r"\\([dt]?frac)\s*" + _FRAC_ARGUMENT + r"\s*" + _FRAC_AR
 _GROUPED_NUMBER = re.compile(r"\{(\d{1,3}(?:,\d{3})+)\}")
 _THIN_SPACED_NUMBER = re.compile(r"(?<![\d.])\d{1,3}(?:\\,\d{3})+(?![\d.])")
 _BASE_NUMBER = re.compile(r"(\d[0-9A-Za-z]*)_(?:\{(\d+)\}|(\d+))")
+# thousands apart by a no-break, thin or narrow no-break space, anywhere; by a plain space, as the whole answer
+_UNICODE_SPACED_NUMBER = re.compile(r"(?<![\d.])\d{1,3}(?:[\u00a0\u2009\u202f]\d{3})+(?![\d.])")
+_SPACED_NUMBER = re.compile(r"-?\d{1,3}(?: \d{3})+")
+_DEGREES = re.compile(r"\s*(?:°|\\degree(?![a-zA-Z]))")
+_ROOT_SIGN = re.compile(r"√\s*(\{[^{}]*\}|\d+(?:\.\d+)?|\\[a-zA-Z]+|[a-zA-Z])")
+_FULL_WIDTH = {code: code - 0xFEE0 for code in range(0xFF01, 0xFF5F)} | {0x3000: 0x20}  # ＡＢ１２ -> AB12
 
 
 def _braced(argument: str) -> str:
@@ -80,7 +86,19 @@ def tidy_answer(answer: str) -> str:
     answer = _BARE_FRAC.sub(lambda m: f"\\{m.group(1)}{_braced(m.group(2))}{_braced(m.group(3))}", answer)
     answer = _GROUPED_NUMBER.sub(lambda m: "{" + m.group(1).replace(",", "") + "}", answer)
     answer = _TRAILING_PUNCTUATION.sub("", answer)  # first: the rule below reads `1\,000.` only without its period
-    return _THIN_SPACED_NUMBER.sub(lambda m: m.group(0).replace("\\,", ""), answer)
+    answer = _THIN_SPACED_NUMBER.sub(lambda m: m.group(0).replace("\\,", ""), answer)
+    return _unicode_tidied(answer)
+
+
+def _unicode_tidied(answer: str) -> str:
+    """What a model writes in Unicode that math-verify reads as nothing or otherwise: full-width characters (`１８`),
+    the degree sign and `\\degree` (`30°` is `30^\\circ`), the root sign (`3√13` is `3\\sqrt{13}`), and thousands
+    apart by a no-break or thin space (`1 000`)."""
+    answer = answer.translate(_FULL_WIDTH)
+    answer = _DEGREES.sub(lambda _: "^{\\circ}", answer)
+    answer = _ROOT_SIGN.sub(lambda m: "\\sqrt" + _braced(m.group(1)), answer)
+    answer = _UNICODE_SPACED_NUMBER.sub(lambda m: re.sub(r"\D", "", m.group(0)), answer)
+    return answer.replace(" ", "") if _SPACED_NUMBER.fullmatch(answer) else answer
 
 
 def _base_number_value(answer: str) -> int | None:
@@ -99,7 +117,8 @@ def _base_number_value(answer: str) -> int | None:
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 # a number, then a unit in words: math-verify read `18 dollars` as 18*d*o*l*l*a*r*s (`18 meters` as 18)
 _NUMBER_WITH_UNIT = re.compile(
-    r"\\?\$?\s*(" + _NUMBER.pattern + r")(?:\s+|\\ |~)(?:\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}|[A-Za-z]{2,}(?: [A-Za-z]{2,})*)")
+    r"\\?\$?\s*(" + _NUMBER.pattern + r")(?:\s+|\\ |~)(?:\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}|[A-Za-z]{2,}(?: [A-Za-z]{2,})*)"
+    r"(?:\^\{?[23]\}?)?")  # a square or cubic unit: `18~\text{cm}^2`
 
 
 _TEXT_WRAPPED = re.compile(r"\\(?:text|mbox|mathrm)\{(.*)\}")
