@@ -477,3 +477,19 @@ def test_the_ref_kl_type_is_checked_and_said_to_need_a_coefficient():
     loss.backward()
     assert loss.item() == pytest.approx((10.0 + 0.125) / 2)
     assert logprobs.grad[0].tolist() == pytest.approx([0.0, -0.5 / 2])
+
+
+def test_a_sequence_ratio_with_a_token_sum_is_said_to_weigh_responses_by_length():
+    """TRL's warning: GSPO's ratio on a token-summed loss is not GSPO's per-response objective."""
+    from kv4rl.config import load_config
+
+    def said(*overrides):
+        return [line for line in load_config(None, list(overrides)).algo.ignored_keys() if "ratio_level" in line]
+
+    for agg in ("token_mean", "token_sum_norm", "seq_mean_token_sum"):
+        lines = said("algo.ratio_level=sequence", f"algo.loss_agg={agg}")
+        assert lines == [f"algo.ratio_level=sequence gives every token of a response its one ratio, and "
+                         f"algo.loss_agg={agg} sums over tokens, so a response weighs by its length instead of "
+                         "GSPO's per-response objective; algo.loss_agg=seq_mean is GSPO's (TRL warns alike)"]
+    assert said("algo.ratio_level=sequence", "algo.loss_agg=seq_mean") == []
+    assert said("algo.loss_agg=token_mean") == []

@@ -144,7 +144,8 @@ class AlgoConfig:
 
     def ignored_keys(self) -> list[str]:
         """One line per key set away from its default in the section of a loss this run does not
-        use. Not an error: a config written for one loss stays loadable with `algo.loss` switched."""
+        use, or that another key leaves without effect or turns from what it says. Not an error: a config written for
+        one loss stays loadable with `algo.loss` switched."""
         lines = []
         if self.kl_ref_type != "k3" and not self.kl_ref_coef > 0:
             lines.append(f"algo.kl_ref_type={self.kl_ref_type} is the penalty algo.kl_ref_coef weighs; with "
@@ -152,6 +153,10 @@ class AlgoConfig:
         if self.loss_norm_tokens is not None and self.loss_agg != "token_sum_norm":
             lines.append(f"algo.loss_norm_tokens={self.loss_norm_tokens} is read by algo.loss_agg=token_sum_norm "
                          f"only; algo.loss_agg={self.loss_agg} ignores it")
+        if getattr(self.section(self.loss), "ratio_level", "token") == "sequence" and self.loss_agg != "seq_mean":
+            lines.append(f"algo.ratio_level=sequence gives every token of a response its one ratio, and "
+                         f"algo.loss_agg={self.loss_agg} sums over tokens, so a response weighs by its length instead "
+                         "of GSPO's per-response objective; algo.loss_agg=seq_mean is GSPO's (TRL warns alike)")
         in_use = getattr(self.section(self.loss), "ignored_in_use", None)
         if in_use is not None:
             lines += in_use()
