@@ -154,3 +154,35 @@ def test_a_run_on_verl_parquet_trains_as_on_the_same_rows_in_json_lines(tmp_path
     verl_rows = learned("verl")
     assert len(verl_rows) == 2 and {"loss", "reward_mean", "grad_norm", "model_sha256"} <= set(verl_rows[1])
     assert verl_rows == learned("jsonl")
+
+
+@pytest.mark.parametrize("truth, read", [(1e20, "100000000000000000000"), (1e-5, "0.00001"), (72, "72")])
+def test_a_number_ground_truth_is_written_out_as_json_lines_writes_it(tmp_path, truth, read):
+    """math-verify reads `1e+20` as e + 20: a nested number is kept as the JSON Lines reader keeps a number."""
+    path = write_parquet(tmp_path / "n.parquet", [verl_row("q", truth)])
+    assert load_problems(path)[0].answer == read
+
+
+def test_eval_on_verl_parquet_scores_as_on_the_same_rows_in_json_lines_and_names_its_own_options(tmp_path):
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+
+    cases = [(f"{a}+{b}", str(a + b)) for a in range(3) for b in range(3)]
+    verl = write_parquet(tmp_path / "e.parquet", [verl_row(q, a, i) for i, (q, a) in enumerate(cases)])
+    jsonl = tmp_path / "e.jsonl"
+    jsonl.write_text("".join(json.dumps({"problem": q, "answer": a}) + "\n" for q, a in cases))
+    results = {}
+    for name, data in (("verl", verl), ("jsonl", jsonl)):
+        out = tmp_path / f"{name}.json"
+        res = CliRunner().invoke(app, ["eval", "--data", str(data), "--k", "2", "--reward", "exact", "--template",
+                                       "{problem}=", "--max-new-tokens", "8", "--json", str(out)])
+        assert res.exit_code == 0, res.output
+        results[name] = {k: v for k, v in json.loads(out.read_text()).items() if k.startswith(("mean@", "pass@"))}
+        said = " ".join(res.output.split())
+        assert ("--data holds verl's prompts, which verl sends in the tokenizer's chat template: --chat does the "
+                "same" in said) == (name == "verl")
+    assert results["verl"] == results["jsonl"] and results["verl"]
+    notes = ProblemSource(None, str(verl), seed=0).verl_prompt_notes(None, True, eval_cli=True)
+    assert notes == ["--data holds verl's prompts, their instruction included; the default --template adds kv4rl's "
+                     "boxed-answer instruction after each: --template '{problem}' sends them as verl does"]

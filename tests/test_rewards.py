@@ -50,11 +50,18 @@ def math_reward():
         (r"\boxed{\frac{1}{2}", None),
         (r"\boxed{1} and a truncated \boxed{\frac{3", None),
         # without braces, the one token after it, as TeX reads it (math-verify alone takes `\boxed 18` as 18)
+        # where that token is an answer: a digit alone, a command, a letter that starts no word
         (r"\boxed 5", "5"),
-        (r"\boxed 18", "1"),
+        (r"\boxed 5.", "5"),
+        (r"\boxed 18", None),  # TeX boxes the 1: no answer, neither 1 nor 18
+        (r"\boxed 5.2", None),
         (r"\boxed\pi", r"\pi"),
+        (r"\boxed x.", "x"),
         (r"\boxed{1} then \boxed 2.", "2"),
+        (r"So \boxed{18}. I used \boxed as asked.", "18"),  # prose that names the command after the answer
+        (r"\boxed{7} (written with \boxed because the task asks)", "7"),
         (r"\framebox{7}", "7"),
+        (r"\framebox[2cm][c]{7}", "7"),
         (r"\boxedx{3}", None),
         (r"\boxed }", None),
     ],
@@ -236,6 +243,8 @@ def test_math_verify_reads_the_latex_it_misparsed_in_training_golds(math_reward)
         ("3\u221a13", r"3\sqrt{13}", True),
         ("\u221a{2}/2", r"\frac{\sqrt{2}}{2}", True),
         ("3\u221a12", r"3\sqrt{13}", False),
+        ("\u221a\\frac{1}{2}", r"\frac{\sqrt{2}}{2}", True),
+        ("2\u221a\\pi", r"2\sqrt{\pi}", True),
         ("1\u00a0000", "1000", True),
         ("1\u2009000\u2009000", "10^6", True),
         ("1\u202f000", "100", False),

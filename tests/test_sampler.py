@@ -97,8 +97,7 @@ def test_a_top_p_of_one_keeps_its_whole_tail_beside_a_truncating_row():
 
 def test_min_p_keeps_the_tokens_as_likely_as_its_share_of_the_likeliest_and_renormalises():
     """min-p against float64 by enumeration: a token stays where p_i >= min_p * max_j p_j; the reported log-prob is
-    log(p_i / sum of the kept p); rows of other min_p (0: off) beside each other; with top-k and top-p the kept
-    set is the intersection of each one's (the ratio does not move under renormalisation)."""
+    log(p_i / sum of the kept p); rows of other min_p (0: off) beside each other."""
     gen = torch.Generator().manual_seed(5)
     b, v = 48, 13
     logits = torch.randn(b, v, generator=gen) * 2.5
@@ -117,12 +116,41 @@ def test_min_p_keeps_the_tokens_as_likely_as_its_share_of_the_likeliest_and_reno
     off, _ = sample(logits, torch.ones(b), zeros, torch.ones(b), seeds, zeros, min_p=torch.zeros(b))
     assert torch.equal(off, sample(logits, torch.ones(b), zeros, torch.ones(b), seeds, zeros)[0])
 
+
+def _vllm_order_kept(probs: list[float], min_p: float, top_k: int, top_p: float) -> set[int]:
+    """vLLM's truncations by hand in float64: min-p over the whole row, then top-k, then top-p over what is left,
+    renormalised (the smallest prefix of the kept tokens, likeliest first, whose mass reaches top_p)."""
+    kept = [i for i, p in enumerate(probs) if p >= min_p * max(probs)]
+    kept.sort(key=lambda i: -probs[i])
+    kept = kept[:top_k] if top_k > 0 else kept
+    total, mass, out = sum(probs[i] for i in kept), 0.0, set()
+    for i in kept:
+        if mass >= top_p * total and top_p < 1:
+            break
+        out.add(i)
+        mass += probs[i]
+    return out
+
+
+def test_min_p_comes_before_top_k_and_top_p_as_in_vllm():
+    """By hand: [.5, .3, .1, .1] at min_p 0.25 keeps {0, 1} (renormalised .625 / .375); top_p 0.6 then keeps {0}
+    (transformers' order, top-p first, keeps {0, 1}). Then random rows against the float64 reference."""
     from kv4rl.engine.sampler import truncate_logits
 
-    top_k, top_p = torch.full((b,), 6, dtype=torch.long), torch.full((b,), 0.8)
-    both = torch.isfinite(truncate_logits(logits, top_k, top_p, min_p))
-    by_k_p = torch.isfinite(truncate_logits(logits, top_k, top_p))
-    assert torch.equal(both, by_k_p & kept)
+    def kept(probs, min_p, top_k, top_p):
+        n = len(probs)
+        out = truncate_logits(torch.tensor(probs).log()[None], torch.tensor([top_k]), torch.tensor([top_p]),
+                              torch.tensor([min_p]))
+        return {i for i in range(n) if torch.isfinite(out[0, i])}
+
+    assert kept([0.5, 0.3, 0.1, 0.1], 0.25, 0, 0.6) == {0} == _vllm_order_kept([0.5, 0.3, 0.1, 0.1], 0.25, 0, 0.6)
+    assert kept([0.5, 0.3, 0.1, 0.1], 0.0, 0, 0.6) == {0, 1}
+    gen = torch.Generator().manual_seed(9)
+    for row in range(200):
+        logits = torch.randn(12, generator=gen, dtype=torch.float64) * 2
+        probs = torch.softmax(logits, -1).tolist()
+        min_p, top_k, top_p = [0.0, 0.02, 0.1, 0.4][row % 4], [0, 3, 6][row % 3], [1.0, 0.5, 0.8, 0.95][row // 50]
+        assert kept(probs, min_p, top_k, top_p) == _vllm_order_kept(probs, min_p, top_k, top_p), (row, probs)
 
 
 def test_min_p_keeps_what_transformers_min_p_warper_keeps():

@@ -314,7 +314,7 @@ def _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, tem
     if ranks.main:
         for line in _prompting_differences(model, chat, template, formatter.template):
             warn(line)
-        for line in source.verl_prompt_notes(template, chat, "--template", "--chat"):
+        for line in source.verl_prompt_notes(template, chat, eval_cli=True):
             warn(line)
         if temperature == 0 and k > 1:
             warn(f"--temperature 0 samples greedily: a problem's {k} samples are the same, so pass@j equals pass@1 "

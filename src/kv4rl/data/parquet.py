@@ -55,9 +55,14 @@ def load_parquet(path: Path) -> tuple[list[Problem], str]:
 
 
 def _as_written(value: Any) -> Any:
-    """A float column's value as the JSON Lines reader keeps one (its shortest round-trip text, no exponent)."""
+    """A float as the JSON Lines reader keeps one (its shortest round-trip text, written out without an exponent
+    when it is an answer), in a column or nested in one (verl's `reward_model.ground_truth`)."""
     if isinstance(value, float) and math.isfinite(value):
         return WrittenFloat(repr(value))
+    if isinstance(value, dict):
+        return {key: _as_written(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_written(item) for item in value]
     return value
 
 

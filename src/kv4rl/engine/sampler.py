@@ -48,10 +48,14 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
 
 def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """Mask logits outside top-k / top-p / min-p with -inf (rows with k <= 0 / p == 1 / min_p == 0 are unchanged),
-    in transformers' order. min-p keeps a token whose probability is at least `min_p` times the row's largest, a
-    ratio that renormalising leaves alone: whether it comes before or after top-k / top-p keeps the same tokens."""
+    """Mask logits outside min-p / top-k / top-p with -inf (rows with min_p == 0 / k <= 0 / p == 1 are unchanged),
+    in vLLM's order: min-p keeps a token at least `min_p` times as likely as the row's likeliest, then top-k, then
+    top-p over what is left (transformers applies min-p last, which with top-p can keep more tokens)."""
     vocab = scaled.shape[-1]
+    if min_p is not None and bool((min_p > 0).any()):
+        # p_i >= min_p * p_max  <=>  z_i - z_max >= log(min_p); log(0) = -inf keeps a row whole
+        floor = scaled.max(dim=-1, keepdim=True).values + min_p.double().log().float()[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
         kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
@@ -65,10 +69,6 @@ def truncate_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
-    if min_p is not None and bool((min_p > 0).any()):
-        # p_i >= min_p * p_max  <=>  z_i - z_max >= log(min_p); log(0) = -inf keeps a row whole
-        floor = scaled.max(dim=-1, keepdim=True).values + min_p.double().log().float()[:, None]
-        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     return scaled
 
 

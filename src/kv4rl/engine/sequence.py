@@ -29,7 +29,7 @@ def temperature_problem(name: str, value: float, greedy: bool = True) -> str | N
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """How to sample one request. `temperature == 0` is greedy; `top_k <= 0`, `top_p == 1` and `min_p == 0` are
-    off (`min_p`: keep the tokens at least `min_p` times as likely as the likeliest, as vLLM and transformers).
+    off (`min_p`: keep the tokens at least `min_p` times as likely as the likeliest, before top-k / top-p, as vLLM).
 
     The engine reports each token's log-prob under the distribution it actually sampled from
     (temperature-scaled and truncated), so RL with the defaults sees the exact behaviour policy.

@@ -173,14 +173,17 @@ class CheckedReward(Reward):
         return getattr(self.reward, attr)
 
 
-# `\boxed{...}`, or `\boxed` and the one token after it, as TeX reads an argument without braces (`\boxed 5`,
-# `\boxed\pi`; `\boxed 18` boxes the 1); `\boxedx` is another command
-_BOX_OPENING = re.compile(r"\\(?:boxed|fbox|framebox)(?![a-zA-Z])\s*(?:(\{)|(\\[a-zA-Z]+|\\.|[^\s{}\\]))")
+# `\boxed{...}`; or `\boxed` and the one token after it, as TeX reads an argument without braces, where that token is
+# an answer: one digit not followed by another (`\boxed 5.`; `\boxed 18` would box the 1, so it is no answer), a
+# command (`\boxed\pi`) or a letter that starts no word (`\boxed x`, not `\boxed as asked`). `\boxedx` is another
+# command; `\framebox`'s optional [width][position] are skipped.
+_BOX_OPENING = re.compile(r"\\(?:boxed|fbox|framebox)(?![a-zA-Z])(?:\s*\[[^\]]*\]){0,2}\s*"
+                          r"(?:(\{)|(\d(?!\d|[.,]\d)|\\[a-zA-Z]+|[a-zA-Z](?![a-zA-Z])))")
 
 
 def extract_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` (or `\\fbox{...}`, `\\framebox{...}`), or None if there is none or it
-    is unclosed; a box without braces holds the one token after it, as in TeX.
+    is unclosed; a box without braces holds the one token after it, as in TeX, where that token is an answer.
 
     Braces nest; backslash escapes such as `\\{`, `\\}` and `\\\\` are skipped when counting, so
     `\\boxed{\\{1, 2\\}}` gives `\\{1, 2\\}`. An unclosed last box (a truncated response) gives None

@@ -68,7 +68,9 @@ _BASE_NUMBER = re.compile(r"(\d[0-9A-Za-z]*)_(?:\{(\d+)\}|(\d+))")
 _UNICODE_SPACED_NUMBER = re.compile(r"(?<![\d.])\d{1,3}(?:[\u00a0\u2009\u202f]\d{3})+(?![\d.])")
 _SPACED_NUMBER = re.compile(r"-?\d{1,3}(?: \d{3})+")
 _DEGREES = re.compile(r"\s*(?:°|\\degree(?![a-zA-Z]))")
-_ROOT_SIGN = re.compile(r"√\s*(\{[^{}]*\}|\d+(?:\.\d+)?|\\[a-zA-Z]+|[a-zA-Z])")
+# the root sign and its argument: a brace group, a number, a fraction, a command without arguments (`\pi`), a letter
+_ROOT_SIGN = re.compile(r"√\s*(\{[^{}]*\}|\d+(?:\.\d+)?|\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}"
+                        r"|\\[a-zA-Z]+(?![a-zA-Z]|\s*\{)|[a-zA-Z])")
 _FULL_WIDTH = {code: code - 0xFEE0 for code in range(0xFF01, 0xFF5F)} | {0x3000: 0x20}  # ＡＢ１２ -> AB12
 
 
