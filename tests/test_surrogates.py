@@ -107,3 +107,40 @@ def test_the_settings_are_checked_and_unread_ones_said():
     with pytest.raises(ConfigError, match=r"use algo.loss_agg=token_mean \(TRL's cispo divides so; its objective is "
                                           r"algo.surrogate=cispo"):
         load_config(None, ["algo.loss_agg=cispo"])
+
+
+@pytest.mark.parametrize("surrogate", ["clip", "cispo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_unbiased_reference_kl_equals_trls_bias_corrected_kl(surrogate, level):
+    """TRL's `use_bias_correction_kl` written out in float64: its k3 per token times coef_1, the ratio π_θ/π_old with
+    its gradient (per response at sequence level), beta times that added per token before the token mean."""
+    logp, old, sampling, adv, mask = batch(5)
+    ref = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    beta = 0.04
+    cfg = AlgoConfig(loss_agg="token_mean", surrogate=surrogate, ratio_level=level, old_logprob="recompute",
+                     kl_ref_coef=beta, kl_ref_unbiased=True, cispo_max=2.0)
+    cfg.validate()
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                                    ref_logprobs=ref), cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    log_ratio = logp - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
+    if surrogate == "clip":
+        per_token = -torch.min(coef_1 * adv, torch.clamp(coef_1, 0.8, 1.2) * adv)
+    else:
+        per_token = trl_per_token_loss(logp, old, adv, mask, "cispo", level)
+    per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+    want = ((per_token + beta * per_token_kl * coef_1) * mask).sum() / mask.sum()
+    (want_grad,) = torch.autograd.grad(want, logp)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-14)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+    # the logged kl_ref stays the plain k3 mean, and without the key the penalty is TRL's uncorrected one
+    assert metrics["kl_ref"] == pytest.approx(float((per_token_kl.detach() * mask).sum() / mask.sum()), rel=1e-12)
+    plain, _ = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                               ref_logprobs=ref), AlgoConfig(loss_agg="token_mean", surrogate=surrogate,
+                                                                             ratio_level=level, old_logprob="recompute",
+                                                                             kl_ref_coef=beta, cispo_max=2.0))
+    want_plain = ((per_token + beta * per_token_kl) * mask).sum() / mask.sum()
+    assert plain.item() == pytest.approx(want_plain.item(), rel=1e-12)

@@ -86,6 +86,7 @@ OTHER_FRAMEWORKS = {
     "entropy_coef": "TRL's entropy_coef is algo.entropy_coeff (aggregated by algo.loss_agg; TRL's token mean is "
                     "algo.loss_agg=token_mean)",
     "off_policy_mask_threshold": "TRL's off_policy_mask_threshold is algo.off_policy_mask",
+    "use_bias_correction_kl": "TRL's use_bias_correction_kl is algo.kl_ref_unbiased",
     "train_files": "verl's data.train_files is data.train (one JSONL file of {problem, answer} rows)",
     "val_files": "verl's data.val_files is data.eval (one JSONL file of {problem, answer} rows)",
     "enable_gradient_checkpointing": "verl's enable_gradient_checkpointing is trainer.grad_checkpointing",

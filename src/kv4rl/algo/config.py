@@ -153,6 +153,9 @@ class AlgoConfig:
         if self.loss_norm_tokens is not None and self.loss_agg != "token_sum_norm":
             lines.append(f"algo.loss_norm_tokens={self.loss_norm_tokens} is read by algo.loss_agg=token_sum_norm "
                          f"only; algo.loss_agg={self.loss_agg} ignores it")
+        if getattr(self.section(self.loss), "kl_ref_unbiased", False) and not self.kl_ref_coef > 0:
+            lines.append(f"algo.kl_ref_unbiased weighs the penalty algo.kl_ref_coef adds; with algo.kl_ref_coef="
+                         f"{self.kl_ref_coef} no penalty is added and it changes nothing")
         if getattr(self.section(self.loss), "ratio_level", "token") == "sequence" and self.loss_agg != "seq_mean":
             lines.append(f"algo.ratio_level=sequence gives every token of a response its one ratio, and "
                          f"algo.loss_agg={self.loss_agg} sums over tokens, so a response weighs by its length instead "

@@ -105,8 +105,11 @@ def _floats(stats: dict[str, Tensor]) -> dict[str, float]:
 
 
 def _with_ref_kl(
-    loss: Tensor, inp: LossInputs, cfg: AlgoConfig, valid: Tensor, stats: dict[str, Tensor]
+    loss: Tensor, inp: LossInputs, cfg: AlgoConfig, valid: Tensor, stats: dict[str, Tensor],
+    weight: Tensor | None = None,
 ) -> Tensor:
+    """`loss` plus `algo.kl_ref_coef` times the aggregated reference-KL penalty, each token's term times `weight`
+    where given (the ratio π_θ/π_old of `algo.kl_ref_unbiased`, with its gradient, as TRL's)."""
     if inp.ref_logprobs is None:
         return loss
     logp = torch.where(valid, inp.logprobs, 0)
@@ -121,6 +124,8 @@ def _with_ref_kl(
         penalty = k3 if cfg.kl_ref_type == "k3" else ref_kl_terms(held, ref_logp.double(), cfg.kl_ref_type)
         if cfg.kl_ref_clamp is not None:  # verl's low_var_kl: a token past the cap adds the cap, and no gradient
             penalty = penalty.clamp(max=cfg.kl_ref_clamp)
+        if weight is not None:  # the samples are π_old's: E_old[ρ · k] is the KL under π_θ (DeepSeek-V3.2)
+            penalty = penalty * weight.double()
         term = inp.aggregate(penalty, valid, cfg.loss_agg, filtered=False)  # every token, as TRL's (top_entropy_quantile)
         loss = loss + cfg.kl_ref_coef * term.to(loss.dtype)
     return loss
@@ -139,7 +144,8 @@ class PPOClipSettings:
     PPO; `behavior_importance_weights`). `surrogate` swaps the clipped objective for CISPO's or SAPO's (TRL's
     loss_type cispo / sapo), which share π_old, the ratio level and the weights (`_surrogate`). `off_policy_mask` =
     δ drops a response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's
-    off_policy_mask_threshold; `off_policy_keep`)."""
+    off_policy_mask_threshold; `off_policy_keep`). `kl_ref_unbiased` weighs each token's reference-KL term by the
+    ratio, so that over π_old's samples it estimates the KL of π_θ (DeepSeek-V3.2, TRL's use_bias_correction_kl)."""
 
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -154,6 +160,7 @@ class PPOClipSettings:
     cispo_max: float = 5.0
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    kl_ref_unbiased: bool = False
 
     def validate(self) -> None:
         require_choice("algo.old_logprob", self.old_logprob, ("behavior", "recompute"))
@@ -254,6 +261,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         surrogate = surrogate * weights.to(surrogate.dtype)
     loss = -inp.aggregate(surrogate, valid, cfg.loss_agg)
 
+    kl_weight = torch.where(valid, ratio, 0) if s.kl_ref_unbiased else None
     ratio = ratio.detach()
     stats = {"ratio_mean": _mean(ratio, valid), "ratio_max": _max(ratio, valid)}
     if s.surrogate == "clip":
@@ -270,7 +278,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     if weights is not None:
         stats.update(behavior_is_mean=_mean(weights, valid), behavior_is_max=_max(weights, valid),
                      behavior_is_cut_frac=_mean(cut.double(), valid))
-    loss = _with_ref_kl(loss, inp, cfg, valid, stats)
+    loss = _with_ref_kl(loss, inp, cfg, valid, stats, weight=kl_weight)
     return loss, _floats(stats)
 
 
