@@ -42,8 +42,7 @@ def load_parquet(path: Path) -> tuple[list[Problem], str]:
                            "(with `ground_truth`)")
     problems = []
     for number, row in enumerate(table.to_pylist(), start=1):
-        row = {key: _as_written(value) for key, value in row.items()}
-        problems.append(row_fn(row, f"{path} row {number}", f"{path.name}:{number}"))
+        problems.append(row_fn(_as_written(row), f"{path} row {number}", f"{path.name}:{number}"))
     if not problems:
         raise DatasetError(f"dataset file {path} contains no rows")
     first_row_of_id: dict[str, int] = {}
