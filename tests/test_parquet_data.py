@@ -122,8 +122,10 @@ def test_start_up_says_what_verl_would_send_otherwise_and_a_prompt_that_asks_for
     assert len(default) == 2  # the default template asks for the box
     as_verl = warnings("data.prompt_template='{problem}'")
     assert len(as_verl) == 2 and as_verl[0] == default[1]
-    assert as_verl[1].startswith("reward math_verify grades a response's last \\boxed{...} only, and none of the "
-                                 "first 1 training prompts asks for one")
+    assert as_verl[1] == ("reward math_verify grades a response's last \\boxed{...} only, and none of the first 1 "
+                          "prompts asks for one, so an answer written otherwise scores 0: ask for it in "
+                          "data.prompt_template, e.g. \"data.prompt_template='{problem} Put the final answer within "
+                          "\\boxed{{}}.'\"")
     assert warnings("data.prompt_template='{problem}'", "reward.name=exact")[1].startswith("reward exact grades")
     assert warnings("data.prompt_template='{problem} Box it: \\boxed{{}}.'") == [default[1]]
     assert warnings("data.prompt_template='{problem}'", train=plain)[0].startswith("reward math_verify grades")
@@ -182,6 +184,10 @@ def test_eval_on_verl_parquet_scores_as_on_the_same_rows_in_json_lines_and_names
         said = " ".join(res.output.split())
         assert ("--data holds verl's prompts, which verl sends in the tokenizer's chat template: --chat does the "
                 "same" in said) == (name == "verl")
+        # exact grades a box the prompts `1+1=` do not ask for: said, with eval's own option
+        assert ("reward exact grades a response's last \\boxed{...} only, and none of the first 9 prompts asks for "
+                "one, so an answer written otherwise scores 0: ask for it in --template, e.g. --template '{problem} "
+                "Put the final answer within \\boxed{{}}.'") in said
     assert results["verl"] == results["jsonl"] and results["verl"]
     notes = ProblemSource(None, str(verl), seed=0).verl_prompt_notes(None, True, eval_cli=True)
     assert notes == ["--data holds verl's prompts, their instruction included; the default --template adds kv4rl's "

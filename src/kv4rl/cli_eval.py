@@ -237,6 +237,7 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
     `checkpoints/latest` that the run prunes while it loads (`checkpoint.keep_last`) is loaded again from
     the newest (one process), else refused by name: it failed as a missing model, missing weights or a bad
     Hugging Face repo id, depending on the moment."""
+    from kv4rl.data.prompts import boxed_request_note
     from kv4rl.distributed import from_main
     from kv4rl.eval.data_parallel import evaluate_ranks
     from kv4rl.models.hf_weights import ModelFolderError, latest_checkpoint
@@ -273,6 +274,9 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
                  f"loading the newest")
     engine, formatter, problems, source, task, max_new_tokens = loaded
     reward_name = source.default_reward if reward == "auto" else reward
+    note = boxed_request_note(problems, formatter, reward_name, eval_cli=True) if data and ranks.main else None
+    if note:
+        warn(note)
     stages = StageProgress(console, "eval") if ranks.main else contextlib.nullcontext()
     # as train builds it: only math_verify takes the time limit (a plug-in's factory runs with its defaults)
     options = {"timeout_s": reward_timeout} if reward_name == "math_verify" else {}

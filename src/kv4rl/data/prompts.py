@@ -47,6 +47,25 @@ def check_template(template: str, option: str) -> None:
                          "as plain {problem}")
 
 
+BOXED_GRADERS = ("math_verify", "exact")  # the rewards that grade a response's last \\boxed{...} and nothing else
+PROMPTS_SAMPLED = 64  # how many prompts the boxed-request check reads
+
+
+def boxed_request_note(problems: list[Problem], formatter: PromptFormatter, verifier: str, *,
+                       eval_cli: bool = False) -> str | None:
+    """A line to say where `verifier` grades only a boxed answer and none of the first prompts asks for one: every
+    answer would score 0 (verl's GSM8K prompts ask for '#### <answer>'). The template option is train's key, or
+    `kv4rl eval`'s where `eval_cli`."""
+    sampled = problems[:PROMPTS_SAMPLED]
+    if verifier not in BOXED_GRADERS or not sampled or any("boxed" in formatter.text(p) for p in sampled):
+        return None
+    asked = "'{problem} Put the final answer within \\boxed{{}}.'"
+    option, example = (("--template", f"--template {asked}") if eval_cli else
+                       ("data.prompt_template", f"\"data.prompt_template={asked}\""))
+    return (f"reward {verifier} grades a response's last \\boxed{{...}} only, and none of the first {len(sampled)} "
+            f"prompts asks for one, so an answer written otherwise scores 0: ask for it in {option}, e.g. {example}")
+
+
 class PromptFormatter:
     def __init__(self, tokenizer, template: str, chat: bool = False):
         if chat and not getattr(tokenizer, "chat_template", None):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kv4rl.config import ConfigError, RunConfig
-from kv4rl.data.prompts import PromptFormatter, longest_prompt, overrun_warning
+from kv4rl.data.prompts import PromptFormatter, boxed_request_note, longest_prompt, overrun_warning
 from kv4rl.data.source import ProblemSource
 from kv4rl.distributed import Ranks
 from kv4rl.engine.config import EngineConfig
@@ -28,24 +28,12 @@ def prompt_formatter(cfg: RunConfig, source: ProblemSource, tokenizer) -> Prompt
     return PromptFormatter(tokenizer, cfg.data.prompt_template or source.default_template, cfg.data.chat_template)
 
 
-BOXED_GRADERS = ("math_verify", "exact")  # the rewards that grade a response's last \\boxed{...} and nothing else
-PROMPTS_SAMPLED = 64  # how many training prompts the boxed-request check reads
-
-
 def prompt_warnings(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter) -> list[str]:
-    """What the run's prompts ask for unlike what verl sends or the reward grades, one line each (said at start): a
-    dataset run whose verifier grades only a boxed answer, and none of whose first prompts asks for one, scores
-    every answer 0 (verl's GSM8K prompts ask for '#### <answer>')."""
+    """What the run's prompts ask for unlike what verl sends or the reward grades, one line each (said at start)."""
     lines = source.verl_prompt_notes(cfg.data.prompt_template, cfg.data.chat_template)
     verifier = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
-    if source.train_embedded or verifier not in BOXED_GRADERS:
-        return lines
-    sampled = source.train[:PROMPTS_SAMPLED]
-    if not any("boxed" in formatter.text(problem) for problem in sampled):
-        lines.append(f"reward {verifier} grades a response's last \\boxed{{...}} only, and none of the first "
-                     f"{len(sampled)} training prompts asks for one, so an answer written otherwise scores 0: ask for "
-                     "it in data.prompt_template, e.g. \"data.prompt_template='{problem} Put the final answer within "
-                     "\\boxed{{}}.'\"")
+    if not source.train_embedded:
+        lines += filter(None, [boxed_request_note(source.train, formatter, verifier)])
     return lines
 
 
