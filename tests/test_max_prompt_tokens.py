@@ -18,8 +18,8 @@ def write_rows(path, problems):
     return str(path)
 
 
-def words(problem) -> int:
-    return len(problem.problem.split())
+def words(problems) -> list[int]:
+    return [len(problem.problem.split()) for problem in problems]
 
 
 def test_rows_longer_than_the_limit_are_dropped_from_both_files(tmp_path):

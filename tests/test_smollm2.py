@@ -129,3 +129,22 @@ def test_fidelity_orders_formats_by_precision(model_dir, prompts):
     # head_dim 64, group 64: int4 36 B, kv4 36 B + its INT8 rows over 8192 tokens, fp8 68 B, bf16 128 B
     assert by["int4"]["bytes_vs_bf16"] == pytest.approx(36 / 128)
     assert by["int4"]["bytes_vs_bf16"] < by["kv4"]["bytes_vs_bf16"] < 0.3 < by["fp8"]["bytes_vs_bf16"] < 0.6
+
+
+def test_prompt_lengths_in_batches_equal_each_prompts_own_ids(tokenizer):
+    """`PromptFormatter.lengths` (batched, kept per problem text) against `len(ids(p))` one by one, plain and in the
+    chat template, over MATH-like text with Unicode, repeats and an empty-looking problem; a second call tokenizes
+    nothing."""
+    from kv4rl.data.prompts import PromptFormatter
+    from kv4rl.data.source import BOXED_INSTRUCTION
+    from kv4rl.data.types import Problem
+
+    texts = ["What is $\\frac{1}{2} + 3^2$?", "Find x: 2x = 18 — in °C, √2 ≈ 1.414", "  ", "日本語の問題 " * 40,
+             "What is $\\frac{1}{2} + 3^2$?"]
+    problems = [Problem(problem=t, answer="1", id=str(i)) for i, t in enumerate(texts)]
+    for chat in (False, True):
+        formatter = PromptFormatter(tokenizer, BOXED_INSTRUCTION, chat)
+        assert formatter.lengths(problems) == [len(formatter.ids(p)) for p in problems]
+        formatter.tokenizer = None  # kept: no tokenizer call again
+        assert formatter.lengths(problems[::-1]) == [len(PromptFormatter(tokenizer, BOXED_INSTRUCTION, chat).ids(p))
+                                                     for p in problems[::-1]]

@@ -132,8 +132,9 @@ class ProblemSource:
             return {}
         return {"max_prompt_tokens": self.max_prompt_tokens, "prompt_format": self.prompt_format}
 
-    def drop_long_prompts(self, count_tokens: Callable[[Problem], int]) -> list[str]:
-        """Drop the files' rows whose prompt is more than `max_prompt_tokens` tokens long (`count_tokens`); one
+    def drop_long_prompts(self, count_tokens: Callable[[list[Problem]], list[int]]) -> list[str]:
+        """Drop the files' rows whose prompt is more than `max_prompt_tokens` tokens long (`count_tokens`: each of
+        a list's prompt lengths); one
         line per file that lost rows. The fingerprint stays the whole file's with the limit, so every rank
         agrees without a tokenizer. Refuses a file that would lose every row. Dropping twice drops nothing."""
         if self.max_prompt_tokens is None or self._prompts_limited:  # the loop's pass, then the engine build's
@@ -143,7 +144,7 @@ class ProblemSource:
         for name, rows in (("data.train", None if self.train_embedded else self.train), ("data.eval", self.eval_file)):
             if not rows:
                 continue
-            lengths = [count_tokens(p) for p in rows]
+            lengths = count_tokens(rows)
             kept = [p for p, n in zip(rows, lengths) if n <= self.max_prompt_tokens]
             if not kept:
                 raise ValueError(f"data.max_prompt_tokens={self.max_prompt_tokens} drops every row of {name} "

@@ -17,6 +17,7 @@ from kv4rl.engine.llm import Engine
 from kv4rl.engine.sampler import request_seed
 from kv4rl.engine.sequence import SamplingParams
 from kv4rl.eval.metrics import summarize
+from kv4rl.rewards.base import call_reward
 from kv4rl.telemetry.progress import StageReport
 
 
@@ -65,7 +66,8 @@ def sample_problems(engine: Engine, formatter: PromptFormatter, problems: list[P
                          sample_seeds=seeds, group=k,
                          max_in_engine=max_in_engine or in_engine_window(engine.scheduler.max_num_seqs, k))
     report(f"scoring {len(texts)} responses", 0, None)
-    result = reward_fn(texts, [problems[i].answer for i in indices for _ in range(k)])
+    result = call_reward(reward_fn, texts, [problems[i].answer for i in indices for _ in range(k)],
+                         [problems[i] for i in indices for _ in range(k)])
     out = []
     for n, i in enumerate(indices):
         rows = slice(n * k, (n + 1) * k)

@@ -5,6 +5,7 @@ from kv4rl.rewards.base import (
     Reward,
     RewardFn,
     RewardResult,
+    call_reward,
     extract_boxed,
     get_reward,
     register_reward,
@@ -19,6 +20,7 @@ from kv4rl.rewards.combined import (
     with_overlong_penalty,
 )
 from kv4rl.rewards.math import ExactReward, MathVerifyReward, exact_match, verify_answer
+from kv4rl.rewards.verl_score import VerlScore
 
 __all__ = [
     "BoxedFormatReward",
@@ -27,6 +29,8 @@ __all__ = [
     "Reward",
     "RewardFn",
     "RewardResult",
+    "VerlScore",
+    "call_reward",
     "exact_match",
     "extract_boxed",
     "get_reward",

@@ -21,6 +21,7 @@ __all__ = [
     "Reward",
     "RewardFn",
     "RewardResult",
+    "call_reward",
     "extract_boxed",
     "get_reward",
     "register_reward",
@@ -47,14 +48,22 @@ _REGISTRY: dict[str, RewardFactory] = {}
 class Reward:
     """Base for reward objects: batch call, `close()`, and use as a context manager.
 
-    Subclasses implement `score`; `__call__` checks that responses and golds pair up.
+    Subclasses implement `score`; `__call__` checks that responses and golds pair up. A subclass with
+    `takes_problems = True` also gets `problems`, each response's `Problem` (its `meta` holds the data file's
+    other fields, e.g. verl's `data_source` and `extra_info`), or None where its caller has none.
     """
 
-    def __call__(self, responses: list[str], golds: list[str]) -> RewardResult:
+    takes_problems = False
+
+    def __call__(self, responses: list[str], golds: list[str], problems: list | None = None) -> RewardResult:
         if len(responses) != len(golds):
             raise ValueError(
                 f"reward got {len(responses)} responses but {len(golds)} gold answers; they must pair up"
             )
+        if problems is not None and len(problems) != len(responses):
+            raise ValueError(f"reward got {len(responses)} responses but {len(problems)} problems; they must pair up")
+        if self.takes_problems:
+            return self.score(list(responses), list(golds), problems=None if problems is None else list(problems))
         return self.score(list(responses), list(golds))
 
     def score(self, responses: list[str], golds: list[str]) -> RewardResult:
@@ -68,6 +77,14 @@ class Reward:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def call_reward(reward: RewardFn, responses: list[str], golds: list[str], problems: list | None = None) -> RewardResult:
+    """`reward(responses, golds)`, with each response's problem where the reward takes them (`Reward.takes_problems`;
+    a plain function reward does not)."""
+    if problems is not None and getattr(reward, "takes_problems", False):
+        return reward(responses, golds, problems=problems)
+    return reward(responses, golds)
 
 
 def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
@@ -135,12 +152,14 @@ class CheckedReward(Reward):
     NaN score made every advantage, loss and gradient of its batch NaN, and an infinite one zeroed them (the
     group's rewards all compare equal), so a broken reward plugin trained nothing with no error saying why."""
 
+    takes_problems = True  # handed on to the built reward where it takes them
+
     def __init__(self, name: str, reward: RewardFn):
         self.name = name
         self.reward = reward
 
-    def score(self, responses: list[str], golds: list[str]) -> RewardResult:
-        result = self.reward(responses, golds)
+    def score(self, responses: list[str], golds: list[str], problems: list | None = None) -> RewardResult:
+        result = call_reward(self.reward, responses, golds, problems)
         if not hasattr(result, "scores"):  # a plain list failed later as "'list' object has no attribute 'scores'"
             raise ValueError(f"reward {self.name!r} returned {type(result).__name__}; it must return a "
                              f"RewardResult(scores=[one per response], stats={{name: count}})")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kv4rl.rewards.base import CheckedReward, Reward, RewardFn, RewardResult, extract_boxed, register_reward
+from kv4rl.rewards.base import CheckedReward, Reward, RewardFn, RewardResult, call_reward, extract_boxed, register_reward
 
 __all__ = ["BoxedFormatReward", "WeightedRewards", "overlong_penalties", "reward_metrics", "score_responses",
            "verifier_name", "with_overlong_penalty"]
@@ -40,13 +40,15 @@ class WeightedRewards(Reward):
     def verifier_name(self) -> str:
         return self.parts[0][0]
 
-    def score(self, responses: list[str], golds: list[str]) -> RewardResult:
+    takes_problems = True  # handed on to each part that takes them
+
+    def score(self, responses: list[str], golds: list[str], problems: list | None = None) -> RewardResult:
         names, weights = [name for name, _, _ in self.parts], [weight for _, _, weight in self.parts]
         totals = [0.0] * len(responses)
         stats: dict[str, float] = {}
         components: dict[str, list[float]] = {}
         for k, (name, reward, weight) in enumerate(self.parts):
-            result = reward(responses, golds)
+            result = call_reward(reward, responses, golds, problems)
             scores = [float(x) for x in result.scores]
             components[name] = scores
             totals = [t + weight * x for t, x in zip(totals, scores, strict=True)]
@@ -110,10 +112,10 @@ def with_overlong_penalty(result: RewardResult, lengths: Sequence[int], verifier
 
 
 def score_responses(reward: RewardFn, texts: list[str], golds: list[str], lengths: Sequence[int], cfg,
-                    max_new_tokens: int) -> RewardResult:
-    """The run's scores of decoded responses (`lengths`: their token counts): `reward`'s, plus the overlong
-    penalty where `cfg` (the run's `reward` section) asks for it."""
-    result = reward(texts, golds)
+                    max_new_tokens: int, problems: list | None = None) -> RewardResult:
+    """The run's scores of decoded responses (`lengths`: their token counts; `problems`: each one's problem, for a
+    reward that takes them): `reward`'s, plus the overlong penalty where `cfg` (the run's `reward` section) asks."""
+    result = call_reward(reward, texts, golds, problems)
     if cfg.overlong_buffer:
         result = with_overlong_penalty(result, lengths, verifier_name(reward), max_new_tokens, cfg.overlong_buffer,
                                        cfg.overlong_penalty)

@@ -41,7 +41,7 @@ def drop_long_prompts(source: ProblemSource, formatter: PromptFormatter, say: bo
     """`data.max_prompt_tokens`: drop the files' longer rows, saying how many where `say` (one rank of a job; nothing
     on a second call)."""
     try:
-        for line in source.drop_long_prompts(lambda problem: len(formatter.ids(problem))):
+        for line in source.drop_long_prompts(formatter.lengths):
             if say:  # shown: the run trains on fewer rows than the file has
                 log.warning(line)
     except ValueError as exc:
@@ -115,7 +115,8 @@ def groups_scorer(cfg: RunConfig, formatter: PromptFormatter, reward_fn) -> Call
         completions = [c for g in groups for c in g.completions]
         texts = [formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         return score_responses(reward_fn, texts, [g.problem.answer for g in groups for _ in g.completions],
-                               [len(c.token_ids) for c in completions], cfg.reward, cfg.rollout.max_new_tokens)
+                               [len(c.token_ids) for c in completions], cfg.reward, cfg.rollout.max_new_tokens,
+                               problems=[g.problem for g in groups for _ in g.completions])
     return score
 
 

@@ -1,0 +1,96 @@
+"""`VerlScore`: a verl `compute_score(data_source, solution_str, ground_truth, extra_info)` as a kv4rl reward, called
+per response as verl's naive reward manager calls it, with the row's own columns; the README's example module
+trains and evaluates on verl's Parquet through `algo.plugins`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kv4rl.data.types import Problem
+from kv4rl.rewards import VerlScore, WeightedRewards, base, get_reward, register_reward
+
+
+def problem(source, index):
+    return Problem(problem="q", answer="7", id=str(index),
+                   meta={"data_source": source, "extra_info": {"index": index}})
+
+
+def test_each_response_is_scored_with_its_rows_columns_through_every_wrapper(monkeypatch):
+    calls = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        calls.append((data_source, solution_str, ground_truth, dict(extra_info)))
+        extra_info["seen"] = True  # verl hands a dict it may write to; the row's own stays as it was
+        return {"score": float(extra_info["index"]), "acc": 1} if data_source == "a" else 0.5
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    register_reward("verl_fn")(lambda: VerlScore(compute_score))
+    rows = [problem("a", 3), problem("b", 4)]
+    result = get_reward("verl_fn")(["x", "y"], ["7", "7"], problems=rows)
+    assert result.scores == [3.0, 0.5]
+    assert calls == [("a", "x", "7", {"index": 3}), ("b", "y", "7", {"index": 4})]
+    assert rows[0].meta["extra_info"] == {"index": 3}
+    # beside another reward, the rows reach it too; a caller without rows gives None and {}
+    both = WeightedRewards([("verl_fn", get_reward("verl_fn"), 1.0), ("boxed_format", get_reward("boxed_format"), 2.0)])
+    assert base.call_reward(both, ["x", "\\boxed{1}"], ["7", "7"], rows).scores == [3.0, 0.5 + 2.0]
+    calls.clear()
+    assert get_reward("verl_fn")(["x"], ["7"]).scores == [0.5] and calls == [(None, "x", "7", {})]
+    with pytest.raises(ValueError, match="reward got 2 responses but 1 problems"):
+        get_reward("verl_fn")(["x", "y"], ["7", "7"], problems=rows[:1])
+
+
+def test_a_dict_without_a_score_is_named():
+    reward = VerlScore(lambda **kwargs: {"acc": 1.0})
+    with pytest.raises(ValueError, match=r"compute_score returned a dict without 'score' for response 0 of 1 \(keys "
+                                         r"\['acc'\]\); verl reads the reward from 'score'"):
+        reward(["x"], ["7"], problems=[problem("a", 0)])
+
+
+def test_the_readme_example_trains_and_evaluates_on_verl_parquet(tmp_path, monkeypatch):
+    """The README's module as a user copies it: every response of the embedded model ends in a boxed answer, never
+    '####', so it scores 0 on every row, and each call saw the file's `data_source`."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from typer.testing import CliRunner
+
+    import kv4rl
+    from kv4rl.cli import app
+    from tests.small_runs import SMALL, train_cli
+
+    readme = (Path(kv4rl.__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("# my_verl_reward.py\n")
+    module = readme[start:readme.index("```", start)]
+    seen = tmp_path / "seen.jsonl"
+    module += (f"\n_inner = compute_score\n\ndef compute_score(**kwargs):\n    out = _inner(**kwargs)\n"
+               f"    open({str(seen)!r}, 'a').write(__import__('json').dumps(out) + '\\n')\n    return out\n")
+    (tmp_path / "my_verl_reward.py").write_text(module)
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{a}+{b}"}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {"index": i}}
+            for i, (a, b) in enumerate([(1, 1), (2, 3), (4, 4), (3, 1)])]
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    try:
+        res = train_cli(f"data.train={data}", "algo.plugins=[my_verl_reward]", "reward.name=gsm8k_hashes",
+                        "data.prompt_template={problem}=", "trainer.iterations=1", "data.eval_size=2",
+                        f"out_dir={tmp_path}", "name=r", *SMALL)
+        assert res.exit_code == 0, res.output
+        (row,) = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+        assert row["reward_mean"] == 0.0
+        outs = [json.loads(line) for line in seen.read_text().splitlines()]
+        assert len(outs) == 4 and all(out == {"score": 0.0, "data_source": "openai/gsm8k"} for out in outs)
+        seen.unlink()
+        out = tmp_path / "e.json"
+        res = CliRunner().invoke(app, ["eval", "--plugins", "my_verl_reward", "--reward", "gsm8k_hashes", "--data",
+                                       str(data), "--k", "2", "--template", "{problem}=", "--max-new-tokens", "8",
+                                       "--json", str(out)])
+        assert res.exit_code == 0, res.output
+        assert json.loads(out.read_text())["mean@2"] == 0.0
+        assert {json.loads(line)["data_source"] for line in seen.read_text().splitlines()} == {"openai/gsm8k"}
+    finally:
+        sys.modules.pop("my_verl_reward", None)
