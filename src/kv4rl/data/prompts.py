@@ -79,7 +79,7 @@ class PromptFormatter:
         self.tokenizer = tokenizer
         self.template = template
         self.chat = chat
-        self._lengths: dict[str, int] = {}  # prompt token counts by problem text (`lengths`)
+        self._lengths: dict[tuple[str, bool, str], int] = {}  # prompt token counts by (template, chat, problem)
 
     def text(self, problem: Problem) -> str:
         return self._text(problem.problem)
@@ -100,15 +100,16 @@ class PromptFormatter:
     def lengths(self, problems: list[Problem]) -> list[int]:
         """Each problem's prompt length in tokens (`len(ids(problem))`), tokenized in batches and kept: a start-up
         measures a 100k-row file twice (the row limit, the context), one row at a time 73 s each pass."""
-        todo = list(dict.fromkeys(p.problem for p in problems if p.problem not in self._lengths))
+        known = self._lengths
+        todo = list(dict.fromkeys(p.problem for p in problems if (self.template, self.chat, p.problem) not in known))
         if len(todo) >= LENGTHS_SAID:
             log.info("measuring the prompts of %d problems in tokens", len(todo))
         for start in range(0, len(todo), LENGTHS_BATCH):
             texts = todo[start:start + LENGTHS_BATCH]
             ids = self.tokenizer([self._text(text) for text in texts],
                                  add_special_tokens=not self.chat)["input_ids"]
-            self._lengths.update(zip(texts, map(len, ids)))
-        return [self._lengths[p.problem] for p in problems]
+            known.update(((self.template, self.chat, text), len(row)) for text, row in zip(texts, ids))
+        return [known[self.template, self.chat, p.problem] for p in problems]
 
 
 def check_prompt_lengths(problems: list[Problem], lengths: list[int], limit: int, limit_name: str,
