@@ -144,3 +144,24 @@ def test_the_unbiased_reference_kl_equals_trls_bias_corrected_kl(surrogate, leve
                                                                              kl_ref_coef=beta, cispo_max=2.0))
     want_plain = ((per_token + beta * per_token_kl) * mask).sum() / mask.sum()
     assert plain.item() == pytest.approx(want_plain.item(), rel=1e-12)
+
+
+def test_a_capped_unbiased_penalty_adds_the_cap_and_no_gradient():
+    """`algo.kl_ref_clamp` caps the ratio-weighted term: a token past it adds the cap and no gradient, as the README
+    says of the cap (weighting after the cap gave that token β·cap·ρ of gradient). By hand: log π = −1, π_old −1.2,
+    π_ref −6: k3 = e^−5 − 1 + 5 ≈ 4.0067, ρ = e^0.2, capped at 1; a second token under the cap keeps ρ·k3."""
+    logp = torch.tensor([[-1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.2, -1.0]], dtype=torch.float64)
+    ref = torch.tensor([[-6.0, -1.1]], dtype=torch.float64)
+    cfg = AlgoConfig(loss_agg="token_mean", old_logprob="recompute", kl_ref_coef=1.0, kl_ref_unbiased=True,
+                     kl_ref_clamp=1.0)
+    inp = LossInputs(logprobs=logp, advantages=torch.zeros(1, 2, dtype=torch.float64), mask=torch.ones(1, 2),
+                     old_logprobs=old, ref_logprobs=ref)
+    loss, _ = get_loss("ppo_clip")(inp, cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    d = torch.tensor(-0.1, dtype=torch.float64)  # the second token's log π_ref − log π
+    k3 = torch.exp(d) - d - 1
+    assert loss.item() == pytest.approx((1.0 + float(k3)) / 2, rel=1e-12)
+    assert grad[0, 0].item() == 0.0
+    # d/dlogπ of ρ·k3 with ρ = 1 there: k3 + (1 − e^d)
+    assert grad[0, 1].item() == pytest.approx(float(k3 + 1 - torch.exp(d)) / 2, rel=1e-10)

@@ -32,13 +32,14 @@ def test_each_response_is_scored_with_its_rows_columns_through_every_wrapper(mon
     rows = [problem("a", 3), problem("b", 4)]
     result = get_reward("verl_fn")(["x", "y"], ["7", "7"], problems=rows)
     assert result.scores == [3.0, 0.5]
-    assert calls == [("a", "x", "7", {"index": 3}), ("b", "y", "7", {"index": 4})]
+    turns = {"num_turns": None, "rollout_reward_scores": {}}  # as verl's naive manager adds them
+    assert calls == [("a", "x", "7", {"index": 3, **turns}), ("b", "y", "7", {"index": 4, **turns})]
     assert rows[0].meta["extra_info"] == {"index": 3}
     # beside another reward, the rows reach it too; a caller without rows gives None and {}
     both = WeightedRewards([("verl_fn", get_reward("verl_fn"), 1.0), ("boxed_format", get_reward("boxed_format"), 2.0)])
     assert base.call_reward(both, ["x", "\\boxed{1}"], ["7", "7"], rows).scores == [3.0, 0.5 + 2.0]
     calls.clear()
-    assert get_reward("verl_fn")(["x"], ["7"]).scores == [0.5] and calls == [(None, "x", "7", {})]
+    assert get_reward("verl_fn")(["x"], ["7"]).scores == [0.5] and calls == [(None, "x", "7", turns)]
     with pytest.raises(ValueError, match="reward got 2 responses but 1 problems"):
         get_reward("verl_fn")(["x", "y"], ["7", "7"], problems=rows[:1])
 

@@ -122,10 +122,10 @@ def _with_ref_kl(
     stats["kl_ref"] = _mean(k3.detach(), valid).to(loss.dtype)  # the KL's estimate whatever algo.kl_ref_type
     if cfg.kl_ref_coef > 0:
         penalty = k3 if cfg.kl_ref_type == "k3" else ref_kl_terms(held, ref_logp.double(), cfg.kl_ref_type)
-        if cfg.kl_ref_clamp is not None:  # verl's low_var_kl: a token past the cap adds the cap, and no gradient
-            penalty = penalty.clamp(max=cfg.kl_ref_clamp)
         if weight is not None:  # the samples are π_old's: E_old[ρ · k] is the KL under π_θ (DeepSeek-V3.2)
             penalty = penalty * weight.double()
+        if cfg.kl_ref_clamp is not None:  # verl's low_var_kl: a token past the cap adds the cap, and no gradient
+            penalty = penalty.clamp(max=cfg.kl_ref_clamp)
         term = inp.aggregate(penalty, valid, cfg.loss_agg, filtered=False)  # every token, as TRL's (top_entropy_quantile)
         loss = loss + cfg.kl_ref_coef * term.to(loss.dtype)
     return loss

@@ -16,7 +16,8 @@ __all__ = ["VerlScore"]
 class VerlScore(Reward):
     """`compute_score` per response: the response's text as `solution_str`, its gold answer as `ground_truth` (the
     text kv4rl read: verl hands a number as a number), the row's `data_source` (None where the file has none) and a
-    copy of its `extra_info` ({} where none). A dict result gives its `score`; its other keys are not logged."""
+    copy of its `extra_info` ({} where none) with verl's `num_turns` (None: one turn) and `rollout_reward_scores`
+    ({}). A dict result gives its `score`; its other keys are not logged."""
 
     takes_problems = True
 
@@ -27,9 +28,10 @@ class VerlScore(Reward):
         metas = [getattr(p, "meta", None) or {} for p in problems] if problems is not None else [{}] * len(responses)
         scores = []
         for i, (response, gold, meta) in enumerate(zip(responses, golds, metas, strict=True)):
-            extra_info = meta.get("extra_info")
+            extra_info = dict(meta.get("extra_info") or {})
+            extra_info.update(num_turns=None, rollout_reward_scores={})  # what verl's manager adds, single-turn
             out = self.compute_score(data_source=meta.get("data_source"), solution_str=response, ground_truth=gold,
-                                     extra_info=dict(extra_info) if isinstance(extra_info, dict) else {})
+                                     extra_info=extra_info)
             if isinstance(out, dict):
                 if "score" not in out:
                     raise ValueError(f"compute_score returned a dict without 'score' for response {i} of "
