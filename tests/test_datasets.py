@@ -182,3 +182,40 @@ def test_a_compressed_or_utf16_file_is_named_for_what_it_is(tmp_path, encode, sa
     with pytest.raises(DatasetError) as info:
         load_jsonl(path)
     assert str(info.value) == f"dataset file {path} {said}; a dataset file is JSON Lines in UTF-8"
+
+
+def test_the_stream_digest_fed_row_by_row_is_the_one_checkpoints_store():
+    """`_spec_sha256` hashes the rows one by one; a checkpoint's digest is sha256 of the whole spec's JSON with the
+    rows as [id, problem, answer] lists, which it must equal, or every earlier run's resume is refused."""
+    import hashlib
+    import random
+
+    from kv4rl.data.source import _spec_sha256
+    from kv4rl.data.types import Problem
+
+    rng = random.Random(0)
+
+    def text():
+        return "".join(rng.choice('ab"\\\n\u00e9\u4e2d{}[], :') for _ in range(rng.randint(0, 12)))
+
+    for _ in range(300):
+        rows = [Problem(problem=text(), answer=text(), id=text()) for _ in range(rng.randint(0, 5))]
+        spec = {"seed": rng.randint(0, 9), "shuffle": rng.random() < 0.5, "problems": rows}
+        if rng.random() < 0.5:
+            spec.update(max_prompt_tokens=rng.randint(1, 99), prompt_format=[text() or None, rng.random() < 0.5])
+        whole = {**spec, "problems": [[p.id, p.problem, p.answer] for p in rows]}
+        assert _spec_sha256(spec) == hashlib.sha256(json.dumps(whole, sort_keys=True).encode()).hexdigest()
+    task = {"seed": 3, "task": "ArithmeticTask"}
+    assert _spec_sha256(task) == hashlib.sha256(json.dumps(task, sort_keys=True).encode()).hexdigest()
+
+
+def test_a_large_file_is_read_line_by_line_to_the_same_rows(tmp_path):
+    """Rows, ids and errors as before the file was streamed: a BOM, CRLF endings, blank lines, no final newline,
+    and a JSON array named as one at its line."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"problem": "a", "answer": 1}\r\n\n  \n{"problem": "b", "answer": "2", "id": "x"}')
+    assert [(p.problem, p.answer, p.id) for p in load_jsonl(path)] == [("a", "1", "d.jsonl:1"), ("b", "2", "x")]
+    array = tmp_path / "a.jsonl"
+    array.write_text('\n[\n{"problem": "a", "answer": 1}\n]\n')
+    with pytest.raises(DatasetError, match=r"a.jsonl:2: .*\(a JSON array\? a dataset file is JSON Lines"):
+        load_jsonl(array)

@@ -70,29 +70,37 @@ def load_problems(path: str | os.PathLike[str]) -> list[Problem]:
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
-    """Read every non-blank line of `path` as a `Problem`; `id` defaults to `"<file name>:<line>"`."""
+    """Read every non-blank line of `path` as a `Problem`; `id` defaults to `"<file name>:<line>"`. The file is read
+    line by line: a whole copy of it and of its lines beside the problems tripled a large file's peak memory."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as file:
+            return _read_rows(file, path)
     except FileNotFoundError:
         raise DatasetError(f"dataset file {path} does not exist") from None
     except OSError as exc:
         raise DatasetError(f"cannot read dataset file {path}: {exc}") from None
-    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors on Windows write
-    kind = _not_text(raw)
-    if kind is not None:  # each line would read as "not valid UTF-8", which does not say what the file is
-        raise DatasetError(f"dataset file {path} is {kind}; a dataset file is JSON Lines in UTF-8")
+
+
+def _read_rows(file, path: Path) -> list[Problem]:
     problems: list[Problem] = []
     first_line_of_id: dict[str, int] = {}
+    opening = None  # the file's first byte that is not whitespace: `[` is a JSON array
     # lines end at LF (CRLF's CR is whitespace to JSON); a lone CR is whitespace too, not a line break
-    for line_number, line_bytes in enumerate(raw.split(b"\n"), start=1):
+    for line_number, line_bytes in enumerate(file, start=1):
+        if line_number == 1:
+            line_bytes = line_bytes.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as Windows editors write
+            kind = _not_text(line_bytes)
+            if kind is not None:  # each line would read as "not valid UTF-8", which does not say what the file is
+                raise DatasetError(f"dataset file {path} is {kind}; a dataset file is JSON Lines in UTF-8")
         if not line_bytes.strip():
             continue
+        opening = line_bytes.lstrip()[:1] if opening is None else opening
         where = f"{path}:{line_number}"
         try:
             problem = _parse_row(line_bytes, where, default_id=f"{path.name}:{line_number}")
         except DatasetError as exc:
-            likely = ("a JSON array" if raw.lstrip()[:1] == b"[" else
+            likely = ("a JSON array" if opening == b"[" else
                       f"a {path.suffix} file" if path.suffix.lower() in OTHER_FORMATS else None)
             if likely is not None and "JSON Lines" not in str(exc):
                 raise DatasetError(f"{exc} ({likely}? a dataset file is JSON Lines: one object per line)") from None
