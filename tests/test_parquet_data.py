@@ -192,3 +192,20 @@ def test_eval_on_verl_parquet_scores_as_on_the_same_rows_in_json_lines_and_names
     notes = ProblemSource(None, str(verl), seed=0).verl_prompt_notes(None, True, eval_cli=True)
     assert notes == ["--data holds verl's prompts, their instruction included; the default --template adds kv4rl's "
                      "boxed-answer instruction after each: --template '{problem}' sends them as verl does"]
+
+
+def test_rows_read_a_batch_at_a_time_keep_their_numbers_and_a_damaged_file_is_named(tmp_path, monkeypatch):
+    import kv4rl.data.parquet as parquet
+
+    monkeypatch.setattr(parquet, "ROWS_PER_BATCH", 2)
+    rows = [{"problem": f"q{i}", "answer": str(i)} for i in range(4)] + [{"problem": "", "answer": "4"}]
+    path = tmp_path / "r.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2)
+    with pytest.raises(DatasetError, match=r"r.parquet row 5: field 'problem' is empty"):
+        load_problems(path)
+    write_parquet(path, rows[:4])
+    assert [p.id for p in load_problems(path)] == [f"r.parquet:{i}" for i in range(1, 5)]
+    damaged = tmp_path / "d.parquet"
+    damaged.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
+    with pytest.raises(DatasetError, match=r"cannot read Parquet file .*d.parquet"):
+        load_problems(damaged)

@@ -18,6 +18,7 @@ from kv4rl.data.types import Problem
 __all__ = ["VERL_COLUMNS", "load_parquet"]
 
 VERL_COLUMNS = ("prompt", "reward_model")  # what makes a file verl's layout
+ROWS_PER_BATCH = 4096
 
 
 def load_parquet(path: Path) -> tuple[list[Problem], str]:
@@ -28,10 +29,10 @@ def load_parquet(path: Path) -> tuple[list[Problem], str]:
         raise DatasetError(f"dataset file {path} is a Parquet file, and reading one needs pyarrow: pip install "
                            "pyarrow (or pip install 'kv4rl[parquet]')") from None
     try:
-        table = pq.read_table(path)
+        parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow's ArrowInvalid / OSError on a damaged file
         raise DatasetError(f"cannot read Parquet file {path}: {exc}") from None
-    columns = table.column_names
+    columns = parquet.schema_arrow.names
     if all(name in columns for name in VERL_COLUMNS):
         layout, row_fn = "verl", _verl_row
     elif "problem" in columns and "answer" in columns:
@@ -41,8 +42,15 @@ def load_parquet(path: Path) -> tuple[list[Problem], str]:
                            "and `answer` columns, or verl's `prompt` (chat messages) and `reward_model` "
                            "(with `ground_truth`)")
     problems = []
-    for number, row in enumerate(table.to_pylist(), start=1):
-        problems.append(row_fn(_as_written(row), f"{path} row {number}", f"{path.name}:{number}"))
+    try:  # a batch of rows at a time: the whole table as Python objects doubled a large file's memory
+        for batch in parquet.iter_batches(batch_size=ROWS_PER_BATCH):
+            for row in batch.to_pylist():
+                number = len(problems) + 1
+                problems.append(row_fn(_as_written(row), f"{path} row {number}", f"{path.name}:{number}"))
+    except DatasetError:
+        raise
+    except Exception as exc:  # a damaged page past the footer
+        raise DatasetError(f"cannot read Parquet file {path} past row {len(problems)}: {exc}") from None
     if not problems:
         raise DatasetError(f"dataset file {path} contains no rows")
     first_row_of_id: dict[str, int] = {}
