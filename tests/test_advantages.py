@@ -352,3 +352,61 @@ def test_gpg_is_verls_and_counts_every_ranks_rewards():
     torch.testing.assert_close(share, want[4:], rtol=0, atol=1e-15)  # α of the whole batch, not of the share (4/2)
     zero, _ = compute_advantages(torch.zeros(4, dtype=torch.float64), 2, AdvantageConfig(estimator="gpg"))
     assert zero.tolist() == [0.0] * 4
+
+
+def _verl_reinforce_pp_returns(scores, kl, mask, coef):
+    """verl's reinforce_plus_plus outcome advantage with use_kl_in_reward, written out in float64 (b178a3c): token
+    rewards are the score on the last valid token less coef·kl on every valid one; returns run backwards with γ = 1,
+    the running return reset at each masked position; then masked_whiten (variance × N/(N−1)) and × mask."""
+    token_rewards = -coef * kl * mask
+    for i in range(len(scores)):
+        last = int(mask[i].nonzero().max())
+        token_rewards[i, last] += scores[i]
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(len(scores), dtype=torch.float64)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    n = mask.sum()
+    mean = (returns * mask).sum() / n
+    var = (((returns - mean) ** 2) * mask).sum() / n * (n / (n - 1))
+    return (returns - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def test_reinforce_pp_with_a_kl_reward_equals_verls_token_returns():
+    """Per-token advantages against verl's formula on ragged rows with a prompt offset; in two shares whose sums go
+    through `over_ranks`, each share's rows equal the one-batch result; without a KL it is the per-response
+    estimator's advantage on every token."""
+    from kv4rl.algo.advantages import reinforce_pp_advantages, reinforce_pp_token_advantages
+
+    gen = torch.Generator().manual_seed(3)
+    rows, width = 8, 12
+    starts = torch.randint(0, 4, (rows,), generator=gen)
+    lengths = torch.randint(1, 8, (rows,), generator=gen)
+    cols = torch.arange(width)[None]
+    mask = ((cols >= starts[:, None]) & (cols < (starts + lengths)[:, None])).double()
+    kl = torch.randn(rows, width, generator=gen, dtype=torch.float64).abs() * 0.3
+    scores = torch.randint(0, 2, (rows,), generator=gen).double()
+    got = reinforce_pp_token_advantages(scores, kl, mask, 0.05)
+    torch.testing.assert_close(got, _verl_reinforce_pp_returns(scores, kl, mask, 0.05), rtol=1e-12, atol=1e-12)
+    halves = [slice(0, 5), slice(5, rows)]
+    for share in halves:
+        other = [h for h in halves if h != share][0]
+
+        def total(x, other=other):
+            if x.numel() == 2:  # (tokens, sum of returns): the other share's, from the one-batch returns
+                tail = torch.where(mask[other].bool(), kl[other], 0).flip(-1).cumsum(-1).flip(-1)
+                ret = torch.where(mask[other].bool(), scores[other][:, None] - 0.05 * tail, 0)
+                return x + torch.stack([mask[other].sum(), ret.sum()])
+            tail = torch.where(mask.bool(), kl, 0).flip(-1).cumsum(-1).flip(-1)
+            ret = torch.where(mask.bool(), scores[:, None] - 0.05 * tail, 0)
+            mean = ret.sum() / mask.sum()
+            return x + torch.where(mask[other].bool(), (ret[other] - mean) ** 2, 0).sum().reshape(1)
+
+        own = reinforce_pp_token_advantages(scores[share], kl[share], mask[share], 0.05, over_ranks=total)
+        torch.testing.assert_close(own, got[share], rtol=1e-10, atol=1e-12)
+    plain = reinforce_pp_token_advantages(scores, kl, mask, 0.0)
+    per_response = reinforce_pp_advantages(scores, 2, lengths.double(), baseline=False)
+    torch.testing.assert_close(plain, per_response[:, None] * mask, rtol=1e-12, atol=1e-12)
+    assert reinforce_pp_token_advantages(torch.ones(rows), torch.zeros(rows, width), mask, 0.1).abs().sum() == 0

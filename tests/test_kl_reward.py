@@ -1,6 +1,6 @@
 """`advantage.kl_reward_coef` (verl's use_kl_in_reward, TRL's RLOOTrainer's beta): each response's score less
 β x the sum of its tokens' KL estimate to the reference, before the advantages. By hand, through the loop's
-`reward_kl` with a real learner, and the update reusing the log-probs it took."""
+`reward_kl` (kv4rl.learner_batch) with a real learner, and the update reusing the log-probs it took."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kv4rl.algo.advantages import compute_advantages
 from kv4rl.algo.config import AdvantageConfig, AlgoConfig
 from kv4rl.algo.kl_reward import kl_reward_penalty
 from kv4rl.config import ConfigError, load_config
-from kv4rl.loop import reward_kl
+from kv4rl.learner_batch import reward_kl
 from tests.test_learner_fsdp import make, ragged_batch
 
 
@@ -52,7 +52,9 @@ def test_the_loop_takes_the_penalty_from_mu_or_the_recomputed_policy(tiny_qwen3,
     batch = ragged_batch()
     batch.behavior_logprobs = (learner.logprobs(batch) - 0.1) * batch.response_mask
     cfg = SimpleNamespace(algo=algo, advantage=AdvantageConfig(kl_reward_coef=0.5))
-    given, penalty, metrics = reward_kl(SimpleNamespace(cfg=cfg, learner=learner), batch)
+    given, kl = reward_kl(cfg, learner, batch)
+    penalty = kl_reward_penalty(given.get("old_logprobs", batch.behavior_logprobs), given["ref_logprobs"],
+                                batch.response_mask, 0.5, "k1")[0]
     lengths = batch.response_mask.sum(-1).double()
     want = torch.zeros(4, dtype=torch.float64) if old_logprob == "recompute" else -0.05 * lengths
     torch.testing.assert_close(penalty, want, rtol=0, atol=1e-5)
@@ -70,8 +72,9 @@ def test_the_settings_are_checked():
     assert load_config(None, ["advantage.kl_reward_coef=0.001"]).advantage.kl_reward_type == "k1"
     with pytest.raises(ConfigError, match="advantage.kl_reward_coef must be >= 0"):
         load_config(None, ["advantage.kl_reward_coef=-1"])
-    with pytest.raises(ConfigError, match="reinforce_plus_plus_baseline"):
-        load_config(None, ["advantage.kl_reward_coef=0.01", "advantage.estimator=reinforce_plus_plus"])
+    with pytest.raises(ConfigError, match="each token has its own \\(its return\\): set advantage.baseline_noise=0"):
+        load_config(None, ["advantage.kl_reward_coef=0.01", "advantage.estimator=reinforce_plus_plus",
+                           "advantage.baseline_noise=0.1"])
     with pytest.raises(ConfigError, match="set trainer.ref_kl_every=1"):
         load_config(None, ["advantage.kl_reward_coef=0.01", "trainer.ref_kl_every=0"])
     with pytest.raises(ConfigError, match="advantage.kl_reward_type"):
@@ -125,3 +128,52 @@ def test_every_bad_value_is_said_at_once():
     with pytest.raises(ConfigError) as typed:
         load_config(None, ["advantage.estimator=bogus", "rollout.group_size=0"])
     assert len(typed.value.problems) == 1 and "advantage.estimator" in typed.value.problems[0]
+
+
+def test_reinforce_pps_token_returns_reach_the_learner_batch(tiny_qwen3):
+    """`advantage.estimator=reinforce_plus_plus` with a KL reward: `learner_batch` with a real learner puts on every
+    response token verl's return advantage (tests.test_advantages' written-out formula over the tokens' k1 of the
+    engine's μ against the reference), a truncated row's tokens among them though it trains none; the logged
+    advantage statistics are over tokens and the trained reward is the score less the penalty."""
+    from kv4rl.learner_batch import learner_batch
+    from kv4rl.trainer.batch import build_batch
+    from tests.test_advantages import _verl_reinforce_pp_returns
+
+    path, _ = tiny_qwen3
+    learner = make(path, False, ref=path)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
+    responses = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 2, 5, 3)]
+    behavior = [(-1.0 - torch.rand(len(r), generator=g)).tolist() for r in responses]
+    rows = (prompts, responses, behavior, [[0] * len(r) for r in responses])
+    cfg = load_config(None, ["advantage.estimator=reinforce_plus_plus", "advantage.kl_reward_coef=0.2"])
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    made = learner_batch(cfg, learner, rows, scores, 2, [0, 1], 0, pad_id=0, truncated=[False, False, True, False])
+    plain = build_batch(*rows, [0.0] * 4, pad_id=0)
+    ref = learner.logprobs(plain, reference=True).double()
+    kl = (plain.behavior_logprobs.double() - ref) * plain.response_mask.double()
+    want = _verl_reinforce_pp_returns(scores, kl, plain.response_mask.double(), 0.2)
+    torch.testing.assert_close(made.batch.advantages.double(), want, rtol=1e-5, atol=1e-6)
+    assert made.batch.response_mask[2].sum() == 0 and made.batch.advantages[2].abs().sum() > 0  # truncated: trains none
+    torch.testing.assert_close(made.rewards, scores - 0.2 * kl.sum(-1), rtol=1e-9, atol=1e-9)
+    tokens = want[plain.response_mask.bool()]
+    assert made.metrics["adv_mean"] == pytest.approx(float(tokens.mean()), abs=1e-6)
+    assert made.metrics["adv_std"] == pytest.approx(float(tokens.std(correction=0)), rel=1e-5)
+    assert set(made.given) == {"ref_logprobs"}
+
+
+def test_a_reinforce_pp_run_with_a_kl_reward_trains(tmp_path, monkeypatch):
+    """verl's REINFORCE++ example (adv_estimator=reinforce_plus_plus, use_kl_in_reward) was refused; it trains."""
+    import json
+
+    from kv4rl.loop import train
+
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, ["trainer.iterations=2", "rollout.quota_groups=4", "rollout.group_size=4",
+                             "advantage.estimator=reinforce_plus_plus", "advantage.kl_reward_coef=0.5",
+                             "device=cpu"]), show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny-arith" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["reward_mean"] + row["kl_reward/penalty_mean"] == pytest.approx(row["accuracy"], abs=1e-9)
+        assert abs(row["adv_mean"]) < 1e-9 and row["adv_std"] == pytest.approx(1.0, rel=0.05)  # whitened tokens

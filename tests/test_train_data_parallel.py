@@ -209,6 +209,26 @@ def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_sample
         assert t["kv_bytes"] == pytest.approx(t["context_mean"] * t["batch_size"] * per_token, rel=1e-9), t
 
 
+def test_reinforce_pps_token_returns_are_whitened_over_every_ranks_tokens(tmp_path, monkeypatch):
+    """REINFORCE++ with a KL in the reward under torchrun DP2: each token's return is whitened with the sums of both
+    ranks' tokens, so the first iteration's advantage statistics (over tokens, the same row on each rank) and
+    penalties equal one process's; whitening a rank's own tokens gives others."""
+    from kv4rl.config import load_config
+    from kv4rl.loop import train
+
+    common = ["trainer.iterations=1", "advantage.estimator=reinforce_plus_plus", "advantage.kl_reward_coef=0.5",
+              "seed=3"]
+    done = torchrun(tmp_path, "name=dp", *common, *SMALL, ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = rows(tmp_path / "runs" / "dp")[0]
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, ["name=one", *common, *SMALL[:-1]]), show_progress=False)
+    one = rows(tmp_path / "runs" / "one")[0]
+    assert two["num_tokens"] == one["num_tokens"] and one["adv_std"] > 0
+    for key in ("reward_mean", "kl_reward/penalty_mean", "adv_mean", "adv_std", "adv_absmax"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+
+
 def test_a_lagging_tensor_parallel_engine_resumes_with_each_ranks_own_weights(tmp_path):
     """refresh_every=2 leaves the engine a version behind at the checkpoint of iteration 3, so the checkpoint
     holds its weights: rank 0's slice alone was saved and loaded on both ranks, and the resumed run sampled

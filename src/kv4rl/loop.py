@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-from kv4rl.algo.advantages import compute_advantages, needs_whole_batch, noise_key
-from kv4rl.algo.kl_reward import kl_reward_penalty
 from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter
@@ -35,6 +33,7 @@ from kv4rl.engine.plan import check_kernel_settings, probe_capabilities
 from kv4rl.engine.sampler import stream_seed
 from kv4rl.eval.data_parallel import evaluate_ranks
 from kv4rl.graceful_stop import GracefulStop
+from kv4rl.learner_batch import learner_batch
 from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
@@ -61,7 +60,6 @@ from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, staleness_stats, stepped, summarize_run
 from kv4rl.telemetry.run_watch import run_watch
 from kv4rl.telemetry.sinks import MetricsSink
-from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.checkpoint import check_resume_world
 from kv4rl.trainer.host_memory import check_host_memory, count_parameters
 from kv4rl.trainer.learner import Learner
@@ -170,19 +168,6 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     return s
 
 
-def reward_kl(s: Setup, batch) -> tuple[dict, torch.Tensor, dict]:
-    """`advantage.kl_reward_coef`: (the log-probs taken, for the update to reuse; each response's penalty; its
-    metrics). π_old is the learner's recomputed log-probs with `algo.old_logprob=recompute`, else the engine's μ."""
-    a = s.cfg.advantage
-    given = {"ref_logprobs": s.learner.logprobs(batch, reference=True)}
-    if s.cfg.algo.loss == "ppo_clip" and s.cfg.algo.old_logprob == "recompute":
-        given["old_logprobs"] = s.learner.logprobs(batch)
-    old = given.get("old_logprobs", batch.behavior_logprobs)
-    penalty, metrics = kl_reward_penalty(old.cpu(), given["ref_logprobs"].cpu(), batch.response_mask, a.kl_reward_coef,
-                                         a.kl_reward_type)
-    return given, penalty, metrics
-
-
 def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     """One learner update; returns its metrics row and the engine trace of its collection."""
     cfg, r = s.cfg, s.cfg.rollout
@@ -212,25 +197,11 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     rows = (prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
             [c.versions for c in completions])
     truncated = [c.finish_reason == "length" for c in completions] if cfg.trainer.mask_truncated else None
-    given: dict[str, torch.Tensor] = {}  # log-probs taken for the reward's KL, which the update reuses
-    if cfg.advantage.kl_reward_coef > 0:
-        given, penalty, kl_row = reward_kl(s, build_batch(*rows, [0.0] * len(completions), pad_id, truncated))
-        rewards, reward_row = rewards - penalty, {**reward_row, **kl_row}
-    keys = [noise_key(cfg.seed, it, g.index) for g in groups]  # the same noise on any rank, as in one process
-    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
-    everyone = everyone_lengths = None
-    if needs_whole_batch(cfg.advantage) and current().world > 1:  # every rank's rewards and token counts (ranks
-        # hold disjoint groups, tensor-parallel ones too), in rank order
-        parts = gather_objects((rewards.tolist(), lengths.tolist()))
-        everyone = torch.tensor([x for scores, _ in parts for x in scores], dtype=torch.float64)
-        everyone_lengths = torch.tensor([n for _, counts in parts for n in counts], dtype=torch.float64)
-    advantages, adv_metrics = compute_advantages(rewards, r.group_size, cfg.advantage, group_keys=keys,
-                                                 batch_rewards=everyone, lengths=lengths,
-                                                 batch_lengths=everyone_lengths)
+    made = learner_batch(cfg, s.learner, rows, rewards, r.group_size, [g.index for g in groups], it, pad_id, truncated)
+    batch, given, rewards, adv_metrics = made.batch, made.given, made.rewards, made.metrics
     times["time_reward"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    batch = build_batch(*rows, advantages.tolist(), pad_id, truncated)
     mismatch = s.attribution.observe(it, batch) if s.attribution is not None else {}
     t2 += mismatch.get("mismatch/time_s", 0.0)  # a diagnostic, not update time
     learn = s.learner.step(batch, lr=cfg.trainer.learning_rate(it), iteration=it, given=given)

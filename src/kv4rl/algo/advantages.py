@@ -15,6 +15,7 @@ baseline information, so it gets zero too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -140,7 +141,8 @@ def _group_centered(grouped: Tensor) -> Tensor:
     return torch.where(_zero_variance(grouped)[:, None], torch.zeros_like(centered), centered)
 
 
-def _flat_metrics(rewards: Tensor, group_size: int) -> dict[str, float]:
+def flat_group_metrics(rewards: Tensor, group_size: int) -> dict[str, float]:
+    """`zero_var_group_frac`: the share of groups whose rewards are all equal (they teach nothing)."""
     return {"zero_var_group_frac": float(_zero_variance(_grouped(rewards, group_size)).float().mean())}
 
 
@@ -148,7 +150,7 @@ def _flat_metrics(rewards: Tensor, group_size: int) -> dict[str, float]:
 def _grpo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
     std = batch_std(whole.rewards) if cfg.std_scope == "batch" else None
     adv = grpo_advantages(rewards, group_size, cfg.normalize_std, std)
-    return adv, _flat_metrics(rewards, group_size)
+    return adv, flat_group_metrics(rewards, group_size)
 
 
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
@@ -167,7 +169,7 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 @register_advantage("rloo")
 def _rloo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
     adv = rloo_advantages(rewards, group_size)
-    return adv, _flat_metrics(rewards, group_size)
+    return adv, flat_group_metrics(rewards, group_size)
 
 
 def reinforce_pp_advantages(rewards: Tensor, group_size: int, lengths: Tensor, baseline: bool = True,
@@ -205,6 +207,27 @@ def reinforce_pp_advantages(rewards: Tensor, group_size: int, lengths: Tensor, b
     return ((centred(grouped) - mean) / torch.sqrt(var + WHITEN_EPS)).to(out_dtype)
 
 
+def reinforce_pp_token_advantages(scores: Tensor, kl: Tensor, mask: Tensor, coef: float,
+                                  over_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """verl's `reinforce_plus_plus` with a KL in the reward (γ = 1): token t's return is its response's score less
+    `coef` times the KL estimates of tokens t and after, `G_t = r − coef · Σ_{s≥t} kl_s` (verl's score sits on the
+    last token, its `−coef · kl_s` on each), whitened over every `mask`ed token of the batch: `(G_t − μ) /
+    sqrt(σ² + 1e-8)`, σ² the unbiased variance, 0 off the mask. `over_ranks` sums a tensor over the ranks of a
+    torchrun job (default: one process holds the batch). Every return equal: exactly 0. [B, T] float64."""
+    valid = mask.bool()
+    total = over_ranks or (lambda x: x)
+    tail = torch.where(valid, kl.double(), 0).flip(-1).cumsum(-1).flip(-1)
+    returns = torch.where(valid, scores.double().to(kl.device)[:, None] - coef * tail, 0)
+    tokens, summed = total(torch.stack([valid.sum().double(), returns.sum()])).tolist()
+    if tokens < 2:
+        raise ValueError(f"REINFORCE++ whitens over the batch's response tokens: it needs at least 2, got {tokens:g}")
+    mean = summed / tokens
+    squares = float(total(torch.where(valid, (returns - mean) ** 2, 0).sum().reshape(1)))
+    if squares == 0:
+        return torch.zeros_like(returns)
+    return torch.where(valid, (returns - mean) / math.sqrt(squares / (tokens - 1) + WHITEN_EPS), 0)
+
+
 def _reinforce_pp(baseline: bool) -> AdvantageFn:
     def estimator(rewards: Tensor, group_size: int, cfg: AdvantageConfig,
                   whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
@@ -212,7 +235,7 @@ def _reinforce_pp(baseline: bool) -> AdvantageFn:
             raise ValueError(f"advantage.estimator={cfg.estimator} weighs responses by their tokens: pass the "
                              "response lengths (compute_advantages(lengths=...))")
         adv = reinforce_pp_advantages(rewards, group_size, whole.lengths, baseline, whole.rewards)
-        return adv, _flat_metrics(rewards, group_size)
+        return adv, flat_group_metrics(rewards, group_size)
 
     return estimator
 
@@ -236,7 +259,7 @@ def _opo(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBat
     values, lengths = grouped.double(), lengths.reshape(grouped.shape)
     baseline = (lengths * values).sum(1, keepdim=True) / lengths.sum(1, keepdim=True)
     adv = torch.where(_zero_variance(values)[:, None], torch.zeros_like(values), values - baseline)
-    return adv.reshape(-1).to(grouped.dtype), _flat_metrics(rewards, group_size)
+    return adv.reshape(-1).to(grouped.dtype), flat_group_metrics(rewards, group_size)
 
 
 @register_advantage("grpo_passk")
@@ -254,7 +277,7 @@ def _grpo_passk(rewards: Tensor, group_size: int, cfg: AdvantageConfig,
         if cfg.normalize_std:
             gap = gap / (values.std(dim=1, correction=1) + STD_EPS)
         adv = adv.scatter(1, where[:, :1], gap[:, None])
-    return adv.reshape(-1).to(grouped.dtype), _flat_metrics(rewards, group_size)
+    return adv.reshape(-1).to(grouped.dtype), flat_group_metrics(rewards, group_size)
 
 
 @register_advantage("gpg")
@@ -264,7 +287,7 @@ def _gpg(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBat
     everyone = whole.rewards.reshape(-1).double()
     alpha = everyone.numel() / max(int((everyone != 0).sum()), 1)
     grouped = _grouped(rewards, group_size)
-    return (alpha * _group_centered(grouped.double())).reshape(-1).to(grouped.dtype), _flat_metrics(rewards, group_size)
+    return (alpha * _group_centered(grouped.double())).reshape(-1).to(grouped.dtype), flat_group_metrics(rewards, group_size)
 
 
 def compute_advantages(

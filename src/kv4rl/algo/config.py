@@ -202,9 +202,9 @@ class AdvantageConfig:
         require_choice("advantage.kl_reward_type", self.kl_reward_type, KL_TYPES)
         if not self.kl_reward_coef >= 0.0:
             raise ValueError(f"advantage.kl_reward_coef must be >= 0 (0: no KL in the reward), got {self.kl_reward_coef}")
-        if self.kl_reward_coef > 0 and self.estimator == "reinforce_plus_plus":
-            raise ValueError("advantage.kl_reward_coef with advantage.estimator=reinforce_plus_plus: its token-level "
-                             "returns of a per-token KL reward are not implemented; reinforce_plus_plus_baseline "
-                             "(verl's REINFORCE++ recipe) takes the penalty per response")
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")
+        if self.kl_reward_coef > 0 and self.estimator == "reinforce_plus_plus" and self.baseline_noise > 0:
+            raise ValueError("advantage.baseline_noise perturbs a response's one advantage; with "
+                             "advantage.estimator=reinforce_plus_plus and advantage.kl_reward_coef > 0 each token has "
+                             "its own (its return): set advantage.baseline_noise=0")

@@ -10,6 +10,15 @@ from torch import Tensor
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, ref_kl_terms
 
 
+def kl_reward_tokens(old_logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str) -> Tensor:
+    """[B, T] float64: each `mask`ed token's `kind` KL estimate between π_old and the reference (0 elsewhere), the
+    log-ratio held at ±80 (`algo.logprobs.ref_kl_terms`: k1 = log π_old − log π_ref, verl's default `kl`)."""
+    valid = mask.bool()
+    old, ref = old_logprobs.double(), ref_logprobs.double().to(old_logprobs.device)
+    held = torch.clamp(old, ref - LOG_RATIO_LIMIT, ref + LOG_RATIO_LIMIT)
+    return torch.where(valid, ref_kl_terms(held, ref, kind), 0.0)
+
+
 def kl_reward_penalty(old_logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, coef: float,
                       kind: str) -> tuple[Tensor, dict[str, float]]:
     """(penalty [B] float64, metrics): `coef · Σ_t kl_t` over each row's `mask`ed tokens, kl_t the `kind` estimate
@@ -17,10 +26,12 @@ def kl_reward_penalty(old_logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, 
     Metrics over the rows that have a token, verl's way (so ranks of equal row counts average to one process's):
     `kl_reward/token_mean` (each row's mean kl_t, then their mean: verl's actor/reward_kl_penalty) and
     `kl_reward/penalty_mean`. `k3` has no cap here (verl's low_var_kl holds each token's at 10)."""
+    return kl_penalty_of(kl_reward_tokens(old_logprobs, ref_logprobs, mask, kind), mask, coef)
+
+
+def kl_penalty_of(kl: Tensor, mask: Tensor, coef: float) -> tuple[Tensor, dict[str, float]]:
+    """`kl_reward_penalty` from the tokens' KL estimates `kl` ([B, T], 0 off `mask`)."""
     valid = mask.bool()
-    old, ref = old_logprobs.double(), ref_logprobs.double().to(old_logprobs.device)
-    held = torch.clamp(old, ref - LOG_RATIO_LIMIT, ref + LOG_RATIO_LIMIT)
-    kl = torch.where(valid, ref_kl_terms(held, ref, kind), 0.0)
     penalty = coef * kl.sum(-1)
     counts = valid.sum(-1)
     rows = counts > 0

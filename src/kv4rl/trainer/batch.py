@@ -39,11 +39,12 @@ def build_batch(
     responses: list[list[int]],
     behavior_logprobs: list[list[float]],
     versions: list[list[int]],
-    advantages: list[float],
+    advantages: list[float] | list[torch.Tensor],
     pad_id: int,
     masked: list[bool] | None = None,
 ) -> TrainBatch:
-    """Assemble rows `prompt + response`; every response must be non-empty. A row whose `masked` entry is true
+    """Assemble rows `prompt + response`; every response must be non-empty. A row's advantage is one number for
+    every token of its response, or one per token. A row whose `masked` entry is true
     stays in the batch with no token to train (`trainer.mask_truncated`), in no loss denominator."""
     n = len(prompts)
     length = max(len(p) + len(r) for p, r in zip(prompts, responses))

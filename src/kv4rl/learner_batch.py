@@ -1,0 +1,96 @@
+"""From a batch's scored responses to the learner's batch: a KL penalty in the rewards (`advantage.kl_reward_coef`,
+the learner's reference forward, whose log-probs the update reuses), the advantages (over every rank's responses
+where the estimator reads the whole batch), and the padded `TrainBatch`.
+
+verl's `reinforce_plus_plus` with a KL in the reward gives each token its own advantage (its return: the score less
+the KL of the tokens from it on); every other estimator gives a response one, which the batch spreads over its
+tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kv4rl.algo.advantages import (compute_advantages, flat_group_metrics, needs_whole_batch, noise_key,
+                                   reinforce_pp_token_advantages)
+from kv4rl.algo.kl_reward import kl_penalty_of, kl_reward_tokens
+from kv4rl.config import RunConfig
+from kv4rl.distributed import current, gather_objects
+from kv4rl.trainer.batch import TrainBatch, build_batch
+
+
+@dataclass
+class LearnerBatch:
+    batch: TrainBatch
+    given: dict[str, Tensor]  # log-probs the KL reward took, for the update to reuse
+    rewards: Tensor  # the trained scores, less the KL penalty where there is one
+    metrics: dict[str, float]  # the KL reward's and the advantages'
+
+
+def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_size: int, group_indices: list[int],
+                  iteration: int, pad_id: int, truncated: list[bool] | None) -> LearnerBatch:
+    """`rows`: (prompts, responses, behaviour log-probs, versions) of every response of this rank's groups, in
+    group order; `scores` their rewards (float64)."""
+    a = cfg.advantage
+    given: dict[str, Tensor] = {}
+    metrics: dict[str, float] = {}
+    rewards = scores
+    if a.kl_reward_coef > 0:
+        # every response's tokens, truncated ones too: they count in their group's advantages with their penalty
+        whole = build_batch(*rows, [0.0] * len(scores), pad_id)
+        given, kl = reward_kl(cfg, learner, whole)
+        penalty, metrics = kl_penalty_of(kl, whole.response_mask, a.kl_reward_coef)
+        rewards = scores - penalty
+        if a.estimator == "reinforce_plus_plus":
+            return _token_returns(cfg, rows, scores, rewards, kl, whole, given, metrics, group_size, pad_id, truncated)
+    keys = [noise_key(cfg.seed, iteration, g) for g in group_indices]  # the same noise on any rank
+    lengths = torch.tensor([len(r) for r in rows[1]], dtype=torch.float64)
+    everyone = everyone_lengths = None
+    if needs_whole_batch(a) and current().world > 1:  # every rank's rewards and token counts (ranks hold disjoint
+        # groups, tensor-parallel ones too), in rank order
+        parts = gather_objects((rewards.tolist(), lengths.tolist()))
+        everyone = torch.tensor([x for scores, _ in parts for x in scores], dtype=torch.float64)
+        everyone_lengths = torch.tensor([n for _, counts in parts for n in counts], dtype=torch.float64)
+    advantages, adv_metrics = compute_advantages(rewards, group_size, a, group_keys=keys, batch_rewards=everyone,
+                                                 lengths=lengths, batch_lengths=everyone_lengths)
+    batch = build_batch(*rows, advantages.tolist(), pad_id, truncated)
+    return LearnerBatch(batch, given, rewards, {**metrics, **adv_metrics})
+
+
+def reward_kl(cfg: RunConfig, learner, batch: TrainBatch) -> tuple[dict[str, Tensor], Tensor]:
+    """(the log-probs taken, for the update to reuse; each token's KL estimate [B, T] float64). π_old is the learner's
+    recomputed log-probs with `algo.old_logprob=recompute`, else the engine's μ."""
+    given = {"ref_logprobs": learner.logprobs(batch, reference=True)}
+    if cfg.algo.loss == "ppo_clip" and cfg.algo.old_logprob == "recompute":
+        given["old_logprobs"] = learner.logprobs(batch)
+    old = given.get("old_logprobs", batch.behavior_logprobs)
+    kl = kl_reward_tokens(old.cpu(), given["ref_logprobs"].cpu(), batch.response_mask, cfg.advantage.kl_reward_type)
+    return given, kl
+
+
+def _sum_over_ranks(x: Tensor) -> Tensor:
+    """`x` summed over the job's ranks, in rank order (the same float64 sum on every rank)."""
+    return torch.stack([torch.as_tensor(part, dtype=torch.float64) for part in gather_objects(x.tolist())]).sum(0)
+
+
+def _token_returns(cfg: RunConfig, rows: tuple, scores: Tensor, rewards: Tensor, kl: Tensor, whole: TrainBatch,
+                   given: dict[str, Tensor], metrics: dict[str, float], group_size: int, pad_id: int,
+                   truncated: list[bool] | None) -> LearnerBatch:
+    """verl's per-token REINFORCE++ returns (`reinforce_pp_token_advantages`), whitened over every rank's tokens."""
+    valid = whole.response_mask.bool()
+    over_ranks = _sum_over_ranks if current().world > 1 else None
+    token_adv = reinforce_pp_token_advantages(scores, kl, valid, cfg.advantage.kl_reward_coef, over_ranks)
+    per_row = [token_adv[i, len(p) - 1: len(p) + len(r) - 1].float() for i, (p, r) in enumerate(zip(*rows[:2]))]
+    batch = build_batch(*rows, per_row, pad_id, truncated)
+    tokens = token_adv[valid]
+    # over every rank's tokens, so each rank logs the batch's (ranks' rows merge as equal shares, their tokens not)
+    parts = gather_objects((len(tokens), float(tokens.sum()), float((tokens ** 2).sum()), float(tokens.abs().max()) if len(tokens) else 0.0))
+    count, total, squares = (sum(part[k] for part in parts) for k in range(3))
+    mean = total / count
+    adv_metrics = {**flat_group_metrics(rewards, group_size), "reward_mean": float(rewards.mean()),
+                   "reward_std": float(rewards.std(correction=0)), "adv_mean": mean,
+                   "adv_std": max(squares / count - mean * mean, 0.0) ** 0.5,
+                   "adv_absmax": max(part[3] for part in parts)}
+    return LearnerBatch(batch, given, rewards, {**metrics, **adv_metrics})
