@@ -75,6 +75,10 @@ def test_the_settings_are_checked():
     with pytest.raises(ConfigError, match="each token has its own \\(its return\\): set advantage.baseline_noise=0"):
         load_config(None, ["advantage.kl_reward_coef=0.01", "advantage.estimator=reinforce_plus_plus",
                            "advantage.baseline_noise=0.1"])
+    with pytest.raises(ConfigError, match="each token has its own advantage \\(its return\\), so a response has no one "
+                                          "sign: set algo.off_policy_mask=null"):
+        load_config(None, ["advantage.kl_reward_coef=0.01", "advantage.estimator=reinforce_plus_plus",
+                           "algo.off_policy_mask=0.5"])
     with pytest.raises(ConfigError, match="set trainer.ref_kl_every=1"):
         load_config(None, ["advantage.kl_reward_coef=0.01", "trainer.ref_kl_every=0"])
     with pytest.raises(ConfigError, match="advantage.kl_reward_type"):

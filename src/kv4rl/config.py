@@ -229,6 +229,11 @@ class RunConfig:
             (not self.advantage.kl_reward_coef > 0 or self.trainer.ref_kl_every > 0 or self.algo.kl_ref_coef > 0,
              "advantage.kl_reward_coef reads the reference model's log-probs every iteration, which "
              "trainer.ref_kl_every=0 (with algo.kl_ref_coef=0) leaves unloaded: set trainer.ref_kl_every=1"),
+            (not (self.advantage.kl_reward_coef > 0 and self.advantage.estimator == "reinforce_plus_plus"
+                  and self.algo.loss == "ppo_clip" and self.algo.off_policy_mask is not None),
+             "algo.off_policy_mask drops a response of negative advantage; with advantage.estimator="
+             "reinforce_plus_plus and advantage.kl_reward_coef > 0 each token has its own advantage (its return), "
+             "so a response has no one sign: set algo.off_policy_mask=null, or use reinforce_plus_plus_baseline"),
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),
