@@ -58,6 +58,8 @@ CASES: dict[str, Case] = {
     "eval.before_training=true": Case(TINY_TRAIN + " name=rloo-80-20"),
     "kv4rl train advantage.estimator=reinforce_plus_plus_baseline algo.surrogate=cispo algo.old_logprob=recompute "
     "algo.behavior_is=token_truncate algo.off_policy_mask=0.5": Case(TINY_TRAIN + " name=rpp-cispo-tis"),
+    "kv4rl train advantage.estimator=reinforce_plus_plus advantage.kl_reward_coef=0.001 rollout.min_p=0.05 "
+    "algo.kl_ref_coef=0.01 algo.kl_ref_unbiased=true": Case(TINY_TRAIN + " name=rpp-kl-minp"),
     "kv4rl train --resume runs/tiny-arith trainer.iterations=200": Case("trainer.iterations=3 --no-progress"),
     # starts over: the run above moves aside, and the new one ends at iteration 3 like it did
     "kv4rl train --overwrite": Case(TINY_TRAIN + " trainer.iterations=3"),
