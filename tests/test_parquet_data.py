@@ -97,9 +97,9 @@ def test_an_empty_file_and_a_missing_pyarrow_are_named(tmp_path, monkeypatch):
 
 
 class _Spelled:
-    """A tokenizer stand-in: PromptFormatter without the chat template reads only the text."""
+    """A tokenizer stand-in that has a chat template: PromptFormatter without the chat template reads only the text."""
 
-    chat_template = None
+    chat_template = "{{ messages }}"
 
 
 def test_start_up_says_what_verl_would_send_otherwise_and_a_prompt_that_asks_for_no_box(tmp_path):
@@ -130,6 +130,13 @@ def test_start_up_says_what_verl_would_send_otherwise_and_a_prompt_that_asks_for
     assert warnings("data.prompt_template='{problem} Box it: \\boxed{{}}.'") == [default[1]]
     assert warnings("data.prompt_template='{problem}'", train=plain)[0].startswith("reward math_verify grades")
     assert warnings(train=plain) == []
+    # a tokenizer without a chat template: no advice to use one (data.chat_template=true would be refused)
+    cfg = load_config(None, [f"data.train={verl}"])
+    source = ProblemSource(cfg.data.train, None, seed=0)
+    bare = type("Bare", (), {"chat_template": None})()
+    assert prompt_warnings(cfg, source, PromptFormatter(bare, source.default_template)) == [default[0]]
+    two = ProblemSource(str(verl), str(verl), seed=0).verl_prompt_notes(None, False)
+    assert two[0].startswith("data.train and data.eval hold verl's prompts")
 
 
 def test_a_run_on_verl_parquet_trains_as_on_the_same_rows_in_json_lines(tmp_path, caplog):
@@ -144,7 +151,8 @@ def test_a_run_on_verl_parquet_trains_as_on_the_same_rows_in_json_lines(tmp_path
     with caplog.at_level("WARNING", logger="kv4rl"):
         res = train_cli(f"data.train={verl}", "name=verl", *common)
     assert res.exit_code == 0, res.output
-    assert "data.chat_template=true does the same" in caplog.text
+    # the tiny model's tokenizer has no chat template: no advice to use one, and the template is set
+    assert "verl's prompts" not in caplog.text
     twin = train_cli(f"data.train={jsonl}", "name=jsonl", *common)
     assert twin.exit_code == 0, twin.output
 
@@ -182,8 +190,7 @@ def test_eval_on_verl_parquet_scores_as_on_the_same_rows_in_json_lines_and_names
         assert res.exit_code == 0, res.output
         results[name] = {k: v for k, v in json.loads(out.read_text()).items() if k.startswith(("mean@", "pass@"))}
         said = " ".join(res.output.split())
-        assert ("--data holds verl's prompts, which verl sends in the tokenizer's chat template: --chat does the "
-                "same" in said) == (name == "verl")
+        assert "verl's prompts" not in said  # --template given, and the tiny tokenizer has no chat template
         # exact grades a box the prompts `1+1=` do not ask for: said, with eval's own option
         assert ("reward exact grades a response's last \\boxed{...} only, and none of the first 9 prompts asks for "
                 "one, so an answer written otherwise scores 0: ask for it in --template, e.g. --template '{problem} "

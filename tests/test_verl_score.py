@@ -95,3 +95,22 @@ def test_the_readme_example_trains_and_evaluates_on_verl_parquet(tmp_path, monke
         assert {json.loads(line)["data_source"] for line in seen.read_text().splitlines()} == {"openai/gsm8k"}
     finally:
         sys.modules.pop("my_verl_reward", None)
+
+
+def test_a_scorer_is_passed_only_the_arguments_it_names():
+    """verl's own scorers take two of the four arguments (gsm8k.compute_score(solution_str, ground_truth, method,
+    format_score, score), reached in verl through default_compute_score): passed as they are, they failed with
+    "unexpected keyword argument 'data_source'"; one that needs an argument no manager passes is named at once."""
+    import re
+
+    def gsm8k_like(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+        found = re.search("#### (\\-?[0-9\\.\\,]+)", solution_str)
+        return score if found and found.group(1) == ground_truth else format_score
+
+    reward = VerlScore(gsm8k_like)
+    assert reward(["so #### 72", "#### 3"], ["72", "4"], problems=[problem("a", 0), problem("a", 1)]).scores == [1.0, 0.0]
+    seen = []
+    VerlScore(lambda **kwargs: seen.append(sorted(kwargs)) or 0.0)(["x"], ["7"], problems=[problem("a", 0)])
+    assert seen == [["data_source", "extra_info", "ground_truth", "solution_str"]]
+    with pytest.raises(ValueError, match=r"compute_score needs tokenizer, which a verl reward manager does not pass"):
+        VerlScore(lambda solution_str, ground_truth, tokenizer: 1.0)

@@ -318,7 +318,8 @@ def _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, tem
     if ranks.main:
         for line in _prompting_differences(model, chat, template, formatter.template):
             warn(line)
-        for line in source.verl_prompt_notes(template, chat, eval_cli=True):
+        for line in source.verl_prompt_notes(template, chat, eval_cli=True,
+                                             chat_template=bool(getattr(tokenizer, "chat_template", None))):
             warn(line)
         if temperature == 0 and k > 1:
             warn(f"--temperature 0 samples greedily: a problem's {k} samples are the same, so pass@j equals pass@1 "

@@ -68,7 +68,7 @@ OTHER_FRAMEWORKS = {
                               "device, the colocated learner's memory included)",
     "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
     "save_freq": "verl's save_freq is checkpoint.save_every (>= 1; a checkpoint is also written at the end and on a "
-                 "stop, and none is never: -1 has no counterpart)",
+                 "stop, so verl's -1, never, has no counterpart)",
     "test_freq": "verl's test_freq is eval.every",
     "val_before_train": "verl's val_before_train is eval.before_training (off by default here)",
     "max_prompt_length": "verl's max_prompt_length with filter_overlong_prompts is data.max_prompt_tokens (the longer "
@@ -87,8 +87,10 @@ OTHER_FRAMEWORKS = {
                     "algo.loss_agg=token_mean)",
     "off_policy_mask_threshold": "TRL's off_policy_mask_threshold is algo.off_policy_mask",
     "use_bias_correction_kl": "TRL's use_bias_correction_kl is algo.kl_ref_unbiased",
-    "train_files": "verl's data.train_files is data.train (one JSONL file of {problem, answer} rows)",
-    "val_files": "verl's data.val_files is data.eval (one JSONL file of {problem, answer} rows)",
+    "train_files": "verl's data.train_files is data.train (one file: verl's Parquet as it is, or JSONL of {problem, "
+                   "answer} rows)",
+    "val_files": "verl's data.val_files is data.eval (one file: verl's Parquet as it is, or JSONL of {problem, "
+                 "answer} rows)",
     "enable_gradient_checkpointing": "verl's enable_gradient_checkpointing is trainer.grad_checkpointing",
     "param_offload": "verl's fsdp_config.param_offload is trainer.offload (FSDP2 CPU offload; "
                      "trainer.offload_optimizer keeps only AdamW's moments on the CPU)",
@@ -98,9 +100,11 @@ OTHER_FRAMEWORKS = {
     "experiment_name": "verl's trainer.experiment_name is name (the run folder is out_dir/name)",
     "n_gpus_per_node": "verl's n_gpus_per_node is torchrun's --nproc-per-node (README, 'Several GPUs: torchrun')",
     "nnodes": "verl's nnodes is torchrun's --nnodes (README, 'Several GPUs: torchrun')",
-    "use_kl_in_reward": "verl's use_kl_in_reward with kl_ctrl.kl_coef is advantage.kl_reward_coef > 0 (fixed; the "
-                        "adaptive controller does not exist)",
-    "kl_coef": "verl's kl_ctrl.kl_coef is advantage.kl_reward_coef",
+    "use_kl_in_reward": "verl's use_kl_in_reward with kl_ctrl.kl_coef (0.001 by default there) is "
+                        "advantage.kl_reward_coef > 0 (fixed; the adaptive controller does not exist)",
+    "critic_warmup": "verl's trainer.critic_warmup has no counterpart: there is no critic (GAE does not exist); the "
+                     "estimators are critic-free (advantage.estimator)",
+    "kl_coef": "verl's kl_ctrl.kl_coef (0.001 by default there) is advantage.kl_reward_coef",
     "kl_penalty": "verl's algorithm.kl_penalty is advantage.kl_reward_type (kl: k1, low_var_kl: k3, mse: k2, abs)",
     "rollout_is_batch_normalize": "verl's rollout_is_batch_normalize does not exist (algo.behavior_is is not "
                                   "normalised)",

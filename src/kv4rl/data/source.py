@@ -71,24 +71,26 @@ class ProblemSource:
     def default_template(self) -> str:
         return default_prompt_template(self.embedded)
 
-    def verl_prompt_notes(self, template: str | None, chat: bool, *, eval_cli: bool = False) -> list[str]:
+    def verl_prompt_notes(self, template: str | None, chat: bool, *, eval_cli: bool = False,
+                          chat_template: bool = True) -> list[str]:
         """What prompting verl's rows with `template` (None: the default) and `chat` sends unlike verl does, one
         line each naming the options that change it (train's keys, or `kv4rl eval`'s where `eval_cli`): verl sends a
-        row's user message alone, in the chat template."""
+        row's user message alone, in the chat template (where the tokenizer has one: `chat_template`)."""
         keys = [key for key, layout in self.layouts.items() if layout == "verl"]
         if not keys:
             return []
         named = "--data" if eval_cli else " and ".join(keys)
+        holds = "holds" if eval_cli or len(keys) == 1 else "hold"
         template_option, as_verl, chat_option = (
             ("--template", "--template '{problem}'", "--chat") if eval_cli else
             ("data.prompt_template", "\"data.prompt_template='{problem}'\" (quoted so for the shell)",
              "data.chat_template=true"))
         lines = []
         if template is None:
-            lines.append(f"{named} holds verl's prompts, their instruction included; the default {template_option} "
+            lines.append(f"{named} {holds} verl's prompts, their instruction included; the default {template_option} "
                          f"adds kv4rl's boxed-answer instruction after each: {as_verl} sends them as verl does")
-        if not chat:
-            lines.append(f"{named} holds verl's prompts, which verl sends in the tokenizer's chat template: "
+        if not chat and chat_template:
+            lines.append(f"{named} {holds} verl's prompts, which verl sends in the tokenizer's chat template: "
                          f"{chat_option} does the same")
         return lines
 

@@ -5,6 +5,7 @@ columns (a verl Parquet row keeps them in `Problem.meta`), so a verl user's scor
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -12,17 +13,27 @@ from kv4rl.rewards.base import Reward, RewardResult
 
 __all__ = ["VerlScore"]
 
+_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # what verl's naive manager passes
+
 
 class VerlScore(Reward):
     """`compute_score` per response: the response's text as `solution_str`, its gold answer as `ground_truth` (the
     text kv4rl read: verl hands a number as a number), the row's `data_source` (None where the file has none) and a
     copy of its `extra_info` ({} where none) with verl's `num_turns` (None: one turn) and `rollout_reward_scores`
-    ({}). A dict result gives its `score`; its other keys are not logged."""
+    ({}). Only the arguments the function names are passed: verl's own scorers (`gsm8k.compute_score(solution_str,
+    ground_truth, ...)`) take two of the four. A dict result gives its `score`; its other keys are not logged."""
 
     takes_problems = True
 
     def __init__(self, compute_score: Callable[..., Any]):
         self.compute_score = compute_score
+        params = inspect.signature(compute_score).parameters
+        self.passed = None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set(params) & set(_ARGUMENTS)
+        needed = [name for name, p in params.items() if p.default is p.empty and name not in _ARGUMENTS
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if needed:
+            raise ValueError(f"compute_score needs {', '.join(needed)}, which a verl reward manager does not pass (it "
+                             f"passes {', '.join(_ARGUMENTS)} by name): give those a default, or wrap the function")
 
     def score(self, responses: list[str], golds: list[str], problems: list | None = None) -> RewardResult:
         metas = [getattr(p, "meta", None) or {} for p in problems] if problems is not None else [{}] * len(responses)
@@ -30,8 +41,9 @@ class VerlScore(Reward):
         for i, (response, gold, meta) in enumerate(zip(responses, golds, metas, strict=True)):
             extra_info = dict(meta.get("extra_info") or {})
             extra_info.update(num_turns=None, rollout_reward_scores={})  # what verl's manager adds, single-turn
-            out = self.compute_score(data_source=meta.get("data_source"), solution_str=response, ground_truth=gold,
-                                     extra_info=extra_info)
+            arguments = {"data_source": meta.get("data_source"), "solution_str": response, "ground_truth": gold,
+                         "extra_info": extra_info}
+            out = self.compute_score(**{k: v for k, v in arguments.items() if self.passed is None or k in self.passed})
             if isinstance(out, dict):
                 if "score" not in out:
                     raise ValueError(f"compute_score returned a dict without 'score' for response {i} of "

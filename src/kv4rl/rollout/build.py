@@ -30,7 +30,8 @@ def prompt_formatter(cfg: RunConfig, source: ProblemSource, tokenizer) -> Prompt
 
 def prompt_warnings(cfg: RunConfig, source: ProblemSource, formatter: PromptFormatter) -> list[str]:
     """What the run's prompts ask for unlike what verl sends or the reward grades, one line each (said at start)."""
-    lines = source.verl_prompt_notes(cfg.data.prompt_template, cfg.data.chat_template)
+    lines = source.verl_prompt_notes(cfg.data.prompt_template, cfg.data.chat_template,
+                                     chat_template=bool(getattr(formatter.tokenizer, "chat_template", None)))
     verifier = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
     if not source.train_embedded:
         lines += filter(None, [boxed_request_note(source.train, formatter, verifier)])
