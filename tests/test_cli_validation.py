@@ -350,7 +350,7 @@ def test_eval_warns_when_max_new_tokens_runs_past_the_context_and_records_the_cu
                               "--max-new-tokens", "100", "--json", str(out)])
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
-    assert text.count("warning:") == 1 and "--max-new-tokens 100" in text and "64 positions" in text
+    assert text.count("exceed the model's context") == 1 and "--max-new-tokens 100" in text and "64 positions" in text
     r = json.loads(out.read_text())
     assert (r["max_new_tokens"], r["max_model_len"], r["template"], r["reward"]) == (100, 64, "{problem}=", "exact")
 
