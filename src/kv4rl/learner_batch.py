@@ -86,7 +86,8 @@ def _token_returns(cfg: RunConfig, rows: tuple, scores: Tensor, rewards: Tensor,
     batch = build_batch(*rows, per_row, pad_id, truncated)
     tokens = token_adv[valid]
     # over every rank's tokens, so each rank logs the batch's (ranks' rows merge as equal shares, their tokens not)
-    parts = gather_objects((len(tokens), float(tokens.sum()), float((tokens ** 2).sum()), float(tokens.abs().max()) if len(tokens) else 0.0))
+    largest = float(tokens.abs().max()) if len(tokens) else 0.0
+    parts = gather_objects((len(tokens), float(tokens.sum()), float((tokens ** 2).sum()), largest))
     count, total, squares = (sum(part[k] for part in parts) for k in range(3))
     mean = total / count
     adv_metrics = {**flat_group_metrics(rewards, group_size), "reward_mean": float(rewards.mean()),

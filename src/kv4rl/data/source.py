@@ -135,9 +135,9 @@ class ProblemSource:
 
     def drop_long_prompts(self, count_tokens: Callable[[list[Problem]], list[int]]) -> list[str]:
         """Drop the files' rows whose prompt is more than `max_prompt_tokens` tokens long (`count_tokens`: each of
-        a list's prompt lengths); one
-        line per file that lost rows. The fingerprint stays the whole file's with the limit, so every rank
-        agrees without a tokenizer. Refuses a file that would lose every row. Dropping twice drops nothing."""
+        a list's prompt lengths); one line per file that lost rows. The fingerprint stays the whole file's with the
+        limit, so every rank agrees without a tokenizer. Refuses a file that would lose every row. Dropping twice
+        drops nothing."""
         if self.max_prompt_tokens is None or self._prompts_limited:  # the loop's pass, then the engine build's
             return []
         self.stream_fingerprint()
