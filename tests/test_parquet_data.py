@@ -216,3 +216,16 @@ def test_rows_read_a_batch_at_a_time_keep_their_numbers_and_a_damaged_file_is_na
     damaged.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
     with pytest.raises(DatasetError, match=r"cannot read Parquet file .*d.parquet"):
         load_problems(damaged)
+
+
+def test_float32_answers_read_as_their_writer_wrote_them(tmp_path):
+    """A float32 column's 0.1 widened to 0.10000000149011612 in Python; it reads as 0.1, flat or in verl's struct."""
+    flat = tmp_path / "f.parquet"
+    pq.write_table(pa.table({"problem": ["a", "b", "c"], "answer": pa.array([0.1, 1e20, 3.0], pa.float32())}), flat)
+    assert [p.answer for p in load_problems(flat)] == ["0.1", "100000000000000000000", "3"]
+    schema = pa.schema([("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+                        ("reward_model", pa.struct([("ground_truth", pa.float32())]))])
+    verl = tmp_path / "v.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "q"}],
+                                          "reward_model": {"ground_truth": 2.675}}], schema=schema), verl)
+    assert load_problems(verl)[0].answer == "2.675"

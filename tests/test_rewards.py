@@ -54,6 +54,8 @@ def math_reward():
         (r"\boxed 5", "5"),
         (r"\boxed 5.", "5"),
         (r"\boxed 18", None),  # TeX boxes the 1: no answer, neither 1 nor 18
+        (r"\boxed{3} then \boxed 18", None),  # ... and not the earlier box either
+        (r"\boxed\frac{1}{2}", None),  # a command that takes arguments is no answer alone
         (r"\boxed 5.2", None),
         (r"\boxed\pi", r"\pi"),
         (r"\boxed x.", "x"),

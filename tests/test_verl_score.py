@@ -114,3 +114,14 @@ def test_a_scorer_is_passed_only_the_arguments_it_names():
     assert seen == [["data_source", "extra_info", "ground_truth", "solution_str"]]
     with pytest.raises(ValueError, match=r"compute_score needs tokenizer, which a verl reward manager does not pass"):
         VerlScore(lambda solution_str, ground_truth, tokenizer: 1.0)
+
+
+def test_a_non_dict_extra_info_and_a_positional_only_scorer_are_named():
+    with pytest.raises(ValueError, match=r"problem 0: its extra_info is str 'note', where verl's is a dict"):
+        VerlScore(lambda **kwargs: 1.0)(["x"], ["7"], problems=[Problem("q", "7", "0", meta={"extra_info": "note"})])
+
+    def by_position(solution_str, ground_truth, /):
+        return 1.0
+
+    with pytest.raises(ValueError, match=r"compute_score takes solution_str, ground_truth by position only"):
+        VerlScore(by_position)

@@ -9,6 +9,7 @@ verl does. Rows are checked as strictly as JSON Lines rows, each error naming th
 from __future__ import annotations
 
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,12 @@ def load_parquet(path: Path) -> tuple[list[Problem], str]:
                            "and `answer` columns, or verl's `prompt` (chat messages) and `reward_model` "
                            "(with `ground_truth`)")
     problems = []
+    narrow = _narrow_paths(parquet.schema_arrow)
     try:  # a batch of rows at a time: the whole table as Python objects doubled a large file's memory
         for batch in parquet.iter_batches(batch_size=ROWS_PER_BATCH):
             for row in batch.to_pylist():
                 number = len(problems) + 1
-                problems.append(row_fn(_as_written(row), f"{path} row {number}", f"{path.name}:{number}"))
+                problems.append(row_fn(_as_written(row, narrow), f"{path} row {number}", f"{path.name}:{number}"))
     except DatasetError:
         raise
     except Exception as exc:  # a damaged page past the footer
@@ -61,15 +63,46 @@ def load_parquet(path: Path) -> tuple[list[Problem], str]:
     return problems, layout
 
 
-def _as_written(value: Any) -> Any:
-    """A float as the JSON Lines reader keeps one (its shortest round-trip text, written out without an exponent
-    when it is an answer), in a column or nested in one (verl's `reward_model.ground_truth`)."""
+def _narrow_paths(schema) -> frozenset[tuple[str, ...]]:
+    """The paths (field names; "[]" for a list's items) of the schema's float32 and float16 values: a Python float
+    holds them widened, whose repr (0.10000000149011612) is not the number the file's writer wrote (0.1)."""
+    import pyarrow as pa
+
+    paths = set()
+
+    def walk(tp, path):
+        if pa.types.is_float32(tp) or pa.types.is_float16(tp):
+            paths.add(path)
+        elif pa.types.is_struct(tp):
+            for field in tp:
+                walk(field.type, (*path, field.name))
+        elif pa.types.is_list(tp) or pa.types.is_large_list(tp) or pa.types.is_fixed_size_list(tp):
+            walk(tp.value_type, (*path, "[]"))
+
+    for field in schema:
+        walk(field.type, (field.name,))
+    return frozenset(paths)
+
+
+def _shortest_float32(value: float) -> str:
+    """The shortest decimal text that reads back as the float32 `value` (at most 9 significant digits do)."""
+    for digits in range(1, 10):
+        text = f"{value:.{digits}g}"
+        if struct.unpack("f", struct.pack("f", float(text)))[0] == value:
+            return text
+    return repr(value)
+
+
+def _as_written(value: Any, narrow: frozenset[tuple[str, ...]] = frozenset(), path: tuple[str, ...] = ()) -> Any:
+    """A float as the JSON Lines reader keeps one (its shortest round-trip text, for a float32 value its own type's,
+    written out without an exponent when it is an answer), in a column or nested in one (verl's
+    `reward_model.ground_truth`); `narrow`: the float32 paths (`_narrow_paths`), `path` this value's."""
     if isinstance(value, float) and math.isfinite(value):
-        return WrittenFloat(repr(value))
+        return WrittenFloat(_shortest_float32(value) if path in narrow else repr(value))
     if isinstance(value, dict):
-        return {key: _as_written(item) for key, item in value.items()}
+        return {key: _as_written(item, narrow, (*path, key)) for key, item in value.items()}
     if isinstance(value, list):
-        return [_as_written(item) for item in value]
+        return [_as_written(item, narrow, (*path, "[]")) for item in value]
     return value
 
 

@@ -193,11 +193,11 @@ class CheckedReward(Reward):
 
 
 # `\boxed{...}`; or `\boxed` and the one token after it, as TeX reads an argument without braces, where that token is
-# an answer: one digit not followed by another (`\boxed 5.`; `\boxed 18` would box the 1, so it is no answer), a
-# command (`\boxed\pi`) or a letter that starts no word (`\boxed x`, not `\boxed as asked`). `\boxedx` is another
-# command; `\framebox`'s optional [width][position] are skipped.
+# an answer: one digit not followed by another (`\boxed 5.`; `\boxed 18` would box the 1, so it is no answer, group
+# 3), a command without arguments (`\boxed\pi`, not `\boxed\frac{1}{2}`) or a letter that starts no word (`\boxed
+# x`, not `\boxed as asked`). `\boxedx` is another command; `\framebox`'s optional [width][position] are skipped.
 _BOX_OPENING = re.compile(r"\\(?:boxed|fbox|framebox)(?![a-zA-Z])(?:\s*\[[^\]]*\]){0,2}\s*"
-                          r"(?:(\{)|(\d(?!\d|[.,]\d)|\\[a-zA-Z]+|[a-zA-Z](?![a-zA-Z])))")
+                          r"(?:(\{)|(\d(?!\d|[.,]\d)|\\[a-zA-Z]+(?![a-zA-Z])(?!\s*\{)|[a-zA-Z](?![a-zA-Z]))|(\d))")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -210,6 +210,8 @@ def extract_boxed(text: str) -> str | None:
     """
     openings = list(_BOX_OPENING.finditer(text))
     if not openings:
+        return None
+    if openings[-1].group(3) is not None:  # `\boxed 18`: TeX boxes the 1; no answer, and not an earlier box
         return None
     if openings[-1].group(1) is None:
         return openings[-1].group(2)

@@ -29,6 +29,10 @@ class VerlScore(Reward):
         self.compute_score = compute_score
         params = inspect.signature(compute_score).parameters
         self.passed = None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set(params) & set(_ARGUMENTS)
+        by_position = [name for name, p in params.items() if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+        if by_position:
+            raise ValueError(f"compute_score takes {', '.join(by_position)} by position only; a verl reward manager "
+                             f"passes {', '.join(_ARGUMENTS)} by name: drop the '/' from its signature, or wrap it")
         needed = [name for name, p in params.items() if p.default is p.empty and name not in _ARGUMENTS
                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         if needed:
@@ -39,7 +43,12 @@ class VerlScore(Reward):
         metas = [getattr(p, "meta", None) or {} for p in problems] if problems is not None else [{}] * len(responses)
         scores = []
         for i, (response, gold, meta) in enumerate(zip(responses, golds, metas, strict=True)):
-            extra_info = dict(meta.get("extra_info") or {})
+            given = meta.get("extra_info")
+            if given is not None and not isinstance(given, dict):
+                where = f"problem {problems[i].id}" if problems is not None else f"response {i}"
+                raise ValueError(f"{where}: its extra_info is {type(given).__name__} {given!r:.60}, where verl's is a "
+                                 "dict (its reward manager adds num_turns to it)")
+            extra_info = dict(given or {})
             extra_info.update(num_turns=None, rollout_reward_scores={})  # what verl's manager adds, single-turn
             arguments = {"data_source": meta.get("data_source"), "solution_str": response, "ground_truth": gold,
                          "extra_info": extra_info}
