@@ -233,6 +233,17 @@ def test_an_unknown_key_suggests_the_key_meant(override, suggested):
     assert str(info.value).startswith(suggested + " (known here: ")
 
 
+def test_verls_reward_function_keys_point_to_a_plug_in_with_verl_score():
+    for override in ("custom_reward_function.path=my.py", "custom_reward_function={path: my.py, name: f}"):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [override])
+        assert str(info.value).startswith("unknown config key 'custom_reward_function.path'; verl's "
+                                          "custom_reward_function is a plug-in module (algo.plugins) that registers "
+                                          "VerlScore(compute_score) as a reward")
+    with pytest.raises(ConfigError, match="verl's reward_manager has no counterpart"):
+        load_config(None, ["reward_model.reward_manager=naive"])
+
+
 def test_an_unknown_key_with_nothing_close_suggests_nothing():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["trainer.foo=1"])

@@ -102,6 +102,11 @@ OTHER_FRAMEWORKS = {
     "nnodes": "verl's nnodes is torchrun's --nnodes (README, 'Several GPUs: torchrun')",
     "use_kl_in_reward": "verl's use_kl_in_reward with kl_ctrl.kl_coef (0.001 by default there) is "
                         "advantage.kl_reward_coef > 0 (fixed; the adaptive controller does not exist)",
+    **dict.fromkeys(("custom_reward_function.path", "custom_reward_function.name"),
+                    "verl's custom_reward_function is a plug-in module (algo.plugins) that registers "
+                    "VerlScore(compute_score) as a reward, named by reward.name (README, 'A verl reward function')"),
+    "reward_manager": "verl's reward_manager has no counterpart: a reward scores the whole batch (reward.name; "
+                      "VerlScore calls a verl compute_score per response, as verl's naive manager does)",
     "critic_warmup": "verl's trainer.critic_warmup has no counterpart: there is no critic (GAE does not exist); the "
                      "estimators are critic-free (advantage.estimator)",
     "kl_coef": "verl's kl_ctrl.kl_coef (0.001 by default there) is advantage.kl_reward_coef",
