@@ -59,6 +59,7 @@ def test_verl_rows_are_their_user_message_and_ground_truth(tmp_path):
     assert [(p.problem, p.answer, p.id) for p in problems] == [("Janet sells 16 eggs. #### after", "72", "train.parquet:1"),
                                                               ("What is 2+2?", "4", "train.parquet:2")]
     assert problems[1].meta == {"data_source": "openai/gsm8k", "ability": "math",
+                                "reward_model": {"style": "rule", "ground_truth": "4"},
                                 "extra_info": {"split": "train", "index": 1}}
     # known by its bytes, not its name
     renamed = tmp_path / "train.jsonl"

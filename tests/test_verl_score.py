@@ -125,3 +125,19 @@ def test_a_non_dict_extra_info_and_a_positional_only_scorer_are_named():
 
     with pytest.raises(ValueError, match=r"compute_score takes solution_str, ground_truth by position only"):
         VerlScore(by_position)
+
+
+def test_a_verl_rows_ground_truth_reaches_the_scorer_as_the_file_holds_it(tmp_path):
+    """verl hands `reward_model.ground_truth` as its column holds it: a number stays a number (the gold answer's
+    text, "72", is what kv4rl's own graders read)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from kv4rl.data.datasets import load_problems
+
+    path = tmp_path / "n.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": "q"}],
+                                          "reward_model": {"ground_truth": 72}}]), path)
+    (row,) = load_problems(path)
+    seen = []
+    VerlScore(lambda solution_str, ground_truth: seen.append(ground_truth) or 1.0)(["x"], [row.answer], problems=[row])
+    assert row.answer == "72" and seen == [72] and type(seen[0]) is int

@@ -129,4 +129,4 @@ def _verl_row(row: dict[str, Any], where: str, default_id: str) -> Problem:
         raise DatasetError(f"{where}: `reward_model` has no `ground_truth`, the answer a response is graded against")
     answer = check_row_text(reward_model, "ground_truth", f"{where}, reward_model", allow_number=True)
     return Problem(problem=problem, answer=answer, id=default_id,
-                   meta={key: value for key, value in row.items() if key not in VERL_COLUMNS})
+                   meta={key: value for key, value in row.items() if key != "prompt"})  # reward_model kept as written

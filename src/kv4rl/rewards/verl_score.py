@@ -17,10 +17,10 @@ _ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # wh
 
 
 class VerlScore(Reward):
-    """`compute_score` per response: the response's text as `solution_str`, its gold answer as `ground_truth` (the
-    text kv4rl read: verl hands a number as a number), the row's `data_source` (None where the file has none) and a
-    copy of its `extra_info` ({} where none) with verl's `num_turns` (None: one turn) and `rollout_reward_scores`
-    ({}). Only the arguments the function names are passed: verl's own scorers (`gsm8k.compute_score(solution_str,
+    """`compute_score` per response: the response's text as `solution_str`; the row's `reward_model.ground_truth` as
+    the file holds it (a number stays a number, as verl hands it; a row without one, its gold answer's text); its
+    `data_source` (None where the file has none); and a copy of its `extra_info` ({} where none) with verl's
+    `num_turns` (None: one turn) and `rollout_reward_scores` ({}). Only the arguments the function names are passed: verl's own scorers (`gsm8k.compute_score(solution_str,
     ground_truth, ...)`) take two of the four. A dict result gives its `score`; its other keys are not logged."""
 
     takes_problems = True
@@ -50,7 +50,9 @@ class VerlScore(Reward):
                                  "dict (its reward manager adds num_turns to it)")
             extra_info = dict(given or {})
             extra_info.update(num_turns=None, rollout_reward_scores={})  # what verl's manager adds, single-turn
-            arguments = {"data_source": meta.get("data_source"), "solution_str": response, "ground_truth": gold,
+            written = meta.get("reward_model")  # a verl row's own: a number stays a number, as verl hands it
+            truth = written["ground_truth"] if isinstance(written, dict) and "ground_truth" in written else gold
+            arguments = {"data_source": meta.get("data_source"), "solution_str": response, "ground_truth": truth,
                          "extra_info": extra_info}
             out = self.compute_score(**{k: v for k, v in arguments.items() if self.passed is None or k in self.passed})
             if isinstance(out, dict):
