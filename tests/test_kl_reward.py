@@ -181,3 +181,27 @@ def test_a_reinforce_pp_run_with_a_kl_reward_trains(tmp_path, monkeypatch):
     for row in rows:
         assert row["reward_mean"] + row["kl_reward/penalty_mean"] == pytest.approx(row["accuracy"], abs=1e-9)
         assert abs(row["adv_mean"]) < 1e-9 and row["adv_std"] == pytest.approx(1.0, rel=0.05)  # whitened tokens
+
+
+def test_a_built_batch_given_its_advantages_equals_the_batch_built_with_them():
+    """`with_advantages` (the KL reward's batch, built before the advantages) against `build_batch` of the same rows:
+    per response and per token, with a masked (truncated) row."""
+    from kv4rl.trainer.batch import build_batch, with_advantages
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 5, 2)]
+    responses = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 2, 5)]
+    rows = (prompts, responses, [(-torch.rand(len(r), generator=g)).tolist() for r in responses],
+            [[1] * len(r) for r in responses])
+    masked = [False, True, False]
+    per_response = torch.tensor([0.7, -1.3, 0.25], dtype=torch.float64)
+    token = [torch.randn(len(r), generator=g) for r in responses]
+    whole = build_batch(*rows, [0.0] * 3, pad_id=0)
+    for given, listed in ((per_response, per_response.tolist()), (None, token)):
+        if given is None:  # per token, in the batch's [B, L-1] layout
+            given = torch.zeros_like(whole.advantages, dtype=torch.float64)
+            for i, (p, r) in enumerate(zip(prompts, responses)):
+                given[i, len(p) - 1: len(p) + len(r) - 1] = token[i].double()
+        want, got = build_batch(*rows, listed, pad_id=0, masked=masked), with_advantages(whole, given, masked)
+        for field in ("input_ids", "attention_mask", "response_mask", "behavior_logprobs", "advantages", "versions"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field

@@ -151,7 +151,8 @@ def eval_cmd(
     engine_overrides: list[str] | None = typer.Argument(
         None, help="engine settings as in the run config, e.g. engine.kv.format=kv4 engine.kv.group_size=32"),
     model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
-    data: Path | None = typer.Option(None, "--data", help="JSON Lines or Parquet with problem/answer rows, or verl's Parquet (default: embedded task)"),
+    data: Path | None = typer.Option(None, "--data", help="JSON Lines or Parquet with problem/answer rows, or verl's Parquet "
+                                      "(default: embedded task)"),
     k: int = typer.Option(8, "--k", help="samples per problem"),
     n: int = typer.Option(0, "--n", "--num-problems",
                           help="evaluate the first n problems (0: all; embedded task: 256); under torchrun give "

@@ -18,7 +18,7 @@ from kv4rl.algo.advantages import (compute_advantages, flat_group_metrics, needs
 from kv4rl.algo.kl_reward import kl_penalty_of, kl_reward_tokens
 from kv4rl.config import RunConfig
 from kv4rl.distributed import current, gather_objects
-from kv4rl.trainer.batch import TrainBatch, build_batch
+from kv4rl.trainer.batch import TrainBatch, build_batch, with_advantages
 
 
 @dataclass
@@ -44,7 +44,7 @@ def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_si
         penalty, metrics = kl_penalty_of(kl, whole.response_mask, a.kl_reward_coef)
         rewards = scores - penalty
         if a.estimator == "reinforce_plus_plus":
-            return _token_returns(cfg, rows, scores, rewards, kl, whole, given, metrics, group_size, pad_id, truncated)
+            return _token_returns(cfg, scores, rewards, kl, whole, given, metrics, group_size, truncated)
     keys = [noise_key(cfg.seed, iteration, g) for g in group_indices]  # the same noise on any rank
     lengths = torch.tensor([len(r) for r in rows[1]], dtype=torch.float64)
     everyone = everyone_lengths = None
@@ -55,7 +55,8 @@ def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_si
         everyone_lengths = torch.tensor([n for _, counts in parts for n in counts], dtype=torch.float64)
     advantages, adv_metrics = compute_advantages(rewards, group_size, a, group_keys=keys, batch_rewards=everyone,
                                                  lengths=lengths, batch_lengths=everyone_lengths)
-    batch = build_batch(*rows, advantages.tolist(), pad_id, truncated)
+    batch = (with_advantages(whole, advantages, truncated) if a.kl_reward_coef > 0
+             else build_batch(*rows, advantages.tolist(), pad_id, truncated))
     return LearnerBatch(batch, given, rewards, {**metrics, **adv_metrics})
 
 
@@ -75,15 +76,14 @@ def _sum_over_ranks(x: Tensor) -> Tensor:
     return torch.stack([torch.as_tensor(part, dtype=torch.float64) for part in gather_objects(x.tolist())]).sum(0)
 
 
-def _token_returns(cfg: RunConfig, rows: tuple, scores: Tensor, rewards: Tensor, kl: Tensor, whole: TrainBatch,
-                   given: dict[str, Tensor], metrics: dict[str, float], group_size: int, pad_id: int,
+def _token_returns(cfg: RunConfig, scores: Tensor, rewards: Tensor, kl: Tensor, whole: TrainBatch,
+                   given: dict[str, Tensor], metrics: dict[str, float], group_size: int,
                    truncated: list[bool] | None) -> LearnerBatch:
     """verl's per-token REINFORCE++ returns (`reinforce_pp_token_advantages`), whitened over every rank's tokens."""
     valid = whole.response_mask.bool()
     over_ranks = _sum_over_ranks if current().world > 1 else None
     token_adv = reinforce_pp_token_advantages(scores, kl, valid, cfg.advantage.kl_reward_coef, over_ranks)
-    per_row = [token_adv[i, len(p) - 1: len(p) + len(r) - 1].float() for i, (p, r) in enumerate(zip(*rows[:2]))]
-    batch = build_batch(*rows, per_row, pad_id, truncated)
+    batch = with_advantages(whole, token_adv, truncated)
     tokens = token_adv[valid]
     # over every rank's tokens, so each rank logs the batch's (ranks' rows merge as equal shares, their tokens not)
     largest = float(tokens.abs().max()) if len(tokens) else 0.0

@@ -3,7 +3,8 @@
 This is the only module that holds both the engine and the learner. One iteration takes a learner
 batch of `quota_groups` prompt groups x `group_size` responses from the rollout pipeline (sync or
 partial collection, with the configured staleness), scores them, turns them into the learner's batch
-(`kv4rl.learner_batch`: a KL in the reward, the advantages), runs the learner's update(s) and, when the refresh schedule says so, pushes the new weights into the engine
+(`kv4rl.learner_batch`: a KL in the reward, the advantages), runs the learner's update(s) and, when the
+refresh schedule says so, pushes the new weights into the engine
 as version `iteration + 1`. With `engine.sleep_between_rollouts` the engine frees its KV pool before
 the update and allocates it again after the refresh (`time_sleep_wake` holds both). Every phase is
 timed; metrics go to `runs/<name>/metrics.jsonl` and the engine's per-step trace to

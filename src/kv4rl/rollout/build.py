@@ -32,10 +32,8 @@ def prompt_warnings(cfg: RunConfig, source: ProblemSource, formatter: PromptForm
     """What the run's prompts ask for unlike what verl sends or the reward grades, one line each (said at start)."""
     lines = source.verl_prompt_notes(cfg.data.prompt_template, cfg.data.chat_template,
                                      chat_template=bool(getattr(formatter.tokenizer, "chat_template", None)))
-    verifier = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
-    if not source.train_embedded:
-        lines += filter(None, [boxed_request_note(source.train, formatter, verifier)])
-    return lines
+    note = None if source.train_embedded else boxed_request_note(source.train, formatter, verifier_name_of(cfg, source))
+    return lines + ([note] if note else [])
 
 
 def drop_long_prompts(source: ProblemSource, formatter: PromptFormatter, say: bool = True) -> None:
@@ -88,10 +86,16 @@ def engine_slots(cfg: RunConfig, device: torch.device, world: int) -> int:
     return r.max_slots
 
 
+def verifier_name_of(cfg: RunConfig, source: ProblemSource) -> str:
+    """The run's verifier: `reward.name`, or with `auto` the data's own (exact for the embedded task, math_verify
+    for a file)."""
+    return source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
+
+
 def build_reward(cfg: RunConfig, source: ProblemSource):
     """The run's reward: `reward.name` (auto: the source's), or with `reward.extra` / `reward.weights` the weighted
     sum of it and the extras (`WeightedRewards`, its first reward the verifier)."""
-    verifier = source.default_reward if cfg.reward.name == "auto" else cfg.reward.name
+    verifier = verifier_name_of(cfg, source)
     names = [verifier, *cfg.reward.extra]
     if len(set(names)) != len(names):
         raise ConfigError(f"reward.extra: {verifier!r} is already the verifier (reward.name={cfg.reward.name}"

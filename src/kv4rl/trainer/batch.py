@@ -43,8 +43,8 @@ def build_batch(
     pad_id: int,
     masked: list[bool] | None = None,
 ) -> TrainBatch:
-    """Assemble rows `prompt + response`; every response must be non-empty. A row's advantage is one number for
-    every token of its response, or one per token. A row whose `masked` entry is true
+    """Assemble rows `prompt + response`; every response must be non-empty. A row's advantage is one number for its
+    response's tokens, or one per token (`with_advantages` gives a built batch its advantages). A row whose `masked` entry is true
     stays in the batch with no token to train (`trainer.mask_truncated`), in no loss denominator."""
     n = len(prompts)
     length = max(len(p) + len(r) for p, r in zip(prompts, responses))
@@ -65,3 +65,15 @@ def build_batch(
         adv[i, cols] = advantages[i]
         ver[i, cols] = torch.tensor(versions[i])
     return TrainBatch(ids, attn, mask, blp, adv, ver)
+
+
+def with_advantages(batch: TrainBatch, advantages: torch.Tensor, masked: list[bool] | None = None) -> TrainBatch:
+    """`batch`, built with no row masked, given `advantages` ([B]: one a response, or [B, L-1]: one a token) on its
+    response tokens and its `masked` rows out of the response mask: what `build_batch` builds from the same rows,
+    without building it again (a KL in the reward builds the batch before the advantages exist)."""
+    full = batch.response_mask
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(full.device) * full
+    mask = full.clone()
+    if masked is not None:
+        mask[torch.tensor(masked, dtype=torch.bool)] = 0.0
+    return TrainBatch(batch.input_ids, batch.attention_mask, mask, batch.behavior_logprobs, adv.float(), batch.versions)
