@@ -212,21 +212,31 @@ def test_two_tensor_parallel_engines_of_two_ranks_sample_what_one_process_sample
 def test_reinforce_pps_token_returns_are_whitened_over_every_ranks_tokens(tmp_path, monkeypatch):
     """REINFORCE++ with a KL in the reward under torchrun DP2: each token's return is whitened with the sums of both
     ranks' tokens, so the first iteration's advantage statistics (over tokens, the same row on each rank) and
-    penalties equal one process's; whitening a rank's own tokens gives others."""
+    penalties equal one process's; whitening a rank's own tokens gives others. An adaptive β moves by every rank's
+    responses: the third iteration's β is the second's moved by the second's mean KL over all 8 (the row's, which
+    averages the ranks' equal shares; the target near it, from one process's run, so the step is not clipped and a
+    rank's own 4 responses would give another)."""
     from kv4rl.config import load_config
     from kv4rl.loop import train
+    from tests.test_kl_control import _verl_step
 
-    common = ["trainer.iterations=1", "advantage.estimator=reinforce_plus_plus", "advantage.kl_reward_coef=0.5",
-              "seed=3"]
-    done = torchrun(tmp_path, "name=dp", *common, *SMALL, ranks=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    two = rows(tmp_path / "runs" / "dp")[0]
+    common = ["advantage.estimator=reinforce_plus_plus", "advantage.kl_reward_coef=0.5",
+              "advantage.kl_reward_type=k3", "seed=3"]
     monkeypatch.chdir(tmp_path)
-    train(load_config(None, ["name=one", *common, *SMALL[:-1]]), show_progress=False)
-    one = rows(tmp_path / "runs" / "one")[0]
+    train(load_config(None, ["name=one", "trainer.iterations=2", *common, *SMALL[:-1]]), show_progress=False)
+    one, one_next = rows(tmp_path / "runs" / "one")
+    target = 1.05 * one_next["kl_reward/token_mean"]
+    adaptive = ["advantage.kl_reward_control=adaptive", f"advantage.kl_reward_target={target!r}",
+                "advantage.kl_reward_horizon=2"]
+    done = torchrun(tmp_path, "name=dp", "trainer.iterations=3", *common, *adaptive, *SMALL, ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two, second, third = rows(tmp_path / "runs" / "dp")
     assert two["num_tokens"] == one["num_tokens"] and one["adv_std"] > 0
     for key in ("reward_mean", "kl_reward/penalty_mean", "adv_mean", "adv_std", "adv_absmax"):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+    assert abs(second["kl_reward/token_mean"] / target - 1) < 0.2
+    assert third["kl_reward/coef"] == pytest.approx(
+        _verl_step(second["kl_reward/coef"], second["kl_reward/token_mean"], target, 2, 8), rel=1e-9)
 
 
 def test_a_lagging_tensor_parallel_engine_resumes_with_each_ranks_own_weights(tmp_path):

@@ -101,7 +101,13 @@ OTHER_FRAMEWORKS = {
     "n_gpus_per_node": "verl's n_gpus_per_node is torchrun's --nproc-per-node (README, 'Several GPUs: torchrun')",
     "nnodes": "verl's nnodes is torchrun's --nnodes (README, 'Several GPUs: torchrun')",
     "use_kl_in_reward": "verl's use_kl_in_reward with kl_ctrl.kl_coef (0.001 by default there) is "
-                        "advantage.kl_reward_coef > 0 (fixed; the adaptive controller does not exist)",
+                        "advantage.kl_reward_coef > 0 (kl_ctrl.type: advantage.kl_reward_control)",
+    "kl_ctrl.type": "verl's kl_ctrl.type (fixed, adaptive) is advantage.kl_reward_control, with "
+                    "advantage.kl_reward_coef > 0 as its start",
+    "target_kl": "verl's kl_ctrl.target_kl (0.1) is advantage.kl_reward_target (with "
+                 "advantage.kl_reward_control=adaptive)",
+    "horizon": "verl's kl_ctrl.horizon (10000) is advantage.kl_reward_horizon (with "
+               "advantage.kl_reward_control=adaptive)",
     **dict.fromkeys(("custom_reward_function.path", "custom_reward_function.name"),
                     "verl's custom_reward_function is a plug-in module (algo.plugins) that registers "
                     "VerlScore(compute_score) as a reward, named by reward.name (README, 'A verl reward function')"),

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kv4rl.algo.advantages import (compute_advantages, flat_group_metrics, needs_whole_batch, noise_key,
                                    reinforce_pp_token_advantages)
-from kv4rl.algo.kl_reward import kl_penalty_of, kl_reward_tokens
+from kv4rl.algo.kl_reward import KLRewardCoef, kl_penalty_of, kl_reward_tokens
 from kv4rl.config import RunConfig
 from kv4rl.distributed import current, gather_objects
 from kv4rl.trainer.batch import TrainBatch, build_batch, with_advantages
@@ -30,21 +30,27 @@ class LearnerBatch:
 
 
 def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_size: int, group_indices: list[int],
-                  iteration: int, pad_id: int, truncated: list[bool] | None) -> LearnerBatch:
+                  iteration: int, pad_id: int, truncated: list[bool] | None,
+                  kl_coef: KLRewardCoef | None = None) -> LearnerBatch:
     """`rows`: (prompts, responses, behaviour log-probs, versions) of every response of this rank's groups, in
-    group order; `scores` their rewards (float64)."""
+    group order; `scores` their rewards (float64). `kl_coef`: the run's β of a KL in the reward, updated here after
+    the batch when it adapts (the config's fixed β when None)."""
     a = cfg.advantage
     given: dict[str, Tensor] = {}
     metrics: dict[str, float] = {}
     rewards = scores
     if a.kl_reward_coef > 0:
+        kl_coef = kl_coef if kl_coef is not None else KLRewardCoef.from_config(a)
+        beta = kl_coef.value
         # every response's tokens, truncated ones too: they count in their group's advantages with their penalty
         whole = build_batch(*rows, [0.0] * len(scores), pad_id)
         given, kl = reward_kl(cfg, learner, whole)
-        penalty, metrics = kl_penalty_of(kl, whole.response_mask, a.kl_reward_coef)
+        penalty, metrics = kl_penalty_of(kl, whole.response_mask, beta)
+        metrics["kl_reward/coef"] = beta
+        _adapt(kl_coef, kl, whole.response_mask)
         rewards = scores - penalty
         if a.estimator == "reinforce_plus_plus":
-            return _token_returns(cfg, scores, rewards, kl, whole, given, metrics, group_size, truncated)
+            return _token_returns(scores, rewards, kl, beta, whole, given, metrics, group_size, truncated)
     keys = [noise_key(cfg.seed, iteration, g) for g in group_indices]  # the same noise on any rank
     lengths = torch.tensor([len(r) for r in rows[1]], dtype=torch.float64)
     everyone = everyone_lengths = None
@@ -71,18 +77,33 @@ def reward_kl(cfg: RunConfig, learner, batch: TrainBatch) -> tuple[dict[str, Ten
     return given, kl
 
 
+def _adapt(kl_coef: KLRewardCoef, kl: Tensor, mask: Tensor) -> None:
+    """Move an adaptive β by the KL of every rank's responses (each response's mean kl_t, then their mean, as
+    verl's controller reads it), so that every rank keeps the same β."""
+    if kl_coef.control != "adaptive":
+        return
+    counts = mask.bool().sum(-1)
+    row_means = kl.sum(-1)[counts > 0] / counts[counts > 0]
+    total, responses = float(row_means.sum()), len(row_means)
+    if current().world > 1:
+        parts = gather_objects((total, responses))
+        total, responses = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    if responses:
+        kl_coef.update(total / responses, responses)
+
+
 def _sum_over_ranks(x: Tensor) -> Tensor:
     """`x` summed over the job's ranks, in rank order (the same float64 sum on every rank)."""
     return torch.stack([torch.as_tensor(part, dtype=torch.float64) for part in gather_objects(x.tolist())]).sum(0)
 
 
-def _token_returns(cfg: RunConfig, scores: Tensor, rewards: Tensor, kl: Tensor, whole: TrainBatch,
+def _token_returns(scores: Tensor, rewards: Tensor, kl: Tensor, beta: float, whole: TrainBatch,
                    given: dict[str, Tensor], metrics: dict[str, float], group_size: int,
                    truncated: list[bool] | None) -> LearnerBatch:
     """verl's per-token REINFORCE++ returns (`reinforce_pp_token_advantages`), whitened over every rank's tokens."""
     valid = whole.response_mask.bool()
     over_ranks = _sum_over_ranks if current().world > 1 else None
-    token_adv = reinforce_pp_token_advantages(scores, kl, valid, cfg.advantage.kl_reward_coef, over_ranks)
+    token_adv = reinforce_pp_token_advantages(scores, kl, valid, beta, over_ranks)
     batch = with_advantages(whole, token_adv, truncated)
     tokens = token_adv[valid]
     # over every rank's tokens, so each rank logs the batch's (ranks' rows merge as equal shares, their tokens not)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kv4rl.algo.kl_reward import KLRewardCoef
 from kv4rl.closing import close_all
 from kv4rl.config import ConfigError, RunConfig
 from kv4rl.data.prompts import PromptFormatter
@@ -84,6 +85,7 @@ class Setup:
     attribution: MismatchAttribution | None = None
     model_sha256: str | None = None  # the starting model's fingerprint (rank 0 only), in every metrics row
     base_dir: Path | None = None  # the starting model's folder (a testbed's record goes into each checkpoint)
+    kl_coef: KLRewardCoef | None = None  # β of a KL in the reward, which may adapt (and is checkpointed)
 
 
 def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup:
@@ -157,7 +159,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     if ranks.world > 1 and cfg.telemetry.attribution_every:
         raise ConfigError("telemetry.attribution_every runs in one process for now; set it to 0 under torchrun")
     s = Setup(cfg, device, source, formatter, reward_fn, engine, learner, collector,
-              RolloutPipeline(collector, cfg.staleness), 0, MismatchAttribution.from_config(cfg, engine, learner))
+              RolloutPipeline(collector, cfg.staleness), 0, MismatchAttribution.from_config(cfg, engine, learner),
+              kl_coef=KLRewardCoef.from_config(cfg.advantage))
     if restore is not None:
         restore_state(s, restore.state, restore.path)
     s.base_dir = base_dir
@@ -198,7 +201,8 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     rows = (prompts, [c.token_ids for c in completions], [c.logprobs for c in completions],
             [c.versions for c in completions])
     truncated = [c.finish_reason == "length" for c in completions] if cfg.trainer.mask_truncated else None
-    made = learner_batch(cfg, s.learner, rows, rewards, r.group_size, [g.index for g in groups], it, pad_id, truncated)
+    made = learner_batch(cfg, s.learner, rows, rewards, r.group_size, [g.index for g in groups], it, pad_id, truncated,
+                         s.kl_coef)
     batch, given, rewards, adv_metrics = made.batch, made.given, made.rewards, made.metrics
     times["time_reward"] = time.perf_counter() - t1
 

@@ -54,6 +54,7 @@ def resume_state(s: Setup, done: int) -> dict:
         "engine_preemptions": gather_objects(s.engine.num_preemptions),
         "pipeline": pipelines[0],
         "data_stream": s.source.stream_fingerprint(),
+        "kl_reward_coef": s.kl_coef.state_dict() if s.kl_coef is not None else None,
     }
     if len(pipelines) > 1:  # each rank's own collector: restored by the rank of the same number
         out.update(world=len(pipelines), pipeline_ranks=pipelines)
@@ -85,6 +86,8 @@ def restore_state(s: Setup, state: dict, path: Path) -> None:
     calibrations = state.get("engine_kv_calibration")
     if calibrations is not None:  # NVFP4's scales, per rank's engine
         s.engine.load_kv_calibration(calibrations[rank if len(calibrations) > 1 else 0])
+    if s.kl_coef is not None and state.get("kl_reward_coef") is not None:  # an adaptive β goes on from where it was
+        s.kl_coef.load_state_dict(state["kl_reward_coef"])
     s.pipeline.load_state_dict(state["pipeline_ranks"][current().rank] if state.get("world", 1) > 1
                                else state["pipeline"])
     if s.start_iteration - s.engine.version > s.cfg.staleness.refresh_every - 1:  # refresh_every lowered at the

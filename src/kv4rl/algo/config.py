@@ -185,7 +185,9 @@ class AdvantageConfig:
     `normalize_std` divides GRPO's (and `grpo_passk`'s) by the std of each group's rewards, or with
     `std_scope: batch` GRPO's by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation. `kl_reward_coef` > 0 takes that many times each response's
-    summed KL to the reference (`kl_reward_type`, k1 by default as verl's) off its score first (`algo.kl_reward`)."""
+    summed KL to the reference (`kl_reward_type`, k1 by default as verl's) off its score first (`algo.kl_reward`),
+    fixed or, with `kl_reward_control: adaptive`, moved toward a mean KL of `kl_reward_target` per token over
+    `kl_reward_horizon` responses (verl's kl_ctrl)."""
 
     estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "opo", "grpo_passk",
                        "gpg"] = "grpo"
@@ -194,6 +196,9 @@ class AdvantageConfig:
     baseline_noise: float = 0.0
     kl_reward_coef: float = 0.0
     kl_reward_type: KLType = "k1"
+    kl_reward_control: Literal["fixed", "adaptive"] = "fixed"
+    kl_reward_target: float = 0.1
+    kl_reward_horizon: float = 10000.0
 
     def validate(self) -> None:
         require_choice("advantage.estimator", self.estimator,
@@ -202,6 +207,17 @@ class AdvantageConfig:
         require_choice("advantage.kl_reward_type", self.kl_reward_type, KL_TYPES)
         if not self.kl_reward_coef >= 0.0:
             raise ValueError(f"advantage.kl_reward_coef must be >= 0 (0: no KL in the reward), got {self.kl_reward_coef}")
+        require_choice("advantage.kl_reward_control", self.kl_reward_control, ("fixed", "adaptive"))
+        if self.kl_reward_control == "adaptive":
+            if not self.kl_reward_coef > 0:
+                raise ValueError("advantage.kl_reward_control=adaptive starts from advantage.kl_reward_coef, which "
+                                 f"is {self.kl_reward_coef}: set it > 0 (verl's kl_ctrl.kl_coef, 0.001 there)")
+            if not (self.kl_reward_target > 0 and math.isfinite(self.kl_reward_target)):
+                raise ValueError(f"advantage.kl_reward_target must be > 0 (the mean KL per token the adaptive "
+                                 f"controller aims at), got {self.kl_reward_target}")
+            if not (self.kl_reward_horizon > 0 and math.isfinite(self.kl_reward_horizon)):
+                raise ValueError(f"advantage.kl_reward_horizon must be > 0 (responses over which β moves), got "
+                                 f"{self.kl_reward_horizon}")
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")
         if self.kl_reward_coef > 0 and self.estimator == "reinforce_plus_plus" and self.baseline_noise > 0:

@@ -1,6 +1,7 @@
 """A KL penalty in the reward (docs/objectives.md, "KL in the reward"; verl's use_kl_in_reward, TRL's RLOOTrainer):
 each response's score less β times the sum over its tokens of a KL estimate between the policy that sampled the batch
-and the frozen reference, before the advantages are taken from it."""
+and the frozen reference, before the advantages are taken from it. β is fixed, or moved toward a target KL by verl's
+(and Ziegler et al.'s) adaptive controller, `KLRewardCoef`."""
 
 from __future__ import annotations
 
@@ -38,3 +39,34 @@ def kl_penalty_of(kl: Tensor, mask: Tensor, coef: float) -> tuple[Tensor, dict[s
     row_means = kl.sum(-1)[rows] / counts[rows]
     return penalty, {"kl_reward/token_mean": float(row_means.mean()) if len(row_means) else 0.0,
                      "kl_reward/penalty_mean": float(penalty.mean()) if len(penalty) else 0.0}
+
+
+class KLRewardCoef:
+    """β of the KL in the reward (`advantage.kl_reward_coef`), the run's own state: fixed, or with
+    `advantage.kl_reward_control=adaptive` moved after each batch by verl's adaptive controller (Ziegler et al. 2019):
+    β ← β · (1 + clip(KL / target − 1, ±0.2) · n / horizon), KL the batch's mean of each response's mean kl_t and n
+    its responses. The batch is penalised with the β before its own update, as verl's is; checkpoints keep β."""
+
+    def __init__(self, coef: float, control: str = "fixed", target: float = 0.1, horizon: float = 10000.0):
+        self.value, self.control, self.target, self.horizon = float(coef), control, float(target), float(horizon)
+
+    @classmethod
+    def from_config(cls, advantage) -> KLRewardCoef:
+        return cls(advantage.kl_reward_coef, advantage.kl_reward_control, advantage.kl_reward_target,
+                   advantage.kl_reward_horizon)
+
+    def update(self, mean_kl: float, responses: int) -> None:
+        """After a batch of `responses` responses whose mean per-token KL (each response's mean, then theirs) was
+        `mean_kl`; a fixed β stays."""
+        if self.control != "adaptive" or responses <= 0:
+            return
+        error = min(max(mean_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * responses / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "control": self.control}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's β, where this run adapts it too (a fixed β is the config's, also on resume)."""
+        if self.control == "adaptive" and state.get("control") == "adaptive":
+            self.value = float(state["value"])
