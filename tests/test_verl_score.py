@@ -141,3 +141,44 @@ def test_a_verl_rows_ground_truth_reaches_the_scorer_as_the_file_holds_it(tmp_pa
     seen = []
     VerlScore(lambda solution_str, ground_truth: seen.append(ground_truth) or 1.0)(["x"], [row.answer], problems=[row])
     assert row.answer == "72" and seen == [72] and type(seen[0]) is int
+
+
+def test_a_dicts_numeric_keys_are_summed_into_the_stats():
+    """verl's scorers return {"score", "acc", "pred"}: each number's batch sum is a stat (a bool counts 1), text and
+    non-finite values are dropped; a scorer returning numbers alone gives none."""
+    outs = iter([{"score": 1.0, "acc": True, "pred": "42", "steps": 3},
+                 {"score": 0.0, "acc": False, "pred": None, "steps": float("nan")},
+                 {"score": 1.0, "acc": 1, "steps": 2.5}])
+    result = VerlScore(lambda solution_str: next(outs))(["a", "b", "c"], ["7"] * 3)
+    assert result.scores == [1.0, 0.0, 1.0] and result.stats == {"acc_sum": 2.0, "steps_sum": 5.5}
+    assert VerlScore(lambda solution_str: 0.5)(["a"], ["7"]).stats == {}
+
+
+def test_a_runs_rows_and_its_evaluation_count_a_scorers_acc(tmp_path, monkeypatch):
+    """Through training and `kv4rl eval`: `reward_acc_sum` counts the responses the scorer called right, which is
+    `reward_mean` (its score is the same call's 0/1) times the responses of the iteration, and `mean@k` times
+    the samples of the evaluation."""
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+    from tests.small_runs import SMALL, train_cli
+
+    def compute_score(solution_str, ground_truth):
+        right = solution_str.strip().startswith(str(ground_truth))
+        return {"score": float(right), "acc": right, "pred": solution_str[:4]}
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    register_reward("verl_acc")(lambda: VerlScore(compute_score))
+    res = train_cli("reward.name=verl_acc", "trainer.iterations=3", "rollout.quota_groups=4", "rollout.group_size=4",
+                    "trainer.lr=3e-3", f"out_dir={tmp_path}", "name=r", *SMALL[2:])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_acc_sum"] for r in rows] == [r["reward_mean"] * 16 for r in rows]
+    assert any(r["reward_acc_sum"] > 0 for r in rows)
+    out = tmp_path / "e.json"
+    model = tmp_path / "r" / "checkpoints"
+    res = CliRunner().invoke(app, ["eval", "--reward", "verl_acc", "--model", str(sorted(model.glob("iter_*"))[-1]),
+                                   "--k", "2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(out.read_text())
+    assert summary["reward_acc_sum"] == pytest.approx(summary["mean@2"] * 2 * summary["num_problems"])

@@ -6,6 +6,7 @@ columns (a verl Parquet row keeps them in `Problem.meta`), so a verl user's scor
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +21,11 @@ class VerlScore(Reward):
     """`compute_score` per response: the response's text as `solution_str`; the row's `reward_model.ground_truth` as
     the file holds it (a number stays a number, as verl hands it; a row without one, its gold answer's text); its
     `data_source` (None where the file has none); and a copy of its `extra_info` ({} where none) with verl's
-    `num_turns` (None: one turn) and `rollout_reward_scores` ({}). Only the arguments the function names are passed: verl's own scorers (`gsm8k.compute_score(solution_str,
-    ground_truth, ...)`) take two of the four. A dict result gives its `score`; its other keys are not logged."""
+    `num_turns` (None: one turn) and `rollout_reward_scores` ({}). Only the arguments the function names are passed:
+    verl's own scorers (`gsm8k.compute_score(solution_str, ground_truth, ...)`) take two of the four. A dict result
+    gives its `score`; its other keys with a number (or a bool) are summed over the batch into the stats as
+    `<key>_sum` (logged `reward_<key>_sum`, a count for verl's `acc`), where verl keeps them per response for its
+    validation means; text values are dropped."""
 
     takes_problems = True
 
@@ -41,7 +45,7 @@ class VerlScore(Reward):
 
     def score(self, responses: list[str], golds: list[str], problems: list | None = None) -> RewardResult:
         metas = [getattr(p, "meta", None) or {} for p in problems] if problems is not None else [{}] * len(responses)
-        scores = []
+        scores, sums = [], {}
         for i, (response, gold, meta) in enumerate(zip(responses, golds, metas, strict=True)):
             given = meta.get("extra_info")
             if given is not None and not isinstance(given, dict):
@@ -59,6 +63,9 @@ class VerlScore(Reward):
                 if "score" not in out:
                     raise ValueError(f"compute_score returned a dict without 'score' for response {i} of "
                                      f"{len(responses)} (keys {sorted(out)}); verl reads the reward from 'score'")
+                for key, value in out.items():
+                    if key != "score" and isinstance(value, int | float) and math.isfinite(value):
+                        sums[f"{key}_sum"] = sums.get(f"{key}_sum", 0.0) + float(value)
                 out = out["score"]
             scores.append(out)
-        return RewardResult(scores)
+        return RewardResult(scores, sums)
