@@ -111,8 +111,9 @@ def _unread_inputs(cfg) -> list[str]:
     from kv4rl import distributed
 
     lines = [f"{key}={path} does not exist; train would refuse it"
-             for key, path in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
-                               ("data.eval", cfg.data.eval)) if path and not Path(path).exists()]
+             for key, given in (("model.path", cfg.model.path), ("data.train", cfg.data.train),
+                                ("data.eval", cfg.data.eval))
+             for path in (given if isinstance(given, list) else [given]) if path and not Path(path).exists()]
     tp = cfg.engine.tensor_parallel
     if tp > 1 and distributed.launched_ranks() % tp:
         lines.append(f"engine.tensor_parallel={tp} needs {tp} processes per engine: start with "

@@ -7,7 +7,6 @@ entry point used by the CLI and by `--resume` (which reloads the run folder's sa
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -21,6 +20,7 @@ import yaml
 from kv4rl.algo.config import AdvantageConfig, AlgoConfig
 from kv4rl.algo.registry import get_loss, import_plugins
 from kv4rl.config_loader import ConfigError, apply_overrides, from_dict, merge, read_yaml, to_dict
+from kv4rl.config_warnings import log_unread_settings
 from kv4rl.data.prompts import check_template
 from kv4rl.data.source import DEFAULT_POOL_SIZE
 from kv4rl.durability import sync_path
@@ -31,8 +31,6 @@ from kv4rl.reward_config import RewardConfig
 from kv4rl.rollout.config import RolloutConfig, StalenessConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "save_config"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,8 +53,8 @@ class DataConfig:
     template for the embedded task and a boxed-answer instruction for a dataset file.
     """
 
-    train: str | None = None
-    eval: str | None = None
+    train: str | list[str] | None = None  # a file, or a list of files read one after another (verl's train_files)
+    eval: str | list[str] | None = None
     pool_size: int = DEFAULT_POOL_SIZE  # embedded task only: distinct training problems (0 = fresh ones forever)
     prompt_template: str | None = None
     chat_template: bool = False
@@ -276,9 +274,12 @@ class RunConfig:
             (bool(str(self.out_dir).strip()),
              "out_dir is empty; give the folder that holds the run folders (default: runs)"),
             (-(2**63) <= self.seed < 2**64, f"seed must be in [-2**63, 2**64) (torch's seed range), got {self.seed}"),
-            *[(value != "", f"{key} is empty; leave it out (null) or give a path")
+            *[(value != "" and value != [], f"{key} is empty; leave it out (null) or give a path")
               for key, value in (("model.path", self.model.path), ("data.train", self.data.train),
                                  ("data.eval", self.data.eval))],
+            *[(entry != "", f"{key}[{i}] is empty; give a path") for key, value in
+              (("data.train", self.data.train), ("data.eval", self.data.eval)) if isinstance(value, list)
+              for i, entry in enumerate(value)],
         ]
         problems += [message for ok, message in checks if not ok]
         if problems:
@@ -307,41 +308,7 @@ class RunConfig:
                 check_template(self.data.prompt_template, "data.prompt_template")
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        for line in self.algo.ignored_keys():
-            log.warning(line)
-        adv = self.advantage
-        if adv.estimator != "grpo":  # GRPO's std keys, set for an estimator that does not read them
-            divides = "divides by its own std (the batch's tokens')" if adv.estimator.startswith("reinforce") else \
-                "divides by the group's std" if adv.estimator == "grpo_passk" else "divides by no std"
-            for key, what, readers in (("advantage.std_scope=batch", adv.std_scope == "batch", ("grpo",)),
-                                       ("advantage.normalize_std=false", not adv.normalize_std,
-                                        ("grpo", "grpo_passk"))):
-                if what and adv.estimator not in readers:
-                    log.warning("%s is read by advantage.estimator=%s only; advantage.estimator=%s %s, so it "
-                                "changes nothing", key, " and ".join(readers), adv.estimator, divides)
-        elif self.advantage.std_scope == "batch" and not self.advantage.normalize_std:
-            log.warning("advantage.std_scope=batch picks the std that advantage.normalize_std divides by; with "
-                        "advantage.normalize_std=false nothing is divided and it changes nothing")
-        if self.trainer.lr_schedule == "constant" and self.trainer.min_lr_ratio != 0:
-            log.warning("trainer.min_lr_ratio=%g belongs to trainer.lr_schedule=linear or cosine; the constant "
-                        "schedule ignores it", self.trainer.min_lr_ratio)
-        if self.rollout.top_p < 1 or self.rollout.top_k > 0 or self.rollout.min_p > 0:
-            ratio = ("PPO's ratio (algo.old_logprob=behavior)" if self.algo.loss == "ppo_clip"
-                     and self.algo.old_logprob == "behavior" else "the behaviour log-ratio")
-            log.warning("rollout.top_p=%g, rollout.top_k=%d, rollout.min_p=%g truncate what the engine samples: it "
-                        "reports log-probs of "
-                        "the truncated distribution, the learner of the whole softmax(logits / temperature), so "
-                        "%s starts below 1 on every kept token by the mass the truncation kept (mismatch_* in "
-                        "metrics.jsonl shows it; top_p=1, top_k=0, min_p=0 keeps it at 1)",
-                        self.rollout.top_p, self.rollout.top_k, self.rollout.min_p, ratio)
-        if self.staleness.lag >= self.trainer.iterations:
-            split = self.rollout.placement == "split"  # its engines' batches are not checkpointed: dropped
-            log.warning("staleness.lag=%d collects %d batches ahead of the learner: with trainer.iterations=%d the "
-                        "run collects %s%d and trains on %d (%s)",
-                        self.staleness.lag, self.staleness.lag, self.trainer.iterations, "up to " if split else "",
-                        self.trainer.iterations + self.staleness.lag, self.trainer.iterations,
-                        "the rest are dropped; a longer --resume samples them again" if split else
-                        "the rest wait in its checkpoint for a longer --resume")
+        log_unread_settings(self)
         return self
 
 
@@ -364,7 +331,8 @@ def _resolve_paths(cfg: RunConfig) -> RunConfig:
     absolute: config.yaml records the files the run read, so a `--resume` from another folder reads the
     same ones (a relative path would name whatever the new working folder holds)."""
     home = lambda v: os.path.expanduser(v) if isinstance(v, str) and v.startswith("~") else v  # noqa: E731
-    absolute = lambda v: os.path.abspath(home(v)) if isinstance(v, str) and v else v  # noqa: E731
+    one = lambda v: os.path.abspath(home(v)) if isinstance(v, str) and v else v  # noqa: E731
+    absolute = lambda v: [one(x) for x in v] if isinstance(v, list) else one(v)  # noqa: E731
     cfg.model.path, cfg.data.train, cfg.data.eval = (absolute(cfg.model.path), absolute(cfg.data.train),
                                                      absolute(cfg.data.eval))
     cfg.out_dir = home(cfg.out_dir)

@@ -87,10 +87,10 @@ OTHER_FRAMEWORKS = {
                     "algo.loss_agg=token_mean)",
     "off_policy_mask_threshold": "TRL's off_policy_mask_threshold is algo.off_policy_mask",
     "use_bias_correction_kl": "TRL's use_bias_correction_kl is algo.kl_ref_unbiased",
-    "train_files": "verl's data.train_files is data.train (one file: verl's Parquet as it is, or JSONL of {problem, "
-                   "answer} rows)",
-    "val_files": "verl's data.val_files is data.eval (one file: verl's Parquet as it is, or JSONL of {problem, "
-                 "answer} rows)",
+    "train_files": "verl's data.train_files is data.train (a file or a list of files: verl's Parquet as it is, or "
+                   "JSONL of {problem, answer} rows)",
+    "val_files": "verl's data.val_files is data.eval (a file or a list of files: verl's Parquet as it is, or JSONL "
+                 "of {problem, answer} rows)",
     "enable_gradient_checkpointing": "verl's enable_gradient_checkpointing is trainer.grad_checkpointing",
     "param_offload": "verl's fsdp_config.param_offload is trainer.offload (FSDP2 CPU offload; "
                      "trainer.offload_optimizer keeps only AdamW's moments on the CPU)",

@@ -50,8 +50,6 @@ def _quote_hint(value: Any, tp: Any, key: str) -> str:
     """A text key given `{problem}` or `Label: {x}` unquoted: YAML read a mapping, so say to quote it, in a
     form the shell passes on (it strips one level of quotes)."""
     wants_text = str in get_args(tp) or tp is str
-    if wants_text and isinstance(value, list) and key.endswith(("data.train", "data.eval")):
-        return " (one path: a list of files is not read; join the rows into one file, JSONL or Parquet)"
     if wants_text and isinstance(value, list) and key.endswith("model.path"):
         return " (one path: the folder of one model)"
     if wants_text and isinstance(value, (dict, list)):

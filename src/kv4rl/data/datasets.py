@@ -48,9 +48,19 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 OTHER_FORMATS = (".json", ".parquet", ".csv", ".arrow", ".txt")  # what a misread file likely is, for the hint
 
 
-def read_problems(path: str | os.PathLike[str]) -> tuple[list[Problem], str]:
+def read_problems(path: str | os.PathLike[str] | list) -> tuple[list[Problem], str]:
     """(the problems of a dataset file, its layout: "jsonl", "parquet" or "verl"), a Parquet file known by its
-    magic bytes (whatever its name), anything else read as JSON Lines."""
+    magic bytes (whatever its name), anything else read as JSON Lines. A list of files (verl's `train_files`) gives
+    their rows one file after another, in the list's order, and "verl" where any of them has verl's layout."""
+    if isinstance(path, list | tuple):
+        if not path:
+            raise DatasetError("the list of dataset files is empty")
+        problems, layouts = [], []
+        for one in path:
+            rows, layout = read_problems(one)
+            problems += rows
+            layouts.append(layout)
+        return problems, next((x for x in ("verl", "parquet") if x in layouts), "jsonl")
     path = Path(path)
     try:
         with path.open("rb") as file:
@@ -64,8 +74,8 @@ def read_problems(path: str | os.PathLike[str]) -> tuple[list[Problem], str]:
     return load_jsonl(path), "jsonl"
 
 
-def load_problems(path: str | os.PathLike[str]) -> list[Problem]:
-    """The problems of a dataset file, JSON Lines or Parquet (`read_problems`)."""
+def load_problems(path: str | os.PathLike[str] | list) -> list[Problem]:
+    """The problems of a dataset file, JSON Lines or Parquet, or of a list of them (`read_problems`)."""
     return read_problems(path)[0]
 
 

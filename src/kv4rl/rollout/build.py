@@ -60,8 +60,9 @@ def max_model_len(cfg: RunConfig, source: ProblemSource, formatter: PromptFormat
         raise ConfigError(f"engine.max_model_len={given} exceeds the model's context of {model_max} positions "
                           f"(max_position_embeddings); give at most {model_max}, or null to size it from the data")
     limit, limit_name = (model_max, "the model's context") if given is None else (given, "engine.max_model_len")
-    train_name = f"data.train {cfg.data.train}" if cfg.data.train else "the embedded task"
-    eval_name = f"data.eval {cfg.data.eval}" if cfg.data.eval else train_name
+    named = lambda key, paths: f"{key} {', '.join(paths) if isinstance(paths, list) else paths}"  # noqa: E731
+    train_name = named("data.train", cfg.data.train) if cfg.data.train else "the embedded task"
+    eval_name = named("data.eval", cfg.data.eval) if cfg.data.eval else train_name
     longest = max(longest_prompt(formatter, problems, limit, limit_name, what)
                   for what, problems in ((train_name, source.train or source.batch(0, 64)),
                                          (eval_name, source.eval_problems(cfg.data.eval_size))))

@@ -1,0 +1,86 @@
+"""`data.train` / `data.eval` as a list of files (verl's `train_files: [gsm8k/train.parquet, math/train.parquet]`):
+their rows one file after another, whatever each file's format, checked as one file's are, and a run on the list
+trains as on one file holding the same rows in the same order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from kv4rl.config import ConfigError, load_config  # noqa: E402
+from kv4rl.data.datasets import DatasetError, load_jsonl, read_problems  # noqa: E402
+from kv4rl.data.source import ProblemSource  # noqa: E402
+from tests.small_runs import SMALL, train_cli  # noqa: E402
+from tests.test_parquet_data import verl_row, write_parquet  # noqa: E402
+
+FIRST = [("1+1", "2"), ("2+3", "5"), ("4+4", "8")]
+SECOND = [("3+1", "4"), ("2+2", "4"), ("5+1", "6")]
+
+
+def files(tmp_path):
+    """verl's Parquet in one folder, JSON Lines of the same file name in another (verl's gsm8k/ and math/), and one
+    JSON Lines file holding all six rows in order."""
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "math").mkdir()
+    verl = write_parquet(tmp_path / "gsm8k" / "train.parquet", [verl_row(q, a, i) for i, (q, a) in enumerate(FIRST)])
+    plain = tmp_path / "math" / "train.parquet.jsonl"
+    plain.write_text("".join(json.dumps({"problem": q, "answer": a}) + "\n" for q, a in SECOND))
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(json.dumps({"problem": q, "answer": a}) + "\n" for q, a in FIRST + SECOND))
+    return verl, plain, whole
+
+
+def test_a_list_reads_its_files_rows_in_order(tmp_path):
+    verl, plain, whole = files(tmp_path)
+    problems, layout = read_problems([str(verl), str(plain)])
+    assert [(p.problem, p.answer) for p in problems] == [(p.problem, p.answer) for p in load_jsonl(whole)]
+    assert layout == "verl" and read_problems([str(plain)])[1] == "jsonl"
+    source = ProblemSource([str(plain), str(verl)], [str(verl)], seed=0)
+    assert [p.problem for p in source.train] == [q for q, _ in SECOND + FIRST]
+    assert [p.problem for p in source.eval_file] == [q for q, _ in FIRST]
+    assert source.verl_prompt_notes(None, False)[0].startswith("data.train and data.eval hold verl's prompts")
+    # the order is the stream: a resume on the list reordered is refused as an edited file is
+    again = ProblemSource([str(plain), str(verl)], None, seed=0).stream_fingerprint()
+    assert again == source.stream_fingerprint()
+    assert ProblemSource([str(verl), str(plain)], None, seed=0).stream_fingerprint()["sha256"] != again["sha256"]
+
+
+def test_a_bad_list_is_named(tmp_path):
+    verl, plain, _ = files(tmp_path)
+    with pytest.raises(ConfigError, match=r"data.train is empty"):
+        load_config(None, ["data.train=[]"])
+    with pytest.raises(ConfigError, match=r"data.eval\[1\] is empty; give a path"):
+        load_config(None, [f"data.eval=[{verl},'']"])
+    with pytest.raises(DatasetError, match=r"dataset file .*missing.jsonl does not exist"):
+        read_problems([str(verl), str(tmp_path / "missing.jsonl")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "q"}\n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl"):
+        read_problems([str(plain), str(bad)])
+    cfg = load_config(None, ["data.train=[gsm8k/train.parquet,~/math.jsonl]"])  # each made absolute, as one is
+    assert cfg.data.train[0].endswith("/gsm8k/train.parquet") and cfg.data.train[0].startswith("/")
+    assert not cfg.data.train[1].startswith("~")
+
+
+def test_a_run_on_a_list_trains_as_on_one_file_of_the_same_rows(tmp_path):
+    """The embedded tiny model on verl's Parquet then JSON Lines, against one JSON Lines file of the six rows: the
+    same problems in the same order, so the same rewards, losses and weights, iteration by iteration."""
+    verl, plain, whole = files(tmp_path)
+    common = ["data.prompt_template={problem}=", "reward.name=exact", "trainer.iterations=2", "data.eval_size=2",
+              f"out_dir={tmp_path}", *SMALL]
+    res = train_cli(f"data.train=[{verl},{plain}]", f"data.eval=[{plain}]", "name=list", *common)
+    assert res.exit_code == 0, res.output
+    res = train_cli(f"data.train={whole}", f"data.eval={plain}", "name=one", *common)
+    assert res.exit_code == 0, res.output
+
+    def learned(name):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [{key: value for key, value in row.items() if not key.startswith("time_") and key != "tokens_per_s"}
+                for row in rows]
+
+    assert len(learned("list")) == 2 and learned("list") == learned("one")
+    assert load_config(tmp_path / "list" / "config.yaml").data.train == [str(verl), str(plain)]
