@@ -84,3 +84,42 @@ def test_a_run_on_a_list_trains_as_on_one_file_of_the_same_rows(tmp_path):
 
     assert len(learned("list")) == 2 and learned("list") == learned("one")
     assert load_config(tmp_path / "list" / "config.yaml").data.train == [str(verl), str(plain)]
+
+
+def test_an_evaluation_over_several_data_sources_reports_each():
+    """Rows of two `data_source`s (verl's column): mean@2 and pass@j of each over its own problems, by hand, beside
+    the whole set's; rows without one count in the whole only, and one source alone adds nothing."""
+    from kv4rl.data.types import Problem
+    from kv4rl.eval.runner import ProblemResult, summarize_results
+
+    def row(source):
+        return Problem("q", "1", "x", meta={} if source is None else {"data_source": source})
+
+    problems = [row("openai/gsm8k"), row("math"), row("openai/gsm8k"), row(None)]
+    scores = [(1.0, 0.0), (1.0, 1.0), (0.0, 0.0), (1.0, 0.0)]
+    results = [ProblemResult(i, s, (3, 4), ("", "")) for i, s in enumerate(scores)]
+    out = summarize_results(results, 2, {}, problems)
+    assert out["mean@2"] == pytest.approx(4 / 8) and out["num_problems"] == 4
+    assert out["openai/gsm8k/mean@2"] == pytest.approx(1 / 4) and out["openai/gsm8k/pass@2"] == pytest.approx(1 / 2)
+    assert out["openai/gsm8k/pass@1"] == pytest.approx(1 / 4) and out["openai/gsm8k/num_problems"] == 2
+    assert out["math/mean@2"] == 1.0 and out["math/pass@2"] == 1.0 and out["math/num_problems"] == 1
+    assert not [key for key in out if "None" in key]
+    alone = summarize_results(results[:1] + results[2:3], 2, {}, problems)
+    assert not [key for key in alone if "/" in key]
+
+
+def test_a_runs_evaluation_on_two_verl_files_reports_each_source(tmp_path):
+    """`data.eval` a list of two verl files: the run's eval rows carry each data_source's mean@k and num_problems,
+    whose problem-weighted mean is the whole set's."""
+    gsm8k = write_parquet(tmp_path / "gsm8k.parquet", [verl_row(q, a, i) for i, (q, a) in enumerate(FIRST)])
+    other = [dict(verl_row(q, a, i), data_source="lighteval/MATH") for i, (q, a) in enumerate(SECOND)]
+    math = write_parquet(tmp_path / "math.parquet", other)
+    res = train_cli(f"data.train={gsm8k}", f"data.eval=[{gsm8k},{math}]", "data.prompt_template={problem}=",
+                    "reward.name=exact", "trainer.iterations=1", "eval.every=1", "eval.k=2", f"out_dir={tmp_path}",
+                    "name=r", *SMALL)
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    (last,) = [r for r in rows if "eval/mean@2" in r][-1:]
+    assert last["eval/openai/gsm8k/num_problems"] == 3 and last["eval/lighteval/MATH/num_problems"] == 3
+    assert last["eval/mean@2"] == pytest.approx((last["eval/openai/gsm8k/mean@2"]
+                                                 + last["eval/lighteval/MATH/mean@2"]) / 2)

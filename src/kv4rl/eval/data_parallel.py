@@ -49,4 +49,4 @@ def evaluate_ranks(engine, formatter, problems, reward_fn, ranks: Ranks, *, k: i
     merged.sort(key=lambda r: r.index)
     if [r.index for r in merged] != list(range(len(problems))):
         raise RuntimeError(f"the engines returned {len(merged)} problem results for {len(problems)} problems")
-    return summarize_results(merged, k, counts), merged
+    return summarize_results(merged, k, counts, problems), merged

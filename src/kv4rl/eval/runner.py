@@ -84,9 +84,12 @@ def in_engine_window(max_num_seqs: int, k: int) -> int:
     return (-(-2 * max_num_seqs // k) + 1) * k
 
 
-def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[str, float]) -> dict:
+def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[str, float],
+                      problems: list[Problem] | None = None) -> dict:
     """mean@k, pass@j for j in 1,2,4..k, mean response length and the reward's counts, over `results`
-    taken in problem order (a sample is correct when its score exceeds 0.5)."""
+    taken in problem order (a sample is correct when its score exceeds 0.5). Where `problems` (indexed by the
+    results) name two or more `data_source`s (verl's column), each one's mean@k, pass@j and num_problems again as
+    `<data_source>/...`, as verl's validation reports them."""
     results = sorted(results, key=lambda r: r.index)
     correct = [[s > 0.5 for s in r.scores] for r in results]
     ks = sorted({1, k} | {2**j for j in range(1, k.bit_length()) if 2**j <= k})
@@ -96,7 +99,19 @@ def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[s
     lengths = [n for r in results for n in r.lengths]
     out["response_len_mean"] = sum(lengths) / max(len(lengths), 1)
     out.update({f"reward_{key}": v for key, v in reward_stats.items()})
+    sources = [data_source(problems[r.index]) for r in results] if problems is not None else []
+    named = sorted({x for x in sources if x is not None})
+    for name in named if len(named) > 1 else ():
+        mine = [c for c, x in zip(correct, sources) if x == name]
+        out.update({f"{name}/{key}": v for key, v in summarize(mine, ks).items()})
+        out[f"{name}/num_problems"] = len(mine)
     return out
+
+
+def data_source(problem: Problem) -> str | None:
+    """The row's `data_source` (a verl file's column, kept in `meta`) as text; None where it has none."""
+    value = (problem.meta or {}).get("data_source")
+    return None if value is None or value == "" else str(value)
 
 
 def evaluate(engine: Engine, formatter: PromptFormatter, problems: list[Problem], reward_fn, *, k: int,
@@ -105,4 +120,4 @@ def evaluate(engine: Engine, formatter: PromptFormatter, problems: list[Problem]
     results, stats = sample_problems(engine, formatter, problems, list(range(len(problems))), reward_fn, k=k,
                                      temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                                      progress=progress)
-    return summarize_results(results, k, stats)
+    return summarize_results(results, k, stats, problems)
