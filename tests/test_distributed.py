@@ -103,3 +103,14 @@ def test_a_rank_torchrun_started_asks_for_sigterm_when_torchrun_dies(world):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "0", out.stderr
 
+
+
+def test_a_count_only_some_ranks_gave_adds_up_over_all():
+    """A verl scorer returns `even` only where it parsed one, so rank 0's row lacked `reward_even_sum` that rank 1's
+    had, and the merged row (rank 0's keys) dropped rank 1's 10; the others' keys keep their rules."""
+    a = {"reward_mean": 0.5, "reward_acc_sum": 2.0, "loss": 1.0}
+    b = {"reward_mean": 1.0, "reward_acc_sum": 3.0, "reward_even_sum": 10.0, "loss": 1.0, "grad_norm": 2.0}
+    merged = merge_rank_rows([a, b])
+    assert merged == {"reward_mean": 0.75, "reward_acc_sum": 5.0, "loss": 1.0, "reward_even_sum": 10.0,
+                      "grad_norm": 2.0}
+    assert merge_rank_rows([b, a])["reward_even_sum"] == 10.0

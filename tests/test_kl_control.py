@@ -45,6 +45,13 @@ def test_a_checkpointed_coefficient_is_restored_only_into_an_adaptive_run():
     restarted = KLRewardCoef(0.5, "adaptive")  # a fixed run resumed as adaptive starts from the config's β
     restarted.load_state_dict(KLRewardCoef(0.3).state_dict())
     assert restarted.value == 0.5
+    # kl_reward_coef changed at the resume: the run said "config.yaml takes them" and went on with the old β
+    changed = KLRewardCoef(0.05, "adaptive")
+    said = changed.load_state_dict(saved.state_dict())
+    assert changed.value == 0.05 and said == ("advantage.kl_reward_coef changed at the resume (0.5 -> 0.05): the "
+                                              f"adaptive β starts again from 0.05, not from the checkpoint's "
+                                              f"{saved.value:.6g}")
+    assert again.load_state_dict(saved.state_dict()) is None
 
 
 def test_the_settings_are_checked():
@@ -53,7 +60,12 @@ def test_the_settings_are_checked():
                               "advantage.kl_reward_target=0"], "advantage.kl_reward_target must be > 0"),
                             (["advantage.kl_reward_control=adaptive", "advantage.kl_reward_coef=0.1",
                               "advantage.kl_reward_horizon=-5"], "advantage.kl_reward_horizon must be > 0"),
-                            (["advantage.kl_reward_control=pid"], "advantage.kl_reward_control")]:
+                            (["advantage.kl_reward_control=pid"], "advantage.kl_reward_control"),
+                            (["advantage.kl_reward_target=-3"], "advantage.kl_reward_target must be > 0"),
+                            # 8 responses over a horizon of 1: β x (1 - 0.2 x 8) went negative (0.1 -> -0.06)
+                            (["advantage.kl_reward_control=adaptive", "advantage.kl_reward_coef=0.1",
+                              "rollout.quota_groups=2", "rollout.group_size=4", "advantage.kl_reward_horizon=1"],
+                             r"advantage.kl_reward_horizon=1 must exceed a fifth of the batch's 8 responses")]:
         with pytest.raises(ConfigError, match=said):
             load_config(None, overrides)
     with pytest.raises(ConfigError, match="advantage.kl_reward_control"):  # verl's key, pasted
@@ -77,7 +89,7 @@ def test_the_batch_is_penalised_with_beta_before_its_update(tiny_qwen3, estimato
     rows = (prompts, responses, behavior, [[0] * len(r) for r in responses])
     cfg = load_config(None, [f"advantage.estimator={estimator}", "advantage.kl_reward_coef=0.2",
                              "advantage.kl_reward_control=adaptive", "advantage.kl_reward_target=0.05",
-                             "advantage.kl_reward_horizon=10"])
+                             "advantage.kl_reward_horizon=10", "rollout.quota_groups=2", "rollout.group_size=2"])
     coef = KLRewardCoef.from_config(cfg.advantage)
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
     made = learner_batch(cfg, learner, rows, scores, 2, [0, 1], 0, pad_id=0, truncated=None, kl_coef=coef)
@@ -96,7 +108,7 @@ def test_the_batch_is_penalised_with_beta_before_its_update(tiny_qwen3, estimato
 
 
 @pytest.mark.slow
-def test_a_runs_coefficient_follows_its_rows_and_resumes(tmp_path):
+def test_a_runs_coefficient_follows_its_rows_and_resumes(tmp_path, caplog):
     """Four iterations: each row's `kl_reward/coef` is the last row's moved by that row's logged mean KL over the
     batch's 8 responses; a run stopped after two and resumed logs the same four values (the checkpoint keeps β)."""
     from kv4rl.loop import train
@@ -121,3 +133,13 @@ def test_a_runs_coefficient_follows_its_rows_and_resumes(tmp_path):
     train(config_for_resume(part.run_dir, ["trainer.iterations=4"]), resume=True, show_progress=False)
     resumed = [json.loads(line) for line in (part.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["kl_reward/coef"] for r in resumed] == pytest.approx(coefs, rel=1e-12)
+
+    # kl_reward_coef changed at the resume: β starts again from it, and the run says so
+    other = load_config(overrides=[*common, "name=other", "trainer.iterations=2"])
+    train(other, show_progress=False)
+    with caplog.at_level("WARNING"):
+        train(config_for_resume(other.run_dir, ["trainer.iterations=3", "advantage.kl_reward_coef=0.25"]),
+              resume=True, show_progress=False)
+    assert any("adaptive β starts again from 0.25" in m for m in caplog.messages)
+    third = [json.loads(line) for line in (other.run_dir / "metrics.jsonl").read_text().splitlines()][2]
+    assert third["kl_reward/coef"] == 0.25

@@ -154,6 +154,19 @@ def test_a_dicts_numeric_keys_are_summed_into_the_stats():
     assert VerlScore(lambda solution_str: 0.5)(["a"], ["7"]).stats == {}
 
 
+def test_numpy_and_tensor_numbers_count_as_numbers():
+    """verl's scorers return NumPy scalars (np.bool_ from a comparison of arrays, np.float32), which verl's np.mean
+    reads: they were dropped as not `int | float`; an array of several values is not one number."""
+    import numpy as np
+    import torch
+
+    outs = iter([{"score": 1.0, "acc": np.bool_(True), "n": np.int64(2), "f": np.float32(0.5), "t": torch.tensor(1.5),
+                  "many": np.array([1.0, 2.0])},
+                 {"score": 0.0, "acc": np.bool_(False), "n": np.int64(3), "f": np.float32(np.inf), "t": torch.tensor(1)}])
+    result = VerlScore(lambda solution_str: next(outs))(["a", "b"], ["7"] * 2)
+    assert result.stats == {"acc_sum": 1.0, "n_sum": 5.0, "f_sum": 0.5, "t_sum": 2.5}
+
+
 def test_a_runs_rows_and_its_evaluation_count_a_scorers_acc(tmp_path, monkeypatch):
     """Through training and `kv4rl eval`: `reward_acc_sum` counts the responses the scorer called right, which is
     `reward_mean` (its score is the same call's 0/1) times the responses of the iteration, and `mean@k` times

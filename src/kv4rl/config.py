@@ -232,6 +232,11 @@ class RunConfig:
              "algo.off_policy_mask drops a response of negative advantage; with advantage.estimator="
              "reinforce_plus_plus and advantage.kl_reward_coef > 0 each token has its own advantage (its return), "
              "so a response has no one sign: set algo.off_policy_mask=null, or use reinforce_plus_plus_baseline"),
+            (self.advantage.kl_reward_control != "adaptive"
+             or self.rollout.quota_groups * self.rollout.group_size < 5 * self.advantage.kl_reward_horizon,
+             f"advantage.kl_reward_horizon={self.advantage.kl_reward_horizon:g} must exceed a fifth of the batch's "
+             f"{self.rollout.quota_groups * self.rollout.group_size} responses: a KL below target multiplies β by "
+             "1 - 0.2 x responses / horizon, which would turn the penalty into a bonus"),
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),

@@ -230,6 +230,11 @@ _SUMMED = frozenset({"preemptions", "dropped_stale", "tokens_per_s", "filtered_g
 _SAME_ON_EVERY_RANK = frozenset({"iteration", "skipped_steps", "empty_steps"})  # the learner's steps are the whole job's
 
 
+def _is_count(key: str) -> bool:
+    """A reward's `reward_<count>` diagnostic (not its mean or std), which adds up over ranks."""
+    return key.startswith("reward_") and key not in ("reward_mean", "reward_std")
+
+
 def merge_rank_rows(rows: list[dict]) -> dict:
     """One metrics row from each rank's row of the same iteration (every rank holds an equal share of
     the groups): counts (the engine's running totals, the reward's `reward_<count>` diagnostics) and
@@ -244,8 +249,13 @@ def merge_rank_rows(rows: list[dict]) -> dict:
     # the phases of one rank, the slowest: each phase's max over ranks added up past time_total (plot
     # iteration-time drew a negative `other` above the bar)
     slowest = rows[totals.index(max(totals))] if all(isinstance(t, int | float) for t in totals) else None
-    for key, first in rows[0].items():
+    keys = dict.fromkeys(key for row in rows for key in row)  # rank 0's first, then any other rank's own
+    for key in keys:
         values = [row.get(key) for row in rows]
+        if _is_count(key):  # a reward's count that some rank's responses never gave (a verl scorer's key) is 0 there
+            out[key] = sum(v for v in values if v is not None)
+            continue
+        first = rows[0][key] if key in rows[0] else next(v for v in values if v is not None)
         if key == "groups":
             out[key] = sorted(g for v in values for g in v)
         elif key == "staleness_hist":
@@ -260,7 +270,7 @@ def merge_rank_rows(rows: list[dict]) -> dict:
         elif (key in _SAME_ON_EVERY_RANK or isinstance(first, bool) or not isinstance(first, int | float)
               or any(v is None for v in values)):
             out[key] = first
-        elif key in _SUMMED or (key.startswith("reward_") and key not in ("reward_mean", "reward_std")):
+        elif key in _SUMMED:
             out[key] = sum(values)
         elif key.endswith("_std") and key.removesuffix("_std") + "_mean" in rows[0]:
             means = [row[key.removesuffix("_std") + "_mean"] for row in rows]

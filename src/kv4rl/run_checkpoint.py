@@ -4,6 +4,7 @@ writing it, and how a resume puts the learner, engine and pipeline back where it
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,8 @@ from kv4rl.trainer.checkpoint import PER_RANK, engine_slice_file, save_checkpoin
 
 if TYPE_CHECKING:
     from kv4rl.loop import Setup
+
+log = logging.getLogger(__name__)
 
 
 def save(s: Setup, folder: RunFolder | None, done: int) -> Path | None:
@@ -87,7 +90,9 @@ def restore_state(s: Setup, state: dict, path: Path) -> None:
     if calibrations is not None:  # NVFP4's scales, per rank's engine
         s.engine.load_kv_calibration(calibrations[rank if len(calibrations) > 1 else 0])
     if s.kl_coef is not None and state.get("kl_reward_coef") is not None:  # an adaptive β goes on from where it was
-        s.kl_coef.load_state_dict(state["kl_reward_coef"])
+        said = s.kl_coef.load_state_dict(state["kl_reward_coef"])
+        if said and current().rank == 0:
+            log.warning(said)
     s.pipeline.load_state_dict(state["pipeline_ranks"][current().rank] if state.get("world", 1) > 1
                                else state["pipeline"])
     if s.start_iteration - s.engine.version > s.cfg.staleness.refresh_every - 1:  # refresh_every lowered at the

@@ -208,16 +208,15 @@ class AdvantageConfig:
         if not self.kl_reward_coef >= 0.0:
             raise ValueError(f"advantage.kl_reward_coef must be >= 0 (0: no KL in the reward), got {self.kl_reward_coef}")
         require_choice("advantage.kl_reward_control", self.kl_reward_control, ("fixed", "adaptive"))
-        if self.kl_reward_control == "adaptive":
-            if not self.kl_reward_coef > 0:
-                raise ValueError("advantage.kl_reward_control=adaptive starts from advantage.kl_reward_coef, which "
-                                 f"is {self.kl_reward_coef}: set it > 0 (verl's kl_ctrl.kl_coef, 0.001 there)")
-            if not (self.kl_reward_target > 0 and math.isfinite(self.kl_reward_target)):
-                raise ValueError(f"advantage.kl_reward_target must be > 0 (the mean KL per token the adaptive "
-                                 f"controller aims at), got {self.kl_reward_target}")
-            if not (self.kl_reward_horizon > 0 and math.isfinite(self.kl_reward_horizon)):
-                raise ValueError(f"advantage.kl_reward_horizon must be > 0 (responses over which β moves), got "
-                                 f"{self.kl_reward_horizon}")
+        if self.kl_reward_control == "adaptive" and not self.kl_reward_coef > 0:
+            raise ValueError("advantage.kl_reward_control=adaptive starts from advantage.kl_reward_coef, which "
+                             f"is {self.kl_reward_coef}: set it > 0 (verl's kl_ctrl.kl_coef, 0.001 there)")
+        if not (self.kl_reward_target > 0 and math.isfinite(self.kl_reward_target)):
+            raise ValueError(f"advantage.kl_reward_target must be > 0 (the mean KL per token the adaptive "
+                             f"controller aims at), got {self.kl_reward_target}")
+        if not (self.kl_reward_horizon > 0 and math.isfinite(self.kl_reward_horizon)):
+            raise ValueError(f"advantage.kl_reward_horizon must be > 0 (responses over which β moves), got "
+                             f"{self.kl_reward_horizon}")
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")
         if self.kl_reward_coef > 0 and self.estimator == "reinforce_plus_plus" and self.baseline_noise > 0:

@@ -49,6 +49,7 @@ class KLRewardCoef:
 
     def __init__(self, coef: float, control: str = "fixed", target: float = 0.1, horizon: float = 10000.0):
         self.value, self.control, self.target, self.horizon = float(coef), control, float(target), float(horizon)
+        self.start = self.value  # the config's β, to tell a resume that changed it from one that did not
 
     @classmethod
     def from_config(cls, advantage) -> KLRewardCoef:
@@ -64,9 +65,16 @@ class KLRewardCoef:
         self.value *= 1.0 + error * responses / self.horizon
 
     def state_dict(self) -> dict:
-        return {"value": self.value, "control": self.control}
+        return {"value": self.value, "control": self.control, "start": self.start}
 
-    def load_state_dict(self, state: dict) -> None:
-        """A checkpoint's β, where this run adapts it too (a fixed β is the config's, also on resume)."""
-        if self.control == "adaptive" and state.get("control") == "adaptive":
-            self.value = float(state["value"])
+    def load_state_dict(self, state: dict) -> str | None:
+        """A checkpoint's β, where this run adapts it too from the same `kl_reward_coef` (a fixed β is the config's,
+        also on resume; a `kl_reward_coef` changed at the resume starts β again from it). Returns a line saying
+        which β a resume that changed the settings goes on with, or None."""
+        if self.control != "adaptive" or state.get("control") != "adaptive":
+            return None
+        if state.get("start", self.start) != self.start:
+            return (f"advantage.kl_reward_coef changed at the resume ({state.get('start')} -> {self.start}): the "
+                    f"adaptive β starts again from {self.start}, not from the checkpoint's {state['value']:.6g}")
+        self.value = float(state["value"])
+        return None

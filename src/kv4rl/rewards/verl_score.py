@@ -64,8 +64,21 @@ class VerlScore(Reward):
                     raise ValueError(f"compute_score returned a dict without 'score' for response {i} of "
                                      f"{len(responses)} (keys {sorted(out)}); verl reads the reward from 'score'")
                 for key, value in out.items():
-                    if key != "score" and isinstance(value, int | float) and math.isfinite(value):
-                        sums[f"{key}_sum"] = sums.get(f"{key}_sum", 0.0) + float(value)
+                    number = _number(value) if key != "score" else None
+                    if number is not None:
+                        sums[f"{key}_sum"] = sums.get(f"{key}_sum", 0.0) + number
                 out = out["score"]
             scores.append(out)
         return RewardResult(scores, sums)
+
+
+def _number(value: Any) -> float | None:
+    """A compute_score value as a finite number: Python's or NumPy's numbers and bools (verl's scorers return
+    `np.bool_` / `np.float32`, which verl's np.mean reads), a one-element tensor; None for text and the rest."""
+    if value is None or isinstance(value, str | bytes):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):  # a list, a dict, a many-element array or tensor
+        return None
+    return number if math.isfinite(number) else None

@@ -111,7 +111,8 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
         **({"filtered_groups": sum(len(m["filtered_groups"]) for m in messages)} if cfg.rollout.filter_groups else {}),
         "engine_version_min": min(m["version"] for m in messages),
         "groups": sorted(g.index for g in groups),
-        **{f"reward_{k}": sum(m["reward_stats"][k] for m in messages) for k in messages[0]["reward_stats"]},  # counts
+        **{f"reward_{k}": sum(m["reward_stats"].get(k, 0.0) for m in messages)  # counts, any engine's (a verl
+           for k in dict.fromkeys(k for m in messages for k in m["reward_stats"])},  # scorer's key may be on one)
         **adv_metrics,
         **{k: max(m[k] for m in messages) for k in ("time_rollout", "time_reward", "time_engine_wait",
                                                     "time_engine_sync")},
