@@ -175,3 +175,19 @@ def test_a_checkpoint_names_the_software_that_wrote_it(tmp_path):
     assert meta["versions"]["kv4rl"] == kv4rl.__version__
     assert meta["versions"]["torch"] == metadata.version("torch")
     assert meta["versions"]["transformers"] == metadata.version("transformers")
+
+
+def test_keep_last_null_keeps_every_checkpoint_and_two_keeps_the_newest_two(tmp_path):
+    """verl's max_actor_ckpt_to_keep: null keeps all: `checkpoint.keep_last=null` was refused (expected int), so a
+    verl user's run deleted all but two."""
+    from kv4rl.config import ConfigError, load_config
+
+    for i in (1, 2, 3, 4):
+        _save_at(tmp_path / "all", i, keep_last=None)
+        _save_at(tmp_path / "two", i, keep_last=2)
+    names = lambda run: sorted(p.name for p in (tmp_path / run / "checkpoints").glob("iter_*"))  # noqa: E731
+    assert names("all") == ["iter_000001", "iter_000002", "iter_000003", "iter_000004"]
+    assert names("two") == ["iter_000003", "iter_000004"]
+    assert load_config(None, ["checkpoint.keep_last=null"]).checkpoint.keep_last is None
+    with pytest.raises(ConfigError, match=r"checkpoint.keep_last must be >= 1 \(or null: keep every checkpoint\)"):
+        load_config(None, ["checkpoint.keep_last=0"])

@@ -338,8 +338,22 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
 
 @pytest.mark.parametrize(("override", "said"), [
     ("actor_rollout_ref.rollout.val_kwargs.n=1", "unknown config key 'actor_rollout_ref.rollout.val_kwargs.n'; "
-                                                 "verl's rollout.n is rollout.group_size (its val_kwargs.n, samples "
-                                                 "per evaluated problem, is eval.k)"),
+                                                 "verl's val_kwargs.n is eval.k"),
+    ("actor_rollout_ref.rollout.n=1", "unknown config key 'actor_rollout_ref.rollout.n'; verl's rollout.n is "
+                                      "rollout.group_size (its val_kwargs.n, samples per evaluated problem, is eval.k)"),
+    # a critic's key that also names a policy key: the critic's lr followed the actor's in verl's PPO scripts, and
+    # "did you mean trainer.lr?" trained the policy at the critic's rate
+    ("critic.optim.lr=1e-5", "unknown config key 'critic.optim.lr'; verl's critic (the value model of GAE) has no "
+                             "counterpart: kv4rl's estimators are critic-free (advantage.estimator)"),
+    ("reward_model.model.path=/rm", "unknown config key 'reward_model.model.path'; verl's reward_model (a learned "
+                                    "reward model) has no counterpart: rewards are rule-based (reward.name, or a "
+                                    "plug-in such as VerlScore)"),
+    ("actor_rollout_ref.actor.optim.clip_grad=1.0", "unknown config key 'actor_rollout_ref.actor.optim.clip_grad'; "
+                                                    "verl's optim.clip_grad is trainer.grad_clip"),
+    # none of a pasted path's keys has a counterpart: each is named, not only its section
+    ("actor_rollout_ref.model.use_remove_padding=true", "unknown config key actor_rollout_ref.model.use_remove_padding: "
+                                                        "no kv4rl counterpart known (README's 'Coming from verl' and "
+                                                        "'Coming from TRL' list the keys that have one)"),
     ("actor_rollout_ref.rollout.temperature=0.7", "unknown config key 'actor_rollout_ref.rollout.temperature'; did you "
                                                   "mean rollout.temperature or eval.temperature?"),
     ("engine.foo.block_size=16", "unknown config key 'engine.foo.block_size'; did you mean engine.kv.block_size?"),

@@ -103,9 +103,39 @@ def test_an_evaluation_over_several_data_sources_reports_each():
     assert out["openai/gsm8k/mean@2"] == pytest.approx(1 / 4) and out["openai/gsm8k/pass@2"] == pytest.approx(1 / 2)
     assert out["openai/gsm8k/pass@1"] == pytest.approx(1 / 4) and out["openai/gsm8k/num_problems"] == 2
     assert out["math/mean@2"] == 1.0 and out["math/pass@2"] == 1.0 and out["math/num_problems"] == 1
+    # the row without one is verl's `unknown`: every row counts in one source (the breakdown left it out)
+    assert out["unknown/mean@2"] == 0.5 and out["unknown/num_problems"] == 1
     assert not [key for key in out if "None" in key]
     alone = summarize_results(results[:1] + results[2:3], 2, {}, problems)
     assert not [key for key in alone if "/" in key]
+    unnamed = [row(None)] * 4
+    assert not [key for key in summarize_results(results, 2, {}, unnamed) if "/" in key]
+
+
+def test_a_sources_name_like_a_metric_is_not_read_as_the_whole_sets():
+    """A data_source "mean@2" gave `eval/mean@2/mean@2`, which the progress line and the start-of-run line read as
+    the whole set's mean@k (prefix matches)."""
+    from kv4rl.telemetry.progress import train_stats
+
+    row = {"reward_mean": 0.5, "accuracy": 0.5, "eval/mean@2": 0.25, "eval/mean@2/mean@2": 0.0,
+           "eval/mean@2/num_problems": 4, "tokens_per_s": 10.0, "response_len_mean": 3.0}
+    assert [item for item in train_stats(row) if item.startswith("eval@")] == ["eval@2 0.250"]
+
+
+def test_a_lists_rows_without_ids_are_told_apart_by_path(tmp_path):
+    """verl's gsm8k/train.parquet and math/train.parquet both gave `train.parquet:1`, ...; the same file twice the
+    same ids again."""
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "math").mkdir()
+    one = write_parquet(tmp_path / "gsm8k" / "train.parquet", [verl_row(q, a, i) for i, (q, a) in enumerate(FIRST)])
+    two = write_parquet(tmp_path / "math" / "train.parquet", [verl_row(q, a, i) for i, (q, a) in enumerate(SECOND)])
+    ids = [p.id for p in read_problems([str(one), str(two)])[0]]
+    assert ids == [f"{d}/train.parquet:{i}" for d in ("gsm8k", "math") for i in (1, 2, 3)]
+    plain = tmp_path / "a.jsonl"
+    plain.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    assert [p.id for p in read_problems([str(plain), str(one), str(plain)])[0]] == [
+        "a.jsonl:1", "gsm8k/train.parquet:1", "gsm8k/train.parquet:2", "gsm8k/train.parquet:3", "a.jsonl#2:1"]
+    assert [p.id for p in read_problems([str(plain)])[0]] == ["a.jsonl:1"]
 
 
 def test_a_runs_evaluation_on_two_verl_files_reports_each_source(tmp_path):
@@ -123,3 +153,48 @@ def test_a_runs_evaluation_on_two_verl_files_reports_each_source(tmp_path):
     assert last["eval/openai/gsm8k/num_problems"] == 3 and last["eval/lighteval/MATH/num_problems"] == 3
     assert last["eval/mean@2"] == pytest.approx((last["eval/openai/gsm8k/mean@2"]
                                                  + last["eval/lighteval/MATH/mean@2"]) / 2)
+
+
+def test_an_evaluation_set_cut_by_eval_size_is_said(tmp_path):
+    """verl validates on every row of val_files; data.eval_size (256) took the first rows of a list's first files
+    without a word."""
+    from kv4rl.data.prompts import PromptFormatter
+    from kv4rl.rollout.build import prompt_warnings
+    from tests.test_parquet_data import _Spelled
+
+    verl, plain, whole = files(tmp_path)
+
+    def said(*overrides):
+        cfg = load_config(None, [f"data.train={whole}", "data.prompt_template={problem}=", "reward.name=exact",
+                                 *overrides])
+        source = ProblemSource(cfg.data.train, cfg.data.eval, seed=0)
+        return [line for line in prompt_warnings(cfg, source, PromptFormatter(_Spelled(), "{problem}="))
+                if "rows" in line]
+
+    assert said(f"data.eval=[{verl},{plain}]", "data.eval_size=4", "eval.every=5") == [
+        "data.eval holds 6 rows; each evaluation uses its first 4 (data.eval_size), the first files of the list, where "
+        "verl's validation uses every row: data.eval_size=6 evaluates them all"]
+    assert said(f"data.eval=[{verl},{plain}]", "data.eval_size=6", "eval.every=5") == []
+    assert said(f"data.eval={whole}", "data.eval_size=4") == []  # no evaluation, nothing cut
+    assert said(f"data.eval={whole}", "data.eval_size=4", "eval.before_training=true")[0].startswith(
+        "data.eval holds 6 rows; each evaluation uses its first 4 (data.eval_size), where")
+
+
+def test_kv4rl_eval_takes_several_data_files_as_a_run_does(tmp_path):
+    """`--data a --data b` kept only the last file: now both, in order, reported by data_source as a run's eval."""
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+
+    verl, plain, whole = files(tmp_path)
+    other = write_parquet(tmp_path / "math.parquet", [dict(verl_row(q, a, i), data_source="lighteval/MATH")
+                                                      for i, (q, a) in enumerate(SECOND)])
+    out = tmp_path / "e.json"
+    res = CliRunner().invoke(app, ["eval", "--data", str(verl), "--data", str(other), "--k", "2", "--template",
+                                   "{problem}=", "--reward", "exact", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(out.read_text())
+    assert summary["num_problems"] == 6 and summary["data"] == f"{verl}, {other}"
+    assert summary["openai/gsm8k/num_problems"] == 3 and summary["lighteval/MATH/num_problems"] == 3
+    res = CliRunner().invoke(app, ["eval", "--data", str(plain), "--data", str(verl), "--samples", str(verl)])
+    assert res.exit_code != 0 and f"--samples {verl} is also --data {verl}" in res.output

@@ -165,3 +165,36 @@ def test_a_capped_unbiased_penalty_adds_the_cap_and_no_gradient():
     assert grad[0, 0].item() == 0.0
     # d/dlogπ of ρ·k3 with ρ = 1 there: k3 + (1 − e^d)
     assert grad[0, 1].item() == pytest.approx(float(k3 + 1 - torch.exp(d)) / 2, rel=1e-10)
+
+
+def verl_gpg_loss(logp, adv, mask, is_weights=None):
+    """verl's compute_policy_loss_gpg (b178a3c) written out: −log π · A per token, times the rollout-correction
+    weights where given, token-mean over the batch."""
+    per_token = -logp * adv
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    return (per_token * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("is_mode", ["none", "token_truncate"])
+def test_the_plain_policy_gradient_equals_verls_gpg_loss(is_mode):
+    """`algo.surrogate=pg` (verl's loss_mode gpg): no ratio, so no clip; the loss and its gradient −A/N per token
+    are verl's, whatever π_old is (PPO-clip's differ once π_θ has moved: a later mini-batch)."""
+    logp, old, sampling, adv, mask = batch(7)
+    cfg = AlgoConfig(loss_agg="token_mean", surrogate="pg", old_logprob="recompute", behavior_is=is_mode)
+    cfg.validate()
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                                    behavior_logprobs=sampling), cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    weights = trl_is_ratio(old, sampling, mask, is_mode, None, 3.0) if is_mode != "none" else None
+    want = verl_gpg_loss(logp, adv, mask, weights)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+    assert "clip_frac" not in metrics
+    clipped, _ = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                                 behavior_logprobs=sampling), AlgoConfig(loss_agg="token_mean",
+                                                                                         old_logprob="recompute"))
+    assert abs(clipped.item() - loss.item()) > 1e-3
+    assert AlgoConfig(surrogate="pg", ratio_level="sequence").ignored_keys() == [
+        "algo.ratio_level=sequence is read by the ratio, which algo.surrogate=pg does not take (−A · log π)"]

@@ -151,8 +151,9 @@ def eval_cmd(
     engine_overrides: list[str] | None = typer.Argument(
         None, help="engine settings as in the run config, e.g. engine.kv.format=kv4 engine.kv.group_size=32"),
     model: Path | None = typer.Option(None, "--model", help="HF checkpoint folder (default: embedded tiny model)"),
-    data: Path | None = typer.Option(None, "--data", help="JSON Lines or Parquet with problem/answer rows, or verl's Parquet "
-                                      "(default: embedded task)"),
+    data: list[Path] | None = typer.Option(None, "--data", help="JSON Lines or Parquet with problem/answer rows, or "
+                                            "verl's Parquet; repeat it for several files, read one after another "
+                                            "(default: embedded task)"),
     k: int = typer.Option(8, "--k", help="samples per problem"),
     n: int = typer.Option(0, "--n", "--num-problems",
                           help="evaluate the first n problems (0: all; embedded task: 256); under torchrun give "
@@ -202,7 +203,9 @@ def eval_cmd(
         fail(str(exc))
     check_output_path(json_out, create=False)  # folders made once the data and model have loaded
     check_output_path(samples_out, "--samples", create=False)
-    check_not_an_input({"--json": json_out, "--samples": samples_out}, {"--data": data})
+    files = list(data or [])
+    check_not_an_input({"--json": json_out, "--samples": samples_out}, {f"--data {path}": path for path in files})
+    data = None if not files else files[0] if len(files) == 1 else files  # a list: its rows one file after another
     ranks = distributed.init_from_torchrun(device)
     try:
         res, settings, results, problems = _run(engine_cfg, list(engine_overrides or []), ranks, model, data, k, n,
@@ -286,7 +289,7 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
                                       max_new_tokens=max_new_tokens, seed=seed, progress=stages if ranks.main else None)
     if res is not None:
         # a testbed folder is evaluated on its own task: say which, not "embedded"
-        named = str(data) if data else (f"testbed task {(read_metadata(model) or {}).get('testbed', type(task).__name__)}"
+        named = _named(data) if data else (f"testbed task {(read_metadata(model) or {}).get('testbed', type(task).__name__)}"
                                         if task is not None else "embedded")
         res = {"model": str(model), "data": named, **res}
     settings = {"reward": reward_name, **({"reward_timeout_s": reward_timeout} if options else {}),
@@ -295,6 +298,11 @@ def _run(engine_cfg, overrides, ranks, model, data, k, n, temperature, max_new_t
                 "max_model_len": engine.max_model_len, "seed": seed, "engine": overrides,
                 "engines": ranks.world // engine.tp.size}
     return res, settings, results, problems
+
+
+def _named(data: Path | list[Path]) -> str:
+    """--data as the table and --json name it: the file, or the files comma-separated."""
+    return ", ".join(str(p) for p in data) if isinstance(data, list) else str(data)
 
 
 def _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, template, chat, device, seed):
@@ -310,10 +318,11 @@ def _load(engine_cfg, ranks, model, data, k, n, temperature, max_new_tokens, tem
     model_args = check_model_folder(model)
     model_len = model_args.max_position_embeddings
     task = task_of(model) if data is None else None  # a testbed folder is evaluated on its own task
-    source = ProblemSource(None, str(data) if data else None, seed, task=task)
+    source = ProblemSource(None, ([str(p) for p in data] if isinstance(data, list) else str(data)) if data else None,
+                           seed, task=task)
     problems = source.eval_problems(n or (256 if data is None else 10**9))
     if n and data is not None and len(problems) < n and ranks.main:
-        warn(f"--n {n}: {data} holds {len(problems)} problems; evaluating all {len(problems)}")
+        warn(f"--n {n}: {_named(data)} holds {len(problems)} problems; evaluating all {len(problems)}")
     tokenizer = load_tokenizer(model, model_args.vocab_size if ranks.main else None)
     formatter = PromptFormatter(tokenizer, template or source.default_template, chat)
     if ranks.main:

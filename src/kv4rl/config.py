@@ -123,7 +123,7 @@ class TrainerConfig:
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     save_every: int = 20
-    keep_last: int = 2
+    keep_last: int | None = 2  # null: every checkpoint stays (verl's max_actor_ckpt_to_keep: null)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -251,8 +251,9 @@ class RunConfig:
             (self.device != "cpu" or self.trainer.attention != "flex",
              "trainer.attention=flex needs a CUDA device (FlexAttention has no backward pass on the CPU)"),
             (self.checkpoint.save_every >= 1, "checkpoint.save_every must be >= 1"),
-            (self.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
-            (self.eval.every >= 0, "eval.every must be >= 0"),
+            (self.checkpoint.keep_last is None or self.checkpoint.keep_last >= 1,
+             "checkpoint.keep_last must be >= 1 (or null: keep every checkpoint)"),
+            (self.eval.every >= 0, "eval.every must be >= 0 (0: no evaluation, verl's test_freq -1)"),
             (self.eval.k >= 1, "eval.k must be >= 1"),
             (temperature_problem("eval.temperature", self.eval.temperature) is None,
              temperature_problem("eval.temperature", self.eval.temperature)),

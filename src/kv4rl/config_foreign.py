@@ -69,7 +69,7 @@ OTHER_FRAMEWORKS = {
     "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
     "save_freq": "verl's save_freq is checkpoint.save_every (>= 1; a checkpoint is also written at the end and on a "
                  "stop, so verl's -1, never, has no counterpart)",
-    "test_freq": "verl's test_freq is eval.every",
+    "test_freq": "verl's test_freq is eval.every (verl's -1, no evaluation, is 0)",
     "val_before_train": "verl's val_before_train is eval.before_training (off by default here)",
     "max_prompt_length": "verl's max_prompt_length with filter_overlong_prompts is data.max_prompt_tokens (the longer "
                          "rows are dropped; verl's truncation does not exist)",
@@ -111,6 +111,31 @@ OTHER_FRAMEWORKS = {
     **dict.fromkeys(("custom_reward_function.path", "custom_reward_function.name"),
                     "verl's custom_reward_function is a plug-in module (algo.plugins) that registers "
                     "VerlScore(compute_score) as a reward, named by reward.name (README, 'A verl reward function')"),
+    "loss_mode": "verl's policy_loss.loss_mode: vanilla is kv4rl's default (algo.loss=ppo_clip); gspo is "
+                 "algo.ratio_level=sequence with algo.loss_agg=seq_mean; sapo is algo.surrogate=sapo with "
+                 "algo.loss_agg=seq_mean (verl forces it); gpg is algo.surrogate=pg; cispo is algo.surrogate=cispo "
+                 "with algo.cispo_max = 1 + clip_ratio_high (verl also holds the weight at 1 - clip_ratio_low from "
+                 "below, kv4rl's does not); geo_mean, clip_cov and kl_cov do not exist",
+    "default_local_dir": "verl's trainer.default_local_dir is out_dir (the run folder is out_dir/name)",
+    "max_actor_ckpt_to_keep": "verl's max_actor_ckpt_to_keep is checkpoint.keep_last (2 by default here; verl's null, "
+                              "keep every one, is checkpoint.keep_last=null)",
+    "resume_mode": "verl's trainer.resume_mode is `kv4rl train --resume RUN_FOLDER` (its newest intact checkpoint; "
+                   "without it a folder holding a run is refused)",
+    "seed": "the run has one seed, the top-level seed (verl's data.seed, the shuffle's, among what it sets)",
+    "clip_grad": "verl's optim.clip_grad is trainer.grad_clip",
+    "val_kwargs": "verl's val_kwargs are eval.temperature (verl's 0, greedy; 1.0 by default here), eval.k (its n); "
+                  "top_p / top_k / do_sample have no eval counterpart (do_sample=false is eval.temperature=0)",
+    "val_kwargs.temperature": "verl's val_kwargs.temperature (0 there: greedy) is eval.temperature (1.0 by default "
+                              "here)",
+    **dict.fromkeys(("val_kwargs.do_sample", "do_sample"),
+                    "verl's val_kwargs.do_sample=false (its default: greedy) is eval.temperature=0"),
+    "val_kwargs.n": "verl's val_kwargs.n is eval.k",
+    **dict.fromkeys(("val_kwargs.top_p", "val_kwargs.top_k"),
+                    "verl's val_kwargs.top_p / top_k have no counterpart: the evaluation samples the whole "
+                    "distribution at eval.temperature"),
+    "reward_model.reward_manager": "verl's reward_manager has no counterpart: a reward scores the whole batch "
+                                   "(reward.name; VerlScore calls a verl compute_score per response, as verl's naive "
+                                   "manager does)",
     "reward_manager": "verl's reward_manager has no counterpart: a reward scores the whole batch (reward.name; "
                       "VerlScore calls a verl compute_score per response, as verl's naive manager does)",
     "critic_warmup": "verl's trainer.critic_warmup has no counterpart: there is no critic (GAE does not exist); the "
@@ -159,6 +184,8 @@ OTHER_FRAMEWORKS = {
 
 # Other frameworks' values of a kv4rl key whose values differ: a pasted value is refused with the kv4rl one
 OTHER_VALUES: dict[str, dict[str, str]] = {
+    "advantage.estimator": {"grpo_vectorized": "grpo (verl's vectorized grpo computes the same)",
+                            "rloo_vectorized": "rloo (verl's vectorized rloo computes the same)"},
     "algo.kl_ref_type": {"low_var_kl": "k3 (verl's low_var_kl; its cap at 10 is algo.kl_ref_clamp=10)",
                          "kl": "k1 (verl's kl)", "mse": "k2 (verl's mse)",
                          "k3+": "k2 (k3+'s gradient; verl's straight-through types do not exist here)",
@@ -179,14 +206,27 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
 }
 
 
+# verl's sections of models kv4rl does not have: every key under one says so, before any key name in it that
+# also names a policy key (critic.optim.lr is not trainer.lr; critic.ppo_epochs not trainer.epochs_per_batch)
+NO_COUNTERPART_SECTIONS = {
+    "critic": "verl's critic (the value model of GAE) has no counterpart: kv4rl's estimators are critic-free "
+              "(advantage.estimator)",
+    "reward_model": "verl's reward_model (a learned reward model) has no counterpart: rewards are rule-based "
+                    "(reward.name, or a plug-in such as VerlScore)",
+}
+
+
 def other_key_hint(key: str) -> str | None:
     """What kv4rl calls the pasted key `key` (dotted): an entry naming the end of its path (`rollout_correction.
-    loss_type`) before one naming its last name (`loss_type`, TRL's), or None."""
+    loss_type`) before one naming its last name (`loss_type`, TRL's), and a section without counterpart
+    (`critic`) before any name inside it; or None."""
     names = key.split(".")
     for start in range(len(names)):
         hint = OTHER_FRAMEWORKS.get(".".join(names[start:]))
         if hint is not None:
             return hint
+        if names[start] in NO_COUNTERPART_SECTIONS:
+            return NO_COUNTERPART_SECTIONS[names[start]]
     return None
 
 

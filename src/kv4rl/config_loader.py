@@ -198,8 +198,14 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
                                     "counterpart known (README's 'Coming from verl' and 'Coming from TRL' list "
                                     "the keys that have one)")
             else:
-                problems.append(f"unknown config key '{key}'{_did_you_mean(name, schema, prefix)} (known here: "
-                                f"{', '.join(schema)}){hint}")
+                near = _did_you_mean(name, schema, prefix)
+                paths = [leaf for leaf, _ in leaves if leaf != key]
+                if paths and not near:  # a pasted verl path none of whose keys has a counterpart: name each
+                    problems.append(f"unknown config key{'s' if len(paths) > 1 else ''} {', '.join(paths)}: no kv4rl "
+                                    "counterpart known (README's 'Coming from verl' and 'Coming from TRL' list the "
+                                    "keys that have one)")
+                else:
+                    problems.append(f"unknown config key '{key}'{near} (known here: {', '.join(schema)}){hint}")
             continue
         try:
             kwargs[name] = _coerce(value, schema[name], key)

@@ -16,6 +16,7 @@ current iteration with a checkpoint (`kv4rl.graceful_stop`).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,7 +320,7 @@ def eval_before_training(s: Setup, bar: TrainProgress) -> dict:
         evaluation["eval_start/time_s"] = time.perf_counter() - started
         bar.say("eval before training  " + "  ".join(f"{key.removeprefix('eval_start/')} {value:.3f}"
                                                      for key, value in evaluation.items()
-                                                     if key.startswith(("eval_start/mean@", "eval_start/pass@"))))
+                                                     if re.fullmatch(r"eval_start/(mean|pass)@\d+", key)))
     return evaluation
 
 

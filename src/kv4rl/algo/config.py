@@ -156,7 +156,8 @@ class AlgoConfig:
         if getattr(self.section(self.loss), "kl_ref_unbiased", False) and not self.kl_ref_coef > 0:
             lines.append(f"algo.kl_ref_unbiased weighs the penalty algo.kl_ref_coef adds; with algo.kl_ref_coef="
                          f"{self.kl_ref_coef} no penalty is added and it changes nothing")
-        if getattr(self.section(self.loss), "ratio_level", "token") == "sequence" and self.loss_agg != "seq_mean":
+        if (getattr(self.section(self.loss), "ratio_level", "token") == "sequence" and self.loss_agg != "seq_mean"
+                and getattr(self.section(self.loss), "surrogate", "clip") != "pg"):  # pg takes no ratio: said there
             lines.append(f"algo.ratio_level=sequence gives every token of a response its one ratio, and "
                          f"algo.loss_agg={self.loss_agg} sums over tokens, so a response weighs by its length instead "
                          "of GSPO's per-response objective; algo.loss_agg=seq_mean is GSPO's (TRL warns alike)")

@@ -131,7 +131,7 @@ def _with_ref_kl(
     return loss
 
 
-Surrogate = Literal["clip", "cispo", "sapo"]
+Surrogate = Literal["clip", "cispo", "sapo", "pg"]
 
 
 @dataclass(kw_only=True)
@@ -142,7 +142,8 @@ class PPOClipSettings:
     `behavior_is` weighs each token's surrogate by π_old/μ, the recomputed π_old over the engine's μ, truncated to
     or masked outside [`behavior_is_min`, `behavior_is_max`] (TRL's vllm_importance_sampling_*, AReaL's decoupled
     PPO; `behavior_importance_weights`). `surrogate` swaps the clipped objective for CISPO's or SAPO's (TRL's
-    loss_type cispo / sapo), which share π_old, the ratio level and the weights (`_surrogate`). `off_policy_mask` =
+    loss_type cispo / sapo), which share π_old, the ratio level and the weights (`_surrogate`), or for the plain
+    policy gradient (`pg`, verl's gpg loss), which reads no ratio. `off_policy_mask` =
     δ drops a response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's
     off_policy_mask_threshold; `off_policy_keep`). `kl_ref_unbiased` weighs each token's reference-KL term by the
     ratio, so that over π_old's samples it estimates the KL of π_θ (DeepSeek-V3.2, TRL's use_bias_correction_kl)."""
@@ -196,6 +197,9 @@ class PPOClipSettings:
                 cap = " (its cap is algo.cispo_max)" if key == "eps_high" and self.surrogate == "cispo" else ""
                 lines.append(f"algo.{key}={getattr(self, key)!r} is read by algo.surrogate={reader} only; "
                              f"algo.surrogate={self.surrogate} ignores it{cap}")
+        if self.surrogate == "pg" and self.ratio_level != default.ratio_level:
+            lines.append(f"algo.ratio_level={self.ratio_level} is read by the ratio, which algo.surrogate=pg does not "
+                         "take (−A · log π)")
         return lines
 
     def check_in_use(self) -> None:
@@ -219,13 +223,16 @@ def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
 
 def _surrogate(s: PPOClipSettings, ratio: Tensor, adv: Tensor, logprobs: Tensor) -> Tensor:
     """Per-token objective to maximise (`algo.surrogate`): PPO's clipped `min(ρA, clip(ρ)A)` (with the dual clip
-    for A < 0), CISPO's `sg(min(ρ, cispo_max)) · A · log π` (a capped, gradient-free weight on REINFORCE), or
-    SAPO's soft gate `σ(τ(ρ − 1)) · 4/τ · A`, τ = `sapo_tau_pos` for A > 0 and `sapo_tau_neg` otherwise."""
+    for A < 0), CISPO's `sg(min(ρ, cispo_max)) · A · log π` (a capped, gradient-free weight on REINFORCE),
+    SAPO's soft gate `σ(τ(ρ − 1)) · 4/τ · A`, τ = `sapo_tau_pos` for A > 0 and `sapo_tau_neg` otherwise, or the plain
+    policy gradient `A · log π` (`pg`: no ratio and no clip, verl's gpg loss)."""
     if s.surrogate == "cispo":
         return ratio.clamp(max=s.cispo_max).detach() * adv * logprobs
     if s.surrogate == "sapo":
         tau = torch.where(adv > 0, s.sapo_tau_pos, s.sapo_tau_neg).to(ratio.dtype)
         return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    if s.surrogate == "pg":
+        return adv * logprobs
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - s.eps_low, 1.0 + s.eps_high) * adv)
     if s.dual_clip is not None:
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)

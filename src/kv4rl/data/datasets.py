@@ -48,7 +48,7 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 OTHER_FORMATS = (".json", ".parquet", ".csv", ".arrow", ".txt")  # what a misread file likely is, for the hint
 
 
-def read_problems(path: str | os.PathLike[str] | list) -> tuple[list[Problem], str]:
+def read_problems(path: str | os.PathLike[str] | list, name: str | None = None) -> tuple[list[Problem], str]:
     """(the problems of a dataset file, its layout: "jsonl", "parquet" or "verl"), a Parquet file known by its
     magic bytes (whatever its name), anything else read as JSON Lines. A list of files (verl's `train_files`) gives
     their rows one file after another, in the list's order, and "verl" where any of them has verl's layout."""
@@ -56,8 +56,8 @@ def read_problems(path: str | os.PathLike[str] | list) -> tuple[list[Problem], s
         if not path:
             raise DatasetError("the list of dataset files is empty")
         problems, layouts = [], []
-        for one in path:
-            rows, layout = read_problems(one)
+        for one, name in zip(path, _row_id_names([Path(p) for p in path]), strict=True):
+            rows, layout = read_problems(one, name)
             problems += rows
             layouts.append(layout)
         return problems, next((x for x in ("verl", "parquet") if x in layouts), "jsonl")
@@ -70,8 +70,24 @@ def read_problems(path: str | os.PathLike[str] | list) -> tuple[list[Problem], s
     if parquet:
         from kv4rl.data.parquet import load_parquet  # pyarrow only where a Parquet file is read
 
-        return load_parquet(path)
-    return load_jsonl(path), "jsonl"
+        return load_parquet(path, name)
+    return load_jsonl(path, name), "jsonl"
+
+
+def _row_id_names(paths: list[Path]) -> list[str]:
+    """What a list's rows without an id are named after: each file's name, or where two files share one (verl's
+    gsm8k/train.parquet and math/train.parquet) its path from the files' common folder; a file listed again gets
+    `#2`, `#3`, ..., so that every row's default id stays its own."""
+    names = [p.name for p in paths]
+    if len(set(names)) < len(names):
+        common = Path(os.path.commonpath([str(p.resolve().parent) for p in paths]))
+        names = [str(p.resolve().relative_to(common)) for p in paths]
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out
 
 
 def load_problems(path: str | os.PathLike[str] | list) -> list[Problem]:
@@ -79,20 +95,21 @@ def load_problems(path: str | os.PathLike[str] | list) -> list[Problem]:
     return read_problems(path)[0]
 
 
-def load_jsonl(path: str | os.PathLike[str]) -> list[Problem]:
-    """Read every non-blank line of `path` as a `Problem`; `id` defaults to `"<file name>:<line>"`. The file is read
-    line by line: a whole copy of it and of its lines beside the problems tripled a large file's peak memory."""
+def load_jsonl(path: str | os.PathLike[str], name: str | None = None) -> list[Problem]:
+    """Read every non-blank line of `path` as a `Problem`; `id` defaults to `"<name>:<line>"`, `name` the file's. The
+    file is read line by line: a whole copy of it and of its lines beside the problems tripled a large file's peak
+    memory."""
     path = Path(path)
     try:
         with path.open("rb") as file:
-            return _read_rows(file, path)
+            return _read_rows(file, path, name or path.name)
     except FileNotFoundError:
         raise DatasetError(f"dataset file {path} does not exist") from None
     except OSError as exc:
         raise DatasetError(f"cannot read dataset file {path}: {exc}") from None
 
 
-def _read_rows(file, path: Path) -> list[Problem]:
+def _read_rows(file, path: Path, name: str) -> list[Problem]:
     problems: list[Problem] = []
     first_line_of_id: dict[str, int] = {}
     opening = None  # the file's first byte that is not whitespace: `[` is a JSON array
@@ -108,7 +125,7 @@ def _read_rows(file, path: Path) -> list[Problem]:
         opening = line_bytes.lstrip()[:1] if opening is None else opening
         where = f"{path}:{line_number}"
         try:
-            problem = _parse_row(line_bytes, where, default_id=f"{path.name}:{line_number}")
+            problem = _parse_row(line_bytes, where, default_id=f"{name}:{line_number}")
         except DatasetError as exc:
             likely = ("a JSON array" if opening == b"[" else
                       f"a {path.suffix} file" if path.suffix.lower() in OTHER_FORMATS else None)

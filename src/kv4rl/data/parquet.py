@@ -22,8 +22,9 @@ VERL_COLUMNS = ("prompt", "reward_model")  # what makes a file verl's layout
 ROWS_PER_BATCH = 4096
 
 
-def load_parquet(path: Path) -> tuple[list[Problem], str]:
-    """(the problems of `path`, its layout: "parquet" for `problem` / `answer` columns or "verl")."""
+def load_parquet(path: Path, name: str | None = None) -> tuple[list[Problem], str]:
+    """(the problems of `path`, its layout: "parquet" for `problem` / `answer` columns or "verl"); a row without an
+    id is `<name>:<row>`, `name` the file's (`read_problems` gives a list's files longer ones where names repeat)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -48,7 +49,7 @@ def load_parquet(path: Path) -> tuple[list[Problem], str]:
         for batch in parquet.iter_batches(batch_size=ROWS_PER_BATCH):
             for row in batch.to_pylist():
                 number = len(problems) + 1
-                problems.append(row_fn(_as_written(row, narrow), f"{path} row {number}", f"{path.name}:{number}"))
+                problems.append(row_fn(_as_written(row, narrow), f"{path} row {number}", f"{name or path.name}:{number}"))
     except DatasetError:
         raise
     except Exception as exc:  # a damaged page past the footer

@@ -88,8 +88,8 @@ def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[s
                       problems: list[Problem] | None = None) -> dict:
     """mean@k, pass@j for j in 1,2,4..k, mean response length and the reward's counts, over `results`
     taken in problem order (a sample is correct when its score exceeds 0.5). Where `problems` (indexed by the
-    results) name two or more `data_source`s (verl's column), each one's mean@k, pass@j and num_problems again as
-    `<data_source>/...`, as verl's validation reports them."""
+    results) name two or more `data_source`s (verl's column; a row without one counts as `unknown`, as in verl),
+    each one's mean@k, pass@j and num_problems again as `<data_source>/...`, as verl's validation reports them."""
     results = sorted(results, key=lambda r: r.index)
     correct = [[s > 0.5 for s in r.scores] for r in results]
     ks = sorted({1, k} | {2**j for j in range(1, k.bit_length()) if 2**j <= k})
@@ -100,12 +100,17 @@ def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[s
     out["response_len_mean"] = sum(lengths) / max(len(lengths), 1)
     out.update({f"reward_{key}": v for key, v in reward_stats.items()})
     sources = [data_source(problems[r.index]) for r in results] if problems is not None else []
+    if any(x is not None for x in sources):  # rows without one are verl's `unknown`
+        sources = [UNKNOWN_SOURCE if x is None else x for x in sources]
     named = sorted({x for x in sources if x is not None})
     for name in named if len(named) > 1 else ():
         mine = [c for c, x in zip(correct, sources) if x == name]
         out.update({f"{name}/{key}": v for key, v in summarize(mine, ks).items()})
         out[f"{name}/num_problems"] = len(mine)
     return out
+
+
+UNKNOWN_SOURCE = "unknown"  # verl's name for the rows without a data_source
 
 
 def data_source(problem: Problem) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Self
 
@@ -98,7 +99,8 @@ def _fixed_columns(label: str) -> list[ProgressColumn]:
 def train_stats(row: dict) -> list[str]:
     """The latest iteration's figures, most important first (the narrowest terminal shows a prefix)."""
     items = [f"rew {row['reward_mean']:.3f}", f"acc {row['accuracy']:.3f}"]
-    items += [f"eval@{key.removeprefix('eval/mean@')} {row[key]:.3f}" for key in row if key.startswith("eval/mean@")]
+    items += [f"eval@{key.removeprefix('eval/mean@')} {row[key]:.3f}" for key in row
+              if re.fullmatch(r"eval/mean@\d+", key)]  # not a data_source's own (`eval/<source>/mean@k`)
     rate = row["tokens_per_s"]
     items += [f"len {row['response_len_mean']:.1f}", "- tok/s" if rate is None else f"{rate:.0f} tok/s"]
     if "entropy" in row:

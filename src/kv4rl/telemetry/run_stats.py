@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 from kv4rl.telemetry.metrics import read_lines
@@ -68,7 +70,7 @@ def summarize_run(run_dir: Path, resumed_from: int | None, written: bool = True)
         # the evaluation's mean@k before training (eval.before_training) and at its last evaluation
         for name, prefix, ordered in (("eval_start", "eval_start/", rows), ("eval_last", "eval/", rows[::-1])):
             found = next(((key, value) for row in ordered for key, value in row.items()
-                          if key.startswith(prefix + "mean@") and value is not None), None)
+                          if re.fullmatch(re.escape(prefix) + r"mean@\d+", key) and value is not None), None)
             if found is not None:
                 out[f"{name}_{found[0].removeprefix(prefix)}"] = found[1]
         skipped = sum(r.get("skipped_steps") or 0 for r in rows)

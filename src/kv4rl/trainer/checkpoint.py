@@ -104,7 +104,7 @@ class SaveFailedElsewhere(OSError):
 
 
 def save_checkpoint(run_dir: Path | None, iteration: int, write_files: Callable[[Path], None], state: dict,
-                    run_id: str | None, keep_last: int,
+                    run_id: str | None, keep_last: int | None,
                     write_shards: Callable[[Path], None] | None = None,
                     group: dist.ProcessGroup | None = None) -> Path | None:
     """Write `write_files(folder)` (the HF model and tokenizer) plus `state` as `iter_<iteration>`,
@@ -236,8 +236,10 @@ def _make_room(final: Path, run_id: str) -> Path | None:
     return None
 
 
-def _prune(run_dir: Path, run_id: str, iteration: int, keep_last: int) -> None:
-    """Keep this run's newest `keep_last` checkpoints up to `iteration`; touch nothing else."""
+def _prune(run_dir: Path, run_id: str, iteration: int, keep_last: int | None) -> None:
+    """Keep this run's newest `keep_last` checkpoints up to `iteration` (None: every one); touch nothing else."""
+    if keep_last is None:
+        return
     own = [p for i, p in checkpoints(run_dir) if i <= iteration and run_of(p) == run_id]
     for old in own[:-keep_last]:
         # renamed first: a deletion killed part way leaves a temporary folder that the next resume clears,
