@@ -316,7 +316,7 @@ def _migration_table_keys() -> list[str]:
     `loss_type: dapo` / `grpo` left out)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     names = []
-    for title in ("## Coming from verl", "## Coming from TRL"):
+    for title in ("## Coming from verl", "## Coming from TRL", "## Coming from slime, OpenRLHF or prime-rl"):
         start = readme.index(title)
         for line in readme[start:readme.index("\n## ", start + 5)].splitlines():
             if line.startswith("| `"):
@@ -349,7 +349,19 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
                                     "reward model) has no counterpart: rewards are rule-based (reward.name, or a "
                                     "plug-in such as VerlScore)"),
     ("actor_rollout_ref.actor.optim.clip_grad=1.0", "unknown config key 'actor_rollout_ref.actor.optim.clip_grad'; "
-                                                    "verl's optim.clip_grad is trainer.grad_clip"),
+                                                    "verl's optim.clip_grad and slime's clip_grad are trainer.grad_clip"),
+    # slime's flags with dashes, OpenRLHF's dotted flags of 2026, prime-rl's sections
+    ("eps-clip=0.2", "unknown config key 'eps-clip'; slime's and OpenRLHF's eps_clip is algo.eps_low (and "
+                     "algo.eps_high, which it also sets) (known here: " + ", ".join(
+                         ["name", "out_dir", "seed", "device", "model", "data", "reward", "engine", "rollout",
+                          "staleness", "algo", "advantage", "trainer", "checkpoint", "eval", "logging",
+                          "telemetry"]) + ")"),
+    ("train.batch_size=128", "unknown config key 'train.batch_size'; OpenRLHF's train.batch_size (samples per "
+                             "optimizer step) is trainer.updates_per_batch = rollout.batch_size x "
+                             "n_samples_per_prompt / train.batch_size, a count of steps"),
+    ("orchestrator.max_off_policy_steps=2", "unknown config key 'orchestrator.max_off_policy_steps'; prime-rl's "
+                                            "max_off_policy_steps is staleness.max_versions (with rollout.mode="
+                                            "partial; prime-rl drops older rollouts, kv4rl samples them again)"),
     # none of a pasted path's keys has a counterpart: each is named, not only its section
     ("actor_rollout_ref.model.use_remove_padding=true", "unknown config key actor_rollout_ref.model.use_remove_padding: "
                                                         "no kv4rl counterpart known (README's 'Coming from verl' and "

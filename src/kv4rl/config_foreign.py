@@ -9,7 +9,7 @@ means, or says the feature does not exist, instead of listing the known keys. RE
 # is refused with its kv4rl key, not a look-alike (`beta` pointed to algo.beta, future_kl's cost).
 OTHER_FRAMEWORKS = {
     "beta": "TRL's beta (the reference-KL coefficient) is algo.kl_ref_coef; algo.beta is future_kl's future-KL cost",
-    "kl_loss_coef": "verl's kl_loss_coef is algo.kl_ref_coef",
+    "kl_loss_coef": "verl's and slime's kl_loss_coef is algo.kl_ref_coef",
     "use_kl_loss": "verl's use_kl_loss is algo.kl_ref_coef > 0",
     "num_generations": "TRL's num_generations is rollout.group_size (num_generations_eval is eval.k)",
     "num_generations_eval": "TRL's num_generations_eval is eval.k",
@@ -33,7 +33,9 @@ OTHER_FRAMEWORKS = {
     "lr_scheduler_type": "the schedule is trainer.lr_schedule (constant, linear or cosine)",
     "warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
     "lr_warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
-    "train_batch_size": "verl's train_batch_size (prompts per step) is rollout.quota_groups",
+    "train_batch_size": "verl's train_batch_size (prompts per step) is rollout.quota_groups; OpenRLHF's (samples "
+                        "per optimizer step) is trainer.updates_per_batch = rollout_batch_size x n_samples_per_prompt "
+                        "/ train_batch_size",
     "delta": "TRL's delta is algo.dual_clip",
     "warmup_steps": "the warm-up is trainer.warmup_iters, in iterations",
     "lr_warmup_steps_ratio": "the warm-up is trainer.warmup_iters, in iterations",
@@ -83,7 +85,7 @@ OTHER_FRAMEWORKS = {
     "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
     "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",
     "top_entropy_quantile": "TRL's top_entropy_quantile is algo.top_entropy_quantile",
-    "entropy_coef": "TRL's entropy_coef is algo.entropy_coeff (aggregated by algo.loss_agg; TRL's token mean is "
+    "entropy_coef": "TRL's and slime's entropy_coef is algo.entropy_coeff (aggregated by algo.loss_agg; TRL's token mean is "
                     "algo.loss_agg=token_mean)",
     "off_policy_mask_threshold": "TRL's off_policy_mask_threshold is algo.off_policy_mask",
     "use_bias_correction_kl": "TRL's use_bias_correction_kl is algo.kl_ref_unbiased",
@@ -122,7 +124,7 @@ OTHER_FRAMEWORKS = {
     "resume_mode": "verl's trainer.resume_mode is `kv4rl train --resume RUN_FOLDER` (its newest intact checkpoint; "
                    "without it a folder holding a run is refused)",
     "seed": "the run has one seed, the top-level seed (verl's data.seed, the shuffle's, among what it sets)",
-    "clip_grad": "verl's optim.clip_grad is trainer.grad_clip",
+    "clip_grad": "verl's optim.clip_grad and slime's clip_grad are trainer.grad_clip",
     "val_kwargs": "verl's val_kwargs are eval.temperature (verl's 0, greedy; 1.0 by default here), eval.k (its n); "
                   "top_p / top_k / do_sample have no eval counterpart (do_sample=false is eval.temperature=0)",
     "val_kwargs.temperature": "verl's val_kwargs.temperature (0 there: greedy) is eval.temperature (1.0 by default "
@@ -140,7 +142,8 @@ OTHER_FRAMEWORKS = {
                       "VerlScore calls a verl compute_score per response, as verl's naive manager does)",
     "critic_warmup": "verl's trainer.critic_warmup has no counterpart: there is no critic (GAE does not exist); the "
                      "estimators are critic-free (advantage.estimator)",
-    "kl_coef": "verl's kl_ctrl.kl_coef (0.001 by default there) is advantage.kl_reward_coef",
+    "kl_coef": "verl's kl_ctrl.kl_coef (0.001 by default there) and slime's kl_coef are advantage.kl_reward_coef "
+               "(slime reads its kl_coef only with ppo and the reinforce estimators)",
     "kl_penalty": "verl's algorithm.kl_penalty is advantage.kl_reward_type (kl: k1, low_var_kl: k3, mse: k2, abs)",
     "rollout_is_batch_normalize": "verl's rollout_is_batch_normalize does not exist (algo.behavior_is is not "
                                   "normalised)",
@@ -182,6 +185,121 @@ OTHER_FRAMEWORKS = {
 }
 
 
+# slime's (its flags with `_` for `-`: eps-clip=0.2 is read as eps_clip), OpenRLHF's and prime-rl's names
+OTHER_FRAMEWORKS.update({
+    "rollout_batch_size": "slime's and OpenRLHF's rollout_batch_size (prompts per rollout) is rollout.quota_groups",
+    "n_samples_per_prompt": "slime's and OpenRLHF's n_samples_per_prompt is rollout.group_size",
+    "global_batch_size": "slime's global_batch_size (samples per optimizer step) is trainer.updates_per_batch = "
+                         "rollout_batch_size x n_samples_per_prompt / global_batch_size, a count of steps",
+    "num_steps_per_rollout": "slime's num_steps_per_rollout is trainer.updates_per_batch",
+    "num_rollout": "slime's num_rollout is trainer.iterations",
+    "eps_clip": "slime's and OpenRLHF's eps_clip is algo.eps_low (and algo.eps_high, which it also sets)",
+    "eps_clip_high": "slime's eps_clip_high is algo.eps_high",
+    "eps_clip_c": "slime's eps_clip_c is algo.dual_clip",
+    "eps_clip_low_high": "OpenRLHF's eps_clip_low_high is algo.eps_low and algo.eps_high",
+    "use_unbiased_kl": "slime's use_unbiased_kl is algo.kl_ref_unbiased",
+    "advantage_estimator": "slime's and OpenRLHF's advantage_estimator is advantage.estimator (group_norm: grpo; "
+                           "dr_grpo: grpo with advantage.normalize_std=false; rloo; reinforce_baseline: "
+                           "reinforce_plus_plus_baseline; reinforce: reinforce_plus_plus; slime's gspo: grpo with "
+                           "algo.ratio_level=sequence, its cispo: grpo with algo.surrogate=cispo; gae does not exist)",
+    **dict.fromkeys(("disable_grpo_std_normalization", "grpo_std_normalization"),
+                    "slime's grpo_std_normalization is advantage.normalize_std"),
+    "calculate_per_token_loss": "slime's calculate_per_token_loss=true is algo.loss_agg=token_mean; its default "
+                                "(a mean per sample) is algo.loss_agg=seq_mean",
+    "entropy_loss_coef": "OpenRLHF's entropy_loss_coef is algo.entropy_coeff",
+    "use_tis": "slime's use_tis is algo.behavior_is=token_truncate with algo.old_logprob=recompute",
+    "tis_clip": "slime's tis_clip (2.0) is algo.behavior_is_max (3.0 by default here)",
+    "tis_clip_low": "slime's tis_clip_low is algo.behavior_is_min",
+    "use_rollout_logprobs": "slime's use_rollout_logprobs=true is algo.old_logprob=behavior, kv4rl's default (slime's "
+                            "default recomputes π_old: algo.old_logprob=recompute)",
+    **dict.fromkeys(("use_opsm", "opsm_delta"),
+                    "slime's OPSM (opsm_delta) is algo.off_policy_mask (kv4rl measures log μ − log π_θ, slime "
+                    "log π_old − log π_θ)"),
+    "dynamic_sampling_filter_path": "slime's dynamic sampling filter is rollout.filter_groups",
+    "over_sampling_batch_size": "slime's over-sampling has no key here: rollout.filter_groups samples groups until "
+                                "rollout.quota_groups are kept (at most rollout.filter_max_batches batches)",
+    "partial_rollout": "slime's and OpenRLHF's partial_rollout is rollout.mode=partial (unfinished responses carried "
+                       "over to the next batch, not recycled)",
+    "rollout_max_response_len": "slime's rollout_max_response_len is rollout.max_new_tokens",
+    "rollout_max_prompt_len": "slime's rollout_max_prompt_len is data.max_prompt_tokens",
+    "rollout_temperature": "slime's rollout_temperature is rollout.temperature",
+    "rollout_top_p": "slime's rollout_top_p is rollout.top_p",
+    "rollout_top_k": "slime's rollout_top_k is rollout.top_k (off is 0 here, -1 in slime)",
+    "rollout_shuffle": "slime's rollout_shuffle is data.shuffle (on by default here, off in slime)",
+    "rollout_seed": "the run has one seed, the top-level seed",
+    "update_weights_interval": "slime's update_weights_interval is staleness.refresh_every",
+    "eval_interval": "slime's eval_interval is eval.every",
+    "save_interval": "slime's save_interval is checkpoint.save_every",
+    "n_samples_per_eval_prompt": "slime's n_samples_per_eval_prompt is eval.k",
+    "eval_temperature": "slime's and OpenRLHF's eval_temperature is eval.temperature (OpenRLHF's default 0.6; 1.0 here)",
+    "prompt_data": "slime's and OpenRLHF's prompt_data is data.train",
+    "eval_prompt_data": "slime's eval_prompt_data is data.eval (a file or a list of files: give the paths)",
+    **dict.fromkeys(("use_dynamic_batch_size", "max_tokens_per_gpu"),
+                    "slime's dynamic batch size (max_tokens_per_gpu) is trainer.max_tokens_per_micro_batch"),
+    "min_lr": "slime's and prime-rl's min_lr is trainer.min_lr_ratio, a ratio (min_lr / lr)",
+    "lr_decay_style": "slime's lr_decay_style is trainer.lr_schedule (constant, linear or cosine)",
+    "lr_warmup_iters": "slime's lr_warmup_iters is trainer.warmup_iters",
+    # OpenRLHF (its dotted flags of 2026: train.batch_size, actor.eps_clip, algo.kl.init_coef, ...)
+    "micro_train_batch_size": "OpenRLHF's micro_train_batch_size is trainer.micro_batch_size",
+    "train.batch_size": "OpenRLHF's train.batch_size (samples per optimizer step) is trainer.updates_per_batch = "
+                        "rollout.batch_size x n_samples_per_prompt / train.batch_size, a count of steps",
+    "train.micro_batch_size": "OpenRLHF's train.micro_batch_size is trainer.micro_batch_size",
+    "train.max_epochs": "OpenRLHF's train.max_epochs is trainer.epochs_per_batch",
+    "train.num_episodes": "OpenRLHF's num_episodes has no key here: trainer.iterations counts iterations",
+    "train.async_enable": "OpenRLHF's async training is staleness.lag (batches collected ahead of the learner)",
+    "train.partial_rollout_enable": "OpenRLHF's partial rollout is rollout.mode=partial",
+    "train.seed": "the run has one seed, the top-level seed",
+    "actor_learning_rate": "OpenRLHF's actor_learning_rate is trainer.lr",
+    "lr_warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
+    "lr_scheduler": "OpenRLHF's lr_scheduler is trainer.lr_schedule (cosine_with_min_lr: cosine with "
+                    "trainer.min_lr_ratio)",
+    **dict.fromkeys(("init_kl_coef", "kl.init_coef"),
+                    "OpenRLHF's init_kl_coef (0.01 there) is advantage.kl_reward_coef, or with its use_kl_loss "
+                    "algo.kl_ref_coef"),
+    **dict.fromkeys(("kl_target", "kl.target"),
+                    "OpenRLHF's kl_target is advantage.kl_reward_target with advantage.kl_reward_control=adaptive"),
+    "kl_horizon": "OpenRLHF's kl_horizon is advantage.kl_reward_horizon",
+    **dict.fromkeys(("kl_estimator", "kl.estimator"),
+                    "OpenRLHF's kl_estimator is advantage.kl_reward_type, or with its use_kl_loss algo.kl_ref_type "
+                    "(k1, k2, k3)"),
+    "max_epochs": "OpenRLHF's max_epochs is trainer.epochs_per_batch",
+    "num_episodes": "OpenRLHF's num_episodes has no key here: trainer.iterations counts iterations (computed by hand)",
+    "eval_steps": "OpenRLHF's eval_steps is eval.every (its -1, never, is 0)",
+    "save_steps": "OpenRLHF's save_steps is checkpoint.save_every",
+    **dict.fromkeys(("max_ckpt_num", "ckpt.max_num"), "OpenRLHF's max_ckpt_num is checkpoint.keep_last"),
+    "eval_dataset": "OpenRLHF's eval_dataset is data.eval",
+    "eval_n_samples_per_prompt": "OpenRLHF's eval_n_samples_per_prompt is eval.k",
+    "dynamic_filtering": "OpenRLHF's dynamic_filtering is rollout.filter_groups",
+    "enable_vllm_is_correction": "OpenRLHF's vLLM IS correction is algo.behavior_is with algo.old_logprob=recompute",
+    "vllm_is_correction_type": "OpenRLHF's vllm_is_correction_type is algo.behavior_is (tis: token_truncate; icepop: "
+                               "token_mask; its geometric-mean seq-mask-tis does not exist)",
+    "vllm_is_truncated_threshold": "OpenRLHF's vllm_is_truncated_threshold is algo.behavior_is_min and "
+                                   "algo.behavior_is_max",
+    "policy_loss_type": "OpenRLHF's policy_loss_type=gspo is algo.ratio_level=sequence with algo.loss_agg=seq_mean",
+    "async_train": "OpenRLHF's async_train is staleness.lag (batches collected ahead of the learner)",
+    "max_norm": "OpenRLHF's and prime-rl's max_norm is trainer.grad_clip",
+    "l2": "OpenRLHF's l2 is trainer.weight_decay",
+    "adam_betas": "OpenRLHF's adam_betas is trainer.betas",
+    "overlong_buffer_len": "OpenRLHF's overlong_buffer_len is reward.overlong_buffer",
+    "overlong_penalty_factor": "OpenRLHF's overlong_penalty_factor is reward.overlong_penalty",
+    # prime-rl
+    "max_steps": "prime-rl's max_steps is trainer.iterations (TRL's counts optimizer steps: trainer.iterations x "
+                 "trainer.updates_per_batch)",
+    "max_off_policy_steps": "prime-rl's max_off_policy_steps is staleness.max_versions (with rollout.mode=partial; "
+                            "prime-rl drops older rollouts, kv4rl samples them again)",
+    **dict.fromkeys(("max_async_level", "async_level"), "prime-rl's async level is staleness.lag"),
+    "max_completion_tokens": "prime-rl's max_completion_tokens is rollout.max_new_tokens",
+    "orchestrator.batch_size": "prime-rl's batch_size (samples per step) is rollout.quota_groups x rollout.group_size",
+    **dict.fromkeys(("dppo_mask_low", "dppo_mask_high"),
+                    "prime-rl's DPPO mask (on p_θ − p_μ) does not exist; the nearest is PPO's clip of the ratio, "
+                    "algo.eps_low / algo.eps_high"),
+    "kl_tau": "prime-rl's kl_tau (a squared log-ratio to the inference policy) does not exist; algo.kl_ref_coef is a "
+              "KL to the reference model",
+    "interval": "prime-rl's eval.interval is eval.every, its ckpt.interval checkpoint.save_every",
+    "scheduler.type": "prime-rl's scheduler.type is trainer.lr_schedule",
+})
+
+
 # Other frameworks' values of a kv4rl key whose values differ: a pasted value is refused with the kv4rl one
 OTHER_VALUES: dict[str, dict[str, str]] = {
     "advantage.estimator": {"grpo_vectorized": "grpo (verl's vectorized grpo computes the same)",
@@ -220,7 +338,7 @@ def other_key_hint(key: str) -> str | None:
     """What kv4rl calls the pasted key `key` (dotted): an entry naming the end of its path (`rollout_correction.
     loss_type`) before one naming its last name (`loss_type`, TRL's), and a section without counterpart
     (`critic`) before any name inside it; or None."""
-    names = key.split(".")
+    names = key.replace("-", "_").split(".")  # slime's flags: eps-clip for eps_clip
     for start in range(len(names)):
         hint = OTHER_FRAMEWORKS.get(".".join(names[start:]))
         if hint is not None:

@@ -168,8 +168,8 @@ def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = ""
 def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
     """`; did you mean ...?` for an unknown key: another framework's name for a kv4rl key, a close name in its
     section, or the same name one section down (`lr=...` for `trainer.lr=...`); empty when there is none."""
-    if name in OTHER_FRAMEWORKS:
-        return f"; {OTHER_FRAMEWORKS[name]}"
+    if name.replace("-", "_") in OTHER_FRAMEWORKS:  # slime's flags: eps-clip for eps_clip
+        return f"; {OTHER_FRAMEWORKS[name.replace('-', '_')]}"
     dotted = lambda n: f"{prefix}.{n}" if prefix else n  # noqa: E731
     nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
               if _is_section(tp) and name in _schema(tp)]
@@ -188,7 +188,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if name not in schema:
             hint = ("; a key of a loss in your own module needs that module in algo.plugins"
                     if prefix == "algo" else "")
-            leaves = _foreign_keys(key, value, schema, prefix) if name not in OTHER_FRAMEWORKS else []
+            leaves = _foreign_keys(key, value, schema, prefix) if name.replace("-", "_") not in OTHER_FRAMEWORKS else []
             named = [(leaf, why) for leaf, why in leaves if why is not None and leaf != key]
             if named:  # a pasted path or section: each key another framework names, then the rest in one line
                 problems += [f"unknown config key '{leaf}'; {why}" for leaf, why in named]
