@@ -6,6 +6,7 @@ terminal (the layout must fit the width) or piped (nothing to fit, nothing cut).
 
 from __future__ import annotations
 
+import io
 import re
 import warnings
 from io import StringIO
@@ -331,3 +332,39 @@ def test_decode_forward_table_names_the_fp8_product():
     bf16_only = {"device": "cpu", "results": [{"shape": "s", "workload": "w", "batch": 1, "context": 1, "weights": "bf16",
                                                "kv": "bf16", "ms": 1.0, "tokens_per_s": 1.0, "speedup_vs_bf16": 1.0}]}
     assert "FP8" not in _decode_forward_table(bf16_only, True).title
+
+
+def test_a_decode_forward_workload_that_does_not_fit_is_a_row_not_a_traceback(monkeypatch):
+    """On an H100, the BF16 cache of 64 x 8,192 tokens at 8B (72 GiB) ran out of memory and the whole bench ended in a
+    traceback, the other workloads' rows lost. Now that row says so and the rest are measured (a stub model and
+    step timer stand in for the GPU: the ms of the rows that fit are the stub's own)."""
+    import torch
+
+    from kv4rl.bench import decode_forward as forward
+
+    class Stub(torch.nn.Module):
+        args = None
+
+    def step(model, kv, batch, context, barrier=None):
+        if (kv, context) == ("bf16", 8192):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"ms": 2.0 if kv == "bf16" else 1.0, "tokens_per_s": 1.0, "finite": True, "kv_gib": 1.0}
+
+    monkeypatch.setattr("kv4rl.bench.random_model.random_decoder", lambda shape, device, tp=None: Stub())
+    monkeypatch.setattr(forward, "time_step", step)
+    monkeypatch.setattr(forward, "copy_bandwidth", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, int(79.18 * 2**30)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "stub")
+    res = forward.run_decode_forward(["qwen3-8b"], ["mid", "late"], variants=(("bf16", "bf16"), ("bf16", "kv4")), merge_projections=False,
+                                     device="cpu")
+    rows = {(r["workload"], r["kv"]): r for r in res["results"]}
+    assert rows["late", "bf16"]["ms"] is None and rows["late", "bf16"]["does_not_fit"] == (
+        "bf16 KV of 64 x 8192 tokens does not fit beside the weights in 79.2 GiB")
+    assert rows["late", "kv4"]["ms"] == 1.0 and rows["late", "kv4"]["speedup_vs_bf16"] is None
+    assert rows["mid", "kv4"]["speedup_vs_bf16"] == 2.0
+    table = _decode_forward_table(res, False)
+    console = Console(file=io.StringIO(), width=250, color_system=None)
+    console.print(table)
+    text = console.file.getvalue()
+    assert "does not fit" in text and "2.00x" in text

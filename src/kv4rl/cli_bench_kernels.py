@@ -126,7 +126,8 @@ def register_kernel_benches(app: typer.Typer) -> None:
             stages(f"timing {cases} decode steps", 0, cases)
             res = run_decode_forward(shape_list, work, fused_ops=fused_ops, merge_projections=merge_projections,
                                      fp8_gemm=fp8_gemm, fp8_inputs=fp8_inputs, progress=lambda r: stages.advance(
-                f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: {r['ms']:.2f} ms"))
+                f"{r['shape']} {r['workload']} w={r['weights']} kv={r['kv']}: "
+                + (f"{r['ms']:.2f} ms" if r["ms"] is not None else "does not fit")))
         print_table(console, decode_forward_table(res, fused_ops))
         write_json(res, json_out)
         wrote(json_out)

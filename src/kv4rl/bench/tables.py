@@ -164,10 +164,16 @@ def decode_forward_table(res: dict, fused_ops: bool) -> ResultTable:
                         ["shape", "workload", "weights", "kv", "batch x context", "ms/step", "tokens/s",
                          "vs bf16/bf16", "of byte roofline", *extra], labels=4)
     for r in res["results"]:
-        cells = [f"{r['tp1_ms']:.2f}", f"{r['speedup_vs_tp1']:.2f}x"] if tp > 1 else []
+        cells = ([f"{r['tp1_ms']:.2f}", f"{r['speedup_vs_tp1']:.2f}x"] if r.get("speedup_vs_tp1") is not None
+                 else ["-", "-"]) if tp > 1 else []
         roof = "-" if r.get("of_roofline") is None else f"{r['of_roofline']:.0%} of {r['roofline_ms']:.2f} ms"
+        if r["ms"] is None:  # out of memory: said in the row, the other workloads measured
+            table.add_row(r["shape"], r["workload"], r["weights"], r["kv"], f"{r['batch']} x {r['context']}",
+                          "does not fit", "-", "-", r.get("does_not_fit", "-"), *cells)
+            continue
+        vs = "-" if r["speedup_vs_bf16"] is None else f"{r['speedup_vs_bf16']:.2f}x"
         table.add_row(r["shape"], r["workload"], r["weights"], r["kv"], f"{r['batch']} x {r['context']}",
-                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_bf16']:.2f}x", roof, *cells)
+                      f"{r['ms']:.2f}", f"{r['tokens_per_s']:,.0f}", vs, roof, *cells)
     return table
 
 
