@@ -364,8 +364,12 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
                                             "partial; prime-rl drops older rollouts, kv4rl samples them again)"),
     # none of a pasted path's keys has a counterpart: each is named, not only its section
     ("actor_rollout_ref.model.use_remove_padding=true", "unknown config key actor_rollout_ref.model.use_remove_padding: "
-                                                        "no kv4rl counterpart known (README's 'Coming from verl' and "
-                                                        "'Coming from TRL' list the keys that have one)"),
+                                                        "no kv4rl counterpart known (README's 'Coming from verl', 'Coming "
+                                                        "from TRL' and 'Coming from slime, OpenRLHF or prime-rl' list "
+                                                        "the keys that have one)"),
+    # DAPO's overlong shaping sits in verl's reward_model section, whose other keys have no counterpart
+    ("reward_model.overlong_buffer.len=512", "unknown config key 'reward_model.overlong_buffer.len'; verl's "
+                                             "overlong_buffer.len is reward.overlong_buffer"),
     ("actor_rollout_ref.rollout.temperature=0.7", "unknown config key 'actor_rollout_ref.rollout.temperature'; did you "
                                                   "mean rollout.temperature or eval.temperature?"),
     ("engine.foo.block_size=16", "unknown config key 'engine.foo.block_size'; did you mean engine.kv.block_size?"),
@@ -457,8 +461,8 @@ def test_every_problem_of_a_config_is_said_at_once(tmp_path):
     assert bad.value.problems == [
         "unknown config key 'algorithm.adv_estimator'; verl's adv_estimator is advantage.estimator (grpo, rloo, "
         "reinforce_plus_plus_baseline, reinforce_plus_plus, opo, grpo_passk or gpg)",
-        "unknown config keys algorithm.gamma, algorithm.lam: no kv4rl counterpart known (README's 'Coming from verl' "
-        "and 'Coming from TRL' list the keys that have one)",
+        "unknown config keys algorithm.gamma, algorithm.lam: no kv4rl counterpart known (README's 'Coming from verl', "
+        "'Coming from TRL' and 'Coming from slime, OpenRLHF or prime-rl' list the keys that have one)",
         "unknown config key 'actor_rollout_ref.actor.clip_ratio_high'; verl's clip_ratio_high is algo.eps_high"]
     with pytest.raises(ConfigError) as one:  # a single problem reads as before
         load_config(None, ["trainer.lr=abc"])

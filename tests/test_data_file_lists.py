@@ -61,6 +61,9 @@ def test_a_bad_list_is_named(tmp_path):
     bad.write_text('{"problem": "q"}\n')
     with pytest.raises(DatasetError, match=r"bad.jsonl"):
         read_problems([str(plain), str(bad)])
+    with pytest.raises(ConfigError, match=r"data.train: \[1, 2\] is not of type .* \(a path, or a list of paths, "
+                                          r"each written as text\)"):
+        load_config(None, ["data.train=[1,2]"])
     cfg = load_config(None, ["data.train=[gsm8k/train.parquet,~/math.jsonl]"])  # each made absolute, as one is
     assert cfg.data.train[0].endswith("/gsm8k/train.parquet") and cfg.data.train[0].startswith("/")
     assert not cfg.data.train[1].startswith("~")

@@ -114,3 +114,4 @@ def test_a_count_only_some_ranks_gave_adds_up_over_all():
     assert merged == {"reward_mean": 0.75, "reward_acc_sum": 5.0, "loss": 1.0, "reward_even_sum": 10.0,
                       "grad_norm": 2.0}
     assert merge_rank_rows([b, a])["reward_even_sum"] == 10.0
+    assert merge_rank_rows([{"a": 1.0}, {"a": 1.0, "b": None}]) == {"a": 1.0, "b": None}  # was StopIteration

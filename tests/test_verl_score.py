@@ -165,6 +165,8 @@ def test_numpy_and_tensor_numbers_count_as_numbers():
                  {"score": 0.0, "acc": np.bool_(False), "n": np.int64(3), "f": np.float32(np.inf), "t": torch.tensor(1)}])
     result = VerlScore(lambda solution_str: next(outs))(["a", "b"], ["7"] * 2)
     assert result.stats == {"acc_sum": 1.0, "n_sum": 5.0, "f_sum": 0.5, "t_sum": 2.5}
+    huge = VerlScore(lambda solution_str: {"score": 1.0, "big": 10**400, "ok": 1})(["a"], ["7"])  # OverflowError
+    assert huge.scores == [1.0] and huge.stats == {"ok_sum": 1.0}
 
 
 def test_a_runs_rows_and_its_evaluation_count_a_scorers_acc(tmp_path, monkeypatch):

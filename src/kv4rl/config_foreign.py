@@ -82,6 +82,10 @@ OTHER_FRAMEWORKS = {
     "overlong_buffer": "verl's overlong_buffer (DAPO's overlong reward shaping) is reward.overlong_buffer (its len) and "
                        "reward.overlong_penalty (its penalty_factor)",
     "penalty_factor": "verl's overlong_buffer.penalty_factor is reward.overlong_penalty",
+    "overlong_buffer.len": "verl's overlong_buffer.len is reward.overlong_buffer",
+    "overlong_buffer.enable": "verl's overlong_buffer.enable is reward.overlong_buffer > 0 (0 turns it off)",
+    "overlong_buffer.log": "verl's overlong_buffer.log has no key here: the penalty is always logged "
+                           "(rewards/overlong/mean)",
     "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
     "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",
     "top_entropy_quantile": "TRL's top_entropy_quantile is algo.top_entropy_quantile",
@@ -334,6 +338,10 @@ NO_COUNTERPART_SECTIONS = {
 }
 
 
+# what verl keeps in those sections that kv4rl does have: DAPO's overlong shaping, the reward manager
+COUNTERPARTS_INSIDE = {"reward_model": ("overlong_buffer", "reward_manager")}
+
+
 def other_key_hint(key: str) -> str | None:
     """What kv4rl calls the pasted key `key` (dotted): an entry naming the end of its path (`rollout_correction.
     loss_type`) before one naming its last name (`loss_type`, TRL's), and a section without counterpart
@@ -343,7 +351,8 @@ def other_key_hint(key: str) -> str | None:
         hint = OTHER_FRAMEWORKS.get(".".join(names[start:]))
         if hint is not None:
             return hint
-        if names[start] in NO_COUNTERPART_SECTIONS:
+        inside = names[start + 1] if start + 1 < len(names) else None
+        if names[start] in NO_COUNTERPART_SECTIONS and inside not in COUNTERPARTS_INSIDE.get(names[start], ()):
             return NO_COUNTERPART_SECTIONS[names[start]]
     return None
 

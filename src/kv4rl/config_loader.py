@@ -50,6 +50,8 @@ def _quote_hint(value: Any, tp: Any, key: str) -> str:
     """A text key given `{problem}` or `Label: {x}` unquoted: YAML read a mapping, so say to quote it, in a
     form the shell passes on (it strips one level of quotes)."""
     wants_text = str in get_args(tp) or tp is str
+    if wants_text and isinstance(value, list) and key.endswith(("data.train", "data.eval")):
+        return " (a path, or a list of paths, each written as text)"
     if wants_text and isinstance(value, list) and key.endswith("model.path"):
         return " (one path: the folder of one model)"
     if wants_text and isinstance(value, (dict, list)):
@@ -57,6 +59,10 @@ def _quote_hint(value: Any, tp: Any, key: str) -> str:
                 f"file {key.rsplit('.', 1)[-1]}: 'Q: {{problem}}', on the command line \"{key}='Q: {{problem}}'\", "
                 f"the outer quotes for the shell)")
     return ""
+
+
+NO_COUNTERPART = ("no kv4rl counterpart known (README's 'Coming from verl', 'Coming from TRL' and 'Coming from "
+                  "slime, OpenRLHF or prime-rl' list the keys that have one)")
 
 
 class _NotFinite(ConfigError):
@@ -194,16 +200,15 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
                 problems += [f"unknown config key '{leaf}'; {why}" for leaf, why in named]
                 rest = [leaf for leaf, why in leaves if why is None]
                 if rest:
-                    problems.append(f"unknown config key{'s' if len(rest) > 1 else ''} {', '.join(rest)}: no kv4rl "
-                                    "counterpart known (README's 'Coming from verl' and 'Coming from TRL' list "
-                                    "the keys that have one)")
+                    problems.append(f"unknown config key{'s' if len(rest) > 1 else ''} {', '.join(rest)}: "
+                                    f"{NO_COUNTERPART}")
             else:
                 near = _did_you_mean(name, schema, prefix)
                 paths = [leaf for leaf, _ in leaves if leaf != key]
-                if paths and not near:  # a pasted verl path none of whose keys has a counterpart: name each
-                    problems.append(f"unknown config key{'s' if len(paths) > 1 else ''} {', '.join(paths)}: no kv4rl "
-                                    "counterpart known (README's 'Coming from verl' and 'Coming from TRL' list the "
-                                    "keys that have one)")
+                if paths and not near and not prefix:  # a pasted top-level path (verl's) none of whose keys has a
+                    # counterpart: name each (inside a kv4rl section, its known keys are the better help)
+                    problems.append(f"unknown config key{'s' if len(paths) > 1 else ''} {', '.join(paths)}: "
+                                    f"{NO_COUNTERPART}")
                 else:
                     problems.append(f"unknown config key '{key}'{near} (known here: {', '.join(schema)}){hint}")
             continue

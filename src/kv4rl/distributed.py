@@ -255,7 +255,7 @@ def merge_rank_rows(rows: list[dict]) -> dict:
         if _is_count(key):  # a reward's count that some rank's responses never gave (a verl scorer's key) is 0 there
             out[key] = sum(v for v in values if v is not None)
             continue
-        first = rows[0][key] if key in rows[0] else next(v for v in values if v is not None)
+        first = rows[0][key] if key in rows[0] else next((v for v in values if v is not None), None)
         if key == "groups":
             out[key] = sorted(g for v in values for g in v)
         elif key == "staleness_hist":

@@ -79,6 +79,6 @@ def _number(value: Any) -> float | None:
         return None
     try:
         number = float(value)
-    except (TypeError, ValueError, RuntimeError):  # a list, a dict, a many-element array or tensor
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # a list, a dict, a many-element array, 10**400
         return None
     return number if math.isfinite(number) else None
