@@ -359,6 +359,11 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
     ("train.batch_size=128", "unknown config key 'train.batch_size'; OpenRLHF's train.batch_size (samples per "
                              "optimizer step) is trainer.updates_per_batch = rollout.batch_size x "
                              "n_samples_per_prompt / train.batch_size, a count of steps"),
+    # a name inside a kv4rl section is looked up with its path first: OpenRLHF's eval.n_samples_per_prompt is eval.k,
+    # not the rollout's n_samples_per_prompt (rollout.group_size)
+    ("eval.n_samples_per_prompt=4", "unknown config key 'eval.n_samples_per_prompt'; OpenRLHF's "
+                                    "eval.n_samples_per_prompt is eval.k (known here: every, k, temperature, "
+                                    "before_training)"),
     ("orchestrator.max_off_policy_steps=2", "unknown config key 'orchestrator.max_off_policy_steps'; prime-rl's "
                                             "max_off_policy_steps is staleness.max_versions (with rollout.mode="
                                             "partial; prime-rl drops older rollouts, kv4rl samples them again)"),

@@ -9,7 +9,7 @@ means, or says the feature does not exist, instead of listing the known keys. RE
 # is refused with its kv4rl key, not a look-alike (`beta` pointed to algo.beta, future_kl's cost).
 OTHER_FRAMEWORKS = {
     "beta": "TRL's beta (the reference-KL coefficient) is algo.kl_ref_coef; algo.beta is future_kl's future-KL cost",
-    "kl_loss_coef": "verl's and slime's kl_loss_coef is algo.kl_ref_coef",
+    "kl_loss_coef": "verl's and slime's kl_loss_coef (with their use_kl_loss) is algo.kl_ref_coef",
     "use_kl_loss": "verl's use_kl_loss is algo.kl_ref_coef > 0",
     "num_generations": "TRL's num_generations is rollout.group_size (num_generations_eval is eval.k)",
     "num_generations_eval": "TRL's num_generations_eval is eval.k",
@@ -202,12 +202,14 @@ OTHER_FRAMEWORKS.update({
     "eps_clip_c": "slime's eps_clip_c is algo.dual_clip",
     "eps_clip_low_high": "OpenRLHF's eps_clip_low_high is algo.eps_low and algo.eps_high",
     "use_unbiased_kl": "slime's use_unbiased_kl is algo.kl_ref_unbiased",
-    "advantage_estimator": "slime's and OpenRLHF's advantage_estimator is advantage.estimator (group_norm: grpo; "
-                           "dr_grpo: grpo with advantage.normalize_std=false; rloo; reinforce_baseline: "
-                           "reinforce_plus_plus_baseline; reinforce: reinforce_plus_plus; slime's gspo: grpo with "
-                           "algo.ratio_level=sequence, its cispo: grpo with algo.surrogate=cispo; gae does not exist)",
+    **dict.fromkeys(("advantage_estimator", "algo.advantage.estimator"),
+                    "OpenRLHF's advantage_estimator (gae by default there) is advantage.estimator (group_norm: grpo; "
+                    "dr_grpo: grpo with advantage.normalize_std=false; rloo; reinforce_baseline: "
+                    "reinforce_plus_plus_baseline; reinforce: reinforce_plus_plus; gae does not exist); slime's grpo, "
+                    "reinforce_plus_plus and reinforce_plus_plus_baseline keep their names, its gspo is grpo with "
+                    "algo.ratio_level=sequence, its cispo grpo with algo.surrogate=cispo, its ppo (GAE) does not exist"),
     **dict.fromkeys(("disable_grpo_std_normalization", "grpo_std_normalization"),
-                    "slime's grpo_std_normalization is advantage.normalize_std"),
+                    "slime's --disable-grpo-std-normalization is advantage.normalize_std=false"),
     "calculate_per_token_loss": "slime's calculate_per_token_loss=true is algo.loss_agg=token_mean; its default "
                                 "(a mean per sample) is algo.loss_agg=seq_mean",
     "entropy_loss_coef": "OpenRLHF's entropy_loss_coef is algo.entropy_coeff",
@@ -273,7 +275,24 @@ OTHER_FRAMEWORKS.update({
     **dict.fromkeys(("max_ckpt_num", "ckpt.max_num"), "OpenRLHF's max_ckpt_num is checkpoint.keep_last"),
     "eval_dataset": "OpenRLHF's eval_dataset is data.eval",
     "eval_n_samples_per_prompt": "OpenRLHF's eval_n_samples_per_prompt is eval.k",
-    "dynamic_filtering": "OpenRLHF's dynamic_filtering is rollout.filter_groups",
+    **dict.fromkeys(("dynamic_filtering", "algo.dynamic_filtering_enable"),
+                    "OpenRLHF's dynamic filtering is rollout.filter_groups (for 0/1 rewards the same groups: OpenRLHF "
+                    "keeps a group whose mean score is strictly inside (0, 1))"),
+    # OpenRLHF's dotted flags of 2026 (ed62d0e2) whose last name alone would point elsewhere
+    "eval.n_samples_per_prompt": "OpenRLHF's eval.n_samples_per_prompt is eval.k",
+    "eval.steps": "OpenRLHF's eval.steps is eval.every (its -1, never, is 0)",
+    "eval.dataset": "OpenRLHF's eval.dataset is data.eval",
+    "data.prompt_dataset": "OpenRLHF's data.prompt_dataset is data.train",
+    "rollout.batch_size": "OpenRLHF's rollout.batch_size (prompts per rollout) is rollout.quota_groups",
+    "actor.entropy_coef": "OpenRLHF's actor.entropy_coef is algo.entropy_coeff",
+    "algo.kl.use_loss": "OpenRLHF's algo.kl.use_loss puts its KL coefficient in the loss: algo.kl_ref_coef (without "
+                        "it, in the reward: advantage.kl_reward_coef)",
+    "algo.advantage.is_correction_enable": "OpenRLHF's IS correction is algo.behavior_is with "
+                                           "algo.old_logprob=recompute",
+    "algo.advantage.is_correction_type": "OpenRLHF's is_correction_type is algo.behavior_is (tis: token_truncate; "
+                                         "icepop: token_mask)",
+    "algo.advantage.is_correction_threshold": "OpenRLHF's is_correction_threshold is algo.behavior_is_min and "
+                                              "algo.behavior_is_max",
     "enable_vllm_is_correction": "OpenRLHF's vLLM IS correction is algo.behavior_is with algo.old_logprob=recompute",
     "vllm_is_correction_type": "OpenRLHF's vllm_is_correction_type is algo.behavior_is (tis: token_truncate; icepop: "
                                "token_mask; its geometric-mean seq-mask-tis does not exist)",
@@ -291,7 +310,9 @@ OTHER_FRAMEWORKS.update({
                  "trainer.updates_per_batch)",
     "max_off_policy_steps": "prime-rl's max_off_policy_steps is staleness.max_versions (with rollout.mode=partial; "
                             "prime-rl drops older rollouts, kv4rl samples them again)",
-    **dict.fromkeys(("max_async_level", "async_level"), "prime-rl's async level is staleness.lag"),
+    **dict.fromkeys(("max_async_level", "async_level"),
+                    "prime-rl's max_async_level (removed in May 2026: its trainer now runs one step ahead) is "
+                    "staleness.lag (staleness.lag=1 for that fixed lag)"),
     "max_completion_tokens": "prime-rl's max_completion_tokens is rollout.max_new_tokens",
     "orchestrator.batch_size": "prime-rl's batch_size (samples per step) is rollout.quota_groups x rollout.group_size",
     **dict.fromkeys(("dppo_mask_low", "dppo_mask_high"),

@@ -174,8 +174,9 @@ def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = ""
 def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
     """`; did you mean ...?` for an unknown key: another framework's name for a kv4rl key, a close name in its
     section, or the same name one section down (`lr=...` for `trainer.lr=...`); empty when there is none."""
-    if name.replace("-", "_") in OTHER_FRAMEWORKS:  # slime's flags: eps-clip for eps_clip
-        return f"; {OTHER_FRAMEWORKS[name.replace('-', '_')]}"
+    foreign = other_key_hint(f"{prefix}.{name}" if prefix else name)  # its path first (eval.n_samples_per_prompt
+    if foreign is not None:                                            # is not rollout.n_samples_per_prompt)
+        return f"; {foreign}"
     dotted = lambda n: f"{prefix}.{n}" if prefix else n  # noqa: E731
     nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
               if _is_section(tp) and name in _schema(tp)]
