@@ -217,9 +217,12 @@ iteration() {  # issue 12: seconds per RL iteration at the 1.7B shape, packed le
     # printed and the JSON rewritten when it ends, so the limit keeps the arms that finished)
     # kv4+partial+awake: no sleep, the carried responses keep their KV (352 s for the three arms of the
     # fifth session, which had kv4+partial@256, 37 s per iteration, where this has the awake arm)
+    # two warm-up iterations: with one, the first call on a fresh machine timed kv4+partial's rollout 20-44% long
+    # (forty-first and forty-eighth sessions; the partial rollout's mixed shapes compile on later iterations)
     timeout 570 python -m kv4rl.cli bench iteration --shape qwen3-1.7b --arms bf16+sync,kv4+partial,kv4+partial+awake \
         --quota-groups 16 --group-size 8 --median-len 1024 --max-len 8192 --max-tokens-per-micro-batch 16384 \
-        --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 | grep -E "│|s per iteration" | tail -9
+        --warmup-iterations 2 --iterations 1 --json $OUT/iteration_1p7b.json --png $OUT/iteration_1p7b.png 2>&1 \
+        | grep -E "│|s per iteration|error" | tail -10
 }
 
 iteration_compiled() {  # issue 12: the iteration with the learner's CUDA defaults (compiled layers and the
