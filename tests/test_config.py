@@ -316,7 +316,8 @@ def _migration_table_keys() -> list[str]:
     `loss_type: dapo` / `grpo` left out)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     names = []
-    for title in ("## Coming from verl", "## Coming from TRL", "## Coming from slime, OpenRLHF or prime-rl"):
+    for title in ("## Coming from verl", "## Coming from TRL", "## Coming from slime, OpenRLHF or prime-rl",
+                  "## Coming from AReaL"):
         start = readme.index(title)
         for line in readme[start:readme.index("\n## ", start + 5)].splitlines():
             if line.startswith("| `"):
@@ -343,8 +344,8 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
                                       "rollout.group_size (its val_kwargs.n, samples per evaluated problem, is eval.k)"),
     # a critic's key that also names a policy key: the critic's lr followed the actor's in verl's PPO scripts, and
     # "did you mean trainer.lr?" trained the policy at the critic's rate
-    ("critic.optim.lr=1e-5", "unknown config key 'critic.optim.lr'; verl's critic (the value model of GAE) has no "
-                             "counterpart: kv4rl's estimators are critic-free (advantage.estimator)"),
+    ("critic.optim.lr=1e-5", "unknown config key 'critic.optim.lr'; a critic (verl's or AReaL's, the value model of "
+                             "GAE) has no counterpart: kv4rl's estimators are critic-free (advantage.estimator)"),
     ("reward_model.model.path=/rm", "unknown config key 'reward_model.model.path'; verl's reward_model (a learned "
                                     "reward model) has no counterpart: rewards are rule-based (reward.name, or a "
                                     "plug-in such as VerlScore)"),
@@ -364,14 +365,18 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
     ("eval.n_samples_per_prompt=4", "unknown config key 'eval.n_samples_per_prompt'; OpenRLHF's "
                                     "eval.n_samples_per_prompt is eval.k (known here: every, k, temperature, "
                                     "before_training)"),
+    # AReaL's: reward_norm.group_size is the normalisation's group, not rollout.group_size
+    ("actor.reward_norm.group_size=8", "unknown config key 'actor.reward_norm.group_size'; AReaL's reward_norm "
+                                       "(mean_level and std_level group) is advantage.estimator=grpo (std_level null: "
+                                       "advantage.normalize_std=false; its eps 1e-5, 1e-6 here); no reward_norm at all "
+                                       "has no counterpart"),
     ("orchestrator.max_off_policy_steps=2", "unknown config key 'orchestrator.max_off_policy_steps'; prime-rl's "
                                             "max_off_policy_steps is staleness.max_versions (with rollout.mode="
                                             "partial; prime-rl drops older rollouts, kv4rl samples them again)"),
     # none of a pasted path's keys has a counterpart: each is named, not only its section
     ("actor_rollout_ref.model.use_remove_padding=true", "unknown config key actor_rollout_ref.model.use_remove_padding: "
-                                                        "no kv4rl counterpart known (README's 'Coming from verl', 'Coming "
-                                                        "from TRL' and 'Coming from slime, OpenRLHF or prime-rl' list "
-                                                        "the keys that have one)"),
+                                                        "no kv4rl counterpart known (README's 'Coming from ...' sections "
+                                                        "list the keys that have one)"),
     # DAPO's overlong shaping sits in verl's reward_model section, whose other keys have no counterpart
     ("reward_model.overlong_buffer.len=512", "unknown config key 'reward_model.overlong_buffer.len'; verl's "
                                              "overlong_buffer.len is reward.overlong_buffer"),
@@ -466,8 +471,8 @@ def test_every_problem_of_a_config_is_said_at_once(tmp_path):
     assert bad.value.problems == [
         "unknown config key 'algorithm.adv_estimator'; verl's adv_estimator is advantage.estimator (grpo, rloo, "
         "reinforce_plus_plus_baseline, reinforce_plus_plus, opo, grpo_passk or gpg)",
-        "unknown config keys algorithm.gamma, algorithm.lam: no kv4rl counterpart known (README's 'Coming from verl', "
-        "'Coming from TRL' and 'Coming from slime, OpenRLHF or prime-rl' list the keys that have one)",
+        "unknown config keys algorithm.gamma, algorithm.lam: no kv4rl counterpart known (README's 'Coming from ...' "
+        "sections list the keys that have one)",
         "unknown config key 'actor_rollout_ref.actor.clip_ratio_high'; verl's clip_ratio_high is algo.eps_high"]
     with pytest.raises(ConfigError) as one:  # a single problem reads as before
         load_config(None, ["trainer.lr=abc"])

@@ -5,6 +5,8 @@ means, or says the feature does not exist, instead of listing the known keys. RE
 "Coming from TRL" tables list the same names (tests/test_config.py checks every one of them gets a pointer).
 """
 
+from kv4rl.config_foreign_others import AREAL, SLIME_OPENRLHF_PRIMERL
+
 # Other frameworks' key names (TRL's GRPOConfig, verl's GRPO config) -> what kv4rl calls them: a pasted name
 # is refused with its kv4rl key, not a look-alike (`beta` pointed to algo.beta, future_kl's cost).
 OTHER_FRAMEWORKS = {
@@ -103,7 +105,8 @@ OTHER_FRAMEWORKS = {
     "optimizer_offload": "verl's fsdp_config.optimizer_offload is trainer.offload_optimizer",
     "logger": "verl's trainer.logger: TensorBoard event files are always written; logging.wandb=true adds W&B",
     "project_name": "verl's trainer.project_name is logging.wandb_project",
-    "experiment_name": "verl's trainer.experiment_name is name (the run folder is out_dir/name)",
+    "experiment_name": "verl's trainer.experiment_name and AReaL's experiment_name are name (the run folder is "
+                       "out_dir/name)",
     "n_gpus_per_node": "verl's n_gpus_per_node is torchrun's --nproc-per-node (README, 'Several GPUs: torchrun')",
     "nnodes": "verl's nnodes is torchrun's --nnodes (README, 'Several GPUs: torchrun')",
     "use_kl_in_reward": "verl's use_kl_in_reward with kl_ctrl.kl_coef (0.001 by default there) is "
@@ -181,148 +184,17 @@ OTHER_FRAMEWORKS = {
     "rollout_is_threshold": "verl's rollout_is_threshold (2.0) is algo.behavior_is_max (3.0 by default here)",
     "bypass_mode": "verl's rollout_correction.bypass_mode=true (with ppo_clip) is algo.old_logprob=behavior, "
                    "kv4rl's default",
-    "behav_imp_weight_cap": "AReaL's behav_imp_weight_cap is algo.behavior_is_max with algo.behavior_is=token_mask "
-                            "and algo.old_logprob=recompute (AReaL's default null is algo.behavior_is_max=null; "
-                            "3.0 here)",
-    "use_decoupled_loss": "AReaL's decoupled PPO loss is algo.old_logprob=recompute with algo.behavior_is=token_mask "
-                          "(and algo.behavior_is_max=null for AReaL's default of no cap)",
+    "behav_imp_weight_cap": "AReaL's behav_imp_weight_cap (before March 2026) is algo.behavior_is_max with "
+                            "algo.behavior_is=token_mask and algo.old_logprob=recompute (AReaL's default null is "
+                            "algo.behavior_is_max=null; 3.0 here)",
+    "use_decoupled_loss": "AReaL's decoupled PPO loss is algo.old_logprob=recompute; its π_prox/μ weight (AReaL's "
+                          "rejection_sampling since April 2026, always on before) is algo.behavior_is=token_mask with "
+                          "algo.behavior_is_max",
 }
 
 
-# slime's (its flags with `_` for `-`: eps-clip=0.2 is read as eps_clip), OpenRLHF's and prime-rl's names
-OTHER_FRAMEWORKS.update({
-    "rollout_batch_size": "slime's and OpenRLHF's rollout_batch_size (prompts per rollout) is rollout.quota_groups",
-    "n_samples_per_prompt": "slime's and OpenRLHF's n_samples_per_prompt is rollout.group_size",
-    "global_batch_size": "slime's global_batch_size (samples per optimizer step) is trainer.updates_per_batch = "
-                         "rollout_batch_size x n_samples_per_prompt / global_batch_size, a count of steps",
-    "num_steps_per_rollout": "slime's num_steps_per_rollout is trainer.updates_per_batch",
-    "num_rollout": "slime's num_rollout is trainer.iterations",
-    "eps_clip": "slime's and OpenRLHF's eps_clip is algo.eps_low (and algo.eps_high, which it also sets)",
-    "eps_clip_high": "slime's eps_clip_high is algo.eps_high",
-    "eps_clip_c": "slime's eps_clip_c is algo.dual_clip",
-    "eps_clip_low_high": "OpenRLHF's eps_clip_low_high is algo.eps_low and algo.eps_high",
-    "use_unbiased_kl": "slime's use_unbiased_kl is algo.kl_ref_unbiased",
-    **dict.fromkeys(("advantage_estimator", "algo.advantage.estimator"),
-                    "OpenRLHF's advantage_estimator (gae by default there) is advantage.estimator (group_norm: grpo; "
-                    "dr_grpo: grpo with advantage.normalize_std=false; rloo; reinforce_baseline: "
-                    "reinforce_plus_plus_baseline; reinforce: reinforce_plus_plus; gae does not exist); slime's grpo, "
-                    "reinforce_plus_plus and reinforce_plus_plus_baseline keep their names, its gspo is grpo with "
-                    "algo.ratio_level=sequence, its cispo grpo with algo.surrogate=cispo, its ppo (GAE) does not exist"),
-    **dict.fromkeys(("disable_grpo_std_normalization", "grpo_std_normalization"),
-                    "slime's --disable-grpo-std-normalization is advantage.normalize_std=false"),
-    "calculate_per_token_loss": "slime's calculate_per_token_loss=true is algo.loss_agg=token_mean; its default "
-                                "(a mean per sample) is algo.loss_agg=seq_mean",
-    "entropy_loss_coef": "OpenRLHF's entropy_loss_coef is algo.entropy_coeff",
-    "use_tis": "slime's use_tis is algo.behavior_is=token_truncate with algo.old_logprob=recompute",
-    "tis_clip": "slime's tis_clip (2.0) is algo.behavior_is_max (3.0 by default here)",
-    "tis_clip_low": "slime's tis_clip_low is algo.behavior_is_min",
-    "use_rollout_logprobs": "slime's use_rollout_logprobs=true is algo.old_logprob=behavior, kv4rl's default (slime's "
-                            "default recomputes π_old: algo.old_logprob=recompute)",
-    **dict.fromkeys(("use_opsm", "opsm_delta"),
-                    "slime's OPSM (opsm_delta) is algo.off_policy_mask (kv4rl measures log μ − log π_θ, slime "
-                    "log π_old − log π_θ)"),
-    "dynamic_sampling_filter_path": "slime's dynamic sampling filter is rollout.filter_groups",
-    "over_sampling_batch_size": "slime's over-sampling has no key here: rollout.filter_groups samples groups until "
-                                "rollout.quota_groups are kept (at most rollout.filter_max_batches batches)",
-    "partial_rollout": "slime's and OpenRLHF's partial_rollout is rollout.mode=partial (unfinished responses carried "
-                       "over to the next batch, not recycled)",
-    "rollout_max_response_len": "slime's rollout_max_response_len is rollout.max_new_tokens",
-    "rollout_max_prompt_len": "slime's rollout_max_prompt_len is data.max_prompt_tokens",
-    "rollout_temperature": "slime's rollout_temperature is rollout.temperature",
-    "rollout_top_p": "slime's rollout_top_p is rollout.top_p",
-    "rollout_top_k": "slime's rollout_top_k is rollout.top_k (off is 0 here, -1 in slime)",
-    "rollout_shuffle": "slime's rollout_shuffle is data.shuffle (on by default here, off in slime)",
-    "rollout_seed": "the run has one seed, the top-level seed",
-    "update_weights_interval": "slime's update_weights_interval is staleness.refresh_every",
-    "eval_interval": "slime's eval_interval is eval.every",
-    "save_interval": "slime's save_interval is checkpoint.save_every",
-    "n_samples_per_eval_prompt": "slime's n_samples_per_eval_prompt is eval.k",
-    "eval_temperature": "slime's and OpenRLHF's eval_temperature is eval.temperature (OpenRLHF's default 0.6; 1.0 here)",
-    "prompt_data": "slime's and OpenRLHF's prompt_data is data.train",
-    "eval_prompt_data": "slime's eval_prompt_data is data.eval (a file or a list of files: give the paths)",
-    **dict.fromkeys(("use_dynamic_batch_size", "max_tokens_per_gpu"),
-                    "slime's dynamic batch size (max_tokens_per_gpu) is trainer.max_tokens_per_micro_batch"),
-    "min_lr": "slime's and prime-rl's min_lr is trainer.min_lr_ratio, a ratio (min_lr / lr)",
-    "lr_decay_style": "slime's lr_decay_style is trainer.lr_schedule (constant, linear or cosine)",
-    "lr_warmup_iters": "slime's lr_warmup_iters is trainer.warmup_iters",
-    # OpenRLHF (its dotted flags of 2026: train.batch_size, actor.eps_clip, algo.kl.init_coef, ...)
-    "micro_train_batch_size": "OpenRLHF's micro_train_batch_size is trainer.micro_batch_size",
-    "train.batch_size": "OpenRLHF's train.batch_size (samples per optimizer step) is trainer.updates_per_batch = "
-                        "rollout.batch_size x n_samples_per_prompt / train.batch_size, a count of steps",
-    "train.micro_batch_size": "OpenRLHF's train.micro_batch_size is trainer.micro_batch_size",
-    "train.max_epochs": "OpenRLHF's train.max_epochs is trainer.epochs_per_batch",
-    "train.num_episodes": "OpenRLHF's num_episodes has no key here: trainer.iterations counts iterations",
-    "train.async_enable": "OpenRLHF's async training is staleness.lag (batches collected ahead of the learner)",
-    "train.partial_rollout_enable": "OpenRLHF's partial rollout is rollout.mode=partial",
-    "train.seed": "the run has one seed, the top-level seed",
-    "actor_learning_rate": "OpenRLHF's actor_learning_rate is trainer.lr",
-    "lr_warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
-    "lr_scheduler": "OpenRLHF's lr_scheduler is trainer.lr_schedule (cosine_with_min_lr: cosine with "
-                    "trainer.min_lr_ratio)",
-    **dict.fromkeys(("init_kl_coef", "kl.init_coef"),
-                    "OpenRLHF's init_kl_coef (0.01 there) is advantage.kl_reward_coef, or with its use_kl_loss "
-                    "algo.kl_ref_coef"),
-    **dict.fromkeys(("kl_target", "kl.target"),
-                    "OpenRLHF's kl_target is advantage.kl_reward_target with advantage.kl_reward_control=adaptive"),
-    "kl_horizon": "OpenRLHF's kl_horizon is advantage.kl_reward_horizon",
-    **dict.fromkeys(("kl_estimator", "kl.estimator"),
-                    "OpenRLHF's kl_estimator is advantage.kl_reward_type, or with its use_kl_loss algo.kl_ref_type "
-                    "(k1, k2, k3)"),
-    "max_epochs": "OpenRLHF's max_epochs is trainer.epochs_per_batch",
-    "num_episodes": "OpenRLHF's num_episodes has no key here: trainer.iterations counts iterations (computed by hand)",
-    "eval_steps": "OpenRLHF's eval_steps is eval.every (its -1, never, is 0)",
-    "save_steps": "OpenRLHF's save_steps is checkpoint.save_every",
-    **dict.fromkeys(("max_ckpt_num", "ckpt.max_num"), "OpenRLHF's max_ckpt_num is checkpoint.keep_last"),
-    "eval_dataset": "OpenRLHF's eval_dataset is data.eval",
-    "eval_n_samples_per_prompt": "OpenRLHF's eval_n_samples_per_prompt is eval.k",
-    **dict.fromkeys(("dynamic_filtering", "algo.dynamic_filtering_enable"),
-                    "OpenRLHF's dynamic filtering is rollout.filter_groups (for 0/1 rewards the same groups: OpenRLHF "
-                    "keeps a group whose mean score is strictly inside (0, 1))"),
-    # OpenRLHF's dotted flags of 2026 (ed62d0e2) whose last name alone would point elsewhere
-    "eval.n_samples_per_prompt": "OpenRLHF's eval.n_samples_per_prompt is eval.k",
-    "eval.steps": "OpenRLHF's eval.steps is eval.every (its -1, never, is 0)",
-    "eval.dataset": "OpenRLHF's eval.dataset is data.eval",
-    "data.prompt_dataset": "OpenRLHF's data.prompt_dataset is data.train",
-    "rollout.batch_size": "OpenRLHF's rollout.batch_size (prompts per rollout) is rollout.quota_groups",
-    "actor.entropy_coef": "OpenRLHF's actor.entropy_coef is algo.entropy_coeff",
-    "algo.kl.use_loss": "OpenRLHF's algo.kl.use_loss puts its KL coefficient in the loss: algo.kl_ref_coef (without "
-                        "it, in the reward: advantage.kl_reward_coef)",
-    "algo.advantage.is_correction_enable": "OpenRLHF's IS correction is algo.behavior_is with "
-                                           "algo.old_logprob=recompute",
-    "algo.advantage.is_correction_type": "OpenRLHF's is_correction_type is algo.behavior_is (tis: token_truncate; "
-                                         "icepop: token_mask)",
-    "algo.advantage.is_correction_threshold": "OpenRLHF's is_correction_threshold is algo.behavior_is_min and "
-                                              "algo.behavior_is_max",
-    "enable_vllm_is_correction": "OpenRLHF's vLLM IS correction is algo.behavior_is with algo.old_logprob=recompute",
-    "vllm_is_correction_type": "OpenRLHF's vllm_is_correction_type is algo.behavior_is (tis: token_truncate; icepop: "
-                               "token_mask; its geometric-mean seq-mask-tis does not exist)",
-    "vllm_is_truncated_threshold": "OpenRLHF's vllm_is_truncated_threshold is algo.behavior_is_min and "
-                                   "algo.behavior_is_max",
-    "policy_loss_type": "OpenRLHF's policy_loss_type=gspo is algo.ratio_level=sequence with algo.loss_agg=seq_mean",
-    "async_train": "OpenRLHF's async_train is staleness.lag (batches collected ahead of the learner)",
-    "max_norm": "OpenRLHF's and prime-rl's max_norm is trainer.grad_clip",
-    "l2": "OpenRLHF's l2 is trainer.weight_decay",
-    "adam_betas": "OpenRLHF's adam_betas is trainer.betas",
-    "overlong_buffer_len": "OpenRLHF's overlong_buffer_len is reward.overlong_buffer",
-    "overlong_penalty_factor": "OpenRLHF's overlong_penalty_factor is reward.overlong_penalty",
-    # prime-rl
-    "max_steps": "prime-rl's max_steps is trainer.iterations (TRL's counts optimizer steps: trainer.iterations x "
-                 "trainer.updates_per_batch)",
-    "max_off_policy_steps": "prime-rl's max_off_policy_steps is staleness.max_versions (with rollout.mode=partial; "
-                            "prime-rl drops older rollouts, kv4rl samples them again)",
-    **dict.fromkeys(("max_async_level", "async_level"),
-                    "prime-rl's max_async_level (removed in May 2026: its trainer now runs one step ahead) is "
-                    "staleness.lag (staleness.lag=1 for that fixed lag)"),
-    "max_completion_tokens": "prime-rl's max_completion_tokens is rollout.max_new_tokens",
-    "orchestrator.batch_size": "prime-rl's batch_size (samples per step) is rollout.quota_groups x rollout.group_size",
-    **dict.fromkeys(("dppo_mask_low", "dppo_mask_high"),
-                    "prime-rl's DPPO mask (on p_θ − p_μ) does not exist; the nearest is PPO's clip of the ratio, "
-                    "algo.eps_low / algo.eps_high"),
-    "kl_tau": "prime-rl's kl_tau (a squared log-ratio to the inference policy) does not exist; algo.kl_ref_coef is a "
-              "KL to the reference model",
-    "interval": "prime-rl's eval.interval is eval.every, its ckpt.interval checkpoint.save_every",
-    "scheduler.type": "prime-rl's scheduler.type is trainer.lr_schedule",
-})
+OTHER_FRAMEWORKS.update(SLIME_OPENRLHF_PRIMERL)
+OTHER_FRAMEWORKS.update(AREAL)
 
 
 # Other frameworks' values of a kv4rl key whose values differ: a pasted value is refused with the kv4rl one
@@ -352,8 +224,8 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
 # verl's sections of models kv4rl does not have: every key under one says so, before any key name in it that
 # also names a policy key (critic.optim.lr is not trainer.lr; critic.ppo_epochs not trainer.epochs_per_batch)
 NO_COUNTERPART_SECTIONS = {
-    "critic": "verl's critic (the value model of GAE) has no counterpart: kv4rl's estimators are critic-free "
-              "(advantage.estimator)",
+    "critic": "a critic (verl's or AReaL's, the value model of GAE) has no counterpart: kv4rl's estimators are "
+              "critic-free (advantage.estimator)",
     "reward_model": "verl's reward_model (a learned reward model) has no counterpart: rewards are rule-based "
                     "(reward.name, or a plug-in such as VerlScore)",
 }

@@ -61,8 +61,7 @@ def _quote_hint(value: Any, tp: Any, key: str) -> str:
     return ""
 
 
-NO_COUNTERPART = ("no kv4rl counterpart known (README's 'Coming from verl', 'Coming from TRL' and 'Coming from "
-                  "slime, OpenRLHF or prime-rl' list the keys that have one)")
+NO_COUNTERPART = "no kv4rl counterpart known (README's 'Coming from ...' sections list the keys that have one)"
 
 
 class _NotFinite(ConfigError):

@@ -1,0 +1,210 @@
+"""slime's, OpenRLHF's, prime-rl's and AReaL's key names and what kv4rl calls them (README's "Coming from slime,
+OpenRLHF or prime-rl" and "Coming from AReaL"), read from their sources at the commits the README names; merged into
+`config_foreign.OTHER_FRAMEWORKS`, which the config loader consults for an unknown key."""
+
+# slime's (its flags with `_` for `-`: eps-clip=0.2 is read as eps_clip), OpenRLHF's and prime-rl's names
+SLIME_OPENRLHF_PRIMERL = {
+    "rollout_batch_size": "slime's and OpenRLHF's rollout_batch_size (prompts per rollout) is rollout.quota_groups",
+    "n_samples_per_prompt": "slime's and OpenRLHF's n_samples_per_prompt is rollout.group_size",
+    "global_batch_size": "slime's global_batch_size (samples per optimizer step) is trainer.updates_per_batch = "
+                         "rollout_batch_size x n_samples_per_prompt / global_batch_size, a count of steps",
+    "num_steps_per_rollout": "slime's num_steps_per_rollout is trainer.updates_per_batch",
+    "num_rollout": "slime's num_rollout is trainer.iterations",
+    "eps_clip": "slime's and OpenRLHF's eps_clip is algo.eps_low (and algo.eps_high, which it also sets)",
+    "eps_clip_high": "slime's eps_clip_high is algo.eps_high",
+    "eps_clip_c": "slime's eps_clip_c is algo.dual_clip",
+    "eps_clip_low_high": "OpenRLHF's eps_clip_low_high is algo.eps_low and algo.eps_high",
+    "use_unbiased_kl": "slime's use_unbiased_kl is algo.kl_ref_unbiased",
+    **dict.fromkeys(("advantage_estimator", "algo.advantage.estimator"),
+                    "OpenRLHF's advantage_estimator (gae by default there) is advantage.estimator (group_norm: grpo; "
+                    "dr_grpo: grpo with advantage.normalize_std=false; rloo; reinforce_baseline: "
+                    "reinforce_plus_plus_baseline; reinforce: reinforce_plus_plus; gae does not exist); slime's grpo, "
+                    "reinforce_plus_plus and reinforce_plus_plus_baseline keep their names, its gspo is grpo with "
+                    "algo.ratio_level=sequence, its cispo grpo with algo.surrogate=cispo, its ppo (GAE) does not exist"),
+    **dict.fromkeys(("disable_grpo_std_normalization", "grpo_std_normalization"),
+                    "slime's --disable-grpo-std-normalization is advantage.normalize_std=false"),
+    "calculate_per_token_loss": "slime's calculate_per_token_loss=true is algo.loss_agg=token_mean; its default "
+                                "(a mean per sample) is algo.loss_agg=seq_mean",
+    "entropy_loss_coef": "OpenRLHF's entropy_loss_coef is algo.entropy_coeff",
+    "use_tis": "slime's use_tis is algo.behavior_is=token_truncate with algo.old_logprob=recompute",
+    "tis_clip": "slime's tis_clip (2.0) is algo.behavior_is_max (3.0 by default here)",
+    "tis_clip_low": "slime's tis_clip_low is algo.behavior_is_min",
+    "use_rollout_logprobs": "slime's use_rollout_logprobs=true is algo.old_logprob=behavior, kv4rl's default (slime's "
+                            "default recomputes π_old: algo.old_logprob=recompute)",
+    **dict.fromkeys(("use_opsm", "opsm_delta"),
+                    "slime's OPSM (opsm_delta) is algo.off_policy_mask (kv4rl measures log μ − log π_θ, slime "
+                    "log π_old − log π_θ)"),
+    "dynamic_sampling_filter_path": "slime's dynamic sampling filter is rollout.filter_groups",
+    "over_sampling_batch_size": "slime's over-sampling has no key here: rollout.filter_groups samples groups until "
+                                "rollout.quota_groups are kept (at most rollout.filter_max_batches batches)",
+    "partial_rollout": "slime's and OpenRLHF's partial_rollout is rollout.mode=partial (unfinished responses carried "
+                       "over to the next batch, not recycled)",
+    "rollout_max_response_len": "slime's rollout_max_response_len is rollout.max_new_tokens",
+    "rollout_max_prompt_len": "slime's rollout_max_prompt_len is data.max_prompt_tokens",
+    "rollout_temperature": "slime's rollout_temperature is rollout.temperature",
+    "rollout_top_p": "slime's rollout_top_p is rollout.top_p",
+    "rollout_top_k": "slime's rollout_top_k is rollout.top_k (off is 0 here, -1 in slime)",
+    "rollout_shuffle": "slime's rollout_shuffle is data.shuffle (on by default here, off in slime)",
+    "rollout_seed": "the run has one seed, the top-level seed",
+    "update_weights_interval": "slime's update_weights_interval is staleness.refresh_every",
+    "eval_interval": "slime's eval_interval is eval.every",
+    "save_interval": "slime's save_interval is checkpoint.save_every",
+    "n_samples_per_eval_prompt": "slime's n_samples_per_eval_prompt is eval.k",
+    "eval_temperature": "slime's and OpenRLHF's eval_temperature is eval.temperature (OpenRLHF's default 0.6; 1.0 here)",
+    "prompt_data": "slime's and OpenRLHF's prompt_data is data.train",
+    "eval_prompt_data": "slime's eval_prompt_data is data.eval (a file or a list of files: give the paths)",
+    **dict.fromkeys(("use_dynamic_batch_size", "max_tokens_per_gpu"),
+                    "slime's dynamic batch size (max_tokens_per_gpu) is trainer.max_tokens_per_micro_batch"),
+    "min_lr": "slime's and prime-rl's min_lr is trainer.min_lr_ratio, a ratio (min_lr / lr)",
+    "lr_decay_style": "slime's lr_decay_style is trainer.lr_schedule (constant, linear or cosine)",
+    "lr_warmup_iters": "slime's lr_warmup_iters is trainer.warmup_iters",
+    # OpenRLHF (its dotted flags of 2026: train.batch_size, actor.eps_clip, algo.kl.init_coef, ...)
+    "micro_train_batch_size": "OpenRLHF's micro_train_batch_size is trainer.micro_batch_size",
+    "train.batch_size": "OpenRLHF's train.batch_size (samples per optimizer step) is trainer.updates_per_batch = "
+                        "rollout.batch_size x n_samples_per_prompt / train.batch_size, a count of steps",
+    "train.micro_batch_size": "OpenRLHF's train.micro_batch_size is trainer.micro_batch_size",
+    "train.max_epochs": "OpenRLHF's train.max_epochs is trainer.epochs_per_batch",
+    "train.num_episodes": "OpenRLHF's num_episodes has no key here: trainer.iterations counts iterations",
+    "train.async_enable": "OpenRLHF's async training is staleness.lag (batches collected ahead of the learner)",
+    "train.partial_rollout_enable": "OpenRLHF's partial rollout is rollout.mode=partial",
+    "train.seed": "the run has one seed, the top-level seed",
+    "actor_learning_rate": "OpenRLHF's actor_learning_rate is trainer.lr",
+    "lr_warmup_ratio": "the warm-up is trainer.warmup_iters, in iterations",
+    "lr_scheduler": "OpenRLHF's lr_scheduler is trainer.lr_schedule (cosine_with_min_lr: cosine with "
+                    "trainer.min_lr_ratio)",
+    **dict.fromkeys(("init_kl_coef", "kl.init_coef"),
+                    "OpenRLHF's init_kl_coef (0.01 there) is advantage.kl_reward_coef, or with its use_kl_loss "
+                    "algo.kl_ref_coef"),
+    **dict.fromkeys(("kl_target", "kl.target"),
+                    "OpenRLHF's kl_target is advantage.kl_reward_target with advantage.kl_reward_control=adaptive"),
+    "kl_horizon": "OpenRLHF's kl_horizon is advantage.kl_reward_horizon",
+    **dict.fromkeys(("kl_estimator", "kl.estimator"),
+                    "OpenRLHF's and AReaL's kl_estimator is advantage.kl_reward_type (OpenRLHF's with its "
+                    "use_kl_loss: algo.kl_ref_type; k1, k2, k3)"),
+    "max_epochs": "OpenRLHF's max_epochs is trainer.epochs_per_batch",
+    "num_episodes": "OpenRLHF's num_episodes has no key here: trainer.iterations counts iterations (computed by hand)",
+    "eval_steps": "OpenRLHF's eval_steps is eval.every (its -1, never, is 0)",
+    "save_steps": "OpenRLHF's save_steps is checkpoint.save_every",
+    **dict.fromkeys(("max_ckpt_num", "ckpt.max_num"), "OpenRLHF's max_ckpt_num is checkpoint.keep_last"),
+    "eval_dataset": "OpenRLHF's eval_dataset is data.eval",
+    "eval_n_samples_per_prompt": "OpenRLHF's eval_n_samples_per_prompt is eval.k",
+    **dict.fromkeys(("dynamic_filtering", "algo.dynamic_filtering_enable"),
+                    "OpenRLHF's dynamic filtering is rollout.filter_groups (for 0/1 rewards the same groups: OpenRLHF "
+                    "keeps a group whose mean score is strictly inside (0, 1))"),
+    # OpenRLHF's dotted flags of 2026 (ed62d0e2) whose last name alone would point elsewhere
+    "eval.n_samples_per_prompt": "OpenRLHF's eval.n_samples_per_prompt is eval.k",
+    "eval.steps": "OpenRLHF's eval.steps is eval.every (its -1, never, is 0)",
+    "eval.dataset": "OpenRLHF's eval.dataset is data.eval",
+    "data.prompt_dataset": "OpenRLHF's data.prompt_dataset is data.train",
+    "rollout.batch_size": "OpenRLHF's rollout.batch_size (prompts per rollout) is rollout.quota_groups",
+    "actor.entropy_coef": "OpenRLHF's actor.entropy_coef is algo.entropy_coeff",
+    "algo.kl.use_loss": "OpenRLHF's algo.kl.use_loss puts its KL coefficient in the loss: algo.kl_ref_coef (without "
+                        "it, in the reward: advantage.kl_reward_coef)",
+    "algo.advantage.is_correction_enable": "OpenRLHF's IS correction is algo.behavior_is with "
+                                           "algo.old_logprob=recompute",
+    "algo.advantage.is_correction_type": "OpenRLHF's is_correction_type is algo.behavior_is (tis: token_truncate; "
+                                         "icepop: token_mask)",
+    "algo.advantage.is_correction_threshold": "OpenRLHF's is_correction_threshold is algo.behavior_is_min and "
+                                              "algo.behavior_is_max",
+    "enable_vllm_is_correction": "OpenRLHF's vLLM IS correction is algo.behavior_is with algo.old_logprob=recompute",
+    "vllm_is_correction_type": "OpenRLHF's vllm_is_correction_type is algo.behavior_is (tis: token_truncate; icepop: "
+                               "token_mask; its geometric-mean seq-mask-tis does not exist)",
+    "vllm_is_truncated_threshold": "OpenRLHF's vllm_is_truncated_threshold is algo.behavior_is_min and "
+                                   "algo.behavior_is_max",
+    "policy_loss_type": "OpenRLHF's policy_loss_type=gspo is algo.ratio_level=sequence with algo.loss_agg=seq_mean",
+    "async_train": "OpenRLHF's async_train is staleness.lag (batches collected ahead of the learner)",
+    "max_norm": "OpenRLHF's and prime-rl's max_norm is trainer.grad_clip",
+    "l2": "OpenRLHF's l2 is trainer.weight_decay",
+    "adam_betas": "OpenRLHF's adam_betas is trainer.betas",
+    "overlong_buffer_len": "OpenRLHF's overlong_buffer_len is reward.overlong_buffer",
+    "overlong_penalty_factor": "OpenRLHF's and AReaL's overlong_penalty_factor is reward.overlong_penalty",
+    # prime-rl
+    "max_steps": "prime-rl's max_steps is trainer.iterations (TRL's counts optimizer steps: trainer.iterations x "
+                 "trainer.updates_per_batch)",
+    "max_off_policy_steps": "prime-rl's max_off_policy_steps is staleness.max_versions (with rollout.mode=partial; "
+                            "prime-rl drops older rollouts, kv4rl samples them again)",
+    **dict.fromkeys(("max_async_level", "async_level"),
+                    "prime-rl's max_async_level (removed in May 2026: its trainer now runs one step ahead) is "
+                    "staleness.lag (staleness.lag=1 for that fixed lag)"),
+    "max_completion_tokens": "prime-rl's max_completion_tokens is rollout.max_new_tokens",
+    "orchestrator.batch_size": "prime-rl's batch_size (samples per step) is rollout.quota_groups x rollout.group_size",
+    **dict.fromkeys(("dppo_mask_low", "dppo_mask_high"),
+                    "prime-rl's DPPO mask (on p_θ − p_μ) does not exist; the nearest is PPO's clip of the ratio, "
+                    "algo.eps_low / algo.eps_high"),
+    "kl_tau": "prime-rl's kl_tau (a squared log-ratio to the inference policy) does not exist; algo.kl_ref_coef is a "
+              "KL to the reference model",
+    "interval": "prime-rl's eval.interval is eval.every, its ckpt.interval checkpoint.save_every",
+    "scheduler.type": "prime-rl's scheduler.type is trainer.lr_schedule",
+}
+
+# AReaL's (inclusionAI/AReaL 4aef98d, areal/api/cli_args.py): `actor.*`, `gconfig.*`, `train_dataset.*`, ...
+AREAL = {
+    "ppo_n_minibatches": "AReaL's actor.ppo_n_minibatches is trainer.updates_per_batch (a count of optimizer steps)",
+    "eps_clip_higher": "AReaL's actor.eps_clip_higher is algo.eps_high",
+    "c_clip": "AReaL's actor.c_clip is algo.dual_clip",
+    **dict.fromkeys(("gconfig.n_samples", "n_samples"), "AReaL's gconfig.n_samples is rollout.group_size"),
+    **dict.fromkeys(("gconfig.greedy", "greedy"),
+                    "AReaL's gconfig.greedy has no training counterpart; an evaluation samples greedily with "
+                    "eval.temperature=0"),
+    "train_dataset.batch_size": "AReaL's train_dataset.batch_size (prompts per step) is rollout.quota_groups",
+    "train_dataset.path": "AReaL's train_dataset.path is data.train",
+    "valid_dataset.path": "AReaL's valid_dataset.path is data.eval",
+    "train_dataset.max_length": "AReaL's train_dataset.max_length is data.max_prompt_tokens (measured on the "
+                                "formatted prompt here)",
+    "ref.path": "AReaL's ref model (the KL reference) is the starting model here: model.path is both",
+    "kl_ctl": "AReaL's actor.kl_ctl (0.1 there, with a ref model) is advantage.kl_reward_coef (0 here), a KL in the "
+              "reward; AReaL subtracts it per token after the reward normalisation, kv4rl from the score before "
+              "the advantages",
+    "recompute_logprob": "AReaL's actor.recompute_logprob is algo.old_logprob=recompute",
+    "rejection_sampling": "AReaL's rejection_sampling (level token / sequence, action mask / truncate, upper, lower) "
+                          "is algo.behavior_is (token_mask, token_truncate, sequence_mask, sequence_truncate), "
+                          "algo.behavior_is_max and algo.behavior_is_min, with algo.old_logprob=recompute; at "
+                          "sequence level AReaL weighs by the ratios' geometric mean, kv4rl by their product",
+    **dict.fromkeys(("behave_imp_weight_cap", "behave_imp_weight_mode"),
+                    "AReaL's behave_imp_weight_cap / _mode (March-April 2026) are algo.behavior_is_max and "
+                    "algo.behavior_is (token_mask) with algo.old_logprob=recompute"),
+    "max_head_offpolicyness": "AReaL's rollout.max_head_offpolicyness is staleness.lag (exact here; AReaL caps the "
+                              "lag by throttling new requests), or with rollout.mode=partial staleness.max_versions",
+    "consumer_batch_size": "AReaL's rollout.consumer_batch_size is rollout.quota_groups",
+    "max_concurrent_rollouts": "AReaL's rollout.max_concurrent_rollouts is rollout.max_slots (decode slots)",
+    **dict.fromkeys(("reward_scaling", "reward_bias", "reward_clip"),
+                    "AReaL's reward_scaling / reward_bias / reward_clip do not exist: a group-normalised advantage "
+                    "(grpo) cancels scale and bias; reward.weights=[s] scales one reward"),
+    **dict.fromkeys(("reward_norm", "reward_norm.mean_level", "reward_norm.std_level", "reward_norm.group_size"),
+                    "AReaL's reward_norm (mean_level and std_level group) is advantage.estimator=grpo (std_level "
+                    "null: advantage.normalize_std=false; its eps 1e-5, 1e-6 here); no reward_norm at all has no "
+                    "counterpart"),
+    **dict.fromkeys(("adv_norm", "adv_norm.mean_level", "adv_norm.std_level"),
+                    "AReaL's adv_norm (batch whitening of the token advantages): without reward_norm it is "
+                    "advantage.estimator=reinforce_plus_plus, with a group-mean reward_norm "
+                    "reinforce_plus_plus_baseline; a group std and batch whitening together do not exist"),
+    "group_reward_norm": "AReaL's group_reward_norm (before its reward_norm) is advantage.estimator=grpo",
+    "mask_no_eos_with_zero": "AReaL's mask_no_eos_with_zero has no exact counterpart: the nearest, "
+                             "trainer.mask_truncated=true, trains none of a cut response's tokens where AReaL sets "
+                             "its reward to 0",
+    "overlong_reward_penalty": "AReaL's overlong_reward_penalty is reward.overlong_buffer > 0",
+    "overlong_tokens": "AReaL's overlong_tokens is reward.overlong_buffer",
+    "use_sapo_loss": "AReaL's use_sapo_loss is algo.surrogate=sapo",
+    **dict.fromkeys(("beta1", "beta2"), "AReaL's optimizer.beta1 / beta2 are trainer.betas"),
+    "gradient_clipping": "AReaL's optimizer.gradient_clipping is trainer.grad_clip",
+    "warmup_steps_proportion": "the warm-up is trainer.warmup_iters, in iterations",
+    "max_tokens_per_mb": "AReaL's mb_spec.max_tokens_per_mb is trainer.max_tokens_per_micro_batch",
+    "n_mbs": "AReaL's mb_spec.n_mbs (a count of micro-batches) is trainer.micro_batch_size (rows per micro-batch)",
+    "gradient_checkpointing": "AReaL's and TRL's gradient_checkpointing is trainer.grad_checkpointing",
+    "total_train_epochs": "AReaL's total_train_epochs has no key here: trainer.iterations counts iterations "
+                          "(epochs x rows / rollout.quota_groups)",
+    "total_train_steps": "AReaL's total_train_steps is trainer.iterations",
+    "saver.freq_steps": "AReaL's saver.freq_steps is checkpoint.save_every",
+    "saver.freq_epochs": "AReaL's saver.freq_epochs has no key here: checkpoint.save_every counts iterations",
+    "evaluator.freq_steps": "AReaL's evaluator.freq_steps is eval.every",
+    "eval_before_train": "AReaL's evaluator.eval_before_train is eval.before_training",
+    "trial_name": "AReaL's trial_name has no key here: the run folder is out_dir/name",
+    "fileroot": "AReaL's cluster.fileroot is out_dir",
+    **dict.fromkeys(("discount", "gae_lambda"),
+                    "AReaL's discount / gae_lambda belong to GAE with a critic, which does not exist here "
+                    "(returns are undiscounted)"),
+    "m2_threshold": "AReaL's M2PO (m2_threshold) does not exist",
+    **dict.fromkeys(("dynamic_bs", "dynamic_filter_fn"),
+                    "AReaL's dynamic_bs with a dynamic_filter_fn is rollout.filter_groups (groups whose scores are "
+                    "all equal are dropped)"),
+}
