@@ -148,7 +148,8 @@ def test_a_runs_evaluation_on_two_verl_files_reports_each_source(tmp_path):
     other = [dict(verl_row(q, a, i), data_source="lighteval/MATH") for i, (q, a) in enumerate(SECOND)]
     math = write_parquet(tmp_path / "math.parquet", other)
     res = train_cli(f"data.train={gsm8k}", f"data.eval=[{gsm8k},{math}]", "data.prompt_template={problem}=",
-                    "reward.name=exact", "trainer.iterations=1", "eval.every=1", "eval.k=2", f"out_dir={tmp_path}",
+                    "reward.name=exact", "trainer.iterations=1", "eval.every=1", "eval.k=2", "data.eval_size=null",
+                    f"out_dir={tmp_path}",
                     "name=r", *SMALL)
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -176,8 +177,15 @@ def test_an_evaluation_set_cut_by_eval_size_is_said(tmp_path):
 
     assert said(f"data.eval=[{verl},{plain}]", "data.eval_size=4", "eval.every=5") == [
         "data.eval holds 6 rows; each evaluation uses its first 4 (data.eval_size), the first files of the list, where "
-        "verl's validation uses every row: data.eval_size=6 evaluates them all"]
+        "verl's validation uses every row: data.eval_size=null evaluates them all"]
     assert said(f"data.eval=[{verl},{plain}]", "data.eval_size=6", "eval.every=5") == []
+    assert said(f"data.eval=[{verl},{plain}]", "data.eval_size=null", "eval.every=5") == []
+    source = ProblemSource(str(whole), [str(verl), str(plain)], seed=0)
+    assert len(source.eval_problems(None)) == 6 and len(source.eval_problems(4)) == 4
+    assert len(ProblemSource(str(whole), None, seed=0).eval_problems(None)) == 6  # the training rows, all of them
+    with pytest.raises(ConfigError, match=r"data.eval_size=null evaluates every row of a data file, and this run has "
+                                          r"none"):
+        load_config(None, ["data.eval_size=null"])
     assert said(f"data.eval={whole}", "data.eval_size=4") == []  # no evaluation, nothing cut
     assert said(f"data.eval={whole}", "data.eval_size=4", "eval.before_training=true")[0].startswith(
         "data.eval holds 6 rows; each evaluation uses its first 4 (data.eval_size), where")

@@ -58,7 +58,7 @@ class DataConfig:
     pool_size: int = DEFAULT_POOL_SIZE  # embedded task only: distinct training problems (0 = fresh ones forever)
     prompt_template: str | None = None
     chat_template: bool = False
-    eval_size: int = 256
+    eval_size: int | None = 256  # null: every row of data.eval (of data.train without one), as verl validates
     shuffle: bool = True
     # drop the data.train / data.eval rows whose formatted prompt is longer (verl's max_prompt_length with
     # filter_overlong_prompts); null: every row, refused at start only where one fills the context
@@ -259,7 +259,11 @@ class RunConfig:
              temperature_problem("eval.temperature", self.eval.temperature)),
             (self.telemetry.attribution_every >= 0, "telemetry.attribution_every must be >= 0 (0: off)"),
             (self.telemetry.attribution_samples >= 1, "telemetry.attribution_samples must be >= 1"),
-            (self.data.eval_size >= 1, "data.eval_size must be >= 1"),
+            (self.data.eval_size is None or self.data.eval_size >= 1,
+             "data.eval_size must be >= 1 (or null: every row of data.eval)"),
+            (self.data.eval_size is not None or self.data.train is not None or self.data.eval is not None,
+             "data.eval_size=null evaluates every row of a data file, and this run has none (the embedded task "
+             "draws its problems without end): give a number"),
             (self.data.pool_size >= 0, "data.pool_size must be >= 0"),
             (self.data.max_prompt_tokens is None or self.data.max_prompt_tokens >= 1,
              f"data.max_prompt_tokens must be >= 1 (or null: no limit), got {self.data.max_prompt_tokens}"),

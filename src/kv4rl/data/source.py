@@ -174,7 +174,8 @@ class ProblemSource:
             self._order = (epoch, order)
         return self._order[1]
 
-    def eval_problems(self, n: int) -> list[Problem]:
+    def eval_problems(self, n: int | None) -> list[Problem]:
+        """The first `n` evaluation problems (None: every row of the eval file, or of the training file)."""
         if self.eval_file is not None:
             return self.eval_file[:n]
         if self.train_embedded:

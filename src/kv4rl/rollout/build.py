@@ -34,10 +34,11 @@ def prompt_warnings(cfg: RunConfig, source: ProblemSource, formatter: PromptForm
                                      chat_template=bool(getattr(formatter.tokenizer, "chat_template", None)))
     note = None if source.train_embedded else boxed_request_note(source.train, formatter, verifier_name_of(cfg, source))
     rows = len(source.eval_file) if source.eval_file is not None else 0
-    if (cfg.eval.every or cfg.eval.before_training) and rows > cfg.data.eval_size:  # verl validates on every row
+    cut = cfg.data.eval_size is not None and rows > cfg.data.eval_size
+    if (cfg.eval.every or cfg.eval.before_training) and cut:  # verl validates on every row
         lines.append(f"data.eval holds {rows} rows; each evaluation uses its first {cfg.data.eval_size} "
                      f"(data.eval_size), {'the first files of the list, ' if isinstance(cfg.data.eval, list) else ''}"
-                     f"where verl's validation uses every row: data.eval_size={rows} evaluates them all")
+                     f"where verl's validation uses every row: data.eval_size=null evaluates them all")
     return lines + ([note] if note else [])
 
 
