@@ -370,6 +370,14 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
                                        "(mean_level and std_level group) is advantage.estimator=grpo (std_level null: "
                                        "advantage.normalize_std=false; its eps 1e-5, 1e-6 here); no reward_norm at all "
                                        "has no counterpart"),
+    # a one-letter typo of the section's own key that is also another framework's name: both said
+    ("trainer.beta=[0.9,0.95]", "unknown config key 'trainer.beta'; did you mean trainer.betas? (or: TRL's beta (the "
+                                "reference-KL coefficient) is algo.kl_ref_coef; algo.beta is future_kl's future-KL "
+                                "cost) (known here: iterations, lr, warmup_iters, lr_schedule, min_lr_ratio, "
+                                "weight_decay, betas, grad_clip, micro_batch_size, updates_per_batch, epochs_per_batch, "
+                                "grad_checkpointing, fsdp, offload, offload_optimizer, max_tokens_per_micro_batch, "
+                                "attention, fuse_elementwise, compile_layers, fused_logprobs, ref_kl_every, "
+                                "mask_truncated)"),
     ("orchestrator.max_off_policy_steps=2", "unknown config key 'orchestrator.max_off_policy_steps'; prime-rl's "
                                             "max_off_policy_steps is staleness.max_versions (with rollout.mode="
                                             "partial; prime-rl drops older rollouts, kv4rl samples them again)"),

@@ -168,7 +168,7 @@ OTHER_FRAMEWORKS = {
     "rollout_correction.loss_type": "verl's rollout_correction.loss_type (bypass mode's reinforce / ppo_clip) does not "
                                     "exist: kv4rl's bypass mode is algo.old_logprob=behavior with the clip",
     "rollout.name": "verl's rollout.name (vllm / sglang) has no counterpart: kv4rl rolls out with its own engine "
-                    "(engine.*)",
+                    "(engine.*); the reward's name is reward.name",
     "sapo_temperature_pos": "TRL's sapo_temperature_pos is algo.sapo_tau_pos (with algo.surrogate=sapo)",
     "sapo_temperature_neg": "TRL's sapo_temperature_neg is algo.sapo_tau_neg (with algo.surrogate=sapo)",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy does not exist: algo.entropy_coeff is constant",

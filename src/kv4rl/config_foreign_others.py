@@ -142,7 +142,7 @@ AREAL = {
     "ppo_n_minibatches": "AReaL's actor.ppo_n_minibatches is trainer.updates_per_batch (a count of optimizer steps)",
     "eps_clip_higher": "AReaL's actor.eps_clip_higher is algo.eps_high",
     "c_clip": "AReaL's actor.c_clip is algo.dual_clip",
-    **dict.fromkeys(("gconfig.n_samples", "n_samples"), "AReaL's gconfig.n_samples is rollout.group_size"),
+    "gconfig.n_samples": "AReaL's gconfig.n_samples is rollout.group_size",
     **dict.fromkeys(("gconfig.greedy", "greedy"),
                     "AReaL's gconfig.greedy has no training counterpart; an evaluation samples greedily with "
                     "eval.temperature=0"),

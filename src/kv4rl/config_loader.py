@@ -173,10 +173,11 @@ def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = ""
 def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
     """`; did you mean ...?` for an unknown key: another framework's name for a kv4rl key, a close name in its
     section, or the same name one section down (`lr=...` for `trainer.lr=...`); empty when there is none."""
-    foreign = other_key_hint(f"{prefix}.{name}" if prefix else name)  # its path first (eval.n_samples_per_prompt
-    if foreign is not None:                                            # is not rollout.n_samples_per_prompt)
-        return f"; {foreign}"
     dotted = lambda n: f"{prefix}.{n}" if prefix else n  # noqa: E731
+    foreign = other_key_hint(dotted(name))  # its path first (eval.n_samples_per_prompt is not rollout.group_size)
+    if foreign is not None:
+        typo = difflib.get_close_matches(name, list(schema), n=1, cutoff=0.85)  # trainer.beta: trainer.betas
+        return f"; did you mean {dotted(typo[0])}? (or: {foreign})" if typo else f"; {foreign}"
     nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
               if _is_section(tp) and name in _schema(tp)]
     close = [dotted(n) for n in difflib.get_close_matches(name, list(schema), n=2, cutoff=0.75)]
