@@ -338,9 +338,15 @@ def test_a_decode_forward_workload_that_does_not_fit_is_a_row_not_a_traceback(mo
     """On an H100, the BF16 cache of 64 x 8,192 tokens at 8B (72 GiB) ran out of memory and the whole bench ended in a
     traceback, the other workloads' rows lost. Now that row says so and the rest are measured (a stub model and
     step timer stand in for the GPU: the ms of the rows that fit are the stub's own)."""
+    import importlib
+
     import torch
 
-    from kv4rl.bench import decode_forward as forward
+    # the modules as `import` finds them (sys.modules): another test's re-import can leave the package's attribute
+    # naming an older copy, and a patch through it missed, so this test built a real 8B model on the CPU (96 s)
+    forward = importlib.import_module("kv4rl.bench.decode_forward")
+    random_model = importlib.import_module("kv4rl.bench.random_model")
+    built = []
 
     class Stub(torch.nn.Module):
         args = None
@@ -350,7 +356,7 @@ def test_a_decode_forward_workload_that_does_not_fit_is_a_row_not_a_traceback(mo
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return {"ms": 2.0 if kv == "bf16" else 1.0, "tokens_per_s": 1.0, "finite": True, "kv_gib": 1.0}
 
-    monkeypatch.setattr("kv4rl.bench.random_model.random_decoder", lambda shape, device, tp=None: Stub())
+    monkeypatch.setattr(random_model, "random_decoder", lambda shape, device, tp=None: built.append(shape) or Stub())
     monkeypatch.setattr(forward, "time_step", step)
     monkeypatch.setattr(forward, "copy_bandwidth", lambda device: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -358,6 +364,7 @@ def test_a_decode_forward_workload_that_does_not_fit_is_a_row_not_a_traceback(mo
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "stub")
     res = forward.run_decode_forward(["qwen3-8b"], ["mid", "late"], variants=(("bf16", "bf16"), ("bf16", "kv4")), merge_projections=False,
                                      device="cpu")
+    assert built == ["qwen3-8b"]  # the stub, not an 8B model
     rows = {(r["workload"], r["kv"]): r for r in res["results"]}
     assert rows["late", "bf16"]["ms"] is None and rows["late", "bf16"]["does_not_fit"] == (
         "bf16 KV of 64 x 8192 tokens does not fit beside the weights in 79.2 GiB")
