@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kv4rl.algo.advantages import (compute_advantages, flat_group_metrics, needs_whole_batch, noise_key,
                                    reinforce_pp_token_advantages)
-from kv4rl.algo.kl_reward import KLRewardCoef, kl_penalty_of, kl_reward_tokens
+from kv4rl.algo.kl_reward import KLRewardCoef, kl_penalty_of, kl_reward_tokens, row_mean_kl
 from kv4rl.config import RunConfig
 from kv4rl.distributed import current, gather_objects
 from kv4rl.trainer.batch import TrainBatch, build_batch, with_advantages
@@ -82,8 +82,7 @@ def _adapt(kl_coef: KLRewardCoef, kl: Tensor, mask: Tensor) -> None:
     verl's controller reads it), so that every rank keeps the same β."""
     if kl_coef.control != "adaptive":
         return
-    counts = mask.bool().sum(-1)
-    row_means = kl.sum(-1)[counts > 0] / counts[counts > 0]
+    row_means = row_mean_kl(kl, mask)
     total, responses = float(row_means.sum()), len(row_means)
     if current().world > 1:
         parts = gather_objects((total, responses))

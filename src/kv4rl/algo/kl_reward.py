@@ -32,13 +32,18 @@ def kl_reward_penalty(old_logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, 
 
 def kl_penalty_of(kl: Tensor, mask: Tensor, coef: float) -> tuple[Tensor, dict[str, float]]:
     """`kl_reward_penalty` from the tokens' KL estimates `kl` ([B, T], 0 off `mask`)."""
-    valid = mask.bool()
     penalty = coef * kl.sum(-1)
-    counts = valid.sum(-1)
-    rows = counts > 0
-    row_means = kl.sum(-1)[rows] / counts[rows]
+    row_means = row_mean_kl(kl, mask)
     return penalty, {"kl_reward/token_mean": float(row_means.mean()) if len(row_means) else 0.0,
                      "kl_reward/penalty_mean": float(penalty.mean()) if len(penalty) else 0.0}
+
+
+def row_mean_kl(kl: Tensor, mask: Tensor) -> Tensor:
+    """Each response's mean kl_t over its `mask`ed tokens, for the rows that have one (verl's `masked_mean` per row:
+    the KL its logs and its adaptive controller read)."""
+    counts = mask.bool().sum(-1)
+    rows = counts > 0
+    return kl.sum(-1)[rows] / counts[rows]
 
 
 class KLRewardCoef:
