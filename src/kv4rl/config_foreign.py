@@ -154,9 +154,10 @@ OTHER_FRAMEWORKS = {
     "kl_penalty": "verl's algorithm.kl_penalty is advantage.kl_reward_type (kl: k1, low_var_kl: k3, mse: k2, abs)",
     "rollout_is_batch_normalize": "verl's rollout_is_batch_normalize does not exist (algo.behavior_is is not "
                                   "normalised)",
-    "rollout_rs": "verl's rejection sampling (rollout_rs) does not exist; the nearest is algo.behavior_is=token_mask "
-                  "or sequence_mask with algo.behavior_is_min/max, or algo.off_policy_mask",
-    "rollout_rs_threshold": "verl's rollout_rs_threshold does not exist (see algo.behavior_is_min/max)",
+    "rollout_rs": "verl's rollout_correction.rollout_rs is algo.behavior_rs (the same options, e.g. token_k1 or "
+                  "seq_mean_k3,seq_max_k2), with algo.old_logprob=recompute",
+    "rollout_rs_threshold": "verl's rollout_rs_threshold is algo.behavior_rs_threshold (the same form; quote a "
+                            "lower_upper pair such as '0.5_2' that YAML would read as a number)",
     "truncation": "verl's data.truncation does not exist: data.max_prompt_tokens drops the longer prompts",
     "model_name_or_path": "TRL's model_name_or_path is model.path (a local model folder; nothing is downloaded)",
     "gradient_accumulation_steps": "TRL's gradient_accumulation_steps has no key here: each optimizer step "

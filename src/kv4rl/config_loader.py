@@ -293,7 +293,8 @@ _DECIMAL_OR_HEX = re.compile(r"[-+]?(0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)")
 class _ConfigLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently,
     so one of the two settings the user wrote would be ignored) and the YAML 1.1 integers that silently
-    mean another number: a leading zero is octal (`iterations: 010` was 8), `1:40` is base 60 (100)."""
+    mean another number: a leading zero is octal (`iterations: 010` was 8), `1:40` is base 60 (100), and an
+    underscore is dropped (`0.5_2` is 0.52, `1_2` is 12) unless it groups an integer's digits by thousands."""
 
     def construct_yaml_int(self, node):
         text = self.construct_scalar(node)
@@ -301,7 +302,17 @@ class _ConfigLoader(yaml.SafeLoader):
             raise AmbiguousNumber(None, None, f"{text!r} is read by YAML as {super().construct_yaml_int(node)}, "
                                   f"not as written; write the number without a leading zero or ':' (or quote it "
                                   f"for text)", node.start_mark)
+        if "_" in text and not _GROUPED_INT.fullmatch(text.lstrip("+-")):
+            raise AmbiguousNumber(None, None, _underscore_problem(text, super().construct_yaml_int(node)),
+                                  node.start_mark)
         return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        text = self.construct_scalar(node)
+        if "_" in text:  # `0.5_2.0`-style bounds written `0.5_2` became the number 0.52
+            raise AmbiguousNumber(None, None, _underscore_problem(text, super().construct_yaml_float(node)),
+                                  node.start_mark)
+        return super().construct_yaml_float(node)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -325,6 +336,14 @@ class _ConfigLoader(yaml.SafeLoader):
 
 
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+_ConfigLoader.add_constructor("tag:yaml.org,2002:float", _ConfigLoader.construct_yaml_float)
+_GROUPED_INT = re.compile(r"[0-9]{1,3}(_[0-9]{3})+")  # 10_000: digits grouped by thousands, read as written
+
+
+def _underscore_problem(text: str, number) -> str:
+    return (f"{text!r} is read by YAML as the number {number}, dropping its '_'; write the number without it, or "
+            f"quote it for text: '{text}' in a config file, inside the shell's quotes on the command line "
+            f"(\"algo.behavior_rs_threshold='0.5_2'\" for that key's lower_upper bounds)")
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, k3_kl, ref_kl_terms
 from kv4rl.algo.off_policy import BEHAVIOR_IS_MODES, BehaviorIS, behavior_importance_weights, off_policy_keep
+from kv4rl.algo.rejection import rejection_rules
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
 if TYPE_CHECKING:
@@ -141,7 +142,8 @@ class PPOClipSettings:
     importance_sampling_level=sequence: exp of the mean of its tokens' log-ratios, with its gradient).
     `behavior_is` weighs each token's surrogate by π_old/μ, the recomputed π_old over the engine's μ, truncated to
     or masked outside [`behavior_is_min`, `behavior_is_max`] (TRL's vllm_importance_sampling_*, AReaL's decoupled
-    PPO; `behavior_importance_weights`). `surrogate` swaps the clipped objective for CISPO's or SAPO's (TRL's
+    PPO; `behavior_importance_weights`). `behavior_rs` rejects the tokens or responses whose μ strayed too far from
+    π_old before the update (verl's rollout_rs, with `behavior_rs_threshold`; `kv4rl.algo.rejection`). `surrogate` swaps the clipped objective for CISPO's or SAPO's (TRL's
     loss_type cispo / sapo), which share π_old, the ratio level and the weights (`_surrogate`), or for the plain
     policy gradient (`pg`, verl's gpg loss), which reads no ratio. `off_policy_mask` =
     δ drops a response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's
@@ -156,6 +158,8 @@ class PPOClipSettings:
     behavior_is: BehaviorIS = "none"
     behavior_is_max: float | None = 3.0
     behavior_is_min: float | None = None
+    behavior_rs: str | None = None
+    behavior_rs_threshold: str | float | None = None
     off_policy_mask: float | None = None
     surrogate: Surrogate = "clip"
     cispo_max: float = 5.0
@@ -186,6 +190,7 @@ class PPOClipSettings:
                              f"got {low} and {high}")
         if low is not None and high is not None and not low < high:
             raise ValueError(f"algo.behavior_is_min ({low}) must be below algo.behavior_is_max ({high})")
+        rejection_rules(self.behavior_rs, self.behavior_rs_threshold)  # names the option or threshold at fault
 
     def ignored_in_use(self) -> list[str]:
         """One line per key set away from its default that this surrogate does not read."""
@@ -197,6 +202,9 @@ class PPOClipSettings:
                 cap = " (its cap is algo.cispo_max)" if key == "eps_high" and self.surrogate == "cispo" else ""
                 lines.append(f"algo.{key}={getattr(self, key)!r} is read by algo.surrogate={reader} only; "
                              f"algo.surrogate={self.surrogate} ignores it{cap}")
+        if self.behavior_rs is None and self.behavior_rs_threshold is not None:
+            lines.append(f"algo.behavior_rs_threshold={self.behavior_rs_threshold!r} is read with algo.behavior_rs "
+                         "only, which is null (no rejection)")
         if self.surrogate == "pg" and self.ratio_level != default.ratio_level:
             lines.append(f"algo.ratio_level={self.ratio_level} is read by the ratio, which algo.surrogate=pg does not "
                          "take (−A · log π)")
@@ -211,6 +219,10 @@ class PPOClipSettings:
             raise ValueError(f"algo.behavior_is={self.behavior_is} weighs by π_old/μ, the learner's recomputed "
                              "log-probs over the engine's; with algo.old_logprob=behavior π_old is μ and every weight "
                              "is 1: set algo.old_logprob=recompute")
+        if self.behavior_rs is not None and self.old_logprob != "recompute":
+            raise ValueError(f"algo.behavior_rs={self.behavior_rs} rejects tokens by π_old/μ, the learner's recomputed "
+                             "log-probs over the engine's (verl's decoupled mode); with algo.old_logprob=behavior π_old "
+                             "is μ and no token would be rejected: set algo.old_logprob=recompute")
 
 
 def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:

@@ -38,11 +38,13 @@ from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import token_logprobs, token_logprobs_and_entropy
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
+from kv4rl.algo.rejection import rejection_rules
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
 from kv4rl.trainer.entropy_tokens import high_entropy_tokens
 from kv4rl.trainer.rank_sums import every_rank, global_counts, rank_passes
+from kv4rl.trainer.rejected_tokens import without_rejected
 from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
 from kv4rl.trainer.fused_elementwise import fuse_elementwise as fuse_elementwise_modules
@@ -51,15 +53,8 @@ from kv4rl.trainer.learner_options import check_learner_options, describe_option
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 from kv4rl.trainer.update_memory import largest_micro_batch, measure_update_memory
 from kv4rl.trainer.update_stats import global_scalar, token_stats, warn_left_out
-from kv4rl.trainer.optimizer_checkpoint import (
-    FULL,
-    SHARDED,
-    full_state,
-    load_full_state,
-    load_shards,
-    optimizer_format,
-    save_shards,
-)
+from kv4rl.trainer.optimizer_checkpoint import (FULL, SHARDED, full_state, load_full_state, load_shards,
+                                                 optimizer_format, save_shards)
 from kv4rl.trainer.policy_folder import write_policy_folder
 from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 from kv4rl.trainer.policy_model import load_hf_model, load_reference, prepare_policy, shard_policy
@@ -112,6 +107,8 @@ class Learner:
         self.norm_tokens = algo.norm_tokens(max_new_tokens)
         self.loss_fn = get_loss(algo.loss)
         self.loss_inputs = self.loss_fn.inputs(algo)  # the optional LossInputs fields to fill
+        ppo = algo.section("ppo_clip") if algo.loss == "ppo_clip" else None  # verl's rollout_rs, with π_old recomputed
+        self.rejection = rejection_rules(ppo.behavior_rs, ppo.behavior_rs_threshold) if ppo is not None else []
         self.temperature = temperature
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
@@ -273,10 +270,11 @@ class Learner:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         batch = batch.to(self.device)
-        mask = batch.response_mask
         before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration,
                                                    given or {})
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
+        if self.rejection:
+            batch, parts = without_rejected(batch, before_update["old_logprobs"], self.rejection)
         skipped = empty = 0  # optimizer steps left out: a non-finite gradient norm / no token to train
         nonfinite_losses = 0  # micro-batches whose loss was NaN or inf (a gradient can still be finite)
         stepped = False  # the mismatch is measured before the batch's first step
@@ -331,7 +329,7 @@ class Learner:
                           nonfinite_losses, empty, skipped, self.algo.loss)
         out = {"grad_norm": math.nan, **combine_metrics(every_rank(self.group, self.world_size, parts))}
         out.update(skipped_steps=skipped, empty_steps=empty)
-        out["num_tokens"] = global_counts(self.group, self.world_size, float(mask.sum()), 0.0)[0]
+        out["num_tokens"] = global_counts(self.group, self.world_size, batch.num_tokens, 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 

@@ -1,0 +1,189 @@
+"""`algo.behavior_rs` (verl's rollout_rs): the rules as verl parses its options and thresholds, the kept tokens
+against a per-token float64 reference written from verl's definitions (and a hand-worked case), and the learner's
+step with rejection against the same step on a batch whose rejected tokens were masked by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kv4rl.algo.config import AlgoConfig
+from kv4rl.algo.rejection import REJECTION_OPTIONS, rejection_keep, rejection_rules
+from kv4rl.config import load_config
+from kv4rl.config_loader import ConfigError
+from kv4rl.trainer.batch import build_batch
+from kv4rl.trainer.learner import Learner
+
+
+def _reference_keep(log_r: list[list[float]], lengths: list[int], option: str, spec: str) -> list[list[bool]]:
+    """verl's compute_rollout_rejection_mask written out per token: log r held to ±20; k1 = −log r within
+    [log lower, log upper] (one number u: [1/u, u]); k2 = ½ log² r and k3 = e^{log r} − 1 − log r at most the bound;
+    per token, or the sum / mean / max of the response's tokens."""
+    level, estimator = option.rsplit("_", 1)
+    if estimator == "k1":
+        lower, upper = (map(float, spec.split("_")) if "_" in spec else (1 / float(spec), float(spec)))
+        lo, hi = math.log(lower), math.log(upper)
+    else:
+        lo, hi = -math.inf, float(spec)
+    out = []
+    for row, n in zip(log_r, lengths):
+        values = []
+        for x in row[:n]:
+            x = min(max(x, -20.0), 20.0)
+            values.append({"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[estimator])
+        if level == "token":
+            keep = [lo <= v <= hi for v in values]
+        else:
+            stat = {"seq_sum": sum(values), "seq_mean": sum(values) / n, "seq_max": max(values)}[level]
+            keep = [lo <= stat <= hi] * n
+        out.append(keep + [False] * (len(row) - n))
+    return out
+
+
+SPECS = {"k1": "0.7_1.3", "k2": "0.05", "k3": "0.04"}
+SUM_SPECS = {"k1": "0.4_1.2", "k2": "0.3", "k3": "0.25"}  # a response's sum: wider bounds
+MAX_SPECS = {"k2": "0.15", "k3": "0.12"}
+
+
+@pytest.mark.parametrize("option", REJECTION_OPTIONS)
+def test_each_option_keeps_what_verls_definition_keeps(option):
+    gen = torch.Generator().manual_seed(REJECTION_OPTIONS.index(option))
+    lengths = [7, 1, 4, 7, 5, 2]
+    valid = torch.arange(7)[None, :] < torch.tensor(lengths)[:, None]
+    old = -torch.rand(6, 7, generator=gen, dtype=torch.float64) * 3
+    behavior = old - torch.randn(6, 7, generator=gen, dtype=torch.float64) * 0.35
+    behavior[0, 3] = old[0, 3] + 30.0  # past verl's ±20 hold
+    behavior[~valid] = math.nan  # padding must not reach a statistic
+    spec = {"seq_sum": SUM_SPECS, "seq_max": MAX_SPECS}.get(option.rsplit("_", 1)[0], SPECS)[option[-2:]]
+    keep, stats = rejection_keep(old, behavior, valid, rejection_rules(option, spec))
+    log_r = torch.where(valid, old - behavior, 0.0).tolist()
+    want = torch.tensor(_reference_keep(log_r, lengths, option, spec))
+    assert torch.equal(keep, want)
+    assert 0 < int(want.sum()) < int(valid.sum())  # some kept, some rejected: a real comparison
+    rejected = valid & ~want
+    assert stats["behavior_rs_frac"] == pytest.approx(float(rejected.sum()) / float(valid.sum()))
+    assert stats["behavior_rs_seq_frac"] == pytest.approx(float(rejected.any(1).sum()) / 6)
+
+
+def test_a_hand_worked_token_k1_and_its_bounds_on_minus_log_r():
+    """log r = log π_old − log μ = [0.1, −1.0, 0.5]: −log r = [−0.1, 1.0, −0.5] against [log 0.5, log 2] keeps the
+    first and last. With 0.6_1.4 (not symmetric) the bounds act on μ/π_old as verl's do: r = 0.65 (μ/π_old = 1.54)
+    is rejected and r = 1.5 (0.67) kept, the opposite of bounds on r. verl holds log r to ±20 first."""
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    old = torch.tensor([[0.1, -1.0, 0.5]], dtype=torch.float64)
+    keep, stats = rejection_keep(old, torch.zeros_like(old), valid, rejection_rules("token_k1", 2.0))
+    assert keep.tolist() == [[True, False, True]] and stats["behavior_rs_frac"] == pytest.approx(1 / 3)
+    old = torch.log(torch.tensor([[0.65, 1.5, 1.0]], dtype=torch.float64))
+    keep, _ = rejection_keep(old, torch.zeros_like(old), valid, rejection_rules("token_k1", "0.6_1.4"))
+    assert keep.tolist() == [[False, True, True]]
+    # log r = [25, −24] held to [20, −20]: −Σ log r = 0 is kept (held to nothing, −1 would be below log 0.5)
+    keep, _ = rejection_keep(torch.tensor([[25.0, -24.0]]), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                             rejection_rules("seq_sum_k1", 2.0))
+    assert keep.tolist() == [[True, True]]
+
+
+def test_every_option_must_keep_a_token_and_thresholds_pair_with_options():
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    old = torch.tensor([[0.0, 0.0, 0.0], [0.3, 0.3, 0.3]], dtype=torch.float64)
+    behavior = torch.tensor([[0.0, 0.0, 0.9], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    # token_k2 at 0.1 drops row 0's last token (½·0.81), which seq_sum_k1 at 0.5_2.6 keeps (−Σ log r = 0.9 below
+    # log 2.6 = 0.956); seq_sum_k1 drops row 1 (−Σ log r = −0.9 < log 0.5 = −0.693)
+    rules = rejection_rules("token_k2, seq_sum_k1,token_k2", "0.1,0.5_2.6")
+    assert [r.option for r in rules] == ["token_k2", "seq_sum_k1"]
+    keep, stats = rejection_keep(old, behavior, valid, rules)
+    assert keep.tolist() == [[True, True, False], [False, False, False]]
+    assert stats["behavior_rs_seq_frac"] == 1.0
+
+
+@pytest.mark.parametrize("options,thresholds,message", [
+    ("token_k4", 2.0, "unknown option 'token_k4'"),
+    ("seq_max_k1", 2.0, "unknown option 'seq_max_k1'"),  # verl has no max of k1 either
+    (" , ", 2.0, "names no option"),
+    ("token_k1", None, "needs algo.behavior_rs_threshold"),
+    ("token_k1,token_k3", "2,3,4", "3 thresholds for 2 options"),
+    ("token_k3", "0.5_2", "is not one number (k2 and k3 have no lower bound)"),
+    ("token_k1", "2_0.5", "the lower bound 2 must be below the upper 0.5"),
+    ("token_k1", 0.8, "the lower bound 1.25 must be below the upper 0.8"),
+    ("token_k1", "0_2", "must be positive"),
+    ("token_k2", "-1", "must be positive"),
+    ("token_k1", "1_2_3", "must be positive"),
+    ("token_k1", "a_b", "is not `lower_upper` or one number"),
+])
+def test_bad_rules_are_refused_by_name(options, thresholds, message):
+    with pytest.raises(ValueError, match="algo.behavior_rs") as info:
+        rejection_rules(options, thresholds)
+    assert message in str(info.value)
+
+
+def test_the_config_refuses_rejection_without_a_recomputed_pi_old_and_yaml_numbers_that_drop_an_underscore():
+    with pytest.raises(ConfigError, match="set algo.old_logprob=recompute"):
+        load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold=2"])
+    with pytest.raises(ConfigError, match="'0.5_2' is read by YAML as the number 0.52"):
+        load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold=0.5_2"])
+    with pytest.raises(ConfigError, match="'1_2' is read by YAML as the number 12"):
+        load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold=1_2"])
+    cfg = load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold='0.5_2'",
+                                 "algo.old_logprob=recompute", "trainer.iterations=1_000"])
+    assert cfg.algo.behavior_rs_threshold == "0.5_2" and cfg.trainer.iterations == 1000
+
+
+PROMPTS = ([3, 4, 5], [6, 7], [8, 9, 10, 11], [12, 13])
+RESPONSES = ([20, 21, 22, 23], [24, 25], [26, 27, 28, 29, 30, 31], [32, 33, 34])
+ADVANTAGES = [1.0, -0.5, 0.75, -1.25]
+
+
+def _batch(behavior=None):
+    lp = behavior or [[-1.0] * len(r) for r in RESPONSES]
+    return build_batch([list(p) for p in PROMPTS], [list(r) for r in RESPONSES], lp,
+                       [[0] * len(r) for r in RESPONSES], ADVANTAGES, pad_id=0)
+
+
+def _learner(path, agg, **rs):
+    torch.manual_seed(0)
+    algo = AlgoConfig(loss_agg=agg, old_logprob="recompute", entropy_coeff=0.01, **rs)
+    return Learner(path, None, algo=algo, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), grad_clip=1e9,
+                   micro_batch_size=2, updates_per_batch=1, temperature=1.0, device=torch.device("cpu"), max_new_tokens=8)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("options,threshold", [("token_k1", 2.0), ("seq_max_k3,token_k2", "0.5,1.0")])
+def test_a_step_with_rejection_is_the_step_on_the_batch_with_those_tokens_masked(tiny_qwen3, agg, options, threshold):
+    """μ is π_old shifted by hand at a few tokens: the rejected ones leave every term and denominator (the entropy
+    bonus's too), so the step equals one without rejection on the batch whose mask drops them."""
+    path, _ = tiny_qwen3
+    rejecting, plain = _learner(path, agg, behavior_rs=options, behavior_rs_threshold=threshold), _learner(path, agg)
+    old = plain.logprobs(_batch())  # π_old: the recomputed log-probs of the unchanged weights
+    shift = torch.zeros_like(old)
+    shift[0, 3], shift[2, 5], shift[3, 2] = 1.5, -1.2, 0.4  # row 0's 2nd, row 2's 3rd and row 3's 1st token
+    batch = _batch()
+    behavior = torch.where(batch.response_mask.bool(), old + shift, 0.0)
+    batch.behavior_logprobs = behavior.float()
+    keep, _ = rejection_keep(old, behavior, batch.response_mask.bool(), rejection_rules(options, threshold))
+    dropped = int(batch.response_mask.sum()) - int(keep.sum())
+    assert 0 < dropped < batch.num_tokens
+    masked = _batch()
+    masked.behavior_logprobs = behavior.float()
+    masked.response_mask = masked.response_mask * keep
+
+    a, b = rejecting.step(batch), plain.step(masked)
+    grads_a, grads_b = rejecting.named_grads(), plain.named_grads()
+    for name, grad in grads_b.items():
+        torch.testing.assert_close(grads_a[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for key in ("loss", "grad_norm", "num_tokens", "entropy"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert a["behavior_rs_frac"] == pytest.approx(dropped / batch.num_tokens)
+    assert a["behavior_rs_seq_frac"] == pytest.approx(float((~keep & batch.response_mask.bool()).any(1).sum()) / 4)
+    assert "behavior_rs_frac" not in b
+    unrejected = _learner(path, agg)
+    unrejected.step(batch)  # the same batch, nothing rejected: another gradient, so the comparison can fail
+    assert any(not torch.allclose(g, unrejected.named_grads()[n], rtol=1e-4, atol=1e-6) for n, g in grads_a.items())
+
+
+def test_verls_keys_point_at_these():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["algorithm.rollout_correction.rollout_rs=token_k1",
+                               "algorithm.rollout_correction.rollout_rs_threshold=2.0"])
+    assert "rollout_rs is algo.behavior_rs" in str(info.value)
+    assert "rollout_rs_threshold is algo.behavior_rs_threshold" in str(info.value)
