@@ -226,6 +226,11 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
                       "trainer.warmup_iters, trainer.lr_schedule and trainer.min_lr_ratio"),
     ("trainer.lrr=1e-5", "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
     ("engine.kv.fromat=kv4", "unknown config key 'engine.kv.fromat'; did you mean engine.kv.format?"),
+    # a section's key with `_` for its dot
+    ("engine.kv_format=kv4", "unknown config key 'engine.kv_format'; did you mean engine.kv.format?"),
+    ("rollout_group_size=4", "unknown config key 'rollout_group_size'; did you mean rollout.group_size?"),
+    ("engine.kv_cache_dtype=fp8", "unknown config key 'engine.kv_cache_dtype'; vLLM's and SGLang's kv_cache_dtype "
+                                  "(fp8, fp8_e4m3) is engine.kv.format (bf16, fp8, int4, kv4, nvfp4, mxfp4)"),
 ])
 def test_an_unknown_key_suggests_the_key_meant(override, suggested):
     with pytest.raises(ConfigError) as info:

@@ -71,6 +71,10 @@ OTHER_FRAMEWORKS = {
     "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "
                               "device, the colocated learner's memory included)",
     "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
+    "quantization": "verl's rollout.quantization (vLLM's fp8 weights) is engine.weight_format=fp8; the KV cache's "
+                    "format is engine.kv.format",
+    "kv_cache_dtype": "vLLM's and SGLang's kv_cache_dtype (fp8, fp8_e4m3) is engine.kv.format (bf16, fp8, int4, kv4, "
+                      "nvfp4, mxfp4)",
     "save_freq": "verl's save_freq is checkpoint.save_every (>= 1; a checkpoint is also written at the end and on a "
                  "stop, so verl's -1, never, has no counterpart)",
     "test_freq": "verl's test_freq is eval.every (verl's -1, no evaluation, is 0)",

@@ -172,7 +172,8 @@ def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = ""
 
 def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
     """`; did you mean ...?` for an unknown key: another framework's name for a kv4rl key, a close name in its
-    section, or the same name one section down (`lr=...` for `trainer.lr=...`); empty when there is none."""
+    section, or the same name one section down (`lr=...` for `trainer.lr=...`, `engine.kv_format` for
+    `engine.kv.format`); empty when there is none."""
     dotted = lambda n: f"{prefix}.{n}" if prefix else n  # noqa: E731
     foreign = other_key_hint(dotted(name))  # its path first (eval.n_samples_per_prompt is not rollout.group_size)
     if foreign is not None:
@@ -180,8 +181,11 @@ def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
         return f"; did you mean {dotted(typo[0])}? (or: {foreign})" if typo else f"; {foreign}"
     nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
               if _is_section(tp) and name in _schema(tp)]
+    # a section's key written with `_` for its dot: engine.kv_format for engine.kv.format
+    flattened = [dotted(f"{section}.{name.removeprefix(section + '_')}") for section, tp in schema.items()
+                 if _is_section(tp) and name.startswith(section + "_") and name.removeprefix(section + "_") in _schema(tp)]
     close = [dotted(n) for n in difflib.get_close_matches(name, list(schema), n=2, cutoff=0.75)]
-    found = nested or close
+    found = nested or flattened or close
     return f"; did you mean {' or '.join(found)}?" if found else ""
 
 
