@@ -108,7 +108,9 @@ def test_every_option_must_keep_a_token_and_thresholds_pair_with_options():
     ("token_k1", 0.8, "the lower bound 1.25 must be below the upper 0.8"),
     ("token_k1", "0_2", "must be positive"),
     ("token_k2", "-1", "must be positive"),
-    ("token_k1", "1_2_3", "must be positive"),
+    ("token_k2", "nan", "must be positive"),
+    ("token_k1", "1_2_3", "has 3 bounds; k1 takes `lower_upper` or one number"),
+    ("token_k1", "inf", "the lower bound 0 must be a positive number below inf"),
     ("token_k1", "a_b", "is not `lower_upper` or one number"),
 ])
 def test_bad_rules_are_refused_by_name(options, thresholds, message):
@@ -125,8 +127,8 @@ def test_the_config_refuses_rejection_without_a_recomputed_pi_old_and_yaml_numbe
     with pytest.raises(ConfigError, match="'1_2' is read by YAML as the number 12"):
         load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold=1_2"])
     cfg = load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold='0.5_2'",
-                                 "algo.old_logprob=recompute", "trainer.iterations=1_000"])
-    assert cfg.algo.behavior_rs_threshold == "0.5_2" and cfg.trainer.iterations == 1000
+                                 "algo.old_logprob=recompute"])
+    assert cfg.algo.behavior_rs_threshold == "0.5_2"
 
 
 PROMPTS = ([3, 4, 5], [6, 7], [8, 9, 10, 11], [12, 13])
@@ -176,6 +178,10 @@ def test_a_step_with_rejection_is_the_step_on_the_batch_with_those_tokens_masked
     assert a["behavior_rs_frac"] == pytest.approx(dropped / batch.num_tokens)
     assert a["behavior_rs_seq_frac"] == pytest.approx(float((~keep & batch.response_mask.bool()).any(1).sum()) / 4)
     assert "behavior_rs_frac" not in b
+    whole = _learner(path, agg).step(batch)  # no rejection: its mismatch is over every sampled token, as a's
+    for key in ("mismatch_k3", "mismatch_abs_mean", "mismatch_absmax"):
+        assert a[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-9), key
+    assert a["mismatch_absmax"] > b["mismatch_absmax"]  # the kept tokens alone would not show the rejected gaps
     unrejected = _learner(path, agg)
     unrejected.step(batch)  # the same batch, nothing rejected: another gradient, so the comparison can fail
     assert any(not torch.allclose(g, unrejected.named_grads()[n], rtol=1e-4, atol=1e-6) for n, g in grads_a.items())
@@ -187,3 +193,34 @@ def test_verls_keys_point_at_these():
                                "algorithm.rollout_correction.rollout_rs_threshold=2.0"])
     assert "rollout_rs is algo.behavior_rs" in str(info.value)
     assert "rollout_rs_threshold is algo.behavior_rs_threshold" in str(info.value)
+
+
+def test_a_responses_importance_weight_reads_its_rejected_tokens_too(tiny_qwen3):
+    """verl weighs before it rejects: with algo.behavior_is=sequence_truncate a response's weight is the product of
+    π_old/μ over all its sampled tokens, those token_k1 rejects included, on the tokens that stay."""
+    path, _ = tiny_qwen3
+    learner = _learner(path, "token_mean", behavior_rs="token_k1", behavior_rs_threshold=2.0,
+                       behavior_is="sequence_truncate", behavior_is_max=1e9)
+    old = _learner(path, "token_mean").logprobs(_batch()).double()
+    batch = _batch()
+    valid = batch.response_mask.bool()
+    shift = torch.zeros_like(old)
+    shift[0, 3], shift[0, 4], shift[3, 3] = 1.5, 0.3, -0.2  # row 0's 2nd token rejected (log r = −1.5)
+    behavior = torch.where(valid, old + shift, 0.0)
+    batch.behavior_logprobs = behavior.float()
+    keep, _ = rejection_keep(old, behavior, valid, rejection_rules("token_k1", 2.0))
+    assert int(valid.sum()) - int(keep.sum()) == 1
+    row_weight = torch.exp(torch.where(valid, old - batch.behavior_logprobs.double(), 0.0).sum(1))  # every token
+    want = float((row_weight[:, None] * keep).sum() / keep.sum())
+    kept_only = torch.exp(torch.where(keep, old - batch.behavior_logprobs.double(), 0.0).sum(1))
+    assert abs(float((kept_only[:, None] * keep).sum() / keep.sum()) - want) > 0.05  # the two readings differ
+    assert learner.step(batch)["behavior_is_mean"] == pytest.approx(want, rel=1e-5)
+
+
+def test_an_upper_bound_may_be_infinite_as_verls():
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    old = torch.tensor([[3.0, -3.0, 0.0]], dtype=torch.float64)
+    keep, _ = rejection_keep(old, torch.zeros_like(old), valid, rejection_rules("token_k1", "2_inf"))
+    assert keep.tolist() == [[False, True, False]]  # −log r = −3 and 0 are below log 2; 3 has no upper bound
+    keep, _ = rejection_keep(old, torch.zeros_like(old), valid, rejection_rules("token_k3", "inf"))
+    assert keep.all()

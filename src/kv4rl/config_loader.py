@@ -298,7 +298,7 @@ class _ConfigLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently,
     so one of the two settings the user wrote would be ignored) and the YAML 1.1 integers that silently
     mean another number: a leading zero is octal (`iterations: 010` was 8), `1:40` is base 60 (100), and an
-    underscore is dropped (`0.5_2` is 0.52, `1_2` is 12) unless it groups an integer's digits by thousands."""
+    underscore is dropped (`0.5_2` is 0.52, `1_2` is 12) unless it groups an integer's digits by thousands (`10_000`)."""
 
     def construct_yaml_int(self, node):
         text = self.construct_scalar(node)
@@ -306,7 +306,7 @@ class _ConfigLoader(yaml.SafeLoader):
             raise AmbiguousNumber(None, None, f"{text!r} is read by YAML as {super().construct_yaml_int(node)}, "
                                   f"not as written; write the number without a leading zero or ':' (or quote it "
                                   f"for text)", node.start_mark)
-        if "_" in text and not _GROUPED_INT.fullmatch(text.lstrip("+-")):
+        if "_" in text and not _GROUPED_INT.fullmatch(text.lstrip("+-")):  # `1_2` (the bounds 1 and 2) became 12
             raise AmbiguousNumber(None, None, _underscore_problem(text, super().construct_yaml_int(node)),
                                   node.start_mark)
         return super().construct_yaml_int(node)

@@ -230,7 +230,9 @@ def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
     s = cfg.section("ppo_clip")
     old = "old_logprobs" if s.old_logprob == "recompute" else "behavior_logprobs"
     engine = s.behavior_is != "none" or s.off_policy_mask is not None
-    return {old, "ref_logprobs"} | ({"behavior_logprobs"} if engine else set())
+    # a response's weight is over all its sampled tokens, those rejected too (verl weighs before it rejects)
+    whole = s.behavior_is.startswith("sequence") and s.behavior_rs is not None
+    return {old, "ref_logprobs"} | ({"behavior_logprobs"} if engine else set()) | ({"sampled_mask"} if whole else set())
 
 
 def _surrogate(s: PPOClipSettings, ratio: Tensor, adv: Tensor, logprobs: Tensor) -> Tensor:
@@ -275,8 +277,10 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         surrogate = torch.where(kept, surrogate, torch.zeros((), dtype=surrogate.dtype, device=surrogate.device))
     weights = None
     if s.behavior_is != "none":
+        sampled = valid if inp.sampled_mask is None else inp.sampled_mask.bool()
         weights, cut = behavior_importance_weights(old_logprobs, inp.need("behavior_logprobs", "algo.behavior_is"),
-                                                   valid, s.behavior_is, s.behavior_is_min, s.behavior_is_max)
+                                                   sampled, s.behavior_is, s.behavior_is_min, s.behavior_is_max)
+        weights, cut = torch.where(valid, weights, 0.0), cut & valid
         surrogate = surrogate * weights.to(surrogate.dtype)
     loss = -inp.aggregate(surrogate, valid, cfg.loss_agg)
 

@@ -79,11 +79,15 @@ def _rule(option: str, spec: str) -> RejectionRule:
     except ValueError:
         form = "`lower_upper` or one number" if option.endswith("k1") else "one number (k2 and k3 have no lower bound)"
         raise ValueError(f"{where} is not {form}") from None
-    if len(values) > 2 or not all(math.isfinite(v) and v > 0 for v in values):
+    if len(values) > 2:
+        raise ValueError(f"{where} has {len(values)} bounds; k1 takes `lower_upper` or one number")
+    if not all(v > 0 for v in values):  # NaN fails it too; an upper bound may be inf (none)
         raise ValueError(f"{where}: the bounds must be positive numbers")
     if not option.endswith("k1"):
         return RejectionRule(option, upper=values[0])
     lower, upper = values if len(values) == 2 else (1.0 / values[0], values[0])
+    if not (lower > 0 and math.isfinite(lower)):
+        raise ValueError(f"{where}: the lower bound {lower:g} must be a positive number below inf")
     if not lower < upper:
         raise ValueError(f"{where}: the lower bound {lower:g} must be below the upper {upper:g} (one number u means "
                          "[1/u, u], so it must be above 1); no token would be kept")

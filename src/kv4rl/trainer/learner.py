@@ -273,7 +273,9 @@ class Learner:
         before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration,
                                                    given or {})
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
-        if self.rejection:
+        if self.rejection:  # verl's rollout_rs: the tokens sampled too far from π_old leave the mask
+            if "sampled_mask" in self.loss_inputs:
+                before_update["sampled_mask"] = batch.response_mask
             batch, parts = without_rejected(batch, before_update["old_logprobs"], self.rejection)
         skipped = empty = 0  # optimizer steps left out: a non-finite gradient norm / no token to train
         nonfinite_losses = 0  # micro-batches whose loss was NaN or inf (a gradient can still be finite)
@@ -311,7 +313,7 @@ class Learner:
                 (loss * self.world_size if self.world_size > 1 else loss).backward()
                 metrics = dict(metrics, loss=float(loss.detach()) * num_tokens / max(mb.num_tokens, 1.0))
                 nonfinite_losses += not math.isfinite(metrics["loss"])
-                metrics.update(token_stats(logp.detach(), ent.detach(), mb, first=not stepped))
+                metrics.update(token_stats(logp.detach(), ent.detach(), mb, first=not stepped and not self.rejection))
                 parts.append((metrics, mb.num_tokens))
             grad_norm = global_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
             if math.isfinite(grad_norm):  # the global norm, the same on every rank

@@ -26,11 +26,16 @@ def token_stats(logp, ent, mb: TrainBatch, first: bool) -> dict[str, float]:
     n = m.sum().clamp(min=1)
     stats = {"entropy": float((ent * m).sum() / n)}
     if first:
-        diff = (logp - mb.behavior_logprobs) * m
-        stats["mismatch_k3"] = float((k3_kl(mb.behavior_logprobs, logp) * m).sum() / n)
-        stats["mismatch_abs_mean"] = float(diff.abs().sum() / n)
-        stats["mismatch_absmax"] = float(diff.abs().max())
+        stats.update(mismatch_stats(logp, mb.behavior_logprobs, m))
     return stats
+
+
+def mismatch_stats(logp, behavior_logprobs, mask) -> dict[str, float]:
+    """The engine's μ against the learner's log-probs `logp` over the `mask`ed tokens: k3, mean and largest |gap|."""
+    n = mask.sum().clamp(min=1)
+    diff = (logp - behavior_logprobs) * mask
+    return {"mismatch_k3": float((k3_kl(behavior_logprobs, logp) * mask).sum() / n),
+            "mismatch_abs_mean": float(diff.abs().sum() / n), "mismatch_absmax": float(diff.abs().max())}
 
 
 def warn_left_out(iteration: int, steps: int, nonfinite_losses: int, empty: int, skipped: int, loss: str) -> None:
