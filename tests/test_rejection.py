@@ -4,15 +4,18 @@ step with rejection against the same step on a batch whose rejected tokens were 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from kv4rl.algo.config import AlgoConfig
+from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.algo.rejection import REJECTION_OPTIONS, rejection_keep, rejection_rules
 from kv4rl.config import load_config
 from kv4rl.config_loader import ConfigError
+from kv4rl.loop import train
 from kv4rl.trainer.batch import build_batch
 from kv4rl.trainer.learner import Learner
 
@@ -119,9 +122,7 @@ def test_bad_rules_are_refused_by_name(options, thresholds, message):
     assert message in str(info.value)
 
 
-def test_the_config_refuses_rejection_without_a_recomputed_pi_old_and_yaml_numbers_that_drop_an_underscore():
-    with pytest.raises(ConfigError, match="set algo.old_logprob=recompute"):
-        load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold=2"])
+def test_the_config_refuses_yaml_numbers_that_drop_an_underscore():
     with pytest.raises(ConfigError, match="'0.5_2' is read by YAML as the number 0.52"):
         load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold=0.5_2"])
     with pytest.raises(ConfigError, match="'1_2' is read by YAML as the number 12"):
@@ -224,3 +225,54 @@ def test_an_upper_bound_may_be_infinite_as_verls():
     assert keep.tolist() == [[False, True, False]]  # −log r = −3 and 0 are below log 2; 3 has no upper bound
     keep, _ = rejection_keep(old, torch.zeros_like(old), valid, rejection_rules("token_k3", "inf"))
     assert keep.all()
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+def test_bypass_mode_drops_from_the_surrogate_the_tokens_whose_policy_strayed_from_mu(agg):
+    """verl's bypass mode (algo.old_logprob=behavior): each pass judges π_θ against μ and its rejected tokens leave the
+    clipped surrogate, the batch's denominators unchanged (verl's agg_loss with the global token and sequence
+    counts, a sequence's mean over its kept tokens). Against that written out in float64, value and gradient."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [5, 3, 6, 1]
+    valid = torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]
+    behavior = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 2
+    logp = (behavior + torch.randn(4, 6, generator=gen, dtype=torch.float64) * 0.6).requires_grad_()
+    adv = torch.tensor([1.0, -0.5, 0.8, -1.2], dtype=torch.float64)[:, None].expand(4, 6) * valid
+    n_tokens, n_seqs = 40.0, 9.0  # the whole batch's, as the learner passes them
+    algo = AlgoConfig(loss_agg=agg, behavior_rs="token_k1", behavior_rs_threshold=1.6)
+    inp = LossInputs(logprobs=logp, advantages=adv, mask=valid.double(), behavior_logprobs=behavior,
+                     num_tokens=n_tokens, num_seqs=n_seqs)
+    loss, metrics = get_loss("ppo_clip")(inp, algo)
+
+    want, kept, rejected = torch.zeros((), dtype=torch.float64), 0, 0
+    for i, n in enumerate(lengths):
+        row, row_kept = torch.zeros((), dtype=torch.float64), 0
+        for t in range(n):
+            log_r = float(logp[i, t] - behavior[i, t])
+            if not math.log(1 / 1.6) <= -log_r <= math.log(1.6):
+                rejected += 1
+                continue
+            ratio = torch.exp(logp[i, t] - behavior[i, t])
+            a = float(adv[i, t])
+            row = row - torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)
+            row_kept += 1
+        kept += row_kept
+        want = want + (row if agg == "token_mean" else row / max(row_kept, 1))
+    want = want / (n_tokens if agg == "token_mean" else n_seqs)
+    assert 0 < rejected < sum(lengths)
+    assert float(loss) == pytest.approx(float(want), rel=1e-12)
+    (got_grad,) = torch.autograd.grad(loss, logp)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-15)
+    assert metrics["behavior_rs_frac"] == pytest.approx(rejected / sum(lengths))
+
+
+def test_bypass_mode_rejection_is_the_losss_and_runs_in_a_training(tmp_path):
+    cfg = load_config(overrides=["algo.behavior_rs=token_k1", "algo.behavior_rs_threshold=2"])
+    assert cfg.algo.old_logprob == "behavior"  # not refused: the loss judges π_θ against μ
+    cfg = load_config(overrides=["algo.behavior_rs=token_k2", "algo.behavior_rs_threshold=0.0005",
+                                 "engine.kv.format=int4", "engine.kv.group_size=32", "trainer.iterations=1",
+                                 f"out_dir={tmp_path}", "name=run"])
+    train(cfg)
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0 < row["behavior_rs_frac"] < 1  # INT4 keys and values: μ differs from π_θ, some tokens past the bound

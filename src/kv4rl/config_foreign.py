@@ -159,7 +159,7 @@ OTHER_FRAMEWORKS = {
     "rollout_is_batch_normalize": "verl's rollout_is_batch_normalize does not exist (algo.behavior_is is not "
                                   "normalised)",
     "rollout_rs": "verl's rollout_correction.rollout_rs is algo.behavior_rs (the same options, e.g. token_k1 or "
-                  "seq_mean_k3,seq_max_k2), with algo.old_logprob=recompute",
+                  "seq_mean_k3,seq_max_k2; algo.old_logprob=recompute is verl's decoupled mode)",
     "rollout_rs_threshold": "verl's rollout_rs_threshold is algo.behavior_rs_threshold (the same form; quote a "
                             "lower_upper pair such as '0.5_2' that YAML would read as a number)",
     "truncation": "verl's data.truncation does not exist: data.max_prompt_tokens drops the longer prompts",

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, k3_kl, ref_kl_terms
 from kv4rl.algo.off_policy import BEHAVIOR_IS_MODES, BehaviorIS, behavior_importance_weights, off_policy_keep
-from kv4rl.algo.rejection import rejection_rules
+from kv4rl.algo.rejection import rejection_keep, rejection_rules
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
 if TYPE_CHECKING:
@@ -143,9 +143,11 @@ class PPOClipSettings:
     `behavior_is` weighs each token's surrogate by π_old/μ, the recomputed π_old over the engine's μ, truncated to
     or masked outside [`behavior_is_min`, `behavior_is_max`] (TRL's vllm_importance_sampling_*, AReaL's decoupled
     PPO; `behavior_importance_weights`). `behavior_rs` rejects the tokens or responses whose μ strayed too far from
-    π_old before the update (verl's rollout_rs, with `behavior_rs_threshold`; `kv4rl.algo.rejection`). `surrogate` swaps the clipped objective for CISPO's or SAPO's (TRL's
-    loss_type cispo / sapo), which share π_old, the ratio level and the weights (`_surrogate`), or for the plain
-    policy gradient (`pg`, verl's gpg loss), which reads no ratio. `off_policy_mask` =
+    π_old (verl's rollout_rs, with `behavior_rs_threshold`; `kv4rl.algo.rejection`): with `recompute` the learner
+    drops them from the batch before the update; with `behavior` (verl's bypass mode) each pass here drops from the
+    surrogate the tokens whose π_θ strayed from μ, its denominators unchanged. `surrogate` swaps the clipped
+    objective for CISPO's or SAPO's (TRL's loss_type cispo / sapo), which share π_old, the ratio level and the
+    weights (`_surrogate`), or for the plain policy gradient (`pg`, verl's gpg loss), which reads no ratio. `off_policy_mask` =
     δ drops a response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's
     off_policy_mask_threshold; `off_policy_keep`). `kl_ref_unbiased` weighs each token's reference-KL term by the
     ratio, so that over π_old's samples it estimates the KL of π_θ (DeepSeek-V3.2, TRL's use_bias_correction_kl)."""
@@ -219,17 +221,13 @@ class PPOClipSettings:
             raise ValueError(f"algo.behavior_is={self.behavior_is} weighs by π_old/μ, the learner's recomputed "
                              "log-probs over the engine's; with algo.old_logprob=behavior π_old is μ and every weight "
                              "is 1: set algo.old_logprob=recompute")
-        if self.behavior_rs is not None and self.old_logprob != "recompute":
-            raise ValueError(f"algo.behavior_rs={self.behavior_rs} rejects tokens by π_old/μ, the learner's recomputed "
-                             "log-probs over the engine's (verl's decoupled mode); with algo.old_logprob=behavior π_old "
-                             "is μ and no token would be rejected: set algo.old_logprob=recompute")
 
 
 def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
     """π_old is either the engine's log-probs or a recompute by the learner; both with `behavior_is`."""
     s = cfg.section("ppo_clip")
     old = "old_logprobs" if s.old_logprob == "recompute" else "behavior_logprobs"
-    engine = s.behavior_is != "none" or s.off_policy_mask is not None
+    engine = s.behavior_is != "none" or s.off_policy_mask is not None or s.behavior_rs is not None
     # a response's weight is over all its sampled tokens, those rejected too (verl weighs before it rejects)
     whole = s.behavior_is.startswith("sequence") and s.behavior_rs is not None
     return {old, "ref_logprobs"} | ({"behavior_logprobs"} if engine else set()) | ({"sampled_mask"} if whole else set())
@@ -275,6 +273,12 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         kept = off_policy_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.off_policy_mask"), adv, valid,
                                s.off_policy_mask)
         surrogate = torch.where(kept, surrogate, torch.zeros((), dtype=surrogate.dtype, device=surrogate.device))
+    trained = valid  # in verl's bypass mode, the tokens `behavior_rs` keeps in this pass (π_θ against μ)
+    rs_stats = {}
+    if s.behavior_rs is not None and s.old_logprob == "behavior":
+        keep, rs_stats = rejection_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.behavior_rs"), valid,
+                                        rejection_rules(s.behavior_rs, s.behavior_rs_threshold))
+        trained = valid & keep
     weights = None
     if s.behavior_is != "none":
         sampled = valid if inp.sampled_mask is None else inp.sampled_mask.bool()
@@ -282,7 +286,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
                                                    sampled, s.behavior_is, s.behavior_is_min, s.behavior_is_max)
         weights, cut = torch.where(valid, weights, 0.0), cut & valid
         surrogate = surrogate * weights.to(surrogate.dtype)
-    loss = -inp.aggregate(surrogate, valid, cfg.loss_agg)
+    loss = -inp.aggregate(surrogate, trained, cfg.loss_agg)
 
     kl_weight = torch.where(valid, ratio, 0) if s.kl_ref_unbiased else None
     ratio = ratio.detach()
@@ -296,6 +300,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         stats["cispo_clip_frac"] = _mean((valid & (adv > 0) & (ratio > s.cispo_max)).double(), valid)
     if s.dual_clip is not None:
         stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > s.dual_clip)).double(), valid)
+    stats.update(rs_stats)
     if kept is not None:  # the tokens of the responses it dropped
         stats["off_policy_masked_frac"] = _mean((valid & ~kept).double(), valid)
     if weights is not None:

@@ -2,6 +2,8 @@
 docs/objectives.md, "Rejection of off-policy tokens"): with `algo.old_logprob=recompute`, each token's
 log r = log π_old − log μ gives a divergence statistic, per token or over its response, and what falls outside the
 bounds leaves the response mask before the update: no loss term, no gradient, and no place in the denominators.
+With `behavior` (π_old is μ: verl's bypass mode) `ppo_clip` judges log π_θ − log μ in each pass and drops the
+rejected tokens from its surrogate only.
 
 The options and thresholds are written as verl writes them, so a verl config ports unchanged:
 `algo.behavior_rs="token_k1,seq_max_k3"` with `algo.behavior_rs_threshold="0.5_2.0,3.0"` (one threshold for

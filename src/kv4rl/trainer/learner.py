@@ -107,10 +107,10 @@ class Learner:
         self.norm_tokens = algo.norm_tokens(max_new_tokens)
         self.loss_fn = get_loss(algo.loss)
         self.loss_inputs = self.loss_fn.inputs(algo)  # the optional LossInputs fields to fill
-        ppo = algo.section("ppo_clip") if algo.loss == "ppo_clip" else None  # verl's rollout_rs, with π_old recomputed
-        self.rejection = rejection_rules(ppo.behavior_rs, ppo.behavior_rs_threshold) if ppo is not None else []
-        self.temperature = temperature
-        self.grad_clip = grad_clip
+        ppo = algo.section("ppo_clip") if algo.loss == "ppo_clip" else None  # verl's rollout_rs, π_old recomputed
+        decoupled = ppo is not None and ppo.old_logprob == "recompute"  # (bypass mode's is the loss's own)
+        self.rejection = rejection_rules(ppo.behavior_rs, ppo.behavior_rs_threshold) if decoupled else []
+        self.temperature, self.grad_clip = temperature, grad_clip
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens_per_micro_batch
         self.updates_per_batch, self.epochs_per_batch = updates_per_batch, epochs_per_batch
