@@ -276,3 +276,21 @@ def test_bypass_mode_rejection_is_the_losss_and_runs_in_a_training(tmp_path):
     train(cfg)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert 0 < row["behavior_rs_frac"] < 1  # INT4 keys and values: μ differs from π_θ, some tokens past the bound
+
+
+def test_a_sequence_ratio_in_bypass_mode_is_over_the_kept_tokens():
+    """GSPO's ratio (algo.ratio_level=sequence) of a response with a rejected token is the exp of its kept tokens'
+    mean log-ratio, so the rejected token has no gradient, as in decoupled mode where it left the mask."""
+    behavior = torch.tensor([[-1.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    logp = torch.tensor([[-0.9, -2.5, -1.1, -0.8]], dtype=torch.float64, requires_grad=True)  # the 2nd: log r = −1.5
+    valid = torch.ones(1, 4)
+    adv = torch.full((1, 4), 0.7, dtype=torch.float64)
+    algo = AlgoConfig(ratio_level="sequence", behavior_rs="token_k1", behavior_rs_threshold=2.0, eps_high=10.0)
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=valid,
+                                                    behavior_logprobs=behavior), algo)
+    kept = [0, 2, 3]
+    ratio = torch.exp((logp[0, kept] - behavior[0, kept]).mean())  # unclipped: 1 + eps_high is far above it
+    torch.testing.assert_close(loss, -(ratio * 0.7 * 3) / 3, rtol=1e-12, atol=0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[0, 1] == 0 and (grad[0, kept] != 0).all()
+    assert metrics["behavior_rs_frac"] == 0.25

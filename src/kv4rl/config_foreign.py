@@ -170,8 +170,9 @@ OTHER_FRAMEWORKS = {
     "use_peft": "LoRA / PEFT does not exist here: the learner trains every weight in BF16",
     "min_p": "TRL's and vLLM's min_p is rollout.min_p",
     "repetition_penalty": "repetition_penalty does not exist (rollout.temperature, rollout.top_p, rollout.top_k)",
-    "rollout_correction.loss_type": "verl's rollout_correction.loss_type (bypass mode's reinforce / ppo_clip) does not "
-                                    "exist: kv4rl's bypass mode is algo.old_logprob=behavior with the clip",
+    "rollout_correction.loss_type": "verl's rollout_correction.loss_type is algo.surrogate with algo.old_logprob=behavior "
+                                    "(ppo_clip: clip; reinforce with token rollout_is at c: cispo with algo.cispo_max=c; "
+                                    "reinforce alone: pg)",
     "rollout.name": "verl's rollout.name (vllm / sglang) has no counterpart: kv4rl rolls out with its own engine "
                     "(engine.*); the reward's name is reward.name",
     "sapo_temperature_pos": "TRL's sapo_temperature_pos is algo.sapo_tau_pos (with algo.surrogate=sapo)",

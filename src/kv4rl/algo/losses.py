@@ -259,9 +259,16 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         old_logprobs = inp.need("old_logprobs", "algo.old_logprob=recompute")
     else:
         old_logprobs = inp.need("behavior_logprobs")
+    trained = valid  # in verl's bypass mode, the tokens `behavior_rs` keeps in this pass (π_θ against μ)
+    rs_stats = {}
+    if s.behavior_rs is not None and s.old_logprob == "behavior":
+        keep, rs_stats = rejection_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.behavior_rs"), valid,
+                                        rejection_rules(s.behavior_rs, s.behavior_rs_threshold))
+        trained = valid & keep
     log_ratio = torch.where(valid, inp.logprobs - old_logprobs.detach(), 0)
-    if s.ratio_level == "sequence":  # within a row: the same in any micro-batch
-        row_mean = log_ratio.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+    if s.ratio_level == "sequence":  # within a row: the same in any micro-batch; over the kept tokens
+        kept_ratio = torch.where(trained, log_ratio, 0)
+        row_mean = kept_ratio.sum(-1, keepdim=True) / trained.sum(-1, keepdim=True).clamp(min=1)
         log_ratio = torch.where(valid, row_mean.expand_as(log_ratio), 0)
     # e^88.7 overflows float32, and an infinite ratio made a clipped token's gradient and an A = 0 token's loss
     # NaN; past ±LOG_RATIO_LIMIT (e^80 ≈ 5.5e34, far beyond any clip range) the ratio is held there
@@ -273,12 +280,6 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         kept = off_policy_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.off_policy_mask"), adv, valid,
                                s.off_policy_mask)
         surrogate = torch.where(kept, surrogate, torch.zeros((), dtype=surrogate.dtype, device=surrogate.device))
-    trained = valid  # in verl's bypass mode, the tokens `behavior_rs` keeps in this pass (π_θ against μ)
-    rs_stats = {}
-    if s.behavior_rs is not None and s.old_logprob == "behavior":
-        keep, rs_stats = rejection_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.behavior_rs"), valid,
-                                        rejection_rules(s.behavior_rs, s.behavior_rs_threshold))
-        trained = valid & keep
     weights = None
     if s.behavior_is != "none":
         sampled = valid if inp.sampled_mask is None else inp.sampled_mask.bool()
