@@ -294,3 +294,17 @@ def test_a_sequence_ratio_in_bypass_mode_is_over_the_kept_tokens():
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad[0, 1] == 0 and (grad[0, kept] != 0).all()
     assert metrics["behavior_rs_frac"] == 0.25
+
+
+def test_openrlhfs_seq_mask_tis_is_seq_mean_k1_at_the_reciprocal_bounds():
+    """README's recipe: OpenRLHF keeps a response while exp(mean log r) is in [low, high]; seq_mean_k1 bounds
+    −mean log r by [log lower, log upper], so lower = 1/high and upper = 1/low keep the same responses."""
+    gen = torch.Generator().manual_seed(0)
+    old = torch.randn(200, 5, generator=gen, dtype=torch.float64)
+    behavior = old + torch.randn(200, 5, generator=gen, dtype=torch.float64) * 1.2
+    valid = torch.ones(200, 5, dtype=torch.bool)
+    low, high = 0.7, 1.6
+    keep, _ = rejection_keep(old, behavior, valid, rejection_rules("seq_mean_k1", f"{1 / high}_{1 / low}"))
+    geometric = [math.exp(sum(row) / 5) for row in (old - behavior).tolist()]
+    want = torch.tensor([[low <= g <= high] * 5 for g in geometric])
+    assert torch.equal(keep, want) and 20 < int(want[:, 0].sum()) < 180

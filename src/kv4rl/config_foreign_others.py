@@ -108,7 +108,9 @@ SLIME_OPENRLHF_PRIMERL = {
                                               "algo.behavior_is_max",
     "enable_vllm_is_correction": "OpenRLHF's vLLM IS correction is algo.behavior_is with algo.old_logprob=recompute",
     "vllm_is_correction_type": "OpenRLHF's vllm_is_correction_type is algo.behavior_is (tis: token_truncate; icepop: "
-                               "token_mask; its geometric-mean seq-mask-tis does not exist)",
+                               "token_mask; seq-mask-tis at [low, high]: algo.behavior_rs=seq_mean_k1 with "
+                               "algo.behavior_rs_threshold=<1/high>_<1/low> and algo.behavior_is=token_truncate "
+                               "algo.behavior_is_max=null, whose masked responses leave the denominators here)",
     "vllm_is_truncated_threshold": "OpenRLHF's vllm_is_truncated_threshold is algo.behavior_is_min and "
                                    "algo.behavior_is_max",
     "policy_loss_type": "OpenRLHF's policy_loss_type=gspo is algo.ratio_level=sequence with algo.loss_agg=seq_mean",
