@@ -1,8 +1,11 @@
 """`algo.surrogate`: CISPO's and SAPO's objectives in place of PPO's clip (TRL's loss_type cispo / sapo), against
 TRL's `_compute_loss` written out in float64 (TRL f2cd577): loss, gradient and metrics, with the sequence-level
-ratio and the behaviour importance weights they share with the clip."""
+ratio and the behaviour importance weights they share with the clip; verl's gpg; prime-rl's DPPO default loss
+(prime-rl 559b447's `default_loss_fn`, written out the same way)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -198,3 +201,59 @@ def test_the_plain_policy_gradient_equals_verls_gpg_loss(is_mode):
     assert abs(clipped.item() - loss.item()) > 1e-3
     assert AlgoConfig(surrogate="pg", ratio_level="sequence").ignored_keys() == [
         "algo.ratio_level=sequence is read by the ratio, which algo.surrogate=pg does not take (−A · log π)"]
+
+
+def prime_rl_default_loss(trainer, inference, adv, mask, low=0.2, high=0.2, kl_tau=1e-3):
+    """prime-rl's default_loss_fn over its rl token count (compute_loss divides the summed loss by rl_scale)."""
+    log_ratio = trainer - inference
+    ratio = torch.exp(log_ratio)
+    probs_diff = torch.exp(trainer) - torch.exp(inference)
+    invalid = torch.where(adv > 0, probs_diff > high, probs_diff < -low)
+    keep = mask.bool() & ~invalid
+    per_token = -(keep * adv * ratio) + kl_tau * (mask * log_ratio ** 2)
+    return per_token.sum() / mask.sum()
+
+
+@pytest.mark.parametrize("old_logprob", ["behavior", "recompute"])
+def test_dppo_equals_prime_rls_default_loss(old_logprob):
+    """`algo.surrogate=dppo`: A·ρ on the tokens inside the trust region on p_θ − p_old (per advantage sign) less
+    dppo_kl_coef·(log ρ)² on every token, over the batch's tokens; π_old is μ (prime-rl's inference log-probs) or
+    the recomputed one. Loss, gradient and the masked shares against prime-rl's, with non-default bounds."""
+    logp, old, sampling, adv, mask = batch(12)
+    pi_old = old if old_logprob == "recompute" else sampling
+    cfg = AlgoConfig(loss_agg="token_mean", surrogate="dppo", old_logprob=old_logprob, dppo_mask_low=0.1,
+                     dppo_mask_high=0.15, dppo_kl_coef=0.05)
+    cfg.validate()
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                                    behavior_logprobs=sampling), cfg)
+    want = prime_rl_default_loss(logp, pi_old, adv, mask, low=0.1, high=0.15, kl_tau=0.05)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+    gap = torch.exp(logp.detach()) - torch.exp(pi_old)
+    high, low = (adv > 0) & (gap > 0.15) & mask.bool(), (adv < 0) & (gap < -0.1) & mask.bool()
+    assert 0 < int(high.sum()) and 0 < int(low.sum())  # both sides of the trust region are exercised
+    n = float(mask.sum())
+    assert metrics["dppo_masked_frac_high"] == pytest.approx(int(high.sum()) / n)
+    assert metrics["dppo_masked_frac_low"] == pytest.approx(int(low.sum()) / n)
+    assert metrics["dppo_masked_frac"] == pytest.approx(int((high | low).sum()) / n)
+
+
+def test_dppo_by_hand_and_its_settings_refused_or_warned():
+    """Two tokens, A = +1 and −1, p_old = 0.5 each: p_θ = 0.8 (+0.3 > 0.2) drops the first, p_θ = 0.4 (−0.1) keeps
+    the second: loss = −(−1 · 0.8) + kl·[(log 1.6)² + (log 0.8)²], over 2 tokens."""
+    old = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    logp = torch.log(torch.tensor([[0.8, 0.4]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    cfg = AlgoConfig(surrogate="dppo", dppo_kl_coef=0.1)
+    loss, _ = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=torch.ones(1, 2),
+                                              behavior_logprobs=old), cfg)
+    want = (-(-1.0 * 0.4 / 0.5) + 0.1 * (math.log(1.6) ** 2 + math.log(0.8) ** 2)) / 2
+    assert loss.item() == pytest.approx(float(want), rel=1e-12)
+    with pytest.raises(ConfigError, match="algo.surrogate=dppo masks each token .* set algo.ratio_level=token"):
+        load_config(None, ["algo.surrogate=dppo", "algo.ratio_level=sequence"])
+    with pytest.raises(ConfigError, match="algo.dppo_mask_low must be >= 0"):
+        load_config(None, ["algo.surrogate=dppo", "algo.dppo_mask_low=-0.1"])
+    assert AlgoConfig(dppo_kl_coef=0.01).ignored_keys() == [
+        "algo.dppo_kl_coef=0.01 is read by algo.surrogate=dppo only; algo.surrogate=clip ignores it"]

@@ -130,11 +130,15 @@ SLIME_OPENRLHF_PRIMERL = {
                     "staleness.lag (staleness.lag=1 for that fixed lag)"),
     "max_completion_tokens": "prime-rl's max_completion_tokens is rollout.max_new_tokens",
     "orchestrator.batch_size": "prime-rl's batch_size (samples per step) is rollout.quota_groups x rollout.group_size",
-    **dict.fromkeys(("dppo_mask_low", "dppo_mask_high"),
-                    "prime-rl's DPPO mask (on p_θ − p_μ) does not exist; the nearest is PPO's clip of the ratio, "
-                    "algo.eps_low / algo.eps_high"),
-    "kl_tau": "prime-rl's kl_tau (a squared log-ratio to the inference policy) does not exist; algo.kl_ref_coef is a "
-              "KL to the reference model",
+    "dppo_mask_low": "prime-rl's dppo_mask_low is algo.dppo_mask_low, with algo.surrogate=dppo (its default loss)",
+    "dppo_mask_high": "prime-rl's dppo_mask_high is algo.dppo_mask_high, with algo.surrogate=dppo (its default loss)",
+    "kl_tau": "prime-rl's kl_tau (its squared log-ratio to the inference policy) is algo.dppo_kl_coef, with "
+              "algo.surrogate=dppo",
+    "adv_tau": "prime-rl's adv_tau does not exist: the advantage's weight against the squared log-ratio is set by "
+               "algo.dppo_kl_coef alone",
+    "ipo_threshold": "prime-rl's ipo loss does not exist; its default loss is algo.surrogate=dppo",
+    "loss.type": "prime-rl's loss.type=default (DPPO with its squared log-ratio) is algo.surrogate=dppo; its ipo and "
+                 "custom losses do not exist here (a loss of your own: algo.plugins)",
     "interval": "prime-rl's eval.interval is eval.every, its ckpt.interval checkpoint.save_every",
     "scheduler.type": "prime-rl's scheduler.type is trainer.lr_schedule",
 }

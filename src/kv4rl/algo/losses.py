@@ -34,6 +34,7 @@ from torch import Tensor
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, k3_kl, ref_kl_terms
 from kv4rl.algo.off_policy import BEHAVIOR_IS_MODES, BehaviorIS, behavior_importance_weights, off_policy_keep
 from kv4rl.algo.rejection import rejection_keep, rejection_rules
+from kv4rl.algo.surrogates import Surrogate, dppo_dropped, surrogate_objective
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
 if TYPE_CHECKING:
@@ -132,9 +133,6 @@ def _with_ref_kl(
     return loss
 
 
-Surrogate = Literal["clip", "cispo", "sapo", "pg"]
-
-
 @dataclass(kw_only=True)
 class PPOClipSettings:
     """`ppo_clip`'s keys: the clip range, the dual-clip constant c > 1 (null: off), π_old, and whether each token
@@ -147,7 +145,8 @@ class PPOClipSettings:
     drops them from the batch before the update; with `behavior` (verl's bypass mode) each pass here drops from the
     surrogate the tokens whose π_θ strayed from μ, its denominators unchanged. `surrogate` swaps the clipped
     objective for CISPO's or SAPO's (TRL's loss_type cispo / sapo), which share π_old, the ratio level and the
-    weights (`_surrogate`), or for the plain policy gradient (`pg`, verl's gpg loss), which reads no ratio. `off_policy_mask` =
+    weights, for the plain policy gradient (`pg`, verl's gpg loss), which reads no ratio, or for prime-rl's DPPO
+    (`dppo`: A·ρ inside a trust region on p_θ − p_old, less `dppo_kl_coef`·(log ρ)²; `kv4rl.algo.surrogates`). `off_policy_mask` =
     δ drops a response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's
     off_policy_mask_threshold; `off_policy_keep`). `kl_ref_unbiased` weighs each token's reference-KL term by the
     ratio, so that over π_old's samples it estimates the KL of π_θ (DeepSeek-V3.2, TRL's use_bias_correction_kl)."""
@@ -167,6 +166,9 @@ class PPOClipSettings:
     cispo_max: float = 5.0
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    dppo_mask_low: float = 0.2
+    dppo_mask_high: float = 0.2
+    dppo_kl_coef: float = 1e-3
     kl_ref_unbiased: bool = False
 
     def validate(self) -> None:
@@ -186,6 +188,9 @@ class PPOClipSettings:
         for key in ("cispo_max", "sapo_tau_pos", "sapo_tau_neg"):
             if not getattr(self, key) > 0.0:
                 raise ValueError(f"algo.{key} must be > 0, got {getattr(self, key)}")
+        for key in ("dppo_mask_low", "dppo_mask_high", "dppo_kl_coef"):
+            if not getattr(self, key) >= 0.0:
+                raise ValueError(f"algo.{key} must be >= 0, got {getattr(self, key)}")
         low, high = self.behavior_is_min, self.behavior_is_max
         if (low is not None and not low >= 0.0) or (high is not None and not high > 0.0):
             raise ValueError(f"algo.behavior_is_min must be >= 0 and algo.behavior_is_max > 0 (or null: no bound), "
@@ -198,7 +203,7 @@ class PPOClipSettings:
         """One line per key set away from its default that this surrogate does not read."""
         default, lines = PPOClipSettings(), []
         readers = {"eps_low": "clip", "eps_high": "clip", "cispo_max": "cispo", "sapo_tau_pos": "sapo",
-                   "sapo_tau_neg": "sapo"}
+                   "sapo_tau_neg": "sapo", "dppo_mask_low": "dppo", "dppo_mask_high": "dppo", "dppo_kl_coef": "dppo"}
         for key, reader in readers.items():
             if reader != self.surrogate and getattr(self, key) != getattr(default, key):
                 cap = " (its cap is algo.cispo_max)" if key == "eps_high" and self.surrogate == "cispo" else ""
@@ -214,6 +219,9 @@ class PPOClipSettings:
 
     def check_in_use(self) -> None:
         """The rules that hold only when `ppo_clip` is the run's loss (another loss ignores these keys)."""
+        if self.surrogate == "dppo" and self.ratio_level != "token":
+            raise ValueError("algo.surrogate=dppo masks each token by its own probability's change and weighs it by "
+                             "its own ratio: set algo.ratio_level=token")
         if self.dual_clip is not None and self.surrogate != "clip":
             raise ValueError(f"algo.dual_clip bounds the clipped surrogate; algo.surrogate={self.surrogate} has no "
                              "clip to bound: set algo.dual_clip=null")
@@ -231,24 +239,6 @@ def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
     # a response's weight is over all its sampled tokens, those rejected too (verl weighs before it rejects)
     whole = s.behavior_is.startswith("sequence") and s.behavior_rs is not None
     return {old, "ref_logprobs"} | ({"behavior_logprobs"} if engine else set()) | ({"sampled_mask"} if whole else set())
-
-
-def _surrogate(s: PPOClipSettings, ratio: Tensor, adv: Tensor, logprobs: Tensor) -> Tensor:
-    """Per-token objective to maximise (`algo.surrogate`): PPO's clipped `min(ρA, clip(ρ)A)` (with the dual clip
-    for A < 0), CISPO's `sg(min(ρ, cispo_max)) · A · log π` (a capped, gradient-free weight on REINFORCE),
-    SAPO's soft gate `σ(τ(ρ − 1)) · 4/τ · A`, τ = `sapo_tau_pos` for A > 0 and `sapo_tau_neg` otherwise, or the plain
-    policy gradient `A · log π` (`pg`: no ratio and no clip, verl's gpg loss)."""
-    if s.surrogate == "cispo":
-        return ratio.clamp(max=s.cispo_max).detach() * adv * logprobs
-    if s.surrogate == "sapo":
-        tau = torch.where(adv > 0, s.sapo_tau_pos, s.sapo_tau_neg).to(ratio.dtype)
-        return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
-    if s.surrogate == "pg":
-        return adv * logprobs
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - s.eps_low, 1.0 + s.eps_high) * adv)
-    if s.dual_clip is not None:
-        surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)
-    return surrogate
 
 
 @register_loss("ppo_clip", settings=PPOClipSettings, inputs=_ppo_clip_inputs)
@@ -274,7 +264,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     # NaN; past ±LOG_RATIO_LIMIT (e^80 ≈ 5.5e34, far beyond any clip range) the ratio is held there
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     adv = torch.where(valid, inp.advantages.detach(), 0)
-    surrogate = _surrogate(s, ratio, adv, torch.where(valid, inp.logprobs, 0))
+    surrogate = surrogate_objective(s, ratio, log_ratio, adv, torch.where(valid, inp.logprobs, 0), old_logprobs)
     kept = None
     if s.off_policy_mask is not None:
         kept = off_policy_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.off_policy_mask"), adv, valid,
@@ -299,6 +289,11 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
                      clip_frac_low=_mean(clipped_low.double(), valid), clip_frac_high=_mean(clipped_high.double(), valid))
     elif s.surrogate == "cispo":  # TRL's cispo_clip_ratio: capped tokens of positive advantage
         stats["cispo_clip_frac"] = _mean((valid & (adv > 0) & (ratio > s.cispo_max)).double(), valid)
+    elif s.surrogate == "dppo":  # prime-rl's is_masked, is_masked_high, is_masked_low
+        high, low = dppo_dropped(s, inp.logprobs, old_logprobs, adv)
+        stats.update(dppo_masked_frac=_mean((valid & (high | low)).double(), valid),
+                     dppo_masked_frac_high=_mean((valid & high).double(), valid),
+                     dppo_masked_frac_low=_mean((valid & low).double(), valid))
     if s.dual_clip is not None:
         stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > s.dual_clip)).double(), valid)
     stats.update(rs_stats)

@@ -1,0 +1,47 @@
+"""`ppo_clip`'s per-token objectives to maximise (`algo.surrogate`; docs/objectives.md): PPO's clip, CISPO's, SAPO's,
+the plain policy gradient and prime-rl's DPPO. Each reads the ratio ρ = π_θ/π_old (π_old: μ, or the recomputed
+log-probs), the advantage and, where it needs them, the log-probs; `ppo_clip_loss` aggregates the result."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from kv4rl.algo.losses import PPOClipSettings
+
+Surrogate = Literal["clip", "cispo", "sapo", "pg", "dppo"]
+
+
+def surrogate_objective(s: PPOClipSettings, ratio: Tensor, log_ratio: Tensor, adv: Tensor, logprobs: Tensor,
+                        old_logprobs: Tensor) -> Tensor:
+    """PPO's clipped `min(ρA, clip(ρ)A)` (with the dual clip for A < 0), CISPO's `sg(min(ρ, cispo_max)) · A · log π`
+    (a capped, gradient-free weight on REINFORCE), SAPO's soft gate `σ(τ(ρ − 1)) · 4/τ · A`, τ = `sapo_tau_pos` for
+    A > 0 and `sapo_tau_neg` otherwise, the plain policy gradient `A · log π` (`pg`: no ratio and no clip, verl's
+    gpg loss), or prime-rl's DPPO `A · ρ` on the tokens its trust region keeps (`dppo_dropped`) less
+    `dppo_kl_coef · (log ρ)²` on every token (its default loss, whose kl_tau is that coefficient)."""
+    if s.surrogate == "cispo":
+        return ratio.clamp(max=s.cispo_max).detach() * adv * logprobs
+    if s.surrogate == "sapo":
+        tau = torch.where(adv > 0, s.sapo_tau_pos, s.sapo_tau_neg).to(ratio.dtype)
+        return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    if s.surrogate == "pg":
+        return adv * logprobs
+    if s.surrogate == "dppo":
+        high, low = dppo_dropped(s, logprobs, old_logprobs, adv)
+        kept = torch.where(high | low, torch.zeros((), dtype=ratio.dtype, device=ratio.device), ratio * adv)
+        return kept - s.dppo_kl_coef * log_ratio ** 2
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - s.eps_low, 1.0 + s.eps_high) * adv)
+    if s.dual_clip is not None:
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)
+    return surrogate
+
+
+def dppo_dropped(s: PPOClipSettings, logprobs: Tensor, old_logprobs: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:
+    """([B, T] bool, no gradient: the tokens of A > 0 whose probability rose by more than `dppo_mask_high` since
+    π_old, p_θ − p_old > high; those of A < 0 whose probability fell by more than `dppo_mask_low`), prime-rl's
+    DPPO-Binary TV trust region on the probabilities themselves, not their ratio."""
+    gap = torch.exp(logprobs.detach()) - torch.exp(old_logprobs.detach())
+    return (adv > 0) & (gap > s.dppo_mask_high), (adv < 0) & (gap < -s.dppo_mask_low)
