@@ -215,7 +215,8 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
                   "algo.beta is future_kl's future-KL cost"),
     ("algo.loss_type=dr_grpo", "unknown config key 'algo.loss_type'; TRL's loss_type is algo.loss_agg (dapo: "
                                "token_mean, grpo: seq_mean, dr_grpo: token_sum_norm; cispo: token_mean with "
-                               "algo.surrogate=cispo, sapo: seq_mean with algo.surrogate=sapo)"),
+                               "algo.surrogate=cispo, sapo: seq_mean with algo.surrogate=sapo, vespo: token_mean "
+                               "with algo.surrogate=vespo; luspo: seq_mean_token_sum with algo.ratio_level=sequence)"),
     ("trainer.num_iterations=2", "unknown config key 'trainer.num_iterations'; TRL's num_iterations is "
                                  "trainer.epochs_per_batch (with algo.old_logprob=recompute)"),
     ("delta=3", "unknown config key 'delta'; TRL's delta is algo.dual_clip"),

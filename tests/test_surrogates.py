@@ -257,3 +257,64 @@ def test_dppo_by_hand_and_its_settings_refused_or_warned():
         load_config(None, ["algo.surrogate=dppo", "algo.dppo_mask_low=-0.1"])
     assert AlgoConfig(dppo_kl_coef=0.01).ignored_keys() == [
         "algo.dppo_kl_coef=0.01 is read by algo.surrogate=dppo only; algo.surrogate=clip ignores it"]
+
+
+def trl_vespo_loss(logp, old, adv, mask, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
+    """TRL's get_gamma_weights and its vespo branch of _compute_loss (normalised by the batch's tokens, as dapo)."""
+    lower = math.log(1e-8)
+    seq_log_ratio = torch.sum(torch.clamp(logp - old, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+    log_w = torch.clamp(seq_log_ratio, lower, 20.0)
+    adv_seq = adv[:, :1]
+    k = torch.where(adv_seq >= 0, k_pos, k_neg)
+    lam = torch.where(adv_seq >= 0, lam_pos, lam_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
+    per_token = -phi * adv * logp
+    return (per_token * mask).sum() / mask.sum(), phi
+
+
+def test_vespo_equals_trls():
+    """`algo.surrogate=vespo` (TRL's loss_type vespo): −sg(φ(w)) · A · log π with the response's Gamma weight of
+    w = Π ρ_t, k and λ by the advantage's sign, over the batch's tokens. Loss, gradient and the weight's mean against
+    TRL's written out in float64, with non-default k and λ; φ(1) = 1, so an unmoved policy gives pg's loss."""
+    logp, old, sampling, adv, mask = batch(5)
+    logp = (old + 0.15 * (logp.detach() - old)).requires_grad_(True)  # w near 1: φ neither 0 nor saturated
+    cfg = AlgoConfig(loss_agg="token_mean", surrogate="vespo", old_logprob="recompute", vespo_k_pos=1.5,
+                     vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)
+    cfg.validate()
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                                    behavior_logprobs=sampling), cfg)
+    want, phi = trl_vespo_loss(logp, old, adv, mask, 1.5, 2.5, 2.5, 1.5)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+    assert 0.05 < float(phi.min()) and float(phi.max()) < 5 and float(phi.std()) > 0.1  # weights that matter
+    assert metrics["vespo_weight_mean"] == pytest.approx(float((phi * mask).sum() / mask.sum()), rel=1e-12)
+    unmoved = old.clone().requires_grad_(True)
+    at_one, _ = get_loss("ppo_clip")(LossInputs(logprobs=unmoved, advantages=adv, mask=mask.bool(), old_logprobs=old),
+                                     cfg)
+    plain, _ = get_loss("ppo_clip")(LossInputs(logprobs=unmoved, advantages=adv, mask=mask.bool(), old_logprobs=old),
+                                    AlgoConfig(surrogate="pg", old_logprob="recompute"))
+    assert at_one.item() == pytest.approx(plain.item(), rel=1e-12)
+    with pytest.raises(ConfigError, match="set algo.ratio_level=token"):
+        load_config(None, ["algo.surrogate=vespo", "algo.ratio_level=sequence"])
+    with pytest.raises(ConfigError, match="set algo.behavior_is=none"):
+        load_config(None, ["algo.surrogate=vespo", "algo.old_logprob=recompute", "algo.behavior_is=token_truncate"])
+
+
+def test_luspo_is_the_sequence_ratio_over_token_sums():
+    """TRL's loss_type luspo: GSPO's per-sequence clipped loss (B, 1) times each response's length, averaged over
+    the responses, which is `algo.ratio_level=sequence` with `algo.loss_agg=seq_mean_token_sum`."""
+    logp, old, sampling, adv, mask = batch(9)
+    cfg = AlgoConfig(loss_agg="seq_mean_token_sum", ratio_level="sequence", old_logprob="recompute", eps_low=3e-4,
+                     eps_high=4e-4)
+    loss, _ = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old), cfg)
+    log_w = (((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # TRL's sequence level
+    coef_1 = torch.exp(log_w)
+    coef_2 = torch.clamp(coef_1, 1 - 3e-4, 1 + 4e-4)
+    per_seq = -torch.min(coef_1 * adv[:, :1], coef_2 * adv[:, :1])
+    want = (per_seq * mask.sum(1, keepdim=True)).mean()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)

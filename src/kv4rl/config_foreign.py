@@ -21,7 +21,8 @@ OTHER_FRAMEWORKS = {
                     "algo.surrogate=cispo)",
     "clip_ratio": "verl's clip_ratio is algo.eps_low and algo.eps_high",
     "loss_type": "TRL's loss_type is algo.loss_agg (dapo: token_mean, grpo: seq_mean, dr_grpo: token_sum_norm; cispo: "
-                 "token_mean with algo.surrogate=cispo, sapo: seq_mean with algo.surrogate=sapo)",
+                 "token_mean with algo.surrogate=cispo, sapo: seq_mean with algo.surrogate=sapo, vespo: token_mean "
+                 "with algo.surrogate=vespo; luspo: seq_mean_token_sum with algo.ratio_level=sequence)",
     "loss_agg_mode": "verl's loss_agg_mode is algo.loss_agg (token-mean: token_mean, seq-mean-token-mean: seq_mean, "
                      "seq-mean-token-sum-norm: token_sum_norm, seq-mean-token-sum: seq_mean_token_sum)",
     "num_iterations": "TRL's num_iterations is trainer.epochs_per_batch (with algo.old_logprob=recompute)",
@@ -223,7 +224,10 @@ OTHER_VALUES: dict[str, dict[str, str]] = {
                       "cispo": "token_mean (TRL's cispo divides so; its objective is algo.surrogate=cispo)",
                       "sapo": "seq_mean (TRL's sapo divides so; its objective is algo.surrogate=sapo)",
                       "bnpo": "token_mean (the nearest: TRL's bnpo divides by each process's tokens, token_mean by "
-                              "the whole mini-batch's)"},
+                              "the whole mini-batch's)",
+                      "vespo": "token_mean (TRL's vespo divides so; its objective is algo.surrogate=vespo)",
+                      "luspo": "seq_mean_token_sum with algo.ratio_level=sequence (TRL's luspo: GSPO's loss times "
+                               "each response's length, over the responses)"},
 }
 
 

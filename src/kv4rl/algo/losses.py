@@ -34,7 +34,7 @@ from torch import Tensor
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, k3_kl, ref_kl_terms
 from kv4rl.algo.off_policy import BEHAVIOR_IS_MODES, BehaviorIS, behavior_importance_weights, off_policy_keep
 from kv4rl.algo.rejection import rejection_keep, rejection_rules
-from kv4rl.algo.surrogates import Surrogate, dppo_dropped, surrogate_objective
+from kv4rl.algo.surrogates import Surrogate, dppo_dropped, surrogate_objective, vespo_weights
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
 if TYPE_CHECKING:
@@ -169,6 +169,10 @@ class PPOClipSettings:
     dppo_mask_low: float = 0.2
     dppo_mask_high: float = 0.2
     dppo_kl_coef: float = 1e-3
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     kl_ref_unbiased: bool = False
 
     def validate(self) -> None:
@@ -185,10 +189,10 @@ class PPOClipSettings:
         if self.off_policy_mask is not None and not self.off_policy_mask >= 0.0:
             raise ValueError(f"algo.off_policy_mask must be >= 0 (the largest mean log μ − log π_θ a response of "
                              f"negative advantage may have; null: off), got {self.off_policy_mask}")
-        for key in ("cispo_max", "sapo_tau_pos", "sapo_tau_neg"):
+        for key in ("cispo_max", "sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             if not getattr(self, key) > 0.0:
                 raise ValueError(f"algo.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("dppo_mask_low", "dppo_mask_high", "dppo_kl_coef"):
+        for key in ("dppo_mask_low", "dppo_mask_high", "dppo_kl_coef", "vespo_k_pos", "vespo_k_neg"):
             if not getattr(self, key) >= 0.0:
                 raise ValueError(f"algo.{key} must be >= 0, got {getattr(self, key)}")
         low, high = self.behavior_is_min, self.behavior_is_max
@@ -203,7 +207,8 @@ class PPOClipSettings:
         """One line per key set away from its default that this surrogate does not read."""
         default, lines = PPOClipSettings(), []
         readers = {"eps_low": "clip", "eps_high": "clip", "cispo_max": "cispo", "sapo_tau_pos": "sapo",
-                   "sapo_tau_neg": "sapo", "dppo_mask_low": "dppo", "dppo_mask_high": "dppo", "dppo_kl_coef": "dppo"}
+                   "sapo_tau_neg": "sapo", "dppo_mask_low": "dppo", "dppo_mask_high": "dppo", "dppo_kl_coef": "dppo",
+                   **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), "vespo")}
         for key, reader in readers.items():
             if reader != self.surrogate and getattr(self, key) != getattr(default, key):
                 cap = " (its cap is algo.cispo_max)" if key == "eps_high" and self.surrogate == "cispo" else ""
@@ -222,6 +227,12 @@ class PPOClipSettings:
         if self.surrogate == "dppo" and self.ratio_level != "token":
             raise ValueError("algo.surrogate=dppo masks each token by its own probability's change and weighs it by "
                              "its own ratio: set algo.ratio_level=token")
+        if self.surrogate == "vespo" and self.ratio_level != "token":
+            raise ValueError("algo.surrogate=vespo weighs a response by the product of its tokens' ratios (TRL's "
+                             "vespo needs importance_sampling_level=token too): set algo.ratio_level=token")
+        if self.surrogate == "vespo" and self.behavior_is != "none":
+            raise ValueError("algo.surrogate=vespo with algo.behavior_is: TRL folds its IS ratio into VESPO's sequence "
+                             "weight, which does not exist here; set algo.behavior_is=none")
         if self.dual_clip is not None and self.surrogate != "clip":
             raise ValueError(f"algo.dual_clip bounds the clipped surrogate; algo.surrogate={self.surrogate} has no "
                              "clip to bound: set algo.dual_clip=null")
@@ -289,6 +300,8 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
                      clip_frac_low=_mean(clipped_low.double(), valid), clip_frac_high=_mean(clipped_high.double(), valid))
     elif s.surrogate == "cispo":  # TRL's cispo_clip_ratio: capped tokens of positive advantage
         stats["cispo_clip_frac"] = _mean((valid & (adv > 0) & (ratio > s.cispo_max)).double(), valid)
+    elif s.surrogate == "vespo":
+        stats["vespo_weight_mean"] = _mean(vespo_weights(s, log_ratio, adv), valid)
     elif s.surrogate == "dppo":  # prime-rl's is_masked, is_masked_high, is_masked_low
         high, low = dppo_dropped(s, inp.logprobs, old_logprobs, adv)
         stats.update(dppo_masked_frac=_mean((valid & (high | low)).double(), valid),

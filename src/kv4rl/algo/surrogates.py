@@ -4,6 +4,7 @@ log-probs), the advantage and, where it needs them, the log-probs; `ppo_clip_los
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -12,7 +13,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from kv4rl.algo.losses import PPOClipSettings
 
-Surrogate = Literal["clip", "cispo", "sapo", "pg", "dppo"]
+Surrogate = Literal["clip", "cispo", "sapo", "pg", "dppo", "vespo"]
+VESPO_MIN_LOG_WEIGHT = math.log(1e-8)  # TRL's (and VESPO's) floor of the sequence log-weight
 
 
 def surrogate_objective(s: PPOClipSettings, ratio: Tensor, log_ratio: Tensor, adv: Tensor, logprobs: Tensor,
@@ -20,8 +22,9 @@ def surrogate_objective(s: PPOClipSettings, ratio: Tensor, log_ratio: Tensor, ad
     """PPO's clipped `min(ρA, clip(ρ)A)` (with the dual clip for A < 0), CISPO's `sg(min(ρ, cispo_max)) · A · log π`
     (a capped, gradient-free weight on REINFORCE), SAPO's soft gate `σ(τ(ρ − 1)) · 4/τ · A`, τ = `sapo_tau_pos` for
     A > 0 and `sapo_tau_neg` otherwise, the plain policy gradient `A · log π` (`pg`: no ratio and no clip, verl's
-    gpg loss), or prime-rl's DPPO `A · ρ` on the tokens its trust region keeps (`dppo_dropped`) less
-    `dppo_kl_coef · (log ρ)²` on every token (its default loss, whose kl_tau is that coefficient)."""
+    gpg loss), prime-rl's DPPO `A · ρ` on the tokens its trust region keeps (`dppo_dropped`) less
+    `dppo_kl_coef · (log ρ)²` on every token (its default loss, whose kl_tau is that coefficient), or VESPO's
+    `sg(φ(w)) · A · log π` with the response's Gamma weight φ (`vespo_weights`; TRL's loss_type vespo)."""
     if s.surrogate == "cispo":
         return ratio.clamp(max=s.cispo_max).detach() * adv * logprobs
     if s.surrogate == "sapo":
@@ -29,6 +32,8 @@ def surrogate_objective(s: PPOClipSettings, ratio: Tensor, log_ratio: Tensor, ad
         return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
     if s.surrogate == "pg":
         return adv * logprobs
+    if s.surrogate == "vespo":
+        return vespo_weights(s, log_ratio, adv) * adv * logprobs
     if s.surrogate == "dppo":
         high, low = dppo_dropped(s, logprobs, old_logprobs, adv)
         kept = torch.where(high | low, torch.zeros((), dtype=ratio.dtype, device=ratio.device), ratio * adv)
@@ -45,3 +50,13 @@ def dppo_dropped(s: PPOClipSettings, logprobs: Tensor, old_logprobs: Tensor, adv
     DPPO-Binary TV trust region on the probabilities themselves, not their ratio."""
     gap = torch.exp(logprobs.detach()) - torch.exp(old_logprobs.detach())
     return (adv > 0) & (gap > s.dppo_mask_high), (adv < 0) & (gap < -s.dppo_mask_low)
+
+
+def vespo_weights(s: PPOClipSettings, log_ratio: Tensor, adv: Tensor) -> Tensor:
+    """[B, T], no gradient: VESPO's φ(w) = e^λ · w^k · e^{−λw} (φ(1) = 1) of each response's ratio w = Π_t ρ_t (its
+    tokens' log-ratios held to ±20, then their sum to [log 1e-8, 20]), with k, λ = `vespo_k_pos`, `vespo_lambda_pos`
+    where A ≥ 0, else the `_neg` pair, as TRL's get_gamma_weights computes it; `log_ratio` is 0 off the mask."""
+    log_w = log_ratio.detach().clamp(-20.0, 20.0).sum(-1, keepdim=True).clamp(VESPO_MIN_LOG_WEIGHT, 20.0)
+    k = torch.where(adv >= 0, s.vespo_k_pos, s.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(adv >= 0, s.vespo_lambda_pos, s.vespo_lambda_neg).to(log_w.dtype)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
