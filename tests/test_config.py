@@ -383,7 +383,7 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
                                 "weight_decay, betas, grad_clip, micro_batch_size, updates_per_batch, epochs_per_batch, "
                                 "grad_checkpointing, fsdp, offload, offload_optimizer, max_tokens_per_micro_batch, "
                                 "attention, fuse_elementwise, compile_layers, fused_logprobs, ref_kl_every, "
-                                "mask_truncated)"),
+                                "mask_truncated, mask_zero_advantage)"),
     ("orchestrator.max_off_policy_steps=2", "unknown config key 'orchestrator.max_off_policy_steps'; prime-rl's "
                                             "max_off_policy_steps is staleness.max_versions (with rollout.mode="
                                             "partial; prime-rl drops older rollouts, kv4rl samples them again)"),

@@ -74,8 +74,9 @@ def test_a_batch_with_nothing_to_train_takes_no_step(tiny_qwen3, caplog):
     assert not learner.optimizer.state
     assert [m for m in caplog.messages if "had no token to train" in m] == [
         "iteration 3: 1 of 1 optimizer steps had no token to train, so none was taken: every response of their "
-        "mini-batches was masked (trainer.mask_truncated masks responses cut at rollout.max_new_tokens; "
-        "algo.behavior_rs with algo.old_logprob=recompute the tokens sampled too far from π_old)"]
+        "mini-batches was masked (trainer.mask_truncated masks responses cut at rollout.max_new_tokens, "
+        "trainer.mask_zero_advantage those of zero advantage; algo.behavior_rs with algo.old_logprob=recompute the "
+        "tokens sampled too far from π_old)"]
 
 
 def test_a_run_trains_only_the_tokens_of_responses_that_ended(tmp_path):

@@ -119,14 +119,15 @@ def _train_rank(rank: int, out_dir: str, overrides: list[str]) -> None:
 @pytest.mark.parametrize(("engines", "updates", "rewards"), [
     (1, 1, []), (1, 2, []),
     (2, 2, ["reward.extra=[boxed_format]", "reward.weights=[1.0,0.6]", "trainer.mask_truncated=true",
-            "rollout.max_new_tokens=4", "reward.overlong_buffer=2"])])
+            "rollout.max_new_tokens=4", "reward.overlong_buffer=2", "trainer.mask_zero_advantage=true"])])
 def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engines, updates, rewards):
     """lag 0, refresh every update: the engine starts batch b only with the weights of update b - 1, so
     the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step. With two
     optimizer steps a batch, each mini-batch holds one process's groups: two engines' groups came in engine
     order (0, 2, 1, 3) and two learner ranks took contiguous shares, so mini-batch 0 trained groups 0 and 2. A
     weighted sum of rewards: its accuracy (the verifier's) and each reward's mean, which two engines' messages
-    carry to the head, equal one process's; so do the trained tokens where cut responses are masked."""
+    carry to the head, equal one process's; so do the trained tokens where cut responses and those of zero
+    advantage are masked."""
     from kv4rl.loop import train
 
     common = ["trainer.iterations=2", "rollout.mode=sync", "staleness.lag=0", "staleness.refresh_every=1",
@@ -149,11 +150,13 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
                                 if rewards else [])
         assert all(a[key] == b[key] for key in reward_means)
         if rewards:
+            assert any(row["zero_var_group_frac"] > 0 for row in one)
             # a wrong answer in a box scores 0.6: counted as correct by the sum, not by the verifier
             assert a["reward_mean"] == pytest.approx(b["rewards/exact/mean"] + 0.6 * b["rewards/boxed_format/mean"]
                                                      + b["rewards/overlong/mean"])
             assert a["accuracy"] == pytest.approx(b["rewards/exact/mean"], abs=1e-7)
-            assert b["num_tokens"] == pytest.approx(8 * (b["response_len_mean"] - 4 * b["truncated_frac"]))
+            # flat groups' responses (zero advantage) are masked too
+            assert b["num_tokens"] <= 8 * (b["response_len_mean"] - 4 * b["truncated_frac"]) + 1e-9
         for key in ("loss", "grad_norm", "entropy", "mismatch_abs_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 

@@ -106,6 +106,10 @@ class TrainerConfig:
     # responses cut at rollout.max_new_tokens train no token (TRL's mask_truncated_completions, DAPO's overlong
     # filtering): they count in their group's advantages, then in no loss and no loss denominator
     mask_truncated: bool = False
+    # responses whose advantage is exactly 0 (a group of equal scores) train no token and leave the loss
+    # denominators (prime-rl's filter_zero_advantages); per-token advantages (reinforce_plus_plus with a KL reward)
+    # are left as they are
+    mask_zero_advantage: bool = False
 
     def learning_rate(self, iteration: int) -> float:
         """Linear warm-up over `warmup_iters`, then constant, or a straight line or a half cosine from `lr`

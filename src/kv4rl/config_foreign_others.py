@@ -136,8 +136,8 @@ SLIME_OPENRLHF_PRIMERL = {
               "algo.surrogate=dppo",
     "adv_tau": "prime-rl's adv_tau does not exist: algo.dppo_kl_coef = kl_tau / adv_tau gives the same balance of the "
                "advantage against the squared log-ratio (prime-rl's loss is adv_tau times kv4rl's)",
-    "filter_zero_advantages": "prime-rl's filter_zero_advantages (drop the tokens of A = 0 from the loss and its count) "
-                              "does not exist; rollout.filter_groups re-samples the groups of equal scores instead",
+    "filter_zero_advantages": "prime-rl's filter_zero_advantages (true by default there) is "
+                              "trainer.mask_zero_advantage (false by default here)",
     "ipo_threshold": "prime-rl's ipo loss does not exist; its default loss is algo.surrogate=dppo",
     "loss.type": "prime-rl's loss.type=default (DPPO with its squared log-ratio) is algo.surrogate=dppo; its ipo and "
                  "custom losses do not exist here (a loss of your own: algo.plugins)",

@@ -18,7 +18,7 @@ from kv4rl.algo.advantages import (compute_advantages, flat_group_metrics, needs
 from kv4rl.algo.kl_reward import KLRewardCoef, kl_penalty_of, kl_reward_tokens, row_mean_kl
 from kv4rl.config import RunConfig
 from kv4rl.distributed import current, gather_objects
-from kv4rl.trainer.batch import TrainBatch, build_batch, with_advantages
+from kv4rl.trainer.batch import TrainBatch, build_batch, untrained_rows, with_advantages
 
 
 @dataclass
@@ -61,8 +61,9 @@ def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_si
         everyone_lengths = torch.tensor([n for _, counts in parts for n in counts], dtype=torch.float64)
     advantages, adv_metrics = compute_advantages(rewards, group_size, a, group_keys=keys, batch_rewards=everyone,
                                                  lengths=lengths, batch_lengths=everyone_lengths)
-    batch = (with_advantages(whole, advantages, truncated) if a.kl_reward_coef > 0
-             else build_batch(*rows, advantages.tolist(), pad_id, truncated))
+    untrained = untrained_rows(truncated, advantages.tolist(), cfg.trainer.mask_zero_advantage)
+    batch = (with_advantages(whole, advantages, untrained) if a.kl_reward_coef > 0
+             else build_batch(*rows, advantages.tolist(), pad_id, untrained))
     return LearnerBatch(batch, given, rewards, {**metrics, **adv_metrics})
 
 

@@ -29,7 +29,7 @@ from kv4rl.telemetry.progress import TrainProgress
 from kv4rl.telemetry.run_stats import collection_stats, mean_known, staleness_stats, stepped, sum_known
 from kv4rl.telemetry.run_watch import run_watch
 from kv4rl.telemetry.sinks import MetricsSink
-from kv4rl.trainer.batch import build_batch
+from kv4rl.trainer.batch import build_batch, untrained_rows
 from kv4rl.trainer.checkpoint import save_checkpoint
 from kv4rl.trainer.learner import Learner
 
@@ -139,8 +139,10 @@ def update(s: LearnerSide, it: int, stop: GracefulStop) -> tuple[dict | None, li
     rows, adv = share[0]
     t1 = time.perf_counter()
     pad_id = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else 0
+    untrained = untrained_rows([r[4] for r in rows] if cfg.trainer.mask_truncated else None, list(adv),
+                               cfg.trainer.mask_zero_advantage)
     batch = build_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
-                        adv, pad_id, [r[4] for r in rows] if cfg.trainer.mask_truncated else None)
+                        adv, pad_id, untrained)
     learn = s.learner.step(batch, lr=cfg.trainer.learning_rate(it), iteration=it)
     t2 = time.perf_counter()
     flag = torch.tensor([int(stopping)], dtype=torch.long)

@@ -67,6 +67,15 @@ def build_batch(
     return TrainBatch(ids, attn, mask, blp, adv, ver)
 
 
+def untrained_rows(truncated: list[bool] | None, advantages: list[float], zero_advantage: bool) -> list[bool] | None:
+    """The rows that stay in the batch with no token to train: the cut ones (`truncated`, given with
+    `trainer.mask_truncated`) and, with `trainer.mask_zero_advantage`, those whose advantage is exactly 0."""
+    if not zero_advantage:
+        return truncated
+    cut = truncated if truncated is not None else [False] * len(advantages)
+    return [c or a == 0.0 for c, a in zip(cut, advantages, strict=True)]
+
+
 def with_advantages(batch: TrainBatch, advantages: torch.Tensor, masked: list[bool] | None = None) -> TrainBatch:
     """`batch`, built with no row masked, given `advantages` ([B]: one a response, or [B, L-1]: one a token) on its
     response tokens and its `masked` rows out of the response mask: what `build_batch` builds from the same rows,

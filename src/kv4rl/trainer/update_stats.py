@@ -47,7 +47,9 @@ def warn_left_out(iteration: int, steps: int, nonfinite_losses: int, empty: int,
     if empty:
         log.warning("iteration %d: %d of %d optimizer steps had no token to train, so none was taken: every "
                     "response of their mini-batches was masked (trainer.mask_truncated masks responses cut at "
-                    "rollout.max_new_tokens; algo.behavior_rs with algo.old_logprob=recompute the tokens sampled too far from π_old)", iteration, empty, steps)
+                    "rollout.max_new_tokens, trainer.mask_zero_advantage those of zero advantage; "
+                    "algo.behavior_rs with algo.old_logprob=recompute the tokens sampled too far from π_old)",
+                    iteration, empty, steps)
     if skipped:
         log.warning("iteration %d: skipped %d of %d optimizer steps: the gradient norm was not finite, so the "
                     "weights and the optimizer state stay as they were (lower trainer.lr?)", iteration, skipped, steps)
