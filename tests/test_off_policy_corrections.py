@@ -196,3 +196,34 @@ def test_the_off_policy_mask_by_hand():
     with pytest.raises(ValueError, match="algo.off_policy_mask must be >= 0"):
         AlgoConfig(off_policy_mask=-0.1).validate()
     assert load_config(None, ["algo.off_policy_mask=0.5"]).algo.off_policy_mask == 0.5
+
+
+def areal_sequence_ratio_weights(prox, behave, mask, action, lower, upper):
+    """AReaL's apply_rejection_sampling with metric ratio, level sequence, agg mean (2D padded; 2026-05): each
+    response's weight is exp of its tokens' mean log-ratio; `mask` zeroes a response whose weight is outside
+    [lower, upper] (its loss_mask entries, the loss's count taken before), `clamp` clamps the weight."""
+    log_ratio = torch.where(mask.bool(), prox - behave, 0.0)
+    seq_log_mean = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    weight = torch.exp(seq_log_mean).expand_as(log_ratio)
+    out = (weight > upper) | (lower is not None and weight < lower)
+    if action == "mask":
+        return torch.where(out | ~mask.bool(), 0.0, weight)
+    return torch.where(mask.bool(), weight.clamp(min=lower if lower is not None else 0.0, max=upper), 0.0)
+
+
+@pytest.mark.parametrize("action", ["mask", "clamp"])
+def test_the_geometric_sequence_weights_equal_areals(action):
+    """`sequence_geo_mask` / `sequence_geo_truncate`: AReaL's sequence-level ratio rejection, whose weight is the
+    geometric mean of a response's ratios (the product for `sequence_*`)."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([6, 2, 5, 1, 4])
+    mask = torch.arange(6)[None] < lengths[:, None]
+    old = -torch.rand(5, 6, generator=gen, dtype=torch.float64) * 2
+    sampling = old - 0.6 * torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    mode = "sequence_geo_mask" if action == "mask" else "sequence_geo_truncate"
+    weights, cut = behavior_importance_weights(old, sampling, mask, mode, 0.8, 1.25)
+    want = areal_sequence_ratio_weights(old, sampling, mask.double(), action, 0.8, 1.25)
+    torch.testing.assert_close(weights, want, rtol=1e-12, atol=0)
+    assert 0 < int(cut.any(-1).sum()) < 5  # some responses inside the bounds, some outside
+    product, _ = behavior_importance_weights(old, sampling, mask, "sequence_truncate", 0.8, 1.25)
+    assert not torch.allclose(product, weights)

@@ -164,10 +164,10 @@ AREAL = {
               "reward; AReaL subtracts it per token after the reward normalisation, kv4rl from the score before "
               "the advantages",
     "recompute_logprob": "AReaL's actor.recompute_logprob is algo.old_logprob=recompute",
-    "rejection_sampling": "AReaL's rejection_sampling (level token / sequence, action mask / clamp, upper, lower) "
-                          "is algo.behavior_is (token_mask, token_truncate, sequence_mask, sequence_truncate), "
-                          "algo.behavior_is_max and algo.behavior_is_min, with algo.old_logprob=recompute; at "
-                          "sequence level AReaL weighs by the ratios' geometric mean, kv4rl by their product; its "
+    "rejection_sampling": "AReaL's rejection_sampling (metric ratio; level token / sequence, action mask / clamp, "
+                          "upper, lower) is algo.behavior_is (token_mask, token_truncate, sequence_geo_mask, "
+                          "sequence_geo_truncate: the ratios' geometric mean, as AReaL's), algo.behavior_is_max and "
+                          "algo.behavior_is_min, with algo.old_logprob=recompute; its "
                           "metric kl_k2 with action mask is algo.behavior_rs (token_k2, seq_sum_k2, seq_mean_k2, "
                           "seq_max_k2) at its upper bound",
     **dict.fromkeys(("behave_imp_weight_cap", "behave_imp_weight_mode"),

@@ -12,20 +12,25 @@ from torch import Tensor
 
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT
 
-BehaviorIS = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+BehaviorIS = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "sequence_geo_truncate",
+                     "sequence_geo_mask"]
 BEHAVIOR_IS_MODES: tuple[str, ...] = get_args(BehaviorIS)
 
 
 def behavior_importance_weights(old_logprobs: Tensor, behavior_logprobs: Tensor, valid: Tensor, mode: str,
                                 low: float | None, high: float | None) -> tuple[Tensor, Tensor]:
     """(w [B, T], cut [B, T] bool), no gradient: π_old/μ per token (`token_*`), or per response from the sum of
-    its tokens' log-ratios (`sequence_*`), then clamped to [low, high] (`*_truncate`) or set to 0 outside it
+    its tokens' log-ratios (`sequence_*`: their product) or their mean (`sequence_geo_*`: the geometric mean, AReaL's
+    sequence level), then clamped to [low, high] (`*_truncate`) or set to 0 outside it
     (`*_mask`); a null bound is no bound. `cut` marks the tokens whose weight was outside. The log-ratio is held
     at ±80 (e^88.7 overflows float32): a weight is at most e^80, never inf, and a masked mode with an upper bound
     drops a response that far off."""
     log_w = torch.where(valid, old_logprobs.detach().double() - behavior_logprobs.detach().double(), 0)
     if mode.startswith("sequence"):
-        log_w = torch.where(valid, log_w.sum(-1, keepdim=True).expand_as(log_w), 0)
+        total = log_w.sum(-1, keepdim=True)
+        if mode.startswith("sequence_geo"):
+            total = total / valid.sum(-1, keepdim=True).clamp(min=1)
+        log_w = torch.where(valid, total.expand_as(log_w), 0)
     w = torch.exp(log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     lo = torch.full_like(w, -math.inf if low is None else low)
     hi = torch.full_like(w, math.inf if high is None else high)
