@@ -66,8 +66,8 @@ def test_each_option_keeps_what_verls_definition_keeps(option):
     assert torch.equal(keep, want)
     assert 0 < int(want.sum()) < int(valid.sum())  # some kept, some rejected: a real comparison
     rejected = valid & ~want
-    assert stats["behavior_rs_frac"] == pytest.approx(float(rejected.sum()) / float(valid.sum()))
-    assert stats["behavior_rs_seq_frac"] == pytest.approx(float(rejected.any(1).sum()) / 6)
+    assert float(stats["behavior_rs_frac"]) == pytest.approx(float(rejected.sum()) / float(valid.sum()))
+    assert float(stats["behavior_rs_seq_frac"]) == pytest.approx(float(rejected.any(1).sum()) / 6)
 
 
 def test_a_hand_worked_token_k1_and_its_bounds_on_minus_log_r():
@@ -77,7 +77,7 @@ def test_a_hand_worked_token_k1_and_its_bounds_on_minus_log_r():
     valid = torch.ones(1, 3, dtype=torch.bool)
     old = torch.tensor([[0.1, -1.0, 0.5]], dtype=torch.float64)
     keep, stats = rejection_keep(old, torch.zeros_like(old), valid, rejection_rules("token_k1", 2.0))
-    assert keep.tolist() == [[True, False, True]] and stats["behavior_rs_frac"] == pytest.approx(1 / 3)
+    assert keep.tolist() == [[True, False, True]] and float(stats["behavior_rs_frac"]) == pytest.approx(1 / 3)
     old = torch.log(torch.tensor([[0.65, 1.5, 1.0]], dtype=torch.float64))
     keep, _ = rejection_keep(old, torch.zeros_like(old), valid, rejection_rules("token_k1", "0.6_1.4"))
     assert keep.tolist() == [[False, True, True]]
@@ -97,7 +97,7 @@ def test_every_option_must_keep_a_token_and_thresholds_pair_with_options():
     assert [r.option for r in rules] == ["token_k2", "seq_sum_k1"]
     keep, stats = rejection_keep(old, behavior, valid, rules)
     assert keep.tolist() == [[True, True, False], [False, False, False]]
-    assert stats["behavior_rs_seq_frac"] == 1.0
+    assert float(stats["behavior_rs_seq_frac"]) == 1.0
 
 
 @pytest.mark.parametrize("options,thresholds,message", [
@@ -308,3 +308,17 @@ def test_openrlhfs_seq_mask_tis_is_seq_mean_k1_at_the_reciprocal_bounds():
     geometric = [math.exp(sum(row) / 5) for row in (old - behavior).tolist()]
     want = torch.tensor([[low <= g <= high] * 5 for g in geometric])
     assert torch.equal(keep, want) and 20 < int(want[:, 0].sum()) < 180
+
+
+def test_vespos_response_weight_in_bypass_mode_reads_the_kept_tokens():
+    """μ = −1 everywhere; π_θ equals it but at one token (log π = 2), which token_k1 rejects: the response's weight is
+    over the three kept tokens (w = 1, φ(1) = 1), not 0 from the rejected one's ratio e^3. Loss: −(3 · 1 · −1) / 4."""
+    behavior = torch.full((1, 4), -1.0, dtype=torch.float64)
+    logp = torch.tensor([[-1.0, 2.0, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    algo = AlgoConfig(surrogate="vespo", behavior_rs="token_k1", behavior_rs_threshold=2.0)
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=torch.ones(1, 4, dtype=torch.float64),
+                                                    mask=torch.ones(1, 4), behavior_logprobs=behavior,
+                                                    num_tokens=4.0), algo)  # the batch's count, as the learner's
+    assert loss.item() == pytest.approx(0.75, rel=1e-12) and metrics["vespo_weight_mean"] == pytest.approx(1.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad.tolist() == [[-0.25, 0.0, -0.25, -0.25]]

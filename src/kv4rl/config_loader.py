@@ -252,7 +252,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.load(raw, Loader=_ConfigLoader) if raw.strip() else ""
     except AmbiguousNumber as exc:
-        raise ConfigError(f"{key}: {exc.problem}") from None
+        shell = f", on the command line inside the shell's quotes: \"{key}='{raw.strip()}'\"" if "dropping its '_'" in exc.problem else ""
+        raise ConfigError(f"{key}: {exc.problem}{shell}") from None
     except yaml.YAMLError:
         value = raw  # not YAML (e.g. a template like `{problem}=`): take it as a plain string
     else:
@@ -346,8 +347,7 @@ _GROUPED_INT = re.compile(r"[0-9]{1,3}(_[0-9]{3})+")  # 10_000: digits grouped b
 
 def _underscore_problem(text: str, number) -> str:
     return (f"{text!r} is read by YAML as the number {number}, dropping its '_'; write the number without it, or "
-            f"quote it for text: '{text}' in a config file, inside the shell's quotes on the command line "
-            f"(\"algo.behavior_rs_threshold='0.5_2'\" for that key's lower_upper bounds)")
+            f"quote it for text ('{text}')")
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

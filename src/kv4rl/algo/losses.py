@@ -275,7 +275,9 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     # NaN; past ±LOG_RATIO_LIMIT (e^80 ≈ 5.5e34, far beyond any clip range) the ratio is held there
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     adv = torch.where(valid, inp.advantages.detach(), 0)
-    surrogate = surrogate_objective(s, ratio, log_ratio, adv, torch.where(valid, inp.logprobs, 0), old_logprobs)
+    # a token behavior_rs rejected in this pass adds no term, nor its ratio to VESPO's response weight
+    kept_log_ratio = log_ratio if trained is valid else torch.where(trained, log_ratio, 0)
+    surrogate = surrogate_objective(s, ratio, kept_log_ratio, adv, torch.where(valid, inp.logprobs, 0), old_logprobs)
     kept = None
     if s.off_policy_mask is not None:
         kept = off_policy_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.off_policy_mask"), adv, valid,
@@ -301,7 +303,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     elif s.surrogate == "cispo":  # TRL's cispo_clip_ratio: capped tokens of positive advantage
         stats["cispo_clip_frac"] = _mean((valid & (adv > 0) & (ratio > s.cispo_max)).double(), valid)
     elif s.surrogate == "vespo":
-        stats["vespo_weight_mean"] = _mean(vespo_weights(s, log_ratio, adv), valid)
+        stats["vespo_weight_mean"] = _mean(vespo_weights(s, kept_log_ratio, adv), trained)
     elif s.surrogate == "dppo":  # prime-rl's is_masked, is_masked_high, is_masked_low
         high, low = dppo_dropped(s, inp.logprobs, old_logprobs, adv)
         stats.update(dppo_masked_frac=_mean((valid & (high | low)).double(), valid),

@@ -99,7 +99,8 @@ def _rule(option: str, spec: str) -> RejectionRule:
 def rejection_keep(old_logprobs: Tensor, behavior_logprobs: Tensor, valid: Tensor,
                    rules: list[RejectionRule]) -> tuple[Tensor, dict[str, float]]:
     """(keep [B, T] bool: the valid tokens every rule keeps; the rejected share of the valid tokens and of the
-    responses that have any, `behavior_rs_frac` and `behavior_rs_seq_frac`), in float64, no gradient."""
+    responses that have any, `behavior_rs_frac` and `behavior_rs_seq_frac`, as 0-d tensors on the inputs' device,
+    so that a loss reads them back with its other metrics in one copy), in float64, no gradient."""
     log_r = torch.where(valid, old_logprobs.detach().double() - behavior_logprobs.detach().double(), 0.0)
     log_r = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     values = {"k1": -log_r, "k2": 0.5 * log_r ** 2, "k3": torch.exp(log_r) - 1.0 - log_r}
@@ -118,7 +119,6 @@ def rejection_keep(old_logprobs: Tensor, behavior_logprobs: Tensor, valid: Tenso
             inside = inside & (stat >= rule.lower)
         keep = keep & inside.expand_as(keep)
     rejected = valid & ~keep
-    responses = int((lengths > 0).sum())
-    stats = {"behavior_rs_frac": float(rejected.sum()) / max(int(valid.sum()), 1),
-             "behavior_rs_seq_frac": float(rejected.any(-1).sum()) / max(responses, 1)}
+    stats = {"behavior_rs_frac": rejected.sum().double() / valid.sum().clamp(min=1),
+             "behavior_rs_seq_frac": rejected.any(-1).sum().double() / (lengths > 0).sum().clamp(min=1)}
     return keep, stats

@@ -1,5 +1,5 @@
 """`ppo_clip`'s per-token objectives to maximise (`algo.surrogate`; docs/objectives.md): PPO's clip, CISPO's, SAPO's,
-the plain policy gradient and prime-rl's DPPO. Each reads the ratio ρ = π_θ/π_old (π_old: μ, or the recomputed
+the plain policy gradient, prime-rl's DPPO and VESPO. Each reads the ratio ρ = π_θ/π_old (π_old: μ, or the recomputed
 log-probs), the advantage and, where it needs them, the log-probs; `ppo_clip_loss` aggregates the result."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def without_rejected(batch: TrainBatch, old_logprobs: torch.Tensor,
     mask = batch.response_mask
     keep, stats = rejection_keep(old_logprobs, batch.behavior_logprobs, mask.bool(), rules)
     responses = float((mask.sum(1) > 0).sum())
-    parts = [({"behavior_rs_frac": stats["behavior_rs_frac"]}, float(mask.sum())),
-             ({"behavior_rs_seq_frac": stats["behavior_rs_seq_frac"]}, responses),
+    parts = [({"behavior_rs_frac": float(stats["behavior_rs_frac"])}, float(mask.sum())),
+             ({"behavior_rs_seq_frac": float(stats["behavior_rs_seq_frac"])}, responses),
              (mismatch_stats(old_logprobs, batch.behavior_logprobs, mask), float(mask.sum()))]
     return dataclasses.replace(batch, response_mask=mask * keep.to(mask.dtype)), parts
