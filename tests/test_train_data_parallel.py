@@ -239,6 +239,25 @@ def test_reinforce_pps_token_returns_are_whitened_over_every_ranks_tokens(tmp_pa
         _verl_step(second["kl_reward/coef"], second["kl_reward/token_mean"], target, 2, 8), rel=1e-9)
 
 
+def test_whitened_advantages_read_every_ranks_tokens(tmp_path, monkeypatch):
+    """advantage.whiten under torchrun DP2: each rank whitens its responses with both ranks' token sums, so the
+    advantages (their mean, std and largest over the batch's responses) equal one process's; a rank's own tokens
+    alone would give others (a wrong mean, and a std of about 1 on each rank's share)."""
+    from kv4rl.config import load_config
+    from kv4rl.loop import train
+
+    common = ["advantage.whiten=true", "seed=3", "trainer.iterations=1"]
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, ["name=one", *common, *SMALL[:-1]]), show_progress=False)
+    (one,) = rows(tmp_path / "runs" / "one")
+    done = torchrun(tmp_path, "name=dp", *common, *SMALL, ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (two,) = rows(tmp_path / "runs" / "dp")
+    assert two["num_tokens"] == one["num_tokens"] and one["adv_std"] > 0
+    for key in ("reward_mean", "adv_mean", "adv_std", "adv_absmax"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+
+
 def test_a_lagging_tensor_parallel_engine_resumes_with_each_ranks_own_weights(tmp_path):
     """refresh_every=2 leaves the engine a version behind at the checkpoint of iteration 3, so the checkpoint
     holds its weights: rank 0's slice alone was saved and loaded on both ranks, and the resumed run sampled

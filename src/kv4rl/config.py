@@ -241,6 +241,9 @@ class RunConfig:
              f"advantage.kl_reward_horizon={self.advantage.kl_reward_horizon:g} must exceed a fifth of the batch's "
              f"{self.rollout.quota_groups * self.rollout.group_size} responses: a KL below target multiplies β by "
              "1 - 0.2 x responses / horizon, which would turn the penalty into a bonus"),
+            (not (self.advantage.whiten and self.trainer.mask_zero_advantage),
+             "trainer.mask_zero_advantage masks the responses of zero advantage, which advantage.whiten moves to -μ/σ: "
+             "no response would be masked; set one of them false"),
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),

@@ -185,9 +185,8 @@ AREAL = {
                     "null: advantage.normalize_std=false; its eps 1e-5, 1e-6 here); no reward_norm at all has no "
                     "counterpart"),
     **dict.fromkeys(("adv_norm", "adv_norm.mean_level", "adv_norm.std_level"),
-                    "AReaL's adv_norm (batch whitening of the token advantages): without reward_norm it is "
-                    "advantage.estimator=reinforce_plus_plus, with a group-mean reward_norm "
-                    "reinforce_plus_plus_baseline; a group std and batch whitening together do not exist"),
+                    "AReaL's adv_norm (batch whitening of the token advantages) is advantage.whiten=true, after "
+                    "advantage.estimator=grpo for its group reward_norm (or reinforce_plus_plus without one)"),
     "group_reward_norm": "AReaL's group_reward_norm (before its reward_norm) is advantage.estimator=grpo",
     "mask_no_eos_with_zero": "AReaL's mask_no_eos_with_zero has no exact counterpart: the nearest, "
                              "trainer.mask_truncated=true, trains none of a cut response's tokens where AReaL sets "

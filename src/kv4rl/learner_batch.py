@@ -59,8 +59,9 @@ def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_si
         parts = gather_objects((rewards.tolist(), lengths.tolist()))
         everyone = torch.tensor([x for scores, _ in parts for x in scores], dtype=torch.float64)
         everyone_lengths = torch.tensor([n for _, counts in parts for n in counts], dtype=torch.float64)
+    over_ranks = _sum_over_ranks if current().world > 1 else None  # advantage.whiten's sums
     advantages, adv_metrics = compute_advantages(rewards, group_size, a, group_keys=keys, batch_rewards=everyone,
-                                                 lengths=lengths, batch_lengths=everyone_lengths)
+                                                 lengths=lengths, batch_lengths=everyone_lengths, over_ranks=over_ranks)
     untrained = untrained_rows(truncated, advantages.tolist(), cfg.trainer.mask_zero_advantage)
     batch = (with_advantages(whole, advantages, untrained) if a.kl_reward_coef > 0
              else build_batch(*rows, advantages.tolist(), pad_id, untrained))

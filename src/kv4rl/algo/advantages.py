@@ -290,6 +290,24 @@ def _gpg(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBat
     return (alpha * _group_centered(grouped.double())).reshape(-1).to(grouped.dtype), flat_group_metrics(rewards, group_size)
 
 
+AREAL_NORM_EPS = 1e-5  # AReaL's NormConfig eps, added to the standard deviation
+
+
+def whiten_over_tokens(adv: Tensor, lengths: Tensor, over_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """`advantage.whiten` (AReaL's adv_norm with mean_level and std_level batch): `(A_i − μ) / (σ + 1e-5)`, μ and the
+    unbiased σ over every response token of the batch, so that a response weighs by its `lengths` entry; the ranks'
+    sums (tokens and Σ A, then Σ (A − μ)²) added by `over_ranks` where each holds a share. Float64, in `adv`'s
+    dtype."""
+    a, w = adv.double(), lengths.double().to(adv.device)
+    total = over_ranks or (lambda x: x)
+    tokens, summed = total(torch.stack([w.sum(), (w * a).sum()])).tolist()
+    if tokens == 0:
+        return adv
+    mean = summed / tokens
+    squares = float(total((w * (a - mean) ** 2).sum().reshape(1)))
+    return ((a - mean) / (math.sqrt(squares / max(tokens - 1, 1)) + AREAL_NORM_EPS)).to(adv.dtype)
+
+
 def compute_advantages(
     rewards: Tensor,
     group_size: int,
@@ -299,8 +317,10 @@ def compute_advantages(
     batch_rewards: Tensor | None = None,
     lengths: Tensor | None = None,
     batch_lengths: Tensor | None = None,
+    over_ranks: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Run the configured estimator, then the optional ±σ baseline perturbation.
+    """Run the configured estimator, then the optional ±σ baseline perturbation, then `cfg.whiten`'s whitening over
+    the batch's tokens (`over_ranks` sums its statistics over a torchrun job's ranks; default: one process).
 
     `batch_rewards`: every reward of the learner batch where `rewards` is one rank's share (torchrun), for the
     estimators that read the whole batch (`needs_whole_batch`; default: `rewards`). `lengths`: each response's
@@ -320,6 +340,11 @@ def compute_advantages(
     adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg, whole)
     if cfg.baseline_noise > 0:
         adv = perturb_baseline(adv, cfg.baseline_noise, generator, group_keys)
+    if cfg.whiten:
+        if lengths is None:
+            raise ValueError("advantage.whiten weighs responses by their tokens: pass the response lengths "
+                             "(compute_advantages(lengths=...))")
+        adv = whiten_over_tokens(adv, lengths, over_ranks)
     rewards_f = rewards.double()
     adv_f = adv.double()
     metrics.update(

@@ -188,7 +188,8 @@ class AdvantageConfig:
     `baseline_noise` is σ of the ±σ baseline perturbation. `kl_reward_coef` > 0 takes that many times each response's
     summed KL to the reference (`kl_reward_type`, k1 by default as verl's) off its score first (`algo.kl_reward`),
     fixed or, with `kl_reward_control: adaptive`, moved toward a mean KL of `kl_reward_target` per token over
-    `kl_reward_horizon` responses (verl's kl_ctrl)."""
+    `kl_reward_horizon` responses (verl's kl_ctrl). `whiten` then whitens the advantages over the batch's response
+    tokens (AReaL's adv_norm at batch level, `whiten_over_tokens`)."""
 
     estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "opo", "grpo_passk",
                        "gpg"] = "grpo"
@@ -200,6 +201,7 @@ class AdvantageConfig:
     kl_reward_control: Literal["fixed", "adaptive"] = "fixed"
     kl_reward_target: float = 0.1
     kl_reward_horizon: float = 10000.0
+    whiten: bool = False
 
     def validate(self) -> None:
         require_choice("advantage.estimator", self.estimator,
@@ -220,6 +222,9 @@ class AdvantageConfig:
                              f"{self.kl_reward_horizon}")
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")
+        if self.whiten and self.estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+            raise ValueError(f"advantage.whiten: advantage.estimator={self.estimator} whitens its advantages over the "
+                             "batch's tokens already; set advantage.whiten=false")
         if self.kl_reward_coef > 0 and self.estimator == "reinforce_plus_plus" and self.baseline_noise > 0:
             raise ValueError("advantage.baseline_noise perturbs a response's one advantage; with "
                              "advantage.estimator=reinforce_plus_plus and advantage.kl_reward_coef > 0 each token has "
