@@ -145,10 +145,11 @@ class PPOClipSettings:
     drops them from the batch before the update; with `behavior` (verl's bypass mode) each pass here drops from the
     surrogate the tokens whose π_θ strayed from μ, its denominators unchanged. `surrogate` swaps the clipped
     objective for CISPO's or SAPO's (TRL's loss_type cispo / sapo), which share π_old, the ratio level and the
-    weights, for the plain policy gradient (`pg`, verl's gpg loss), which reads no ratio, or for prime-rl's DPPO
-    (`dppo`: A·ρ inside a trust region on p_θ − p_old, less `dppo_kl_coef`·(log ρ)²; `kv4rl.algo.surrogates`). `off_policy_mask` =
-    δ drops a response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's
-    off_policy_mask_threshold; `off_policy_keep`). `kl_ref_unbiased` weighs each token's reference-KL term by the
+    weights, for the plain policy gradient (`pg`, verl's gpg loss), which reads no ratio, for prime-rl's DPPO
+    (`dppo`: A·ρ inside a trust region on p_θ − p_old, less `dppo_kl_coef`·(log ρ)²) or TRL's VESPO (`vespo`: A·log π
+    weighed by a Gamma function of the response's ratio; `kv4rl.algo.surrogates`). `off_policy_mask` = δ drops a
+    response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's off_policy_mask_threshold;
+    `off_policy_keep`). `kl_ref_unbiased` weighs each token's reference-KL term by the
     ratio, so that over π_old's samples it estimates the KL of π_θ (DeepSeek-V3.2, TRL's use_bias_correction_kl)."""
 
     eps_low: float = 0.2
