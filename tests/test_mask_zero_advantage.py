@@ -46,3 +46,12 @@ def test_a_run_whose_groups_are_all_flat_trains_nothing(tmp_path):
     assert masked["zero_var_group_frac"] == plain["zero_var_group_frac"] == 1.0
     assert masked["num_tokens"] == 0 and masked["empty_steps"] == 1
     assert plain["num_tokens"] == 32 and plain["empty_steps"] == 0
+
+
+def test_with_grpo_passk_only_each_groups_best_trains():
+    """grpo_passk gives every response but its group's best an advantage of 0, so those are masked (as prime-rl's
+    pruning masks them): scores 1, 0 | 0.5, 1 train rows 0 and 3."""
+    cfg = load_config(None, ["rollout.group_size=2", "advantage.estimator=grpo_passk", "trainer.mask_zero_advantage=true"])
+    made = learner_batch(cfg, None, _rows(), torch.tensor([1.0, 0.0, 0.5, 1.0], dtype=torch.float64), 2, [0, 1], 0, 0,
+                         None)
+    assert [i for i, n in enumerate(made.batch.response_mask.sum(1).tolist()) if n > 0] == [0, 3]

@@ -201,6 +201,7 @@ class RunConfig:
                 problems += exc.problems
             except ValueError as exc:
                 problems.append(str(exc))
+        moves_zero = self.advantage.zero_advantage_mover()
         checks = [
             (self.trainer.iterations >= 1, "trainer.iterations must be >= 1"),
             (self.trainer.lr > 0, "trainer.lr must be > 0"),
@@ -241,9 +242,9 @@ class RunConfig:
              f"advantage.kl_reward_horizon={self.advantage.kl_reward_horizon:g} must exceed a fifth of the batch's "
              f"{self.rollout.quota_groups * self.rollout.group_size} responses: a KL below target multiplies β by "
              "1 - 0.2 x responses / horizon, which would turn the penalty into a bonus"),
-            (not (self.advantage.whiten and self.trainer.mask_zero_advantage),
-             "trainer.mask_zero_advantage masks the responses of zero advantage, which advantage.whiten moves to -μ/σ: "
-             "no response would be masked; set one of them false"),
+            (not (self.trainer.mask_zero_advantage and moves_zero),
+             f"trainer.mask_zero_advantage masks the responses whose advantage is exactly 0 (a flat group's), but "
+             f"{moves_zero} moves that 0 away, so no response would be masked; set one of them off"),
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),

@@ -203,6 +203,17 @@ class AdvantageConfig:
     kl_reward_horizon: float = 10000.0
     whiten: bool = False
 
+    def zero_advantage_mover(self) -> str | None:
+        """The setting that moves a flat group's advantage away from exactly 0 (so `trainer.mask_zero_advantage`
+        would find none), or None."""
+        if self.whiten:
+            return "advantage.whiten"
+        if self.estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+            return f"advantage.estimator={self.estimator} (whitened over the batch's tokens)"
+        if self.baseline_noise > 0:
+            return "advantage.baseline_noise"
+        return None
+
     def validate(self) -> None:
         require_choice("advantage.estimator", self.estimator,
                        typing.get_args(typing.get_type_hints(AdvantageConfig)["estimator"]))
