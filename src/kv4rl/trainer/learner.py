@@ -53,9 +53,7 @@ from kv4rl.trainer.learner_options import check_learner_options, describe_option
 from kv4rl.trainer.offloaded_adamw import OffloadedAdamW
 from kv4rl.trainer.update_memory import largest_micro_batch, measure_update_memory
 from kv4rl.trainer.update_stats import global_scalar, token_stats, warn_left_out
-from kv4rl.trainer.optimizer_checkpoint import (FULL, SHARDED, full_state, load_full_state, load_shards,
-                                                 optimizer_format, save_shards)
-from kv4rl.trainer.policy_folder import write_policy_folder
+from kv4rl.trainer.learner_checkpointing import LearnerCheckpointing
 from kv4rl.trainer.packing import pack_rows, plan_micro_batches
 from kv4rl.trainer.policy_model import load_hf_model, load_reference, prepare_policy, shard_policy
 
@@ -63,7 +61,7 @@ FROM_BATCH = frozenset({"behavior_logprobs", "versions"})  # loss inputs a Train
 log = logging.getLogger(__name__)
 
 
-class Learner:
+class Learner(LearnerCheckpointing):
     def __init__(self, policy_path: str | Path | nn.Module, ref_path: str | Path | nn.Module | None, *,
                  algo: AlgoConfig, lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float,
                  micro_batch_size: int, updates_per_batch: int, temperature: float,
@@ -359,41 +357,3 @@ class Learner:
                 full = getattr(p.grad, "full_tensor", None)
                 out[name] = full() if full is not None else p.grad
         return out
-
-    # ---- checkpointing ----------------------------------------------------------------------
-    def save_pretrained(self, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-        """The policy as a Hugging Face folder (safetensors). `state`: the full weights already gathered (under
-        FSDP2 every rank takes part in gathering; one rank writes)."""
-        if state is None:
-            state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        write_policy_folder(self.model, path, state)
-
-    @property
-    def optimizer_format(self) -> str:
-        """Optimizer state in checkpoints: full in the trainer state at world size 1, a DCP shard per rank beyond."""
-        return SHARDED if self.world_size > 1 else FULL
-
-    def checkpoint_state(self) -> dict:
-        """What a resume needs beyond the weights, with the optimizer format and the world size. One rank:
-        the AdamW moments and step counts, full plain tensors on CPU keyed by parameter name. Several
-        ranks: the shards are written by `write_shards`, never gathered."""
-        if self.optimizer_format == SHARDED:
-            return {"optimizer_format": SHARDED, "world": self.world_size}
-        return {"optimizer_format": FULL, "world": 1, "optimizer": full_state(self.model, self.optimizer)}
-
-    def write_shards(self, folder: Path) -> None:
-        """Every rank writes its optimizer shard into `folder` (a collective); nothing at world size 1."""
-        if self.optimizer_format == SHARDED:
-            save_shards(self.model, self.optimizer, folder, self.group)
-
-    def load_checkpoint_state(self, state: dict, folder: Path | None = None) -> None:
-        """Restore `checkpoint_state()` (or an older one); a sharded one reads its shards from `folder`."""
-        if optimizer_format(state) != SHARDED:
-            load_full_state(self.model, self.optimizer, state["optimizer"])
-        elif folder is None:
-            raise ValueError("a checkpoint with sharded optimizer state loads from its folder: pass `folder`")
-        else:
-            load_shards(self.model, self.optimizer, folder, self.group)
-        # load_state_dict restored the saved groups' settings: a resume changing weight_decay or betas ran the old
-        for group in self.optimizer.param_groups:
-            group.update(self._configured)
