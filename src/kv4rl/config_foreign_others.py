@@ -177,9 +177,9 @@ AREAL = {
                               "lag by throttling new requests), or with rollout.mode=partial staleness.max_versions",
     "consumer_batch_size": "AReaL's rollout.consumer_batch_size is rollout.quota_groups",
     "max_concurrent_rollouts": "AReaL's rollout.max_concurrent_rollouts is rollout.max_slots (decode slots)",
-    **dict.fromkeys(("reward_scaling", "reward_bias", "reward_clip"),
-                    "AReaL's reward_scaling / reward_bias / reward_clip do not exist: a group-normalised advantage "
-                    "(grpo) cancels scale and bias; reward.weights=[s] scales one reward"),
+    "reward_scaling": "AReaL's reward_scaling is reward.scale",
+    "reward_bias": "AReaL's reward_bias is reward.bias",
+    "reward_clip": "AReaL's reward_clip (20 by default there) is reward.clip (null: no clip, by default here)",
     **dict.fromkeys(("reward_norm", "reward_norm.mean_level", "reward_norm.std_level", "reward_norm.group_size"),
                     "AReaL's reward_norm (mean_level and std_level group) is advantage.estimator=grpo (std_level "
                     "null: advantage.normalize_std=false; its eps 1e-5, 1e-6 here); no reward_norm at all has no "

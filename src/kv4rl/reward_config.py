@@ -22,6 +22,10 @@ class RewardConfig:
     # loses up to overlong_penalty, linearly to the cap (0: off)
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # AReaL's reward_bias, reward_scaling and reward_clip: each trained score becomes clip((r + bias) x scale, ±clip)
+    bias: float = 0.0
+    scale: float = 1.0
+    clip: float | None = None
 
     def validate(self, max_new_tokens: int) -> None:
         """Names registered (plug-ins imported first), each once; weights one per reward and finite; the overlong
@@ -44,6 +48,11 @@ class RewardConfig:
                               f"{self.overlong_buffer} with rollout.max_new_tokens={max_new_tokens}")
         if not (math.isfinite(self.overlong_penalty) and self.overlong_penalty >= 0):
             raise ConfigError(f"reward.overlong_penalty must be a finite number >= 0, got {self.overlong_penalty}")
+        if not (math.isfinite(self.bias) and math.isfinite(self.scale) and self.scale != 0):
+            raise ConfigError(f"reward.bias must be a finite number and reward.scale a finite one other than 0 (every "
+                              f"score would be 0), got {self.bias} and {self.scale}")
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
+            raise ConfigError(f"reward.clip must be a finite number > 0 (or null: no clip), got {self.clip}")
         weights = self.weights
         if weights is not None:
             if len(weights) != 1 + len(self.extra):

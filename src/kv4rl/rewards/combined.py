@@ -114,12 +114,27 @@ def with_overlong_penalty(result: RewardResult, lengths: Sequence[int], verifier
 def score_responses(reward: RewardFn, texts: list[str], golds: list[str], lengths: Sequence[int], cfg,
                     max_new_tokens: int, problems: list | None = None) -> RewardResult:
     """The run's scores of decoded responses (`lengths`: their token counts; `problems`: each one's problem, for a
-    reward that takes them): `reward`'s, plus the overlong penalty where `cfg` (the run's `reward` section) asks."""
+    reward that takes them): `reward`'s, plus the overlong penalty, then AReaL's scaling, where `cfg` (the run's
+    `reward` section) asks."""
     result = call_reward(reward, texts, golds, problems)
     if cfg.overlong_buffer:
         result = with_overlong_penalty(result, lengths, verifier_name(reward), max_new_tokens, cfg.overlong_buffer,
                                        cfg.overlong_penalty)
+    if cfg.bias != 0 or cfg.scale != 1 or cfg.clip is not None:
+        result = rescaled(result, verifier_name(reward), cfg.bias, cfg.scale, cfg.clip)
     return result
+
+
+def rescaled(result: RewardResult, verifier: str | None, bias: float, scale: float, clip: float | None) -> RewardResult:
+    """AReaL's reward scaling: each trained score becomes `(r + bias) · scale`, clipped to [−clip, clip] (after the
+    overlong penalty, as AReaL scales after it). The verifier's own score stays a component, which `accuracy`
+    reads; the components are logged as they were scored."""
+    components = dict(result.components) if result.components else \
+        ({verifier: [float(x) for x in result.scores]} if verifier is not None else {})
+    out = [(float(x) + bias) * scale for x in result.scores]
+    if clip is not None:
+        out = [min(max(x, -clip), clip) for x in out]
+    return RewardResult(out, result.stats, components)
 
 
 def reward_metrics(result: RewardResult, verifier_name: str | None = None) -> dict[str, float]:
