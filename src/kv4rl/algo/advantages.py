@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kv4rl.algo.config import AdvantageConfig
+from kv4rl.algo.config import TOKEN_WEIGHTED, AdvantageConfig
 
 STD_EPS = 1e-6
 WHITEN_EPS = 1e-8  # inside the square root, as verl's masked_whiten
@@ -43,7 +43,6 @@ class WholeBatch:
 AdvantageFn = Callable[[Tensor, int, AdvantageConfig, WholeBatch], tuple[Tensor, dict[str, float]]]
 ADVANTAGES: dict[str, AdvantageFn] = {}
 # the estimators that read `WholeBatch.lengths` (a caller gathers them over the ranks only for these)
-TOKEN_WEIGHTED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 def needs_whole_batch(cfg: AdvantageConfig) -> bool:

@@ -16,6 +16,9 @@ from kv4rl.algo.aggregation import AggMode
 from kv4rl.algo.logprobs import KL_TYPES, KLType
 from kv4rl.algo.registry import COMMON_KEYS, LOSSES, get_loss, import_plugins, key_owner, require_choice
 
+# the estimators that whiten their advantages over the batch's tokens (REINFORCE++), weighing responses by length
+TOKEN_WEIGHTED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
 
 class AlgoConfig:
     """The policy loss (docs/objectives.md): the keys every loss shares plus each registered loss's settings.
@@ -208,7 +211,7 @@ class AdvantageConfig:
         would find none), or None."""
         if self.whiten:
             return "advantage.whiten"
-        if self.estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        if self.estimator in TOKEN_WEIGHTED:
             return f"advantage.estimator={self.estimator} (whitened over the batch's tokens)"
         if self.baseline_noise > 0:
             return "advantage.baseline_noise"
@@ -233,7 +236,7 @@ class AdvantageConfig:
                              f"{self.kl_reward_horizon}")
         if not self.baseline_noise >= 0.0:
             raise ValueError(f"advantage.baseline_noise must be >= 0, got {self.baseline_noise}")
-        if self.whiten and self.estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        if self.whiten and self.estimator in TOKEN_WEIGHTED:
             raise ValueError(f"advantage.whiten: advantage.estimator={self.estimator} whitens its advantages over the "
                              "batch's tokens already; set advantage.whiten=false")
         if self.kl_reward_coef > 0 and self.estimator == "reinforce_plus_plus" and self.baseline_noise > 0:

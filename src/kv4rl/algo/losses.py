@@ -34,7 +34,7 @@ from torch import Tensor
 from kv4rl.algo.logprobs import LOG_RATIO_LIMIT, k3_kl, ref_kl_terms
 from kv4rl.algo.off_policy import BEHAVIOR_IS_MODES, BehaviorIS, behavior_importance_weights, off_policy_keep
 from kv4rl.algo.rejection import rejection_keep, rejection_rules
-from kv4rl.algo.surrogates import Surrogate, dppo_dropped, surrogate_objective, vespo_weights
+from kv4rl.algo.surrogates import Surrogate, surrogate_objective
 from kv4rl.algo.registry import LOSSES, LossFn, LossInputs, get_loss, register_loss, require_choice
 
 if TYPE_CHECKING:
@@ -278,7 +278,8 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     adv = torch.where(valid, inp.advantages.detach(), 0)
     # a token behavior_rs rejected in this pass adds no term, nor its ratio to VESPO's response weight
     kept_log_ratio = log_ratio if trained is valid else torch.where(trained, log_ratio, 0)
-    surrogate = surrogate_objective(s, ratio, kept_log_ratio, adv, torch.where(valid, inp.logprobs, 0), old_logprobs)
+    surrogate, found = surrogate_objective(s, ratio, kept_log_ratio, adv, torch.where(valid, inp.logprobs, 0),
+                                           old_logprobs)
     kept = None
     if s.off_policy_mask is not None:
         kept = off_policy_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.off_policy_mask"), adv, valid,
@@ -304,9 +305,9 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     elif s.surrogate == "cispo":  # TRL's cispo_clip_ratio: capped tokens of positive advantage
         stats["cispo_clip_frac"] = _mean((valid & (adv > 0) & (ratio > s.cispo_max)).double(), valid)
     elif s.surrogate == "vespo":
-        stats["vespo_weight_mean"] = _mean(vespo_weights(s, kept_log_ratio, adv), trained)
+        stats["vespo_weight_mean"] = _mean(found["vespo_weights"], trained)
     elif s.surrogate == "dppo":  # prime-rl's is_masked, is_masked_high, is_masked_low
-        high, low = dppo_dropped(s, inp.logprobs, old_logprobs, adv)
+        high, low = found["dppo_high"], found["dppo_low"]
         stats.update(dppo_masked_frac=_mean((valid & (high | low)).double(), valid),
                      dppo_masked_frac_high=_mean((valid & high).double(), valid),
                      dppo_masked_frac_low=_mean((valid & low).double(), valid))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -47,11 +48,12 @@ class RejectionRule:
         return self.option.rsplit("_", 1)[1]
 
 
-def rejection_rules(options: str | None, thresholds: str | float | None) -> list[RejectionRule]:
+@lru_cache(maxsize=64)  # the loss asks for them in every pass of bypass mode
+def rejection_rules(options: str | None, thresholds: str | float | None) -> tuple[RejectionRule, ...]:
     """The rules of `algo.behavior_rs` and `algo.behavior_rs_threshold`, or a ValueError that names the key and the
     entry at fault. No options: no rules (a threshold alone is reported by the settings' unread-key warning)."""
     if options is None:
-        return []
+        return ()
     names = list(dict.fromkeys(part.strip() for part in options.split(",") if part.strip()))  # duplicates once
     if not names:
         raise ValueError(f"algo.behavior_rs: {options!r} names no option (one or more of {', '.join(REJECTION_OPTIONS)}, "
@@ -68,7 +70,7 @@ def rejection_rules(options: str | None, thresholds: str | float | None) -> list
         raise ValueError(f"algo.behavior_rs_threshold: {len(specs)} thresholds for {len(names)} options of "
                          f"algo.behavior_rs ({', '.join(names)}); give one for each, or one for all")
     specs = specs * len(names) if len(specs) == 1 else specs
-    return [_rule(name, spec) for name, spec in zip(names, specs)]
+    return tuple(_rule(name, spec) for name, spec in zip(names, specs))
 
 
 def _rule(option: str, spec: str) -> RejectionRule:
@@ -97,7 +99,7 @@ def _rule(option: str, spec: str) -> RejectionRule:
 
 
 def rejection_keep(old_logprobs: Tensor, behavior_logprobs: Tensor, valid: Tensor,
-                   rules: list[RejectionRule]) -> tuple[Tensor, dict[str, float]]:
+                   rules: tuple[RejectionRule, ...]) -> tuple[Tensor, dict[str, Tensor]]:
     """(keep [B, T] bool: the valid tokens every rule keeps; the rejected share of the valid tokens and of the
     responses that have any, `behavior_rs_frac` and `behavior_rs_seq_frac`, as 0-d tensors on the inputs' device,
     so that a loss reads them back with its other metrics in one copy), in float64, no gradient."""

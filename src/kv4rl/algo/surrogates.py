@@ -18,30 +18,32 @@ VESPO_MIN_LOG_WEIGHT = math.log(1e-8)  # TRL's (and VESPO's) floor of the sequen
 
 
 def surrogate_objective(s: PPOClipSettings, ratio: Tensor, log_ratio: Tensor, adv: Tensor, logprobs: Tensor,
-                        old_logprobs: Tensor) -> Tensor:
-    """PPO's clipped `min(ρA, clip(ρ)A)` (with the dual clip for A < 0), CISPO's `sg(min(ρ, cispo_max)) · A · log π`
+                        old_logprobs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """(the per-token objective, the masks or weights it computed on the way, for the loss's metrics: DPPO's
+    `dppo_high` / `dppo_low`, VESPO's `vespo_weights`). PPO's clipped `min(ρA, clip(ρ)A)` (with the dual clip for A < 0), CISPO's `sg(min(ρ, cispo_max)) · A · log π`
     (a capped, gradient-free weight on REINFORCE), SAPO's soft gate `σ(τ(ρ − 1)) · 4/τ · A`, τ = `sapo_tau_pos` for
     A > 0 and `sapo_tau_neg` otherwise, the plain policy gradient `A · log π` (`pg`: no ratio and no clip, verl's
     gpg loss), prime-rl's DPPO `A · ρ` on the tokens its trust region keeps (`dppo_dropped`) less
     `dppo_kl_coef · (log ρ)²` on every token (its default loss, whose kl_tau is that coefficient), or VESPO's
     `sg(φ(w)) · A · log π` with the response's Gamma weight φ (`vespo_weights`; TRL's loss_type vespo)."""
     if s.surrogate == "cispo":
-        return ratio.clamp(max=s.cispo_max).detach() * adv * logprobs
+        return ratio.clamp(max=s.cispo_max).detach() * adv * logprobs, {}
     if s.surrogate == "sapo":
         tau = torch.where(adv > 0, s.sapo_tau_pos, s.sapo_tau_neg).to(ratio.dtype)
-        return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+        return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv, {}
     if s.surrogate == "pg":
-        return adv * logprobs
+        return adv * logprobs, {}
     if s.surrogate == "vespo":
-        return vespo_weights(s, log_ratio, adv) * adv * logprobs
+        weights = vespo_weights(s, log_ratio, adv)
+        return weights * adv * logprobs, {"vespo_weights": weights}
     if s.surrogate == "dppo":
         high, low = dppo_dropped(s, logprobs, old_logprobs, adv)
         kept = torch.where(high | low, torch.zeros((), dtype=ratio.dtype, device=ratio.device), ratio * adv)
-        return kept - s.dppo_kl_coef * log_ratio ** 2
+        return kept - s.dppo_kl_coef * log_ratio ** 2, {"dppo_high": high, "dppo_low": low}
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - s.eps_low, 1.0 + s.eps_high) * adv)
     if s.dual_clip is not None:
         surrogate = torch.where(adv < 0, torch.maximum(surrogate, s.dual_clip * adv), surrogate)
-    return surrogate
+    return surrogate, {}
 
 
 def dppo_dropped(s: PPOClipSettings, logprobs: Tensor, old_logprobs: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:

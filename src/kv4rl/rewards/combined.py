@@ -99,13 +99,20 @@ def overlong_penalties(lengths: Sequence[int], max_new_tokens: int, buffer: int,
     return [max(-factor, min(0.0, -(n - expected) / buffer * factor)) for n in lengths]
 
 
+def _components(result: RewardResult, verifier: str | None) -> dict[str, list[float]]:
+    """`result`'s components, or the verifier's own scores as its one component, before a change to the scores
+    (`accuracy` reads the verifier's)."""
+    if result.components:
+        return dict(result.components)
+    return {verifier: [float(x) for x in result.scores]} if verifier is not None else {}
+
+
 def with_overlong_penalty(result: RewardResult, lengths: Sequence[int], verifier: str | None, max_new_tokens: int,
                           buffer: int, factor: float) -> RewardResult:
     """`result` with `overlong_penalties` added to its scores, and logged as the component `overlong` beside the
     reward's own (the verifier's score, which `accuracy` reads, is kept apart from the penalty)."""
     penalties = overlong_penalties(lengths, max_new_tokens, buffer, factor)
-    components = dict(result.components) if result.components else \
-        ({verifier: [float(x) for x in result.scores]} if verifier is not None else {})
+    components = _components(result, verifier)
     components["overlong"] = penalties
     return RewardResult([float(x) + p for x, p in zip(result.scores, penalties, strict=True)], result.stats,
                         components)
@@ -129,8 +136,7 @@ def rescaled(result: RewardResult, verifier: str | None, bias: float, scale: flo
     """AReaL's reward scaling: each trained score becomes `(r + bias) · scale`, clipped to [−clip, clip] (after the
     overlong penalty, as AReaL scales after it). The verifier's own score stays a component, which `accuracy`
     reads; the components are logged as they were scored."""
-    components = dict(result.components) if result.components else \
-        ({verifier: [float(x) for x in result.scores]} if verifier is not None else {})
+    components = _components(result, verifier)
     out = [(float(x) + bias) * scale for x in result.scores]
     if clip is not None:
         out = [min(max(x, -clip), clip) for x in out]

@@ -107,7 +107,7 @@ class Learner(LearnerCheckpointing):
         self.loss_inputs = self.loss_fn.inputs(algo)  # the optional LossInputs fields to fill
         ppo = algo.section("ppo_clip") if algo.loss == "ppo_clip" else None  # verl's rollout_rs, π_old recomputed
         decoupled = ppo is not None and ppo.old_logprob == "recompute"  # (bypass mode's is the loss's own)
-        self.rejection = rejection_rules(ppo.behavior_rs, ppo.behavior_rs_threshold) if decoupled else []
+        self.rejection = rejection_rules(ppo.behavior_rs, ppo.behavior_rs_threshold) if decoupled else ()
         self.temperature, self.grad_clip = temperature, grad_clip
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens_per_micro_batch

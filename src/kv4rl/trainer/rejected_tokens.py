@@ -14,7 +14,7 @@ from kv4rl.trainer.update_stats import mismatch_stats
 
 
 def without_rejected(batch: TrainBatch, old_logprobs: torch.Tensor,
-                     rules: list[RejectionRule]) -> tuple[TrainBatch, list[tuple[dict[str, float], float]]]:
+                     rules: tuple[RejectionRule, ...]) -> tuple[TrainBatch, list[tuple[dict[str, float], float]]]:
     """(`batch` with the rejected tokens out of its response mask; the rejected shares as (metrics, weight) parts,
     the tokens' weighed by this rank's valid tokens and the responses' by its responses, so that they merge over
     ranks into the batch's shares; and the engine-vs-learner mismatch of every sampled token, the rejected ones
