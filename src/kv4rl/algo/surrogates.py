@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from kv4rl.algo.losses import PPOClipSettings
+    from kv4rl.algo.ppo_settings import PPOClipSettings
 
 Surrogate = Literal["clip", "cispo", "sapo", "pg", "dppo", "vespo"]
 VESPO_MIN_LOG_WEIGHT = math.log(1e-8)  # TRL's (and VESPO's) floor of the sequence log-weight
