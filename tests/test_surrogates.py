@@ -1,7 +1,7 @@
 """`algo.surrogate`: CISPO's and SAPO's objectives in place of PPO's clip (TRL's loss_type cispo / sapo), against
 TRL's `_compute_loss` written out in float64 (TRL f2cd577): loss, gradient and metrics, with the sequence-level
-ratio and the behaviour importance weights they share with the clip; verl's gpg; prime-rl's DPPO default loss
-(prime-rl 559b447's `default_loss_fn`, written out the same way)."""
+ratio and the behaviour importance weights they share with the clip; verl's gpg; prime-rl's DPPO default loss and its
+IPO loss (prime-rl 559b447's `default_loss_fn` and `ipo_loss_fn`, written out the same way)."""
 
 from __future__ import annotations
 
@@ -257,6 +257,60 @@ def test_dppo_by_hand_and_its_settings_refused_or_warned():
         load_config(None, ["algo.surrogate=dppo", "algo.dppo_mask_low=-0.1"])
     assert AlgoConfig(dppo_kl_coef=0.01).ignored_keys() == [
         "algo.dppo_kl_coef=0.01 is read by algo.surrogate=dppo only; algo.surrogate=clip ignores it"]
+
+
+def prime_rl_ipo_loss(trainer, inference, adv, mask, threshold=0.1, kl_tau=1e-3):
+    """prime-rl's ipo_loss_fn over its rl token count (adv_tau = 1)."""
+    log_ratio = trainer - inference
+    keep = mask.bool() & ~((torch.exp(trainer) - torch.exp(inference)).abs() > threshold)
+    per_token = -(keep * adv * torch.exp(log_ratio)) + kl_tau * (mask * log_ratio ** 2)
+    return per_token.sum() / mask.sum()
+
+
+@pytest.mark.parametrize("old_logprob", ["behavior", "recompute"])
+def test_ipo_equals_prime_rls_ipo_loss(old_logprob):
+    """`algo.surrogate=ipo`: A·ρ on the tokens whose probability moved by at most ipo_threshold either way (whatever
+    the advantage's sign), less ipo_kl_coef·(log ρ)² on every token: loss, gradient and the masked share against
+    prime-rl's ipo_loss_fn, with non-default settings."""
+    logp, old, sampling, adv, mask = batch(13)
+    pi_old = old if old_logprob == "recompute" else sampling
+    cfg = AlgoConfig(loss_agg="token_mean", surrogate="ipo", old_logprob=old_logprob, ipo_threshold=0.12,
+                     ipo_kl_coef=0.04)
+    cfg.validate()
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=logp, advantages=adv, mask=mask.bool(), old_logprobs=old,
+                                                    behavior_logprobs=sampling), cfg)
+    want = prime_rl_ipo_loss(logp, pi_old, adv, mask, threshold=0.12, kl_tau=0.04)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-14)
+    gap = (torch.exp(logp.detach()) - torch.exp(pi_old)) * mask
+    # both directions of both signs are dropped, which DPPO's one-sided region would keep half of
+    for sign in (adv > 0, adv < 0):
+        assert int((sign & (gap > 0.12)).sum()) > 0 and int((sign & (gap < -0.12)).sum()) > 0
+    assert metrics["ipo_masked_frac"] == pytest.approx(int((gap.abs() > 0.12).sum()) / float(mask.sum()))
+
+
+def test_ipo_by_hand_and_its_settings_refused_or_warned():
+    """Two tokens of A = +1, p_old = 0.5: p_θ = 0.3 (−0.2 past 0.1) is dropped by IPO, though DPPO (which masks only
+    a rise for A > 0) keeps it; p_θ = 0.55 (+0.05) is kept: loss = −(0.55/0.5) + kl·[(log 0.6)² + (log 1.1)²], over
+    2 tokens."""
+    old = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    logp = torch.log(torch.tensor([[0.3, 0.55]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.ones(1, 2, dtype=torch.float64)
+    inputs = LossInputs(logprobs=logp, advantages=adv, mask=torch.ones(1, 2), behavior_logprobs=old)
+    loss, metrics = get_loss("ppo_clip")(inputs, AlgoConfig(surrogate="ipo", ipo_kl_coef=0.1))
+    kl = 0.1 * (math.log(0.6) ** 2 + math.log(1.1) ** 2)
+    assert loss.item() == pytest.approx((-(0.55 / 0.5) + kl) / 2, rel=1e-12)
+    assert metrics["ipo_masked_frac"] == 0.5
+    dppo, _ = get_loss("ppo_clip")(inputs, AlgoConfig(surrogate="dppo", dppo_kl_coef=0.1))
+    assert dppo.item() == pytest.approx((-(0.3 / 0.5) - (0.55 / 0.5) + kl) / 2, rel=1e-12)
+    with pytest.raises(ConfigError, match="algo.surrogate=ipo masks each token .* set algo.ratio_level=token"):
+        load_config(None, ["algo.surrogate=ipo", "algo.ratio_level=sequence"])
+    with pytest.raises(ConfigError, match="algo.ipo_threshold must be >= 0"):
+        load_config(None, ["algo.surrogate=ipo", "algo.ipo_threshold=-0.1"])
+    assert AlgoConfig(surrogate="dppo", ipo_threshold=0.2).ignored_keys() == [
+        "algo.ipo_threshold=0.2 is read by algo.surrogate=ipo only; algo.surrogate=dppo ignores it"]
 
 
 def trl_vespo_loss(logp, old, adv, mask, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):

@@ -202,6 +202,8 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         stats.update(dppo_masked_frac=_mean((valid & (high | low)).double(), valid),
                      dppo_masked_frac_high=_mean((valid & high).double(), valid),
                      dppo_masked_frac_low=_mean((valid & low).double(), valid))
+    elif s.surrogate == "ipo":  # prime-rl's is_masked
+        stats["ipo_masked_frac"] = _mean((valid & found["ipo_dropped"]).double(), valid)
     if s.dual_clip is not None:
         stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > s.dual_clip)).double(), valid)
     stats.update(rs_stats)

@@ -25,7 +25,8 @@ class PPOClipSettings:
     surrogate the tokens whose π_θ strayed from μ, its denominators unchanged. `surrogate` swaps the clipped
     objective for CISPO's or SAPO's (TRL's loss_type cispo / sapo), which share π_old, the ratio level and the
     weights, for the plain policy gradient (`pg`, verl's gpg loss), which reads no ratio, for prime-rl's DPPO
-    (`dppo`: A·ρ inside a trust region on p_θ − p_old, less `dppo_kl_coef`·(log ρ)²) or TRL's VESPO (`vespo`: A·log π
+    (`dppo`: A·ρ inside a trust region on p_θ − p_old, less `dppo_kl_coef`·(log ρ)²), for its IPO (`ipo`: the same
+    inside |p_θ − p_old| <= `ipo_threshold`, less `ipo_kl_coef`·(log ρ)²) or TRL's VESPO (`vespo`: A·log π
     weighed by a Gamma function of the response's ratio; `kv4rl.algo.surrogates`). `off_policy_mask` = δ drops a
     response with A < 0 whose mean log μ − log π_θ is above δ (DeepSeek-V3.2, TRL's off_policy_mask_threshold;
     `off_policy_keep`). `kl_ref_unbiased` weighs each token's reference-KL term by the
@@ -49,6 +50,8 @@ class PPOClipSettings:
     dppo_mask_low: float = 0.2
     dppo_mask_high: float = 0.2
     dppo_kl_coef: float = 1e-3
+    ipo_threshold: float = 0.1
+    ipo_kl_coef: float = 1e-3
     vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
@@ -72,7 +75,8 @@ class PPOClipSettings:
         for key in ("cispo_max", "sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             if not getattr(self, key) > 0.0:
                 raise ValueError(f"algo.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("dppo_mask_low", "dppo_mask_high", "dppo_kl_coef", "vespo_k_pos", "vespo_k_neg"):
+        for key in ("dppo_mask_low", "dppo_mask_high", "dppo_kl_coef", "ipo_threshold", "ipo_kl_coef", "vespo_k_pos",
+                    "vespo_k_neg"):
             if not getattr(self, key) >= 0.0:
                 raise ValueError(f"algo.{key} must be >= 0, got {getattr(self, key)}")
         low, high = self.behavior_is_min, self.behavior_is_max
@@ -88,6 +92,7 @@ class PPOClipSettings:
         default, lines = PPOClipSettings(), []
         readers = {"eps_low": "clip", "eps_high": "clip", "cispo_max": "cispo", "sapo_tau_pos": "sapo",
                    "sapo_tau_neg": "sapo", "dppo_mask_low": "dppo", "dppo_mask_high": "dppo", "dppo_kl_coef": "dppo",
+                   "ipo_threshold": "ipo", "ipo_kl_coef": "ipo",
                    **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), "vespo")}
         for key, reader in readers.items():
             if reader != self.surrogate and getattr(self, key) != getattr(default, key):
@@ -104,9 +109,9 @@ class PPOClipSettings:
 
     def check_in_use(self) -> None:
         """The rules that hold only when `ppo_clip` is the run's loss (another loss ignores these keys)."""
-        if self.surrogate == "dppo" and self.ratio_level != "token":
-            raise ValueError("algo.surrogate=dppo masks each token by its own probability's change and weighs it by "
-                             "its own ratio: set algo.ratio_level=token")
+        if self.surrogate in ("dppo", "ipo") and self.ratio_level != "token":
+            raise ValueError(f"algo.surrogate={self.surrogate} masks each token by its own probability's change and "
+                             "weighs it by its own ratio: set algo.ratio_level=token")
         if self.surrogate == "vespo" and self.ratio_level != "token":
             raise ValueError("algo.surrogate=vespo weighs a response by the product of its tokens' ratios (TRL's "
                              "vespo needs importance_sampling_level=token too): set algo.ratio_level=token")
