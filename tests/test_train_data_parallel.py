@@ -239,14 +239,17 @@ def test_reinforce_pps_token_returns_are_whitened_over_every_ranks_tokens(tmp_pa
         _verl_step(second["kl_reward/coef"], second["kl_reward/token_mean"], target, 2, 8), rel=1e-9)
 
 
-def test_whitened_advantages_read_every_ranks_tokens(tmp_path, monkeypatch):
+def test_whitened_advantages_and_normalised_weights_read_every_ranks_tokens(tmp_path, monkeypatch):
     """advantage.whiten under torchrun DP2: each rank whitens its responses with both ranks' token sums, so the
     advantages (their mean, std and largest over the batch's responses) equal one process's; a rank's own tokens
-    alone would give others (a wrong mean, and a std of about 1 on each rank's share)."""
+    alone would give others (a wrong mean, and a std of about 1 on each rank's share). The same for
+    algo.behavior_is_normalize's batch mean weight (INT4 KV, so that μ differs from π_old): one process's factor."""
     from kv4rl.config import load_config
     from kv4rl.loop import train
 
-    common = ["advantage.whiten=true", "seed=3", "trainer.iterations=1"]
+    common = ["advantage.whiten=true", "seed=3", "trainer.iterations=1", "engine.kv.format=int4",
+              "engine.kv.group_size=32", "algo.old_logprob=recompute", "algo.behavior_is=token_truncate",
+              "algo.behavior_is_normalize=true"]
     monkeypatch.chdir(tmp_path)
     train(load_config(None, ["name=one", *common, *SMALL[:-1]]), show_progress=False)
     (one,) = rows(tmp_path / "runs" / "one")
@@ -256,6 +259,10 @@ def test_whitened_advantages_read_every_ranks_tokens(tmp_path, monkeypatch):
     assert two["num_tokens"] == one["num_tokens"] and one["adv_std"] > 0
     for key in ("reward_mean", "adv_mean", "adv_std", "adv_absmax"):
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+    assert abs(one["behavior_is_norm_factor"] - 1) > 1e-4
+    assert two["behavior_is_norm_factor"] == pytest.approx(one["behavior_is_norm_factor"], rel=1e-6)
+    for key in ("loss", "grad_norm"):  # each rank's own mean weight would move both (the logged factor, a
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key  # token-weighted mean of the ranks', would not)
 
 
 def test_a_lagging_tensor_parallel_engine_resumes_with_each_ranks_own_weights(tmp_path):

@@ -157,8 +157,8 @@ OTHER_FRAMEWORKS = {
     "kl_coef": "verl's kl_ctrl.kl_coef (0.001 by default there) and slime's kl_coef are advantage.kl_reward_coef "
                "(slime reads its kl_coef only with ppo and the reinforce estimators)",
     "kl_penalty": "verl's algorithm.kl_penalty is advantage.kl_reward_type (kl: k1, low_var_kl: k3, mse: k2, abs)",
-    "rollout_is_batch_normalize": "verl's rollout_is_batch_normalize does not exist (algo.behavior_is is not "
-                                  "normalised)",
+    "rollout_is_batch_normalize": "verl's rollout_is_batch_normalize is algo.behavior_is_normalize (with "
+                                  "algo.behavior_is)",
     "rollout_rs": "verl's rollout_correction.rollout_rs is algo.behavior_rs (the same options, e.g. token_k1 or "
                   "seq_mean_k3,seq_max_k2; algo.old_logprob=recompute is verl's decoupled mode)",
     "rollout_rs_threshold": "verl's rollout_rs_threshold is algo.behavior_rs_threshold (the same form; quote a "

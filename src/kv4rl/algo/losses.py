@@ -141,7 +141,8 @@ def _ppo_clip_inputs(cfg: AlgoConfig) -> set[str]:
     engine = s.behavior_is != "none" or s.off_policy_mask is not None or s.behavior_rs is not None
     # a response's weight is over all its sampled tokens, those rejected too (verl weighs before it rejects)
     whole = s.behavior_is.startswith("sequence") and s.behavior_rs is not None
-    return {old, "ref_logprobs"} | ({"behavior_logprobs"} if engine else set()) | ({"sampled_mask"} if whole else set())
+    norm = {"behavior_is_norm"} if s.behavior_is_normalize else set()
+    return {old, "ref_logprobs"} | ({"behavior_logprobs"} if engine else set()) | ({"sampled_mask"} if whole else set()) | norm
 
 
 @register_loss("ppo_clip", settings=PPOClipSettings, inputs=_ppo_clip_inputs)
@@ -153,7 +154,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     else:
         old_logprobs = inp.need("behavior_logprobs")
     trained = valid  # in verl's bypass mode, the tokens `behavior_rs` keeps in this pass (π_θ against μ)
-    rs_stats = {}
+    rs_stats = {}  # the rejection's shares, and the weights' batch mean when they are normalised
     if s.behavior_rs is not None and s.old_logprob == "behavior":
         keep, rs_stats = rejection_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.behavior_rs"), valid,
                                         rejection_rules(s.behavior_rs, s.behavior_rs_threshold))
@@ -182,6 +183,10 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         weights, cut = behavior_importance_weights(old_logprobs, inp.need("behavior_logprobs", "algo.behavior_is"),
                                                    sampled, s.behavior_is, s.behavior_is_min, s.behavior_is_max)
         weights, cut = torch.where(valid, weights, 0.0), cut & valid
+        if s.behavior_is_normalize:  # by the whole learner batch's mean weight (verl's rollout_is_batch_normalize)
+            norm = inp.need("behavior_is_norm", "algo.behavior_is_normalize")
+            weights = weights / norm
+            rs_stats["behavior_is_norm_factor"] = _mean(norm, valid)
         surrogate = surrogate * weights.to(surrogate.dtype)
     loss = -inp.aggregate(surrogate, trained, cfg.loss_agg)
 

@@ -39,6 +39,17 @@ def behavior_importance_weights(old_logprobs: Tensor, behavior_logprobs: Tensor,
     return torch.where(valid, w, 0.0), cut
 
 
+def weight_sums(weights: Tensor, valid: Tensor, mode: str) -> tuple[float, float]:
+    """(sum, count) of a batch's behaviour weights whose ratio is their mean (`algo.behavior_is_normalize`, verl's
+    rollout_is_batch_normalize): over the valid tokens for a `token_*` mode, over the responses (one weight each)
+    for a `sequence_*` mode, as verl averages its token and sequence weights. Sums, so that ranks can add theirs."""
+    if mode.startswith("token"):
+        return float(weights.sum()), float(valid.sum())
+    rows = valid.any(-1)
+    per_row = weights.sum(-1) / valid.sum(-1).clamp(min=1)
+    return float(per_row[rows].sum()), float(rows.sum())
+
+
 def off_policy_keep(logprobs: Tensor, behavior_logprobs: Tensor, adv: Tensor, valid: Tensor,
                     threshold: float) -> Tensor:
     """[B, T] bool, no gradient: DeepSeek-V3.2's off-policy sequence mask. A response is kept unless its advantage is

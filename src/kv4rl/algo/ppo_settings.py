@@ -19,7 +19,8 @@ class PPOClipSettings:
     importance_sampling_level=sequence: exp of the mean of its tokens' log-ratios, with its gradient).
     `behavior_is` weighs each token's surrogate by π_old/μ, the recomputed π_old over the engine's μ, truncated to
     or masked outside [`behavior_is_min`, `behavior_is_max`] (TRL's vllm_importance_sampling_*, AReaL's decoupled
-    PPO; `behavior_importance_weights`). `behavior_rs` rejects the tokens or responses whose μ strayed too far from
+    PPO; `behavior_importance_weights`), then divided by their mean over the learner batch with `behavior_is_normalize`
+    (verl's rollout_is_batch_normalize). `behavior_rs` rejects the tokens or responses whose μ strayed too far from
     π_old (verl's rollout_rs, with `behavior_rs_threshold`; `kv4rl.algo.rejection`): with `recompute` the learner
     drops them from the batch before the update; with `behavior` (verl's bypass mode) each pass here drops from the
     surrogate the tokens whose π_θ strayed from μ, its denominators unchanged. `surrogate` swaps the clipped
@@ -40,6 +41,7 @@ class PPOClipSettings:
     behavior_is: BehaviorIS = "none"
     behavior_is_max: float | None = 3.0
     behavior_is_min: float | None = None
+    behavior_is_normalize: bool = False
     behavior_rs: str | None = None
     behavior_rs_threshold: str | float | None = None
     off_policy_mask: float | None = None
@@ -121,6 +123,9 @@ class PPOClipSettings:
         if self.dual_clip is not None and self.surrogate != "clip":
             raise ValueError(f"algo.dual_clip bounds the clipped surrogate; algo.surrogate={self.surrogate} has no "
                              "clip to bound: set algo.dual_clip=null")
+        if self.behavior_is_normalize and self.behavior_is == "none":
+            raise ValueError("algo.behavior_is_normalize divides the behaviour weights by their batch mean, and "
+                             "algo.behavior_is=none weighs nothing: set algo.behavior_is (verl's rollout_is) too")
         if self.behavior_is != "none" and self.old_logprob != "recompute":
             raise ValueError(f"algo.behavior_is={self.behavior_is} weighs by π_old/μ, the learner's recomputed "
                              "log-probs over the engine's; with algo.old_logprob=behavior π_old is μ and every weight "

@@ -38,6 +38,7 @@ LOSS_INPUTS: dict[str, str] = {
     "ref_logprobs": "log π_ref of the frozen reference policy (one extra forward; given when the run has one)",
     "versions": "policy version that sampled each token (an integer tensor)",
     "sampled_mask": "every token the engine sampled, those algo.behavior_rs rejected too (`mask` holds the trained ones)",
+    "behavior_is_norm": "the learner batch's mean behaviour weight, in every position (algo.behavior_is_normalize)",
 }
 # algo keys every loss shares
 COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_type", "kl_ref_clamp", "entropy_coeff",
@@ -60,6 +61,7 @@ class LossInputs:
     ref_logprobs: Tensor | None = None
     versions: Tensor | None = None
     sampled_mask: Tensor | None = None
+    behavior_is_norm: Tensor | None = None
     num_tokens: float | None = None
     num_seqs: float | None = None
     norm_tokens: float | None = None

@@ -44,6 +44,7 @@ from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
 from kv4rl.trainer.entropy_tokens import high_entropy_tokens
 from kv4rl.trainer.rank_sums import every_rank, global_counts, rank_passes
+from kv4rl.trainer.behavior_is_norm import batch_mean_weight
 from kv4rl.trainer.rejected_tokens import without_rejected
 from kv4rl.trainer.compiled_layers import compiles_by_default, decoder_layers
 from kv4rl.trainer.fused_elementwise import can_fuse, fuses_by_default
@@ -271,6 +272,10 @@ class Learner(LearnerCheckpointing):
         before_update = self._before_update_inputs(batch, self.num_steps if iteration is None else iteration,
                                                    given or {})
         parts: list[tuple[dict[str, float], float]] = []  # per micro-batch, merged by combine_metrics
+        if "behavior_is_norm" in self.loss_inputs:  # over every sampled token, before any is rejected (as verl)
+            before_update["behavior_is_norm"] = batch_mean_weight(batch, before_update["old_logprobs"],
+                                                                  self.algo.section("ppo_clip"), self.group,
+                                                                  self.world_size)
         if self.rejection:  # verl's rollout_rs: the tokens sampled too far from π_old leave the mask
             if "sampled_mask" in self.loss_inputs:
                 before_update["sampled_mask"] = batch.response_mask
