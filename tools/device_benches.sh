@@ -48,7 +48,7 @@
 #   bash tools/device_benches.sh rope_trees 2>&1 | tee $OUT/log.txt         # RoPE-kernel candidates in tools/_trees/ against main's (~2 min each)
 #   bash tools/device_benches.sh write_small 2>&1 | tee $OUT/log.txt        # unrotated decode KV writes in 1-16-row programs (~1 min)
 #   bash tools/device_benches.sh shapes 2>&1 | tee $OUT/log.txt                # decode + prefill kernels at 64/256-dim heads (~2 min)
-#   bash tools/device_benches.sh rl_options 2>&1 | tee $OUT/log.txt            # behavior_rs (both modes) and dppo on CUDA, 3 iterations each (~1 min)
+#   bash tools/device_benches.sh rl_options 2>&1 | tee $OUT/log.txt            # behavior_rs (both modes), dppo, ipo, normalised IS on CUDA (~2 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -632,20 +632,23 @@ targets_8b() {  # issue 11's 8B targets as the issue states them, BF16 and KV4 i
         | grep "│" | tail -14
 }
 
-rl_options() {  # this session's learner options on CUDA (bf16 learner, INT4 KV so that μ differs from π): verl's
-    # rejection in bypass and decoupled mode, with a sequence IS weight, and prime-rl's dppo surrogate; 3 iterations
-    # each of the embedded task, their metrics printed (~1 min)
+rl_options() {  # the learner's newer options on CUDA (bf16 learner, INT4 KV so that μ differs from π): their GPU
+    # test, then verl's rejection in bypass and decoupled mode, with a sequence IS weight, prime-rl's dppo and ipo
+    # surrogates, verl's batch-normalised IS weights; 3 iterations each of the embedded task, metrics printed (~2 min)
+    timeout 120 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_ppo_options_gpu.py > $OUT/rl_options_tests.txt 2>&1
+    tail -2 $OUT/rl_options_tests.txt
     local i=0 args
     for args in "algo.behavior_rs=token_k1,seq_max_k3 algo.behavior_rs_threshold=1.5,0.5" \
                 "algo.behavior_rs=token_k1 algo.behavior_rs_threshold=1.5 algo.old_logprob=recompute algo.behavior_is=sequence_truncate" \
-                "algo.surrogate=dppo"; do
+                "algo.surrogate=dppo" "algo.surrogate=ipo" \
+                "algo.old_logprob=recompute algo.behavior_is=token_truncate algo.behavior_is_normalize=true"; do
         i=$((i + 1))
         timeout 150 python -m kv4rl.cli train $args engine.kv.format=int4 engine.kv.group_size=32 device=cuda \
             trainer.iterations=3 out_dir=$OUT/runs name=rl_options$i --no-progress > $OUT/rl_options$i.txt 2>&1
         echo "rl_options$i rc=$? ($args)"
         python -c "import json, sys
 keys = ('iteration', 'loss', 'grad_norm', 'num_tokens', 'mismatch_k3', 'behavior_rs_frac', 'behavior_rs_seq_frac',
-        'behavior_is_mean', 'dppo_masked_frac', 'accuracy')
+        'behavior_is_mean', 'dppo_masked_frac', 'ipo_masked_frac', 'behavior_is_norm_factor', 'accuracy')
 for line in open(sys.argv[1]):
     row = json.loads(line)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k in keys})" \

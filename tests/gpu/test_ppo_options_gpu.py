@@ -1,12 +1,14 @@
 """`ppo_clip`'s options on CUDA tensors against the same call on the CPU (float64 both): rejection in bypass mode
 (its shares are 0-d tensors read back with the loss's metrics: as Python floats they broke the one device-to-host
-copy on CUDA), the dppo and vespo surrogates, and the geometric sequence weights. Fresh random inputs per run."""
+copy on CUDA), the dppo, ipo and vespo surrogates, the geometric sequence weights and their batch normalisation (the
+learner's batch mean too). Fresh random inputs per run."""
 
 import pytest
 import torch
 
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.registry import LossInputs, get_loss
+from kv4rl.trainer.behavior_is_norm import batch_mean_weight
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -16,6 +18,8 @@ SETTINGS = [
     {"surrogate": "dppo"},
     {"surrogate": "vespo", "behavior_rs": "token_k2", "behavior_rs_threshold": 0.2},
     {"old_logprob": "recompute", "behavior_is": "sequence_geo_mask", "behavior_is_min": 0.8, "behavior_is_max": 1.25},
+    {"surrogate": "ipo", "ipo_threshold": 0.05},
+    {"old_logprob": "recompute", "behavior_is": "token_truncate", "behavior_is_normalize": True},
 ]
 
 
@@ -33,7 +37,8 @@ def test_the_loss_and_its_metrics_on_cuda_equal_the_cpus(settings):
     for device in ("cpu", "cuda"):
         lp = logp.to(device).requires_grad_(True)
         inp = LossInputs(logprobs=lp, advantages=adv.to(device), mask=mask.to(device), old_logprobs=old.to(device),
-                         behavior_logprobs=behavior.to(device), num_tokens=float(mask.sum()), num_seqs=12.0)
+                         behavior_logprobs=behavior.to(device), num_tokens=float(mask.sum()), num_seqs=12.0,
+                         behavior_is_norm=torch.full_like(old, 0.9).to(device))
         loss, metrics = get_loss("ppo_clip")(inp, cfg)
         (grad,) = torch.autograd.grad(loss, lp)
         results[device] = (loss.item(), grad.cpu(), metrics)
@@ -43,3 +48,20 @@ def test_the_loss_and_its_metrics_on_cuda_equal_the_cpus(settings):
     assert gpu_metrics.keys() == cpu_metrics.keys()
     for key, value in cpu_metrics.items():
         assert gpu_metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_the_batch_mean_weight_on_cuda_equals_the_cpus(mode):
+    lengths = torch.randint(0, 24, (12,))
+    mask = (torch.arange(24)[None] < lengths[:, None]).float()
+    behavior = -3 * torch.rand(12, 24)
+    old = (behavior + 0.2 * torch.randn(12, 24)).double()
+    s = AlgoConfig(old_logprob="recompute", behavior_is=mode, behavior_is_max=1.5,
+                   behavior_is_normalize=True).section("ppo_clip")
+    got = {}
+    for device in ("cpu", "cuda"):
+        batch = type("Batch", (), {"response_mask": mask.to(device), "behavior_logprobs": behavior.to(device)})()
+        norm = batch_mean_weight(batch, old.to(device), s, None, 1)
+        assert norm.device.type == device and norm.shape == old.shape
+        got[device] = float(norm[0, 0])
+    assert got["cuda"] == pytest.approx(got["cpu"], rel=1e-12) and got["cpu"] != 1.0
