@@ -134,8 +134,9 @@ SLIME_OPENRLHF_PRIMERL = {
     "dppo_mask_high": "prime-rl's dppo_mask_high is algo.dppo_mask_high, with algo.surrogate=dppo (its default loss)",
     "kl_tau": "prime-rl's kl_tau (its squared log-ratio to the inference policy) is algo.dppo_kl_coef, with "
               "algo.surrogate=dppo (its default loss), or algo.ipo_kl_coef, with algo.surrogate=ipo",
-    "adv_tau": "prime-rl's adv_tau does not exist: algo.dppo_kl_coef = kl_tau / adv_tau gives the same balance of the "
-               "advantage against the squared log-ratio (prime-rl's loss is adv_tau times kv4rl's)",
+    "adv_tau": "prime-rl's adv_tau does not exist: algo.dppo_kl_coef (algo.ipo_kl_coef with its ipo loss) = kl_tau / "
+               "adv_tau gives the same balance of the advantage against the squared log-ratio (prime-rl's loss is "
+               "adv_tau times kv4rl's)",
     "filter_zero_advantages": "prime-rl's filter_zero_advantages (true by default there) is "
                               "trainer.mask_zero_advantage (false by default here)",
     "ipo_threshold": "prime-rl's ipo_threshold is algo.ipo_threshold, with algo.surrogate=ipo (its ipo loss)",
