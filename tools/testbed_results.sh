@@ -10,6 +10,9 @@
 #         attribution  one run with FP8 weights + kv4 + staleness 4, mismatch attribution every 2 iterations
 #         behavior_is  int4 KV, 4 versions old, 5x learning rate: PPO-clip with pi_old = mu (behavior), recomputed,
 #                      and recomputed with TIS weights (algo.behavior_is=token_truncate, at most 2)
+#         stabilizers  the same conditions, PPO-clip with pi_old = mu (the behavior arm, the control) against
+#                      verl's rejection in bypass mode (token_k1 at 2), prime-rl's DPPO and its IPO (run it alone:
+#                      it shares the control arm with behavior_is)
 #     several sets at once: "fidelity+staleness16+attribution"
 #   DEADLINE_S: seconds after which every run is asked to stop (SIGTERM: it ends its iteration and
 #     writes a checkpoint); curves are compared at the last iteration every run of a figure reached.
@@ -59,7 +62,10 @@ case_arms() {
         behavior_is) arms+=("stale4-int4-behavior|staleness.lag=4 engine.kv.format=int4 trainer.lr=$high_lr ${ppo[*]}"
                             "stale4-int4-recompute|staleness.lag=4 engine.kv.format=int4 trainer.lr=$high_lr ${ppo[*]} algo.old_logprob=recompute"
                             "stale4-int4-recompute-tis|staleness.lag=4 engine.kv.format=int4 trainer.lr=$high_lr ${ppo[*]} algo.old_logprob=recompute algo.behavior_is=token_truncate algo.behavior_is_max=2") ;;
-        *) echo "unknown set '$1' (fidelity, staleness16, staleness4, attribution, behavior_is)" >&2; exit 2 ;;
+        stabilizers) local hard="staleness.lag=4 engine.kv.format=int4 trainer.lr=$high_lr ${ppo[*]}"
+                     arms+=("stale4-int4-behavior|$hard" "stale4-int4-rs|$hard algo.behavior_rs=token_k1 algo.behavior_rs_threshold=2"
+                            "stale4-int4-dppo|$hard algo.surrogate=dppo" "stale4-int4-ipo|$hard algo.surrogate=ipo") ;;
+        *) echo "unknown set '$1' (fidelity, staleness16, staleness4, attribution, behavior_is, stabilizers)" >&2; exit 2 ;;
     esac
 }
 IFS=+ read -ra set_list <<<"$sets"
@@ -128,6 +134,7 @@ figure() {  # figure NAME ARM... : curves of these arms compared at their last c
 [[ "+$sets+" == *+staleness16+* ]] && figure curves_staleness16 stale16-ppo-clip stale16-future-kl
 [[ "+$sets+" == *+staleness4+* ]] && figure curves_staleness4_lr5x stale4-lr5x-ppo-clip stale4-lr5x-future-kl
 [[ "+$sets+" == *+behavior_is+* ]] && figure curves_behavior_is stale4-int4-behavior stale4-int4-recompute stale4-int4-recompute-tis
+[[ "+$sets+" == *+stabilizers+* ]] && figure curves_stabilizers stale4-int4-behavior stale4-int4-rs stale4-int4-dppo stale4-int4-ipo
 if [[ "+$sets+" == *+attribution+* ]]; then
     kv4rl plot mismatch "$runs/attribution-fp8-kv4-stale4" --out "$out/mismatch.png" || status=1
 fi
