@@ -119,7 +119,8 @@ def _train_rank(rank: int, out_dir: str, overrides: list[str]) -> None:
 @pytest.mark.parametrize(("engines", "updates", "rewards"), [
     (1, 1, []), (1, 2, []),
     (2, 2, ["reward.extra=[boxed_format]", "reward.weights=[1.0,0.6]", "trainer.mask_truncated=true",
-            "rollout.max_new_tokens=4", "reward.overlong_buffer=2", "trainer.mask_zero_advantage=true"])])
+            "rollout.max_new_tokens=4", "reward.overlong_buffer=2", "trainer.mask_zero_advantage=true"]),
+    (2, 1, ["advantage.estimator=remax"])])
 def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engines, updates, rewards):
     """lag 0, refresh every update: the engine starts batch b only with the weights of update b - 1, so
     the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step. With two
@@ -127,7 +128,7 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
     order (0, 2, 1, 3) and two learner ranks took contiguous shares, so mini-batch 0 trained groups 0 and 2. A
     weighted sum of rewards: its accuracy (the verifier's) and each reward's mean, which two engines' messages
     carry to the head, equal one process's; so do the trained tokens where cut responses and those of zero
-    advantage are masked."""
+    advantage are masked. ReMax's greedy scores, which the engines' messages carry, give one process's advantages."""
     from kv4rl.loop import train
 
     common = ["trainer.iterations=2", "rollout.mode=sync", "staleness.lag=0", "staleness.refresh_every=1",
@@ -136,7 +137,8 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
                       ["name=split", "rollout.placement=split", f"rollout.engine_ranks={engines}", *common])
     train(load_config(None, [f"out_dir={tmp_path}", "name=one", *SMALL, *common]), show_progress=False)
     split, one = _rows(tmp_path / "split"), _rows(tmp_path / "one")
-    if rewards:
+    weighted, remax = "reward.extra=[boxed_format]" in rewards, "advantage.estimator=remax" in rewards
+    if weighted:
         assert any(row["truncated_frac"] > 0 for row in one)  # some responses were masked
     for a, b in zip(split, one, strict=True):
         assert a["groups"] == b["groups"]
@@ -147,9 +149,12 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
             assert a[key] == b[key], key
         reward_means = sorted(key for key in b if key.startswith("rewards/"))
         assert reward_means == (["rewards/boxed_format/mean", "rewards/exact/mean", "rewards/overlong/mean"]
-                                if rewards else [])
+                                if weighted else [])
         assert all(a[key] == b[key] for key in reward_means)
-        if rewards:
+        if remax:
+            assert a["remax/baseline_reward_mean"] == b["remax/baseline_reward_mean"]
+            assert a["adv_mean"] == pytest.approx(b["adv_mean"]) and b["adv_mean"] != 0
+        if weighted:
             assert any(row["zero_var_group_frac"] > 0 for row in one)
             # a wrong answer in a box scores 0.6: counted as correct by the sum, not by the verifier
             assert a["reward_mean"] == pytest.approx(b["rewards/exact/mean"] + 0.6 * b["rewards/boxed_format/mean"]

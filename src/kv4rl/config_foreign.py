@@ -66,7 +66,7 @@ OTHER_FRAMEWORKS = {
     "entropy_coeff": "verl's entropy_coeff is algo.entropy_coeff",
     "norm_adv_by_std_in_grpo": "verl's norm_adv_by_std_in_grpo is advantage.normalize_std",
     "adv_estimator": "verl's adv_estimator is advantage.estimator (grpo, rloo, reinforce_plus_plus_baseline, "
-                     "reinforce_plus_plus, opo, grpo_passk or gpg)",
+                     "reinforce_plus_plus, opo, grpo_passk, gpg or remax)",
     "total_epochs": "verl's total_epochs is trainer.iterations (iterations, computed by hand)",
     "total_training_steps": "verl's total_training_steps is trainer.iterations",
     "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "

@@ -31,10 +31,10 @@ class LearnerBatch:
 
 def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_size: int, group_indices: list[int],
                   iteration: int, pad_id: int, truncated: list[bool] | None,
-                  kl_coef: KLRewardCoef | None = None) -> LearnerBatch:
+                  kl_coef: KLRewardCoef | None = None, baselines: Tensor | None = None) -> LearnerBatch:
     """`rows`: (prompts, responses, behaviour log-probs, versions) of every response of this rank's groups, in
     group order; `scores` their rewards (float64). `kl_coef`: the run's β of a KL in the reward, updated here after
-    the batch when it adapts (the config's fixed β when None)."""
+    the batch when it adapts (the config's fixed β when None). `baselines`: ReMax's greedy score per group."""
     a = cfg.advantage
     given: dict[str, Tensor] = {}
     metrics: dict[str, float] = {}
@@ -61,7 +61,8 @@ def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_si
         everyone_lengths = torch.tensor([n for _, counts in parts for n in counts], dtype=torch.float64)
     over_ranks = _sum_over_ranks if current().world > 1 else None  # advantage.whiten's sums
     advantages, adv_metrics = compute_advantages(rewards, group_size, a, group_keys=keys, batch_rewards=everyone,
-                                                 lengths=lengths, batch_lengths=everyone_lengths, over_ranks=over_ranks)
+                                                 lengths=lengths, batch_lengths=everyone_lengths, over_ranks=over_ranks,
+                                                 baselines=baselines)
     untrained = untrained_rows(truncated, advantages.tolist(), cfg.trainer.mask_zero_advantage)
     batch = (with_advantages(whole, advantages, untrained) if a.kl_reward_coef > 0
              else build_batch(*rows, advantages.tolist(), pad_id, untrained))

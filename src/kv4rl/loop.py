@@ -41,8 +41,8 @@ from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
 from kv4rl.rewards import WeightedRewards, reward_metrics, verifier_name
-from kv4rl.rollout.build import (batch_reward, build_rollout, drop_long_prompts, groups_scorer, prompt_formatter,
-                                 prompt_warnings)
+from kv4rl.rollout.build import (baseline_scores, batch_reward, build_rollout, drop_long_prompts, groups_scorer,
+                                 prompt_formatter, prompt_warnings)
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_checkpoint import restore_state, save
@@ -194,7 +194,10 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     t1 = time.perf_counter()
     completions = [c for g in groups for c in g.completions]
     prompts = [g.prompt_ids for g in groups for _ in g.completions]
-    reward = batch_reward(groups, groups_scorer(cfg, s.formatter, s.reward_fn))  # filter_groups scored some
+    scorer = groups_scorer(cfg, s.formatter, s.reward_fn)
+    reward = batch_reward(groups, scorer)  # filter_groups scored some
+    baselines = (torch.tensor(baseline_scores(groups, scorer), dtype=torch.float64)
+                 if cfg.advantage.estimator == "remax" else None)
     rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
     reward_row = reward_metrics(reward, verifier_name(s.reward_fn))
     pad_id = s.formatter.tokenizer.pad_token_id
@@ -203,7 +206,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
             [c.versions for c in completions])
     truncated = [c.finish_reason == "length" for c in completions] if cfg.trainer.mask_truncated else None
     made = learner_batch(cfg, s.learner, rows, rewards, r.group_size, [g.index for g in groups], it, pad_id, truncated,
-                         s.kl_coef)
+                         s.kl_coef, baselines)
     batch, given, rewards, adv_metrics = made.batch, made.given, made.rewards, made.metrics
     times["time_reward"] = time.perf_counter() - t1
 

@@ -1,5 +1,5 @@
 """Advantage estimators (docs/objectives.md) as registered pure functions: `grpo`, `rloo`, REINFORCE++'s two and
-verl's `opo`, `grpo_passk` and `gpg`.
+verl's `opo`, `grpo_passk`, `gpg` and `remax`.
 
 Every estimator maps one reward per response, groups contiguous (`[g0r0, g0r1, …, g1r0, …]`),
 to one advantage per response; the learner broadcasts it over the response's tokens. An estimator that
@@ -32,11 +32,13 @@ WHITEN_EPS = 1e-8  # inside the square root, as verl's masked_whiten
 class WholeBatch:
     """Every response of the learner batch, all ranks' groups in one order (in one process, this rank's):
     its rewards and, where an estimator weighs responses by their tokens, each response's token count; and the
-    token counts of this rank's own responses (`local_lengths`, beside the estimator's `rewards`)."""
+    token counts of this rank's own responses (`local_lengths`, beside the estimator's `rewards`); and for ReMax the
+    score of each of this rank's groups' greedy response (`baselines`)."""
 
     rewards: Tensor
     lengths: Tensor | None = None
     local_lengths: Tensor | None = None
+    baselines: Tensor | None = None  # ReMax: the reward of each of this rank's groups' greedy response
 
 
 # (rewards[N], group_size, cfg, whole batch) -> (advantages[N], metrics); `rewards` are this rank's share
@@ -289,6 +291,22 @@ def _gpg(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBat
     return (alpha * _group_centered(grouped.double())).reshape(-1).to(grouped.dtype), flat_group_metrics(rewards, group_size)
 
 
+@register_advantage("remax")
+def _remax(rewards: Tensor, group_size: int, cfg: AdvantageConfig,
+           whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
+    """ReMax (verl's `remax`, Li et al. 2023): `r_i − b_g`, the baseline b_g the score of one greedy response to the
+    group's prompt, sampled beside the group and not trained on; no std."""
+    grouped = _grouped(rewards, group_size)
+    if whole.baselines is None or whole.baselines.shape != (grouped.shape[0],):
+        got = None if whole.baselines is None else tuple(whole.baselines.shape)
+        raise ValueError(f"advantage.estimator=remax needs one greedy response's score per group ({grouped.shape[0]}),"
+                         f" got {got} (compute_advantages(baselines=...))")
+    baselines = whole.baselines.double().to(grouped.device)
+    adv = grouped.double() - baselines[:, None]
+    return adv.reshape(-1).to(grouped.dtype), {**flat_group_metrics(rewards, group_size),
+                                               "remax/baseline_reward_mean": float(baselines.mean())}
+
+
 AREAL_NORM_EPS = 1e-5  # AReaL's NormConfig eps, added to the standard deviation
 
 
@@ -317,6 +335,7 @@ def compute_advantages(
     lengths: Tensor | None = None,
     batch_lengths: Tensor | None = None,
     over_ranks: Callable[[Tensor], Tensor] | None = None,
+    baselines: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Run the configured estimator, then the optional ±σ baseline perturbation, then `cfg.whiten`'s whitening over
     the batch's tokens (`over_ranks` sums its statistics over a torchrun job's ranks; default: one process).
@@ -324,6 +343,7 @@ def compute_advantages(
     `batch_rewards`: every reward of the learner batch where `rewards` is one rank's share (torchrun), for the
     estimators that read the whole batch (`needs_whole_batch`; default: `rewards`). `lengths`: each response's
     token count, which REINFORCE++ weighs by (`batch_lengths`: the whole batch's, beside `batch_rewards`).
+    `baselines`: ReMax's greedy score per group of `rewards`.
 
     Metrics: the estimator's own (GRPO: `zero_var_group_frac`), plus `reward_mean`, `reward_std`,
     `adv_mean`, `adv_std`, `adv_absmax` of the final advantages.
@@ -334,8 +354,8 @@ def compute_advantages(
         )
     if (batch_rewards is None) != (batch_lengths is None) and lengths is not None:
         raise ValueError("batch_lengths go with batch_rewards: pass both (the whole batch) or neither")
-    whole = WholeBatch(rewards, lengths, lengths) if batch_rewards is None else \
-        WholeBatch(batch_rewards, batch_lengths, lengths)
+    whole = WholeBatch(rewards, lengths, lengths, baselines) if batch_rewards is None else \
+        WholeBatch(batch_rewards, batch_lengths, lengths, baselines)
     adv, metrics = ADVANTAGES[cfg.estimator](rewards, group_size, cfg, whole)
     if cfg.baseline_noise > 0:
         adv = perturb_baseline(adv, cfg.baseline_noise, generator, group_keys)

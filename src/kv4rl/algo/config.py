@@ -185,7 +185,8 @@ class AdvantageConfig:
     """The advantage estimator (docs/objectives.md): `grpo`, `rloo` (the leave-one-out baseline, no std), or
     REINFORCE++'s `reinforce_plus_plus_baseline` (the group mean, then whitened over the batch's tokens) and
     `reinforce_plus_plus` (the rewards whitened so), and verl's `opo` (the length-weighted group mean), `grpo_passk`
-    (only the best response, by its lead) and `gpg` (the group mean, scaled up by the rewarded share).
+    (only the best response, by its lead), `gpg` (the group mean, scaled up by the rewarded share) and `remax` (the
+    score of a greedy response to the prompt, sampled beside each group and not trained on).
     `normalize_std` divides GRPO's (and `grpo_passk`'s) by the std of each group's rewards, or with
     `std_scope: batch` GRPO's by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation. `kl_reward_coef` > 0 takes that many times each response's
@@ -195,7 +196,7 @@ class AdvantageConfig:
     tokens (AReaL's adv_norm at batch level, `whiten_over_tokens`)."""
 
     estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "opo", "grpo_passk",
-                       "gpg"] = "grpo"
+                       "gpg", "remax"] = "grpo"
     normalize_std: bool = True
     std_scope: Literal["group", "batch"] = "group"
     baseline_noise: float = 0.0
@@ -239,6 +240,10 @@ class AdvantageConfig:
         if self.whiten and self.estimator in TOKEN_WEIGHTED:
             raise ValueError(f"advantage.whiten: advantage.estimator={self.estimator} whitens its advantages over the "
                              "batch's tokens already; set advantage.whiten=false")
+        if self.estimator == "remax" and self.kl_reward_coef > 0:
+            raise ValueError("advantage.estimator=remax with advantage.kl_reward_coef > 0: verl then gives each token "
+                             "its own return less the greedy baseline, which is not built here; set "
+                             "advantage.kl_reward_coef=0 (a reference KL in the loss, algo.kl_ref_coef, works)")
         if self.kl_reward_coef > 0 and self.estimator == "reinforce_plus_plus" and self.baseline_noise > 0:
             raise ValueError("advantage.baseline_noise perturbs a response's one advantage; with "
                              "advantage.estimator=reinforce_plus_plus and advantage.kl_reward_coef > 0 each token has "

@@ -89,7 +89,8 @@ def engine_slots(cfg: RunConfig, device: torch.device, world: int) -> int:
     tokens do not change (requests are seeded one by one); `slot_util` still counts against `max_slots`."""
     r = cfg.rollout
     if device.type == "cpu" and r.mode == "sync":
-        return max(1, min(r.max_slots, r.quota_groups // max(1, world) * r.group_size))
+        per_group = r.group_size + (1 if cfg.advantage.estimator == "remax" else 0)  # ReMax's greedy response
+        return max(1, min(r.max_slots, r.quota_groups // max(1, world) * per_group))
     return r.max_slots
 
 
@@ -130,6 +131,15 @@ def groups_scorer(cfg: RunConfig, formatter: PromptFormatter, reward_fn) -> Call
                                [len(c.token_ids) for c in completions], cfg.reward, cfg.rollout.max_new_tokens,
                                problems=[g.problem for g in groups for _ in g.completions])
     return score
+
+
+def baseline_scores(groups: list[GroupResult], score: Callable[[list[GroupResult]], RewardResult]) -> list[float]:
+    """ReMax's baseline of each group: the trained score (the same reward, penalties and rescaling) of its greedy
+    response, in one `score` call."""
+    if any(g.baseline is None for g in groups):
+        raise ValueError("advantage.estimator=remax: a group came without its greedy response")
+    alone = [GroupResult(g.index, g.problem, g.prompt_ids, [g.baseline]) for g in groups]  # type: ignore[list-item]
+    return [float(x) for x in score(alone).scores]
 
 
 def batch_reward(groups: list[GroupResult], score: Callable[[list[GroupResult]], RewardResult]) -> RewardResult:
@@ -183,7 +193,8 @@ def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_
     try:
         collector = Collector(engine, source, formatter, cfg.rollout, cfg.seed, ranks=engine_ranks,
                               score_group=(lambda g, score=groups_scorer(cfg, formatter, reward_fn): score([g]))
-                              if cfg.rollout.filter_groups else None)
+                              if cfg.rollout.filter_groups else None,
+                              greedy_baseline=cfg.advantage.estimator == "remax")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return formatter, reward_fn, engine, collector

@@ -38,13 +38,14 @@ log = logging.getLogger(__name__)
 class GroupResult:
     """One complete prompt group, as handed to the learner; `reward`: its responses' scores where the collector
     scored it (`filter_groups`), so the run does not score it again (read with getattr: older checkpoints' groups
-    have no such slot)."""
+    have no such slot); `baseline`: with `greedy_baseline`, the group's greedy response (ReMax's baseline)."""
 
     index: int
     problem: Problem
     prompt_ids: list[int]
     completions: list[Completion]
     reward: RewardResult | None = None
+    baseline: Completion | None = None  # ReMax's greedy response to the prompt (not trained on)
 
 
 @dataclass(slots=True)
@@ -63,10 +64,12 @@ class _Group:
 class Collector:
     def __init__(self, engine: Engine, source: ProblemSource, formatter: PromptFormatter, cfg: RolloutConfig,
                  seed: int, max_tokens_fn: Callable[[int, int], int] | None = None, ranks: Ranks = Ranks(),
-                 score_group: Callable[[GroupResult], RewardResult] | None = None):
+                 score_group: Callable[[GroupResult], RewardResult] | None = None, greedy_baseline: bool = False):
         """`max_tokens_fn(group, j)` overrides the response length limit (benchmarks script lengths).
         `ranks`: this data-parallel rank's place (its share of the groups). `score_group`: the run's score of
-        each response of a complete group, which `cfg.filter_groups` needs."""
+        each response of a complete group, which `cfg.filter_groups` needs. `greedy_baseline`: each group also
+        samples one greedy response (temperature 0, the last of its `done`), handed over as its `baseline` and
+        completing with it (`advantage.estimator=remax`)."""
         if cfg.filter_groups and score_group is None:
             raise ValueError("rollout.filter_groups needs the responses' scores (score_group)")
         if cfg.quota_groups % ranks.world:
@@ -76,6 +79,8 @@ class Collector:
         self.ranks = ranks
         self.quota = cfg.quota_groups // ranks.world
         self.max_tokens_fn = max_tokens_fn
+        self.greedy_baseline = greedy_baseline
+        self.per_group = cfg.group_size + (1 if greedy_baseline else 0)  # requests a group submits
         self.next_group = 0
         self.groups: dict[int, _Group] = {}
         self.ready: deque[int] = deque()  # complete groups not yet delivered, completion order
@@ -109,8 +114,9 @@ class Collector:
         out = []
         for _ in range(quota):
             g = self.groups.pop(self.ready.popleft())
-            out.append(GroupResult(g.index, g.problem, g.prompt_ids, list(g.done),  # type: ignore[arg-type]
-                                   self.scored.pop(g.index, None)))
+            n = self.cfg.group_size
+            out.append(GroupResult(g.index, g.problem, g.prompt_ids, list(g.done[:n]),  # type: ignore[arg-type]
+                                   self.scored.pop(g.index, None), g.done[n] if self.greedy_baseline else None))
         if self.cfg.mode == "sync":
             out.sort(key=lambda g: g.index)  # the whole batch ends together: keep prompt order
         self.filtered_now = 0  # groups that complete from here on (a drain after the update) count for the next
@@ -132,15 +138,16 @@ class Collector:
         index = self.next_group * self.ranks.world + self.ranks.rank
         self.next_group += 1
         problem = self.source.problem_at(index)
-        group = _Group(index, problem, self.formatter.ids(problem), [None] * self.cfg.group_size,
-                       [0] * self.cfg.group_size)
+        group = _Group(index, problem, self.formatter.ids(problem), [None] * self.per_group, [0] * self.per_group)
         self.groups[index] = group
-        for j in range(self.cfg.group_size):
+        for j in range(self.per_group):
             self._submit(group, j)
 
     def _params(self, group: int, j: int) -> SamplingParams:
         c = self.cfg
         max_tokens = c.max_new_tokens if self.max_tokens_fn is None else self.max_tokens_fn(group, j)
+        if j == c.group_size:  # the greedy baseline: the argmax at every step, so no truncation applies
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=self.max_tokens_fn is not None)
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
                               max_tokens=max_tokens,
                               ignore_eos=self.max_tokens_fn is not None)
@@ -177,7 +184,7 @@ class Collector:
             return False
         if group.index not in self.scored:  # scored once (a resumed run scores its held groups again)
             self.scored[group.index] = self.score_group(
-                GroupResult(group.index, group.problem, group.prompt_ids, list(group.done)))
+                GroupResult(group.index, group.problem, group.prompt_ids, list(group.done[:self.cfg.group_size])))
         scores = self.scored[group.index].scores
         if max(scores) != min(scores):
             return False
