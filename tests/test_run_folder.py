@@ -302,6 +302,23 @@ def test_resume_of_a_partial_run_as_sync_is_refused_before_any_work(tmp_path):
     assert tree_state(run) == before
 
 
+@pytest.mark.parametrize("first, then", [("grpo", "remax"), ("remax", "grpo")])
+def test_a_switch_to_or_from_remax_is_refused_where_groups_are_held(tmp_path, first, then):
+    """A partial grpo run resumed as remax stopped with an IndexError in the collector: its groups in flight had no
+    greedy response. Refused before any work, both ways; a sync run (nothing held) switches."""
+    run = new_run(tmp_path, "p", "rollout.mode=partial", f"advantage.estimator={first}", "trainer.iterations=1",
+                  "checkpoint.save_every=1")
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), f"advantage.estimator={then}", "trainer.iterations=2", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"advantage.estimator cannot change to or from remax on resume ({first} -> {then})" \
+        in text, text
+    assert tree_state(run) == before
+    sync = new_run(tmp_path, "s", f"advantage.estimator={first}", "trainer.iterations=1", "checkpoint.save_every=1")
+    res = train_cli("--resume", str(sync), f"advantage.estimator={then}", "trainer.iterations=2", "--no-progress")
+    assert res.exit_code == 0, res.output
+
+
 # Another process that holds a folder's lock as `kv4rl train` does: flock on the folder's own descriptor.
 HOLD = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
         "print('locked', flush=True); time.sleep(600)")

@@ -220,8 +220,9 @@ def _say_changed(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
 
 def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> None:
     """Refuse overrides a run cannot take midway: another starting model (the reference of kl_ref and the
-    fingerprint in every row would change under it), or a partial run continued as sync (its checkpoints
-    hold responses in flight that a sync collection does not carry)."""
+    fingerprint in every row would change under it), a partial run continued as sync (its checkpoints
+    hold responses in flight that a sync collection does not carry), or a switch to or from ReMax while groups are
+    held (they were started with or without its greedy response)."""
     swapped = [f"model.{key}" for key in ("path", "testbed") if getattr(cfg.model, key) != getattr(saved.model, key)]
     if swapped:
         raise ConfigError(
@@ -250,6 +251,13 @@ def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> Non
                           f"checkpoints hold responses sampled at the old temperature, which the learner would score "
                           f"at the new one (a wrong PPO ratio for their updates). To train on at another "
                           f"temperature, start a new run with model.path={folder / 'checkpoints' / '<iter_N>'}")
+    if _holds_samples(saved) and (cfg.advantage.estimator == "remax") != (saved.advantage.estimator == "remax"):
+        had = saved.advantage.estimator == "remax"
+        raise ConfigError(f"--resume {folder}: advantage.estimator cannot change to or from remax on resume "
+                          f"({saved.advantage.estimator} -> {cfg.advantage.estimator}) of a run with staleness.lag > 0 "
+                          f"or partial rollout: its checkpoints hold groups in flight {'with' if had else 'without'} "
+                          f"ReMax's greedy response. To train on under another estimator, start a new run with "
+                          f"model.path={folder / 'checkpoints' / '<iter_N>'}")
     if saved.rollout.mode == "partial" and cfg.rollout.mode == "sync":
         raise ConfigError(f"--resume {folder}: rollout.mode=sync cannot take over a partial run: its checkpoints "
                           f"hold responses in flight that a sync collection does not carry; resume it as partial "
