@@ -451,7 +451,7 @@ def test_a_worker_whose_pipe_was_reset_is_replaced_and_the_batch_scored(math_rew
     """A worker killed between batches (out of memory, a signal) left a pipe that raised ConnectionResetError
     at the next send, which only EOFError was caught for: the run crashed."""
     math_reward([r"\boxed{1}"], ["1"])
-    worker = math_reward.reward  # get_reward's CheckedReward holds the MathVerifyReward
+    worker = math_reward.reward._worker  # get_reward's CheckedReward holds the MathVerifyReward, it its worker
     real = worker._conn
     assert real is not None
 

@@ -197,3 +197,32 @@ def test_a_runs_rows_and_its_evaluation_count_a_scorers_acc(tmp_path, monkeypatc
     assert res.exit_code == 0, res.output
     summary = json.loads(out.read_text())
     assert summary["reward_acc_sum"] == pytest.approx(summary["mean@2"] * 2 * summary["num_problems"])
+
+
+def test_a_watchdogged_scorer_scores_as_in_process_and_a_hung_call_scores_0():
+    """With timeout_s the calls run in a worker process: a call that never returns scores 0 and counts in
+    `timeouts` within about the limit (the worker is restarted for the rest of the batch and the next one), the
+    other scores and sums equal the in-process VerlScore's; a call that raises stops the batch naming its
+    response; a scorer the worker cannot import is refused when built."""
+    import time
+
+    from tests.verl_score_fns import hangs_or_fails
+
+    responses, golds = ["1", "hang", "2", "1"], ["1", "1", "2", "2"]
+    with VerlScore(hangs_or_fails, timeout_s=1.0) as reward:
+        start = time.monotonic()
+        got = reward.score(responses, golds)
+        assert time.monotonic() - start < 30
+        assert got.scores == [1.0, 0.0, 1.0, 0.0] and got.stats == {"acc_sum": 2.0, "timeouts": 1.0}
+        plain = VerlScore(hangs_or_fails).score(["1", "2", "1"], ["1", "2", "2"])
+        assert [got.scores[i] for i in (0, 2, 3)] == plain.scores and plain.stats == {"acc_sum": 2.0}
+        assert reward.score(["3"], ["3"]).stats == {"acc_sum": 1.0, "timeouts": 0.0}
+        with pytest.raises(RuntimeError, match="compute_score failed on response 1 of 2: ValueError: cannot score boom"):
+            reward.score(["1", "boom"], ["1", "1"])
+        process = reward.worker.process
+        assert process is not None and process.is_alive()
+    assert not process.is_alive()
+    with pytest.raises(ValueError, match="cannot be imported there \\(a lambda"):
+        VerlScore(lambda solution_str, ground_truth: 1.0, timeout_s=1.0)
+    with pytest.raises(ValueError, match="timeout_s and startup_timeout_s must be positive and finite"):
+        VerlScore(hangs_or_fails, timeout_s=float("nan"))

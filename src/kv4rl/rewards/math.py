@@ -9,8 +9,8 @@ safe next to CUDA) imports the check function once and serves many batches over 
 batch goes in one message and results stream back one per item. Each result must arrive within
 `timeout_s` of the previous one; if it does not, that item scores 0 and counts as a timeout, the
 worker is killed and restarted, and the rest of the batch is resent. The check function is named
-by import path (`check_fn="module:function"`) so tests can substitute one that hangs or raises.
-math-verify's own signal-based timeouts are switched off: this watchdog is the single mechanism.
+by import path (`check_fn="module:function"`) so tests can substitute one that hangs or raises
+(`kv4rl.rewards.watchdog`, which `VerlScore` shares). math-verify's own signal-based timeouts are switched off: this watchdog is the single mechanism.
 """
 
 from __future__ import annotations
@@ -19,17 +19,12 @@ import functools
 import importlib
 import importlib.util
 import logging
-import multiprocessing
-import os
 import re
-import signal
-import threading
-import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 from kv4rl.rewards.base import Reward, RewardResult, extract_boxed, register_reward
+from kv4rl.rewards.watchdog import WatchdogWorker
 
 __all__ = ["DEFAULT_CHECK_FN", "ExactReward", "MathVerifyReward", "exact_match", "verify_answer"]
 
@@ -37,9 +32,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHECK_FN = "kv4rl.rewards.math:verify_answer"
 
-CheckFn = Callable[[str, str], bool]
-# One item's outcome: ("ok", bool), ("error", message) or ("timeout", None).
-Outcome = tuple[str, Any]
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
@@ -183,71 +175,6 @@ class ExactReward(Reward):
         return RewardResult(scores, {"no_answer": float(answers.count(None))})
 
 
-def _resolve_check_fn(check_fn: str) -> CheckFn:
-    module_name, _, attribute_path = check_fn.partition(":")
-    target: Any = importlib.import_module(module_name)
-    for attribute in attribute_path.split("."):
-        target = getattr(target, attribute)
-    return target
-
-
-def _die_with_parent() -> None:
-    """Out of the run's process group, a worker busy on a check that never returns would outlive a parent
-    killed outright (SIGKILL, torchrun's escalation): the kernel kills it with its parent (Linux), elsewhere
-    a thread watching the parent's pid does."""
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) == 0:  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:  # the parent died before the request took effect
-                os._exit(1)
-            return
-    except (OSError, AttributeError):  # no prctl: not Linux
-        pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kv4rl-math-verify-parent", daemon=True).start()
-
-
-def _serve(conn: Connection, check_fn: str) -> None:
-    """Worker main loop: load the check, report ready, then answer batches until told to stop.
-
-    It leaves the run's process group first: a terminal's Ctrl-C and torchrun's SIGTERM go to the whole
-    group, and a worker that died with the run still finishing its iteration crashed the run at the next
-    reward (a reset pipe) or scored a correct answer 0. The parent stops it (`close`, or EOF on its pipe)."""
-    os.setsid()
-    _die_with_parent()
-    try:
-        check = _resolve_check_fn(check_fn)
-        check("0", "0")  # pay for imports and sympy warm-up before any item's clock starts
-    except Exception as exc:  # noqa: BLE001 - any failure to load is reported to the parent
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            batch = conn.recv()
-        except EOFError:
-            return
-        if batch is None:
-            return
-        for index, (predicted, gold) in batch:
-            try:
-                conn.send((index, "ok", bool(check(predicted, gold))))
-            except OSError:  # the parent is gone (its end of the pipe closed)
-                return
-            except Exception as exc:  # noqa: BLE001 - a failing check must not kill the worker
-                try:
-                    conn.send((index, "error", f"{type(exc).__name__}: {exc}"))
-                except OSError:
-                    return
-
-
 @register_reward("math_verify")
 class MathVerifyReward(Reward):
     """Boxed answer vs gold with math-verify, in a watchdogged worker process (see module docstring)."""
@@ -272,19 +199,23 @@ class MathVerifyReward(Reward):
         self.timeout_s = timeout_s
         self.check_fn = check_fn
         self.startup_timeout_s = startup_timeout_s
-        self._context = multiprocessing.get_context("spawn")
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._worker = WatchdogWorker(check_fn, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s,
+                                      warmup=("0", "0"), label="math_verify", what="check_fn")
+
+    @property
+    def _process(self):
+        """The worker process, while one runs (tests kill it)."""
+        return self._worker.process
 
     def score(self, responses: list[str], golds: list[str]) -> RewardResult:
         answers = _boxed_answers(responses)
-        items = [(i, (a, g)) for i, (a, g) in enumerate(zip(answers, golds)) if a is not None]
-        outcomes = self._check_all(items) if items else {}
+        items = [(i, (a, g), {}) for i, (a, g) in enumerate(zip(answers, golds)) if a is not None]
+        outcomes = self._worker.call_all(items, shown=lambda item: repr(item[1][0][:200])) if items else {}
         scores = [0.0] * len(responses)
         counts = {"no_answer": len(responses) - len(items), "timeouts": 0, "errors": 0}
         for index, (kind, value) in outcomes.items():
             if kind == "ok":
-                scores[index] = float(value)
+                scores[index] = float(bool(value))
             elif kind == "timeout":
                 counts["timeouts"] += 1
             else:
@@ -292,91 +223,5 @@ class MathVerifyReward(Reward):
                 logger.warning("math_verify check failed on %r: %s", answers[index], value)
         return RewardResult(scores, {name: float(count) for name, count in counts.items()})
 
-    def _check_all(self, items: list[tuple[int, tuple[str, str]]]) -> dict[int, Outcome]:
-        outcomes: dict[int, Outcome] = {}
-        remaining = items
-        while remaining:
-            conn = self._ensure_worker()
-            try:
-                conn.send(remaining)
-            except OSError:  # died since the last batch, its pipe already reset: a new worker takes them all
-                self._stop_worker(graceful=False)
-                continue
-            remaining = remaining[self._collect(conn, remaining, outcomes) :]
-        return outcomes
-
-    def _collect(self, conn: Connection, items: list[tuple[int, Any]], outcomes: dict[int, Outcome]) -> int:
-        """Receive results in order; on a hang or a dead worker settle that item, drop the worker and
-        return how many items are settled so the caller resends the rest."""
-        for position, (index, (predicted, _)) in enumerate(items):
-            if not conn.poll(self.timeout_s):
-                logger.warning(
-                    "math_verify timed out after %.1f s on %r; restarting worker",
-                    self.timeout_s,
-                    predicted[:200],
-                )
-                outcomes[index] = ("timeout", None)
-                self._stop_worker(graceful=False)
-                return position + 1
-            try:
-                got_index, kind, value = conn.recv()
-            except (EOFError, OSError):  # died on this item: counted as an error, the rest go to a new worker
-                outcomes[index] = ("error", "worker process died")
-                self._stop_worker(graceful=False)
-                return position + 1
-            assert got_index == index, (got_index, index)
-            outcomes[index] = (kind, value)
-        return len(items)
-
-    def _ensure_worker(self) -> Connection:
-        if self._process is not None and self._process.is_alive():
-            assert self._conn is not None
-            return self._conn
-        if self._process is not None:  # died between batches
-            self._stop_worker(graceful=False)
-        parent_conn, child_conn = self._context.Pipe()
-        process = self._context.Process(
-            target=_serve, args=(child_conn, self.check_fn), name="kv4rl-math-verify", daemon=True
-        )
-        process.start()
-        child_conn.close()  # so that the worker dying shows up as EOF on our end
-        self._process, self._conn = process, parent_conn
-        self._await_ready(parent_conn)
-        return parent_conn
-
-    def _await_ready(self, conn: Connection) -> None:
-        if not conn.poll(self.startup_timeout_s):
-            self._stop_worker(graceful=False)
-            raise RuntimeError(f"math_verify worker did not start within {self.startup_timeout_s} s")
-        try:
-            status, message = conn.recv()
-        except EOFError:
-            status, message = (
-                "failed",
-                (
-                    "the worker exited during startup; with the spawn start method it re-imports the main "
-                    "script, so that script's top level must be guarded by `if __name__ == '__main__':`"
-                ),
-            )
-        if status != "ready":
-            self._stop_worker(graceful=False)
-            raise ValueError(f"math_verify worker could not load check_fn {self.check_fn!r}: {message}")
-
-    def _stop_worker(self, *, graceful: bool) -> None:
-        process, conn = self._process, self._conn
-        self._process, self._conn = None, None
-        if process is None or conn is None:
-            return
-        if graceful and process.is_alive():
-            try:
-                conn.send(None)
-                process.join(timeout=5.0)
-            except (BrokenPipeError, OSError):
-                pass
-        if process.is_alive():
-            process.kill()
-        process.join()
-        conn.close()
-
     def close(self) -> None:
-        self._stop_worker(graceful=True)
+        self._worker.close()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kv4rl.rewards.base import Reward, RewardResult
+from kv4rl.rewards.watchdog import WatchdogWorker, resolve
 
 __all__ = ["VerlScore"]
 
@@ -25,12 +26,17 @@ class VerlScore(Reward):
     verl's own scorers (`gsm8k.compute_score(solution_str, ground_truth, ...)`) take two of the four. A dict result
     gives its `score`; its other keys with a number (or a bool) are summed over the batch into the stats as
     `<key>_sum` (logged `reward_<key>_sum`, a count for verl's `acc`), where verl keeps them per response for its
-    validation means; text values are dropped."""
+    validation means; text values are dropped. With `timeout_s` each call runs in a watchdogged worker process
+    (`kv4rl.rewards.watchdog`, as `math_verify`'s checks do): one past the limit scores 0 and counts in
+    `timeouts`, and the worker is restarted; compute_score must then be a module-level function the worker can
+    import, and its arguments and result picklable."""
 
     takes_problems = True
 
-    def __init__(self, compute_score: Callable[..., Any]):
+    def __init__(self, compute_score: Callable[..., Any], timeout_s: float | None = None):
         self.compute_score = compute_score
+        self.worker = None if timeout_s is None else WatchdogWorker(
+            _import_path(compute_score), timeout_s=timeout_s, label="VerlScore", what="compute_score")
         params = inspect.signature(compute_score).parameters
         self.passed = None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else set(params) & set(_ARGUMENTS)
         by_position = [name for name, p in params.items() if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
@@ -45,7 +51,7 @@ class VerlScore(Reward):
 
     def score(self, responses: list[str], golds: list[str], problems: list | None = None) -> RewardResult:
         metas = [getattr(p, "meta", None) or {} for p in problems] if problems is not None else [{}] * len(responses)
-        scores, sums = [], {}
+        scores, sums, calls = [], {}, []
         for i, (response, gold, meta) in enumerate(zip(responses, golds, metas, strict=True)):
             given = meta.get("extra_info")
             if given is not None and not isinstance(given, dict):
@@ -58,7 +64,9 @@ class VerlScore(Reward):
             truth = written["ground_truth"] if isinstance(written, dict) and "ground_truth" in written else gold
             arguments = {"data_source": meta.get("data_source"), "solution_str": response, "ground_truth": truth,
                          "extra_info": extra_info}
-            out = self.compute_score(**{k: v for k, v in arguments.items() if self.passed is None or k in self.passed})
+            calls.append({k: v for k, v in arguments.items() if self.passed is None or k in self.passed})
+        outs = self._outcomes(calls, len(responses), sums)
+        for i, out in enumerate(outs):
             if isinstance(out, dict):
                 if "score" not in out:
                     raise ValueError(f"compute_score returned a dict without 'score' for response {i} of "
@@ -70,6 +78,39 @@ class VerlScore(Reward):
                 out = out["score"]
             scores.append(out)
         return RewardResult(scores, sums)
+
+    def _outcomes(self, calls: list[dict], n: int, sums: dict[str, float]) -> list[Any]:
+        """compute_score of each call: in this process, or with `timeout_s` in the watchdogged worker, where a call
+        past the limit scores 0 (counted in `timeouts`, logged `reward_timeouts`) and an error stops the run as
+        it would in this process."""
+        if self.worker is None:
+            return [self.compute_score(**kwargs) for kwargs in calls]
+        outcomes = self.worker.call_all([(i, (), kwargs) for i, kwargs in enumerate(calls)],
+                                        shown=lambda item: repr(item[2].get("solution_str", ""))[:200])
+        sums["timeouts"] = float(sum(kind == "timeout" for kind, _ in outcomes.values()))
+        for i in range(n):
+            kind, value = outcomes[i]
+            if kind == "error":
+                raise RuntimeError(f"compute_score failed on response {i} of {n}: {value}")
+        return [0.0 if outcomes[i][0] == "timeout" else outcomes[i][1] for i in range(n)]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def _import_path(fn: Callable[..., Any]) -> str:
+    """`module:qualname` of a function a spawned worker can import, or a ValueError that says why not."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in name:
+        raise ValueError(f"VerlScore(timeout_s=...) runs compute_score in a worker process, which imports it by "
+                         f"name: {module}:{name or fn!r} cannot be imported there (a lambda, a nested function or "
+                         f"one of the main script); define it at the top level of a module on the Python path")
+    path = f"{module}:{name}"
+    if resolve(path) is not fn:
+        raise ValueError(f"VerlScore(timeout_s=...): {path} does not name the compute_score given (it was "
+                         "replaced or wrapped); pass the module-level function itself")
+    return path
 
 
 def _number(value: Any) -> float | None:
