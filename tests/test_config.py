@@ -223,8 +223,8 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
     ("min_p=0.1", "unknown config key 'min_p'; TRL's and vLLM's min_p is rollout.min_p"),
     ("reward.reward_weights=[1,2]", "unknown config key 'reward.reward_weights'; TRL's reward_weights are "
                                     "reward.weights (reward.name's first)"),
-    ("optim.lr=1e-6", "unknown config key 'optim'; verl's optim keys are trainer.lr, trainer.weight_decay, "
-                      "trainer.warmup_iters, trainer.lr_schedule and trainer.min_lr_ratio"),
+    ("optim.nesterov=true", "unknown config key 'optim'; verl's optim keys are trainer.lr, trainer.weight_decay, "
+                            "trainer.warmup_iters, trainer.lr_schedule and trainer.min_lr_ratio"),
     ("trainer.lrr=1e-5", "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
     ("engine.kv.fromat=kv4", "unknown config key 'engine.kv.fromat'; did you mean engine.kv.format?"),
     # a section's key with `_` for its dot
@@ -397,6 +397,19 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
     ("actor_rollout_ref.rollout.temperature=0.7", "unknown config key 'actor_rollout_ref.rollout.temperature'; did you "
                                                   "mean rollout.temperature or eval.temperature?"),
     ("engine.foo.block_size=16", "unknown config key 'engine.foo.block_size'; did you mean engine.kv.block_size?"),
+    # a foreign section is read leaf by leaf: its own hint where no leaf has one
+    ("optim.lr=1e-6", "unknown config key 'optim.lr'; did you mean trainer.lr?"),
+    ("trainer.optim.max_norm=1.0", "unknown config key 'trainer.optim.max_norm'; OpenRLHF's and prime-rl's max_norm is "
+                                   "trainer.grad_clip"),
+    ("monitors.wandb.name=x", "unknown config key 'monitors.wandb.name'; the W&B run name is logging.wandb_name (with "
+                              "logging.wandb=true)"),
+    ("actor_rollout_ref.rollout.mode=async", "unknown config key 'actor_rollout_ref.rollout.mode'; verl's rollout.mode "
+                                             "(sync: its engine's LLM API, async: AsyncLLM) has no counterpart; kv4rl's "
+                                             "rollout.mode is another setting (partial: unfinished responses carried "
+                                             "across updates), and its default sync matches verl's"),
+    ("+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096", "unknown config key '+reward_model.reward_kwargs."
+                                                                 "overlong_buffer_cfg.len'; verl's overlong_buffer_cfg."
+                                                                 "len is reward.overlong_buffer"),
     ("algorithm.filter_groups.max_num_gen_batches=5", "unknown config key 'algorithm.filter_groups.max_num_gen_batches'"
                                                       "; verl's filter_groups.max_num_gen_batches is "
                                                       "rollout.filter_max_batches"),
@@ -525,3 +538,41 @@ def test_print_config_says_what_train_would_refuse_without_reading_it(tmp_path, 
     assert not (tmp_path / "runs").exists()
     clean = CliRunner().invoke(app, ["train", "data.train=train.jsonl", "--print-config"])
     assert clean.exit_code == 0 and "warning:" not in clean.output
+
+
+@pytest.mark.parametrize(("override", "meant"), [
+    # keys of real prime-rl, AReaL, OpenRLHF, slime, verl and TRL configs that had no pointer or a wrong one
+    ("model.name=Qwen/Qwen3-4B", "model.path"), ("trainer.model.name=x", "model.path"),
+    ("inference.vllm.model=x", "model.path"), ("sglang.model_path=x", "model.path"), ("pretrain=x", "model.path"),
+    ("hf_checkpoint=x", "model.path"), ("monitors.wandb.project=p", "logging.wandb_project"),
+    ("monitors.wandb.name=n", "logging.wandb_name"), ("stats_logger.wandb.mode=disabled", "logging.wandb"),
+    ("inference.vllm.tensor_parallel_size=2", "engine.tensor_parallel"),
+    ("vllm_tensor_parallel_size=2", "engine.tensor_parallel"), ("rollout_num_gpus_per_engine=2", "engine.tensor_parallel"),
+    ("inference.vllm.max_num_seqs=64", "rollout.max_slots"), ("sglang.max_running_requests=64", "rollout.max_slots"),
+    ("orchestrator.seq_len=4096", "trainer.max_tokens_per_micro_batch"),
+    ("train.dynamic_batch_enable=true", "trainer.max_tokens_per_micro_batch"),
+    ("trainer.model.ac.freq=1", "trainer.grad_checkpointing"), ("recompute_granularity=full", "trainer.grad_checkpointing"),
+    ("actor.gradient_checkpointing_enable=true", "trainer.grad_checkpointing"),
+    ("orchestrator.eval.num_examples=100", "data.eval_size"), ("orchestrator.eval.group_size=8", "eval.k"),
+    ("sglang.context_length=4096", "engine.max_model_len"), ("data.max_len=4096", "engine.max_model_len"),
+    ("vllm_max_model_length=4096", "engine.max_model_len"),
+    ("sglang.mem_fraction_static=0.8", "engine.gpu_memory_fraction"),
+    ("vllm_gpu_memory_utilization=0.3", "engine.gpu_memory_fraction"),
+    ("train.colocate_all=true", "rollout.placement"), ("ckpt.path=/c", "out_dir"), ("apply_chat_template=true", "data.chat_template"),
+    ("vllm.enable_sleep=true", "engine.sleep_between_rollouts"), ("vllm_enable_sleep_mode=true", "engine.sleep_between_rollouts"),
+    ("attention_backend=flash", "trainer.attention"), ("adam_beta2=0.99", "trainer.betas"), ("use_wandb=true", "logging.wandb"),
+    ("rm_type=deepscaler", "reward.name"), ("shuffle_dataset=true", "data.shuffle"), ("max_grad_norm=1.0", "trainer.grad_clip"),
+    ("save_total_limit=2", "checkpoint.keep_last"), ("report_to=wandb", "logging.wandb"),
+    ("trainer.scheduler.type=cosine", "trainer.lr_schedule"), ("recover.mode=auto", "--resume"),
+    ("reward_model.reward_kwargs.max_resp_len=8192", "rollout.max_new_tokens"),
+    ("actor_rollout_ref.rollout.enable_chunked_prefill=true", "engine.chunked_prefill"),
+    ("+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true", "reward.overlong_buffer"),
+])
+def test_everyday_keys_of_other_frameworks_configs_name_the_kv4rl_key(override, meant):
+    """Two reviews pasted every key of real example configs: these had no pointer, or `did you mean reward.name?`
+    for prime-rl's monitors.wandb.name, `model.path` for OpenRLHF's ckpt.path. Each names its kv4rl key now."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    said = str(info.value)
+    assert said.startswith("unknown config key") and meant in said.split(";", 1)[1], said
+    assert "reward.name" not in said or meant == "reward.name"

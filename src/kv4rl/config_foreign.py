@@ -71,7 +71,9 @@ OTHER_FRAMEWORKS = {
     "total_training_steps": "verl's total_training_steps is trainer.iterations",
     "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "
                               "device, the colocated learner's memory included)",
-    "tensor_model_parallel_size": "verl's tensor_model_parallel_size is engine.tensor_parallel",
+    "tensor_model_parallel_size": "verl's rollout.tensor_model_parallel_size is engine.tensor_parallel; slime's "
+                                  "(Megatron's, the learner's) has no counterpart: the learner is FSDP2 over the "
+                                  "ranks (trainer.fsdp)",
     "quantization": "verl's rollout.quantization (vLLM's fp8 weights) is engine.weight_format=fp8; the KV cache's "
                     "format is engine.kv.format",
     "kv_cache_dtype": "vLLM's and SGLang's kv_cache_dtype (fp8, fp8_e4m3) is engine.kv.format (bf16, fp8, int4, kv4, "
@@ -93,6 +95,21 @@ OTHER_FRAMEWORKS = {
     "overlong_buffer.enable": "verl's overlong_buffer.enable is reward.overlong_buffer > 0 (0 turns it off)",
     "overlong_buffer.log": "verl's overlong_buffer.log has no key here: the penalty is always logged "
                            "(rewards/overlong/mean)",
+    # DAPO's scripts write them under reward_kwargs, as overlong_buffer_cfg
+    "overlong_buffer_cfg.len": "verl's overlong_buffer_cfg.len is reward.overlong_buffer",
+    "overlong_buffer_cfg.enable": "verl's overlong_buffer_cfg.enable is reward.overlong_buffer > 0 (0 turns it off)",
+    "overlong_buffer_cfg.log": "verl's overlong_buffer_cfg.log has no key here: the penalty is always logged "
+                               "(rewards/overlong/mean)",
+    "reward_kwargs.max_resp_len": "verl's reward_kwargs.max_resp_len (what DAPO's overlong buffer counts back from) "
+                                  "is rollout.max_new_tokens here",
+    "ref.fsdp_config.param_offload": "verl's ref.fsdp_config.param_offload has no counterpart: the reference "
+                                     "policy stays whole on the GPU (trainer.offload offloads the trained policy "
+                                     "only); with algo.kl_ref_coef=0 and trainer.ref_kl_every=0 it is not loaded",
+    "actor_rollout_ref.rollout.mode": "verl's rollout.mode (sync: its engine's LLM API, async: AsyncLLM) has no "
+                                      "counterpart; kv4rl's rollout.mode is another setting (partial: unfinished "
+                                      "responses carried across updates), and its default sync matches verl's",
+    "rollout.tensor_model_parallel_size": "verl's rollout.tensor_model_parallel_size is engine.tensor_parallel",
+    "enable_chunked_prefill": "verl's enable_chunked_prefill is engine.chunked_prefill (on by default)",
     "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
     "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",
     "top_entropy_quantile": "TRL's top_entropy_quantile is algo.top_entropy_quantile",
@@ -242,7 +259,7 @@ NO_COUNTERPART_SECTIONS = {
 
 
 # what verl keeps in those sections that kv4rl does have: DAPO's overlong shaping, the reward manager
-COUNTERPARTS_INSIDE = {"reward_model": ("overlong_buffer", "reward_manager")}
+COUNTERPARTS_INSIDE = {"reward_model": ("overlong_buffer", "reward_manager", "reward_kwargs")}
 
 
 def other_key_hint(key: str) -> str | None:

@@ -83,8 +83,8 @@ SLIME_OPENRLHF_PRIMERL = {
                     "use_kl_loss: algo.kl_ref_type; k1, k2, k3)"),
     "max_epochs": "OpenRLHF's max_epochs is trainer.epochs_per_batch",
     "num_episodes": "OpenRLHF's num_episodes has no key here: trainer.iterations counts iterations (computed by hand)",
-    "eval_steps": "OpenRLHF's eval_steps is eval.every (its -1, never, is 0)",
-    "save_steps": "OpenRLHF's save_steps is checkpoint.save_every",
+    "eval_steps": "TRL's and OpenRLHF's eval_steps is eval.every (OpenRLHF's -1, never, is 0)",
+    "save_steps": "TRL's and OpenRLHF's save_steps is checkpoint.save_every",
     **dict.fromkeys(("max_ckpt_num", "ckpt.max_num"), "OpenRLHF's max_ckpt_num is checkpoint.keep_last"),
     "eval_dataset": "OpenRLHF's eval_dataset is data.eval",
     "eval_n_samples_per_prompt": "OpenRLHF's eval_n_samples_per_prompt is eval.k",
@@ -143,8 +143,68 @@ SLIME_OPENRLHF_PRIMERL = {
     "loss.type": "prime-rl's loss.type=default (DPPO with its squared log-ratio) is algo.surrogate=dppo, its ipo "
                  "algo.surrogate=ipo; a custom loss is a plug-in here (algo.plugins, algo.loss)",
     "interval": "prime-rl's eval.interval is eval.every, its ckpt.interval checkpoint.save_every",
-    "scheduler.type": "prime-rl's scheduler.type is trainer.lr_schedule",
+    "scheduler.type": "AReaL's scheduler.type (where its workers run: local, ray, slurm) has no counterpart; "
+                      "prime-rl's trainer.scheduler.type is trainer.lr_schedule",
+    "trainer.scheduler.type": "prime-rl's scheduler.type is trainer.lr_schedule",
 }
+
+# the rest of a pasted config's everyday keys (model, inference engine, logging, checkpoint folder), per framework
+EVERYDAY = {
+    # prime-rl (configs under [model], [monitors], [inference], [trainer.model], [orchestrator])
+    "model.name": "prime-rl's model.name (a Hugging Face id or a folder) is model.path",
+    "run.name": "the run's name is the top-level name",
+    "wandb.project": "the W&B project is logging.wandb_project (with logging.wandb=true)",
+    "wandb.name": "the W&B run name is logging.wandb_name (with logging.wandb=true)",
+    "wandb.mode": "AReaL's wandb.mode=disabled is logging.wandb=false (online: logging.wandb=true)",
+    "vllm.model": "AReaL's vllm.model and prime-rl's inference.vllm.model are model.path (one model samples and trains)",
+    **dict.fromkeys(("vllm.tensor_parallel_size", "vllm_tensor_parallel_size", "rollout_num_gpus_per_engine"),
+                    "the rollout engine's tensor parallelism (prime-rl's and OpenRLHF's vllm tensor_parallel_size, "
+                    "TRL's vllm_tensor_parallel_size, slime's rollout_num_gpus_per_engine) is engine.tensor_parallel"),
+    **dict.fromkeys(("vllm.max_num_seqs", "sglang.max_running_requests"),
+                    "the engine's concurrent sequences are rollout.max_slots"),
+    **dict.fromkeys(("seq_len", "train_max_tokens_per_gpu", "use_dynamic_batch", "train.dynamic_batch_enable"),
+                    "a packed training batch's token budget (prime-rl's seq_len, OpenRLHF's dynamic batching) is "
+                    "trainer.max_tokens_per_micro_batch; the engine's context is engine.max_model_len"),
+    **dict.fromkeys(("ac.freq", "recompute_granularity", "gradient_checkpointing_enable"),
+                    "activation checkpointing (prime-rl's model.ac, slime's recompute_granularity, OpenRLHF's "
+                    "gradient_checkpointing_enable) is trainer.grad_checkpointing=true"),
+    "eval.num_examples": "prime-rl's eval.num_examples is data.eval_size",
+    "eval.group_size": "prime-rl's eval.group_size (samples per evaluated problem) is eval.k",
+    # AReaL's sglang section
+    "sglang.context_length": "AReaL's sglang.context_length is engine.max_model_len",
+    **dict.fromkeys(("sglang.mem_fraction_static", "sglang_mem_fraction_static", "vllm_gpu_memory_utilization"),
+                    "the engine's share of GPU memory is engine.gpu_memory_fraction"),
+    **dict.fromkeys(("sglang.model_path", "pretrain", "hf_checkpoint"),
+                    "the starting model (AReaL's sglang.model_path, OpenRLHF's pretrain, slime's hf_checkpoint) is "
+                    "model.path"),
+    "sglang.random_seed": "the run has one seed, the top-level seed",
+    "recover.mode": "AReaL's recover is kv4rl train --resume RUN_DIR (a checkpoint every checkpoint.save_every)",
+    # OpenRLHF's (train.* of its dotted flags) and slime's
+    **dict.fromkeys(("train.colocate_all", "colocate_all_models", "colocate"),
+                    "engine and learner on the same GPUs is rollout.placement=colocated, the default"),
+    "train.agent_func_path": "OpenRLHF's agent_func_path (a multi-turn agent) has no counterpart",
+    **dict.fromkeys(("ckpt.path", "ckpt.output_dir", "save_path"),
+                    "checkpoints and metrics go to the run folder, out_dir/name (checkpoints under its checkpoints/)"),
+    **dict.fromkeys(("max_len", "data.max_len"), "OpenRLHF's max_len (prompt and response) is engine.max_model_len"),
+    "apply_chat_template": "slime's and OpenRLHF's apply_chat_template is data.chat_template=true",
+    **dict.fromkeys(("vllm.enable_sleep", "vllm_enable_sleep", "vllm_enable_sleep_mode"),
+                    "an engine that sleeps through the update is engine.sleep_between_rollouts=true"),
+    "attention_backend": "slime's attention_backend (the learner's, Megatron's) is trainer.attention; the engine's "
+                         "is engine.attention_backend",
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), "AdamW's betas are trainer.betas, a pair: trainer.betas=[0.9,0.99]"),
+    "use_wandb": "slime's use_wandb is logging.wandb",
+    "rm_type": "slime's rm_type is reward.name (math_verify, exact, or a plug-in)",
+    # TRL's (GRPOConfig and the TrainingArguments it extends)
+    "vllm_max_model_length": "TRL's vllm_max_model_length is engine.max_model_len",
+    "shuffle_dataset": "TRL's shuffle_dataset is data.shuffle",
+    "max_grad_norm": "TRL's max_grad_norm is trainer.grad_clip",
+    "save_total_limit": "TRL's save_total_limit is checkpoint.keep_last",
+    "run_name": "TRL's run_name is the top-level name (the run folder's, and logging.wandb_name's default)",
+    "report_to": "TensorBoard event files are always written; TRL's report_to=wandb is logging.wandb=true",
+    "num_train_epochs": "TRL's num_train_epochs is trainer.iterations (iterations, computed by hand: "
+                        "epochs x problems / rollout.quota_groups)",
+}
+SLIME_OPENRLHF_PRIMERL.update(EVERYDAY)
 
 # AReaL's (inclusionAI/AReaL 4aef98d, areal/api/cli_args.py): `actor.*`, `gconfig.*`, `train_dataset.*`, ...
 AREAL = {

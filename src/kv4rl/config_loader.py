@@ -153,6 +153,9 @@ def _schema(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+GENERIC_NAMES = frozenset({"name", "mode", "path", "type", "group_size"})
+
+
 def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = "") -> list[tuple[str, str | None]]:
     """(dotted key, hint or None) for every leaf under `key` (a whole pasted verl path such as
     actor_rollout_ref.actor.clip_ratio_high=0.28, or a pasted verl section, arrives as one unknown top-level key):
@@ -164,9 +167,13 @@ def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = ""
         return [(key, own)] if own is not None and all(hint is None for _, hint in found) else found
     if own is not None:
         return [(key, own)]
-    last = key.rsplit(".", 1)[-1]
+    names = key.split(".")
+    last = names[-1]
+    # a name as generic as `name` or `mode` is another section's only where the pasted path names that section
+    # (prime-rl's monitors.wandb.name was pointed at reward.name, verl's rollout.mode is not kv4rl's)
     same = [f"{prefix}.{section}.{last}" if prefix else f"{section}.{last}"
-            for section, tp in schema.items() if _is_section(tp) and last in _schema(tp)]
+            for section, tp in schema.items() if _is_section(tp) and last in _schema(tp)
+            and (last not in GENERIC_NAMES or section in names[:-1])]
     return [(key, f"did you mean {' or '.join(same)}?" if same and "." in key else None)]
 
 
@@ -177,7 +184,8 @@ def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
     dotted = lambda n: f"{prefix}.{n}" if prefix else n  # noqa: E731
     foreign = other_key_hint(dotted(name))  # its path first (eval.n_samples_per_prompt is not rollout.group_size)
     if foreign is not None:
-        typo = difflib.get_close_matches(name, list(schema), n=1, cutoff=0.85)  # trainer.beta: trainer.betas
+        typo = [close for close in difflib.get_close_matches(name, list(schema), n=1, cutoff=0.85)  # trainer.beta:
+                if abs(len(close) - len(name)) <= 2]  # trainer.betas; not slime's hf_checkpoint: checkpoint
         return f"; did you mean {dotted(typo[0])}? (or: {foreign})" if typo else f"; {foreign}"
     nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
               if _is_section(tp) and name in _schema(tp)]
@@ -199,7 +207,9 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if name not in schema:
             hint = ("; a key of a loss in your own module needs that module in algo.plugins"
                     if prefix == "algo" else "")
-            leaves = _foreign_keys(key, value, schema, prefix) if name.replace("-", "_") not in OTHER_FRAMEWORKS else []
+            # a foreign name with a section's value is read leaf by leaf (trainer.optim.max_norm: trainer.grad_clip)
+            leaves = (_foreign_keys(key, value, schema, prefix)
+                      if name.replace("-", "_") not in OTHER_FRAMEWORKS or isinstance(value, dict) else [])
             named = [(leaf, why) for leaf, why in leaves if why is not None and leaf != key]
             if named:  # a pasted path or section: each key another framework names, then the rest in one line
                 problems += [f"unknown config key '{leaf}'; {why}" for leaf, why in named]
