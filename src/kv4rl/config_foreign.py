@@ -195,7 +195,12 @@ OTHER_FRAMEWORKS = {
                     "(engine.*); the reward's name is reward.name",
     "sapo_temperature_pos": "TRL's sapo_temperature_pos is algo.sapo_tau_pos (with algo.surrogate=sapo)",
     "sapo_temperature_neg": "TRL's sapo_temperature_neg is algo.sapo_tau_neg (with algo.surrogate=sapo)",
-    "use_adaptive_entropy": "TRL's use_adaptive_entropy does not exist: algo.entropy_coeff is constant",
+    "use_adaptive_entropy": "TRL's use_adaptive_entropy is algo.entropy_target (set: adaptive; its entropy_target "
+                            "0.2 is not the default here), starting from algo.entropy_coeff",
+    "entropy_target": "TRL's entropy_target is algo.entropy_target (which also turns the control on)",
+    "entropy_coef_delta": "TRL's entropy_coef_delta is algo.entropy_coeff_delta",
+    "entropy_coef_min": "TRL's entropy_coef_min is algo.entropy_coeff_min",
+    "entropy_coef_max": "TRL's entropy_coef_max is algo.entropy_coeff_max",
     "vllm_importance_sampling_correction": "TRL's vllm_importance_sampling_correction is algo.behavior_is (off unless "
                                            "set, with algo.old_logprob=recompute)",
     "vllm_importance_sampling_mode": "TRL's vllm_importance_sampling_mode is algo.behavior_is (token_truncate, "

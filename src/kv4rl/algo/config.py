@@ -27,7 +27,10 @@ class AlgoConfig:
     `token_sum_norm`'s constant length (null: the run's `rollout.max_new_tokens`); `kl_ref_coef > 0` adds the reference
     KL penalty `kl_ref_type` to it (k3, or verl's k1, k2, abs; each token's capped at `kl_ref_clamp` where set, as
     verl's low_var_kl caps k3 at 10); `entropy_coeff` (0: off) subtracts that many times
-    the policy's entropy, aggregated as the loss (verl's entropy_coeff; the learner adds it to any loss);
+    the policy's entropy, aggregated as the loss (verl's entropy_coeff; the learner adds it to any loss), a starting
+    value that `entropy_target` turns adaptive (Skywork-OR1's control, TRL's use_adaptive_entropy: applied only while
+    the last step's entropy was at or below the target, and moved by `entropy_coeff_delta` within
+    [`entropy_coeff_min`, `entropy_coeff_max`] after every optimizer step; `kv4rl.trainer.entropy_control`);
     `top_entropy_quantile` < 1 keeps each micro-batch's highest-entropy tokens in the loss (TRL's); `plugins`
     lists modules to import first, which register more losses. Every other `algo.*` key belongs to
     one loss's settings dataclass (see `registry`) and reads back as an attribute (`cfg.eps_low`)
@@ -35,18 +38,22 @@ class AlgoConfig:
     this is not a dataclass: the config loader asks `config_schema()` and `config_values()`.
     """
 
-    __slots__ = ("_sections", "entropy_coeff", "kl_ref_clamp", "kl_ref_coef", "kl_ref_type", "loss", "loss_agg",
-                 "loss_norm_tokens", "plugins", "top_entropy_quantile")
+    __slots__ = ("_sections", "entropy_coeff", "entropy_coeff_delta", "entropy_coeff_max", "entropy_coeff_min",
+                 "entropy_target", "kl_ref_clamp", "kl_ref_coef", "kl_ref_type", "loss", "loss_agg", "loss_norm_tokens",
+                 "plugins", "top_entropy_quantile")
 
     def __init__(self, *, loss: str = "ppo_clip", loss_agg: AggMode = "token_mean", loss_norm_tokens: int | None = None,
                  kl_ref_coef: float = 0.0, kl_ref_type: KLType = "k3", kl_ref_clamp: float | None = None,
-                 entropy_coeff: float = 0.0,
+                 entropy_coeff: float = 0.0, entropy_target: float | None = None, entropy_coeff_delta: float = 0.005,
+                 entropy_coeff_min: float = 0.0, entropy_coeff_max: float = 1.0,
                  top_entropy_quantile: float = 1.0, plugins: list[str] | None = None, **loss_keys: Any):
         self.plugins = list(plugins or [])
         import_plugins(self.plugins)  # before the keys below: a plugin's loss owns some of them
         self.loss, self.loss_agg, self.kl_ref_coef, self.kl_ref_clamp = loss, loss_agg, kl_ref_coef, kl_ref_clamp
         self.loss_norm_tokens, self.entropy_coeff, self.kl_ref_type = loss_norm_tokens, entropy_coeff, kl_ref_type
         self.top_entropy_quantile = top_entropy_quantile
+        self.entropy_target, self.entropy_coeff_delta = entropy_target, entropy_coeff_delta
+        self.entropy_coeff_min, self.entropy_coeff_max = entropy_coeff_min, entropy_coeff_max
         self._sections: dict[str, Any] = {}
         for key, value in loss_keys.items():
             try:
@@ -121,6 +128,13 @@ class AlgoConfig:
         if not math.isfinite(self.entropy_coeff):
             raise ValueError(f"algo.entropy_coeff must be a finite number (0: no entropy bonus; < 0 minimises the "
                              f"entropy), got {self.entropy_coeff}")
+        if self.entropy_target is not None and not 0.0 < self.entropy_target < math.inf:
+            raise ValueError(f"algo.entropy_target must be > 0 (the mean entropy per token, in nats, below which the "
+                             f"bonus applies; null: a fixed algo.entropy_coeff), got {self.entropy_target}")
+        low, high, delta = self.entropy_coeff_min, self.entropy_coeff_max, self.entropy_coeff_delta
+        if not (math.isfinite(low) and math.isfinite(high) and low <= high and 0.0 <= delta < math.inf):
+            raise ValueError(f"algo.entropy_coeff_min <= algo.entropy_coeff_max (finite) and algo.entropy_coeff_delta "
+                             f">= 0 are needed, got {low}, {high} and {delta}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"algo.top_entropy_quantile must be in [0, 1] (the share of each learner pass's tokens "
                              f"kept in the loss, by entropy; 1: all), got {self.top_entropy_quantile}")
@@ -153,6 +167,10 @@ class AlgoConfig:
         if self.kl_ref_type != "k3" and not self.kl_ref_coef > 0:
             lines.append(f"algo.kl_ref_type={self.kl_ref_type} is the penalty algo.kl_ref_coef weighs; with "
                          f"algo.kl_ref_coef={self.kl_ref_coef} no penalty is added and it changes nothing")
+        if self.entropy_target is None and (self.entropy_coeff_delta, self.entropy_coeff_min,
+                                            self.entropy_coeff_max) != (0.005, 0.0, 1.0):
+            lines.append("algo.entropy_coeff_delta, _min and _max move the coefficient of algo.entropy_target's "
+                         "adaptive control, which is null (off): algo.entropy_coeff stays as set")
         if self.loss_norm_tokens is not None and self.loss_agg != "token_sum_norm":
             lines.append(f"algo.loss_norm_tokens={self.loss_norm_tokens} is read by algo.loss_agg=token_sum_norm "
                          f"only; algo.loss_agg={self.loss_agg} ignores it")

@@ -42,7 +42,8 @@ LOSS_INPUTS: dict[str, str] = {
 }
 # algo keys every loss shares
 COMMON_KEYS = ("loss", "loss_agg", "loss_norm_tokens", "kl_ref_coef", "kl_ref_type", "kl_ref_clamp", "entropy_coeff",
-               "top_entropy_quantile", "plugins")
+               "entropy_target", "entropy_coeff_delta", "entropy_coeff_min", "entropy_coeff_max", "top_entropy_quantile",
+               "plugins")
 
 
 @dataclass(kw_only=True)

@@ -42,6 +42,7 @@ from kv4rl.algo.rejection import rejection_rules
 from kv4rl.trainer.attention import document_block_mask, resolve_attention, set_attention
 from kv4rl.trainer.batch import TrainBatch
 from kv4rl.trainer.compiled_layers import compile_layers as compile_decoder_layers
+from kv4rl.trainer.entropy_control import EntropyControl
 from kv4rl.trainer.entropy_tokens import high_entropy_tokens
 from kv4rl.trainer.rank_sums import every_rank, global_counts, rank_passes
 from kv4rl.trainer.behavior_is_norm import batch_mean_weight
@@ -114,6 +115,7 @@ class Learner(LearnerCheckpointing):
         self.max_tokens = max_tokens_per_micro_batch
         self.updates_per_batch, self.epochs_per_batch = updates_per_batch, epochs_per_batch
         self.ref_kl_every = ref_kl_every
+        self.entropy = EntropyControl.from_algo(algo)  # the bonus's coefficient, fixed or adaptive
         self.fsdp, self.offload, self.offload_optimizer = fsdp, offload, offload_optimizer
         self.num_steps = 0  # steps taken; the reference schedule's clock when no iteration is given
         if isinstance(policy_path, nn.Module):
@@ -308,8 +310,11 @@ class Learner(LearnerCheckpointing):
                 inp = LossInputs(logprobs=logp, advantages=mb.advantages, mask=mb.response_mask, num_tokens=num_tokens,
                                  num_seqs=num_seqs, norm_tokens=self.norm_tokens, keep=keep, **optional)
                 loss, metrics = self.loss_fn(inp, self.algo)
-                if self.algo.entropy_coeff:  # verl's entropy bonus, aggregated as the loss is
-                    loss = loss - self.algo.entropy_coeff * inp.aggregate(ent, inp.mask.bool(), self.algo.loss_agg)
+                if self.entropy.on:  # verl's entropy bonus, aggregated as the loss is (its coefficient adaptive)
+                    loss = loss - self.entropy.applied() * inp.aggregate(ent, inp.mask.bool(), self.algo.loss_agg)
+                    if not dummy:  # over the trained tokens (top_entropy_quantile's), as the step's loss
+                        trained = inp.mask.bool() if keep is None else inp.mask.bool() & keep.bool()
+                        self.entropy.observe(float((ent.detach() * trained).sum()), float(trained.sum()))
                 if dummy:
                     (loss * 0.0).backward()
                     continue
@@ -318,6 +323,8 @@ class Learner(LearnerCheckpointing):
                 nonfinite_losses += not math.isfinite(metrics["loss"])
                 metrics.update(token_stats(logp.detach(), ent.detach(), mb, first=not stepped and not self.rejection))
                 parts.append((metrics, mb.num_tokens))
+            if self.entropy.adaptive:  # the next step's coefficient, from this step's entropy over every rank
+                parts.append((self.entropy.step_end(self.group, self.world_size), 1.0))
             grad_norm = global_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
             if math.isfinite(grad_norm):  # the global norm, the same on every rank
                 parts.append(({"grad_norm": grad_norm}, 1.0))  # the steps taken (`skipped_steps` counts the rest)
