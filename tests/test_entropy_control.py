@@ -93,3 +93,17 @@ def test_the_settings_are_checked_and_trls_names_point_here():
                                                                             "algo.entropy_coeff_delta")):
         with pytest.raises(ConfigError, match=ours):
             load_config(None, [trl])
+
+
+def test_a_batch_of_several_steps_logs_its_last_steps_coefficient(tiny_qwen3):
+    """Four optimizer steps a batch (two mini-batches, two epochs), each below the target: the coefficient rises
+    by the delta four times and the row logs the last, what the next step applies (the mean of the four was
+    logged)."""
+    path, _ = tiny_qwen3
+    torch.manual_seed(0)
+    learner = Learner(path, None, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1e9, updates_per_batch=2,
+                      epochs_per_batch=2, temperature=1.0, device=torch.device("cpu"), fsdp=False, micro_batch_size=1,
+                      max_new_tokens=6, algo=AlgoConfig(entropy_coeff=0.01, entropy_target=100.0))
+    out = learner.step(ragged_batch(4))
+    assert out["entropy_coeff"] == pytest.approx(0.03) == learner.entropy.coef
+    assert out["entropy_control_entropy"] == learner.entropy.last

@@ -283,6 +283,7 @@ class Learner(LearnerCheckpointing):
                 before_update["sampled_mask"] = batch.response_mask
             batch, parts = without_rejected(batch, before_update["old_logprobs"], self.rejection)
         skipped = empty = 0  # optimizer steps left out: a non-finite gradient norm / no token to train
+        controlled: dict[str, float] = {}  # the adaptive entropy coefficient after the last step, and its entropy
         nonfinite_losses = 0  # micro-batches whose loss was NaN or inf (a gradient can still be finite)
         stepped = False  # the mismatch is measured before the batch's first step
         if len(batch) < self.updates_per_batch:
@@ -324,7 +325,7 @@ class Learner(LearnerCheckpointing):
                 metrics.update(token_stats(logp.detach(), ent.detach(), mb, first=not stepped and not self.rejection))
                 parts.append((metrics, mb.num_tokens))
             if self.entropy.adaptive:  # the next step's coefficient, from this step's entropy over every rank
-                parts.append((self.entropy.step_end(self.group, self.world_size), 1.0))
+                controlled = self.entropy.step_end(self.group, self.world_size)  # the batch's last step is logged
             grad_norm = global_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
             if math.isfinite(grad_norm):  # the global norm, the same on every rank
                 parts.append(({"grad_norm": grad_norm}, 1.0))  # the steps taken (`skipped_steps` counts the rest)
@@ -340,7 +341,7 @@ class Learner(LearnerCheckpointing):
             warn_left_out(self.num_steps - 1 if iteration is None else iteration, len(rows) * self.epochs_per_batch,
                           nonfinite_losses, empty, skipped, self.algo.loss)
         out = {"grad_norm": math.nan, **combine_metrics(every_rank(self.group, self.world_size, parts))}
-        out.update(skipped_steps=skipped, empty_steps=empty)
+        out.update(skipped_steps=skipped, empty_steps=empty, **controlled)
         out["num_tokens"] = global_counts(self.group, self.world_size, batch.num_tokens, 0.0)[0]
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
