@@ -86,3 +86,35 @@ def test_the_settings_it_cannot_take_are_refused():
     for setting in ("advantage.whiten=true", "advantage.estimator=reinforce_plus_plus", "advantage.baseline_noise=0.1"):
         with pytest.raises(ConfigError, match=f"but {setting.split('=')[0]}.* moves that 0 away, so no response"):
             load_config(None, [setting, "trainer.mask_zero_advantage=true"])
+
+
+def areal_gae_without_critic(score: float, length: int, discount: float = 1.0, lam: float = 1.0) -> list[float]:
+    """AReaL's `_compute_advantages` for one response without a critic (values 0) or KL (kl_ctl 0): the score on its
+    last token, GAE backwards over the loss mask; a padded position after it."""
+    width = length + 3
+    rewards = [0.0] * width
+    rewards[length - 1] = score
+    mask = [1.0] * length + [0.0] * (width - length)
+    out, last, next_value = [0.0] * width, 0.0, 0.0
+    for t in reversed(range(width - 1)):
+        delta = rewards[t] + discount * next_value - 0.0
+        new = delta + discount * lam * last
+        next_value = next_value * (1 - mask[t])
+        last = last * (1 - mask[t]) + new * mask[t]
+        out[t] = last
+    return out[:length]
+
+
+def test_raw_advantages_are_areals_without_reward_norm():
+    """`advantage.estimator=raw`: AReaL without reward_norm (and no critic) gives every token its response's score;
+    with `advantage.whiten` that is its adv_norm of them, which REINFORCE++'s whitening is not (eps apart)."""
+    rewards, lengths = _batch(9)
+    adv, metrics = compute_advantages(rewards, 4, AdvantageConfig(estimator="raw"), lengths=lengths)
+    for a, r, n in zip(adv.tolist(), rewards.tolist(), lengths.int().tolist()):
+        assert areal_gae_without_critic(r, n) == pytest.approx([a] * n, abs=1e-12)
+    assert "zero_var_group_frac" in metrics and metrics["adv_mean"] == pytest.approx(float(rewards.mean()))
+    whitened, _ = compute_advantages(rewards, 4, AdvantageConfig(estimator="raw", whiten=True), lengths=lengths)
+    assert whitened.tolist() == pytest.approx(areal_batch_norm(rewards.tolist(), lengths.int().tolist()), abs=1e-12)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["actor.reward_norm=null"])
+    assert "advantage.estimator=raw" in str(info.value)

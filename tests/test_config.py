@@ -375,7 +375,7 @@ def test_every_name_in_the_migration_tables_is_pointed_to_its_kv4rl_key(name):
     ("actor.reward_norm.group_size=8", "unknown config key 'actor.reward_norm.group_size'; AReaL's reward_norm "
                                        "(mean_level and std_level group) is advantage.estimator=grpo (std_level null: "
                                        "advantage.normalize_std=false; its eps 1e-5, 1e-6 here); no reward_norm at all "
-                                       "has no counterpart"),
+                                       "is advantage.estimator=raw (the reward itself)"),
     # a one-letter typo of the section's own key that is also another framework's name: both said
     ("trainer.beta=[0.9,0.95]", "unknown config key 'trainer.beta'; did you mean trainer.betas? (or: TRL's beta (the "
                                 "reference-KL coefficient) is algo.kl_ref_coef; algo.beta is future_kl's future-KL "

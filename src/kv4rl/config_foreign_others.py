@@ -243,8 +243,8 @@ AREAL = {
     "reward_clip": "AReaL's reward_clip (20 by default there) is reward.clip (null: no clip, by default here)",
     **dict.fromkeys(("reward_norm", "reward_norm.mean_level", "reward_norm.std_level", "reward_norm.group_size"),
                     "AReaL's reward_norm (mean_level and std_level group) is advantage.estimator=grpo (std_level "
-                    "null: advantage.normalize_std=false; its eps 1e-5, 1e-6 here); no reward_norm at all has no "
-                    "counterpart"),
+                    "null: advantage.normalize_std=false; its eps 1e-5, 1e-6 here); no reward_norm at all is "
+                    "advantage.estimator=raw (the reward itself)"),
     **dict.fromkeys(("adv_norm", "adv_norm.mean_level", "adv_norm.std_level"),
                     "AReaL's adv_norm (batch whitening of the token advantages) is advantage.whiten=true, after "
                     "advantage.estimator=grpo for its group reward_norm (or reinforce_plus_plus without one)"),

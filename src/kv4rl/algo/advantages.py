@@ -1,5 +1,5 @@
 """Advantage estimators (docs/objectives.md) as registered pure functions: `grpo`, `rloo`, REINFORCE++'s two and
-verl's `opo`, `grpo_passk`, `gpg` and `remax`.
+verl's `opo`, `grpo_passk`, `gpg` and `remax`, and `raw` (the reward itself).
 
 Every estimator maps one reward per response, groups contiguous (`[g0r0, g0r1, …, g1r0, …]`),
 to one advantage per response; the learner broadcasts it over the response's tokens. An estimator that
@@ -305,6 +305,14 @@ def _remax(rewards: Tensor, group_size: int, cfg: AdvantageConfig,
     adv = grouped.double() - baselines[:, None]
     return adv.reshape(-1).to(grouped.dtype), {**flat_group_metrics(rewards, group_size),
                                                "remax/baseline_reward_mean": float(baselines.mean())}
+
+
+@register_advantage("raw")
+def _raw(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
+    """The reward itself, no baseline and no std (plain REINFORCE; AReaL's advantages without reward_norm and without
+    a critic, whose GAE at discount 1 and zero values gives every token the response's score). A flat group keeps
+    its reward; `advantage.whiten` then centres the batch (AReaL's adv_norm)."""
+    return rewards.clone(), flat_group_metrics(rewards, group_size)
 
 
 AREAL_NORM_EPS = 1e-5  # AReaL's NormConfig eps, added to the standard deviation

@@ -204,7 +204,8 @@ class AdvantageConfig:
     REINFORCE++'s `reinforce_plus_plus_baseline` (the group mean, then whitened over the batch's tokens) and
     `reinforce_plus_plus` (the rewards whitened so), and verl's `opo` (the length-weighted group mean), `grpo_passk`
     (only the best response, by its lead), `gpg` (the group mean, scaled up by the rewarded share) and `remax` (the
-    score of a greedy response to the prompt, sampled beside each group and not trained on).
+    score of a greedy response to the prompt, sampled beside each group and not trained on), or `raw` (the reward
+    itself, AReaL's without reward_norm).
     `normalize_std` divides GRPO's (and `grpo_passk`'s) by the std of each group's rewards, or with
     `std_scope: batch` GRPO's by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation. `kl_reward_coef` > 0 takes that many times each response's
@@ -214,7 +215,7 @@ class AdvantageConfig:
     tokens (AReaL's adv_norm at batch level, `whiten_over_tokens`)."""
 
     estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "opo", "grpo_passk",
-                       "gpg", "remax"] = "grpo"
+                       "gpg", "remax", "raw"] = "grpo"
     normalize_std: bool = True
     std_scope: Literal["group", "batch"] = "group"
     baseline_noise: float = 0.0
