@@ -195,6 +195,27 @@ OTHER_FRAMEWORKS = {
                     "(engine.*); the reward's name is reward.name",
     "sapo_temperature_pos": "TRL's sapo_temperature_pos is algo.sapo_tau_pos (with algo.surrogate=sapo)",
     "sapo_temperature_neg": "TRL's sapo_temperature_neg is algo.sapo_tau_neg (with algo.surrogate=sapo)",
+    # TRL's generation backends, reference sync and completion logging: kv4rl's engine and run folder instead
+    **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_server_base_url", "vllm_server_host",
+                     "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "ds3_gather_for_generation",
+                     "use_transformers_paged", "use_transformers_continuous_batching",
+                     "transformers_continuous_batching_config", "cache_implementation"),
+                    "TRL's generation backend settings have no counterpart: kv4rl samples with its own engine "
+                    "(engine.*), in the training process or on its own ranks (rollout.placement=split)"),
+    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
+                    "TRL's reference-model sync (TR-DPO) has no counterpart: the reference is the starting model"),
+    **dict.fromkeys(("log_completions", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
+                     "log_multimodal"),
+                    "TRL's completion logging has no counterpart in training; kv4rl eval --samples writes responses"),
+    "logging_steps": "every iteration writes one metrics row (metrics.jsonl, TensorBoard): TRL's logging_steps=1",
+    "eval_strategy": "the periodic evaluation is eval.every (0: none)",
+    "bf16": "the learner trains in BF16 on CUDA whatever is set; model.dtype is the engine's compute dtype",
+    "generation_kwargs": "TRL's generation_kwargs are rollout.temperature, rollout.top_p, rollout.top_k, rollout.min_p "
+                         "and rollout.max_new_tokens",
+    "multi_objective_aggregation": "TRL's multi_objective_aggregation=sum_then_normalize (its default) is kv4rl's: "
+                                   "reward.extra summed with reward.weights, then the estimator; its "
+                                   "normalize_then_sum (GDPO) has no counterpart",
+    "max_tool_calling_iterations": "tool calling (multi-turn rollouts) has no counterpart: one response per prompt",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy is algo.entropy_target (set: adaptive; its entropy_target "
                             "0.2 is not the default here), starting from algo.entropy_coeff",
     "entropy_target": "TRL's entropy_target is algo.entropy_target (which also turns the control on)",
