@@ -497,7 +497,7 @@ def test_every_problem_of_a_config_is_said_at_once(tmp_path):
         load_config(pasted)
     assert bad.value.problems == [
         "unknown config key 'algorithm.adv_estimator'; verl's adv_estimator is advantage.estimator (grpo, rloo, "
-        "reinforce_plus_plus_baseline, reinforce_plus_plus, opo, grpo_passk, gpg or remax)",
+        "reinforce_plus_plus_baseline, reinforce_plus_plus, opo, grpo_passk, gpg, remax or optimal_token_baseline)",
         "unknown config keys algorithm.gamma, algorithm.lam: no kv4rl counterpart known (README's 'Coming from ...' "
         "sections list the keys that have one)",
         "unknown config key 'actor_rollout_ref.actor.clip_ratio_high'; verl's clip_ratio_high is algo.eps_high"]

@@ -245,6 +245,14 @@ class RunConfig:
             (not (self.trainer.mask_zero_advantage and moves_zero),
              f"trainer.mask_zero_advantage masks the responses whose advantage is exactly 0 (a flat group's), but "
              f"{moves_zero} moves that 0 away, so no response would be masked; set one of them off"),
+            (self.advantage.estimator != "optimal_token_baseline" or self.rollout.placement == "colocated",
+             "advantage.estimator=optimal_token_baseline reads the policy's Σπ² of every token, which the learner "
+             "computes before the advantages; with rollout.placement=split the head computes them alone: use "
+             "rollout.placement=colocated"),
+            (self.advantage.estimator != "optimal_token_baseline" or self.algo.loss != "ppo_clip"
+             or self.algo.behavior_is == "none",
+             "advantage.estimator=optimal_token_baseline with algo.behavior_is: verl then weighs each path's variance "
+             "by the squared IS weights, which is not built here; set algo.behavior_is=none"),
             (self.trainer.fsdp or not self.trainer.offload, "trainer.offload=true needs trainer.fsdp=true"),
             (self.device != "cpu" or not self.trainer.offload,
              "trainer.offload=true needs a CUDA device (on the CPU everything already is in CPU memory)"),

@@ -66,7 +66,7 @@ OTHER_FRAMEWORKS = {
     "entropy_coeff": "verl's entropy_coeff is algo.entropy_coeff",
     "norm_adv_by_std_in_grpo": "verl's norm_adv_by_std_in_grpo is advantage.normalize_std",
     "adv_estimator": "verl's adv_estimator is advantage.estimator (grpo, rloo, reinforce_plus_plus_baseline, "
-                     "reinforce_plus_plus, opo, grpo_passk, gpg or remax)",
+                     "reinforce_plus_plus, opo, grpo_passk, gpg, remax or optimal_token_baseline)",
     "total_epochs": "verl's total_epochs is trainer.iterations (iterations, computed by hand)",
     "total_training_steps": "verl's total_training_steps is trainer.iterations",
     "gpu_memory_utilization": "verl's gpu_memory_utilization is engine.gpu_memory_fraction (a share of the whole "
@@ -109,6 +109,8 @@ OTHER_FRAMEWORKS = {
                                       "counterpart; kv4rl's rollout.mode is another setting (partial: unfinished "
                                       "responses carried across updates), and its default sync matches verl's",
     "rollout.tensor_model_parallel_size": "verl's rollout.tensor_model_parallel_size is engine.tensor_parallel",
+    "calculate_sum_pi_squared": "verl's actor.calculate_sum_pi_squared needs no key: "
+                                "advantage.estimator=optimal_token_baseline computes Σπ² itself",
     "enable_chunked_prefill": "verl's enable_chunked_prefill is engine.chunked_prefill (on by default)",
     "mask_truncated_completions": "TRL's mask_truncated_completions is trainer.mask_truncated",
     "importance_sampling_level": "TRL's importance_sampling_level is algo.ratio_level (token or sequence, GSPO's)",

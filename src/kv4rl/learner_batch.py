@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kv4rl.algo.advantages import (compute_advantages, flat_group_metrics, needs_whole_batch, noise_key,
-                                   reinforce_pp_token_advantages)
+                                   optimal_token_baseline, reinforce_pp_token_advantages)
 from kv4rl.algo.kl_reward import KLRewardCoef, kl_penalty_of, kl_reward_tokens, row_mean_kl
 from kv4rl.config import RunConfig
 from kv4rl.distributed import current, gather_objects
@@ -51,6 +51,8 @@ def learner_batch(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_si
         rewards = scores - penalty
         if a.estimator == "reinforce_plus_plus":
             return _token_returns(scores, rewards, kl, beta, whole, given, metrics, group_size, truncated)
+    if a.estimator == "optimal_token_baseline":
+        return _optimal_token_baseline(cfg, learner, rows, scores, group_size, pad_id, truncated)
     keys = [noise_key(cfg.seed, iteration, g) for g in group_indices]  # the same noise on any rank
     lengths = torch.tensor([len(r) for r in rows[1]], dtype=torch.float64)
     everyone = everyone_lengths = None
@@ -99,6 +101,39 @@ def _sum_over_ranks(x: Tensor) -> Tensor:
     return torch.stack([torch.as_tensor(part, dtype=torch.float64) for part in gather_objects(x.tolist())]).sum(0)
 
 
+def _optimal_token_baseline(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_size: int, pad_id: int,
+                            truncated: list[bool] | None) -> LearnerBatch:
+    """verl's optimal token baseline: π_old's log-probs and Σπ² of every token from one learner forward (a padded one:
+    the update's own recompute of π_old, where it has one, stays its packed pass), the advantages per token."""
+    whole = build_batch(*rows, [0.0] * len(scores), pad_id)
+    logp, spsq = learner.logprobs_and_sum_pi_squared(whole)
+    valid = whole.response_mask.bool()
+    lengths = valid.sum(1)
+    width = int(lengths.max()) if len(lengths) else 0
+    aligned = torch.arange(width, device=valid.device)[None] < lengths[:, None]  # each response from its first token
+    inputs = []
+    for full in (logp, spsq):
+        out = torch.zeros(aligned.shape, dtype=torch.float64, device=valid.device)
+        out[aligned] = full[valid].double()
+        inputs.append(out)
+    token_adv = torch.zeros(valid.shape, dtype=torch.float64, device=valid.device)
+    token_adv[valid] = optimal_token_baseline(scores.to(valid.device), *inputs, aligned, group_size)[aligned]
+    batch = with_advantages(whole, token_adv, truncated)
+    return LearnerBatch(batch, {}, scores, {**flat_group_metrics(scores, group_size), **_token_adv_metrics(
+        token_adv[valid], scores)})
+
+
+def _token_adv_metrics(tokens: Tensor, rewards: Tensor) -> dict[str, float]:
+    """The advantages' statistics over every rank's tokens, so each rank logs the batch's (ranks' rows merge as equal
+    shares, their tokens not), and the rewards'."""
+    largest = float(tokens.abs().max()) if len(tokens) else 0.0
+    parts = gather_objects((len(tokens), float(tokens.sum()), float((tokens ** 2).sum()), largest))
+    count, total, squares = (sum(part[k] for part in parts) for k in range(3))
+    mean = total / count
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(correction=0)), "adv_mean": mean,
+            "adv_std": max(squares / count - mean * mean, 0.0) ** 0.5, "adv_absmax": max(part[3] for part in parts)}
+
+
 def _token_returns(scores: Tensor, rewards: Tensor, kl: Tensor, beta: float, whole: TrainBatch,
                    given: dict[str, Tensor], metrics: dict[str, float], group_size: int,
                    truncated: list[bool] | None) -> LearnerBatch:
@@ -107,14 +142,5 @@ def _token_returns(scores: Tensor, rewards: Tensor, kl: Tensor, beta: float, who
     over_ranks = _sum_over_ranks if current().world > 1 else None
     token_adv = reinforce_pp_token_advantages(scores, kl, valid, beta, over_ranks)
     batch = with_advantages(whole, token_adv, truncated)
-    tokens = token_adv[valid]
-    # over every rank's tokens, so each rank logs the batch's (ranks' rows merge as equal shares, their tokens not)
-    largest = float(tokens.abs().max()) if len(tokens) else 0.0
-    parts = gather_objects((len(tokens), float(tokens.sum()), float((tokens ** 2).sum()), largest))
-    count, total, squares = (sum(part[k] for part in parts) for k in range(3))
-    mean = total / count
-    adv_metrics = {**flat_group_metrics(rewards, group_size), "reward_mean": float(rewards.mean()),
-                   "reward_std": float(rewards.std(correction=0)), "adv_mean": mean,
-                   "adv_std": max(squares / count - mean * mean, 0.0) ** 0.5,
-                   "adv_absmax": max(part[3] for part in parts)}
+    adv_metrics = {**flat_group_metrics(rewards, group_size), **_token_adv_metrics(token_adv[valid], rewards)}
     return LearnerBatch(batch, given, rewards, {**metrics, **adv_metrics})

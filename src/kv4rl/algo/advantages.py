@@ -315,6 +315,28 @@ def _raw(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBat
     return rewards.clone(), flat_group_metrics(rewards, group_size)
 
 
+OTB_EPS = 1e-8  # verl's epsilon in the baseline's denominator
+
+
+def optimal_token_baseline(scores: Tensor, logprobs: Tensor, sum_pi_sq: Tensor, mask: Tensor,
+                           group_size: int) -> Tensor:
+    """verl's optimal token baseline (`optimal_token_baseline`, without its IS weighting and zero-tail options):
+    response-aligned `[B, T]` inputs (π_old's log-prob of each sampled token, Σ_v π_old(v)², the valid tokens),
+    groups contiguous. Each token's return is its response's score; the baseline at step t is the group's returns
+    weighed by W_t = Σ_{j<=t} (1 − 2π_j + Σπ²_j), the path's accumulated variance proxy, over the responses still
+    running at t; A_t = (G_t − B_t) on valid tokens. A group of one keeps its score (no baseline). Float64."""
+    valid = mask.double()
+    returns = scores.double()[:, None] * valid
+    w = (1.0 - 2.0 * torch.exp(logprobs.double()) + sum_pi_sq.double()) * valid
+    cumulative = w.cumsum(-1)
+    rows, width = valid.shape
+    g, wc, m = (x.reshape(rows // group_size, group_size, width) for x in (returns, cumulative, valid))
+    baseline = (g * wc * m).sum(1, keepdim=True) / ((wc * m).sum(1, keepdim=True) + OTB_EPS)
+    if group_size == 1:
+        baseline = torch.zeros_like(baseline)
+    return ((g - baseline) * m).reshape(rows, width)
+
+
 AREAL_NORM_EPS = 1e-5  # AReaL's NormConfig eps, added to the standard deviation
 
 
@@ -356,6 +378,9 @@ def compute_advantages(
     Metrics: the estimator's own (GRPO: `zero_var_group_frac`), plus `reward_mean`, `reward_std`,
     `adv_mean`, `adv_std`, `adv_absmax` of the final advantages.
     """
+    if cfg.estimator == "optimal_token_baseline":
+        raise ValueError("advantage.estimator=optimal_token_baseline reads the policy's log-probs and Σπ² of every "
+                         "token: the learner's batch builds it (learner_batch), not compute_advantages")
     if cfg.estimator not in ADVANTAGES:
         raise ValueError(
             f"unknown advantage estimator '{cfg.estimator}' (known: {', '.join(sorted(ADVANTAGES))})"

@@ -205,7 +205,8 @@ class AdvantageConfig:
     `reinforce_plus_plus` (the rewards whitened so), and verl's `opo` (the length-weighted group mean), `grpo_passk`
     (only the best response, by its lead), `gpg` (the group mean, scaled up by the rewarded share) and `remax` (the
     score of a greedy response to the prompt, sampled beside each group and not trained on), or `raw` (the reward
-    itself, AReaL's without reward_norm).
+    itself, AReaL's without reward_norm), or verl's `optimal_token_baseline` (a baseline per token from the group's
+    returns weighed by each path's accumulated variance, `advantages.optimal_token_baseline`).
     `normalize_std` divides GRPO's (and `grpo_passk`'s) by the std of each group's rewards, or with
     `std_scope: batch` GRPO's by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation. `kl_reward_coef` > 0 takes that many times each response's
@@ -215,7 +216,7 @@ class AdvantageConfig:
     tokens (AReaL's adv_norm at batch level, `whiten_over_tokens`)."""
 
     estimator: Literal["grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus", "opo", "grpo_passk",
-                       "gpg", "remax", "raw"] = "grpo"
+                       "gpg", "remax", "raw", "optimal_token_baseline"] = "grpo"
     normalize_std: bool = True
     std_scope: Literal["group", "batch"] = "group"
     baseline_noise: float = 0.0
@@ -233,6 +234,8 @@ class AdvantageConfig:
             return "advantage.whiten"
         if self.estimator in TOKEN_WEIGHTED:
             return f"advantage.estimator={self.estimator} (whitened over the batch's tokens)"
+        if self.estimator == "optimal_token_baseline":
+            return "advantage.estimator=optimal_token_baseline (an advantage per token)"
         if self.baseline_noise > 0:
             return "advantage.baseline_noise"
         return None
@@ -259,6 +262,12 @@ class AdvantageConfig:
         if self.whiten and self.estimator in TOKEN_WEIGHTED:
             raise ValueError(f"advantage.whiten: advantage.estimator={self.estimator} whitens its advantages over the "
                              "batch's tokens already; set advantage.whiten=false")
+        if self.estimator == "optimal_token_baseline":
+            for on, key in ((self.kl_reward_coef > 0, "advantage.kl_reward_coef"), (self.whiten, "advantage.whiten"),
+                            (self.baseline_noise > 0, "advantage.baseline_noise")):
+                if on:
+                    raise ValueError(f"advantage.estimator=optimal_token_baseline gives each token its own advantage "
+                                     f"from the scores alone; {key} is not built for it: set it off")
         if self.estimator == "remax" and self.kl_reward_coef > 0:
             raise ValueError("advantage.estimator=remax with advantage.kl_reward_coef > 0: verl then gives each token "
                              "its own return less the greedy baseline, which is not built here; set "

@@ -208,3 +208,11 @@ def ref_kl_terms(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     if kind == "abs":
         return delta.abs()
     raise ValueError(f"unknown reference-KL type {kind!r} (known: {', '.join(KL_TYPES)})")
+
+
+def sum_pi_squared(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """`Σ_v softmax(logits / τ)_v²` per position, `[..., V] -> [...]` float32, no gradient: exp(lse(2x) − 2 lse(x)) with
+    x = logits/τ (verl's calculate_sum_pi_squared_from_logits), what verl's optimal-token baseline reads."""
+    x = logits.detach().float() / temperature
+    return torch.exp(torch.logsumexp(2.0 * x, dim=-1) - 2.0 * torch.logsumexp(x, dim=-1))
+

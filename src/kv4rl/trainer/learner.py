@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kv4rl.algo.config import AlgoConfig
-from kv4rl.algo.logprobs import token_logprobs, token_logprobs_and_entropy
+from kv4rl.algo.logprobs import sum_pi_squared, token_logprobs, token_logprobs_and_entropy
 from kv4rl.algo.losses import combine_metrics
 from kv4rl.algo.registry import LossInputs, get_loss
 from kv4rl.algo.rejection import rejection_rules
@@ -233,6 +233,22 @@ class Learner(LearnerCheckpointing):
             if not dummy:
                 out[mb_rows] = logp.float()
         return out
+
+    @torch.no_grad()
+    def logprobs_and_sum_pi_squared(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and Σ_v π(v)² [B, L-1] of `batch` under the current weights (one forward; verl's
+        calculate_sum_pi_squared, for the optimal-token baseline), at the sampling temperature."""
+        batch = batch.to(self.device)
+        logp, spsq = torch.zeros_like(batch.response_mask), torch.zeros_like(batch.response_mask)
+        rows = torch.arange(len(batch), device=batch.input_ids.device)
+        for mb_rows, dummy in rank_passes(self.group, self.world_size, self.micro_batches(batch, rows), rows):
+            mb = batch.select(mb_rows)
+            with self._autocast():
+                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+            if not dummy:
+                logp[mb_rows] = token_logprobs(logits, mb.input_ids[:, 1:], self.temperature).float()
+                spsq[mb_rows] = sum_pi_squared(logits, self.temperature)
+        return logp, spsq
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs [B, L-1] of `batch` under the current weights, as the first update sees them, or the
