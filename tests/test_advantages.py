@@ -378,7 +378,8 @@ def test_reinforce_pp_with_a_kl_reward_equals_verls_token_returns():
     """Per-token advantages against verl's formula on ragged rows with a prompt offset; in two shares whose sums go
     through `over_ranks`, each share's rows equal the one-batch result; without a KL it is the per-response
     estimator's advantage on every token."""
-    from kv4rl.algo.advantages import reinforce_pp_advantages, reinforce_pp_token_advantages
+    from kv4rl.algo.advantages import reinforce_pp_advantages
+    from kv4rl.algo.token_advantages import reinforce_pp_token_advantages
 
     gen = torch.Generator().manual_seed(3)
     rows, width = 8, 12

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kv4rl.algo.advantages import optimal_token_baseline
+from kv4rl.algo.token_advantages import optimal_token_baseline
 from kv4rl.algo.config import AlgoConfig
 from kv4rl.algo.logprobs import sum_pi_squared
 from kv4rl.config import ConfigError, load_config

@@ -208,27 +208,6 @@ def reinforce_pp_advantages(rewards: Tensor, group_size: int, lengths: Tensor, b
     return ((centred(grouped) - mean) / torch.sqrt(var + WHITEN_EPS)).to(out_dtype)
 
 
-def reinforce_pp_token_advantages(scores: Tensor, kl: Tensor, mask: Tensor, coef: float,
-                                  over_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-    """verl's `reinforce_plus_plus` with a KL in the reward (γ = 1): token t's return is its response's score less
-    `coef` times the KL estimates of tokens t and after, `G_t = r − coef · Σ_{s≥t} kl_s` (verl's score sits on the
-    last token, its `−coef · kl_s` on each), whitened over every `mask`ed token of the batch: `(G_t − μ) /
-    sqrt(σ² + 1e-8)`, σ² the unbiased variance, 0 off the mask. `over_ranks` sums a tensor over the ranks of a
-    torchrun job (default: one process holds the batch). Every return equal: exactly 0. [B, T] float64."""
-    valid = mask.bool()
-    total = over_ranks or (lambda x: x)
-    tail = torch.where(valid, kl.double(), 0).flip(-1).cumsum(-1).flip(-1)
-    returns = torch.where(valid, scores.double().to(kl.device)[:, None] - coef * tail, 0)
-    tokens, summed = total(torch.stack([valid.sum().double(), returns.sum()])).tolist()
-    if tokens < 2:
-        raise ValueError(f"REINFORCE++ whitens over the batch's response tokens: it needs at least 2, got {tokens:g}")
-    mean = summed / tokens
-    squares = float(total(torch.where(valid, (returns - mean) ** 2, 0).sum().reshape(1)))
-    if squares == 0:
-        return torch.zeros_like(returns)
-    return torch.where(valid, (returns - mean) / math.sqrt(squares / (tokens - 1) + WHITEN_EPS), 0)
-
-
 def _reinforce_pp(baseline: bool) -> AdvantageFn:
     def estimator(rewards: Tensor, group_size: int, cfg: AdvantageConfig,
                   whole: WholeBatch) -> tuple[Tensor, dict[str, float]]:
@@ -313,28 +292,6 @@ def _raw(rewards: Tensor, group_size: int, cfg: AdvantageConfig, whole: WholeBat
     a critic, whose GAE at discount 1 and zero values gives every token the response's score). A flat group keeps
     its reward; `advantage.whiten` then centres the batch (AReaL's adv_norm)."""
     return rewards.clone(), flat_group_metrics(rewards, group_size)
-
-
-OTB_EPS = 1e-8  # verl's epsilon in the baseline's denominator
-
-
-def optimal_token_baseline(scores: Tensor, logprobs: Tensor, sum_pi_sq: Tensor, mask: Tensor,
-                           group_size: int) -> Tensor:
-    """verl's optimal token baseline (`optimal_token_baseline`, without its IS weighting and zero-tail options):
-    response-aligned `[B, T]` inputs (π_old's log-prob of each sampled token, Σ_v π_old(v)², the valid tokens),
-    groups contiguous. Each token's return is its response's score; the baseline at step t is the group's returns
-    weighed by W_t = Σ_{j<=t} (1 − 2π_j + Σπ²_j), the path's accumulated variance proxy, over the responses still
-    running at t; A_t = (G_t − B_t) on valid tokens. A group of one keeps its score (no baseline). Float64."""
-    valid = mask.double()
-    returns = scores.double()[:, None] * valid
-    w = (1.0 - 2.0 * torch.exp(logprobs.double()) + sum_pi_sq.double()) * valid
-    cumulative = w.cumsum(-1)
-    rows, width = valid.shape
-    g, wc, m = (x.reshape(rows // group_size, group_size, width) for x in (returns, cumulative, valid))
-    baseline = (g * wc * m).sum(1, keepdim=True) / ((wc * m).sum(1, keepdim=True) + OTB_EPS)
-    if group_size == 1:
-        baseline = torch.zeros_like(baseline)
-    return ((g - baseline) * m).reshape(rows, width)
 
 
 AREAL_NORM_EPS = 1e-5  # AReaL's NormConfig eps, added to the standard deviation

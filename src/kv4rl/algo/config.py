@@ -206,7 +206,7 @@ class AdvantageConfig:
     (only the best response, by its lead), `gpg` (the group mean, scaled up by the rewarded share) and `remax` (the
     score of a greedy response to the prompt, sampled beside each group and not trained on), or `raw` (the reward
     itself, AReaL's without reward_norm), or verl's `optimal_token_baseline` (a baseline per token from the group's
-    returns weighed by each path's accumulated variance, `advantages.optimal_token_baseline`).
+    returns weighed by each path's accumulated variance, `token_advantages.optimal_token_baseline`).
     `normalize_std` divides GRPO's (and `grpo_passk`'s) by the std of each group's rewards, or with
     `std_scope: batch` GRPO's by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation. `kl_reward_coef` > 0 takes that many times each response's
