@@ -153,6 +153,7 @@ def _schema(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+# another section's only where the pasted path names it (prime-rl's monitors.wandb.name is not reward.name)
 GENERIC_NAMES = frozenset({"name", "mode", "path", "type", "group_size"})
 
 
@@ -169,8 +170,6 @@ def _foreign_keys(key: str, value: Any, schema: dict[str, Any], prefix: str = ""
         return [(key, own)]
     names = key.split(".")
     last = names[-1]
-    # a name as generic as `name` or `mode` is another section's only where the pasted path names that section
-    # (prime-rl's monitors.wandb.name was pointed at reward.name, verl's rollout.mode is not kv4rl's)
     same = [f"{prefix}.{section}.{last}" if prefix else f"{section}.{last}"
             for section, tp in schema.items() if _is_section(tp) and last in _schema(tp)
             and (last not in GENERIC_NAMES or section in names[:-1])]
@@ -184,8 +183,8 @@ def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
     dotted = lambda n: f"{prefix}.{n}" if prefix else n  # noqa: E731
     foreign = other_key_hint(dotted(name))  # its path first (eval.n_samples_per_prompt is not rollout.group_size)
     if foreign is not None:
-        typo = [close for close in difflib.get_close_matches(name, list(schema), n=1, cutoff=0.85)  # trainer.beta:
-                if abs(len(close) - len(name)) <= 2]  # trainer.betas; not slime's hf_checkpoint: checkpoint
+        typo = [c for c in difflib.get_close_matches(name, list(schema), n=1, cutoff=0.85)  # trainer.beta: betas;
+                if abs(len(c) - len(name)) <= 2]  # not slime's hf_checkpoint: checkpoint
         return f"; did you mean {dotted(typo[0])}? (or: {foreign})" if typo else f"; {foreign}"
     nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
               if _is_section(tp) and name in _schema(tp)]
