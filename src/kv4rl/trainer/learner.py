@@ -329,7 +329,7 @@ class Learner(LearnerCheckpointing):
                 loss, metrics = self.loss_fn(inp, self.algo)
                 if self.entropy.on:  # verl's entropy bonus, aggregated as the loss is (its coefficient adaptive)
                     loss = loss - self.entropy.applied() * inp.aggregate(ent, inp.mask.bool(), self.algo.loss_agg)
-                    if not dummy:  # over the trained tokens (top_entropy_quantile's), as the step's loss
+                    if self.entropy.adaptive and not dummy:  # over the trained tokens (top_entropy_quantile's)
                         trained = inp.mask.bool() if keep is None else inp.mask.bool() & keep.bool()
                         self.entropy.observe(float((ent.detach() * trained).sum()), float(trained.sum()))
                 if dummy:
