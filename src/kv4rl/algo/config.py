@@ -203,10 +203,10 @@ class AdvantageConfig:
     """The advantage estimator (docs/objectives.md): `grpo`, `rloo` (the leave-one-out baseline, no std), or
     REINFORCE++'s `reinforce_plus_plus_baseline` (the group mean, then whitened over the batch's tokens) and
     `reinforce_plus_plus` (the rewards whitened so), and verl's `opo` (the length-weighted group mean), `grpo_passk`
-    (only the best response, by its lead), `gpg` (the group mean, scaled up by the rewarded share) and `remax` (the
-    score of a greedy response to the prompt, sampled beside each group and not trained on), or `raw` (the reward
-    itself, AReaL's without reward_norm), or verl's `optimal_token_baseline` (a baseline per token from the group's
-    returns weighed by each path's accumulated variance, `token_advantages.optimal_token_baseline`).
+    (only the best response, by its lead), `gpg` (the group mean, scaled up by the rewarded share), `remax` (the
+    score of a greedy response to the prompt, sampled beside each group and not trained on) and `optimal_token_baseline`
+    (a baseline per token from the group's returns weighed by each path's accumulated variance); or `raw`, the reward
+    itself (AReaL's without reward_norm).
     `normalize_std` divides GRPO's (and `grpo_passk`'s) by the std of each group's rewards, or with
     `std_scope: batch` GRPO's by the std of the whole learner batch's (TRL's `scale_rewards: batch`).
     `baseline_noise` is σ of the ±σ baseline perturbation. `kl_reward_coef` > 0 takes that many times each response's
