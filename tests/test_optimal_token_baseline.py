@@ -4,6 +4,7 @@ float64 (verl b178a3c, without IS weights or the zero tail), Σπ² against the 
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections import defaultdict
 
@@ -56,11 +57,14 @@ def test_the_advantages_equal_verls(group_size):
         assert any(len(set(got[i, : int(lengths[i])].tolist())) > 1 for i in range(rows))
 
 
-def test_sum_pi_squared_is_the_softmaxs_at_the_temperature(tiny_qwen3):
+def test_sum_pi_squared_is_the_softmaxs_at_the_temperature(tiny_qwen3, monkeypatch):
     """verl's exp(lse(2x) − 2 lse(x)), and the learner's forward against the model's own logits."""
     logits = torch.randn(3, 5, 11, dtype=torch.float64)
     torch.testing.assert_close(sum_pi_squared(logits, 0.7).double(), (torch.softmax(logits / 0.7, -1) ** 2).sum(-1),
                                rtol=1e-5, atol=1e-7)
+    monkeypatch.setattr(importlib.import_module("kv4rl.algo.logprobs"), "SUM_PI_SQUARED_CHUNK_FLOATS", 22)
+    torch.testing.assert_close(sum_pi_squared(logits, 0.7).double(), (torch.softmax(logits / 0.7, -1) ** 2).sum(-1),
+                               rtol=1e-5, atol=1e-7)  # in chunks of 2 positions (11 floats each): the same values
     path, model = tiny_qwen3
     learner = Learner(path, None, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, updates_per_batch=1,
                       temperature=0.8, device=torch.device("cpu"), fsdp=False, micro_batch_size=2, max_new_tokens=6,
@@ -79,8 +83,6 @@ def test_a_training_trains_on_the_token_advantages(tmp_path, monkeypatch):
     """One CPU iteration: the learner's batch holds, on each response token, verl's advantage of the run's scores
     with the log-probs and Σπ² the learner computed (taken here from its call), the scores on each response's last
     token and the groups of 4 by verl's uid."""
-    import importlib
-
     module = importlib.import_module("kv4rl.learner_batch")
     seen = {}
     real = module._optimal_token_baseline

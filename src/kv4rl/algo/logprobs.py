@@ -210,9 +210,18 @@ def ref_kl_terms(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     raise ValueError(f"unknown reference-KL type {kind!r} (known: {', '.join(KL_TYPES)})")
 
 
+SUM_PI_SQUARED_CHUNK_FLOATS = 2 ** 27  # 512 MiB of float32 a chunk of positions, as the log-prob head's
+
+
 def sum_pi_squared(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """`Σ_v softmax(logits / τ)_v²` per position, `[..., V] -> [...]` float32, no gradient: exp(lse(2x) − 2 lse(x)) with
-    x = logits/τ (verl's calculate_sum_pi_squared_from_logits), what verl's optimal-token baseline reads."""
-    x = logits.detach().float() / temperature
-    return torch.exp(torch.logsumexp(2.0 * x, dim=-1) - 2.0 * torch.logsumexp(x, dim=-1))
+    x = logits/τ (verl's calculate_sum_pi_squared_from_logits), what verl's optimal-token baseline reads; in chunks
+    of positions, so that a 152k vocabulary's float32 copies stay within a fixed size."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    step = max(1, SUM_PI_SQUARED_CHUNK_FLOATS // max(flat.shape[-1], 1))
+    for start in range(0, flat.shape[0], step):
+        x = flat[start:start + step].float() / temperature
+        out[start:start + step] = torch.exp(torch.logsumexp(2.0 * x, dim=-1) - 2.0 * torch.logsumexp(x, dim=-1))
+    return out.reshape(logits.shape[:-1])
 
