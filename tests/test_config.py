@@ -567,6 +567,7 @@ def test_print_config_says_what_train_would_refuse_without_reading_it(tmp_path, 
     ("reward_model.reward_kwargs.max_resp_len=8192", "rollout.max_new_tokens"),
     ("actor_rollout_ref.rollout.enable_chunked_prefill=true", "engine.chunked_prefill"),
     ("+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true", "reward.overlong_buffer"),
+    ("loss.adv_tau=2", "algo.ipo_kl_coef"),  # prime-rl's ipo loss's users were sent to dppo's coefficient only
 ])
 def test_everyday_keys_of_other_frameworks_configs_name_the_kv4rl_key(override, meant):
     """Two reviews pasted every key of real example configs: these had no pointer, or `did you mean reward.name?`
