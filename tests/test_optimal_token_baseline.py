@@ -77,6 +77,12 @@ def test_sum_pi_squared_is_the_softmaxs_at_the_temperature(tiny_qwen3, monkeypat
     valid = batch.response_mask.bool()
     torch.testing.assert_close(spsq[valid].double(), want[valid], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(logp[valid], learner.logprobs(batch)[valid], rtol=1e-4, atol=1e-5)
+    packed = Learner(path, None, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=1.0, updates_per_batch=1,
+                     temperature=0.8, device=torch.device("cpu"), fsdp=False, micro_batch_size=2, max_new_tokens=6,
+                     algo=AlgoConfig(), max_tokens_per_micro_batch=40)  # the update's packed passes: the same values
+    packed_logp, packed_spsq = packed.logprobs_and_sum_pi_squared(batch)
+    torch.testing.assert_close(packed_spsq[valid], spsq[valid], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(packed_logp[valid], logp[valid], rtol=1e-4, atol=1e-5)
 
 
 def test_a_training_trains_on_the_token_advantages(tmp_path, monkeypatch):

@@ -103,8 +103,8 @@ def _sum_over_ranks(x: Tensor) -> Tensor:
 
 def _optimal_token_baseline(cfg: RunConfig, learner, rows: tuple, scores: Tensor, group_size: int, pad_id: int,
                             truncated: list[bool] | None) -> LearnerBatch:
-    """verl's optimal token baseline: π_old's log-probs and Σπ² of every token from one learner forward (a padded one:
-    the update's own recompute of π_old, where it has one, stays its packed pass), the advantages per token."""
+    """verl's optimal token baseline: π_old's log-probs and Σπ² of every token from one learner forward, the
+    advantages per token."""
     whole = build_batch(*rows, [0.0] * len(scores), pad_id)
     logp, spsq = learner.logprobs_and_sum_pi_squared(whole)
     valid = whole.response_mask.bool()

@@ -154,9 +154,9 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
     else:
         old_logprobs = inp.need("behavior_logprobs")
     trained = valid  # in verl's bypass mode, the tokens `behavior_rs` keeps in this pass (π_θ against μ)
-    rs_stats = {}  # the rejection's shares, and the weights' batch mean when they are normalised
+    side_stats = {}  # the rejection's shares, and the weights' batch mean when they are normalised
     if s.behavior_rs is not None and s.old_logprob == "behavior":
-        keep, rs_stats = rejection_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.behavior_rs"), valid,
+        keep, side_stats = rejection_keep(inp.logprobs, inp.need("behavior_logprobs", "algo.behavior_rs"), valid,
                                         rejection_rules(s.behavior_rs, s.behavior_rs_threshold))
         trained = valid & keep
     log_ratio = torch.where(valid, inp.logprobs - old_logprobs.detach(), 0)
@@ -186,7 +186,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         if s.behavior_is_normalize:  # by the whole learner batch's mean weight (verl's rollout_is_batch_normalize)
             norm = inp.need("behavior_is_norm", "algo.behavior_is_normalize")
             weights = weights / norm
-            rs_stats["behavior_is_norm_factor"] = _mean(norm, valid)
+            side_stats["behavior_is_norm_factor"] = _mean(norm, valid)
         surrogate = surrogate * weights.to(surrogate.dtype)
     loss = -inp.aggregate(surrogate, trained, cfg.loss_agg)
 
@@ -211,7 +211,7 @@ def ppo_clip_loss(inp: LossInputs, cfg: AlgoConfig) -> tuple[Tensor, dict[str, f
         stats["ipo_masked_frac"] = _mean((valid & found["ipo_dropped"]).double(), valid)
     if s.dual_clip is not None:
         stats["dual_clip_frac"] = _mean(((adv < 0) & (ratio > s.dual_clip)).double(), valid)
-    stats.update(rs_stats)
+    stats.update(side_stats)
     if kept is not None:  # the tokens of the responses it dropped
         stats["off_policy_masked_frac"] = _mean((valid & ~kept).double(), valid)
     if weights is not None:

@@ -172,12 +172,13 @@ class Learner(LearnerCheckpointing):
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, model, mb: TrainBatch, with_entropy: bool = False):
-        """Per-token log-probs (and entropy) `[b, L-1]` of micro-batch `mb`, padded or packed."""
+    def _logits(self, model, mb: TrainBatch):
+        """(logits of micro-batch `mb`'s next tokens, those tokens, and how a per-token value of theirs comes back to
+        `[b, L-1]`), padded or packed."""
         if self.max_tokens is None:
             with self._autocast():
                 logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-            return self._logprob_head(logits, mb.input_ids[:, 1:], with_entropy)
+            return logits, mb.input_ids[:, 1:], lambda values: values
         packed = pack_rows(mb.input_ids, mb.attention_mask)
         # SDPA: attention_mask=None and transformers masks the packed sequences apart from the restarting
         # positions; flex: the block mask of the sequences, built here (see trainer/attention.py)
@@ -185,8 +186,13 @@ class Learner(LearnerCheckpointing):
         with self._autocast():
             logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                            attention_mask=mask).logits[:, :-1]
-        logp, ent = self._logprob_head(logits, packed.input_ids[:, 1:], with_entropy)
-        return packed.unpack(logp), (packed.unpack(ent) if with_entropy else None)
+        return logits, packed.input_ids[:, 1:], packed.unpack
+
+    def _forward(self, model, mb: TrainBatch, with_entropy: bool = False):
+        """Per-token log-probs (and entropy) `[b, L-1]` of micro-batch `mb`, padded or packed."""
+        logits, ids, unpack = self._logits(model, mb)
+        logp, ent = self._logprob_head(logits, ids, with_entropy)
+        return unpack(logp), (unpack(ent) if ent is not None else None)
 
     def _logprob_head(self, logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool):
         """Log-probs and, if asked, entropies of `logits / temperature` at `ids` (both differentiable)."""
@@ -221,34 +227,28 @@ class Learner(LearnerCheckpointing):
         return [rows[torch.tensor(group, device=rows.device)] for group in plan_micro_batches(lengths, self.max_tokens)]
 
     @torch.no_grad()
-    def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
+    def _logprobs(self, model, batch: TrainBatch, sum_pi_sq: bool = False):
+        """Per-token log-probs `[B, L-1]` of `batch` under `model`; with `sum_pi_sq`, and Σ_v π(v)² of the same pass."""
         out = torch.zeros_like(batch.response_mask)
+        spsq = torch.zeros_like(batch.response_mask) if sum_pi_sq else None
         rows = torch.arange(len(batch), device=batch.input_ids.device)
         micro = self.micro_batches(batch, rows)
         # the sharded policy needs every rank in every pass; the reference model is not sharded
         sharded = model is self.model
         passes = rank_passes(self.group, self.world_size, micro, rows) if sharded else ((m, False) for m in micro)
         for mb_rows, dummy in passes:
-            logp = self._forward(model, batch.select(mb_rows))[0]
+            logits, ids, unpack = self._logits(model, batch.select(mb_rows))
+            logp = unpack(self._logprob_head(logits, ids, False)[0])
             if not dummy:
                 out[mb_rows] = logp.float()
-        return out
+                if spsq is not None:
+                    spsq[mb_rows] = unpack(sum_pi_squared(logits, self.temperature))
+        return out if spsq is None else (out, spsq)
 
-    @torch.no_grad()
     def logprobs_and_sum_pi_squared(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and Σ_v π(v)² [B, L-1] of `batch` under the current weights (one forward; verl's
-        calculate_sum_pi_squared, for the optimal-token baseline), at the sampling temperature."""
-        batch = batch.to(self.device)
-        logp, spsq = torch.zeros_like(batch.response_mask), torch.zeros_like(batch.response_mask)
-        rows = torch.arange(len(batch), device=batch.input_ids.device)
-        for mb_rows, dummy in rank_passes(self.group, self.world_size, self.micro_batches(batch, rows), rows):
-            mb = batch.select(mb_rows)
-            with self._autocast():
-                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-            if not dummy:
-                logp[mb_rows] = token_logprobs(logits, mb.input_ids[:, 1:], self.temperature).float()
-                spsq[mb_rows] = sum_pi_squared(logits, self.temperature)
-        return logp, spsq
+        """Per-token log-probs and Σ_v π(v)² [B, L-1] of `batch` under the current weights (one forward, packed as
+        the update's; verl's calculate_sum_pi_squared, for the optimal-token baseline), at the sampling temperature."""
+        return self._logprobs(self.model, batch.to(self.device), sum_pi_sq=True)
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs [B, L-1] of `batch` under the current weights, as the first update sees them, or the
