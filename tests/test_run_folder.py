@@ -319,6 +319,19 @@ def test_a_switch_to_or_from_remax_is_refused_where_groups_are_held(tmp_path, fi
     assert res.exit_code == 0, res.output
 
 
+def test_a_switch_of_reward_aggregation_is_refused_where_scored_groups_are_held(tmp_path):
+    """rollout.filter_groups scores each group as it finishes, and a partial run's checkpoint holds them: a resume
+    under GDPO's aggregation would train their old sums beside new normalised ones. Refused before any work."""
+    run = new_run(tmp_path, "p", "rollout.mode=partial", "rollout.filter_groups=true", "trainer.iterations=1",
+                  "checkpoint.save_every=1")
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), "reward.aggregation=normalize_then_sum", "trainer.iterations=2",
+                    "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "reward.aggregation cannot change on resume (sum -> normalize_then_sum)" in text, text
+    assert tree_state(run) == before
+
+
 # Another process that holds a folder's lock as `kv4rl train` does: flock on the folder's own descriptor.
 HOLD = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
         "print('locked', flush=True); time.sleep(600)")

@@ -328,7 +328,7 @@ class RunConfig:
                 "engine.sleep_between_rollouts frees the KV cache during every update, so the responses that "
                 "partial rollout carries over are recomputed; set rollout.carry=recompute with it "
                 "(rollout.carry=keep_kv would need their KV kept)")
-        self.reward.validate(self.rollout.max_new_tokens)
+        self.reward.validate(self.rollout.max_new_tokens, self.advantage.estimator)
         if self.data.prompt_template is not None:
             try:
                 check_template(self.data.prompt_template, "data.prompt_template")

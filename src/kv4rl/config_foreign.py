@@ -214,9 +214,9 @@ OTHER_FRAMEWORKS = {
     "bf16": "the learner trains in BF16 on CUDA whatever is set; model.dtype is the engine's compute dtype",
     "generation_kwargs": "TRL's generation_kwargs are rollout.temperature, rollout.top_p, rollout.top_k, rollout.min_p "
                          "and rollout.max_new_tokens",
-    "multi_objective_aggregation": "TRL's multi_objective_aggregation=sum_then_normalize (its default) is kv4rl's: "
-                                   "reward.extra summed with reward.weights, then the estimator; its "
-                                   "normalize_then_sum (GDPO) has no counterpart",
+    "multi_objective_aggregation": "TRL's multi_objective_aggregation is reward.aggregation: sum_then_normalize "
+                                   "(its default) is sum, normalize_then_sum (GDPO) is normalize_then_sum with "
+                                   "advantage.std_scope=batch",
     "max_tool_calling_iterations": "tool calling (multi-turn rollouts) has no counterpart: one response per prompt",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy is algo.entropy_target (set: adaptive; its entropy_target "
                             "0.2 is not the default here), starting from algo.entropy_coeff",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kv4rl.config_loader import ConfigError
 
@@ -26,10 +27,14 @@ class RewardConfig:
     bias: float = 0.0
     scale: float = 1.0
     clip: float | None = None
+    # TRL's multi_objective_aggregation: `sum` (its sum_then_normalize) trains the weighted sum; `normalize_then_sum`
+    # (GDPO) normalises each reward, the overlong penalty one of them, within its group before the weighted sum
+    aggregation: Literal["sum", "normalize_then_sum"] = "sum"
 
-    def validate(self, max_new_tokens: int) -> None:
+    def validate(self, max_new_tokens: int, estimator: str = "grpo") -> None:
         """Names registered (plug-ins imported first), each once; weights one per reward and finite; the overlong
-        buffer inside `rollout.max_new_tokens`."""
+        buffer inside `rollout.max_new_tokens`; GDPO's aggregation without a rescaling it would undo, and with an
+        estimator that has groups to normalise in (`estimator`: advantage.estimator)."""
         from kv4rl.rewards import registered_rewards
 
         known = registered_rewards()
@@ -60,3 +65,13 @@ class RewardConfig:
                                   "(one for reward.name, then one per reward.extra)")
             if not all(math.isfinite(w) for w in weights):
                 raise ConfigError(f"reward.weights must be finite numbers, got {weights}")
+        if self.aggregation == "normalize_then_sum":
+            rescaling = [f"reward.{key}={value}" for key, value, default in (
+                ("bias", self.bias, 0.0), ("scale", self.scale, 1.0), ("clip", self.clip, None)) if value != default]
+            if rescaling:
+                raise ConfigError(f"reward.aggregation=normalize_then_sum normalises each reward within its group, "
+                                  f"which undoes {', '.join(rescaling)}; leave them at their defaults")
+            if estimator == "remax":
+                raise ConfigError("reward.aggregation=normalize_then_sum with advantage.estimator=remax: ReMax's "
+                                  "baseline is the score of one greedy response, and a group of one normalises to 0; "
+                                  "use reward.aggregation=sum")

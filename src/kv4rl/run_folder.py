@@ -258,6 +258,12 @@ def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> Non
                           f"or partial rollout: its checkpoints hold groups in flight {'with' if had else 'without'} "
                           f"ReMax's greedy response. To train on under another estimator, start a new run with "
                           f"model.path={folder / 'checkpoints' / '<iter_N>'}")
+    if _holds_samples(saved) and saved.rollout.filter_groups and cfg.reward.aggregation != saved.reward.aggregation:
+        raise ConfigError(f"--resume {folder}: reward.aggregation cannot change on resume ({saved.reward.aggregation} "
+                          f"-> {cfg.reward.aggregation}) of a run with rollout.filter_groups and staleness.lag > 0 or "
+                          f"partial rollout: its checkpoints hold groups scored as they finished, under the old "
+                          f"aggregation. To train on under another, start a new run with "
+                          f"model.path={folder / 'checkpoints' / '<iter_N>'}")
     if saved.rollout.mode == "partial" and cfg.rollout.mode == "sync":
         raise ConfigError(f"--resume {folder}: rollout.mode=sync cannot take over a partial run: its checkpoints "
                           f"hold responses in flight that a sync collection does not carry; resume it as partial "

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kv4rl.rewards.base import CheckedReward, Reward, RewardFn, RewardResult, call_reward, extract_boxed, register_reward
+from kv4rl.rewards.gdpo import normalize_then_sum
 
 __all__ = ["BoxedFormatReward", "WeightedRewards", "overlong_penalties", "reward_metrics", "score_responses",
            "verifier_name", "with_overlong_penalty"]
@@ -119,17 +120,39 @@ def with_overlong_penalty(result: RewardResult, lengths: Sequence[int], verifier
 
 
 def score_responses(reward: RewardFn, texts: list[str], golds: list[str], lengths: Sequence[int], cfg,
-                    max_new_tokens: int, problems: list | None = None) -> RewardResult:
+                    max_new_tokens: int, problems: list | None = None,
+                    group_sizes: Sequence[int] | None = None) -> RewardResult:
     """The run's scores of decoded responses (`lengths`: their token counts; `problems`: each one's problem, for a
     reward that takes them): `reward`'s, plus the overlong penalty, then AReaL's scaling, where `cfg` (the run's
-    `reward` section) asks."""
+    `reward` section) asks; with `cfg.aggregation=normalize_then_sum`, GDPO's sum of each reward normalised within
+    its group (`group_sizes`: the responses' groups, contiguous)."""
     result = call_reward(reward, texts, golds, problems)
+    if cfg.aggregation == "normalize_then_sum":
+        return _normalized_then_summed(reward, result, lengths, cfg, max_new_tokens, group_sizes)
     if cfg.overlong_buffer:
         result = with_overlong_penalty(result, lengths, verifier_name(reward), max_new_tokens, cfg.overlong_buffer,
                                        cfg.overlong_penalty)
     if cfg.bias != 0 or cfg.scale != 1 or cfg.clip is not None:
         result = rescaled(result, verifier_name(reward), cfg.bias, cfg.scale, cfg.clip)
     return result
+
+
+def _normalized_then_summed(reward: RewardFn, result: RewardResult, lengths: Sequence[int], cfg, max_new_tokens: int,
+                            group_sizes: Sequence[int] | None) -> RewardResult:
+    """GDPO's trained scores (`rewards.gdpo`): each reward's own scores times its `reward.weights` entry, the
+    overlong penalty a reward of weight 1; the components are logged as `score_responses` logs them."""
+    if group_sizes is None:
+        raise ValueError("reward.aggregation=normalize_then_sum normalises within groups: pass group_sizes")
+    if isinstance(reward, WeightedRewards):
+        parts = [(weight, result.components[name]) for name, _, weight in reward.parts]
+    else:
+        parts = [(1.0, [float(x) for x in result.scores])]
+    components = _components(result, verifier_name(reward))
+    if cfg.overlong_buffer:
+        penalties = overlong_penalties(lengths, max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        parts.append((1.0, penalties))
+        components["overlong"] = penalties
+    return RewardResult(normalize_then_sum(parts, group_sizes), result.stats, components)
 
 
 def rescaled(result: RewardResult, verifier: str | None, bias: float, scale: float, clip: float | None) -> RewardResult:

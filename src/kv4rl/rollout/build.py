@@ -129,7 +129,8 @@ def groups_scorer(cfg: RunConfig, formatter: PromptFormatter, reward_fn) -> Call
         texts = [formatter.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         return score_responses(reward_fn, texts, [g.problem.answer for g in groups for _ in g.completions],
                                [len(c.token_ids) for c in completions], cfg.reward, cfg.rollout.max_new_tokens,
-                               problems=[g.problem for g in groups for _ in g.completions])
+                               problems=[g.problem for g in groups for _ in g.completions],
+                               group_sizes=[len(g.completions) for g in groups])
     return score
 
 
