@@ -18,7 +18,7 @@ from kv4rl.algo.config import AdvantageConfig
 from kv4rl.config import ConfigError, load_config
 from kv4rl.loop import train
 from kv4rl.reward_config import RewardConfig
-from kv4rl.rewards import WeightedRewards, get_reward, score_responses
+from kv4rl.rewards import WeightedRewards, get_reward, reward_metrics, score_responses
 from kv4rl.rewards.base import Reward, RewardResult
 from kv4rl.rewards.gdpo import normalize_then_sum
 
@@ -99,15 +99,22 @@ def test_a_hand_worked_pair_keeps_the_verifier_apart_from_a_wide_reward():
         score_responses(reward, texts, golds, [5, 1], RewardConfig(aggregation="normalize_then_sum"), 16)
 
 
-def test_the_overlong_penalty_is_normalised_as_a_reward_of_weight_one():
-    """A single verifier and DAPO's penalty: lengths 6, 8 of a cap 8 with a buffer of 4 (penalties −0.5, −1)."""
-    cfg = RewardConfig(aggregation="normalize_then_sum", overlong_buffer=4, overlong_penalty=1.0)
+@pytest.mark.parametrize("factor", [1.0, 0.3])
+def test_the_overlong_penalty_is_normalised_as_a_reward_weighted_by_its_factor(factor):
+    """A single verifier and DAPO's penalty: lengths 6, 8 of a cap 8 with a buffer of 4 (−0.5 and −1 per unit of
+    reward.overlong_penalty). Normalised, the factor would cancel: it weighs the normalised penalty instead, as
+    TRL's reward_weights entry weighs its soft overlong punishment. `summed` is the plain sum, for the logs."""
+    cfg = RewardConfig(aggregation="normalize_then_sum", overlong_buffer=4, overlong_penalty=factor)
     got = score_responses(get_reward("exact"), ["\\boxed{1}", "\\boxed{2}"], ["1", "1"], [6, 8], cfg, 8,
                           group_sizes=[2])
     z = 0.5 / (math.sqrt(0.5) + 1e-4)
     penalty_z = 0.25 / (math.sqrt(0.125) + 1e-4)  # −0.5 and −1: mean −0.75, unbiased std √0.125
-    assert got.scores == pytest.approx([z + penalty_z, -z - penalty_z], abs=1e-12)
-    assert got.components == {"exact": [1.0, 0.0], "overlong": [-0.5, -1.0]}
+    assert got.scores == pytest.approx([z + factor * penalty_z, -z - factor * penalty_z], abs=1e-12)
+    assert got.components == {"exact": [1.0, 0.0], "overlong": [-0.5 * factor, -1.0 * factor]}
+    assert got.summed == pytest.approx([1.0 - 0.5 * factor, -1.0 * factor], abs=1e-15)
+    assert reward_metrics(got, "exact") == pytest.approx(
+        {"reward_mean": (1.0 - 1.5 * factor) / 2, "reward_std": (1.0 + 0.5 * factor) / 2, "accuracy": 0.5,
+         "rewards/exact/mean": 0.5, "rewards/overlong/mean": -0.75 * factor})
 
 
 def test_a_training_trains_the_normalised_sums_of_its_own_responses(tmp_path, monkeypatch):
@@ -153,7 +160,11 @@ def test_a_training_trains_the_normalised_sums_of_its_own_responses(tmp_path, mo
     torch.testing.assert_close(seen["rewards"].double(), want, rtol=0, atol=1e-6)
     assert row["accuracy"] == pytest.approx(float(correct.mean()))
     assert row["rewards/overlong/mean"] == pytest.approx(float(penalties.mean()))
-    assert row["reward_mean"] == pytest.approx(0.0, abs=1e-6)  # every group's normalised sum has mean 0
+    # what is logged is the plain sum (the normalised one has mean 0 in every group), as TRL logs it
+    plain = correct + penalties
+    assert row["reward_mean"] == pytest.approx(float(plain.mean()))
+    assert row["reward_std"] == pytest.approx(float(plain.std(correction=0)))
+    assert float(seen["rewards"].double().mean()) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_a_rescaling_or_remax_is_refused_and_a_group_std_warns(caplog):

@@ -120,7 +120,9 @@ def _train_rank(rank: int, out_dir: str, overrides: list[str]) -> None:
     (1, 1, []), (1, 2, []),
     (2, 2, ["reward.extra=[boxed_format]", "reward.weights=[1.0,0.6]", "trainer.mask_truncated=true",
             "rollout.max_new_tokens=4", "reward.overlong_buffer=2", "trainer.mask_zero_advantage=true"]),
-    (2, 1, ["advantage.estimator=remax"])])
+    (2, 1, ["advantage.estimator=remax"]),
+    (2, 1, ["reward.extra=[boxed_format]", "reward.weights=[1.0,0.6]", "rollout.max_new_tokens=4",
+            "reward.overlong_buffer=2", "reward.aggregation=normalize_then_sum", "advantage.std_scope=batch"])])
 def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engines, updates, rewards):
     """lag 0, refresh every update: the engine starts batch b only with the weights of update b - 1, so
     the learner sees what one process samples; two learner ranks (FSDP2) equal one process's step. With two
@@ -128,7 +130,8 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
     order (0, 2, 1, 3) and two learner ranks took contiguous shares, so mini-batch 0 trained groups 0 and 2. A
     weighted sum of rewards: its accuracy (the verifier's) and each reward's mean, which two engines' messages
     carry to the head, equal one process's; so do the trained tokens where cut responses and those of zero
-    advantage are masked. ReMax's greedy scores, which the engines' messages carry, give one process's advantages."""
+    advantage are masked. ReMax's greedy scores, which the engines' messages carry, give one process's advantages.
+    Under GDPO's aggregation the messages also carry the plain sum, which reward_mean reports."""
     from kv4rl.loop import train
 
     common = ["trainer.iterations=2", "rollout.mode=sync", "staleness.lag=0", "staleness.refresh_every=1",
@@ -138,14 +141,14 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
     train(load_config(None, [f"out_dir={tmp_path}", "name=one", *SMALL, *common]), show_progress=False)
     split, one = _rows(tmp_path / "split"), _rows(tmp_path / "one")
     weighted, remax = "reward.extra=[boxed_format]" in rewards, "advantage.estimator=remax" in rewards
-    if weighted:
+    if "trainer.mask_truncated=true" in rewards:
         assert any(row["truncated_frac"] > 0 for row in one)  # some responses were masked
     for a, b in zip(split, one, strict=True):
         assert a["groups"] == b["groups"]
         assert a["time_sleep_wake"] == b["time_sleep_wake"] == 0.0  # every row has it (the split's lacked it)
         # every response token was sampled by the update's own weights (trained or masked: 4 groups of 2)
         assert a["staleness_hist"] == b["staleness_hist"] == {"0": round(8 * b["response_len_mean"])}
-        for key in ("num_tokens", "reward_mean", "accuracy", "response_len_mean", "adv_std"):
+        for key in ("num_tokens", "reward_mean", "reward_std", "accuracy", "response_len_mean", "adv_std"):
             assert a[key] == b[key], key
         reward_means = sorted(key for key in b if key.startswith("rewards/"))
         assert reward_means == (["rewards/boxed_format/mean", "rewards/exact/mean", "rewards/overlong/mean"]
@@ -160,7 +163,7 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
             assert a["reward_mean"] == pytest.approx(b["rewards/exact/mean"] + 0.6 * b["rewards/boxed_format/mean"]
                                                      + b["rewards/overlong/mean"])
             assert a["accuracy"] == pytest.approx(b["rewards/exact/mean"], abs=1e-7)
-            # flat groups' responses (zero advantage) are masked too
+        if "trainer.mask_zero_advantage=true" in rewards:  # flat groups' responses (zero advantage) are masked too
             assert b["num_tokens"] <= 8 * (b["response_len_mean"] - 4 * b["truncated_frac"]) + 1e-9
         for key in ("loss", "grad_norm", "entropy", "mismatch_abs_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

@@ -40,7 +40,7 @@ from kv4rl.learner_batch import learner_batch
 from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
-from kv4rl.rewards import WeightedRewards, reward_metrics, verifier_name
+from kv4rl.rewards import WeightedRewards, reward_metrics, summed_reward_stats, verifier_name
 from kv4rl.rollout.build import (baseline_scores, batch_reward, build_rollout, drop_long_prompts, groups_scorer,
                                  prompt_formatter, prompt_warnings)
 from kv4rl.rollout.collector import Collector
@@ -245,6 +245,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         "groups": [g.index for g in groups],
         **{f"reward_{k}": float(v) for k, v in reward.stats.items()},
         **adv_metrics,
+        **summed_reward_stats(reward),  # GDPO: the plain sum's, not the normalised scores' (mean 0)
         **learn,
         **mismatch,
         **times,

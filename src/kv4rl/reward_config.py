@@ -28,7 +28,8 @@ class RewardConfig:
     scale: float = 1.0
     clip: float | None = None
     # TRL's multi_objective_aggregation: `sum` (its sum_then_normalize) trains the weighted sum; `normalize_then_sum`
-    # (GDPO) normalises each reward, the overlong penalty one of them, within its group before the weighted sum
+    # (GDPO) normalises each reward within its group before the weighted sum (the overlong penalty one of them,
+    # weighted by overlong_penalty)
     aggregation: Literal["sum", "normalize_then_sum"] = "sum"
 
     def validate(self, max_new_tokens: int, estimator: str = "grpo") -> None:

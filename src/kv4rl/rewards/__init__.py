@@ -16,6 +16,7 @@ from kv4rl.rewards.combined import (
     WeightedRewards,
     reward_metrics,
     score_responses,
+    summed_reward_stats,
     verifier_name,
     with_overlong_penalty,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "WeightedRewards",
     "reward_metrics",
     "score_responses",
+    "summed_reward_stats",
     "verifier_name",
     "with_overlong_penalty",
 ]

@@ -32,11 +32,13 @@ __all__ = [
 @dataclass
 class RewardResult:
     """Per-response scores plus batch-level diagnostic counts; a combined reward (`rewards.combined`) also gives
-    each of its rewards' own scores, by name."""
+    each of its rewards' own scores, by name. `summed`: under GDPO's aggregation (`rewards.gdpo`), whose trained
+    scores are normalised within each group (mean 0), the plain weighted sum, which `reward_mean` reports."""
 
     scores: list[float]
     stats: dict[str, float] = field(default_factory=dict)
     components: dict[str, list[float]] = field(default_factory=dict)
+    summed: list[float] | None = None
 
 
 RewardFn = Callable[[list[str], list[str]], RewardResult]

@@ -18,7 +18,7 @@ from kv4rl.rewards.base import CheckedReward, Reward, RewardFn, RewardResult, ca
 from kv4rl.rewards.gdpo import normalize_then_sum
 
 __all__ = ["BoxedFormatReward", "WeightedRewards", "overlong_penalties", "reward_metrics", "score_responses",
-           "verifier_name", "with_overlong_penalty"]
+           "summed_reward_stats", "verifier_name", "with_overlong_penalty"]
 
 
 class WeightedRewards(Reward):
@@ -139,8 +139,10 @@ def score_responses(reward: RewardFn, texts: list[str], golds: list[str], length
 
 def _normalized_then_summed(reward: RewardFn, result: RewardResult, lengths: Sequence[int], cfg, max_new_tokens: int,
                             group_sizes: Sequence[int] | None) -> RewardResult:
-    """GDPO's trained scores (`rewards.gdpo`): each reward's own scores times its `reward.weights` entry, the
-    overlong penalty a reward of weight 1; the components are logged as `score_responses` logs them."""
+    """GDPO's trained scores (`rewards.gdpo`): each reward's own scores times its `reward.weights` entry, and DAPO's
+    penalty as a reward of its own in [−1, 0] weighted by `reward.overlong_penalty` (a factor the normalisation
+    would otherwise undo; TRL's soft overlong punishment with its `reward_weights` entry). The components are logged
+    as `score_responses` logs them, the plain weighted sum as `summed`."""
     if group_sizes is None:
         raise ValueError("reward.aggregation=normalize_then_sum normalises within groups: pass group_sizes")
     if isinstance(reward, WeightedRewards):
@@ -148,11 +150,13 @@ def _normalized_then_summed(reward: RewardFn, result: RewardResult, lengths: Seq
     else:
         parts = [(1.0, [float(x) for x in result.scores])]
     components = _components(result, verifier_name(reward))
+    summed = [float(x) for x in result.scores]
     if cfg.overlong_buffer:
-        penalties = overlong_penalties(lengths, max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-        parts.append((1.0, penalties))
-        components["overlong"] = penalties
-    return RewardResult(normalize_then_sum(parts, group_sizes), result.stats, components)
+        unit = overlong_penalties(lengths, max_new_tokens, cfg.overlong_buffer, 1.0)
+        parts.append((cfg.overlong_penalty, unit))
+        components["overlong"] = [cfg.overlong_penalty * p for p in unit]
+        summed = [x + p for x, p in zip(summed, components["overlong"], strict=True)]
+    return RewardResult(normalize_then_sum(parts, group_sizes), result.stats, components, summed)
 
 
 def rescaled(result: RewardResult, verifier: str | None, bias: float, scale: float, clip: float | None) -> RewardResult:
@@ -173,7 +177,17 @@ def reward_metrics(result: RewardResult, verifier_name: str | None = None) -> di
     verified = result.components.get(verifier_name) if verifier_name is not None else None
     verified = scores if verified is None else torch.tensor(verified, dtype=torch.float64)
     out = {"reward_mean": float(scores.mean()), "accuracy": float((verified > 0.5).float().mean())}
+    out.update(summed_reward_stats(result))
     if len(result.components) > 1:
         out.update({f"rewards/{name}/mean": float(torch.tensor(values, dtype=torch.float64).mean())
                     for name, values in result.components.items()})
     return out
+
+
+def summed_reward_stats(result: RewardResult) -> dict[str, float]:
+    """Under GDPO's aggregation, `reward_mean` and `reward_std` (population) of the plain weighted sum, as TRL logs
+    them: the trained scores average 0 in every group. Empty otherwise (the estimator's own stand)."""
+    if result.summed is None:
+        return {}
+    summed = torch.tensor(result.summed, dtype=torch.float64)
+    return {"reward_mean": float(summed.mean()), "reward_std": float(summed.std(correction=0))}

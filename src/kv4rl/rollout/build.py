@@ -155,15 +155,17 @@ def batch_reward(groups: list[GroupResult], score: Callable[[list[GroupResult]],
         if own is None:
             n = len(g.completions)
             own = RewardResult(fresh.scores[offset:offset + n], {},
-                               {name: values[offset:offset + n] for name, values in fresh.components.items()})
+                               {name: values[offset:offset + n] for name, values in fresh.components.items()},
+                               None if fresh.summed is None else fresh.summed[offset:offset + n])
             offset += n
         else:
             for key, value in own.stats.items():
                 stats[key] = stats.get(key, 0.0) + float(value)
         parts.append(own)
     names = parts[0].components.keys() if parts else ()
+    summed = None if any(p.summed is None for p in parts) or not parts else [x for p in parts for x in p.summed]
     return RewardResult([x for p in parts for x in p.scores], stats,
-                        {name: [x for p in parts for x in p.components[name]] for name in names})
+                        {name: [x for p in parts for x in p.components[name]] for name in names}, summed)
 
 
 def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,

@@ -64,11 +64,13 @@ class EngineSide:
         self.synced += time.perf_counter() - t
 
 
-def score(side: EngineSide, groups) -> tuple[list[float], dict, dict[str, list[float]]]:
-    """(scores, the reward's counts, each combined reward's own scores) of `groups`' responses in order."""
+def score(side: EngineSide, groups) -> tuple[list[float], dict, dict[str, list[float]], list[float] | None]:
+    """(scores, the reward's counts, each combined reward's own scores, GDPO's plain weighted sum or None) of
+    `groups`' responses in order."""
     reward = batch_reward(groups, groups_scorer(side.cfg, side.formatter, side.reward_fn))
     return ([float(x) for x in reward.scores], {k: float(v) for k, v in reward.stats.items()},
-            {name: [float(x) for x in values] for name, values in reward.components.items()})
+            {name: [float(x) for x in values] for name, values in reward.components.items()},
+            None if reward.summed is None else [float(x) for x in reward.summed])
 
 
 def run_engine(side: EngineSide) -> dict:
@@ -88,12 +90,13 @@ def run_engine(side: EngineSide) -> dict:
             t0 = time.perf_counter()
             groups = side.collector.collect()
             t1 = time.perf_counter()
-            scores, reward_stats, components = score(side, groups)
+            scores, reward_stats, components, summed = score(side, groups)
             baselines = (baseline_scores(groups, groups_scorer(side.cfg, side.formatter, side.reward_fn))
                          if side.cfg.advantage.estimator == "remax" else None)  # ReMax's greedy scores, per group
             message = {
                 "batch": batch, "engine": side.rank, "groups": groups, "scores": scores,
-                "reward_stats": reward_stats, "reward_components": components, "verifier": side.verifier_name,
+                "reward_stats": reward_stats, "reward_components": components, "reward_summed": summed,
+                "verifier": side.verifier_name,
                 "baseline_scores": baselines,
                 "trace": side.collector.take_trace(),
                 "time_rollout": t1 - t0, "time_reward": time.perf_counter() - t1,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from kv4rl.algo.advantages import compute_advantages, noise_key
 from kv4rl.graceful_stop import GracefulStop
-from kv4rl.rewards import RewardResult, reward_metrics
+from kv4rl.rewards import RewardResult, reward_metrics, summed_reward_stats
 from kv4rl.run_folder import RunFolder
 from kv4rl.run_setup import write_policy_files
 from kv4rl.split.channel import HeadLink, SplitGroups
@@ -75,19 +75,21 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     size = cfg.rollout.group_size
     scored = [(g, m["scores"][j * size:(j + 1) * size],
                {name: values[j * size:(j + 1) * size] for name, values in m["reward_components"].items()},
-               m["baseline_scores"][j] if m.get("baseline_scores") is not None else None)
+               m["baseline_scores"][j] if m.get("baseline_scores") is not None else None,
+               m["reward_summed"][j * size:(j + 1) * size] if m.get("reward_summed") is not None else None)
               for m in messages for j, g in enumerate(m["groups"])]
     if cfg.rollout.mode == "sync":  # in prompt order, as one process trains a sync batch (in engine order two
         # engines' groups came as 0, 2, 1, 3: with trainer.updates_per_batch > 1 each mini-batch held others)
         scored.sort(key=lambda pair: pair[0].index)
-    groups = [g for g, _, _, _ in scored]
+    groups = [g for g, *_ in scored]
     check_versions(it, groups, cfg.staleness.max_versions)
     completions = [c for g in groups for c in g.completions]
-    rewards = torch.tensor([x for _, scores, _, _ in scored for x in scores], dtype=torch.float64)
-    components = {name: [x for _, _, parts, _ in scored for x in parts[name]] for name in messages[0]["reward_components"]}
-    baselines = (torch.tensor([b for _, _, _, b in scored], dtype=torch.float64)
+    rewards = torch.tensor([x for _, scores, *_ in scored for x in scores], dtype=torch.float64)
+    components = {name: [x for _, _, parts, *_ in scored for x in parts[name]] for name in messages[0]["reward_components"]}
+    baselines = (torch.tensor([b for _, _, _, b, _ in scored], dtype=torch.float64)
                  if cfg.advantage.estimator == "remax" else None)
-    reward = RewardResult(rewards.tolist(), {}, components)
+    summed = None if not scored or any(part is None for *_, part in scored) else [x for *_, part in scored for x in part]
+    reward = RewardResult(rewards.tolist(), {}, components, summed)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
     advantages, adv_metrics = compute_advantages(rewards, size, cfg.advantage, group_keys=keys, lengths=lengths,
@@ -118,6 +120,7 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
         **{f"reward_{k}": sum(m["reward_stats"].get(k, 0.0) for m in messages)  # counts, any engine's (a verl
            for k in dict.fromkeys(k for m in messages for k in m["reward_stats"])},  # scorer's key may be on one)
         **adv_metrics,
+        **summed_reward_stats(reward),  # GDPO: the plain sum's, not the normalised scores' (mean 0)
         **{k: max(m[k] for m in messages) for k in ("time_rollout", "time_reward", "time_engine_wait",
                                                     "time_engine_sync")},
     }
