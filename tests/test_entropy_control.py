@@ -73,10 +73,19 @@ def test_a_learner_applies_the_controlled_coefficient_and_resumes_it(tiny_qwen3)
     without.step(batch)
     assert any(not torch.allclose(g, without.named_grads()[n], atol=1e-7) for n, g in adaptive.named_grads().items())
     state = adaptive.checkpoint_state()
-    assert state["entropy_control"] == {"coef": pytest.approx(0.02), "last": pytest.approx(adaptive.entropy.last)}
+    assert state["entropy_control"] == {"coef": pytest.approx(0.02), "last": pytest.approx(adaptive.entropy.last),
+                                       "start": 0.01}
     resumed = _learner(path, entropy_coeff=0.01, entropy_target=100.0)
     resumed.load_checkpoint_state(state)
     assert resumed.entropy.coef == pytest.approx(0.02) and resumed.entropy.applied() == pytest.approx(0.02)
+    # a resume that sets another algo.entropy_coeff (config.yaml records it, the warning says so) starts from it,
+    # the last step's entropy kept; a checkpoint from before "start" was saved goes on where it was
+    reset = _learner(path, entropy_coeff=0.3, entropy_target=100.0)
+    reset.load_checkpoint_state(state)
+    assert reset.entropy.coef == 0.3 and reset.entropy.applied() == 0.3 and reset.entropy.last == adaptive.entropy.last
+    older = _learner(path, entropy_coeff=0.3, entropy_target=100.0)
+    older.load_checkpoint_state({**state, "entropy_control": {"coef": 0.02, "last": adaptive.entropy.last}})
+    assert older.entropy.coef == 0.02
     falling = _learner(path, entropy_coeff=0.01, entropy_target=1e-3)  # far above the target: down, never applied
     out = falling.step(batch)
     assert out["entropy_coeff"] == pytest.approx(0.005) and falling.entropy.applied() == 0.0

@@ -16,6 +16,7 @@ class EntropyControl:
     def __init__(self, coef: float, target: float | None = None, delta: float = 0.005, low: float = 0.0,
                  high: float = 1.0) -> None:
         self.coef, self.target, self.delta, self.low, self.high = coef, target, delta, low, high
+        self.start = coef  # as configured: a resume that sets another starts the control from it
         self.last = math.inf  # the entropy of the last optimizer step (none yet)
         self._sum = self._count = 0.0
 
@@ -63,7 +64,11 @@ class EntropyControl:
         return {"entropy_coeff": self.coef, "entropy_control_entropy": self.last}
 
     def state_dict(self) -> dict[str, float]:
-        return {"coef": self.coef, "last": self.last}
+        return {"coef": self.coef, "last": self.last, "start": self.start}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        self.coef, self.last = float(state["coef"]), float(state["last"])
+        """The coefficient goes on where it was, unless `algo.entropy_coeff` now differs from the one the run
+        started with: a resume that sets it (its config.yaml records the new value) restarts the control from it."""
+        self.last = float(state["last"])
+        if "start" not in state or float(state["start"]) == self.start:
+            self.coef = float(state["coef"])
