@@ -17,6 +17,7 @@ from kv4rl.config import ConfigError, load_config
 from kv4rl.data.source import ProblemSource
 from kv4rl.engine.sequence import SamplingParams
 from kv4rl.loop import train
+from kv4rl.rewards.base import extract_boxed
 from kv4rl.rewards.math import ExactReward
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.config import RolloutConfig
@@ -119,6 +120,9 @@ def test_a_training_takes_each_groups_greedy_score_off_its_rewards(tmp_path, mon
     texts = [seen["tokenizer"].decode(g.baseline.token_ids, skip_special_tokens=True) for g in seen["groups"]]
     want = ExactReward().score(texts, [g.problem.answer for g in seen["groups"]]).scores
     assert seen["baselines"].tolist() == want and 0 < sum(want) < 8
+    # the greedy responses' own counts are logged apart from the trained ones' (a baseline that timed out to 0
+    # showed nowhere)
+    assert row["reward_baseline_no_answer"] == sum(extract_boxed(t) is None for t in texts) > 0
     assert all(set(g.baseline.logprobs) == {0.0} for g in seen["groups"])
 
 

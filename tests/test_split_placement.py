@@ -156,6 +156,7 @@ def test_split_run_waiting_for_every_refresh_equals_one_process(tmp_path, engine
         assert all(a[key] == b[key] for key in reward_means)
         if remax:
             assert a["remax/baseline_reward_mean"] == b["remax/baseline_reward_mean"]
+            assert a["reward_baseline_no_answer"] == b["reward_baseline_no_answer"]  # both engines' greedy counts
             assert a["adv_mean"] == pytest.approx(b["adv_mean"]) and b["adv_mean"] != 0
         if weighted:
             assert any(row["zero_var_group_frac"] > 0 for row in one)

@@ -41,8 +41,8 @@ from kv4rl.models.fingerprint import row_fingerprint
 from kv4rl.models.hf_weights import check_model_folder, load_tokenizer
 from kv4rl.models.tensor_parallel import check_shardable
 from kv4rl.rewards import WeightedRewards, reward_metrics, summed_reward_stats, verifier_name
-from kv4rl.rollout.build import (baseline_scores, batch_reward, build_rollout, drop_long_prompts, groups_scorer,
-                                 prompt_formatter, prompt_warnings)
+from kv4rl.rollout.build import (baseline_scores, baseline_stats, batch_reward, build_rollout, drop_long_prompts,
+                                 groups_scorer, prompt_formatter, prompt_warnings)
 from kv4rl.rollout.collector import Collector
 from kv4rl.rollout.pipeline import RolloutPipeline
 from kv4rl.run_checkpoint import restore_state, save
@@ -196,8 +196,8 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
     prompts = [g.prompt_ids for g in groups for _ in g.completions]
     scorer = groups_scorer(cfg, s.formatter, s.reward_fn)
     reward = batch_reward(groups, scorer)  # filter_groups scored some
-    baselines = (torch.tensor(baseline_scores(groups, scorer), dtype=torch.float64)
-                 if cfg.advantage.estimator == "remax" else None)
+    baseline = baseline_scores(groups, scorer) if cfg.advantage.estimator == "remax" else None
+    baselines = None if baseline is None else torch.tensor(baseline.scores, dtype=torch.float64)
     rewards = torch.tensor(reward.scores, dtype=torch.float64)  # float32 rounds 3e7 + 1
     reward_row = reward_metrics(reward, verifier_name(s.reward_fn))
     pad_id = s.formatter.tokenizer.pad_token_id
@@ -243,7 +243,7 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         "dropped_stale": s.collector.num_dropped if tp.rank == 0 else 0,
         **({"filtered_groups": len(s.collector.take_filtered()) if tp.rank == 0 else 0} if r.filter_groups else {}),
         "groups": [g.index for g in groups],
-        **{f"reward_{k}": float(v) for k, v in reward.stats.items()},
+        **{f"reward_{k}": float(v) for k, v in {**reward.stats, **baseline_stats(baseline)}.items()},
         **adv_metrics,
         **summed_reward_stats(reward),  # GDPO: the plain sum's, not the normalised scores' (mean 0)
         **learn,

@@ -134,13 +134,20 @@ def groups_scorer(cfg: RunConfig, formatter: PromptFormatter, reward_fn) -> Call
     return score
 
 
-def baseline_scores(groups: list[GroupResult], score: Callable[[list[GroupResult]], RewardResult]) -> list[float]:
+def baseline_scores(groups: list[GroupResult], score: Callable[[list[GroupResult]], RewardResult]) -> RewardResult:
     """ReMax's baseline of each group: the trained score (the same reward, penalties and rescaling) of its greedy
-    response, in one `score` call."""
+    response, in one `score` call; its counts (`timeouts`, `no_answer`) are logged as `reward_baseline_<count>`
+    (`baseline_stats`), so a baseline that timed out to 0 shows."""
     if any(g.baseline is None for g in groups):
         raise ValueError("advantage.estimator=remax: a group came without its greedy response")
     alone = [GroupResult(g.index, g.problem, g.prompt_ids, [g.baseline]) for g in groups]  # type: ignore[list-item]
-    return [float(x) for x in score(alone).scores]
+    result = score(alone)
+    return RewardResult([float(x) for x in result.scores], {k: float(v) for k, v in result.stats.items()})
+
+
+def baseline_stats(baseline: RewardResult | None) -> dict[str, float]:
+    """The greedy responses' reward counts as `baseline_<count>` (logged with the reward's as `reward_...`)."""
+    return {} if baseline is None else {f"baseline_{k}": float(v) for k, v in baseline.stats.items()}
 
 
 def batch_reward(groups: list[GroupResult], score: Callable[[list[GroupResult]], RewardResult]) -> RewardResult:

@@ -26,7 +26,7 @@ from kv4rl.data.prompts import PromptFormatter
 from kv4rl.engine.llm import Engine
 from kv4rl.graceful_stop import GracefulStop
 from kv4rl.rewards import verifier_name
-from kv4rl.rollout.build import baseline_scores, batch_reward, groups_scorer
+from kv4rl.rollout.build import baseline_scores, baseline_stats, batch_reward, groups_scorer
 from kv4rl.rollout.collector import Collector
 from kv4rl.split.channel import EngineLink, Stopped
 
@@ -91,13 +91,13 @@ def run_engine(side: EngineSide) -> dict:
             groups = side.collector.collect()
             t1 = time.perf_counter()
             scores, reward_stats, components, summed = score(side, groups)
-            baselines = (baseline_scores(groups, groups_scorer(side.cfg, side.formatter, side.reward_fn))
-                         if side.cfg.advantage.estimator == "remax" else None)  # ReMax's greedy scores, per group
+            baseline = (baseline_scores(groups, groups_scorer(side.cfg, side.formatter, side.reward_fn))
+                        if side.cfg.advantage.estimator == "remax" else None)  # ReMax's greedy scores, per group
             message = {
                 "batch": batch, "engine": side.rank, "groups": groups, "scores": scores,
-                "reward_stats": reward_stats, "reward_components": components, "reward_summed": summed,
-                "verifier": side.verifier_name,
-                "baseline_scores": baselines,
+                "reward_stats": {**reward_stats, **baseline_stats(baseline)}, "reward_components": components,
+                "reward_summed": summed, "verifier": side.verifier_name,
+                "baseline_scores": None if baseline is None else baseline.scores,
                 "trace": side.collector.take_trace(),
                 "time_rollout": t1 - t0, "time_reward": time.perf_counter() - t1,
                 "time_engine_wait": side.waited, "time_engine_sync": side.synced,
