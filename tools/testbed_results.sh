@@ -13,6 +13,8 @@
 #         stabilizers  the same conditions, PPO-clip with pi_old = mu (the behavior arm, the control) against
 #                      verl's rejection in bypass mode (token_k1 at 2), prime-rl's DPPO and its IPO (run it alone:
 #                      it shares the control arm with behavior_is)
+#         int4_stabilizers  the stabilizers at the default learning rate and no staleness, naive INT4 KV alone (where
+#                      PPO-clip stopped learning in the fidelity set)
 #     several sets at once: "fidelity+staleness16+attribution"
 #   DEADLINE_S: seconds after which every run is asked to stop (SIGTERM: it ends its iteration and
 #     writes a checkpoint); curves are compared at the last iteration every run of a figure reached.
@@ -65,7 +67,11 @@ case_arms() {
         stabilizers) local hard="staleness.lag=4 engine.kv.format=int4 trainer.lr=$high_lr ${ppo[*]}"
                      arms+=("stale4-int4-behavior|$hard" "stale4-int4-rs|$hard algo.behavior_rs=token_k1 algo.behavior_rs_threshold=2"
                             "stale4-int4-dppo|$hard algo.surrogate=dppo" "stale4-int4-ipo|$hard algo.surrogate=ipo") ;;
-        *) echo "unknown set '$1' (fidelity, staleness16, staleness4, attribution, behavior_is, stabilizers)" >&2; exit 2 ;;
+        int4_stabilizers) local int4="engine.kv.format=int4 ${ppo[*]}"
+                     arms+=("int4-behavior|$int4" "int4-rs|$int4 algo.behavior_rs=token_k1 algo.behavior_rs_threshold=2"
+                            "int4-dppo|$int4 algo.surrogate=dppo" "int4-ipo|$int4 algo.surrogate=ipo") ;;
+        *) echo "unknown set '$1' (fidelity, staleness16, staleness4, attribution, behavior_is, stabilizers," \
+                "int4_stabilizers)" >&2; exit 2 ;;
     esac
 }
 IFS=+ read -ra set_list <<<"$sets"
@@ -135,6 +141,7 @@ figure() {  # figure NAME ARM... : curves of these arms compared at their last c
 [[ "+$sets+" == *+staleness4+* ]] && figure curves_staleness4_lr5x stale4-lr5x-ppo-clip stale4-lr5x-future-kl
 [[ "+$sets+" == *+behavior_is+* ]] && figure curves_behavior_is stale4-int4-behavior stale4-int4-recompute stale4-int4-recompute-tis
 [[ "+$sets+" == *+stabilizers+* ]] && figure curves_stabilizers stale4-int4-behavior stale4-int4-rs stale4-int4-dppo stale4-int4-ipo
+[[ "+$sets+" == *+int4_stabilizers+* ]] && figure curves_int4_stabilizers int4-behavior int4-rs int4-dppo int4-ipo
 if [[ "+$sets+" == *+attribution+* ]]; then
     kv4rl plot mismatch "$runs/attribution-fp8-kv4-stale4" --out "$out/mismatch.png" || status=1
 fi
