@@ -154,6 +154,19 @@ def test_a_dicts_numeric_keys_are_summed_into_the_stats():
     assert VerlScore(lambda solution_str: 0.5)(["a"], ["7"]).stats == {}
 
 
+def test_a_bool_score_is_1_or_0_as_verl_reads_it():
+    """verl's naive manager writes a scorer's result into a float tensor, so `solution_str == ground_truth` scores
+    1.0 / 0.0 there: it passes the run's score check here too (a plain kv4rl reward returning a bool is still refused
+    by name), NumPy's bool and a dict's bool `score` as well."""
+    import numpy as np
+
+    outs = iter([True, np.bool_(False), {"score": True}, {"score": np.bool_(False), "acc": True}])
+    checked = base.CheckedReward("bools", VerlScore(lambda solution_str, ground_truth: next(outs)))
+    result = checked(["7", "3", "7", "3"], ["7"] * 4)
+    assert result.scores == [1.0, 0.0, 1.0, 0.0] and all(type(x) is float for x in result.scores)
+    assert result.stats == {"acc_sum": 1.0}
+
+
 def test_numpy_and_tensor_numbers_count_as_numbers():
     """verl's scorers return NumPy scalars (np.bool_ from a comparison of arrays, np.float32), which verl's np.mean
     reads: they were dropped as not `int | float`; an array of several values is not one number."""
