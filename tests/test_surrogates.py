@@ -350,6 +350,15 @@ def test_vespo_equals_trls():
     plain, _ = get_loss("ppo_clip")(LossInputs(logprobs=unmoved, advantages=adv, mask=mask.bool(), old_logprobs=old),
                                     AlgoConfig(surrogate="pg", old_logprob="recompute"))
     assert at_one.item() == pytest.approx(plain.item(), rel=1e-12)
+    tiny = AlgoConfig(loss_agg="token_mean", surrogate="vespo", old_logprob="recompute", vespo_lambda_pos=1e-5,
+                      vespo_lambda_neg=1e-6)  # TRL holds λ at 1e-4 at least
+    tiny.validate()
+    moved = (old + 2.0 * (logp.detach() - old)).requires_grad_(True)
+    loss, metrics = get_loss("ppo_clip")(LossInputs(logprobs=moved, advantages=adv, mask=mask.bool(), old_logprobs=old),
+                                         tiny)
+    want, phi = trl_vespo_loss(moved, old, adv, mask, 2.0, 1e-5, 3.0, 1e-6)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    assert metrics["vespo_weight_mean"] == pytest.approx(float((phi * mask).sum() / mask.sum()), rel=1e-10)
     with pytest.raises(ConfigError, match="set algo.ratio_level=token"):
         load_config(None, ["algo.surrogate=vespo", "algo.ratio_level=sequence"])
     with pytest.raises(ConfigError, match="set algo.behavior_is=none"):

@@ -73,8 +73,9 @@ def _inside_trust_region(ratio: Tensor, log_ratio: Tensor, adv: Tensor, dropped:
 def vespo_weights(s: PPOClipSettings, log_ratio: Tensor, adv: Tensor) -> Tensor:
     """[B, T], no gradient: VESPO's φ(w) = e^λ · w^k · e^{−λw} (φ(1) = 1) of each response's ratio w = Π_t ρ_t (its
     tokens' log-ratios held to ±20, then their sum to [log 1e-8, 20]), with k, λ = `vespo_k_pos`, `vespo_lambda_pos`
-    where A ≥ 0, else the `_neg` pair, as TRL's get_gamma_weights computes it; `log_ratio` is 0 off the mask."""
+    where A ≥ 0, else the `_neg` pair (λ at least 1e-4), as TRL's get_gamma_weights computes it; `log_ratio` is 0
+    off the mask."""
     log_w = log_ratio.detach().clamp(-20.0, 20.0).sum(-1, keepdim=True).clamp(VESPO_MIN_LOG_WEIGHT, 20.0)
     k = torch.where(adv >= 0, s.vespo_k_pos, s.vespo_k_neg).to(log_w.dtype)
-    lam = torch.where(adv >= 0, s.vespo_lambda_pos, s.vespo_lambda_neg).to(log_w.dtype)
+    lam = torch.where(adv >= 0, s.vespo_lambda_pos, s.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
