@@ -568,6 +568,14 @@ def test_print_config_says_what_train_would_refuse_without_reading_it(tmp_path, 
     ("actor_rollout_ref.rollout.enable_chunked_prefill=true", "engine.chunked_prefill"),
     ("+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true", "reward.overlong_buffer"),
     ("loss.adv_tau=2", "algo.ipo_kl_coef"),  # prime-rl's ipo loss's users were sent to dppo's coefficient only
+    # TRL GRPOConfig fields that listed the known keys only (trl HEAD's grpo_config.py read field by field)
+    ("trust_remote_code=true", "model_type qwen3, qwen2, llama and mistral"),
+    ("model_init_kwargs.dtype=bfloat16", "model.dtype"), ("model_init_kwargs=x", "learner trains in BF16"),
+    ("router_aux_loss_coef=0.001", "mixture-of-experts"),
+    ("disable_dropout=true", "no dropout"), ("cast_lm_head_to_fp32=true", "log-softmax over its logits in float32"),
+    ("remove_unused_columns=false", "meta"), ("pad_to_multiple_of=8", "trainer.max_tokens_per_micro_batch"),
+    ("chat_template_kwargs.enable_thinking=false", "data.chat_template=true"),
+    ("vllm_structured_outputs_regex=x", "structured"),
 ])
 def test_everyday_keys_of_other_frameworks_configs_name_the_kv4rl_key(override, meant):
     """Two reviews pasted every key of real example configs: these had no pointer, or `did you mean reward.name?`

@@ -218,6 +218,22 @@ OTHER_FRAMEWORKS = {
                                    "(its default) is sum, normalize_then_sum (GDPO) is normalize_then_sum with "
                                    "advantage.std_scope=batch",
     "max_tool_calling_iterations": "tool calling (multi-turn rollouts) has no counterpart: one response per prompt",
+    "model_init_kwargs": "TRL's model_init_kwargs have no counterpart: model.path's safetensors are read, the learner "
+                         "trains in BF16 on CUDA and model.dtype is the engine's compute dtype",
+    "trust_remote_code": "no remote code is run: kv4rl's own model code serves model_type qwen3, qwen2, llama and "
+                         "mistral (model.path's config.json)",
+    "router_aux_loss_coef": "mixture-of-experts models are not supported (model_type qwen3, qwen2, llama or mistral), "
+                            "so TRL's router_aux_loss_coef has no counterpart",
+    "disable_dropout": "kv4rl's decoder has no dropout: TRL's disable_dropout=true, nothing to set",
+    "cast_lm_head_to_fp32": "TRL's cast_lm_head_to_fp32 has no counterpart: the LM head's product runs in the "
+                            "learner's dtype (BF16 on CUDA), the log-softmax over its logits in float32",
+    "remove_unused_columns": "a data file's other columns are kept in each problem's meta (a reward with "
+                             "takes_problems reads them): nothing to set",
+    "pad_to_multiple_of": "the learner packs or pads its micro-batches itself (trainer.max_tokens_per_micro_batch): "
+                          "nothing to set",
+    "chat_template_kwargs": "TRL's chat_template_kwargs have no counterpart: data.chat_template=true applies the "
+                            "tokenizer's template to one user message with add_generation_prompt and its defaults",
+    "vllm_structured_outputs_regex": "structured (regex-constrained) decoding has no counterpart",
     "use_adaptive_entropy": "TRL's use_adaptive_entropy is algo.entropy_target (set: adaptive; its entropy_target "
                             "0.2 is not the default here), starting from algo.entropy_coeff",
     "entropy_target": "TRL's entropy_target is algo.entropy_target (which also turns the control on)",
