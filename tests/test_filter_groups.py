@@ -48,6 +48,8 @@ def test_flat_groups_are_dropped_and_every_other_group_is_delivered_once(tiny_qw
     dropped = started - set(indices) - set(col.groups)
     assert dropped and all(len(set(parity(reference[i]).scores)) == 1 for i in dropped)
     assert sorted(col.take_filtered()) == sorted(dropped) and col.take_filtered() == []
+    # the dropped groups' reward counts (a timeout in a dropped group was counted nowhere): one `scored` a group
+    assert col.take_filtered_stats() == {"scored": float(len(dropped))} and col.take_filtered_stats() == {}
 
 
 def test_past_the_cap_flat_groups_are_kept_with_a_warning(tiny_qwen3, caplog):
@@ -98,6 +100,10 @@ def test_a_run_trains_only_groups_that_teach(tmp_path):
     assert all(row["zero_var_group_frac"] == 0.0 and row["adv_std"] > 0 for row in rows)
     assert sum(row["filtered_groups"] for row in rows) > 0
     assert len({g for row in rows for g in row["groups"]}) == 8
+    # the dropped groups' own reward counts: exact's no_answer over their 4 responses each
+    for row in rows:
+        assert ("reward_filtered_no_answer" in row) == (row["filtered_groups"] > 0)
+        assert 0 <= row.get("reward_filtered_no_answer", 0) <= 4 * row["filtered_groups"]
 
 
 def _split_rank_recording_drops(rank: int, out_dir: str, overrides: list[str], resume: bool = False) -> dict:

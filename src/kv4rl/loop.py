@@ -244,6 +244,8 @@ def run_iteration(s: Setup, it: int) -> tuple[dict, list[dict]]:
         **({"filtered_groups": len(s.collector.take_filtered()) if tp.rank == 0 else 0} if r.filter_groups else {}),
         "groups": [g.index for g in groups],
         **{f"reward_{k}": float(v) for k, v in {**reward.stats, **baseline_stats(baseline)}.items()},
+        **({f"reward_filtered_{k}": v for k, v in s.collector.take_filtered_stats().items()}
+           if r.filter_groups and tp.rank == 0 else {}),  # the dropped groups' counts, once per engine
         **adv_metrics,
         **summed_reward_stats(reward),  # GDPO: the plain sum's, not the normalised scores' (mean 0)
         **learn,

@@ -89,6 +89,7 @@ class Collector:
         self.skip: set[int] = set()  # positions of this rank's share already consumed before a resume
         self.score_group = score_group
         self.filtered: list[int] = []  # groups dropped for equal scores since the last `take_filtered`
+        self.filtered_stats: dict[str, float] = {}  # ... their reward counts (timeouts, no_answer), summed
         self.filtered_now = 0  # ... in the collection under way (capped at filter_max_batches - 1 batches)
         self.scored: dict[int, RewardResult] = {}  # complete groups' scores (filter_groups), handed on with them
         self.said_capped = False
@@ -188,7 +189,8 @@ class Collector:
         scores = self.scored[group.index].scores
         if max(scores) != min(scores):
             return False
-        del self.scored[group.index]
+        for key, value in self.scored.pop(group.index).stats.items():
+            self.filtered_stats[key] = self.filtered_stats.get(key, 0.0) + float(value)
         del self.groups[group.index]
         self.filtered.append(group.index)
         self.filtered_now += 1
@@ -204,6 +206,12 @@ class Collector:
         """The groups dropped for equal scores since the last call (a split run's head marks them used)."""
         dropped, self.filtered = self.filtered, []
         return dropped
+
+    def take_filtered_stats(self) -> dict[str, float]:
+        """The reward counts of the groups dropped since the last call (logged `reward_filtered_<count>`: a check
+        that timed out in a dropped group counts too)."""
+        stats, self.filtered_stats = self.filtered_stats, {}
+        return stats
 
     # ---- weight updates ---------------------------------------------------------------------
     def on_refresh(self) -> None:
@@ -269,6 +277,7 @@ class Collector:
             "in_engine": in_engine,
             "trace": [dict(step) for step in self.trace],
             "filtered": (self.filtered, self.filtered_now, self.said_capped),
+            "filtered_stats": dict(self.filtered_stats),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -279,6 +288,7 @@ class Collector:
         self.num_dropped = state["num_dropped"]
         self.trace = [dict(step) for step in state.get("trace", [])]  # checkpoints before it was saved: none
         self.filtered, self.filtered_now, self.said_capped = state.get("filtered", ([], 0, False))
+        self.filtered_stats = dict(state.get("filtered_stats", {}))
         self.groups = {i: _Group(i, p, ids, list(done), list(att)) for i, p, ids, done, att in state["groups"]}
         for (index, j), partial in state["in_engine"]:
             self._submit(self.groups[index], j, resume_from=partial if partial.token_ids else None)

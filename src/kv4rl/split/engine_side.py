@@ -103,6 +103,7 @@ def run_engine(side: EngineSide) -> dict:
                 "time_engine_wait": side.waited, "time_engine_sync": side.synced,
                 "preemptions": side.engine.num_preemptions, "dropped_stale": side.collector.num_dropped,
                 "filtered_groups": side.collector.take_filtered(),
+                "filtered_stats": side.collector.take_filtered_stats(),
                 "version": side.engine.version, "stop": bool(side.stop.requested),
             }
             side.waited = side.synced = 0.0

@@ -115,6 +115,8 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
         "preemptions": sum(m["preemptions"] for m in messages),
         "dropped_stale": sum(m["dropped_stale"] for m in messages),
         **({"filtered_groups": sum(len(m["filtered_groups"]) for m in messages)} if cfg.rollout.filter_groups else {}),
+        **{f"reward_filtered_{k}": sum(m.get("filtered_stats", {}).get(k, 0.0) for m in messages)
+           for k in dict.fromkeys(k for m in messages for k in m.get("filtered_stats", {}))},
         "engine_version_min": min(m["version"] for m in messages),
         "groups": sorted(g.index for g in groups),
         **{f"reward_{k}": sum(m["reward_stats"].get(k, 0.0) for m in messages)  # counts, any engine's (a verl
