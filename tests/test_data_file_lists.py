@@ -108,6 +108,7 @@ def test_an_evaluation_over_several_data_sources_reports_each():
     assert out["math/mean@2"] == 1.0 and out["math/pass@2"] == 1.0 and out["math/num_problems"] == 1
     # the row without one is verl's `unknown`: every row counts in one source (the breakdown left it out)
     assert out["unknown/mean@2"] == 0.5 and out["unknown/num_problems"] == 1
+    assert out["openai/gsm8k/score_mean"] == pytest.approx(1 / 4) and out["math/score_mean"] == 1.0
     assert not [key for key in out if "None" in key]
     alone = summarize_results(results[:1] + results[2:3], 2, {}, problems)
     assert not [key for key in alone if "/" in key]

@@ -81,6 +81,7 @@ def test_eval_summary_counts_a_sample_correct_only_above_half_and_reports_pass_a
                ProblemResult(index=1, scores=[0.5] * 6, lengths=[1] * 6, texts=[""] * 6)]
     out = summarize_results(results, 6, {})
     assert out["mean@6"] == pytest.approx(1 / 12)
+    assert out["score_mean"] == pytest.approx((1 + 6 * 0.5) / 12)  # verl's reward/mean@N: the raw scores' mean
     assert {key for key in out if key.startswith("pass@")} == {"pass@1", "pass@2", "pass@4", "pass@6"}
     assert out["pass@4"] == pytest.approx((1 - math.comb(5, 4) / math.comb(6, 4)) / 2)  # Codex estimator
 

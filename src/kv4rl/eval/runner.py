@@ -87,13 +87,16 @@ def in_engine_window(max_num_seqs: int, k: int) -> int:
 def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[str, float],
                       problems: list[Problem] | None = None) -> dict:
     """mean@k, pass@j for j in 1,2,4..k, mean response length and the reward's counts, over `results`
-    taken in problem order (a sample is correct when its score exceeds 0.5). Where `problems` (indexed by the
-    results) name two or more `data_source`s (verl's column; a row without one counts as `unknown`, as in verl),
-    each one's mean@k, pass@j and num_problems again as `<data_source>/...`, as verl's validation reports them."""
+    taken in problem order (a sample is correct when its score exceeds 0.5), and `score_mean`, the raw scores'
+    mean (verl's `reward/mean@N`: partial credit or ±1 scores read otherwise than mean@k). Where `problems`
+    (indexed by the results) name two or more `data_source`s (verl's column; a row without one counts as
+    `unknown`, as in verl), each one's mean@k, pass@j, score_mean and num_problems again as `<data_source>/...`,
+    as verl's validation reports them."""
     results = sorted(results, key=lambda r: r.index)
     correct = [[s > 0.5 for s in r.scores] for r in results]
     ks = sorted({1, k} | {2**j for j in range(1, k.bit_length()) if 2**j <= k})
     out = summarize(correct, ks)
+    out["score_mean"] = _score_mean(results)
     out["num_problems"] = len(results)
     out["k"] = k
     lengths = [n for r in results for n in r.lengths]
@@ -106,8 +109,14 @@ def summarize_results(results: list[ProblemResult], k: int, reward_stats: dict[s
     for name in named if len(named) > 1 else ():
         mine = [c for c, x in zip(correct, sources) if x == name]
         out.update({f"{name}/{key}": v for key, v in summarize(mine, ks).items()})
+        out[f"{name}/score_mean"] = _score_mean([r for r, x in zip(results, sources) if x == name])
         out[f"{name}/num_problems"] = len(mine)
     return out
+
+
+def _score_mean(results: list[ProblemResult]) -> float:
+    scores = [float(s) for r in results for s in r.scores]
+    return sum(scores) / max(len(scores), 1)
 
 
 UNKNOWN_SOURCE = "unknown"  # verl's name for the rows without a data_source
