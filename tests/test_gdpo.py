@@ -70,6 +70,12 @@ def test_groups_of_other_sizes_are_normalised_each_on_its_own():
     want = [*((first - first.mean()) / (first.std() + 1e-4)).tolist(),
             *((second - second.mean()) / (second.std() + 1e-4)).tolist(), 0.0]
     assert got == pytest.approx(want, abs=1e-12)
+    # two rewards of one weight that cancel (complementary 0/1 scores): a flat sum, exactly 0 as under `sum`
+    # (rounding left 1e-16 in 59 of the 120 such splits of groups of 2-16, which filter_groups then kept)
+    for size in range(2, 17):
+        for ones in range(1, size):
+            first = [1.0] * ones + [0.0] * (size - ones)
+            assert normalize_then_sum([(1.0, first), (1.0, [1.0 - x for x in first])], [size]) == [0.0] * size
     with pytest.raises(ValueError, match="a reward has 5 scores for 6 responses"):
         normalize_then_sum([(1.0, values[:5])], [3, 2, 1])
 
@@ -174,7 +180,11 @@ def test_a_rescaling_or_remax_is_refused_and_a_group_std_warns(caplog):
         load_config(None, ["reward.aggregation=normalize_then_sum", "advantage.estimator=remax"])
     with caplog.at_level(logging.WARNING, logger="kv4rl.config"):
         load_config(None, ["reward.aggregation=normalize_then_sum"])
-    assert "TRL's GDPO divides it by the whole batch's (advantage.std_scope=batch)" in caplog.text
+    assert "with advantage.std_scope=group divides each group's summed score" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kv4rl.config"):
+        load_config(None, ["reward.aggregation=normalize_then_sum", "advantage.estimator=grpo_passk"])
+    assert "with advantage.estimator=grpo_passk divides each group's summed score" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kv4rl.config"):
         load_config(None, ["reward.aggregation=normalize_then_sum", "advantage.std_scope=batch"])

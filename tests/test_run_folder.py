@@ -319,17 +319,24 @@ def test_a_switch_to_or_from_remax_is_refused_where_groups_are_held(tmp_path, fi
     assert res.exit_code == 0, res.output
 
 
-def test_a_switch_of_reward_aggregation_is_refused_where_scored_groups_are_held(tmp_path):
-    """rollout.filter_groups scores each group as it finishes, and a partial run's checkpoint holds them: a resume
-    under GDPO's aggregation would train their old sums beside new normalised ones. Refused before any work."""
-    run = new_run(tmp_path, "p", "rollout.mode=partial", "rollout.filter_groups=true", "trainer.iterations=1",
+def test_a_change_of_the_reward_is_refused_where_scored_groups_are_held(tmp_path):
+    """rollout.filter_groups scores each group as it finishes, and with staleness.lag > 0 the checkpoint holds
+    batches of them: a resume under another reward (GDPO's aggregation, other weights) would train their old
+    scores beside new ones. Refused before any work; a partial run without a lag holds no scores (its groups are
+    scored again), so it switches."""
+    run = new_run(tmp_path, "lag", "staleness.lag=1", "rollout.filter_groups=true", "trainer.iterations=1",
                   "checkpoint.save_every=1")
     before = tree_state(run)
-    res = train_cli("--resume", str(run), "reward.aggregation=normalize_then_sum", "trainer.iterations=2",
-                    "--no-progress")
+    res = train_cli("--resume", str(run), "reward.aggregation=normalize_then_sum", "reward.extra=[boxed_format]",
+                    "trainer.iterations=2", "--no-progress")
     text = " ".join(res.output.split())
-    assert res.exit_code == 2 and "reward.aggregation cannot change on resume (sum -> normalize_then_sum)" in text, text
+    assert res.exit_code == 2 and "reward.extra, reward.aggregation cannot change on resume" in text, text
     assert tree_state(run) == before
+    partial = new_run(tmp_path, "p", "rollout.mode=partial", "rollout.filter_groups=true", "trainer.iterations=1",
+                      "checkpoint.save_every=1")
+    res = train_cli("--resume", str(partial), "reward.aggregation=normalize_then_sum", "trainer.iterations=2",
+                    "--no-progress")
+    assert res.exit_code == 0, res.output
 
 
 # Another process that holds a folder's lock as `kv4rl train` does: flock on the folder's own descriptor.

@@ -30,11 +30,12 @@ def log_unread_settings(cfg: RunConfig) -> None:
     elif cfg.advantage.std_scope == "batch" and not cfg.advantage.normalize_std:
         log.warning("advantage.std_scope=batch picks the std that advantage.normalize_std divides by; with "
                     "advantage.normalize_std=false nothing is divided and it changes nothing")
-    if (cfg.reward.aggregation == "normalize_then_sum" and adv.estimator == "grpo" and adv.normalize_std
-            and adv.std_scope == "group"):
-        log.warning("reward.aggregation=normalize_then_sum with advantage.std_scope=group divides each group's "
-                    "summed score by that group's std again; TRL's GDPO divides it by the whole batch's "
-                    "(advantage.std_scope=batch)")
+    if cfg.reward.aggregation == "normalize_then_sum" and (
+            (adv.estimator == "grpo" and adv.normalize_std and adv.std_scope == "group") or adv.estimator == "grpo_passk"):
+        log.warning("reward.aggregation=normalize_then_sum with %s divides each group's summed score by that group's "
+                    "std again; TRL's GDPO divides it by the whole batch's (advantage.estimator=grpo, "
+                    "advantage.std_scope=batch)", "advantage.std_scope=group" if adv.estimator == "grpo"
+                    else "advantage.estimator=grpo_passk")
     if cfg.trainer.lr_schedule == "constant" and cfg.trainer.min_lr_ratio != 0:
         log.warning("trainer.min_lr_ratio=%g belongs to trainer.lr_schedule=linear or cosine; the constant "
                     "schedule ignores it", cfg.trainer.min_lr_ratio)

@@ -222,7 +222,8 @@ def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> Non
     """Refuse overrides a run cannot take midway: another starting model (the reference of kl_ref and the
     fingerprint in every row would change under it), a partial run continued as sync (its checkpoints
     hold responses in flight that a sync collection does not carry), or a switch to or from ReMax while groups are
-    held (they were started with or without its greedy response)."""
+    held (they were started with or without its greedy response), or another reward where batches sampled ahead hold
+    groups `rollout.filter_groups` scored."""
     swapped = [f"model.{key}" for key in ("path", "testbed") if getattr(cfg.model, key) != getattr(saved.model, key)]
     if swapped:
         raise ConfigError(
@@ -258,11 +259,14 @@ def _check_kept_on_resume(folder: Path, saved: RunConfig, cfg: RunConfig) -> Non
                           f"or partial rollout: its checkpoints hold groups in flight {'with' if had else 'without'} "
                           f"ReMax's greedy response. To train on under another estimator, start a new run with "
                           f"model.path={folder / 'checkpoints' / '<iter_N>'}")
-    if _holds_samples(saved) and saved.rollout.filter_groups and cfg.reward.aggregation != saved.reward.aggregation:
-        raise ConfigError(f"--resume {folder}: reward.aggregation cannot change on resume ({saved.reward.aggregation} "
-                          f"-> {cfg.reward.aggregation}) of a run with rollout.filter_groups and staleness.lag > 0 or "
-                          f"partial rollout: its checkpoints hold groups scored as they finished, under the old "
-                          f"aggregation. To train on under another, start a new run with "
+    scoring = [f"reward.{key}" for key in ("name", "extra", "weights", "aggregation", "overlong_buffer",
+                                             "overlong_penalty", "bias", "scale", "clip")
+               if getattr(cfg.reward, key) != getattr(saved.reward, key)]
+    if scoring and saved.rollout.filter_groups and saved.staleness.lag > 0 and _holds_samples(saved):
+        raise ConfigError(f"--resume {folder}: {', '.join(scoring)} cannot change on resume of a run with "
+                          f"rollout.filter_groups and staleness.lag > 0: its checkpoints hold batches sampled ahead "
+                          f"whose groups were scored as they finished, under the old reward, which the learner would "
+                          f"train beside new scores. To train on under another, start a new run with "
                           f"model.path={folder / 'checkpoints' / '<iter_N>'}")
     if saved.rollout.mode == "partial" and cfg.rollout.mode == "sync":
         raise ConfigError(f"--resume {folder}: rollout.mode=sync cannot take over a partial run: its checkpoints "
