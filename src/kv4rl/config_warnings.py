@@ -30,8 +30,9 @@ def log_unread_settings(cfg: RunConfig) -> None:
     elif cfg.advantage.std_scope == "batch" and not cfg.advantage.normalize_std:
         log.warning("advantage.std_scope=batch picks the std that advantage.normalize_std divides by; with "
                     "advantage.normalize_std=false nothing is divided and it changes nothing")
-    if cfg.reward.aggregation == "normalize_then_sum" and (
-            (adv.estimator == "grpo" and adv.normalize_std and adv.std_scope == "group") or adv.estimator == "grpo_passk"):
+    group_std = (adv.estimator == "grpo" and adv.normalize_std and adv.std_scope == "group") \
+        or adv.estimator == "grpo_passk"
+    if cfg.reward.aggregation == "normalize_then_sum" and group_std:
         log.warning("reward.aggregation=normalize_then_sum with %s divides each group's summed score by that group's "
                     "std again; TRL's GDPO divides it by the whole batch's (advantage.estimator=grpo, "
                     "advantage.std_scope=batch)", "advantage.std_scope=group" if adv.estimator == "grpo"

@@ -85,10 +85,12 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     check_versions(it, groups, cfg.staleness.max_versions)
     completions = [c for g in groups for c in g.completions]
     rewards = torch.tensor([x for _, scores, *_ in scored for x in scores], dtype=torch.float64)
-    components = {name: [x for _, _, parts, *_ in scored for x in parts[name]] for name in messages[0]["reward_components"]}
+    components = {name: [x for _, _, parts, *_ in scored for x in parts[name]]
+                  for name in messages[0]["reward_components"]}
     baselines = (torch.tensor([b for _, _, _, b, _ in scored], dtype=torch.float64)
                  if cfg.advantage.estimator == "remax" else None)
-    summed = None if not scored or any(part is None for *_, part in scored) else [x for *_, part in scored for x in part]
+    summed = (None if not scored or any(part is None for *_, part in scored)
+              else [x for *_, part in scored for x in part])
     reward = RewardResult(rewards.tolist(), {}, components, summed)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
