@@ -26,10 +26,10 @@ class VerlScore(Reward):
     verl's own scorers (`gsm8k.compute_score(solution_str, ground_truth, ...)`) take two of the four. A bool scores
     1.0 / 0.0 (verl writes it into a float tensor). A dict result gives its `score`; its other keys with a number
     (or a bool) are summed over the batch into the stats as `<key>_sum` (logged `reward_<key>_sum`, a count for
-    verl's `acc`), where verl keeps them per response for its validation means; text values are dropped. With `timeout_s` each call runs in a watchdogged worker process
-    (`kv4rl.rewards.watchdog`, as `math_verify`'s checks do): one past the limit scores 0 and counts in
-    `timeouts`, and the worker is restarted; compute_score must then be a module-level function the worker can
-    import, and its arguments and result picklable."""
+    verl's `acc`), where verl keeps them per response for its validation means; text values are dropped. With
+    `timeout_s` each call runs in a watchdogged worker process (`kv4rl.rewards.watchdog`, as `math_verify`'s checks
+    do): one past the limit scores 0 and counts in `timeouts`, and the worker is restarted; compute_score must then
+    be a module-level function the worker can import, and its arguments and result picklable."""
 
     takes_problems = True
 
