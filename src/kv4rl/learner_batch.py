@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from kv4rl.algo.advantages import compute_advantages, flat_group_metrics, needs_whole_batch, noise_key
-from kv4rl.algo.token_advantages import optimal_token_baseline, reinforce_pp_token_advantages
 from kv4rl.algo.kl_reward import KLRewardCoef, kl_penalty_of, kl_reward_tokens, row_mean_kl
+from kv4rl.algo.token_advantages import optimal_token_baseline, reinforce_pp_token_advantages
 from kv4rl.config import RunConfig
 from kv4rl.distributed import current, gather_objects
 from kv4rl.trainer.batch import TrainBatch, build_batch, untrained_rows, with_advantages

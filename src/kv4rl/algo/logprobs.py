@@ -224,4 +224,3 @@ def sum_pi_squared(logits: Tensor, temperature: float = 1.0) -> Tensor:
         x = flat[start:start + step].float() / temperature
         out[start:start + step] = torch.exp(torch.logsumexp(2.0 * x, dim=-1) - 2.0 * torch.logsumexp(x, dim=-1))
     return out.reshape(logits.shape[:-1])
-

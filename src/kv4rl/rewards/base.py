@@ -40,6 +40,24 @@ class RewardResult:
     components: dict[str, list[float]] = field(default_factory=dict)
     summed: list[float] | None = None
 
+    def rows(self, start: int, stop: int) -> RewardResult:
+        """Responses [start, stop): their scores, components and sums (the counts stay the whole batch's)."""
+        return RewardResult(self.scores[start:stop], {},
+                            {name: values[start:stop] for name, values in self.components.items()},
+                            None if self.summed is None else self.summed[start:stop])
+
+    @staticmethod
+    def joined(parts: list[RewardResult]) -> RewardResult:
+        """`parts` one after another, their counts added up (`summed` only where every part has it)."""
+        stats: dict[str, float] = {}
+        for part in parts:
+            for key, value in part.stats.items():
+                stats[key] = stats.get(key, 0.0) + float(value)
+        names = parts[0].components.keys() if parts else ()
+        summed = None if not parts or any(p.summed is None for p in parts) else [x for p in parts for x in p.summed]
+        return RewardResult([x for p in parts for x in p.scores], stats,
+                            {name: [x for p in parts for x in p.components[name]] for name in names}, summed)
+
 
 RewardFn = Callable[[list[str], list[str]], RewardResult]
 RewardFactory = Callable[..., RewardFn]

@@ -156,23 +156,16 @@ def batch_reward(groups: list[GroupResult], score: Callable[[list[GroupResult]],
     owns = [getattr(g, "reward", None) for g in groups]
     missing = [g for g, own in zip(groups, owns) if own is None]
     fresh = score(missing) if missing else RewardResult([])
-    stats: dict[str, float] = dict(fresh.stats)
     parts, offset = [], 0
     for g, own in zip(groups, owns):
         if own is None:
-            n = len(g.completions)
-            own = RewardResult(fresh.scores[offset:offset + n], {},
-                               {name: values[offset:offset + n] for name, values in fresh.components.items()},
-                               None if fresh.summed is None else fresh.summed[offset:offset + n])
-            offset += n
-        else:
-            for key, value in own.stats.items():
-                stats[key] = stats.get(key, 0.0) + float(value)
+            own = fresh.rows(offset, offset + len(g.completions))
+            offset += len(g.completions)
         parts.append(own)
-    names = parts[0].components.keys() if parts else ()
-    summed = None if any(p.summed is None for p in parts) or not parts else [x for p in parts for x in p.summed]
-    return RewardResult([x for p in parts for x in p.scores], stats,
-                        {name: [x for p in parts for x in p.components[name]] for name in names}, summed)
+    joined = RewardResult.joined(parts)  # the collector's own groups' counts, added up
+    for key, value in fresh.stats.items():
+        joined.stats[key] = joined.stats.get(key, 0.0) + float(value)
+    return joined
 
 
 def build_rollout(cfg: RunConfig, source: ProblemSource, base_dir: Path, policy_dir: Path, device: torch.device,

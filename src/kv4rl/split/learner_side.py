@@ -73,25 +73,20 @@ def _head_batch(s: LearnerSide, it: int, messages: list[dict]) -> tuple[list, di
     """The head's part: check the batch, compute advantages, split it into the learner ranks' shares."""
     cfg = s.cfg
     size = cfg.rollout.group_size
-    scored = [(g, m["scores"][j * size:(j + 1) * size],
-               {name: values[j * size:(j + 1) * size] for name, values in m["reward_components"].items()},
-               m["baseline_scores"][j] if m.get("baseline_scores") is not None else None,
-               m["reward_summed"][j * size:(j + 1) * size] if m.get("reward_summed") is not None else None)
-              for m in messages for j, g in enumerate(m["groups"])]
+    sent = [RewardResult(m["scores"], {}, m["reward_components"], m.get("reward_summed")) for m in messages]
+    scored = [(g, reward.rows(j * size, (j + 1) * size),
+               m["baseline_scores"][j] if m.get("baseline_scores") is not None else None)
+              for m, reward in zip(messages, sent) for j, g in enumerate(m["groups"])]
     if cfg.rollout.mode == "sync":  # in prompt order, as one process trains a sync batch (in engine order two
         # engines' groups came as 0, 2, 1, 3: with trainer.updates_per_batch > 1 each mini-batch held others)
         scored.sort(key=lambda pair: pair[0].index)
-    groups = [g for g, *_ in scored]
+    groups = [g for g, _, _ in scored]
     check_versions(it, groups, cfg.staleness.max_versions)
     completions = [c for g in groups for c in g.completions]
-    rewards = torch.tensor([x for _, scores, *_ in scored for x in scores], dtype=torch.float64)
-    components = {name: [x for _, _, parts, *_ in scored for x in parts[name]]
-                  for name in messages[0]["reward_components"]}
-    baselines = (torch.tensor([b for _, _, _, b, _ in scored], dtype=torch.float64)
+    reward = RewardResult.joined([part for _, part, _ in scored])
+    rewards = torch.tensor(reward.scores, dtype=torch.float64)
+    baselines = (torch.tensor([b for _, _, b in scored], dtype=torch.float64)
                  if cfg.advantage.estimator == "remax" else None)
-    summed = (None if not scored or any(part is None for *_, part in scored)
-              else [x for *_, part in scored for x in part])
-    reward = RewardResult(rewards.tolist(), {}, components, summed)
     keys = [noise_key(cfg.seed, it, g.index) for g in groups]
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
     advantages, adv_metrics = compute_advantages(rewards, size, cfg.advantage, group_keys=keys, lengths=lengths,
