@@ -13,6 +13,13 @@ import torch
 
 # The shared helpers' asserts are rewritten as test modules' are: their messages show the values, and under
 # `python -O` they still check (pytest only rewrites test modules and conftest unless told).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under `pytest -n N` (the README's command) each worker process has a core: torch's pool of threads beside
+    # another worker's spins for cores it does not get (on 2 cores, a 20 s training test took 250 s). The
+    # variable carries one thread to the processes the tests start (`kv4rl train`, torchrun's ranks).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 pytest.register_assert_rewrite("tests.small_runs", "tests.tiny_build", "tests.kernel_cases", "tests.gloo_ranks")
 
 

@@ -86,14 +86,14 @@ def test_ctrl_c_says_so_and_names_the_json_that_holds_part_of_the_results(tmp_pa
 
     import pytest
 
-    import kv4rl.bench.rollout
+    from importlib import import_module
     from kv4rl.cli import main
 
     def interrupted(plan, progress=None, on_result=None):
         on_result({"complete": False, "results": [{"format": "bf16", "mode": "sync", "rollout_s": 1.0}]})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kv4rl.bench.rollout, "bench_rollout", interrupted)
+    monkeypatch.setattr(import_module("kv4rl.bench.rollout"), "bench_rollout", interrupted)
     out = tmp_path / "r.json"
     out.write_text('{"mine": 1}\n')
     monkeypatch.setattr(sys, "argv", ["kv4rl", "bench", "rollout", "--shape", "qwen3-tiny", "--device", "cpu",
@@ -116,7 +116,7 @@ def test_a_sigterm_to_a_bench_says_which_json_holds_part_of_its_rows(tmp_path, m
 
     import pytest
 
-    import kv4rl.bench.rollout
+    from importlib import import_module
     from kv4rl.cli import main
 
     def terminated(plan, progress=None, on_result=None):
@@ -125,7 +125,7 @@ def test_a_sigterm_to_a_bench_says_which_json_holds_part_of_its_rows(tmp_path, m
         time.sleep(30)  # the handler raises out of it
         raise AssertionError("the SIGTERM did not stop the command")
 
-    monkeypatch.setattr(kv4rl.bench.rollout, "bench_rollout", terminated)
+    monkeypatch.setattr(import_module("kv4rl.bench.rollout"), "bench_rollout", terminated)
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "argv", ["kv4rl", "bench", "rollout", "--shape", "qwen3-tiny", "--device", "cpu",
                                       "--json", str(out)])

@@ -212,9 +212,7 @@ def test_eval_names_a_prompt_longer_than_the_models_context_before_generating(gs
 
 
 def test_bench_fidelity_names_a_prompt_longer_than_the_models_context(gsm8k_file, monkeypatch):
-    import kv4rl.bench.fidelity
-
-    monkeypatch.setattr(kv4rl.bench.fidelity, "run_fidelity", _work_started)
+    monkeypatch.setattr(importlib.import_module("kv4rl.bench.fidelity"), "run_fidelity", _work_started)
     refused(["bench", "fidelity", "--data", str(gsm8k_file)], "id gsm8k-test-0",
             f"is {boxed_prompt_length(GSM8K_ROWS[0])} tokens", "64 positions")
 
@@ -607,11 +605,8 @@ def test_eval_gives_math_verify_the_reward_timeout_and_records_it(tmp_path, monk
 def test_a_bad_eval_file_is_named_before_the_embedded_model_is_built(tmp_path, monkeypatch):
     """Without a model given, `data.eval` (train without data.train) and `eval --data` were read only after the
     embedded model was built (~30 s on an empty cache)."""
-    import kv4rl.loop
-    import kv4rl.models.tiny
-
-    monkeypatch.setattr(kv4rl.loop, "resolve_model_dir", _work_started)
-    monkeypatch.setattr(kv4rl.models.tiny, "tiny_model_dir", _work_started)
+    monkeypatch.setattr(importlib.import_module("kv4rl.loop"), "resolve_model_dir", _work_started)
+    monkeypatch.setattr(importlib.import_module("kv4rl.models.tiny"), "tiny_model_dir", _work_started)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
     refused(["train", f"out_dir={tmp_path / 'runs'}", "device=cpu", f"data.eval={bad}", "--no-progress"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import hashlib
+from importlib import import_module
 import json
 import shutil
 
@@ -166,15 +167,13 @@ def test_build_model_refuses_bad_options_before_any_work(args, needle, tmp_path)
 @pytest.mark.parametrize(("task", "built"), [("arith", "arith-tiny"), ("longmul", "longmul-gpu")])
 def test_build_model_without_a_size_takes_the_tasks_own_default(task, built, tmp_path, monkeypatch) -> None:
     """`--task arith` alone asked for arith-gpu, which does not exist ("unknown testbed 'arith-gpu'")."""
-    import kv4rl.models.testbed
-
     asked = []
 
     def stop(name, *args, **kwargs):
         asked.append(name)
         raise ValueError("stopped here")
 
-    monkeypatch.setattr(kv4rl.models.testbed, "testbed_model_dir", stop)
+    monkeypatch.setattr(import_module("kv4rl.models.testbed"), "testbed_model_dir", stop)
     res = runner.invoke(app, ["build-model", "--task", task, "--device", "cpu", "--cache-dir", str(tmp_path / "c")])
     assert asked == [built] and "stopped here" in res.output
 
