@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-# The shared helpers' asserts are rewritten as test modules' are: their messages show the values, and under
-# `python -O` they still check (pytest only rewrites test modules and conftest unless told).
+if not torch.cuda.is_available():
+    # Triton picks its CPU interpreter when a kernel is defined, at the kernel module's import. The kernel test
+    # modules set this at their own import, but collection imports the modules in the order given: a module that
+    # imported the kernels first (`pytest tests/test_z.py tests/test_kernels.py`) left them compiled for a GPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under `pytest -n N` (the README's command) each worker process has a core: torch's pool of threads beside
     # another worker's spins for cores it does not get (on 2 cores, a 20 s training test took 250 s). The
@@ -20,6 +24,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
+# The shared helpers' asserts are rewritten as test modules' are: their messages show the values, and under
+# `python -O` they still check (pytest only rewrites test modules and conftest unless told).
 pytest.register_assert_rewrite("tests.small_runs", "tests.tiny_build", "tests.kernel_cases", "tests.gloo_ranks")
 
 

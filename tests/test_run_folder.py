@@ -539,3 +539,7 @@ def test_a_resume_names_every_setting_its_overrides_change(run, caplog):
     with pytest.raises(ConfigError, match=r"rollout.temperature cannot change on resume \(1.0 -> 0.5\) of a run "
                                           r"with staleness.lag > 0 or partial rollout"):
         config_for_resume(run, ["trainer.iterations=9", "rollout.temperature=0.5"])
+    caplog.clear()  # an override the validation refuses: its error alone, no warning of what it would change
+    with caplog.at_level("WARNING"), pytest.raises(ConfigError, match="reward.aggregation"):
+        config_for_resume(run, ["reward.aggregation=normalize_then_sum", "reward.scale=2"])
+    assert not [m for m in caplog.messages if "settings changed" in m], caplog.messages

@@ -173,9 +173,10 @@ def config_for_resume(folder: Path, overrides: list[str]) -> RunConfig:
     cfg = load_config(saved, overrides, validate=False)
     before = load_config(saved, validate=False)
     _check_kept_on_resume(folder, before, cfg)
-    _say_changed(folder, before, cfg)
     cfg.name, cfg.out_dir = place.name, str(place.parent)
-    return cfg.validate()
+    cfg.validate()  # a refused override is said alone, not after a warning of the change it would make
+    _say_changed(folder, before, cfg)
+    return cfg
 
 
 def _flat(tree, prefix: str = "") -> dict:
