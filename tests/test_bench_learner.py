@@ -33,7 +33,17 @@ def test_uniform_workload_counts_and_flops(tmp_path):
         assert r["micro_batches"] == 2  # rows {0, 1}, {2}: 2 rows of 12, or 24 tokens
         assert r["flops_per_step"] == flops
         assert r["tokens_per_s"] == 36 / r["step_s"] and r["peak_gib"] is None
-        assert r["mfu"] == flops / r["step_s"] / 989e12
+        assert r["mfu"] is None and r["mfu_780"] is None  # a GPU's peak means nothing on the CPU (a helper's find)
+
+
+def test_mfu_is_the_steps_flops_over_the_gpus_peak_and_none_off_cuda():
+    import torch
+
+    from kv4rl.bench.learner import model_flops_utilization
+
+    got = model_flops_utilization(2.0e15, 4.0, torch.device("cuda", 0))
+    assert got == {"mfu": 2.0e15 / 4.0 / 989e12, "mfu_780": 2.0e15 / 4.0 / 780e12}
+    assert model_flops_utilization(2.0e15, 4.0, torch.device("cpu")) == {"mfu": None, "mfu_780": None}
 
 
 def test_lognormal_workload_padding(tmp_path):

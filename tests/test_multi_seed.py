@@ -357,3 +357,48 @@ def test_a_seed_the_signal_killed_as_it_shut_down_after_its_last_checkpoint_is_f
     assert runs[0].returncode == -signal.SIGINT and runs[0].iterations == 2
     assert multi_seed.status_of(runs[0]) == f"finished (SIGINT as it shut down, exit {-signal.SIGINT})"
     assert multi_seed.failed(runs) == [] and multi_seed.continue_hint(runs) == ""
+
+
+def test_a_file_where_a_seeds_log_would_go_is_left_as_it_was(tmp_path, monkeypatch) -> None:
+    """A user's file at `<out_dir>/<name>-s<seed>.log` was appended to, moved into the seed's train.log and deleted
+    (a review helper's find), and so was the log a running child of another sweep of the same name was writing. The
+    sweep now writes a file of its own beside it, `<name>-s<seed>.2.log`, and moves only that one."""
+    import sys
+    from importlib import import_module
+
+    from kv4rl.config import load_config
+
+    multi_seed = import_module("kv4rl.multi_seed")
+    theirs = tmp_path / "sw-s0.log"
+    theirs.write_text("MY NOTES\n")
+    child = (f"import pathlib; d = pathlib.Path({str(tmp_path / 'sw-s0')!r}); d.mkdir(); "
+             "(d / 'config.yaml').write_text('x'); print('trained')")
+    real = import_module("subprocess").Popen
+    monkeypatch.setattr(multi_seed, "subprocess", SimpleNamespace(
+        Popen=lambda cmd, **kwargs: real([sys.executable, "-c", child], **kwargs), STDOUT=-2))
+    run = multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0"]), ["seed=0"], theirs)
+    said = []
+    multi_seed.launch([run], 1, announce=said.append)
+    assert theirs.read_text() == "MY NOTES\n"
+    assert f"log {tmp_path / 'sw-s0.2.log'}" in said[0]
+    assert run.final_log == tmp_path / "sw-s0" / "train.log" and run.final_log.read_text() == "trained\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sw-s0", "sw-s0.log"]
+
+
+def test_a_seed_refused_while_another_sweeps_child_writes_its_folder_leaves_that_run_alone(tmp_path, monkeypatch):
+    """Two sweeps of one name: the second's child is refused (the folder is in use, exit 2) while the first's child
+    writes the folder's config.yaml. The refused seed took the new config.yaml for its own: it moved its log into
+    the other run's train.log and read that run's rows as its own (a review helper's find)."""
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+
+    folder = tmp_path / "sw-s0"
+    monkeypatch.setattr(multi_seed, "_start", _fake_child(  # the other sweep's child writes, this one is refused
+        f"import pathlib, sys; d = pathlib.Path({str(folder)!r}); d.mkdir(); (d / 'config.yaml').write_text('x'); "
+        "(d / 'metrics.jsonl').write_text('{\"iteration\": 0, \"accuracy\": 0.25}\\n'); sys.exit(2)"))
+    run = multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0"]), ["seed=0"],
+                             tmp_path / "sw-s0.log")
+    multi_seed.launch([run], 1, announce=lambda line: None)
+    assert run.final_log == tmp_path / "sw-s0.log" and run.final_log.read_text() == "the child's output\n"
+    assert not (folder / "train.log").exists()
+    assert multi_seed.summary_rows([run])[0][2:5] == ["failed (exit 2)", "0", "-"]

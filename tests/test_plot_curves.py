@@ -98,6 +98,10 @@ def test_until_compares_runs_at_the_same_iteration(runs):
     assert json.loads(common.read_text())["arms"]["ppo"]["final_per_seed"] == [0.5, 1.0]
     res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--until", "soon", "--out", str(runs / "x.png")])
     assert res.exit_code != 0 and "--until" in res.output
+    # a list was read as its first value, quietly (a review helper's find)
+    res = runner.invoke(app, ["plot", "curves", str(runs / "ppo-s*"), "--until", "1,2", "--out", str(runs / "x.png")])
+    assert res.exit_code == 2 and "--until '1,2': one iteration, or 'common'" in res.output, res.output
+    assert not (runs / "x.png").exists()
 
 
 def test_ema_and_worst_drop_definitions():

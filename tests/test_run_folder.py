@@ -58,6 +58,22 @@ def test_train_into_a_folder_holding_a_run_refuses_before_any_work(run):
     assert tree_state(run.parent) == before
 
 
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/iter_000001", "notes"])
+def test_a_run_inside_another_runs_folder_is_refused_before_any_work(run, inside):
+    """A run trained into `<run>/checkpoints/iter_000005` was deleted with no word when the outer run's resume
+    pruned that checkpoint (a review helper's find): a folder inside a run folder is refused, anywhere in it."""
+    before = tree_state(run)
+    res = train_cli(f"out_dir={run / inside}", "name=nested", *SMALL, "trainer.iterations=1")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"lies inside the run folder {run}" in text and "out_dir=" in text, text
+    assert tree_state(run) == before
+    # a folder that merely holds a config.yaml of the user's (no metrics, no checkpoints) is no run folder
+    (run.parent / "project").mkdir()
+    (run.parent / "project" / "config.yaml").write_text("model: mine\n")
+    res = train_cli(f"out_dir={run.parent / 'project' / 'runs'}", "name=fine", *SMALL, "trainer.iterations=1")
+    assert res.exit_code == 0, res.output
+
+
 def test_overwrite_moves_the_old_run_aside_and_says_where(run, caplog):
     before = tree_state(run)
     res = train_cli(f"out_dir={run.parent}", "name=run", *SMALL, "trainer.iterations=1", "--overwrite")

@@ -66,6 +66,14 @@ def _curves_table(metric: str, ema: float, summary: dict) -> ResultTable:
     return table
 
 
+def _one_iteration(until: str) -> int:
+    """`--until N`: one iteration (a list read as one took its first value, quietly)."""
+    values = option_list(until, "--until", int, minimum=0)
+    if len(values) > 1:
+        raise ValueError(f"--until {until!r}: one iteration, or 'common'")
+    return values[0]
+
+
 @plot_app.command("curves")
 def plot_curves_cmd(
     runs: list[str] | None = typer.Argument(
@@ -89,7 +97,7 @@ def plot_curves_cmd(
     out = check_figure_path(out, "--out", csv_beside=True, create=False)  # made below, once nothing refuses
     check_output_path(json_out, create=False)
     try:
-        last = until if until in (None, "common") else option_list(until, "--until", int, minimum=0)[0]
+        last = until if until in (None, "common") else _one_iteration(until)
         curves, summary = learning_curves(runs or [], arm or [], metric, ema, last)
     except ValueError as exc:
         fail(str(exc))

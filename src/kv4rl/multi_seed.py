@@ -7,10 +7,11 @@ that half starts (two running, one refused) is worse than none, so every config 
 folder checked (fresh: holds no run unless --overwrite; resume: has a checkpoint) before any starts.
 
 Each child is `kv4rl train` itself with `seed=<s> name=<name>-s<s>` appended to the overrides (they
-win over the config file), writing its output to `<out_dir>/<name>-s<seed>.log` while it runs. When it
-ends, the log moves into its run folder as `train.log` (appended on resume); a seed that failed before
-its first iteration has no folder (or its old one untouched, or another process's), so its log stays
-beside it: a child counts as having started only if it wrote the folder's config.yaml itself. On CUDA the
+win over the config file), writing its output to `<out_dir>/<name>-s<seed>.log` while it runs (`.2.log`, ...
+where a file stands there already, which stays as it is). When it ends, the log moves into its run folder
+as `train.log` (appended on resume); a seed that failed before its first iteration has no folder (or its
+old one untouched, or another process's), so its log stays beside it: a child counts as having started
+only if it wrote the folder's config.yaml itself and was not refused (exit 2). On CUDA the
 children share the device: each gets `engine.gpu_memory_fraction` divided by the number running at once,
 counted against its own memory only (`engine.gpu_memory_scope=process`), since they all start together.
 """
@@ -232,10 +233,24 @@ def _config_identity(folder: Path) -> tuple | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
+def _claim_log(path: Path) -> tuple[Path, int]:
+    """A log file of this sweep's own, made exclusively: `path`, or `<name>.2.log`, `.3`, ... where a file stands
+    there already (a failed start's log, another sweep's running child's, a user's own file), which is then
+    neither appended to nor, when the seed ends, deleted."""
+    candidate, k = path, 1
+    while True:
+        try:
+            return candidate, os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            k += 1
+            candidate = path.with_name(f"{path.stem}.{k}{path.suffix}")
+
+
 def _start(run: SeedRun) -> None:
     run.config_before = _config_identity(run.cfg.run_dir)
     run.log.parent.mkdir(parents=True, exist_ok=True)
-    handle = run.log.open("a")  # never truncate: a log left by an earlier failed start stays
+    run.log, fd = _claim_log(run.log)
+    handle = os.fdopen(fd, "w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # its own session: a Ctrl-C in the terminal reaches the parent only, which passes it on once
     run.process = subprocess.Popen([sys.executable, "-m", "kv4rl.cli", "train", *run.args], stdout=handle,
@@ -250,7 +265,8 @@ def _finish(run: SeedRun) -> None:
     folder = run.cfg.run_dir
     resumed = run.args[:1] == ["--resume"]  # its own folder, checked to hold its checkpoint
     config_now = _config_identity(folder)
-    if config_now is None or (not resumed and config_now == run.config_before):
+    # exit 2: refused before any work (a folder in use by another sweep's child, which wrote its config.yaml)
+    if run.returncode == 2 or config_now is None or (not resumed and config_now == run.config_before):
         # it never wrote the folder: the log stays beside it, whoever's run the folder holds
         run.final_log = run.log
         return

@@ -52,6 +52,15 @@ def run_contents(run_dir: Path) -> list[str]:
     return [name for name in RUN_FILES if (run_dir / name).exists()]
 
 
+def enclosing_run(path: Path) -> Path | None:
+    """The run folder (its config.yaml beside its metrics.jsonl or checkpoints) that `path` lies inside, if any."""
+    for folder in Path(os.path.abspath(path)).parents:
+        if (folder / "config.yaml").is_file() and ((folder / "metrics.jsonl").is_file()
+                                                   or (folder / "checkpoints").is_dir()):
+            return folder
+    return None
+
+
 def lock_folder(folder: Path, shared: bool = False) -> int | None:
     """Take `folder`'s exclusive lock for this process; returns the descriptor that holds it (`unlock_folder`
     releases it), or None where the folder cannot be locked (it is then not guarded). Raises FolderInUse,
@@ -116,6 +125,10 @@ def check_new_run(run_dir: Path, overwrite: bool) -> None:
     if blocking is not None:
         raise RunFolderError(f"{run_dir}: cannot create the run folder, {blocking} is a file "
                              f"(out_dir={run_dir.parent})")
+    outer = enclosing_run(run_dir)
+    if outer is not None:
+        raise RunFolderError(f"{run_dir} lies inside the run folder {outer}, whose checkpoint pruning and --overwrite "
+                             f"would take it along; train into a folder outside it (out_dir=...)")
     held = run_contents(run_dir)
     if held and not overwrite:
         raise RunFolderError(

@@ -111,6 +111,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+
+def model_flops_utilization(flops: float, step_s: float, device: torch.device) -> dict[str, float | None]:
+    """`mfu` (against PEAK_FLOPS) and `mfu_780` (ALT_PEAK_FLOPS) of a step; None off CUDA, where a GPU's peak
+    means nothing (the table says "MFU only on a GPU", and the JSON carried a number all the same)."""
+    if device.type != "cuda":
+        return {"mfu": None, "mfu_780": None}
+    return {"mfu": flops / step_s / PEAK_FLOPS, "mfu_780": flops / step_s / ALT_PEAK_FLOPS}
+
 def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, steps: int = 2,
                   micro_batch_size: int = 4, max_tokens: int = 16384, layouts=("padded", "packed"),
                   attentions=("sdpa",), checkpointing=(False, True), reference=(False, True), fuse=(False,),
@@ -172,8 +180,7 @@ def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, st
                     if with_ref:
                         flops += 2.0 * n_params * tokens + attention_flops(lengths, layers, heads, head_dim, 1)
                     row.update(tokens_per_s=tokens / row["step_s"], flops_per_step=flops,
-                               mfu=flops / row["step_s"] / PEAK_FLOPS,
-                               mfu_780=flops / row["step_s"] / ALT_PEAK_FLOPS)
+                               **model_flops_utilization(flops, row["step_s"], device))
                 results.append(row)
                 on_result(summary(n_params, complete=False))
         del learner, policy
