@@ -128,6 +128,10 @@ def test_packed_learner_options_are_checked_before_any_work(tmp_path):
     assert not (tmp_path / "no.json").exists()
     res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync", "--max-tokens-per-micro-batch", "0"])
     assert res.exit_code == 2 and "--max-tokens-per-micro-batch must be >= 1" in " ".join(res.output.split())
+    # two labels of one arm at the default slots were both timed (a review helper's find)
+    res = runner.invoke(app, ["bench", "iteration", *TINY, "--arms", "bf16+sync,kv4+sync,bf16+sync@3"])
+    assert res.exit_code == 2 and "--arms: bf16+sync, bf16+sync@3 name one arm (--max-slots 3)" in " ".join(
+        res.output.split()), res.output
 
 
 def test_offload_is_refused_on_the_cpu_before_any_work(tmp_path):

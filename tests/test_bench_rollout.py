@@ -190,6 +190,7 @@ def test_speedups_are_ratios_of_medians_with_extreme_range():
 @pytest.mark.parametrize("args, message", [
     (["--formats", "bf16,kv5"], "--formats: unknown kv5"),
     (["--formats", "bf16,bf16"], "'bf16' is given twice"),
+    (["--formats", "kv4,bf16,kv4@8"], "kv4, kv4@8 name one format at one number of slots (--max-slots 8)"),
     (["--modes", "sync,async"], "--modes: unknown async"),
     (["--shape", "qwen3-99b"], "unknown model shape 'qwen3-99b'"),
     (["--repeats", "0"], "--repeats and --batches must be >= 1"),

@@ -386,19 +386,42 @@ def test_a_file_where_a_seeds_log_would_go_is_left_as_it_was(tmp_path, monkeypat
 
 
 def test_a_seed_refused_while_another_sweeps_child_writes_its_folder_leaves_that_run_alone(tmp_path, monkeypatch):
-    """Two sweeps of one name: the second's child is refused (the folder is in use, exit 2) while the first's child
-    writes the folder's config.yaml. The refused seed took the new config.yaml for its own: it moved its log into
-    the other run's train.log and read that run's rows as its own (a review helper's find)."""
+    """Two sweeps of one name: the second's child is refused (the folder is in use) while the first's child writes
+    the folder's config.yaml and trains on. The refused seed took the new config.yaml for its own: it moved its log
+    into the other run's train.log and read that run's rows as its own (a review helper's find)."""
+    from kv4rl import multi_seed
+    from kv4rl.config import load_config
+    from kv4rl.run_folder import lock_folder, unlock_folder
+
+    folder = tmp_path / "sw-s0"
+    folder.mkdir()
+    held = lock_folder(folder)  # the other sweep's child, training in the folder (another open file: another lock)
+    try:
+        monkeypatch.setattr(multi_seed, "_start", _fake_child(  # meanwhile it writes; this seed's child is refused
+            f"import pathlib, sys; d = pathlib.Path({str(folder)!r}); (d / 'config.yaml').write_text('x'); "
+            "(d / 'metrics.jsonl').write_text('{\"iteration\": 0, \"accuracy\": 0.25}\\n'); sys.exit(2)"))
+        run = multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0"]), ["seed=0"],
+                                 tmp_path / "sw-s0.log")
+        multi_seed.launch([run], 1, announce=lambda line: None)
+    finally:
+        unlock_folder(held)
+    assert run.final_log == tmp_path / "sw-s0.log" and run.final_log.read_text() == "the child's output\n"
+    assert not (folder / "train.log").exists()
+    assert multi_seed.summary_rows([run])[0][2:5] == ["failed (exit 2)", "0", "-"]
+
+
+def test_a_seed_that_wrote_its_folder_and_then_failed_with_exit_2_keeps_its_log_there(tmp_path, monkeypatch):
+    """A ValueError in a later iteration ends `kv4rl train` with exit 2 too, after its folder was written: its log
+    and rows are the seed's (the review of the first fix, which took every exit 2 for a refusal)."""
     from kv4rl import multi_seed
     from kv4rl.config import load_config
 
     folder = tmp_path / "sw-s0"
-    monkeypatch.setattr(multi_seed, "_start", _fake_child(  # the other sweep's child writes, this one is refused
+    monkeypatch.setattr(multi_seed, "_start", _fake_child(
         f"import pathlib, sys; d = pathlib.Path({str(folder)!r}); d.mkdir(); (d / 'config.yaml').write_text('x'); "
         "(d / 'metrics.jsonl').write_text('{\"iteration\": 0, \"accuracy\": 0.25}\\n'); sys.exit(2)"))
     run = multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0"]), ["seed=0"],
                              tmp_path / "sw-s0.log")
     multi_seed.launch([run], 1, announce=lambda line: None)
-    assert run.final_log == tmp_path / "sw-s0.log" and run.final_log.read_text() == "the child's output\n"
-    assert not (folder / "train.log").exists()
-    assert multi_seed.summary_rows([run])[0][2:5] == ["failed (exit 2)", "0", "-"]
+    assert run.final_log == folder / "train.log" and run.final_log.read_text() == "the child's output\n"
+    assert multi_seed.summary_rows([run])[0][2:5] == ["failed (exit 2)", "1", "0.250"]

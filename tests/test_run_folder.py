@@ -58,19 +58,32 @@ def test_train_into_a_folder_holding_a_run_refuses_before_any_work(run):
     assert tree_state(run.parent) == before
 
 
-@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/iter_000001", "notes"])
-def test_a_run_inside_another_runs_folder_is_refused_before_any_work(run, inside):
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/iter_000001", "link to a checkpoint"])
+def test_a_run_inside_another_runs_checkpoints_is_refused_before_any_work(run, inside):
     """A run trained into `<run>/checkpoints/iter_000005` was deleted with no word when the outer run's resume
-    pruned that checkpoint (a review helper's find): a folder inside a run folder is refused, anywhere in it."""
+    pruned that checkpoint (a review helper's find): a folder in a run's checkpoints/ is refused, also through a
+    symlink."""
     before = tree_state(run)
+    if inside == "link to a checkpoint":
+        (run.parent / "link").symlink_to(run / "checkpoints" / "iter_000001")
+        inside = "../link"
     res = train_cli(f"out_dir={run / inside}", "name=nested", *SMALL, "trainer.iterations=1")
     text = " ".join(res.output.split())
-    assert res.exit_code == 2 and f"lies inside the run folder {run}" in text and "out_dir=" in text, text
-    assert tree_state(run) == before
-    # a folder that merely holds a config.yaml of the user's (no metrics, no checkpoints) is no run folder
-    (run.parent / "project").mkdir()
-    (run.parent / "project" / "config.yaml").write_text("model: mine\n")
-    res = train_cli(f"out_dir={run.parent / 'project' / 'runs'}", "name=fine", *SMALL, "trainer.iterations=1")
+    assert res.exit_code == 2 and f"lies inside the checkpoints of the run folder {run}" in text, text
+    assert "out_dir=" in text and tree_state(run) == before
+
+
+def test_a_project_folder_with_a_config_yaml_and_checkpoints_is_no_run_folder(tmp_path, monkeypatch):
+    """Beside a user's own config.yaml and checkpoints/ (the review of the first fix, which refused them), and in a
+    run folder outside its checkpoints/ (which --overwrite moves aside whole), a new run trains."""
+    project = tmp_path / "project"
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "config.yaml").write_text("model: mine\n")
+    (project / "metrics.jsonl").write_text("")
+    monkeypatch.chdir(project)
+    res = train_cli("out_dir=runs", "name=fine", *SMALL, "trainer.iterations=1")
+    assert res.exit_code == 0, res.output
+    res = train_cli(f"out_dir={project / 'runs' / 'fine' / 'notes'}", "name=beside", *SMALL, "trainer.iterations=1")
     assert res.exit_code == 0, res.output
 
 

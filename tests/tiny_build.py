@@ -22,6 +22,7 @@ import json, sys
 import torch
 from kv4rl.models import tiny
 rng_before = torch.random.get_rng_state()
+torch.set_num_threads(3)  # not the build's own 1, whatever OMP_NUM_THREADS the tests run under (xdist: 1)
 threads_before = torch.get_num_threads()
 path = tiny.tiny_model_dir(sys.argv[1], progress=False)
 print(json.dumps({"path": str(path), "rng_untouched": torch.equal(rng_before, torch.random.get_rng_state()),

@@ -11,7 +11,7 @@ win over the config file), writing its output to `<out_dir>/<name>-s<seed>.log` 
 where a file stands there already, which stays as it is). When it ends, the log moves into its run folder
 as `train.log` (appended on resume); a seed that failed before its first iteration has no folder (or its
 old one untouched, or another process's), so its log stays beside it: a child counts as having started
-only if it wrote the folder's config.yaml itself and was not refused (exit 2). On CUDA the
+only if it wrote the folder's config.yaml itself, and no other process holds the folder. On CUDA the
 children share the device: each gets `engine.gpu_memory_fraction` divided by the number running at once,
 counted against its own memory only (`engine.gpu_memory_scope=process`), since they all start together.
 """
@@ -31,7 +31,8 @@ from pathlib import Path
 from kv4rl.config import RunConfig, load_config
 from kv4rl.config_loader import apply_overrides
 from kv4rl.engine.config import EngineConfig
-from kv4rl.run_folder import FolderInUse, RunFolderError, check_new_run, config_for_resume, run_contents
+from kv4rl.run_folder import (FolderInUse, RunFolderError, check_new_run, check_not_in_use, config_for_resume,
+                              run_contents)
 
 LOG_NAME = "train.log"
 
@@ -233,6 +234,15 @@ def _config_identity(folder: Path) -> tuple | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
+def _held_by_another(folder: Path) -> bool:
+    """Whether another process trains in `folder` now (this seed's child has ended, so the lock is not its)."""
+    try:
+        check_not_in_use(folder)
+    except FolderInUse:
+        return True
+    return False
+
+
 def _claim_log(path: Path) -> tuple[Path, int]:
     """A log file of this sweep's own, made exclusively: `path`, or `<name>.2.log`, `.3`, ... where a file stands
     there already (a failed start's log, another sweep's running child's, a user's own file), which is then
@@ -265,8 +275,8 @@ def _finish(run: SeedRun) -> None:
     folder = run.cfg.run_dir
     resumed = run.args[:1] == ["--resume"]  # its own folder, checked to hold its checkpoint
     config_now = _config_identity(folder)
-    # exit 2: refused before any work (a folder in use by another sweep's child, which wrote its config.yaml)
-    if run.returncode == 2 or config_now is None or (not resumed and config_now == run.config_before):
+    if config_now is None or (not resumed and config_now == run.config_before) or _held_by_another(folder):
+        # (held: another sweep's child wrote the config.yaml and trains there; this one was refused)
         # it never wrote the folder: the log stays beside it, whoever's run the folder holds
         run.final_log = run.log
         return

@@ -53,11 +53,15 @@ def run_contents(run_dir: Path) -> list[str]:
 
 
 def enclosing_run(path: Path) -> Path | None:
-    """The run folder (its config.yaml beside its metrics.jsonl or checkpoints) that `path` lies inside, if any."""
-    for folder in Path(os.path.abspath(path)).parents:
-        if (folder / "config.yaml").is_file() and ((folder / "metrics.jsonl").is_file()
-                                                   or (folder / "checkpoints").is_dir()):
-            return folder
+    """The run folder whose checkpoints/ `path` lies in (as written, or through symlinks), if any: the run's
+    checkpoint pruning deletes its `iter_N` folders whole, and its next save may take the name. (Elsewhere in a
+    run folder, --overwrite moves a nested folder aside with it; a project folder's own config.yaml and
+    checkpoints/ beside the runs/ it trains into is no run folder.)"""
+    for where in (Path(os.path.abspath(path)), Path(path).resolve()):
+        for folder in where.parents:
+            run = folder.parent
+            if folder.name == "checkpoints" and (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file():
+                return run
     return None
 
 
@@ -127,8 +131,8 @@ def check_new_run(run_dir: Path, overwrite: bool) -> None:
                              f"(out_dir={run_dir.parent})")
     outer = enclosing_run(run_dir)
     if outer is not None:
-        raise RunFolderError(f"{run_dir} lies inside the run folder {outer}, whose checkpoint pruning and --overwrite "
-                             f"would take it along; train into a folder outside it (out_dir=...)")
+        raise RunFolderError(f"{run_dir} lies inside the checkpoints of the run folder {outer}, whose checkpoint "
+                             f"pruning would delete it; train into a folder outside them (out_dir=...)")
     held = run_contents(run_dir)
     if held and not overwrite:
         raise RunFolderError(

@@ -173,6 +173,10 @@ def prepare(bench: IterationBench) -> dict[str, RunConfig]:
     work.validate()
     if not bench.arms:
         raise ValueError("--arms is empty")
+    resolved = [(a.kv, a.mode, a.weights, a.slots or work.max_slots, a.awake) for a in bench.arms]
+    same = [a.label for a, key in zip(bench.arms, resolved) if resolved.count(key) > 1]
+    if same:  # `bf16+sync` and `bf16+sync@128` under --max-slots 128: one arm timed twice under two names
+        raise ValueError(f"--arms: {', '.join(same)} name one arm (--max-slots {work.max_slots})")
     if bench.iterations < 1:
         raise ValueError(f"--iterations must be >= 1, got {bench.iterations}")
     if bench.warmup_iterations < 1:
