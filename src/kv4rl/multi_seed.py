@@ -276,8 +276,8 @@ def _finish(run: SeedRun) -> None:
     resumed = run.args[:1] == ["--resume"]  # its own folder, checked to hold its checkpoint
     config_now = _config_identity(folder)
     if config_now is None or (not resumed and config_now == run.config_before) or _held_by_another(folder):
-        # (held: another sweep's child wrote the config.yaml and trains there; this one was refused)
-        # it never wrote the folder: the log stays beside it, whoever's run the folder holds
+        # it never wrote the folder (held: another sweep's child wrote the config.yaml and trains there, this one
+        # was refused): the log stays beside it, whoever's run the folder holds
         run.final_log = run.log
         return
     from kv4rl.telemetry.metrics import read_jsonl

@@ -111,13 +111,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-
 def model_flops_utilization(flops: float, step_s: float, device: torch.device) -> dict[str, float | None]:
     """`mfu` (against PEAK_FLOPS) and `mfu_780` (ALT_PEAK_FLOPS) of a step; None off CUDA, where a GPU's peak
     means nothing (the table says "MFU only on a GPU", and the JSON carried a number all the same)."""
     if device.type != "cuda":
         return {"mfu": None, "mfu_780": None}
     return {"mfu": flops / step_s / PEAK_FLOPS, "mfu_780": flops / step_s / ALT_PEAK_FLOPS}
+
 
 def bench_learner(shape: str, work: LearnerWorkload, *, device: torch.device, steps: int = 2,
                   micro_batch_size: int = 4, max_tokens: int = 16384, layouts=("padded", "packed"),

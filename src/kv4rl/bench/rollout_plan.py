@@ -186,7 +186,8 @@ def prepare(bench: RolloutBench) -> Plan:
     if unknown:
         raise ValueError(f"--formats: unknown {', '.join(unknown)} (known: {', '.join(sorted(KV_FORMATS))}, "
                          "each optionally with its own decode slots, e.g. kv4@256)")
-    same = [label for label, entry in entries.items() if list(entries.values()).count(entry) > 1]
+    resolved = list(entries.values())
+    same = [label for label, entry in entries.items() if resolved.count(entry) > 1]
     if same:  # `kv4` and `kv4@16` under --max-slots 16: one pool timed twice under two names
         raise ValueError(f"--formats: {', '.join(same)} name one format at one number of slots (--max-slots "
                          f"{work.max_slots})")
