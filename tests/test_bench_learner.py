@@ -46,6 +46,20 @@ def test_mfu_is_the_steps_flops_over_the_gpus_peak_and_none_off_cuda():
     assert model_flops_utilization(2.0e15, 4.0, torch.device("cpu")) == {"mfu": None, "mfu_780": None}
 
 
+def test_an_option_of_the_other_workload_is_refused_before_any_work(tmp_path):
+    """`--sigma 2` under the uniform workload (or `--seq-len` under lognormal) used to be ignored without a word."""
+    out = tmp_path / "learner.json"
+    for args, named in ((["--sigma", "2"], "--sigma"), (["--median-len", "5", "--max-len", "9"], "--median-len, --max-len"),
+                        (["--workload", "lognormal", "--seq-len", "12"], "--seq-len")):
+        res = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu",
+                                       "--json", str(out), *args])
+        assert res.exit_code != 0 and named in res.output and "only" in res.output, res.output
+        assert not out.exists()
+    # the other workload's options at their defaults, as a script may pass them, are fine
+    run(tmp_path, "--seq-len", "12", "--prompt-len", "4", "--sigma", "1.0", "--max-len", "8192",
+        "--checkpointing", "off", "--reference", "off", "--layouts", "packed")
+
+
 def test_lognormal_workload_padding(tmp_path):
     res = run(tmp_path, "--workload", "lognormal", "--num-seqs", "5", "--prompt-len", "3", "--median-len", "6",
               "--max-len", "40", "--max-tokens", "64", "--checkpointing", "off", "--reference", "off")

@@ -31,6 +31,22 @@ from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import print_table
 
 
+# `bench learner`'s workload options and their defaults: each applies to one workload only
+WORKLOAD_DEFAULTS = {"--seq-len": 4096, "--median-len": 1024, "--sigma": 1.0, "--max-len": 8192}
+WORKLOAD_OPTIONS = {"uniform": ("--seq-len",), "lognormal": ("--median-len", "--sigma", "--max-len")}
+
+
+def check_workload_options(workload: str, values: dict) -> None:
+    """Refuse an option of the other workload set away from its default (`--sigma 2` under `--workload uniform`
+    would otherwise be ignored without a word)."""
+    stray = [name for name, value in values.items()
+             if name not in WORKLOAD_OPTIONS.get(workload, values) and value != WORKLOAD_DEFAULTS[name]]
+    if stray:
+        other = next(kind for kind, names in WORKLOAD_OPTIONS.items() if kind != workload)
+        raise ValueError(f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} to --workload {other} only, "
+                         f"not to --workload {workload}")
+
+
 def register_learner_benches(app: typer.Typer) -> None:
     """Add the two commands to `kv4rl bench`."""
 
@@ -180,11 +196,13 @@ def register_learner_benches(app: typer.Typer) -> None:
         num_seqs: Annotated[int | None, Option(
             "--num-seqs", help="sequences per step (default: 16 uniform, 32 lognormal)")] = None,
         prompt_len: Annotated[int, Option("--prompt-len", help="prompt tokens of every row")] = 256,
-        seq_len: Annotated[int, Option("--seq-len", help="uniform: tokens of every row, prompt included")] = 4096,
-        median_len: Annotated[int, Option("--median-len", help="lognormal: median response length")] = 1024,
+        seq_len: Annotated[int, Option(
+            "--seq-len", help="uniform: tokens of every row, prompt included")] = WORKLOAD_DEFAULTS["--seq-len"],
+        median_len: Annotated[int, Option(
+            "--median-len", help="lognormal: median response length")] = WORKLOAD_DEFAULTS["--median-len"],
         sigma: Annotated[float, Option("--sigma", parser=finite_float,
-            help="lognormal: shape of the length tail")] = 1.0,
-        max_len: Annotated[int, Option("--max-len", help="lognormal: longest response")] = 8192,
+            help="lognormal: shape of the length tail")] = WORKLOAD_DEFAULTS["--sigma"],
+        max_len: Annotated[int, Option("--max-len", help="lognormal: longest response")] = WORKLOAD_DEFAULTS["--max-len"],
         micro_batch_size: Annotated[int, Option("--micro-batch-size", help="rows per padded micro-batch")] = 4,
         max_tokens: Annotated[int, Option("--max-tokens", help="tokens per packed micro-batch")] = 16384,
         layouts: Annotated[str, Option("--layouts", help="comma-separated: padded, packed")] = "padded,packed",
@@ -229,6 +247,8 @@ def register_learner_benches(app: typer.Typer) -> None:
         try:
             shape_args(shape, qwen3_args)
             check_at_least(1, ("--num-seqs", num_seqs))  # None: the workload's default
+            check_workload_options(workload, {"--seq-len": seq_len, "--median-len": median_len, "--sigma": sigma,
+                                              "--max-len": max_len})
             work = LearnerWorkload(kind=workload, num_seqs=num_seqs or (32 if workload == "lognormal" else 16),
                                    prompt_len=prompt_len, seq_len=seq_len, median_len=median_len, sigma=sigma,
                                    max_len=max_len, seed=seed)
