@@ -40,7 +40,11 @@ def means_of(rows: list[dict], where: str) -> dict[str, float]:
             state = "null" if key in missing[0] else "missing"
             raise ValueError(f"{where}: '{key}' {state} at iteration {missing[0]['iteration']}")
     means = {k: math.fsum(r[k] for r in rows) / len(rows) for k in (*PHASES, "time_total")}
-    means["other"] = means["time_total"] - sum(means[k] for k in PHASES)
+    timed = math.fsum(means[k] for k in PHASES)
+    if timed > means["time_total"] * (1 + 1e-9) + 1e-9:  # the loop times every phase inside time_total
+        raise ValueError(f"{where}: the phases' mean seconds add up to {timed:.6g}, more than the mean time_total "
+                         f"{means['time_total']:.6g}; the loop times them inside it (a metrics file edited by hand?)")
+    means["other"] = max(0.0, means["time_total"] - timed)  # no negative bar from float rounding
     means["iterations"] = len(rows)
     return means
 
