@@ -131,6 +131,28 @@ def test_exact_reward_takes_ascii_digits_only():
         verify(r"\boxed{16}", "١٦")
 
 
+def test_exact_reward_compares_integers_past_int_s_digit_limit():
+    """int() refuses strings past 4,300 digits: a degenerate response of repeated digits raised out of the reward
+    and stopped the run. Values compare by sign and digits instead (leading zeros, a plus sign, minus zero)."""
+    from kv4rl.rewards.math import exact_match
+
+    reward = get_reward("exact")
+    long = "7" * 4301
+    assert reward([f"\\boxed{{{long}}}", f"\\boxed{{{'0' * 5000}7}}"], ["7", "7"]).scores == [0.0, 1.0]
+    assert reward([f"\\boxed{{{long}}}"], [long]).scores == [1.0]
+    assert [exact_match(p, g) for p, g in (("-0", "0"), ("+7", "7"), ("-7", "7"), ("007", "7"), ("-007", "-7"),
+                                           ("70", "7"), ("0", "00"))] == [True, True, False, True, True, False, True]
+
+
+def test_math_verify_survives_a_subscript_past_int_s_digit_limit_and_logs_a_long_answer_shortened():
+    """`52_{<5,000 digits>}` raised int()'s digit-limit error inside the base rule (a base is 2-36: two digits at
+    most), and the reward's warning of a failed check carried the whole answer."""
+    from kv4rl.rewards.math import _shortened
+
+    assert isinstance(verify_answer("52_{" + "9" * 5000 + "}", "52_8"), bool)
+    assert _shortened("x" * 5000) == "x" * 200 + "... (5,000 characters)" and _shortened("abc") == "abc"
+
+
 def test_exact_reward_scores_and_counts():
     responses = [
         r"\boxed{007}",
@@ -231,6 +253,13 @@ def test_math_verify_reads_the_latex_it_misparsed_in_training_golds(math_reward)
         ("17 dollars", "18", False),
         ("18 x", "18", False),  # one letter: a variable, not a unit
         ("18 dollars", "x", False),
+        # words that change the number rather than name its unit are not dropped (`2 pi` scored 1 against 2)
+        ("2 pi", "2", False),
+        ("18 thousand", "18", False),
+        ("2 million", "2", False),
+        ("18 squared", "18", False),
+        ("18 or more", "18", False),
+        ("3 times", "3", True),
         # a square or cubic unit (math-verify read `18~\text{cm}^2` as nothing)
         (r"18~\text{cm}^2", "18", True),
         (r"18 \text{ cm}^{2}", "18", True),

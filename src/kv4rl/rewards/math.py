@@ -55,7 +55,7 @@ _FRAC_ARGUMENT = r"(\{[^{}]*\}|\\[a-zA-Z]+|[0-9a-zA-Z])"
 _BARE_FRAC = re.compile(r"\\([dt]?frac)\s*" + _FRAC_ARGUMENT + r"\s*" + _FRAC_ARGUMENT)
 _GROUPED_NUMBER = re.compile(r"\{(\d{1,3}(?:,\d{3})+)\}")
 _THIN_SPACED_NUMBER = re.compile(r"(?<![\d.])\d{1,3}(?:\\,\d{3})+(?![\d.])")
-_BASE_NUMBER = re.compile(r"(\d[0-9A-Za-z]*)_(?:\{(\d+)\}|(\d+))")
+_BASE_NUMBER = re.compile(r"(\d[0-9A-Za-z]*)_(?:\{(\d{1,2})\}|(\d{1,2}))")  # bases 2-36
 # thousands apart by a no-break, thin or narrow no-break space, anywhere; by a plain space, as the whole answer
 _UNICODE_SPACED_NUMBER = re.compile(r"(?<![\d.])\d{1,3}(?:[\u00a0\u2009\u202f]\d{3})+(?![\d.])")
 _SPACED_NUMBER = re.compile(r"-?\d{1,3}(?: \d{3})+")
@@ -116,6 +116,11 @@ _NUMBER_WITH_UNIT = re.compile(
 
 
 _TEXT_WRAPPED = re.compile(r"\\(?:text|mbox|mathrm)\{(.*)\}")
+# words after a number that change its value rather than name its unit: `2 pi`, `18 thousand`, `18 squared`, `18 or
+# more` are not 2 or 18
+_NOT_UNITS = frozenset({"pi", "hundred", "thousand", "million", "billion", "trillion", "dozen", "squared", "cubed",
+                        "or", "and", "plus", "minus", "over", "halves", "thirds", "quarters", "tenths", "hundredths",
+                        "thousandths"})
 
 
 def _unit_dropped(predicted: str, gold: str) -> str:
@@ -126,7 +131,9 @@ def _unit_dropped(predicted: str, gold: str) -> str:
     text = predicted.strip()
     wrapped = _TEXT_WRAPPED.fullmatch(text)  # `\text{18 dollars}` whole
     match = _NUMBER_WITH_UNIT.fullmatch(wrapped.group(1).strip() if wrapped else text)
-    return match.group(1) if match else predicted
+    if match is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", match.group(0)[match.end(1):])):
+        return predicted
+    return match.group(1)
 
 
 def verify_answer(predicted: str, gold: str) -> bool:
@@ -148,12 +155,24 @@ def verify_answer(predicted: str, gold: str) -> bool:
 _INTEGER = re.compile(r"[+-]?[0-9]+")  # ASCII digits: `\d` took ١٦ (Arabic-Indic) as 16
 
 
+def _integer_key(text: str) -> tuple[bool, str]:
+    """An integer string's (negative, digits without leading zeros): its value without int(), which refuses
+    strings past 4,300 digits (a degenerate response of repeated digits raised out of the reward)."""
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return text.startswith("-") and digits != "0", digits
+
+
 def exact_match(predicted: str, gold: str) -> bool:
-    """Equal after stripping surrounding whitespace; two integers compare by value (`007` == `7`)."""
+    """Equal after stripping surrounding whitespace; two integers compare by value (`007` == `7`, `-0` == `0`)."""
     predicted, gold = predicted.strip(), gold.strip()
     if _INTEGER.fullmatch(predicted) and _INTEGER.fullmatch(gold):
-        return int(predicted) == int(gold)
+        return _integer_key(predicted) == _integer_key(gold)
     return predicted == gold
+
+
+def _shortened(text: str, keep: int = 200) -> str:
+    """A model's answer for a log line: a degenerate one may be thousands of characters."""
+    return text if len(text) <= keep else f"{text[:keep]}... ({len(text):,} characters)"
 
 
 def _boxed_answers(responses: list[str]) -> list[str | None]:
@@ -220,7 +239,7 @@ class MathVerifyReward(Reward):
                 counts["timeouts"] += 1
             else:
                 counts["errors"] += 1
-                logger.warning("math_verify check failed on %r: %s", answers[index], value)
+                logger.warning("math_verify check failed on %r: %s", _shortened(answers[index]), value)
         return RewardResult(scores, {name: float(count) for name, count in counts.items()})
 
     def close(self) -> None:
