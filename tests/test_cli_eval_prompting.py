@@ -211,3 +211,54 @@ def test_eval_of_a_latest_that_names_a_missing_checkpoint_says_so(tmp_path):
     assert res.exit_code == 2, res.output
     assert f"{ckpts / 'latest'} names iter_000009, which is not in {ckpts} (deleted or moved?)" in text, text
     assert "removed" not in text and "keep_last" not in text
+
+
+def test_eval_outputs_may_not_land_in_the_model_or_a_runs_files(tmp_path):
+    """`--json <model>/config.json` replaced the evaluated model's config, `--json <run>/metrics.jsonl` a run's
+    training log and `--samples <run>/checkpoints/latest` its pointer: each is refused before any work, the files
+    unchanged. A file of the run folder that is none of its own (`<run>/eval.json`) is fine to name."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+    from kv4rl.models.tiny import tiny_model_dir
+
+    run = tmp_path / "runs" / "r"
+    ckpts = run / "checkpoints"
+    shutil.copytree(tiny_model_dir(), ckpts / "iter_000002")
+    (ckpts / "latest").write_text("iter_000002")
+    (run / "config.yaml").write_text("trainer: {}\n")
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(), model)
+    before = {p: p.read_bytes() for p in (model / "config.json", run / "metrics.jsonl", ckpts / "latest")}
+    for args, said in (
+        (["--model", str(model), "--json", str(model / "config.json")], "inside the model folder --model"),
+        (["--model", str(model), "--samples", str(model / "sub" / "s.jsonl")], "inside the model folder --model"),
+        (["--model", str(ckpts / "latest"), "--json", str(run / "metrics.jsonl")], "is the metrics.jsonl of the run"),
+        (["--model", str(model), "--samples", str(ckpts / "latest")], "inside the checkpoints/ of run"),
+    ):
+        res = CliRunner().invoke(app, ["eval", "--n", "2", "--k", "1", "--device", "cpu", *args])
+        assert res.exit_code == 2 and said in res.output, (args, res.output)
+    assert {p: p.read_bytes() for p in before} == before and not (model / "sub").exists()
+    res = CliRunner().invoke(app, ["eval", "--model", str(model), "--n", "2", "--k", "1", "--device", "cpu",
+                                   "--json", str(run / "eval.json")])
+    assert res.exit_code == 0 and (run / "eval.json").is_file(), res.output
+
+
+def test_eval_refuses_one_data_file_given_twice_and_says_a_gguf_file_needs_converting(tmp_path):
+    """`--data a.jsonl --data ./a.jsonl` counted its problems twice; a GGUF file as --model got the plain 'is a file'."""
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    res = CliRunner().invoke(app, ["eval", "--data", str(data), "--data", str(tmp_path / "." / "a.jsonl"), "--n", "1",
+                                   "--k", "1", "--device", "cpu"])
+    assert res.exit_code == 2 and "is given twice" in res.output, res.output
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    res = CliRunner().invoke(app, ["eval", "--model", str(gguf), "--n", "1", "--k", "1", "--device", "cpu"])
+    assert res.exit_code != 0 and "GGUF file is not read directly" in res.output, res.output

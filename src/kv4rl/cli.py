@@ -23,6 +23,7 @@ from kv4rl.cli_common import (
     check_at_least,
     check_device,
     check_output_path,
+    check_spares_models_and_runs,
     console,
     fail,
     option_list,
@@ -249,7 +250,7 @@ def build_model_cmd(
 ) -> None:
     """Build (or reload from the cache) a testbed model: a task's supervised warm-up stopped where RL has
     room to learn. Train on it with `kv4rl train model.testbed=<task>-<size>` (or model.path=<folder>)."""
-    from kv4rl.models.testbed import TESTBEDS, check_testbed, read_metadata, testbed_model_dir
+    from kv4rl.models.testbed import TESTBEDS, check_testbed, read_metadata, testbed_folder, testbed_model_dir
     from kv4rl.models.tiny import default_cache_dir
     from kv4rl.paths import file_in_path
 
@@ -270,6 +271,7 @@ def build_model_cmd(
     except ValueError as exc:
         fail(str(exc))
     check_output_path(json_out)
+    check_spares_models_and_runs({"--json": json_out}, {"the testbed's model folder": testbed_folder(name, cache)})
     from kv4rl.engine.placement import resolve_device
 
     if size == "gpu" and resolve_device(device).type == "cpu":

@@ -20,6 +20,7 @@ from kv4rl.cli_common import (
     check_device,
     check_temperature,
     check_not_an_input,
+    check_spares_models_and_runs,
     check_output_path,
     console,
     engine_config,
@@ -204,7 +205,12 @@ def eval_cmd(
     check_output_path(json_out, create=False)  # folders made once the data and model have loaded
     check_output_path(samples_out, "--samples", create=False)
     files = list(data or [])
+    for i, path in enumerate(files):  # one file twice would count its problems twice
+        earlier = next((other for other in files[:i] if other.resolve() == path.resolve()), None)
+        if earlier is not None:
+            fail(f"--data {path} is given twice (also as --data {earlier}); its problems would count twice")
     check_not_an_input({"--json": json_out, "--samples": samples_out}, {f"--data {path}": path for path in files})
+    check_spares_models_and_runs({"--json": json_out, "--samples": samples_out}, {"the model folder --model": model})
     data = None if not files else files[0] if len(files) == 1 else files  # a list: its rows one file after another
     ranks = distributed.init_from_torchrun(device)
     try:

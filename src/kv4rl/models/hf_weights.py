@@ -51,8 +51,10 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
         if named is not None:
             raise ModelFolderError(f"{model_dir} is the file that names a run's newest checkpoint; give the "
                                    f"checkpoint: {named}")
+        gguf = (" (a GGUF file is not read directly: convert it to a folder first, as the README's SmolLM2 section "
+                "does with kv4rl.models.smollm2)") if model_dir.suffix.lower() == ".gguf" else ""
         raise ModelFolderError(f"model folder {model_dir} is a file; give the folder holding config.json and "
-                               f"the *.safetensors weights")
+                               f"the *.safetensors weights{gguf}")
     if not model_dir.is_dir():
         raise ModelFolderError(f"model folder {model_dir} does not exist (nothing is downloaded: a Hugging Face Hub "
                                f"id such as Qwen/Qwen3-8B must be downloaded to a local folder first, e.g. with "
