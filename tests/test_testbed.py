@@ -95,6 +95,52 @@ def test_a_failing_build_leaves_nothing_behind_and_a_stale_recipe_rebuilds(testb
     assert len(calls) == 1 and testbed.is_complete(final, testbed.SPECS["longmul-test"])
 
 
+def test_a_cached_build_whose_weights_no_longer_match_its_record_is_rebuilt(testbed_cache, tmp_path,
+                                                                            monkeypatch) -> None:
+    """A weights file cut short (a crash, a full disk) kept its folder "complete": build-model reported it with the
+    record's fingerprint and every run that loaded it failed. Its hash against the record now says otherwise."""
+    _, built = testbed_cache
+    final = tmp_path / built.name
+    shutil.copytree(built, final)
+    spec = testbed.SPECS["longmul-test"]
+    assert testbed.is_complete(final, spec)
+    with (final / "model.safetensors").open("r+b") as f:
+        f.truncate(1000)
+    assert not testbed.is_complete(final, spec)
+    calls = []
+
+    def copy(spec, out_dir, progress, device) -> None:
+        calls.append(out_dir)
+        for item in built.iterdir():
+            shutil.copy2(item, out_dir / item.name)
+
+    monkeypatch.setattr(testbed, "_write_model", copy)
+    assert testbed.testbed_model_dir("longmul-test", tmp_path, progress=False) == final
+    assert len(calls) == 1 and testbed.is_complete(final, spec)
+    assert (final / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
+
+
+def test_build_model_keeps_its_json_out_of_the_model_and_names_a_failed_write(testbed_cache, tmp_path,
+                                                                              monkeypatch) -> None:
+    """`--json <cache>/<testbed>/config.json` replaced the built model's config; a build that cannot write (a full
+    disk) printed a traceback instead of one line naming it."""
+    cache, built = testbed_cache
+    config = (built / "config.json").read_bytes()
+    res = runner.invoke(app, ["build-model", "--task", "longmul", "--size", "test", "--device", "cpu",
+                              "--cache-dir", str(cache), "--json", str(built / "config.json")])
+    assert res.exit_code == 2 and "inside the testbed's model folder" in res.output, res.output
+    assert (built / "config.json").read_bytes() == config
+
+    def full_disk(spec, out_dir, progress, device) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(testbed, "_write_model", full_disk)
+    res = runner.invoke(app, ["build-model", "--task", "longmul", "--size", "test", "--device", "cpu",
+                              "--cache-dir", str(tmp_path / "c")])
+    assert res.exit_code == 2 and "No space left on device" in res.output and "nothing was installed" in res.output
+    assert "Traceback" not in res.output and list((tmp_path / "c").iterdir()) == []
+
+
 def test_solution_probability_matches_a_float64_sum_per_problem(testbed_cache) -> None:
     _, path = testbed_cache
     model = AutoModelForCausalLM.from_pretrained(path).eval()

@@ -2,8 +2,8 @@
 
 Several processes may build the same cached model at once (parallel runs, tests); each builds in
 its own staging folder and renames it into place. The first complete folder wins; an incomplete or
-stale one (files missing, an older recipe or version) is moved aside and dropped, never half-replaced.
-Weights are not hashed at each start, so a folder edited by hand in place is not detected.
+stale one (files missing, an older recipe or version, weights that no longer hash to the build record's
+fingerprint) is moved aside and dropped, never half-replaced.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from kv4rl.file_modes import honour_umask
 from kv4rl.graceful_stop import cleanup_on_sigterm
@@ -69,7 +71,10 @@ def cached_build(parent: Path, tag: str, build: Callable[[Path], None], is_compl
     with cleanup_on_sigterm():  # a SIGTERM mid-build removes the staging folder too
         staging = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=parent))
         try:
-            build(staging)
+            try:
+                build(staging)
+            except (OSError, SafetensorError) as exc:  # a full disk: one line naming it, not a traceback
+                raise ValueError(f"{what} in {parent} failed: {exc} (nothing was installed)") from exc
             honour_umask(staging)  # mkdtemp made it private, safetensors its weights; others read the cache
             move_into_place(staging, final, is_complete, tag)
         finally:

@@ -84,3 +84,15 @@ def row_fingerprint(model_dir: str | Path) -> str | None:
     """`model_fingerprint` as a metrics row records it (`model_sha256`: its first `ROW_CHARS` hex digits)."""
     found = model_fingerprint(model_dir)
     return None if found is None else found[:ROW_CHARS]
+
+
+def weights_match_record(model_dir: str | Path) -> bool:
+    """False when a kv4rl build's weights no longer hash to the fingerprint its record stored (a file cut short by a
+    crash or a full disk, or edited), or cannot be read; True for a folder whose record stored none."""
+    recorded = recorded_sha256(model_dir)
+    if recorded is None:
+        return True
+    try:
+        return weights_sha256(model_dir) == recorded
+    except (OSError, ValueError):
+        return False

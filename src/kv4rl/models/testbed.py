@@ -31,7 +31,7 @@ from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.longmul import LongMulTask
 from kv4rl.data.synthetic import ArithmeticTask
 from kv4rl.models.cache_install import cached_build
-from kv4rl.models.fingerprint import weights_sha256
+from kv4rl.models.fingerprint import weights_match_record, weights_sha256
 from kv4rl.models.testbed_spec import TASK_TYPES, TestbedSpec
 from kv4rl.models.tiny import _progress_bar, _torch_threads, _transformers_progress_off, default_cache_dir
 from kv4rl.models.warmup import measure, warm_up
@@ -89,13 +89,23 @@ def testbed_model_dir(name: str, cache_dir: str | Path | None = None, progress: 
                         lambda path: is_complete(path, spec), f"building the {name} testbed")
 
 
+def testbed_folder(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Where the cached testbed `name` lives (built or not): what `testbed_model_dir` returns."""
+    from kv4rl.models.tiny import VERSION_TAG as TINY_TAG
+
+    parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return parent / (TINY_TAG if name == "arith-tiny" else f"{VERSION_TAG}-{name}")
+
+
 def is_complete(model_dir: str | Path, spec: TestbedSpec) -> bool:
     """True when `model_dir` holds every file of a finished build of `spec` at this version."""
     model_dir = Path(model_dir)
     if not all((model_dir / name).is_file() for name in REQUIRED_FILES):
         return False
     metadata = read_metadata(model_dir)
-    return metadata is not None and metadata.get("version") == VERSION_TAG and metadata.get("recipe") == spec.recipe()
+    if metadata is None or metadata.get("version") != VERSION_TAG or metadata.get("recipe") != spec.recipe():
+        return False
+    return weights_match_record(model_dir)  # a weights file cut short is rebuilt, not reported as the build
 
 
 def read_metadata(model_dir: str | Path) -> dict | None:
