@@ -260,6 +260,11 @@ def test_math_verify_reads_the_latex_it_misparsed_in_training_golds(math_reward)
         ("18 squared", "18", False),
         ("18 or more", "18", False),
         ("3 times", "3", True),
+        # ... only as the first word: these are units
+        ("18 dozen eggs", "18", True),
+        ("12 quarters", "12", True),
+        ("50 meters squared", "50", True),
+        ("20 dollars and cents", "20", True),
         # a square or cubic unit (math-verify read `18~\text{cm}^2` as nothing)
         (r"18~\text{cm}^2", "18", True),
         (r"18 \text{ cm}^{2}", "18", True),

@@ -116,11 +116,10 @@ _NUMBER_WITH_UNIT = re.compile(
 
 
 _TEXT_WRAPPED = re.compile(r"\\(?:text|mbox|mathrm)\{(.*)\}")
-# words after a number that change its value rather than name its unit: `2 pi`, `18 thousand`, `18 squared`, `18 or
-# more` are not 2 or 18
-_NOT_UNITS = frozenset({"pi", "hundred", "thousand", "million", "billion", "trillion", "dozen", "squared", "cubed",
-                        "or", "and", "plus", "minus", "over", "halves", "thirds", "quarters", "tenths", "hundredths",
-                        "thousandths"})
+# a first word after a number that changes its value rather than names its unit: `2 pi`, `18 thousand`, `18 squared`,
+# `18 or more` are not 2 or 18 (`50 meters squared`, `18 dozen eggs` keep their unit dropped)
+_NOT_UNITS = frozenset({"pi", "hundred", "thousand", "million", "billion", "trillion", "squared", "cubed", "or", "plus",
+                        "minus", "over"})
 
 
 def _unit_dropped(predicted: str, gold: str) -> str:
@@ -131,7 +130,10 @@ def _unit_dropped(predicted: str, gold: str) -> str:
     text = predicted.strip()
     wrapped = _TEXT_WRAPPED.fullmatch(text)  # `\text{18 dollars}` whole
     match = _NUMBER_WITH_UNIT.fullmatch(wrapped.group(1).strip() if wrapped else text)
-    if match is None or any(w.lower() in _NOT_UNITS for w in re.findall(r"[A-Za-z]+", match.group(0)[match.end(1):])):
+    if match is None:
+        return predicted
+    unit = [w for w in re.findall(r"[A-Za-z]+", match.group(0)[match.end(1):]) if w not in ("text", "mbox", "mathrm")]
+    if unit and unit[0].lower() in _NOT_UNITS:
         return predicted
     return match.group(1)
 
