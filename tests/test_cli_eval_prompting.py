@@ -216,7 +216,7 @@ def test_eval_of_a_latest_that_names_a_missing_checkpoint_says_so(tmp_path):
 def test_eval_outputs_may_not_land_in_the_model_or_a_runs_files(tmp_path):
     """`--json <model>/config.json` replaced the evaluated model's config, `--json <run>/metrics.jsonl` a run's
     training log and `--samples <run>/checkpoints/latest` its pointer: each is refused before any work, the files
-    unchanged. A file of the run folder that is none of its own (`<run>/eval.json`) is fine to name."""
+    unchanged. Files that are none of theirs are fine to name."""
     import shutil
 
     from typer.testing import CliRunner
@@ -234,17 +234,24 @@ def test_eval_outputs_may_not_land_in_the_model_or_a_runs_files(tmp_path):
     shutil.copytree(tiny_model_dir(), model)
     before = {p: p.read_bytes() for p in (model / "config.json", run / "metrics.jsonl", ckpts / "latest")}
     for args, said in (
-        (["--model", str(model), "--json", str(model / "config.json")], "inside the model folder --model"),
-        (["--model", str(model), "--samples", str(model / "sub" / "s.jsonl")], "inside the model folder --model"),
+        (["--model", str(model), "--json", str(model / "config.json")], "is a file of the model folder --model"),
+        (["--model", str(model), "--samples", str(model / "new.safetensors")], "is a file of the model folder --model"),
         (["--model", str(ckpts / "latest"), "--json", str(run / "metrics.jsonl")], "is the metrics.jsonl of the run"),
         (["--model", str(model), "--samples", str(ckpts / "latest")], "inside the checkpoints/ of run"),
     ):
         res = CliRunner().invoke(app, ["eval", "--n", "2", "--k", "1", "--device", "cpu", *args])
         assert res.exit_code == 2 and said in res.output, (args, res.output)
-    assert {p: p.read_bytes() for p in before} == before and not (model / "sub").exists()
-    res = CliRunner().invoke(app, ["eval", "--model", str(model), "--n", "2", "--k", "1", "--device", "cpu",
-                                   "--json", str(run / "eval.json")])
-    assert res.exit_code == 0 and (run / "eval.json").is_file(), res.output
+    assert {p: p.read_bytes() for p in before} == before and not (model / "new.safetensors").exists()
+    # beside a run's files, beside the model's (which loads only its own), a run file's name in a folder that holds
+    # no run (a project's own config.yaml, no metrics.jsonl), twice in the working directory: fine
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("trainer: {}\n")
+    for out in (run / "eval.json", model / "eval.json", project / "rollout_trace.jsonl", tmp_path / "metrics.jsonl",
+                tmp_path / "metrics.jsonl"):
+        res = CliRunner().invoke(app, ["eval", "--model", str(model), "--n", "2", "--k", "1", "--device", "cpu",
+                                       "--json", str(out)])
+        assert res.exit_code == 0 and out.is_file(), (out, res.output)
 
 
 def test_eval_refuses_one_data_file_given_twice_and_says_a_gguf_file_needs_converting(tmp_path):

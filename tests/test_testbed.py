@@ -128,7 +128,7 @@ def test_build_model_keeps_its_json_out_of_the_model_and_names_a_failed_write(te
     config = (built / "config.json").read_bytes()
     res = runner.invoke(app, ["build-model", "--task", "longmul", "--size", "test", "--device", "cpu",
                               "--cache-dir", str(cache), "--json", str(built / "config.json")])
-    assert res.exit_code == 2 and "inside the testbed's model folder" in res.output, res.output
+    assert res.exit_code == 2 and "is a file of the testbed's model folder" in res.output, res.output
     assert (built / "config.json").read_bytes() == config
 
     def full_disk(spec, out_dir, progress, device) -> None:

@@ -23,7 +23,6 @@ from kv4rl.cli_common import (
     check_at_least,
     check_device,
     check_output_path,
-    check_spares_models_and_runs,
     console,
     fail,
     option_list,
@@ -32,6 +31,7 @@ from kv4rl.cli_common import (
     write_json,
     wrote,
 )
+from kv4rl.cli_outputs import check_spares_models_and_runs
 from kv4rl.cli_eval import eval_cmd
 from kv4rl.cli_plot import plot_app
 from kv4rl.cli_sim import sim_app

@@ -235,24 +235,6 @@ def check_not_an_input(outputs: dict[str, Path | None], inputs: dict[str, Path |
         seen[path.resolve()] = option
 
 
-def check_spares_models_and_runs(outputs: dict[str, Path | None], models: dict[str, Path | None]) -> None:
-    """Refuse an output path inside a model folder read or built (`models`: what -> folder; `--json <model>/config.json`
-    replaced its config), inside a run's checkpoints/ (`--samples <run>/checkpoints/latest` replaced its pointer) or
-    naming a run's own file (`--json <run>/metrics.jsonl` replaced its log): writing there destroys what they hold."""
-    from kv4rl.run_folder import RUN_FILES, enclosing_run, run_contents
-
-    for option, path in ((o, p) for o, p in outputs.items() if p is not None):
-        where = path.resolve()
-        for what, folder in ((w, f.resolve()) for w, f in models.items() if f is not None):
-            if where == folder or folder in where.parents:
-                fail(f"{option} {path} is inside {what} {folder}; writing it would change that model, give a path "
-                     "outside it")
-        if enclosing_run(path) is not None:
-            fail(f"{option} {path} is inside the checkpoints/ of run {enclosing_run(path)}; give a path outside them")
-        if where.name in RUN_FILES and run_contents(where.parent):
-            fail(f"{option} {path} is the {where.name} of the run in {where.parent}; give another path")
-
-
 class _LogLines(logging.Formatter):
     """A warning reads as the CLI's own (`warning: ...`, as `warn` prints); with -v the INFO lines keep the
     module that said them."""

@@ -20,7 +20,6 @@ from kv4rl.cli_common import (
     check_device,
     check_temperature,
     check_not_an_input,
-    check_spares_models_and_runs,
     check_output_path,
     console,
     engine_config,
@@ -30,6 +29,7 @@ from kv4rl.cli_common import (
     write_together,
     wrote,
 )
+from kv4rl.cli_outputs import check_spares_models_and_runs
 from kv4rl.telemetry.progress import StageProgress
 from kv4rl.telemetry.tables import metric_table, print_table
 
