@@ -83,6 +83,13 @@ def test_a_failing_build_leaves_nothing_behind_and_a_stale_recipe_rebuilds(testb
     record = json.loads((final / testbed.METADATA_FILE).read_text())
     record["recipe"]["steps"] += 1
     (final / testbed.METADATA_FILE).write_text(json.dumps(record))
+    calls = _build_by_copying(built, monkeypatch)
+    assert testbed.testbed_model_dir("longmul-test", tmp_path, progress=False) == final
+    assert len(calls) == 1 and testbed.is_complete(final, testbed.SPECS["longmul-test"])
+
+
+def _build_by_copying(built: Path, monkeypatch) -> list:
+    """Make a testbed build copy the session's built folder (seconds saved); returns the list of its staging folders."""
     calls = []
 
     def copy(spec, out_dir, progress, device) -> None:
@@ -91,8 +98,7 @@ def test_a_failing_build_leaves_nothing_behind_and_a_stale_recipe_rebuilds(testb
             shutil.copy2(item, out_dir / item.name)
 
     monkeypatch.setattr(testbed, "_write_model", copy)
-    assert testbed.testbed_model_dir("longmul-test", tmp_path, progress=False) == final
-    assert len(calls) == 1 and testbed.is_complete(final, testbed.SPECS["longmul-test"])
+    return calls
 
 
 def test_a_cached_build_whose_weights_no_longer_match_its_record_is_rebuilt(testbed_cache, tmp_path,
@@ -107,14 +113,7 @@ def test_a_cached_build_whose_weights_no_longer_match_its_record_is_rebuilt(test
     with (final / "model.safetensors").open("r+b") as f:
         f.truncate(1000)
     assert not testbed.is_complete(final, spec)
-    calls = []
-
-    def copy(spec, out_dir, progress, device) -> None:
-        calls.append(out_dir)
-        for item in built.iterdir():
-            shutil.copy2(item, out_dir / item.name)
-
-    monkeypatch.setattr(testbed, "_write_model", copy)
+    calls = _build_by_copying(built, monkeypatch)
     assert testbed.testbed_model_dir("longmul-test", tmp_path, progress=False) == final
     assert len(calls) == 1 and testbed.is_complete(final, spec)
     assert (final / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
