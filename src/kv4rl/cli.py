@@ -31,8 +31,8 @@ from kv4rl.cli_common import (
     write_json,
     wrote,
 )
-from kv4rl.cli_outputs import check_spares_models_and_runs
 from kv4rl.cli_eval import eval_cmd
+from kv4rl.cli_outputs import check_spares_models_and_runs
 from kv4rl.cli_plot import plot_app
 from kv4rl.cli_sim import sim_app
 from kv4rl.config_loader import ConfigError
