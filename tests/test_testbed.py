@@ -180,6 +180,26 @@ def test_config_names_a_testbed_or_a_path_not_both() -> None:
         load_config(None, ["model.testbed=longmul-test", "model.path=/x"])
 
 
+def test_a_testbed_run_below_the_response_limit_its_build_measured_is_warned(testbed_cache, tmp_path) -> None:
+    """`model.testbed=longmul-test` alone kept the embedded task's 16 new tokens: every response was cut before its
+    answer, and the only hint came after the first iteration. The build's own limit is named before any work; a
+    run that reaches it, one on a data file, and the embedded model are told nothing."""
+    from kv4rl.run_setup import short_response_warning
+
+    _, path = testbed_cache
+    need = testbed.read_metadata(path)["eval_max_new_tokens"]
+    said = short_response_warning(load_config(None, []), path)
+    assert said is not None and f"below the {need} tokens" in said and "testbed longmul-test" in said
+    assert f"rollout.max_new_tokens={need}" in said
+    assert short_response_warning(load_config(None, [f"rollout.max_new_tokens={need}"]), path) is None
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    assert short_response_warning(load_config(None, [f"data.train={data}"]), path) is None
+    from kv4rl.models.tiny import tiny_model_dir
+
+    assert short_response_warning(load_config(None, []), tiny_model_dir()) is None
+
+
 @pytest.mark.slow
 def test_train_on_the_test_testbed_recipe(testbed_cache, tmp_path, monkeypatch) -> None:
     cache, _ = testbed_cache

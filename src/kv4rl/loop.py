@@ -56,6 +56,7 @@ from kv4rl.run_setup import (
     find_restore,
     finished_summary,
     resolve_model_dir,
+    short_response_warning,
     task_of_model,
 )
 from kv4rl.telemetry.attribution import MismatchAttribution
@@ -129,6 +130,8 @@ def build(cfg: RunConfig, restore: Restore | None, show_progress: bool) -> Setup
     if source is None:
         source = ProblemSource(None, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                task=task_of_model(base_dir), **cfg.data.prompt_limit())
+    if ranks.main and (short := short_response_warning(cfg, base_dir)) is not None:
+        log.warning(short)
     if restore is not None:
         check_same_stream(restore, source.stream_fingerprint(), cfg.run_dir / "config.yaml")
         check_same_model(restore, base_dir, cfg.run_dir / "metrics.jsonl")

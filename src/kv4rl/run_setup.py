@@ -30,6 +30,20 @@ def task_of_model(model_dir: Path):
     return task_of(model_dir)
 
 
+def short_response_warning(cfg: RunConfig, model_dir: Path) -> str | None:
+    """A testbed's answers need the response limit its build measured them with; a run on its task with a lower
+    `rollout.max_new_tokens` (the default 16 is the embedded task's) cuts every one of them before its answer."""
+    from kv4rl.models.testbed import read_metadata
+
+    record = read_metadata(model_dir) or {}
+    need = record.get("eval_max_new_tokens")
+    if cfg.data.train or not isinstance(need, int) or cfg.rollout.max_new_tokens >= need:
+        return None
+    return (f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} is below the {need} tokens the build of testbed "
+            f"{record.get('testbed', model_dir.name)} measured its answers with: responses will be cut before their "
+            f"answers; set rollout.max_new_tokens={need} (or more), as recipes/testbed_*.yaml do")
+
+
 def resolve_model_dir(cfg: RunConfig, progress: bool = True) -> Path:
     if cfg.model.testbed is not None:
         from kv4rl.models.testbed import testbed_model_dir

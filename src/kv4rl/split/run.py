@@ -35,6 +35,7 @@ from kv4rl.run_setup import (
     find_restore,
     finished_summary,
     resolve_model_dir,
+    short_response_warning,
     task_of_model,
 )
 from kv4rl.split.channel import EngineLink, HeadLink, SplitGroups, make_groups, weight_manifest
@@ -122,6 +123,8 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     if ranks.main:
         barrier()
     model_sha256 = row_fingerprint(base_dir) if head else None  # the config's model, also on resume
+    if head and (short := short_response_warning(cfg, base_dir)) is not None:
+        log.warning(short)
     # every rank checks a resume's stream and the head records it: the learner ranks read no problems otherwise
     stream = (source or ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                                       task=None if cfg.data.train else task_of_model(base_dir),

@@ -55,7 +55,8 @@ class RunWatch:
         if not self.warned_cut and row.get("truncated_frac") == 1.0:
             self.warned_cut = True
             log.warning("iteration %d: every response was cut at rollout.max_new_tokens=%d before it ended; "
-                        "raise it to what the task's answers need (kv4rl eval uses 1024 for a data file)",
+                        "raise it to what the task's answers need (kv4rl eval uses 1024 for a data file, a "
+                        "testbed's recipe what its build measured)",
                         row["iteration"], self.max_new_tokens)
         if self.warned_stall:
             return
