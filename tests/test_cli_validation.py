@@ -133,6 +133,10 @@ def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, arg
     (["bench", "iteration", "--attention", "ring"], ["--attention must be one of auto, sdpa, flex", "'ring'"]),
     (["bench", "rollout", "--device", "foo"], ["--device: 'foo' is not auto, cpu, cuda or cuda:N"]),
     (["bench", "pool", "engine.kv.format=fp8"], ["engine.kv.format is set by --formats"]),
+    (["bench", "generate", "engine.kv.format=kv4"], ["engine.kv.format is set by --kv-format"]),
+    # the engine stopped its sequences at the limit while transformers generated every token: unequal rows compared
+    (["bench", "generate", "--prompt-len", "8", "--new-tokens", "4", "engine.max_model_len=10"],
+     ["engine.max_model_len=10 is below --prompt-len + --new-tokens = 12"]),
     (["bench", "pool", "--context", "1"], ["exceed --context 1"]),
     (["bench", "fidelity", "--group-size", "7"], ["--group-size must be one of (32, 64, 128), got 7"]),
     (["bench", "fidelity", "--block-size", "0"], ["--block-size must be a power of two, got 0"]),

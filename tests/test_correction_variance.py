@@ -140,7 +140,7 @@ def test_zero_steps_gives_zero_correction(checkpoint):
 def test_parsers_reject_bad_input():
     assert parse_behavior("stale:16") == Behavior(kind="stale", steps=16)
     assert parse_horizons("1, 4,full") == [1, 4, None]
-    for bad in ("stale:", "stale:-1", "stale:x", "fp16", ""):
+    for bad in ("stale:", "stale:-1", "stale:x", "fp16", "", "stale:\u00b2"):  # ², which isdigit() takes, int() not
         with pytest.raises(ValueError, match="--behavior"):
             parse_behavior(bad)
     for bad in ("0", "1,abc", "2,2", "", " ", "\u0663"):  # U+0663: an Arabic-Indic 3, which int() reads
@@ -152,6 +152,18 @@ def test_parsers_reject_bad_input():
         settings("unused", "stale:1", temperature=0.0).validate()
     with pytest.raises(ValueError, match="engine.kv.nosuch"):
         behavior_engine_config(Behavior(kind="stale", steps=1), 64, ["kv.nosuch=1"])
+
+
+def test_a_data_file_too_short_for_distinct_prompts_and_stale_batches_is_refused(checkpoint, tmp_path):
+    """The stale batches follow the measured prompts in the file, and the source wraps around past its end: a file
+    of fewer rows measured repeated prompts and trained μ on the ones it measured, without a word."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"problem": "{i}+{i}", "answer": "{2 * i}"}}\n' for i in range(10)))
+    with pytest.raises(ValueError, match=r"10 problems, fewer than the 11 distinct ones .*3 measured, then 8 that "
+                                         r"stale:2 trains"):
+        measure(settings(checkpoint, "stale:2", data=data, template="{problem}="))
+    with pytest.raises(ValueError, match=r"10 problems, fewer than the 12 distinct ones this measurement takes \(12 measured\)"):
+        measure(settings(checkpoint, "stale:0", data=data, template="{problem}=", n_prompts=12))
 
 
 def test_missing_kv4_format_is_named(monkeypatch):

@@ -267,8 +267,9 @@ def generate(
         formats = option_list(kv_format, "--kv-format")
         schedulings = option_list(scheduling, "--scheduling", known=("sync", "async", "auto"))
         check_variants(schedulings, weight_formats)
-        if any(o.split("=", 1)[0].strip() == "engine.async_scheduling" for o in engine_overrides or []):
-            raise ValueError("engine.async_scheduling is set by --scheduling here")
+        for key, option in (("engine.async_scheduling", "--scheduling"), ("engine.kv.format", "--kv-format")):
+            if any(o.split("=", 1)[0].strip() == key for o in engine_overrides or []):
+                raise ValueError(f"{key} is set by {option} here")
         check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--hf-repeats", hf_repeats))
         if hf_repeats % 2 == 0:  # the ratio is to the median run; an even count has none (it took the slower middle)
             raise ValueError(f"--hf-repeats {hf_repeats}: give an odd count, so that one run is the median the "
@@ -282,6 +283,10 @@ def generate(
         engine_cfg = engine_config(engine_overrides)
         if any(o.split("=", 1)[0].strip() == "engine.weight_format" for o in engine_overrides or []):
             raise ValueError("engine.weight_format is set by --weight-format here")
+        if engine_cfg.max_model_len and engine_cfg.max_model_len < prompt_len + new_tokens:  # the engine stops early
+            raise ValueError(f"engine.max_model_len={engine_cfg.max_model_len} is below --prompt-len + --new-tokens = "
+                             f"{prompt_len + new_tokens}: the engine would stop its sequences early while "
+                             f"transformers generates all {new_tokens} tokens, so the rows would time different work")
         for weights in weight_formats:
             engine_cfg.weight_format = weights
             check_kv_formats(formats, "--kv-format", engine_cfg, head_dim=head_dim,
