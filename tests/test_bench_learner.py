@@ -47,7 +47,8 @@ def test_mfu_is_the_steps_flops_over_the_gpus_peak_and_none_off_cuda():
 
 
 def test_an_option_of_the_other_workload_is_refused_before_any_work(tmp_path):
-    """`--sigma 2` under the uniform workload (or `--seq-len` under lognormal) used to be ignored without a word."""
+    """`--sigma 2` under the uniform workload (or `--seq-len` under lognormal), and a micro-batch size of a layout
+    not timed, used to be ignored without a word."""
     out = tmp_path / "learner.json"
     for args, named in ((["--sigma", "2"], "--sigma"), (["--median-len", "5", "--max-len", "9"], "--median-len, --max-len"),
                         (["--workload", "lognormal", "--seq-len", "12"], "--seq-len")):
@@ -55,6 +56,11 @@ def test_an_option_of_the_other_workload_is_refused_before_any_work(tmp_path):
                                        "--json", str(out), *args])
         assert res.exit_code != 0 and named in res.output and "only" in res.output, res.output
         assert not out.exists()
+    for args, named in ((["--layouts", "padded", "--max-tokens", "1000"], "--max-tokens 1000 sizes packed"),
+                        (["--layouts", "packed", "--micro-batch-size", "2"], "--micro-batch-size 2 sizes padded")):
+        res = CliRunner().invoke(app, ["bench", "learner", "--shape", "qwen3-tiny", "--device", "cpu", "--seq-len", "12",
+                                       "--prompt-len", "4", *args])
+        assert res.exit_code != 0 and named in res.output, res.output
     # the other workload's options at their defaults, as a script may pass them, are fine
     run(tmp_path, "--seq-len", "12", "--prompt-len", "4", "--sigma", "1.0", "--max-len", "8192",
         "--checkpointing", "off", "--reference", "off", "--layouts", "packed")

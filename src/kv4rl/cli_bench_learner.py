@@ -255,6 +255,10 @@ def register_learner_benches(app: typer.Typer) -> None:
             work.validate(shape_args(shape, qwen3_args).max_position_embeddings)
             check_at_least(1, ("--micro-batch-size", micro_batch_size), ("--max-tokens", max_tokens), ("--steps", steps))
             layout_list = option_list(layouts, "--layouts", known=["padded", "packed"])
+            for option, value, default, layout in (("--micro-batch-size", micro_batch_size, 4, "padded"),
+                                                   ("--max-tokens", max_tokens, 16384, "packed")):
+                if layout not in layout_list and value != default:  # it would size micro-batches no variant has
+                    raise ValueError(f"{option} {value} sizes {layout} micro-batches, and --layouts {layouts} times none")
             ckpt_list = [switch[v] for v in option_list(checkpointing, "--checkpointing", known=list(switch))]
             ref_list = [switch[v] for v in option_list(reference, "--reference", known=list(switch))]
             algo = AlgoConfig(entropy_coeff=entropy_coeff, top_entropy_quantile=top_entropy_quantile)

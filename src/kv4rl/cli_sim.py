@@ -98,7 +98,9 @@ def clip_bias_cmd(
         for ok, message in [(rho > 0, f"--rho must be > 0, got {rho:g}"),
                             (0 <= eps < 1, f"--eps must be in [0, 1), got {eps:g}"),
                             (sigma >= 0, f"--sigma must be >= 0, got {sigma:g}"),
-                            (samples >= 2, f"--samples must be >= 2, got {samples}")]:
+                            (samples >= 2, f"--samples must be >= 2, got {samples}"),
+                            (-(2**63) <= seed < 2**64 - 1, f"--seed must be in [-2**63, 2**64 - 1) (torch's seed "
+                                                           f"range; the sweep takes seed + 1), got {seed}")]:
             if not ok:
                 raise ValueError(message)
     except ValueError as exc:

@@ -183,6 +183,7 @@ class Settings:
              f"--temperature must be at least {MIN_TEMPERATURE} (greedy sampling has no log μ), got {self.temperature}"),
             (self.stale_lr > 0, f"--stale-lr must be > 0, got {self.stale_lr}"),
             (self.stale_batch_size >= 1, f"--stale-batch-size must be >= 1, got {self.stale_batch_size}"),
+            (-(2**63) <= self.seed < 2**64, f"--seed must be in [-2**63, 2**64) (torch's seed range), got {self.seed}"),
             (bool(self.horizons), "--horizons is empty"),
         ]
         for ok, message in checks:
