@@ -144,7 +144,8 @@ def test_eval_refuses_a_bad_option_by_name_before_loading_the_model(no_work, arg
     (["bench", "pool", "engine.num_kv_blocks=5"], ["engine.num_kv_blocks: only engine.kv.* settings"]),
     (["sim", "clip-bias", "--sweep-rho", "1,-1"], ["--sweep-rho"]),
     # torch's overflow error named no option (and, in correction-variance, blamed --engine)
-    (["sim", "clip-bias", "--seed", str(2**64 - 1)], ["--seed must be in [-2**63, 2**64 - 1)"]),
+    (["sim", "clip-bias", "--seed", str(2**64 - 1)], ["--seed must be in [-2**63, 2**64 - 17)"]),  # 16 sweep points
+    (["sim", "clip-bias", "--seed", str(2**64 - 3), "--sweep-rho", "1,2"], ["--seed must be in [-2**63, 2**64 - 3)"]),
     (["sim", "correction-variance", "--seed", str(2**64)], ["--seed must be in [-2**63, 2**64)"]),
     (["sim", "correction-variance", "--template", "hello"], ["--template"]),
     (["sim", "correction-variance", "--device", "foo"], ["--device: 'foo' is not auto, cpu, cuda or cuda:N"]),

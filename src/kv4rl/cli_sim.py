@@ -95,12 +95,13 @@ def clip_bias_cmd(
             raise ValueError(f"--sweep-sigma: every σ must be >= 0, got {min(sigmas):g}")
         if rho > 0:
             check_log_ratio(rho, "--rho")
+        points = 1 + len(rhos) * len(epses) * len(sigmas)  # seeds seed .. seed + points - 1 (`sweep`)
         for ok, message in [(rho > 0, f"--rho must be > 0, got {rho:g}"),
                             (0 <= eps < 1, f"--eps must be in [0, 1), got {eps:g}"),
                             (sigma >= 0, f"--sigma must be >= 0, got {sigma:g}"),
                             (samples >= 2, f"--samples must be >= 2, got {samples}"),
-                            (-(2**63) <= seed < 2**64 - 1, f"--seed must be in [-2**63, 2**64 - 1) (torch's seed "
-                                                           f"range; the sweep takes seed + 1), got {seed}")]:
+                            (-(2**63) <= seed < 2**64 - points, f"--seed must be in [-2**63, 2**64 - {points}) "
+                             f"(torch's seed range; the sweep's {points - 1} points take seed + 1 ...), got {seed}")]:
             if not ok:
                 raise ValueError(message)
     except ValueError as exc:

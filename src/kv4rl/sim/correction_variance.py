@@ -234,7 +234,8 @@ def measure(settings: Settings, progress: StageReport | None = None) -> Measurem
             f"--data {settings.data}: {len(source.train)} problems, fewer than the {settings.n_prompts + trained} "
             f"distinct ones this measurement takes ({settings.n_prompts} measured"
             + (f", then {trained} that stale:{settings.behavior.steps} trains μ on" if trained else "")
-            + "): prompts would repeat, and μ would be trained on what it is measured on; lower --n-prompts"
+            + "): prompts would repeat" + (", and μ would be trained on what it is measured on" if trained else "")
+            + "; lower --n-prompts"
             + (" or --stale-batch-size" if trained else "") + ", or give a longer file")
     formatter = PromptFormatter(tokenizer, settings.template or source.default_template)
     problems = source.batch(0, settings.n_prompts)
