@@ -154,6 +154,12 @@ def test_a_signal_stops_the_sweep_the_waiting_seeds_never_start_and_the_hint_res
     assert "start seed 1 with the command that started the sweep (not --resume), given --seeds 1" in hint
 
 
+def _writes_a_run(folder) -> str:
+    """A child's snippet that makes `folder` a run: a config.yaml and one metrics row (accuracy 0.25)."""
+    return (f"import pathlib; d = pathlib.Path({str(folder)!r}); d.mkdir(); (d / 'config.yaml').write_text('x'); "
+            "(d / 'metrics.jsonl').write_text('{\"iteration\": 0, \"accuracy\": 0.25}\\n')")
+
+
 def _fake_child(code: str):
     """A `_start` whose child runs `code` (a Python snippet) instead of `kv4rl train`."""
     import subprocess
@@ -194,9 +200,7 @@ def test_a_seed_that_never_wrote_its_folder_leaves_whoever_holds_it_alone(tmp_pa
     assert tree_state(tmp_path) == before
 
     # a child that does write its folder (a new config.yaml) is read when it ends
-    monkeypatch.setattr(multi_seed, "_start", _fake_child(
-        f"import pathlib; d = pathlib.Path({str(tmp_path / 'sw-s1')!r}); d.mkdir(); (d / 'config.yaml').write_text('x'); "
-        "(d / 'metrics.jsonl').write_text('{\"iteration\": 0, \"accuracy\": 0.25}\\n')"))
+    monkeypatch.setattr(multi_seed, "_start", _fake_child(_writes_a_run(tmp_path / "sw-s1")))
     mine = multi_seed.SeedRun(1, load_config(None, [f"out_dir={tmp_path}", "name=sw-s1"]), ["seed=1"],
                               tmp_path / "sw-s1.log")
     multi_seed.launch([mine], 1, announce=lambda line: None)
@@ -417,9 +421,7 @@ def test_a_seed_that_wrote_its_folder_and_then_failed_with_exit_2_keeps_its_log_
     from kv4rl.config import load_config
 
     folder = tmp_path / "sw-s0"
-    monkeypatch.setattr(multi_seed, "_start", _fake_child(
-        f"import pathlib, sys; d = pathlib.Path({str(folder)!r}); d.mkdir(); (d / 'config.yaml').write_text('x'); "
-        "(d / 'metrics.jsonl').write_text('{\"iteration\": 0, \"accuracy\": 0.25}\\n'); sys.exit(2)"))
+    monkeypatch.setattr(multi_seed, "_start", _fake_child(_writes_a_run(folder) + "; import sys; sys.exit(2)"))
     run = multi_seed.SeedRun(0, load_config(None, [f"out_dir={tmp_path}", "name=sw-s0"]), ["seed=0"],
                              tmp_path / "sw-s0.log")
     multi_seed.launch([run], 1, announce=lambda line: None)

@@ -267,7 +267,8 @@ def generate(
         formats = option_list(kv_format, "--kv-format")
         schedulings = option_list(scheduling, "--scheduling", known=("sync", "async", "auto"))
         check_variants(schedulings, weight_formats)
-        for key, option in (("engine.async_scheduling", "--scheduling"), ("engine.kv.format", "--kv-format")):
+        for key, option in (("engine.async_scheduling", "--scheduling"), ("engine.kv.format", "--kv-format"),
+                            ("engine.weight_format", "--weight-format")):
             if any(o.split("=", 1)[0].strip() == key for o in engine_overrides or []):
                 raise ValueError(f"{key} is set by {option} here")
         check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--hf-repeats", hf_repeats))
@@ -281,8 +282,6 @@ def generate(
                              f"of {shape_cfg.max_position_embeddings} tokens")
         check_device(device)
         engine_cfg = engine_config(engine_overrides)
-        if any(o.split("=", 1)[0].strip() == "engine.weight_format" for o in engine_overrides or []):
-            raise ValueError("engine.weight_format is set by --weight-format here")
         if engine_cfg.max_model_len and engine_cfg.max_model_len < prompt_len + new_tokens:  # the engine stops early
             raise ValueError(f"engine.max_model_len={engine_cfg.max_model_len} is below --prompt-len + --new-tokens = "
                              f"{prompt_len + new_tokens}: the engine would stop its sequences early while "

@@ -34,6 +34,8 @@ from kv4rl.telemetry.tables import print_table
 # `bench learner`'s workload options and their defaults: each applies to one workload only
 WORKLOAD_DEFAULTS = {"--seq-len": 4096, "--median-len": 1024, "--sigma": 1.0, "--max-len": 8192}
 WORKLOAD_OPTIONS = {"uniform": ("--seq-len",), "lognormal": ("--median-len", "--sigma", "--max-len")}
+# ... and its micro-batch sizes, each of one layout: (default, layout)
+LAYOUT_OPTIONS = {"--micro-batch-size": (4, "padded"), "--max-tokens": (16384, "packed")}
 
 
 def check_workload_options(workload: str, values: dict) -> None:
@@ -203,8 +205,10 @@ def register_learner_benches(app: typer.Typer) -> None:
         sigma: Annotated[float, Option("--sigma", parser=finite_float,
             help="lognormal: shape of the length tail")] = WORKLOAD_DEFAULTS["--sigma"],
         max_len: Annotated[int, Option("--max-len", help="lognormal: longest response")] = WORKLOAD_DEFAULTS["--max-len"],
-        micro_batch_size: Annotated[int, Option("--micro-batch-size", help="rows per padded micro-batch")] = 4,
-        max_tokens: Annotated[int, Option("--max-tokens", help="tokens per packed micro-batch")] = 16384,
+        micro_batch_size: Annotated[int, Option(
+            "--micro-batch-size", help="rows per padded micro-batch")] = LAYOUT_OPTIONS["--micro-batch-size"][0],
+        max_tokens: Annotated[int, Option(
+            "--max-tokens", help="tokens per packed micro-batch")] = LAYOUT_OPTIONS["--max-tokens"][0],
         layouts: Annotated[str, Option("--layouts", help="comma-separated: padded, packed")] = "padded,packed",
         attention: Annotated[str | None, Option(
             "--attention", help="comma-separated attention kernels for the packed layout: sdpa (dense block-diagonal "
@@ -255,8 +259,8 @@ def register_learner_benches(app: typer.Typer) -> None:
             work.validate(shape_args(shape, qwen3_args).max_position_embeddings)
             check_at_least(1, ("--micro-batch-size", micro_batch_size), ("--max-tokens", max_tokens), ("--steps", steps))
             layout_list = option_list(layouts, "--layouts", known=["padded", "packed"])
-            for option, value, default, layout in (("--micro-batch-size", micro_batch_size, 4, "padded"),
-                                                   ("--max-tokens", max_tokens, 16384, "packed")):
+            for option, value in (("--micro-batch-size", micro_batch_size), ("--max-tokens", max_tokens)):
+                default, layout = LAYOUT_OPTIONS[option]
                 if layout not in layout_list and value != default:  # it would size micro-batches no variant has
                     raise ValueError(f"{option} {value} sizes {layout} micro-batches, and --layouts {layouts} times none")
             ckpt_list = [switch[v] for v in option_list(checkpointing, "--checkpointing", known=list(switch))]

@@ -67,8 +67,9 @@ def parse_behavior(text: str) -> Behavior:
     text = text.strip()
     if text in ("fp8", "kv4"):
         return Behavior(kind=text)
-    if text.startswith("stale:") and text[len("stale:"):].isascii() and text[len("stale:"):].isdigit():  # not `²`
-        return Behavior(kind="stale", steps=int(text[len("stale:"):]))
+    steps = text.removeprefix("stale:")
+    if steps != text and steps.isascii() and steps.isdigit():  # not `²`, which isdigit() takes and int() not
+        return Behavior(kind="stale", steps=int(steps))
     raise ValueError(f"--behavior: {text!r} is not fp8, kv4 or stale:K (K a non-negative integer)")
 
 
@@ -230,13 +231,14 @@ def measure(settings: Settings, progress: StageReport | None = None) -> Measurem
     source = ProblemSource(settings.data, None, settings.seed)
     trained = settings.behavior.steps * settings.stale_batch_size if settings.behavior.kind == "stale" else 0
     if settings.data is not None and len(source.train) < settings.n_prompts + trained:  # problem_at wraps around
-        raise ValueError(
-            f"--data {settings.data}: {len(source.train)} problems, fewer than the {settings.n_prompts + trained} "
-            f"distinct ones this measurement takes ({settings.n_prompts} measured"
-            + (f", then {trained} that stale:{settings.behavior.steps} trains μ on" if trained else "")
-            + "): prompts would repeat" + (", and μ would be trained on what it is measured on" if trained else "")
-            + "; lower --n-prompts"
-            + (" or --stale-batch-size" if trained else "") + ", or give a longer file")
+        uses, harm, levers = f"{settings.n_prompts} measured", "prompts would repeat", "--n-prompts"
+        if trained:
+            uses += f", then {trained} that stale:{settings.behavior.steps} trains μ on"
+            harm += ", and μ would be trained on what it is measured on"
+            levers += " or --stale-batch-size"
+        raise ValueError(f"--data {settings.data}: {len(source.train)} problems, fewer than the "
+                         f"{settings.n_prompts + trained} distinct ones this measurement takes ({uses}): {harm}; "
+                         f"lower {levers}, or give a longer file")
     formatter = PromptFormatter(tokenizer, settings.template or source.default_template)
     problems = source.batch(0, settings.n_prompts)
     prompts = [formatter.ids(p) for p in problems for _ in range(settings.samples_per_prompt)]
