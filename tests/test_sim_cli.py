@@ -117,3 +117,21 @@ def test_correction_variance_writes_one_entry_per_horizon(checkpoint, tmp_path):
 def test_correction_variance_bad_behavior_exits_with_message(checkpoint):
     result = runner.invoke(sim_app, ["correction-variance", "--model", str(checkpoint), "--behavior", "fp16"])
     assert result.exit_code == 2 and "--behavior" in result.output
+
+
+def test_a_refused_correction_variance_makes_no_output_folders(checkpoint, tmp_path):
+    """A --data file the measurement refuses (too short for its distinct prompts) fails before any output
+    exists: the --json and --png folders are made by the writers, after the work, not by the option checks."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"problem": "{i}+{i}", "answer": "{2 * i}"}}\n' for i in range(3)))
+    out = tmp_path / "new" / "deeper" / "cv.json"
+    png = tmp_path / "figs" / "cv.png"
+    result = runner.invoke(sim_app, ["correction-variance", "--model", str(checkpoint), "--behavior", "stale:0",
+                                     "--data", str(data), "--template", "{problem}=", "--n-prompts", "4",
+                                     "--device", "cpu", "--json", str(out), "--png", str(png)])
+    assert result.exit_code != 0 and "fewer than" in result.output, result.output
+    assert not (tmp_path / "new").exists() and not (tmp_path / "figs").exists()
+    # a folder that cannot be made is still refused before the work
+    (tmp_path / "file").write_text("")
+    result = runner.invoke(sim_app, ["clip-bias", "--samples", "10", "--json", str(tmp_path / "file" / "x.json")])
+    assert result.exit_code != 0 and "is a file" in result.output, result.output

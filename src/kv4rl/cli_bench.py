@@ -295,7 +295,7 @@ def generate(
         if not engine_cfg_sets_context(engine_overrides):  # the limit came from the options, not engine.max_model_len
             text = text.replace("the context limit engine.max_model_len=", "--prompt-len + --new-tokens = ")
         fail(text)
-    check_output_path(json_out)
+    check_output_path(json_out, create=False)  # its folders once the bench has run (write_json makes them)
     warn_real_shape_off_cuda(shape, device)
     try:
         # bench_generate says one line as transformers starts, one per built engine, one per timed batch
