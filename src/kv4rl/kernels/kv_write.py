@@ -88,7 +88,11 @@ def _write_rows(
         x = (tl.dot(x, signs, out_dtype=tl.float32) * RSQRT_D).to(in_dtype).to(tl.float32)
     elif ROTATE:
         rot = tl.load(rot_ptr + offs_d[:, None] * D + offs_d[None, :])
-        x = tl.dot(x.to(tl.float32), rot, input_precision="ieee").to(in_dtype).to(tl.float32)
+        if EXACT:  # the interpreter's float32 dot is numpy's BLAS, whose summation order follows the tile's row
+            # count: a sum over the channels adds each row in one order whatever the layout (as the GPU's dot does)
+            x = tl.sum(x.to(tl.float32)[:, :, None] * rot[None, :, :], 1).to(in_dtype).to(tl.float32)
+        else:
+            x = tl.dot(x.to(tl.float32), rot, input_precision="ieee").to(in_dtype).to(tl.float32)
     else:
         x = x.to(tl.float32)
 
