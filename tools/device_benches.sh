@@ -47,10 +47,12 @@
 #   bash tools/device_benches.sh rope_rotation 2>&1 | tee $OUT/log.txt      # q/k rotated in the RoPE kernel: settings, write layouts, generate vs tools/_trees/ (~6 min)
 #   bash tools/device_benches.sh rope_trees 2>&1 | tee $OUT/log.txt         # RoPE-kernel candidates in tools/_trees/ against main's (~2 min each)
 #   bash tools/device_benches.sh write_small 2>&1 | tee $OUT/log.txt        # unrotated decode KV writes in 1-16-row programs (~1 min)
+#   bash tools/device_benches.sh kv4_item_write 2>&1 | tee $OUT/log.txt     # KV4's INT8 item stores the decode step's K/V: GPU tests (<8 min)
+#   bash tools/device_benches.sh kv4_item_write_ab 2>&1 | tee $OUT/log.txt  # the same, 8B short generate with it and without, twice (~6 min)
 #   bash tools/device_benches.sh shapes 2>&1 | tee $OUT/log.txt                # decode + prefill kernels at 64/256-dim heads (~2 min)
 #   bash tools/device_benches.sh rl_options 2>&1 | tee $OUT/log.txt            # behavior_rs (both modes), dppo, ipo, normalised IS on CUDA (~2 min)
 #   bash tools/device_benches.sh host_api 2>&1 | tee $OUT/log.txt              # host time in CUDA API calls, KV4 item beside/after, BF16 (~5 min)
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 
 KERNEL_TESTS="tests/test_kernels.py tests/test_logprob_head_kernel.py tests/test_roofline.py tests/gpu/test_fp8_linear_gpu.py
@@ -653,6 +655,30 @@ for line in open(sys.argv[1]):
     row = json.loads(line)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k in keys})" \
             $OUT/runs/rl_options$i/metrics.jsonl
+    done
+}
+
+kv4_item_write() {  # issue 11 (fifty-fourth session): KV4's CUDA INT8 item stores a decode step's new K/V itself
+    # (DecodeKernels.write_in_item), so no write kernel runs before the attention: its GPU test against the Triton
+    # write, every kernel test (the write's FP8/INT8 scales now torch's CUDA product), the engine on CUDA
+    timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_kv4_item_write_gpu.py tests/test_kernels.py \
+        > $OUT/kv4_item_write_tests.txt 2>&1
+    tail -6 $OUT/kv4_item_write_tests.txt
+    timeout 250 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_engine_fast_path_gpu.py \
+        tests/gpu/test_engine_no_host_wait_gpu.py > $OUT/kv4_item_write_engine.txt 2>&1
+    tail -4 $OUT/kv4_item_write_engine.txt
+}
+
+kv4_item_write_ab() {  # the generate point the write moves (8B, 128 + 256 tokens, B16 and B64), with the item writing (1)
+    # and the Triton write (0), alternated twice, each run BF16 and KV4 in one process
+    for round in 1 2; do
+        for arm in 1 0; do
+            timeout 140 python -c "import sys; import kv4rl.kernels.decode_attention as d; d.WRITE_IN_ITEM = bool($arm); \
+from kv4rl.cli import main; sys.argv = ['kv4rl'] + sys.argv[1:]; main()" \
+                bench generate --shape qwen3-8b --batch-sizes 16,64 --prompt-len 128 --new-tokens 256 --kv-format bf16,kv4 \
+                --no-hf --json $OUT/generate_8b_short_item$arm-round$round.json 2>&1 | grep "│" | tail -4 \
+                | sed "s/^/item$arm round$round /"
+        done
     done
 }
 

@@ -225,12 +225,17 @@ class FastAttention:
     def write(self, cache: dict, k: torch.Tensor, v: torch.Tensor, inputs: DecodeInputs, rotated: bool = False
               ) -> None:
         """`rotated`: k is rotated already (see `rotates_qk`)."""
-        from kv4rl.kernels.kv_write import write_kv_pair
+        self.pending_write(cache, k, v, inputs, rotated).run()
+
+    def pending_write(self, cache: dict, k: torch.Tensor, v: torch.Tensor, inputs: DecodeInputs,
+                      rotated: bool = False):
+        """The step's write of k and v, for the attention to run (or, KV4, its INT8 item to do itself)."""
+        from kv4rl.kernels.kv_write import PendingWrite
 
         side = {p: (cache[f"{p}_prot_codes"], cache[f"{p}_prot_scale"]) for p in ("k", "v")} if self.side else None
-        write_kv_pair(k, v, inputs.slots, store=self.kind, k_dest=self._dest(cache, "k", side, rotated),
-                      v_dest=self._dest(cache, "v", side, rotated), group_size=self.head_dim,
-                      protect_rows=inputs.protect_rows if self.side else None)
+        return PendingWrite(k, v, inputs.slots, self.kind, self._dest(cache, "k", side, rotated),
+                            self._dest(cache, "v", side, rotated), self.head_dim,
+                            inputs.protect_rows if self.side else None)
 
     def _dest(self, cache: dict, prefix: str, side: dict | None, rotated: bool):
         """Where the write puts K or V: its pages, its rotation (none for keys that come `rotated`), and (KV4)
@@ -243,9 +248,9 @@ class FastAttention:
         return KVDest(out, scale, zero, rotate and not (prefix == "k" and rotated), codes, scales)
 
     def attend(self, cache: dict, q: torch.Tensor, inputs: DecodeInputs, out: torch.Tensor | None = None,
-               rotated: bool = False) -> torch.Tensor:
+               rotated: bool = False, pending=None) -> torch.Tensor:
         """q[B, Hq, D] (`rotated`: like the keys already) over each row's cached context; `out` (e.g.
-        float32) receives the result."""
+        float32) receives the result. `pending`: the step's `pending_write`, run before the attention or by it."""
         from kv4rl.kernels.decode_attention import paged_decode_attention
 
         k, k_scale, k_zero = self.fmt.paged_tensors(cache, "k")
@@ -253,14 +258,13 @@ class FastAttention:
         out = paged_decode_attention(q, k, v, inputs.batch, kind=self.kind, k_scale=k_scale, v_scale=v_scale,
                                      k_zero=k_zero, v_zero=v_zero, side=self.fmt.side_tensors(cache), out=out,
                                      rotate_query=self.fmt.rotate != "none" and not rotated,
-                                     query_rotated=rotated, kernels=self.kernels)
+                                     query_rotated=rotated, kernels=self.kernels, pending=pending)
         return self.fmt.finish_output(out)
 
     def decode(self, cache: dict, q, k, v, inputs: DecodeInputs, rotated: bool = False) -> torch.Tensor:
         """Write the rows' new K/V, then attend each row's query over its sequence's whole context
         (`rotated`: q and k come rotated, see `rotates_qk`)."""
-        self.write(cache, k, v, inputs, rotated)
-        return self.attend(cache, q, inputs, rotated=rotated)
+        return self.attend(cache, q, inputs, rotated=rotated, pending=self.pending_write(cache, k, v, inputs, rotated))
 
     # ---- multi-token rows (prefill kernel) --------------------------------------------------------
     def prefill_host(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],

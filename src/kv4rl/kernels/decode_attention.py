@@ -20,6 +20,7 @@ import triton
 from kv4rl.kernels import cuda_source, fp8_decode_cuda, int4_decode_cuda, interpreting
 from kv4rl.kernels.decode_common import LOG2E, DecodeBatch, DecodeKind, SplitLaunch
 from kv4rl.kernels.decode_triton import _decode_split_kernel, _decode_split_kernel_t, _merge_kernel
+from kv4rl.kernels.kv_write import PendingWrite
 
 __all__ = ["DEFAULT_LAUNCH", "DecodeBatch", "DecodeKernels", "DecodeKind", "choose_num_splits",
            "paged_decode_attention"]
@@ -36,8 +37,10 @@ DEFAULT_LAUNCH: Mapping[DecodeKind, Mapping[str, Any]] = MappingProxyType({
 })
 MERGE_WARPS = 2  # a little faster than 4 on an H200 (bench/kernel_notes.md)
 CUDA_BODIES = MappingProxyType({DecodeKind.INT4: int4_decode_cuda, DecodeKind.FP8: fp8_decode_cuda})
-# What `DecodeKernels` takes for `int8_item_beside_body` when not told: diagnosis tools switch it for a process
+# What `DecodeKernels` takes for `int8_item_beside_body` and `write_in_item` when not told: diagnosis tools switch
+# them for a process
 INT8_ITEM_BESIDE_BODY = True
+WRITE_IN_ITEM = True
 
 
 class DecodeKernels:
@@ -46,20 +49,23 @@ class DecodeKernels:
     `problem` allows), whether KV4's CUDA INT8 item starts beside the CUDA INT4 body (`int8_item_beside_body`:
     launched as its programmatic dependent, it streams the protected rows on the SMs the body's last blocks
     free and waits for the body only to merge; sm_90 and newer; off, or before sm_90, it runs after the
-    body), and the latest Triton split kernel it compiled (registers, spills: for tuning notes)."""
+    body), whether that item stores a decode step's new K/V itself (`write_in_item`: KV4 with a recent window,
+    where only the item reads the new token this step; no write kernel then runs before the attention), and the
+    latest Triton split kernel it compiled (registers, spills: for tuning notes)."""
 
     def __init__(self, launch: Mapping[DecodeKind, Mapping[str, Any]] | None = None, int4_cuda: bool = True,
-                 fp8_cuda: bool = True, int8_item_beside_body: bool | None = None):
+                 fp8_cuda: bool = True, int8_item_beside_body: bool | None = None, write_in_item: bool | None = None):
         self.launch = {kind: dict(cfg) for kind, cfg in (DEFAULT_LAUNCH if launch is None else launch).items()}
         self.int4_cuda = int4_cuda
         self.fp8_cuda = fp8_cuda
         self.int8_item_beside_body = INT8_ITEM_BESIDE_BODY if int8_item_beside_body is None else int8_item_beside_body
+        self.write_in_item = WRITE_IN_ITEM if write_in_item is None else write_in_item
         self.last_compiled = None
 
     def with_launch(self, kind: DecodeKind, **settings) -> DecodeKernels:
         """A copy whose `kind` launches with `settings` overriding the current ones (tuning sweeps)."""
         return DecodeKernels({**self.launch, kind: {**self.launch[kind], **settings}}, self.int4_cuda, self.fp8_cuda,
-                             self.int8_item_beside_body)
+                             self.int8_item_beside_body, self.write_in_item)
 
     @property
     def max_block_n(self) -> int:
@@ -116,12 +122,23 @@ def _launch_triton(work: SplitLaunch, kernels: DecodeKernels):
     )
 
 
+def item_stores(pending: PendingWrite | None, side: dict | None, kernels: DecodeKernels) -> bool:
+    """Whether KV4's CUDA INT8 item may store `pending` (given that item runs): only with a recent window, where
+    each decode token is the item's to read this step (the INT4 body covers [n_sink, L - n_recent), which ends
+    before it), into the side rows the item reads, and where `PendingWrite.item_problem` finds nothing."""
+    return (pending is not None and side is not None and kernels.write_in_item and side["n_recent"] >= 1
+            and pending.k_dest.prot_codes is side["k"] and pending.v_dest.prot_codes is side["v"]
+            and pending.k_dest.prot_scale is side["k_scale"] and pending.v_dest.prot_scale is side["v_scale"]
+            and pending.item_problem() is None)
+
+
 def paged_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: DecodeBatch, *, kind: DecodeKind,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     k_zero: torch.Tensor | None = None, v_zero: torch.Tensor | None = None,
     side: dict | None = None, sm_scale: float | None = None, out: torch.Tensor | None = None,
     rotate_query: bool = False, query_rotated: bool = False, kernels: DecodeKernels | None = None,
+    pending: PendingWrite | None = None,
 ) -> torch.Tensor:
     """Attention of q[B, Hq, D] (one decode query per sequence) over each sequence's cached context.
 
@@ -131,6 +148,8 @@ def paged_decode_attention(
     `rotate_query`: the keys are Hadamard-rotated and q is not yet (the CUDA INT4 kernel rotates it
     in registers; elsewhere it is rotated first). `query_rotated`: the keys are rotated and so is q
     already (with KV4's CUDA kernels the INT8 item then starts beside the body without rotating anything).
+    `pending`: the step's new K/V, not yet in the cache: KV4's CUDA INT8 item stores them where it can
+    (`item_stores`), otherwise they are written here before any attention kernel runs.
     Returns [B, Hq, D] in q's dtype.
     """
     kernels = DecodeKernels() if kernels is None else kernels
@@ -157,6 +176,9 @@ def paged_decode_attention(
     beside = (side_cuda and (in_kernel or (query_rotated and kind == DecodeKind.INT4))
               and kernels.int8_item_beside_body and cuda_source.programmatic_launch_problem(q.device) is None)
     q_rot = torch.empty_like(q) if in_kernel and side is not None and not beside else None
+    write = pending if side_cuda and item_stores(pending, side, kernels) else None
+    if pending is not None and write is None:
+        pending.run()
     # the body first: with an in-kernel rotation and q_rot it also hands the INT8 item the rotated query
     body = SplitLaunch(q_in, kind, k, v, k_scale, v_scale, k_zero, v_zero, batch, o_part, lse_part,
                        num_splits=batch.max_splits, sm_scale=sm_scale, start=n_sink, end_off=n_recent,
@@ -172,7 +194,7 @@ def paged_decode_attention(
                            sm_scale=sm_scale, n_sink=n_sink, n_recent=n_recent, out=out,
                            rotate_query=beside and in_kernel)
         if side_cuda:  # with the CUDA INT4 body: its 8-bit twin
-            fp8_decode_cuda.launch_int8_side(item, beside_body=beside)
+            fp8_decode_cuda.launch_int8_side(item, beside_body=beside, write=write)
         else:
             _launch_triton(item, kernels)
         return out

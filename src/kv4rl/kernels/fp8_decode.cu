@@ -99,12 +99,125 @@ __device__ __forceinline__ void add_weighted16(float (&o)[16], const float* p, b
     }
 }
 
+#ifdef SIDE_INT8
+// The decode step's new token, which the item stores itself (KV4 with a recent window: the INT4 body never
+// reads it this step, only the item does, through its INT8 side row): no write kernel runs before the
+// attention. `write` 0 leaves the cache as it is (the Triton write ran). The arithmetic is the Triton write's
+// (kv_write.py) operation by operation, so the bytes are the same: INT4 scale fp16(div_rn(hi - lo, 15)), zero
+// fp16(lo), code clamp(rint(div_rn(x - zero, scale)), 0, 15); INT8 scale amax * inv127 (torch's CUDA division
+// by a constant), code clamp(rint(div_rn(x, scale)), -127, 127). The kernel's nw_* arguments (the launcher
+// passes ints, doubles and pointers only).
+struct NewRows {
+    const u16* k; const u16* v;               // bf16 [B, Hkv, 128] rows (K rotated already where the cache is)
+    int stride_kn, stride_kh, stride_vn, stride_vh;  // elements
+    const long long* slots;                   // [B] cache slot of the new token (-1: padding, nothing written)
+    const long long* rows;                    // [B] its side row (-1: none)
+    u8* k4; u8* v4;                           // INT4 pages [slots, Hkv, 64]
+    int stride_4s, stride_4h;                 // bytes
+    u16* k_scale; u16* k_zero; u16* v_scale; u16* v_zero;  // fp16 [slots, Hkv, 128 / group]
+    int stride_ms, stride_mh;                 // elements
+    int group;                                // channels per INT4 group: a power of two, 4 .. 128
+    float inv127;                             // fl32(1 / 127)
+    int write;
+};
+
+__device__ __forceinline__ float fmin_(float a, float b) {
+    float d;
+    asm("min.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ float fabs_(float a) {
+    float d;
+    asm("abs.f32 %0, %1;" : "=f"(d) : "f"(a));
+    return d;
+}
+
+__device__ __forceinline__ float rint_(float a) {  // ties to even
+    float d;
+    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(d) : "f"(a));
+    return d;
+}
+
+__device__ __forceinline__ float div_rn(float a, float b) {  // correctly rounded, as Triton's div_rn
+    float d;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ float mul_rn(float a, float b) {  // never contracted into an FMA
+    float d;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ float sub_rn(float a, float b) {
+    float d;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+__device__ __forceinline__ u16 half_bits(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+// lane holds channels 4 lane .. 4 lane + 3 of one row (x): the INT4 page row at (slot, head) and, with
+// `side_row` >= 0, the INT8 side row
+__device__ __forceinline__ void store_new_row(const float (&x)[4], int lane, const NewRows& nw, bool value,
+                                              long long slot, int head, u8* side_codes, float* side_scales,
+                                              long long side_row) {
+    float lo = fmin_(fmin_(x[0], x[1]), fmin_(x[2], x[3])), hi = fmax_(fmax_(x[0], x[1]), fmax_(x[2], x[3]));
+    float amax = fmax_(fmax_(fabs_(x[0]), fabs_(x[1])), fmax_(fabs_(x[2]), fabs_(x[3])));
+    for (int d = 1; d < nw.group / 4; d <<= 1) {
+        lo = fmin_(lo, __shfl_xor_sync(0xffffffffu, lo, d));
+        hi = fmax_(hi, __shfl_xor_sync(0xffffffffu, hi, d));
+    }
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) amax = fmax_(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    const u16 scale16 = half_bits(div_rn(sub_rn(hi, lo), 15.f)), zero16 = half_bits(lo);
+    const float scale = half_to_float(scale16), zero = half_to_float(zero16);
+    const float safe = scale > 0.f ? scale : 1.f;
+    u32 levels[4];
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float y = fmin_(fmax_(rint_(div_rn(sub_rn(x[e], zero), safe)), 0.f), 15.f);
+        levels[e] = scale > 0.f ? (u32)y : 0u;
+    }
+    const long long page = slot * nw.stride_4s + head * nw.stride_4h + 2 * lane;
+    *(u16*)((value ? nw.v4 : nw.k4) + page) = (u16)(levels[0] | levels[1] << 4 | levels[2] << 8 | levels[3] << 12);
+    if ((4 * lane) % nw.group == 0) {
+        const long long meta = slot * nw.stride_ms + head * nw.stride_mh + 4 * lane / nw.group;
+        (value ? nw.v_scale : nw.k_scale)[meta] = scale16;
+        (value ? nw.v_zero : nw.k_zero)[meta] = zero16;
+    }
+    if (side_row < 0) return;
+    const float s8 = mul_rn(amax, nw.inv127), safe8 = s8 > 0.f ? s8 : 1.f;
+    u32 codes = 0;
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int c = (int)fmin_(fmax_(rint_(div_rn(x[e], safe8)), -127.f), 127.f);
+        codes |= (u32)(c & 0xff) << (8 * e);
+    }
+    *(u32*)(side_codes + side_row * KV_ROW + (long long)head * KV_HEAD + 4 * lane) = codes;
+    if (lane == 0) side_scales[side_row * S_ROW + (long long)head * S_HEAD] = s8;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_split(
     const u16* q, int stride_qb, int stride_qh, const u8* k, const u8* v, const float* ks, const float* vs,
     const int* block_tables, int stride_bt, const int* context_lens, const int* split_ptr,
     float* o_part, float* lse_part, int num_q_heads, int num_partials, int num_kv_heads, int group,
     int block_shift, int start, int end_off, double sm_scale_log2,
-    const int* seq_slots, int budget, void* out, int stride_outb, int stride_outh, int out_f32, int rotate_q) {
+    const int* seq_slots, int budget, void* out, int stride_outb, int stride_outh, int out_f32, int rotate_q
+#ifdef SIDE_INT8
+    , const u16* nw_k, const u16* nw_v, int nw_stride_kn, int nw_stride_kh, int nw_stride_vn, int nw_stride_vh,
+    const long long* nw_slots, const long long* nw_rows, u8* nw_k4, u8* nw_v4, int nw_stride_4s, int nw_stride_4h,
+    u16* nw_k_scale, u16* nw_k_zero, u16* nw_v_scale, u16* nw_v_zero, int nw_stride_ms, int nw_stride_mh,
+    int nw_group, double nw_inv127, int nw_write
+#endif
+    ) {
     extern __shared__ __align__(16) u8 smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5, sub = warp % SUBS;
@@ -120,6 +233,28 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) fp8_decode_
     const int run = 16 * ((((all_hi + 15) >> 4) + SUBS - 1) / SUBS);
     const int lo = min(all_hi, sub * run), hi = min(all_hi, lo + run);
     const long long side_row0 = (long long)seq_slots[b] * budget;
+    const NewRows nw = {nw_k, nw_v, nw_stride_kn, nw_stride_kh, nw_stride_vn, nw_stride_vh, nw_slots, nw_rows, nw_k4,
+                        nw_v4, nw_stride_4s, nw_stride_4h, nw_k_scale, nw_k_zero, nw_v_scale, nw_v_zero, nw_stride_ms,
+                        nw_stride_mh, nw_group, (float)nw_inv127, nw_write};
+    // the step's new token first (K by the head's first warp, V by its second; both by one with SUBS 1), visible
+    // to the head's warps before any copies its side row
+    if (nw.write) {
+        const long long slot = nw.slots[b], row = nw.rows[b];
+        for (int part = sub; part < 2 && slot >= 0; part += SUBS) {
+            const long long bb = b, hh = h;
+            const u16* src = part ? nw.v + bb * nw.stride_vn + hh * nw.stride_vh : nw.k + bb * nw.stride_kn + hh * nw.stride_kh;
+            const U2 w = *(const U2*)(src + 4 * lane);
+            const float x[4] = {bits_to_float(w.x << 16), bits_to_float(w.x & 0xFFFF0000u), bits_to_float(w.y << 16),
+                                bits_to_float(w.y & 0xFFFF0000u)};
+            store_new_row(x, lane, nw, part == 1, slot, h, (u8*)(part ? v : k), (float*)(part ? vs : ks), row);
+        }
+        __threadfence_block();
+#if SUBS > 1
+        asm volatile("bar.sync %0, %1;" :: "r"(1 + warp / SUBS), "r"(32 * SUBS) : "memory");
+#else
+        __syncwarp();
+#endif
+    }
 #else
     (void)sub;
     const int end = L - end_off > start ? L - end_off : start;

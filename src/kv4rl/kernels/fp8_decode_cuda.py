@@ -18,6 +18,7 @@ import torch
 
 from kv4rl.kernels import cuda_sm_count, cuda_source
 from kv4rl.kernels.decode_common import LOG2E, SplitLaunch
+from kv4rl.kernels.kv_write import INT8_INV_MAX, PendingWrite
 
 SOURCE = Path(__file__).with_name("fp8_decode.cu")
 KERNEL_NAME = "fp8_decode_split"
@@ -112,7 +113,8 @@ def side_problem(out: torch.Tensor) -> str | None:
     return None
 
 
-def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None, *, beside_body: bool = False) -> None:
+def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None, *, beside_body: bool = False,
+                     write: PendingWrite | None = None) -> None:
     """KV4's INT8 work item: attention of work.q (rotated already, or by the kernel with
     `work.rotate_query`) over each sequence's protected rows (work.k / v [rows, Hkv, D] int8, float32
     scales; a sequence's rows start at seq_slot x (n_sink + n_recent)), merged with the INT4 body's split
@@ -120,12 +122,28 @@ def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None,
     kernel launched just before on this stream; `beside_body` launches the item as its programmatic
     dependent (its query must then exist before the body runs: the raw one it rotates itself, or one rotated
     earlier, never the body's rotated copy, which may not exist yet when the item starts).
-    `config`: compile-time settings (default `SIDE_CONFIG`)."""
+    `write`: the step's new K/V rows, which the item stores first (INT4 pages and the side rows it then reads;
+    `write.item_problem()` must be None, its side rows work.k / v, and each new token inside its recent
+    window, so that the body never reads it). `config`: compile-time settings (default `SIDE_CONFIG`)."""
     out = work.out
     assert work.k.dtype == work.v.dtype == torch.int8 and side_problem(out) is None
     _launch(work, config, side=True, num_splits=1, start=work.n_sink, end_off=work.n_recent,
             side_args=[work.n_sink + work.n_recent, out, out.stride(0), out.stride(1), int(out.dtype == torch.float32),
-                       int(work.rotate_query)], programmatic=beside_body)
+                       int(work.rotate_query), *_write_args(write, work)], programmatic=beside_body)
+
+
+def _write_args(write: PendingWrite | None, work: SplitLaunch) -> list:
+    """The item's nw_* arguments (fp8_decode.cu's `NewRows`); without a write, placeholders and nw_write 0."""
+    if write is None:
+        dummy = work.batch.context_lens
+        return [work.q, work.q, 0, 0, 0, 0, dummy, dummy, dummy, dummy, 0, 0, dummy, dummy, dummy, dummy, 0, 0, 4,
+                0.0, 0]
+    assert write.item_problem() is None and write.k_dest.prot_codes is work.k and write.v_dest.prot_codes is work.v
+    assert write.k_dest.prot_scale is work.k_scale and write.v_dest.prot_scale is work.v_scale
+    k, v, kd, vd = write.k, write.v, write.k_dest, write.v_dest
+    return [k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), write.slots, write.protect_rows, kd.out, vd.out,
+            kd.out.stride(0), kd.out.stride(1), kd.scale, kd.zero, vd.scale, vd.zero, kd.scale.stride(0),
+            kd.scale.stride(1), write.group_size, INT8_INV_MAX, 1]
 
 
 def _launch(work: SplitLaunch, config: Mapping[str, int] | None, *, side: bool, num_splits: int, start: int,

@@ -11,7 +11,10 @@ CUDA-graph batch) writes nothing.
 
 Rounding follows the reference quantizers in `kv4rl.quant` step by step (float32 statistics, correctly
 rounded division, ties-to-even), so a fast-path cache holds the codes the reference would write, up to
-the rotation's float32 summation order.
+the rotation's float32 summation order. The FP8 and INT8 row scales, amax / 448 and amax / 127, are taken
+as torch takes them on the input's device: on CUDA a product with the float32 reciprocal, on the CPU a
+quotient (`reciprocal`; they differ by an ulp in a few percent of rows, and KV4's CUDA INT8 item, which
+stores a decode step's new rows itself, `PendingWrite`, multiplies as well).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import triton.language as tl
 
 from kv4rl.kernels import interpreting
 from kv4rl.kernels.decode_common import DecodeKind
+from kv4rl.kernels.fused_ops import FP8_INV_MAX
 from kv4rl.quant.hadamard import hadamard_matrix, hadamard_signs
 
 # rows a program and its warps for decode-sized writes: a KV4 write of 16-256 tokens x 8 heads is one
@@ -41,6 +45,9 @@ LARGE_PLAIN_BLOCK_ROWS = 32
 # short generate KV4 2,885-2,890 -> 2,899-2,904 tok/s over four alternating runs (H200, 2026-12-05); at 512 rows
 # it was even and at 2,048 slower (4.8 against 3.6 us), so only writes up to 128 rows take it
 SMALL_PLAIN_ROWS = 128
+# torch's CUDA division by a constant: a product with `1.0f / 127` computed in float32 (as FP8_INV_MAX for 448)
+INT8_INV_MAX = float(torch.tensor(1.0, dtype=torch.float32) / 127)
+_FP8_INV, _INT8_INV = tl.constexpr(FP8_INV_MAX), tl.constexpr(INT8_INV_MAX)  # as the kernels read them
 
 
 def default_layout(num_rows: int, rotate: bool = True) -> tuple[int, int]:
@@ -60,6 +67,15 @@ def _round_half_even(y):
 
 
 @triton.jit
+def _row_scale(amax, max_code: tl.constexpr, inv_max: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """amax / max_code as torch divides a float32 tensor by a number: times the float32 reciprocal on CUDA
+    (RECIPROCAL), correctly rounded on the CPU."""
+    if RECIPROCAL:
+        return amax * inv_max
+    return tl.math.div_rn(amax, max_code)
+
+
+@triton.jit
 def _write_rows(
     block, x_ptr, stride_xn, stride_xh, num_rows,
     slot_ptr, prot_ptr, rot_ptr,
@@ -68,7 +84,7 @@ def _write_rows(
     prot_codes_ptr, prot_scale_ptr, stride_ps, stride_ph, stride_qs, stride_qh,
     NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, STORE: tl.constexpr,
     ROTATE: tl.constexpr, PROTECT: tl.constexpr, BLOCK_R: tl.constexpr, SIGNS: tl.constexpr,
-    RSQRT_D: tl.constexpr, EXACT: tl.constexpr,
+    RSQRT_D: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr,
 ):
     """Rows [block * BLOCK_R, +BLOCK_R) of one of K or V: rotate, quantize, store (and the INT8 copy)."""
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -100,7 +116,7 @@ def _write_rows(
         tl.store(out_ptr + slot[:, None] * stride_os + head[:, None] * stride_oh + offs_d[None, :],
                  x.to(out_ptr.dtype.element_ty), mask=live[:, None])
     elif STORE == 1:
-        scale = tl.max(tl.abs(x), 1) / 448.0
+        scale = _row_scale(tl.max(tl.abs(x), 1), 448.0, _FP8_INV, RECIPROCAL)
         safe = tl.where(scale > 0, scale, 1.0)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, safe[:, None]), -448.0), 448.0)
         tl.store(out_ptr + slot[:, None] * stride_os + head[:, None] * stride_oh + offs_d[None, :],
@@ -130,7 +146,7 @@ def _write_rows(
     if PROTECT:
         prow = tl.load(prot_ptr + tok, mask=live, other=-1).to(tl.int64)
         keep = live & (prow >= 0)
-        pscale = tl.max(tl.abs(x), 1) / 127.0
+        pscale = _row_scale(tl.max(tl.abs(x), 1), 127.0, _INT8_INV, RECIPROCAL)
         psafe = tl.where(pscale > 0, pscale, 1.0)
         codes = _round_half_even(tl.math.div_rn(x, psafe[:, None]))
         codes = tl.minimum(tl.maximum(codes, -127.0), 127.0).to(tl.int8)
@@ -149,19 +165,19 @@ def _kv_write_kernel(
     stride_ps, stride_ph, stride_qs, stride_qh,
     NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, STORE: tl.constexpr,
     ROTATE_K: tl.constexpr, ROTATE_V: tl.constexpr, PROTECT: tl.constexpr, BLOCK_R: tl.constexpr,
-    SIGNS: tl.constexpr, RSQRT_D: tl.constexpr, EXACT: tl.constexpr,
+    SIGNS: tl.constexpr, RSQRT_D: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr,
 ):
     """Grid (row blocks, 1 or 2): axis 1 picks K (0) or V (1), so a layer's two writes are one launch."""
     if tl.program_id(1) == 0:
         _write_rows(tl.program_id(0), k_ptr, stride_kn, stride_kh, num_rows, slot_ptr, prot_ptr, rot_ptr,
                     k_out_ptr, stride_os, stride_oh, k_scale_ptr, k_zero_ptr, stride_ss, stride_sh,
                     k_prot_codes_ptr, k_prot_scale_ptr, stride_ps, stride_ph, stride_qs, stride_qh,
-                    NUM_KV_HEADS, D, GROUP, STORE, ROTATE_K, PROTECT, BLOCK_R, SIGNS, RSQRT_D, EXACT)
+                    NUM_KV_HEADS, D, GROUP, STORE, ROTATE_K, PROTECT, BLOCK_R, SIGNS, RSQRT_D, EXACT, RECIPROCAL)
     else:
         _write_rows(tl.program_id(0), v_ptr, stride_vn, stride_vh, num_rows, slot_ptr, prot_ptr, rot_ptr,
                     v_out_ptr, stride_os, stride_oh, v_scale_ptr, v_zero_ptr, stride_ss, stride_sh,
                     v_prot_codes_ptr, v_prot_scale_ptr, stride_ps, stride_ph, stride_qs, stride_qh,
-                    NUM_KV_HEADS, D, GROUP, STORE, ROTATE_V, PROTECT, BLOCK_R, SIGNS, RSQRT_D, EXACT)
+                    NUM_KV_HEADS, D, GROUP, STORE, ROTATE_V, PROTECT, BLOCK_R, SIGNS, RSQRT_D, EXACT, RECIPROCAL)
 
 
 @dataclass
@@ -178,21 +194,67 @@ class KVDest:
     prot_scale: torch.Tensor | None = None
 
 
+@dataclass
+class PendingWrite:
+    """A decode step's `write_kv_pair`, not yet run: KV4's CUDA INT8 item may store the rows itself
+    (`item_problem` says where it cannot), otherwise `run` launches the Triton write before the attention."""
+
+    k: torch.Tensor  # [B, Hkv, D]
+    v: torch.Tensor
+    slots: torch.Tensor  # [B] long, -1: padding
+    store: DecodeKind
+    k_dest: KVDest
+    v_dest: KVDest
+    group_size: int
+    protect_rows: torch.Tensor | None = None  # [B] long, -1: not protected
+
+    def run(self) -> None:
+        write_kv_pair(self.k, self.v, self.slots, store=self.store, k_dest=self.k_dest, v_dest=self.v_dest,
+                      group_size=self.group_size, protect_rows=self.protect_rows)
+
+    def item_problem(self) -> str | None:
+        """Why KV4's INT8 item cannot store these rows (it writes INT4 pages and INT8 side rows of bf16 rows
+        that need no rotation, 128 channels, 8-byte aligned), or None."""
+        k, v, dests = self.k, self.v, (self.k_dest, self.v_dest)
+        if self.store != DecodeKind.INT4 or self.protect_rows is None:
+            return "not a KV4 write"
+        if any(d.rotate for d in dests):
+            return "rows to rotate"
+        if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.shape != v.shape or k.shape[-1] != 128:
+            return "rows not bf16 [B, Hkv, 128]"
+        if any(t.stride(-1) != 1 or t.stride(0) % 4 or t.stride(1) % 4 or t.data_ptr() % 8 for t in (k, v)):
+            return "rows not in 8-byte pieces"
+        g = self.group_size
+        if g < 4 or g > 128 or g & (g - 1):
+            return f"INT4 group of {g} channels"
+        if self.slots.dtype != torch.int64 or self.protect_rows.dtype != torch.int64:
+            return "slots not int64"
+        if any(d.prot_codes is None or d.prot_scale is None or d.scale is None or d.zero is None for d in dests):
+            return "no side rows"
+        if (_dest_strides(self.k_dest) != _dest_strides(self.v_dest)
+                or self.k_dest.scale.stride() != self.k_dest.zero.stride()):
+            return "K and V pages of different layouts"
+        pages = self.k_dest.out
+        if pages.dtype != torch.uint8 or pages.stride(-1) != 1 or pages.stride(1) % 2 or pages.stride(0) % 2:
+            return "INT4 pages not in 2-byte pieces"
+        return None
+
+
 def write_kv(x: torch.Tensor, slots: torch.Tensor, *, store: DecodeKind, out: torch.Tensor,
              scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, group_size: int = 128,
              rotate: bool = False, protect_rows: torch.Tensor | None = None,
              prot_codes: torch.Tensor | None = None, prot_scale: torch.Tensor | None = None,
-             block_rows: int | None = None, num_warps: int | None = None) -> None:
+             block_rows: int | None = None, num_warps: int | None = None, reciprocal: bool | None = None) -> None:
     """Quantize x[N, Hkv, D] and store it at `slots[N]` (-1: skip) of the paged `out` [slots, Hkv, ·].
 
     store (the kernel's `STORE`, numbered like the decode kinds): BF16 (values as they are), FP8 (codes +
     per-row fp32 `scale`), INT4 (packed codes + fp16 `scale`/`zero` per group). `rotate` applies the
     Hadamard rotation first. `protect_rows[N]` (-1: none) also writes the INT8 copy to
     `prot_codes`/`prot_scale` rows. `block_rows` / `num_warps` change the work layout only (None:
-    `default_layout`).
+    `default_layout`). `reciprocal`: the FP8/INT8 scales as torch divides on CUDA (None: where x is).
     """
     dest = KVDest(out, scale, zero, rotate, prot_codes, prot_scale)
-    _launch((x,), (dest,), slots, store, group_size, protect_rows, block_rows, num_warps)
+    _launch((x,), (dest,), slots, store, group_size, protect_rows, block_rows, num_warps, reciprocal)
 
 
 def write_kv_pair(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, store: DecodeKind, k_dest: KVDest,
@@ -228,8 +290,8 @@ def _dest_strides(dest: KVDest) -> tuple:
 
 
 def _launch(xs: tuple[torch.Tensor, ...], dests: tuple[KVDest, ...], slots: torch.Tensor, store: DecodeKind,
-            group_size: int, protect_rows: torch.Tensor | None, block_rows: int | None, num_warps: int | None
-            ) -> None:
+            group_size: int, protect_rows: torch.Tensor | None, block_rows: int | None, num_warps: int | None,
+            reciprocal: bool | None = None) -> None:
     """One launch writing each x of `xs` (one or two tensors of one layout) to its destination."""
     num_tokens, num_kv_heads, head_dim = xs[0].shape
     if num_tokens == 0:
@@ -262,7 +324,8 @@ def _launch(xs: tuple[torch.Tensor, ...], dests: tuple[KVDest, ...], slots: torc
         ps[0].stride(1) if ps[0].dim() > 1 else 0,
         NUM_KV_HEADS=num_kv_heads, D=head_dim, GROUP=group_size if store == DecodeKind.INT4 else head_dim,
         STORE=int(store), ROTATE_K=first.rotate, ROTATE_V=second.rotate, PROTECT=protect, BLOCK_R=block_rows,
-        SIGNS=signs, RSQRT_D=1.0 / math.sqrt(head_dim), EXACT=interpreting(), num_warps=num_warps,
+        SIGNS=signs, RSQRT_D=1.0 / math.sqrt(head_dim), EXACT=interpreting(),
+        RECIPROCAL=xs[0].device.type == "cuda" if reciprocal is None else reciprocal, num_warps=num_warps,
     )
 
 
