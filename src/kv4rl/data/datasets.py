@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ def read_problems(path: str | os.PathLike[str] | list, name: str | None = None) 
             layouts.append(layout)
         return problems, next((x for x in ("verl", "parquet") if x in layouts), "jsonl")
     path = Path(path)
+    _check_rereadable(path)
     try:
         with path.open("rb") as file:
             parquet = file.read(4) == b"PAR1"
@@ -72,6 +74,19 @@ def read_problems(path: str | os.PathLike[str] | list, name: str | None = None) 
 
         return load_parquet(path, name)
     return load_jsonl(path, name), "jsonl"
+
+
+def _check_rereadable(path: Path) -> None:
+    """Refuse a pipe, FIFO or device as a dataset file: such a file gives its bytes once, and a dataset is read more
+    than once (its first bytes for the layout, the checks before a run, the run itself, a resume), so the later
+    reads would miss the rows the first took (`<(zcat f.gz)` lost its first 4 KiB) or wait for ever (a FIFO)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # missing or unreadable: load_jsonl says which
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise DatasetError(f"dataset file {path} is not a regular file (a pipe or device gives its rows once, and a "
+                           f"dataset is read more than once); write it to a file and give that file")
 
 
 def _row_id_names(paths: list[Path]) -> list[str]:
