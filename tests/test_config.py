@@ -96,6 +96,10 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     ("trainer:\n  iterations: 010\n", "'010' is read by YAML as 8, not as written"),
     ("trainer:\n  iterations: 1:40\n", "'1:40' is read by YAML as 100, not as written"),
     ("? [a, b]\n: 1\n", "a key must be a name, not a list (line 1, column 3)"),  # was a TypeError traceback
+    # YAML reads these keys unquoted as numbers, booleans (YAML 1.1's on/off/yes/no too) and null: a traceback before
+    ("1: 2\n", "a key must be a name, not 1 (quote it if it is one) (line 1, column 1)"),
+    ("trainer: {on: 2}\n", "a key must be a name, not True (quote it if it is one) (line 1, column 11)"),
+    ("trainer:\n  null: 1\n", "a key must be a name, not null (quote it if it is one) (line 2, column 3)"),
     ("checkpoint:\n  <<: {save_every: 5}\n  <<: {keep_last: 2}\n", "key '<<' is given twice in one mapping"),
 ])
 def test_a_config_file_that_would_be_misread_names_the_file_and_the_problem(tmp_path, content, needle):

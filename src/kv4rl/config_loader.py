@@ -339,9 +339,10 @@ class _ConfigLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: the base's keys, which this one's override
                 continue
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (list, dict)):
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"a key must be a name, not a {type(key).__name__}", key_node.start_mark)
+            if not isinstance(key, str):  # `1:`, `true:`, `on:` (YAML 1.1's true), `null:` read as those values
+                what = (f"a {type(key).__name__}" if isinstance(key, list | dict)
+                        else f"{'null' if key is None else repr(key)} (quote it if it is one)")
+                raise yaml.constructor.ConstructorError(None, None, f"a key must be a name, not {what}", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
