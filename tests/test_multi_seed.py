@@ -233,7 +233,7 @@ def test_a_seed_folder_in_use_is_named_with_its_process_and_resumed_seeds_keep_t
     from kv4rl.config import load_config
     from kv4rl.run_folder import FolderInUse
 
-    def in_use(run_dir, overwrite):
+    def in_use(run_dir, overwrite, cfg=None):
         raise FolderInUse(f"{run_dir} is in use (pid 4242)")
 
     monkeypatch.setattr(multi_seed, "check_new_run", in_use)

@@ -99,6 +99,30 @@ def test_overwrite_moves_the_old_run_aside_and_says_where(run, caplog):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "latest"]
 
 
+@pytest.mark.parametrize("key", ["data.train", "data.eval", "model.path"])
+def test_overwrite_refuses_to_move_the_new_runs_own_inputs_aside(run, key):
+    """--overwrite moved the old folder aside with a data file the new run read from inside it: the run trained,
+    but its config.yaml named a path that had gone, so its resume failed ("dataset file ... does not exist"). Such
+    an input (data or model, also one of a list) is refused by name before any work; the folder stays as it was."""
+    import json as json_
+
+    if key == "model.path":
+        inside = run / "checkpoints" / "iter_000001"
+        value = str(inside)
+    else:
+        inside = run / "mydata.jsonl"
+        inside.write_text("".join(json_.dumps({"problem": f"{i}+{i}=", "answer": str(2 * i)}) + "\n"
+                                  for i in range(8)))
+        value = json_.dumps([str(inside)]) if key == "data.eval" else str(inside)
+    before = tree_state(run.parent)
+    extra = ["data.prompt_template='{problem}'", "reward.name=exact"] if key != "model.path" else []
+    res = train_cli(f"out_dir={run.parent}", "name=run", *SMALL, "trainer.iterations=1", f"{key}={value}", *extra,
+                    "--overwrite")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{key}=" in text and "moves aside with the old run" in text, text
+    assert tree_state(run.parent) == before
+
+
 CAUSES = {
     "missing model folder": ["model.path={tmp}/no-model"],
     "missing data file": ["data.train={tmp}/no-data.jsonl"],

@@ -293,7 +293,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True, over
         if finished is not None:
             return finished
     else:
-        check_new_run(cfg.run_dir, overwrite)
+        check_new_run(cfg.run_dir, overwrite, cfg)
         restore = None
     with GracefulStop() as stop:
         s = build(cfg, restore, show_progress and main)

@@ -143,7 +143,7 @@ def plan_runs(seeds: list[int], config: Path | None, overrides: list[str], resum
         mine = [*overrides, f"seed={seed}", f"name={json.dumps(seed_name(base.name, seed), ensure_ascii=False)}"]
         cfg = load_config(config, mine)
         try:
-            check_new_run(cfg.run_dir, overwrite)
+            check_new_run(cfg.run_dir, overwrite, cfg)
         except FolderInUse:
             raise  # names the process writing it; no hint of ours would work before it ends
         except RunFolderError as exc:

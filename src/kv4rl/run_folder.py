@@ -116,9 +116,9 @@ def _holder(folder: Path) -> str:
     return "another process"
 
 
-def check_new_run(run_dir: Path, overwrite: bool) -> None:
+def check_new_run(run_dir: Path, overwrite: bool, cfg=None) -> None:
     """Refuse, before any work, to train into a folder holding a run unless `overwrite`, or into a folder another
-    process is writing."""
+    process is writing; with `cfg`, also an overwrite that would move the run's own inputs aside with the old run."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunFolderError(f"{run_dir} is a file, not a run folder")
     try:
@@ -140,6 +140,7 @@ def check_new_run(run_dir: Path, overwrite: bool) -> None:
             f"`--resume {shlex.quote(str(run_dir))}`, train into another folder with name=..., or start over with "
             f"--overwrite (the old run is moved aside, not deleted)")
     if held:
+        _check_inputs_stay(run_dir, cfg)
         aside = run_dir.name + _ASIDE_SUFFIX.format(time="00000000-000000") + "-99"
         try:
             longest = os.pathconf(run_dir.parent, "PC_NAME_MAX")
@@ -150,6 +151,20 @@ def check_new_run(run_dir: Path, overwrite: bool) -> None:
                 f"{run_dir}: --overwrite moves the old run aside as {run_dir.name}{_ASIDE_SUFFIX.format(time='<time>')}, a name longer "
                 f"than the {longest} bytes its file system allows; move or rename it yourself, or train into a "
                 f"shorter name=...")
+
+
+def _check_inputs_stay(run_dir: Path, cfg) -> None:
+    """--overwrite moves the old folder aside with everything in it: a data file or model the new run names inside
+    it would leave with it, and the new run's config.yaml would point at a path that is gone (its resume fails)."""
+    if cfg is None:
+        return
+    inside = run_dir.resolve()
+    for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval), ("model.path", cfg.model.path)):
+        for one in value if isinstance(value, list | tuple) else [value]:
+            if one is not None and inside in Path(one).resolve().parents:
+                raise RunFolderError(
+                    f"{key}={one} lies inside {run_dir}, which --overwrite moves aside with the old run: this run "
+                    f"and its resume would not find it there; move it out of the folder, or train into another name=...")
 
 
 _ASIDE_SUFFIX = ".old-{time}"
@@ -323,7 +338,7 @@ class RunFolder:
         if self.opened:
             return
         if self.resume_from is None:
-            check_new_run(self.path, self.overwrite)
+            check_new_run(self.path, self.overwrite, self.cfg)
             if run_contents(self.path):
                 held = lock_folder(self.path)  # the lock moves with the old folder and is then let go
                 try:

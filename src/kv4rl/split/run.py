@@ -111,7 +111,7 @@ def run_split(cfg: RunConfig, resume: bool, show_progress: bool, overwrite: bool
     head = ranks.main
     sink = MetricsSink(cfg) if head else None  # checks the optional viewers before the folder is touched
     if restore is None:
-        check_new_run(cfg.run_dir, overwrite)
+        check_new_run(cfg.run_dir, overwrite, cfg)
     torch.manual_seed(cfg.seed)
     source = ProblemSource(cfg.data.train, cfg.data.eval, cfg.seed, cfg.data.shuffle, cfg.data.pool_size,
                            **cfg.data.prompt_limit()) \
