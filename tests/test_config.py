@@ -111,6 +111,21 @@ def test_a_config_file_that_would_be_misread_names_the_file_and_the_problem(tmp_
     assert needle in message and "\n" not in message, message
     if "trainer." not in needle:
         assert str(path) in message
+def test_a_wrong_value_is_shown_cut_short_in_its_message(tmp_path):
+    """A long list from a YAML alias in one key made a 5 MB error line (the value's whole repr): the message now
+    shows the value's head (12 items, 200 characters of a string) and still names the key and the type."""
+    path = tmp_path / "c.yaml"
+    path.write_text("big: &big [" + ", ".join(str(i) for i in range(100_000)) + "]\ntrainer:\n  lr: *big\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "trainer.lr: expected float, got [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...]" in message, message[:300]
+    assert len(message) < 1000
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trainer.lr=" + "x" * 10_000])
+    assert "trainer.lr" in str(info.value) and "x" * 90 in str(info.value) and len(str(info.value)) < 1000
+
+
 
 
 def test_a_folder_given_as_the_config_file_is_named_as_a_folder(tmp_path):

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import math
 import re
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -19,8 +20,12 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from kv4rl.config_foreign import OTHER_FRAMEWORKS, other_key_hint, other_value_hint
+from kv4rl.config_yaml import AmbiguousNumber, StrictLoader, yaml_problem
 
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+# a value as a message shows it, cut short: a YAML alias's list pasted into one key once made a 5 MB error line
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxlevel = 200, 200, 12, 12, 4
 
 
 class ConfigError(ValueError):
@@ -75,7 +80,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if any(value == arm and type(value) is type(arm) for arm in get_args(tp)):
             return value
         hint = other_value_hint(key, value)
-        raise ConfigError(f"{key}: {value!r} is not one of {_type_name(tp)}" + (f"; use {key}={hint}" if hint else ""))
+        raise ConfigError(f"{key}: {_SHOWN.repr(value)} is not one of {_type_name(tp)}" + (f"; use {key}={hint}" if hint else ""))
     if origin in (typing.Union, types.UnionType):
         not_finite = None
         for arm in get_args(tp):
@@ -87,26 +92,26 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 continue
         if not_finite is not None:
             raise not_finite
-        raise ConfigError(f"{key}: {value!r} is not of type {_type_name(tp)}{_quote_hint(value, tp, key)}")
+        raise ConfigError(f"{key}: {_SHOWN.repr(value)} is not of type {_type_name(tp)}{_quote_hint(value, tp, key)}")
     if tp is type(None):
         if value is None:
             return None
-        raise ConfigError(f"{key}: expected null, got {value!r}")
+        raise ConfigError(f"{key}: expected null, got {_SHOWN.repr(value)}")
     if _is_section(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {_SHOWN.repr(value)}")
         return from_dict(tp, value, prefix=key)
     if origin is tuple:
         arms = get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(arms):
-            raise ConfigError(f"{key}: expected a list of {len(arms)} values, got {value!r}")
+            raise ConfigError(f"{key}: expected a list of {len(arms)} values, got {_SHOWN.repr(value)}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, arms)))
     if origin is list:
         (arm,) = get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {_SHOWN.repr(value)}")
         return [_coerce(v, arm, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
@@ -124,14 +129,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             number = float(value)  # `inf` is a string to YAML (`.inf` is its number): refused as one below
         if number is not None:
             if not math.isfinite(number):  # YAML's .inf / .nan: no setting means them (null turns one off)
-                raise _NotFinite(f"{key}: expected a finite number, got {value!r}")
+                raise _NotFinite(f"{key}: expected a finite number, got {_SHOWN.repr(value)}")
             return number
     elif tp is str:
         if isinstance(value, str):
             return value
     else:
         raise TypeError(f"unsupported config annotation {tp!r} for {key}")
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_SHOWN.repr(value)}")
 
 
 def coerce_value(value: Any, tp: Any, key: str) -> Any:
@@ -259,7 +264,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}' has an empty key")
     try:
-        value = yaml.load(raw, Loader=_ConfigLoader) if raw.strip() else ""
+        value = yaml.load(raw, Loader=StrictLoader) if raw.strip() else ""
     except AmbiguousNumber as exc:
         shell = f", on the command line inside the shell's quotes: \"{key}='{raw.strip()}'\"" if "dropping its '_'" in exc.problem else ""
         raise ConfigError(f"{key}: {exc.problem}{shell}") from None
@@ -297,76 +302,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-class AmbiguousNumber(yaml.constructor.ConstructorError):
-    """A YAML 1.1 integer that means another number than it shows (`010` is 8, `1:40` is 100)."""
-
-
-_DECIMAL_OR_HEX = re.compile(r"[-+]?(0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)")
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently,
-    so one of the two settings the user wrote would be ignored) and the YAML 1.1 integers that silently
-    mean another number: a leading zero is octal (`iterations: 010` was 8), `1:40` is base 60 (100), and an
-    underscore is dropped (`0.5_2` is 0.52, `1_2` is 12) unless it groups an integer's digits by thousands (`10_000`)."""
-
-    def construct_yaml_int(self, node):
-        text = self.construct_scalar(node)
-        if not _DECIMAL_OR_HEX.fullmatch(text):
-            raise AmbiguousNumber(None, None, f"{text!r} is read by YAML as {super().construct_yaml_int(node)}, "
-                                  f"not as written; write the number without a leading zero or ':' (or quote it "
-                                  f"for text)", node.start_mark)
-        if "_" in text and not _GROUPED_INT.fullmatch(text.lstrip("+-")):  # `1_2` (the bounds 1 and 2) became 12
-            raise AmbiguousNumber(None, None, _underscore_problem(text, super().construct_yaml_int(node)),
-                                  node.start_mark)
-        return super().construct_yaml_int(node)
-
-    def construct_yaml_float(self, node):
-        text = self.construct_scalar(node)
-        if "_" in text:  # `0.5_2.0`-style bounds written `0.5_2` became the number 0.52
-            raise AmbiguousNumber(None, None, _underscore_problem(text, super().construct_yaml_float(node)),
-                                  node.start_mark)
-        return super().construct_yaml_float(node)
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        merges = [key_node for key_node, _ in node.value if key_node.tag == "tag:yaml.org,2002:merge"]
-        if len(merges) > 1:  # the later silently took over the earlier's keys; `<<: [*a, *b]` says which wins
-            raise yaml.constructor.ConstructorError(
-                None, None, "key '<<' is given twice in one mapping (merge several as <<: [*a, *b])",
-                merges[1].start_mark)
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: the base's keys, which this one's override
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, str):  # `1:`, `true:`, `on:` (YAML 1.1's true), `null:` read as those values
-                what = (f"a {type(key).__name__}" if isinstance(key, list | dict)
-                        else f"{'null' if key is None else repr(key)} (quote it if it is one)")
-                raise yaml.constructor.ConstructorError(None, None, f"a key must be a name, not {what}", key_node.start_mark)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
-_ConfigLoader.add_constructor("tag:yaml.org,2002:float", _ConfigLoader.construct_yaml_float)
-_GROUPED_INT = re.compile(r"[0-9]{1,3}(_[0-9]{3})+")  # 10_000: digits grouped by thousands, read as written
-
-
-def _underscore_problem(text: str, number) -> str:
-    return (f"{text!r} is read by YAML as the number {number}, dropping its '_'; write the number without it, or "
-            f"quote it for text ('{text}')")
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error on one line: what is wrong and where (YAML's own text spans several, with a caret)."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
-
-
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
@@ -382,9 +317,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        data = yaml.load(text, Loader=_ConfigLoader)
+        data = yaml.load(text, Loader=StrictLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from exc
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_problem(exc)}") from exc
     if data is None:
         raise ConfigError(f"config file {path} holds no settings; leave --config out to train with the defaults")
     if not isinstance(data, dict):

@@ -205,7 +205,8 @@ def check_row_text(row: dict[str, Any], key: str, where: str, *, allow_number: b
         return str(value)
     if not isinstance(value, str):
         expected = "a string or a number" if allow_number else "a string"
-        raise DatasetError(f"{where}: field {key!r} must be {expected}, got {type(value).__name__}")
+        raise DatasetError(f"{where}: field {key!r} must be {expected}, got "
+                           f"{'null' if value is None else type(value).__name__}")
     if not value.strip():
         raise DatasetError(f"{where}: field {key!r} is empty")
     try:
