@@ -154,6 +154,11 @@ def test_bench_generate_repeats_transformers_and_takes_the_median(tmp_path):
     # two runs have no median run: the lower middle (the slower run) made the engine's ratio too high
     refused = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--hf-repeats", "2", "--device", "cpu"])
     assert refused.exit_code == 2 and "--hf-repeats 2: give an odd count" in refused.output, refused.output
+    # with --no-hf nothing is timed three times: the option was accepted and applied to nothing
+    refused = runner.invoke(app, ["bench", "generate", "--shape", "qwen3-tiny", "--hf-repeats", "3", "--no-hf",
+                                  "--device", "cpu"])
+    text = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "--hf-repeats 3 times transformers' generate, which --no-hf leaves out" in text, text
 
 
 def test_run_hf_times_every_batch_once_per_repeat_in_turn(monkeypatch):

@@ -258,7 +258,7 @@ def generate(
     json_out: Annotated[Path | None, Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Engine tokens/s vs transformers' generate on one random-init model, same weights and prompts."""
-    from kv4rl.bench.generate import bench_generate, check_variants
+    from kv4rl.bench.generate import bench_generate, check_hf_repeats, check_variants
     from kv4rl.bench.random_model import qwen3_args
 
     try:
@@ -272,9 +272,7 @@ def generate(
             if any(o.split("=", 1)[0].strip() == key for o in engine_overrides or []):
                 raise ValueError(f"{key} is set by {option} here")
         check_at_least(1, ("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--hf-repeats", hf_repeats))
-        if hf_repeats % 2 == 0:  # the ratio is to the median run; an even count has none (it took the slower middle)
-            raise ValueError(f"--hf-repeats {hf_repeats}: give an odd count, so that one run is the median the "
-                             f"speedup is taken over")
+        check_hf_repeats(hf, hf_repeats)
         shape_cfg = shape_args(shape, qwen3_args)
         head_dim = shape_cfg.head_dim
         if prompt_len + new_tokens > shape_cfg.max_position_embeddings:

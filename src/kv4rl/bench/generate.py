@@ -169,6 +169,16 @@ def check_variants(schedulings: list[str], weight_formats: list[str]) -> None:
         raise ValueError(f"--weight-format: {', '.join(unknown) or 'nothing or a repeat'} given; choose from auto, fp8")
 
 
+def check_hf_repeats(hf: bool, hf_repeats: int) -> None:
+    """--hf-repeats times transformers: an odd count (the ratio is to the median run; an even count has none, and
+    took the slower middle), and only where transformers runs at all (with --no-hf it applied to nothing)."""
+    if hf_repeats % 2 == 0:
+        raise ValueError(f"--hf-repeats {hf_repeats}: give an odd count, so that one run is the median the speedup "
+                         f"is taken over")
+    if hf_repeats > 1 and not hf:
+        raise ValueError(f"--hf-repeats {hf_repeats} times transformers' generate, which --no-hf leaves out")
+
+
 def bench_generate(shape: str, *, batch_sizes: list[int], prompt_len: int = 128, new_tokens: int = 256,
                    kv_formats: list[str] = ("bf16",), weight_formats: list[str] = ("auto",), hf: bool = True,
                    device: str = "auto", engine_config: EngineConfig | None = None, seed: int = 0,
