@@ -305,6 +305,15 @@ def test_a_run_whose_last_row_a_crash_cut_short_is_plotted_from_its_whole_rows(r
     res = runner.invoke(app, ["plot", "iteration-time", str(runs / "t"), "--out", str(runs / "t.png")])
     assert res.exit_code == 0, res.output
     assert [int(r["iterations"]) for r in read_csv(runs / "t.csv")] == [1] * 6
+    # in a process of its own the warning reads as the CLI's (it came bare, without its line break, the table
+    # printed onto its end): `plot` sets up the log lines as train and bench do
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kv4rl.cli", "plot", "curves", str(runs / "ppo-s0"), "--metric",
+                           EVAL, "--out", str(runs / "d.png")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"warning: {metrics}:9 is not a JSON row (cut short?); skipped\n" in done.stderr, done.stderr
 
 
 def test_no_output_may_replace_a_runs_records_or_another_output(runs):
@@ -322,6 +331,39 @@ def test_no_output_may_replace_a_runs_records_or_another_output(runs):
         assert res.exit_code == 2 and squash(needle) in squash(res.output), (args, res.output)
     assert sorted(p.relative_to(runs) for p in runs.rglob("*")) == before
     assert (runs / "ppo-s0" / "metrics.jsonl").read_bytes() == log
+
+
+def test_no_plot_output_may_land_on_any_runs_records_or_checkpoints(runs):
+    """`--json <run>/checkpoints/latest`, `.../checkpoint.json`, `<run>/train.log` or its TensorBoard events, and a
+    figure in a checkpoint (pruning deletes it whole) were written without a word, also for a run not plotted, and
+    `plot rollout-trace` checked no output at all: each is refused, nothing written."""
+    other = runs / "other" / "base-s0"
+    for run in (runs / "ppo-s0", other):
+        (run / "config.yaml").write_text("name: x\n")
+        ckpt = run / "checkpoints" / "iter_000001"
+        ckpt.mkdir(parents=True)
+        (ckpt / "checkpoint.json").write_text("{}")
+        (run / "checkpoints" / "latest").write_text("iter_000001\n")
+        (run / "train.log").write_text("log\n")
+        (run / "events.out.tfevents.1.host.1.0").write_bytes(b"tb")
+        (run / "rollout_trace.jsonl").write_text(json.dumps({"iteration": 0, "step": 0, "batch": 1}) + "\n")
+    before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    plotted = str(runs / "ppo-s*")
+    cases = [(["--json", str(other / "checkpoints" / "latest")], "inside the checkpoints/ of run"),
+             (["--json", str(runs / "ppo-s0" / "checkpoints" / "iter_000001" / "checkpoint.json")],
+              "inside the checkpoints/ of run"),
+             (["--json", str(other / "train.log")], "is the train.log of the run"),
+             (["--json", str(other / "events.out.tfevents.1.host.1.0")], "is the events.out.tfevents.1.host.1.0 of"),
+             (["--out", str(other / "checkpoints" / "iter_000001" / "fig.png")], "inside the checkpoints/ of run")]
+    for args, needle in cases:
+        res = runner.invoke(app, ["plot", "curves", plotted, "--metric", EVAL, *args])
+        assert res.exit_code == 2 and squash(needle) in squash(res.output), (args, res.output)
+    res = runner.invoke(app, ["plot", "rollout-trace", str(other), "--out",
+                              str(other / "checkpoints" / "iter_000001" / "trace.png")])
+    assert res.exit_code == 2 and squash("inside the checkpoints/ of run") in squash(res.output), res.output
+    assert {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()} == before
+    res = runner.invoke(app, ["plot", "curves", plotted, "--metric", EVAL, "--out", str(other / "fig.png")])
+    assert res.exit_code == 0, res.output  # beside a run's records is fine
 
 
 @pytest.mark.parametrize("line,needle", [("1.5", "a JSON float, not a metrics row"),

@@ -97,3 +97,16 @@ def test_a_null_term_draws_no_point_instead_of_a_traceback(tmp_path):
     with out.with_suffix(".csv").open() as f:
         rows = [r for r in csv.DictReader(f) if r["iteration"] == "2" and r["source"] == "kernels"]
     assert rows[0]["abs_mean"] == ""
+
+
+def test_a_row_without_a_sources_term_is_named_instead_of_a_traceback(tmp_path):
+    """A row with the token count but without one source's terms (a hand-edited or foreign file) raised a KeyError
+    traceback (exit 1): now one line naming the run, the iteration and the key."""
+    row = attribution_row(2, 10, 0.5)
+    del row[f"mismatch/{SOURCES[0]}_abs_mean"]
+    write_run(tmp_path / "odd", [attribution_row(1, 10, 0.5), row])
+    res = runner.invoke(app, ["plot", "mismatch", str(tmp_path / "odd"), "-o", str(tmp_path / "m.png")])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"iteration 2 logs mismatch/attributed_tokens but not mismatch/{SOURCES[0]}_abs_mean" \
+        in text, res.output
+    assert not (tmp_path / "m.png").exists()

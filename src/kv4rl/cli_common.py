@@ -257,12 +257,16 @@ def setup_logging(verbose: bool) -> None:
 
 def check_plot_outputs(figure: Path, runs: list[Path], json_out: Path | None = None) -> None:
     """A plot's figure, the CSV beside it and its JSON must be three files, none of them a record of the runs
-    it reads (`RUN_FILES`: `--json runs/a-s0/metrics.jsonl` replaced the training log)."""
+    it reads (`RUN_FILES`: `--json runs/a-s0/metrics.jsonl` replaced the training log) nor of any run, nor in a
+    run's checkpoints/ (`--json <run>/checkpoints/latest` replaced the pointer)."""
     from kv4rl.run_folder import RUN_FILES
 
+    from kv4rl.cli_outputs import check_spares_models_and_runs
+
     inputs = {f"{name} of run {run}": Path(run) / name for run in runs for name in RUN_FILES}
-    check_not_an_input({"--out": figure, "the CSV beside --out": figure.with_suffix(".csv"), "--json": json_out},
-                       inputs)
+    outputs = {"--out": figure, "the CSV beside --out": figure.with_suffix(".csv"), "--json": json_out}
+    check_not_an_input(outputs, inputs)
+    check_spares_models_and_runs(outputs, {})  # any run's records and checkpoints, not only the plotted runs'
 
 
 def image_formats() -> list[str]:

@@ -17,7 +17,7 @@ def check_spares_models_and_runs(outputs: dict[str, Path | None], models: dict[s
     """Refuse an output path that is a model folder's own file (`models`: what -> folder; `--json <model>/config.json`
     replaced its config), lies in a run's checkpoints/ (`--samples <run>/checkpoints/latest` replaced its pointer) or
     is a run's own file (`--json <run>/metrics.jsonl` replaced its log): writing there destroys what they hold."""
-    from kv4rl.run_folder import RUN_FILES, enclosing_run
+    from kv4rl.run_folder import enclosing_run
 
     for option, path in ((o, p) for o, p in outputs.items() if p is not None):
         where = path.resolve()
@@ -28,5 +28,14 @@ def check_spares_models_and_runs(outputs: dict[str, Path | None], models: dict[s
         if enclosing_run(path) is not None:
             fail(f"{option} {path} is inside the checkpoints/ of run {enclosing_run(path)}; give a path outside them")
         run = where.parent
-        if where.name in RUN_FILES and (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file():
+        if is_run_record(where.name) and (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file():
             fail(f"{option} {path} is the {where.name} of the run in {run}; give another path")
+
+
+def is_run_record(name: str) -> bool:
+    """Whether a file of this name in a run folder is one of the run's records: its config, logs (`train.log` of
+    --seeds) and TensorBoard events (`plot curves --json <run>/train.log` replaced the log)."""
+    from kv4rl.multi_seed import LOG_NAME
+    from kv4rl.run_folder import RUN_FILES
+
+    return name in RUN_FILES or name == LOG_NAME or "tfevents" in name or "superseded" in name

@@ -12,6 +12,7 @@ from kv4rl.cli_common import (
     check_figure_path,
     check_output_path,
     check_plot_outputs,
+    setup_logging,
     console,
     fail,
     finite_float,
@@ -23,6 +24,13 @@ from kv4rl.cli_common import (
 from kv4rl.telemetry.tables import ResultTable, print_table
 
 plot_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Plots from run folders.")
+
+
+@plot_app.callback()
+def _plot_logging() -> None:
+    """Warnings of the readers (a row a crash cut short, skipped) as `warning: ...` lines, as train and bench say
+    them (without it Python's last-resort handler printed the bare text, no line break)."""
+    setup_logging(False)
 
 
 @plot_app.command("rollout-trace")
@@ -44,7 +52,8 @@ def plot_rollout_trace_cmd(
             raise ValueError(f"--to {last} must be above --from {first}")
     except ValueError as exc:
         fail(str(exc))
-    out = check_figure_path(out or runs[0] / "rollout_trace.png", "--out")
+    out = check_figure_path(out or runs[0] / "rollout_trace.png", "--out", create=False)
+    check_plot_outputs(out, runs)
     try:
         path = plot_rollout_trace(runs, out, (first, last if last is not None else float("inf")))
     except ValueError as exc:

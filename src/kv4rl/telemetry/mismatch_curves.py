@@ -44,6 +44,11 @@ def mismatch_rows(runs: list[Path]) -> list[dict]:
             raise ValueError(f"{run}: no mismatch attribution in metrics.jsonl "
                              "(train with telemetry.attribution_every=N to log it)")
         for row in logged:
+            missing = [metric_key(source, stat) for source in (*SOURCES, "total") for stat in STATS
+                       if metric_key(source, stat) not in row]
+            if missing:  # a hand-edited or foreign file: kv4rl writes every source's row with the token count
+                raise ValueError(f"{run}: iteration {row['iteration']} logs {TOKENS_KEY} but not {missing[0]}"
+                                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
             for source in (*SOURCES, "total"):
                 out.append({"run": label, "iteration": row["iteration"], "source": source,
                             **{stat: row[metric_key(source, stat)] for stat in STATS},
