@@ -288,6 +288,26 @@ def test_resume_of_a_finished_run_prints_its_summary_builds_nothing_and_says_how
     assert tree_state(run) == before
 
 
+def test_resume_refuses_a_newest_checkpoint_copied_in_from_another_run(run):
+    """Another run's iter_000005 copied into checkpoints/ was resumed from without a word: its weights, a gap in
+    metrics.jsonl (iterations 3-4 never logged) and its run id, under which the folder's own checkpoints were never
+    pruned again. Refused, nothing touched; the run's own newest checkpoint still resumes."""
+    foreign = run / "checkpoints" / "iter_000005"
+    shutil.copytree(run / "checkpoints" / "iter_000002", foreign)
+    meta = json.loads((foreign / "checkpoint.json").read_text())
+    (foreign / "checkpoint.json").write_text(json.dumps({**meta, "run_id": "0123456789ab", "iteration": 5}))
+    state = torch.load(foreign / "trainer_state.pt", weights_only=False)
+    torch.save({**state, "iteration": 5}, foreign / "trainer_state.pt")
+    before = tree_state(run)
+    res = train_cli("--resume", str(run), "trainer.iterations=7", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "iter_000005 was written by another run (run id 0123456789ab)" in text, text
+    assert f"model.path={foreign}" in text and tree_state(run) == before
+    shutil.rmtree(foreign)
+    res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
+    assert res.exit_code == 0, res.output
+
+
 def test_resume_refuses_another_starting_model(run, tmp_path):
     """model.path on --resume swapped the reference model and the rows' fingerprint mid-run, silently."""
     before = tree_state(run)

@@ -16,7 +16,7 @@ from kv4rl.config import ConfigError, RunConfig, load_config
 from kv4rl.distributed import train_launch
 from kv4rl.run_folder import RunFolderError
 from kv4rl.telemetry.run_stats import summarize_run
-from kv4rl.trainer.checkpoint import checkpoint_root, find_resume_checkpoint, run_of
+from kv4rl.trainer.checkpoint import checkpoint_root, checkpoints, find_resume_checkpoint, run_of
 from kv4rl.trainer.learner import Learner
 
 
@@ -85,7 +85,15 @@ def find_restore(cfg: RunConfig) -> Restore:
         raise ConfigError(f"--resume {cfg.run_dir}: {path.name} was written by a {written} run (rollout.placement="
                           f"{written}) and this one is rollout.placement={cfg.rollout.placement}; resume it as it "
                           f"was written, or start a new run from its policy with model.path={path}")
-    return Restore(path, state, run_of(path))
+    writer = run_of(path)
+    others = {run_of(p) for _, p in checkpoints(cfg.run_dir) if p != path}
+    if writer is not None and len(others) == 1 and None not in others and writer not in others:
+        # a checkpoint copied in from another run: resuming took its weights, left this run's log with a gap and
+        # its run id, so the folder's own checkpoints were never pruned again
+        raise RunFolderError(f"--resume {cfg.run_dir}: the newest checkpoint {path.name} was written by another run "
+                             f"(run id {writer}) than the folder's other checkpoints ({others.pop()}); move it out, or "
+                             f"start a new run from its policy with model.path={path}")
+    return Restore(path, state, writer)
 
 
 def finished_summary(cfg: RunConfig, restore: Restore) -> dict | None:
