@@ -510,7 +510,8 @@ def test_resume_refuses_a_training_stream_that_changed(tmp_path):
     rows[3]["answer"] = "8"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
-    assert res.exit_code == 2 and "(the problems' text or answers)" in " ".join(res.output.split()), res.output
+    assert res.exit_code == 2 and "(the problems' ids, text or answers; a row without an id is named <file name>:<line>" \
+        in " ".join(res.output.split()), res.output
     rows[3]["answer"] = "7"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = train_cli("--resume", str(run), "trainer.iterations=3", "seed=5", "--no-progress")

@@ -146,7 +146,9 @@ def check_same_stream(restore: Restore, now: dict, run_config: Path | None = Non
     if saved is None or saved == now:
         return
     changes = [f"{key} {saved.get(key)} -> {now.get(key)}" for key in ("rows", "seed", "shuffle", "max_prompt_tokens", "prompt_format")
-               if saved.get(key) != now.get(key)] or ["the problems' text or answers"]
+               if saved.get(key) != now.get(key)] or [
+        "the problems' ids, text or answers; a row without an id is named <file name>:<line>, so a renamed copy of "
+        "the file differs too"]
     raise ConfigError(
         f"--resume {restore.path}: the training stream differs from the checkpoint's ({', '.join(changes)}): "
         "the run's place in it would point at other problems, repeating some and skipping others in this "
