@@ -212,3 +212,21 @@ def test_the_command_puts_back_the_signal_handlers_it_found(tmp_path, args):
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_a_signal_before_the_first_iteration_says_nothing_will_be_written(caplog):
+    """A signal while the model and engine build said "stopping after this iteration with a checkpoint", then the
+    run stopped before its first iteration with nothing written (as its summary said): the warning now says which
+    of the two happens, as the loop has or has not started an iteration."""
+    import os
+
+    from kv4rl.graceful_stop import GracefulStop
+
+    for iterating, said in ((False, "SIGTERM: stopping before the first iteration (nothing is written)"),
+                            (True, "SIGTERM: stopping after this iteration with a checkpoint")):
+        caplog.clear()
+        with GracefulStop() as stop:
+            stop.iterating = iterating
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested == "SIGTERM"
+        assert any(said in m for m in caplog.messages), caplog.messages

@@ -62,6 +62,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self.iterating = False  # the loop sets it as an iteration starts: before it, a stop writes nothing
         self._previous: dict = {}
 
     def __enter__(self) -> GracefulStop:
@@ -81,8 +82,9 @@ class GracefulStop:
         self.requested = signal.Signals(signum).name
         for s in SIGNALS:
             signal.signal(s, signal.SIG_DFL)
-        log.warning("%s: stopping after this iteration with a checkpoint (send it again to stop at once)",
-                    self.requested)
+        when = ("after this iteration with a checkpoint" if self.iterating
+                else "before the first iteration (nothing is written)")  # a signal while the model builds
+        log.warning("%s: stopping %s (send it again to stop at once)", self.requested, when)
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():

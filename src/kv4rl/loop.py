@@ -349,6 +349,7 @@ def run_loop(s: Setup, folder: RunFolder | None, stop: GracefulStop, show_progre
             if any_rank(bool(stop.requested)):
                 stop.requested = stop.requested or "a stop signal on another rank"  # said in the summary
                 break
+            stop.iterating = True
             row, trace = run_iteration(s, it)
             if cfg.eval.every and ((it + 1) % cfg.eval.every == 0 or it + 1 == end):
                 started = time.perf_counter()

@@ -156,6 +156,7 @@ def _engine(cfg: RunConfig, groups: SplitGroups, engine: int, device: torch.devi
                       first_batch=first)
     failing = True
     try:
+        stop.iterating = True  # built: a stop signal now ends after the batch in hand
         result = run_engine(side)
         failing = False
         return result
@@ -180,6 +181,7 @@ def _learner(cfg: RunConfig, groups: SplitGroups, head: bool, device: torch.devi
                        model_sha256) if head else None
     failing = True
     try:
+        stop.iterating = True
         done, end = run_learner(side, folder, stop, show_progress, sink, start)
         failing = False
     finally:
