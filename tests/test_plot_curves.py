@@ -322,8 +322,8 @@ def test_no_output_may_replace_a_runs_records_or_another_output(runs):
     log = (runs / "ppo-s0" / "metrics.jsonl").read_bytes()
     (runs / "ppo-s0" / "config.yaml").write_text("name: ppo-s0\n")
     before = sorted(p.relative_to(runs) for p in runs.rglob("*"))
-    cases = [(["--json", str(runs / "ppo-s0" / "metrics.jsonl")], "metrics.jsonl of run"),
-             (["--json", str(runs / "ppo-s0" / "config.yaml")], "config.yaml of run"),
+    cases = [(["--json", str(runs / "ppo-s0" / "metrics.jsonl")], "is the metrics.jsonl of the run in"),
+             (["--json", str(runs / "ppo-s0" / "config.yaml")], "is the config.yaml of the run in"),
              (["--out", str(runs / "q.png"), "--json", str(runs / "q.csv")], "is also the CSV beside --out"),
              (["--out", str(runs / "q.png"), "--json", str(runs / "q.png")], "is also --out")]
     for args, needle in cases:

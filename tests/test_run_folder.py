@@ -99,20 +99,25 @@ def test_overwrite_moves_the_old_run_aside_and_says_where(run, caplog):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000001", "latest"]
 
 
-@pytest.mark.parametrize("key", ["data.train", "data.eval", "model.path"])
-def test_overwrite_refuses_to_move_the_new_runs_own_inputs_aside(run, key):
+@pytest.mark.parametrize("key", ["data.train", "data.eval", "model.path", "data.train as a link"])
+def test_overwrite_refuses_to_move_the_new_runs_own_inputs_aside(run, key, tmp_path):
     """--overwrite moved the old folder aside with a data file the new run read from inside it: the run trained,
     but its config.yaml named a path that had gone, so its resume failed ("dataset file ... does not exist"). Such
     an input (data or model, also one of a list) is refused by name before any work; the folder stays as it was."""
     import json as json_
 
+    rows = "".join(json_.dumps({"problem": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8))
     if key == "model.path":
         inside = run / "checkpoints" / "iter_000001"
         value = str(inside)
+    elif key == "data.train as a link":  # the link moves aside with the folder, the file it names does not
+        (tmp_path / "elsewhere.jsonl").write_text(rows)
+        inside = run / "mydata.jsonl"
+        inside.symlink_to(tmp_path / "elsewhere.jsonl")
+        value, key = str(inside), "data.train"
     else:
         inside = run / "mydata.jsonl"
-        inside.write_text("".join(json_.dumps({"problem": f"{i}+{i}=", "answer": str(2 * i)}) + "\n"
-                                  for i in range(8)))
+        inside.write_text(rows)
         value = json_.dumps([str(inside)]) if key == "data.eval" else str(inside)
     before = tree_state(run.parent)
     extra = ["data.prompt_template='{problem}'", "reward.name=exact"] if key != "model.path" else []
@@ -301,8 +306,24 @@ def test_resume_refuses_a_newest_checkpoint_copied_in_from_another_run(run):
     before = tree_state(run)
     res = train_cli("--resume", str(run), "trainer.iterations=7", "--no-progress")
     text = " ".join(res.output.split())
-    assert res.exit_code == 2 and "iter_000005 was written by another run (run id 0123456789ab)" in text, text
-    assert f"model.path={foreign}" in text and tree_state(run) == before
+    assert res.exit_code == 2 and "the newest checkpoint iter_000005 (run id 0123456789ab) is not this run's (its " \
+        "metrics.jsonl ends at iteration 1)" in text, text
+    assert f"model.path={foreign}" in text
+    assert tree_state(run) == before
+    # two copied in (the others' ids no longer one): refused alike, by the log
+    second = run / "checkpoints" / "iter_000004"
+    shutil.copytree(foreign, second)
+    res = train_cli("--resume", str(run), "trainer.iterations=7", "--no-progress")
+    assert res.exit_code == 2 and "is not this run's" in " ".join(res.output.split()), res.output
+    shutil.rmtree(second)
+    # a log that reaches it (rows appended by hand): refused by its run id, the others' being one
+    metrics = run / "metrics.jsonl"
+    logged = metrics.read_text()
+    metrics.write_text(logged + "".join(json.dumps({"iteration": i}) + "\n" for i in range(2, 5)))
+    res = train_cli("--resume", str(run), "trainer.iterations=7", "--no-progress")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "(the folder's other checkpoints were written by run " in text, text
+    metrics.write_text(logged)
     shutil.rmtree(foreign)
     res = train_cli("--resume", str(run), "trainer.iterations=3", "--no-progress")
     assert res.exit_code == 0, res.output

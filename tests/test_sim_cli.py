@@ -135,3 +135,18 @@ def test_a_refused_correction_variance_makes_no_output_folders(checkpoint, tmp_p
     (tmp_path / "file").write_text("")
     result = runner.invoke(sim_app, ["clip-bias", "--samples", "10", "--json", str(tmp_path / "file" / "x.json")])
     assert result.exit_code != 0 and "is a file" in result.output, result.output
+
+
+def test_no_sim_output_may_replace_a_runs_records(tmp_path):
+    """`sim clip-bias --json <run>/metrics.jsonl` replaced the run's training log with the sim's numbers (the check
+    of a run's records was in plot, eval and build-model only; it is now in every output path's check)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_000001").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: run\n")
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for target, said in ((run / "metrics.jsonl", "is the metrics.jsonl of the run in"),
+                         (run / "checkpoints" / "iter_000001" / "x.json", "is inside the checkpoints/ of run")):
+        result = runner.invoke(sim_app, ["clip-bias", "--samples", "10", "--json", str(target)])
+        assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

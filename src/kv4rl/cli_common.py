@@ -194,7 +194,8 @@ def check_device(device: str, option: str = "--device") -> None:
 
 def check_output_path(path: Path | None, option: str = "--json", *, create: bool = True) -> None:
     """Make sure a result file can be written before the work that fills it: refuse a path that is a
-    directory, lies under a file or cannot be written, and (`create`) make its missing folders. Without
+    directory, a run's record or in its checkpoints/ (`check_spares_models_and_runs`), lies under a file or cannot
+    be written, and (`create`) make its missing folders. Without
     `create` (a dry run, or checks that may still refuse) nothing is made."""
     if path is None:
         return
@@ -202,6 +203,9 @@ def check_output_path(path: Path | None, option: str = "--json", *, create: bool
         fail(f"{option} -: takes a file path, not '-' (for the terminal give /dev/stdout; the tables print there too)")
     if path.is_dir():
         fail(f"{option} {path}: is a directory; give a file path")
+    from kv4rl.cli_outputs import check_spares_models_and_runs
+
+    check_spares_models_and_runs({option: path}, {})  # a run's records and checkpoints, whatever the command
     if writes_into(path):  # /dev/stdout, /dev/null, a pipe: its folder is not written (/dev is root's)
         if not os.access(path, os.W_OK):
             fail(f"{option} {path}: cannot be written (no permission)")
@@ -257,16 +261,12 @@ def setup_logging(verbose: bool) -> None:
 
 def check_plot_outputs(figure: Path, runs: list[Path], json_out: Path | None = None) -> None:
     """A plot's figure, the CSV beside it and its JSON must be three files, none of them a record of the runs
-    it reads (`RUN_FILES`: `--json runs/a-s0/metrics.jsonl` replaced the training log) nor of any run, nor in a
-    run's checkpoints/ (`--json <run>/checkpoints/latest` replaced the pointer)."""
+    it reads (`RUN_FILES`: `--json runs/a-s0/metrics.jsonl` replaced the training log)."""
     from kv4rl.run_folder import RUN_FILES
-
-    from kv4rl.cli_outputs import check_spares_models_and_runs
 
     inputs = {f"{name} of run {run}": Path(run) / name for run in runs for name in RUN_FILES}
     outputs = {"--out": figure, "the CSV beside --out": figure.with_suffix(".csv"), "--json": json_out}
-    check_not_an_input(outputs, inputs)
-    check_spares_models_and_runs(outputs, {})  # any run's records and checkpoints, not only the plotted runs'
+    check_not_an_input(outputs, inputs)  # any run's records and checkpoints: check_output_path
 
 
 def image_formats() -> list[str]:

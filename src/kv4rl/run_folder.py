@@ -158,10 +158,11 @@ def _check_inputs_stay(run_dir: Path, cfg) -> None:
     it would leave with it, and the new run's config.yaml would point at a path that is gone (its resume fails)."""
     if cfg is None:
         return
-    inside = run_dir.resolve()
+    inside = {run_dir.resolve(), Path(os.path.abspath(run_dir))}
     for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval), ("model.path", cfg.model.path)):
         for one in value if isinstance(value, list | tuple) else [value]:
-            if one is not None and inside in Path(one).resolve().parents:
+            # as written too: a link in the folder to a file elsewhere moves aside with it
+            if one is not None and inside & {*Path(one).resolve().parents, *Path(os.path.abspath(one)).parents}:
                 raise RunFolderError(
                     f"{key}={one} lies inside {run_dir}, which --overwrite moves aside with the old run: this run "
                     f"and its resume would not find it there; move it out of the folder, or train into another name=...")

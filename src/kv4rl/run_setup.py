@@ -15,6 +15,7 @@ import torch
 from kv4rl.config import ConfigError, RunConfig, load_config
 from kv4rl.distributed import train_launch
 from kv4rl.run_folder import RunFolderError
+from kv4rl.telemetry.metrics import read_jsonl
 from kv4rl.telemetry.run_stats import summarize_run
 from kv4rl.trainer.checkpoint import checkpoint_root, checkpoints, find_resume_checkpoint, run_of
 from kv4rl.trainer.learner import Learner
@@ -86,13 +87,20 @@ def find_restore(cfg: RunConfig) -> Restore:
                           f"{written}) and this one is rollout.placement={cfg.rollout.placement}; resume it as it "
                           f"was written, or start a new run from its policy with model.path={path}")
     writer = run_of(path)
+    # checkpoints copied in from another run: resuming from one took its weights, left this run's log with a gap
+    # and took its run id, under which the folder's own checkpoints were never pruned again. A run writes each
+    # iteration's row before the checkpoint after it, so its newest checkpoint never outruns its log.
     others = {run_of(p) for _, p in checkpoints(cfg.run_dir) if p != path}
-    if writer is not None and len(others) == 1 and None not in others and writer not in others:
-        # a checkpoint copied in from another run: resuming took its weights, left this run's log with a gap and
-        # its run id, so the folder's own checkpoints were never pruned again
-        raise RunFolderError(f"--resume {cfg.run_dir}: the newest checkpoint {path.name} was written by another run "
-                             f"(run id {writer}) than the folder's other checkpoints ({others.pop()}); move it out, or "
-                             f"start a new run from its policy with model.path={path}")
+    logged = [row.get("iteration") for row in read_jsonl(cfg.run_dir / "metrics.jsonl")] \
+        if (cfg.run_dir / "metrics.jsonl").is_file() else []
+    last = max((i for i in logged if isinstance(i, int)), default=None)
+    ahead = last is not None and last < state.get("iteration", 0) - 1
+    if ahead or (writer is not None and len(others) == 1 and None not in others and writer not in others):
+        why = (f"its metrics.jsonl ends at iteration {last}" if ahead else
+               f"the folder's other checkpoints were written by run {others.pop()}")
+        raise RunFolderError(f"--resume {cfg.run_dir}: the newest checkpoint {path.name} (run id {writer}) is not "
+                             f"this run's ({why}): copied in? move it out to resume from the run's own, or start a "
+                             f"new run from it with model.path={path}")
     return Restore(path, state, writer)
 
 
