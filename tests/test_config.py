@@ -249,6 +249,10 @@ def test_a_lag_at_or_past_the_run_length_is_told_what_it_collects(caplog):
     # a section's key with `_` for its dot
     ("engine.kv_format=kv4", "unknown config key 'engine.kv_format'; did you mean engine.kv.format?"),
     ("rollout_group_size=4", "unknown config key 'rollout_group_size'; did you mean rollout.group_size?"),
+    # upper case and `-` for `_`: "no kv4rl counterpart known" for TRAINER.LR, `trainer` for trainer-lr
+    ("TRAINER.LR=1e-5", "unknown config key 'TRAINER'; did you mean trainer?"),
+    ("trainer.LR=1e-5", "unknown config key 'trainer.LR'; did you mean trainer.lr?"),
+    ("trainer-lr=1e-5", "unknown config key 'trainer-lr'; did you mean trainer.lr?"),
     ("engine.kv_cache_dtype=fp8", "unknown config key 'engine.kv_cache_dtype'; vLLM's and SGLang's kv_cache_dtype "
                                   "(fp8, fp8_e4m3) is engine.kv.format (bf16, fp8, int4, kv4, nvfp4, mxfp4)"),
 ])

@@ -191,13 +191,15 @@ def _did_you_mean(name: str, schema: dict[str, Any], prefix: str) -> str:
         typo = [c for c in difflib.get_close_matches(name, list(schema), n=1, cutoff=0.85)  # trainer.beta: betas;
                 if abs(len(c) - len(name)) <= 2]  # not slime's hf_checkpoint: checkpoint
         return f"; did you mean {dotted(typo[0])}? (or: {foreign})" if typo else f"; {foreign}"
+    name = name.lower().replace("-", "_")  # TRAINER.LR, trainer-lr: the keys are lower case, words joined by `_`
+    cased = [dotted(name)] if name in schema else []
     nested = [dotted(f"{section}.{name}") for section, tp in schema.items()
               if _is_section(tp) and name in _schema(tp)]
     # a section's key written with `_` for its dot: engine.kv_format for engine.kv.format
     flattened = [dotted(f"{section}.{name.removeprefix(section + '_')}") for section, tp in schema.items()
                  if _is_section(tp) and name.startswith(section + "_") and name.removeprefix(section + "_") in _schema(tp)]
     close = [dotted(n) for n in difflib.get_close_matches(name, list(schema), n=2, cutoff=0.75)]
-    found = nested or flattened or close
+    found = cased or nested or flattened or close
     return f"; did you mean {' or '.join(found)}?" if found else ""
 
 
