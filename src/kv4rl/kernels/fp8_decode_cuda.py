@@ -13,12 +13,15 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 
 from kv4rl.kernels import cuda_sm_count, cuda_source
 from kv4rl.kernels.decode_common import LOG2E, SplitLaunch
-from kv4rl.kernels.kv_write import INT8_INV_MAX, PendingWrite
+
+if TYPE_CHECKING:  # kv_write loads triton.language, which the engine's plan (importing this module) must not
+    from kv4rl.kernels.kv_write import PendingWrite
 
 SOURCE = Path(__file__).with_name("fp8_decode.cu")
 KERNEL_NAME = "fp8_decode_split"
@@ -134,6 +137,7 @@ def launch_int8_side(work: SplitLaunch, config: Mapping[str, int] | None = None,
 
 def _write_args(write: PendingWrite | None, work: SplitLaunch) -> list:
     """The item's nw_* arguments (fp8_decode.cu's `NewRows`); without a write, placeholders and nw_write 0."""
+    from kv4rl.kernels.kv_write import INT8_INV_MAX
     if write is None:
         dummy = work.batch.context_lens
         return [work.q, work.q, 0, 0, 0, 0, dummy, dummy, dummy, dummy, 0, 0, dummy, dummy, dummy, dummy, 0, 0, 4,
