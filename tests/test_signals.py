@@ -230,3 +230,22 @@ def test_a_signal_before_the_first_iteration_says_nothing_will_be_written(caplog
             os.kill(os.getpid(), signal.SIGTERM)
             assert stop.requested == "SIGTERM"
         assert any(said in m for m in caplog.messages), caplog.messages
+
+
+def test_a_resume_stopped_before_its_first_iteration_hints_its_own_settings(tmp_path, monkeypatch):
+    """A resume with `trainer.iterations=8` stopped before its first iteration writes nothing, so the run's
+    config.yaml lacks that setting: the hint `kv4rl train --resume <run>` alone would not train on to 8. The hint
+    now carries the resume's settings then (and only then: after an iteration, config.yaml holds them)."""
+    import kv4rl.loop
+    from kv4rl.cli import app
+    from tests.small_runs import new_run, runner
+
+    run = new_run(tmp_path, "r", "trainer.iterations=1", "checkpoint.save_every=1")
+    for stopped, carried in (("SIGTERM before the first iteration (nothing written)", True),
+                             ("SIGTERM after iteration 1", False)):
+        monkeypatch.setattr(kv4rl.loop, "train", lambda cfg, **kw: {"run_dir": str(run), "stopped_by": stopped})
+        res = runner.invoke(app, ["train", "--resume", str(run), "trainer.iterations=8", "--no-progress"])
+        text = " ".join(res.output.split())
+        assert res.exit_code == 0, res.output
+        hint = text.split("continue with: ", 1)[1]
+        assert hint.startswith(f"kv4rl train --resume {run}") and ("trainer.iterations=8" in hint) == carried, hint

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -198,8 +199,11 @@ def _train_command(config: Path | None, overrides: list[str] | None, resume: Pat
     if note is not None:
         warn(note)
     if "stopped_by" in summary and (Path(summary["run_dir"]) / "checkpoints").is_dir():
+        # stopped before its first iteration, a resume wrote nothing: config.yaml lacks this resume's settings
+        again = shlex.join(overrides) if resume is not None and overrides and "before the first" in \
+            summary["stopped_by"] else ""
         say(f"stopped by {summary['stopped_by']}; continue with: "
-            f"{distributed.resume_command(summary['run_dir'], ranks.world)}")
+            f"{distributed.resume_command(summary['run_dir'], ranks.world)}{' ' + again if again else ''}")
 
 
 def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | None, overrides: list[str],
