@@ -243,7 +243,7 @@ def test_a_resume_stopped_before_its_first_iteration_hints_its_own_settings(tmp_
     run = new_run(tmp_path, "r", "trainer.iterations=1", "checkpoint.save_every=1")
     for stopped, carried in (("SIGTERM before the first iteration (nothing written)", True),
                              ("SIGTERM after iteration 1", False)):
-        monkeypatch.setattr(kv4rl.loop, "train", lambda cfg, **kw: {"run_dir": str(run), "stopped_by": stopped})
+        monkeypatch.setattr(kv4rl.loop, "train", lambda cfg, stopped=stopped, **kw: {"run_dir": str(run), "stopped_by": stopped})
         res = runner.invoke(app, ["train", "--resume", str(run), "trainer.iterations=8", "--no-progress"])
         text = " ".join(res.output.split())
         assert res.exit_code == 0, res.output
