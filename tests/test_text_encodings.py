@@ -47,6 +47,19 @@ def test_a_template_whose_bytes_are_not_utf8_is_refused_by_option():
     check_template("Réponds 中文 {problem}=", "--template")  # real non-ASCII text is a template
 
 
+def test_a_template_holding_a_control_character_is_refused_naming_the_quotes():
+    """`data.prompt_template="... \\boxed{{}}."` on the command line is YAML in double quotes, where `\\b` is a
+    backspace: the run's prompts read `\\x08oxed` while eval's --template kept `\\boxed`, without a word. A
+    control character other than newline, tab and CR is refused; single quotes keep the backslash."""
+    with pytest.raises(ConfigError, match=r"holds the control character '\\x08'; in YAML's double quotes"):
+        load_config(overrides=['data.prompt_template="{problem} within \\boxed{{}}."'])
+    kept = load_config(overrides=["data.prompt_template='{problem} within \\boxed{{}}.'"])
+    assert kept.data.prompt_template == "{problem} within \\boxed{{}}."
+    check_template("Question:\n{problem}\tAnswer:\r\n", "--template")  # line breaks and tabs are text
+    with pytest.raises(ValueError, match=r"--template: .* holds the control character '\\x1b'"):
+        check_template("{problem}\x1b[0m", "--template")
+
+
 @pytest.mark.parametrize("name", ["👨‍👩‍👧 run", "a\u3000b", "café", "中文"])
 def test_folder_names_with_format_characters_and_wide_spaces_are_taken(name):
     """A ZWJ emoji (U+200D is a format character) and the ideographic space were refused as 'control

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import string
+import unicodedata
 
 from kv4rl.data.types import Problem
 from kv4rl.paths import text_problem
@@ -25,6 +26,10 @@ def check_template(template: str, option: str) -> None:
     problem = text_problem(option, template, path=False)
     if problem is not None:  # the tokenizer's raw TypeError came out of the first prompt, a traceback
         raise ValueError(problem)
+    control = next((c for c in template if unicodedata.category(c) == "Cc" and c not in "\n\t\r"), None)
+    if control is not None:  # YAML's double quotes read `\b` in "\boxed{{}}" as a backspace: train and eval differed
+        raise ValueError(f"{option}: {template!r} holds the control character {control!r}; in YAML's double quotes "
+                         f"a backslash starts an escape (\\b is a backspace): quote the template with single quotes")
     try:
         parsed = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
                   if name is not None]
