@@ -227,6 +227,39 @@ def test_a_seed_the_sweeps_signal_killed_is_stopped_not_failed(tmp_path, monkeyp
     assert multi_seed.failed(runs) == []
 
 
+def test_a_second_signal_is_reported_and_a_signal_before_the_seeds_start_starts_none(tmp_path, monkeypatch) -> None:
+    """A second Ctrl-C killed the running seeds at once, and the sweep still exited 0 (a single run exits 130): launch
+    returns the signals it received, which `train --seeds` turns into 128 + the second. A signal while the sweep read
+    its configs killed it (exit 143) before `catch_early` covered sweeps: now no seed starts, as a single run stops
+    before its first iteration."""
+    import os
+    import signal
+    import threading
+
+    from kv4rl import graceful_stop, multi_seed
+    from kv4rl.config import load_config
+
+    monkeypatch.setattr(multi_seed, "_start", _fake_child(
+        "import signal, time\nsignal.signal(signal.SIGINT, lambda *a: signal.signal(signal.SIGINT, signal.SIG_DFL))\n"
+        "time.sleep(60)"))  # as a run: the first signal is held, the second ends it
+    runs = [multi_seed.SeedRun(s, load_config(None, [f"out_dir={tmp_path}", f"name=sw-s{s}"]), [f"seed={s}"],
+                               tmp_path / f"sw-s{s}.log") for s in (0, 1)]
+    threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    received = multi_seed.launch(runs, 1, announce=lambda line: None)
+    assert received == [signal.SIGINT, signal.SIGINT]
+    assert runs[0].returncode == -signal.SIGINT and runs[1].process is None
+    started = []
+    monkeypatch.setattr(multi_seed, "_start", lambda run: started.append(run))
+    monkeypatch.setattr(graceful_stop, "_early", "SIGTERM")
+    runs = [multi_seed.SeedRun(s, load_config(None, [f"out_dir={tmp_path}", f"name=e-s{s}"]), [f"seed={s}"],
+                               tmp_path / f"e-s{s}.log") for s in (0, 1)]
+    said = []
+    assert multi_seed.launch(runs, 2, announce=said.append) == [signal.SIGTERM]
+    assert started == [] and said == ["SIGTERM: seeds 0, 1 will not start"]
+    assert [multi_seed.status_of(r) for r in runs] == ["not started (SIGTERM)"] * 2
+
+
 def test_a_seed_folder_in_use_is_named_with_its_process_and_resumed_seeds_keep_the_child_flags(
         tmp_path, monkeypatch) -> None:
     from kv4rl import multi_seed

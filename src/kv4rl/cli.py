@@ -94,17 +94,15 @@ def train(
     A run folder holds one run: training into one that holds a run stops before any work unless
     --overwrite. SIGTERM/SIGINT end the run after the current iteration with a checkpoint (exit 0).
     """
-    if seeds is None and parallel is None:
-        # before the training code's imports (~4 s of torch and transformers): a SIGTERM or Ctrl-C from here on
-        # stops the run, exit 0, instead of exit 143 or a KeyboardInterrupt; the handlers it replaced are put
-        # back when the command returns (a program or test session that calls it keeps its own Ctrl-C)
-        catch_early()
-        try:
-            _train_command(config, overrides, resume, overwrite, verbose, progress, print_config)
-        finally:
-            release_early()
-        return
-    _train_command(config, overrides, resume, overwrite, verbose, progress, print_config, seeds, parallel)
+    # before the training code's imports (~4 s of torch and transformers): a SIGTERM or Ctrl-C from here on
+    # stops the run (or a sweep before its seeds start), exit 0, instead of exit 143 or a KeyboardInterrupt; the
+    # handlers it replaced are put back when the command returns (a program or test session that calls it keeps
+    # its own Ctrl-C)
+    catch_early()
+    try:
+        _train_command(config, overrides, resume, overwrite, verbose, progress, print_config, seeds, parallel)
+    finally:
+        release_early()
 
 
 def _unread_inputs(cfg) -> list[str]:
@@ -226,7 +224,7 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
     console.print(f"{len(runs)} seeds, {at_once} at a time", highlight=False)
-    multi_seed.launch(runs, at_once, announce=say)
+    received = multi_seed.launch(runs, at_once, announce=say)
     table = ResultTable("seeds", ["seed", "run folder", "status", "iterations", "last accuracy", "seconds", "log"])
     for row in multi_seed.summary_rows(runs):
         table.add_row(*row)
@@ -239,6 +237,8 @@ def _train_seeds(seeds_text: str | None, parallel: int | None, config: Path | No
         # a seed killed after its checkpoints resumes like a stopped one, once the cause is mended
         say(f"then: {multi_seed.continue_hint([r for r in runs if r.seed in failed])}")
         raise typer.Exit(1)
+    if len(received) > 1:  # a second signal ended the running seeds at once: as a single run, exit 128 + it
+        raise typer.Exit(128 + received[1])
 
 
 @app.command("build-model")

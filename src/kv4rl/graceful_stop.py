@@ -57,6 +57,13 @@ def release_early() -> None:
     _early, _before = None, None
 
 
+def take_early() -> str | None:
+    """The signal `catch_early` held, if any, now handled by the caller (a sweep that has not started its seeds)."""
+    global _early
+    held, _early = _early, None
+    return held
+
+
 class GracefulStop:
     """Context manager: `requested` names the signal received (None until one arrives)."""
 

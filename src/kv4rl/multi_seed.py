@@ -186,15 +186,25 @@ def share_device(runs: list[SeedRun], parallel: int) -> None:
         run.args += [f"engine.gpu_memory_fraction={share:.4f}", "engine.gpu_memory_scope=process"]
 
 
-def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:
+def launch(runs: list[SeedRun], parallel: int, announce=print) -> list[int]:
     """Run every seed's child, at most `parallel` at a time. SIGINT/SIGTERM stop the sweep: they are passed
     on to the running children (each then stops after its iteration with a checkpoint, as a single run
     does) and the seeds still waiting are not started; the hint printed then (`continue_hint`) says how to
-    go on with each: `--seeds ... --resume` for those with a checkpoint, the same command for the others."""
-    pending, active = list(runs), []
+    go on with each: `--seeds ... --resume` for those with a checkpoint, the same command for the others.
+    Returns the signals received, in order (a second one ends the running children at once, as it ends a run)."""
+    from kv4rl.graceful_stop import take_early
+
+    pending, active, received = list(runs), [], []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    early = take_early()  # a signal while the sweep read its configs: no seed starts, exit 0 as a single run
+    if early is not None:
+        for run in pending:
+            run.stopped_by = early
+        announce(f"{early}: seeds {', '.join(str(r.seed) for r in pending)} will not start")
+        return [signal.Signals[early]]
 
     def forward(signum, frame) -> None:
+        received.append(signum)
         name = signal.Signals(signum).name
         for run in active:
             if run.process is not None and run.process.poll() is None:
@@ -224,6 +234,7 @@ def launch(runs: list[SeedRun], parallel: int, announce=print) -> None:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    return received
 
 
 def _config_identity(folder: Path) -> tuple | None:
