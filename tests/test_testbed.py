@@ -119,6 +119,32 @@ def test_a_cached_build_whose_weights_no_longer_match_its_record_is_rebuilt(test
     assert (final / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("edit", ["config.json", "tokenizer.json"])
+def test_a_cached_build_whose_config_or_tokenizer_was_edited_is_rebuilt_and_says_so(testbed_cache, tmp_path,
+                                                                                    monkeypatch, caplog, edit) -> None:
+    """An edited config.json (another rope_theta, more positions) was taken for the build: runs trained on another
+    architecture and recorded the build's fingerprint. An emptied tokenizer.json was kept too, and eval then failed.
+    The record keeps each file's hash now, and a rebuild says why the cached folder was not taken."""
+    _, built = testbed_cache
+    final = tmp_path / built.name
+    shutil.copytree(built, final)
+    spec = testbed.SPECS["longmul-test"]
+    assert testbed.is_complete(final, spec)
+    if edit == "config.json":
+        config = json.loads((final / edit).read_text())
+        config["max_position_embeddings"] = 4096
+        (final / edit).write_text(json.dumps(config))
+    else:
+        (final / edit).write_text("{}")
+    assert not testbed.is_complete(final, spec)
+    calls = _build_by_copying(built, monkeypatch)
+    assert testbed.testbed_model_dir("longmul-test", tmp_path, progress=False) == final
+    assert len(calls) == 1 and (final / edit).read_bytes() == (built / edit).read_bytes()
+    assert any(f"the cached {final} is not its build" in m for m in caplog.messages), caplog.messages
+    record = json.loads((built / testbed.METADATA_FILE).read_text())
+    assert set(record["files_sha256"]) >= {"config.json", "tokenizer.json", "tokenizer_config.json"}
+
+
 def test_build_model_keeps_its_json_out_of_the_model_and_names_a_failed_write(testbed_cache, tmp_path,
                                                                               monkeypatch) -> None:
     """`--json <cache>/<testbed>/config.json` replaced the built model's config; a build that cannot write (a full

@@ -166,8 +166,9 @@ def _copying_builder(source: Path, calls: list[Path]):
 
     def write(out_dir: Path, progress: bool) -> None:
         calls.append(out_dir)
-        for name in tiny.REQUIRED_FILES:
-            shutil.copy2(source / name, out_dir / name)
+        for item in source.iterdir():  # every file a build writes (its record hashes them all)
+            if item.is_file():
+                shutil.copy2(item, out_dir / item.name)
         metadata = json.loads((source / tiny.METADATA_FILE).read_text())
         (out_dir / tiny.METADATA_FILE).write_text(json.dumps({**metadata, **tiny.build_recipe()}))
 

@@ -8,6 +8,7 @@ fingerprint) is moved aside and dropped, never half-replaced.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -20,6 +21,8 @@ from safetensors import SafetensorError
 from kv4rl.file_modes import honour_umask
 from kv4rl.graceful_stop import cleanup_on_sigterm
 from kv4rl.paths import file_in_path
+
+log = logging.getLogger(__name__)
 
 
 def move_into_place(staging: Path, final: Path, is_complete: Callable[[Path], bool], tag: str) -> None:
@@ -64,8 +67,11 @@ def cached_build(parent: Path, tag: str, build: Callable[[Path], None], is_compl
         return final
     blocking = file_in_path(parent)
     if blocking is not None:
-        raise ValueError(f"the kv4rl cache {parent} cannot be created: {blocking} is a file (point --cache-dir "
-                         f"or $KV4RL_CACHE at a folder)")
+        raise ValueError(f"the kv4rl cache {parent} cannot be created: {blocking} is a file (point $KV4RL_CACHE, "
+                         f"or build-model's --cache-dir, at a folder)")
+    if final.exists():  # it was rebuilt without a word: say that the cached copy is not taken, and why
+        log.warning("%s: the cached %s is not its build (another version or recipe, or a file cut short, edited or removed since); "
+                    "building it again", what, final)
     parent.mkdir(parents=True, exist_ok=True)
     clear_abandoned(parent, tag)
     with cleanup_on_sigterm():  # a SIGTERM mid-build removes the staging folder too

@@ -86,13 +86,39 @@ def row_fingerprint(model_dir: str | Path) -> str | None:
     return None if found is None else found[:ROW_CHARS]
 
 
-def weights_match_record(model_dir: str | Path) -> bool:
+def files_sha256(model_dir: str | Path) -> dict[str, str]:
+    """sha256 of each file of a build beside its weights and record (config, tokenizer), by name: a build record
+    keeps them, so a cached build whose config.json was edited is not taken for the build (its runs recorded the
+    build's fingerprint for another architecture)."""
+    model_dir = Path(model_dir)
+    skip = {p.name for p in weight_files(model_dir)} | set(BUILD_RECORDS)
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(model_dir.iterdir()) if p.is_file() and p.name not in skip}
+
+
+def build_matches_record(model_dir: str | Path) -> bool:
     """False when a kv4rl build's weights no longer hash to the fingerprint its record stored (a file cut short by a
-    crash or a full disk, or edited), or cannot be read; True for a folder whose record stored none."""
+    crash or a full disk, or edited), one of its other files no longer hashes to the record's `files_sha256` (edited,
+    emptied, removed), or they cannot be read; True for a folder whose record stored none of them."""
     recorded = recorded_sha256(model_dir)
     if recorded is None:
         return True
     try:
-        return weights_sha256(model_dir) == recorded
+        if weights_sha256(model_dir) != recorded:
+            return False
+        files = _record(model_dir).get("files_sha256")
+        return not isinstance(files, dict) or all(
+            hashlib.sha256((Path(model_dir) / name).read_bytes()).hexdigest() == digest for name, digest in files.items())
     except (OSError, ValueError):
         return False
+
+
+def _record(model_dir: str | Path) -> dict:
+    for name in BUILD_RECORDS:
+        try:
+            record = json.loads((Path(model_dir) / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(record, dict):
+            return record
+    return {}

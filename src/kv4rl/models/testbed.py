@@ -31,7 +31,7 @@ from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.longmul import LongMulTask
 from kv4rl.data.synthetic import ArithmeticTask
 from kv4rl.models.cache_install import cached_build
-from kv4rl.models.fingerprint import weights_match_record, weights_sha256
+from kv4rl.models.fingerprint import build_matches_record, files_sha256, weights_sha256
 from kv4rl.models.testbed_spec import TASK_TYPES, TestbedSpec
 from kv4rl.models.tiny import _progress_bar, _torch_threads, _transformers_progress_off, default_cache_dir
 from kv4rl.models.warmup import measure, warm_up
@@ -105,7 +105,7 @@ def is_complete(model_dir: str | Path, spec: TestbedSpec) -> bool:
     metadata = read_metadata(model_dir)
     if metadata is None or metadata.get("version") != VERSION_TAG or metadata.get("recipe") != spec.recipe():
         return False
-    return weights_match_record(model_dir)  # a weights file cut short is rebuilt, not reported as the build
+    return build_matches_record(model_dir)  # a weights file cut short is rebuilt, not reported as the build
 
 
 def read_metadata(model_dir: str | Path) -> dict | None:
@@ -126,6 +126,7 @@ def carry_record(base_dir: str | Path, checkpoint_dir: str | Path) -> None:
     metadata = read_metadata(base_dir)
     if metadata is not None:
         metadata.pop("weights_sha256", None)
+        metadata.pop("files_sha256", None)  # a checkpoint's config and tokenizer are saved anew
         metadata.setdefault("checkpoint_of", str(base_dir))
         (Path(checkpoint_dir) / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 
@@ -179,7 +180,8 @@ def _write_model(spec: TestbedSpec, out_dir: Path, progress: bool, device: str) 
         "task_settings": spec.task_settings,
         "recipe": spec.recipe(),
         "parameters": _parameter_count(out_dir),
-        "weights_sha256": weights_sha256(out_dir),  # which build a run starts from (builds differ by machine)
+        "weights_sha256": weights_sha256(out_dir),
+        "files_sha256": files_sha256(out_dir),  # config and tokenizer: an edited one is no longer this build  # which build a run starts from (builds differ by machine)
         "final_loss": warm["losses"][-1],
         "warmup_steps_taken": warm["steps"],
         "exact_solution_probability": warm["estimate"],

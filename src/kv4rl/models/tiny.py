@@ -35,7 +35,7 @@ from kv4rl.data.char_tokenizer import build_char_tokenizer
 from kv4rl.data.synthetic import PROMPT_TEMPLATE, ArithmeticTask, target_text, verify
 from kv4rl.data.types import Problem
 from kv4rl.models.cache_install import cached_build
-from kv4rl.models.fingerprint import weights_match_record, weights_sha256
+from kv4rl.models.fingerprint import build_matches_record, files_sha256, weights_sha256
 
 VERSION_TAG = "tiny-arith-v2"
 METADATA_FILE = "kv4rl_tiny.json"
@@ -118,7 +118,7 @@ def is_complete(model_dir: str | Path) -> bool:
         return False
     if not isinstance(metadata, dict) or metadata.get("version") != VERSION_TAG:
         return False
-    return all(metadata.get(key) == value for key, value in build_recipe().items()) and weights_match_record(model_dir)
+    return all(metadata.get(key) == value for key, value in build_recipe().items()) and build_matches_record(model_dir)
 
 
 def tiny_model_dir(cache_dir: str | Path | None = None, progress: bool = True) -> Path:
@@ -159,7 +159,8 @@ def _write_model(out_dir: Path, progress: bool) -> None:
     metadata = {
         "version": VERSION_TAG,
         **build_recipe(),
-        "weights_sha256": weights_sha256(out_dir),  # which build a run starts from (`kv4rl.models.fingerprint`)
+        "weights_sha256": weights_sha256(out_dir),
+        "files_sha256": files_sha256(out_dir),  # config and tokenizer: an edited one is no longer this build  # which build a run starts from (`kv4rl.models.fingerprint`)
         "sampled_accuracy": sampled["accuracy"],
         "greedy_accuracy": greedy["accuracy"],
         "sampled_format_error_rate": sampled["format_error_rate"],
