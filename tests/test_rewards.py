@@ -379,6 +379,36 @@ def test_a_reward_that_returns_anything_but_finite_numbers_is_refused_by_name(mo
     assert get_reward("plugin")(["a"], ["x"]).scores == [1.0]
 
 
+def test_a_reward_that_fails_or_scores_past_the_bound_is_named(monkeypatch):
+    """A reward's own ValueError printed as a bare "config" line and any other exception as a ~190-line traceback,
+    neither naming the reward; a factory that raised, or built no callable, failed late or bare; a finite score of
+    1e200 passed and made the group's std, advantages and loss NaN (its square overflows float32)."""
+    monkeypatch.setattr(base, "_REGISTRY", {})
+    base.register_reward("keyerr")(lambda: lambda r, g: {}["boom"])
+    base.register_reward("valerr")(lambda: lambda r, g: float("abc"))
+    base.register_reward("huge")(lambda: lambda r, g: base.RewardResult([1e200] * len(r), {}))
+    base.register_reward("edge")(lambda: lambda r, g: base.RewardResult([base.MAX_SCORE] * len(r), {}))
+
+    def broken_factory():
+        raise RuntimeError("no model file")
+
+    base.register_reward("broken")(broken_factory)
+    base.register_reward("number")(lambda: 42)
+    for name, said in (("keyerr", "reward 'keyerr' raised KeyError scoring 2 responses: 'boom'"),
+                       ("valerr", "reward 'valerr' raised ValueError scoring 2 responses: could not convert")):
+        with pytest.raises(base.RewardFailed) as info:
+            get_reward(name)(["a", "b"], ["x", "y"])
+        assert str(info.value).startswith(said) and info.value.__cause__ is not None and info.value.show_traceback
+    with pytest.raises(ValueError, match=r"reward 'huge' returned 1e\+200 for response 0 of 2: a score must be "
+                                         r"within ±1e\+15"):
+        get_reward("huge")(["a", "b"], ["x", "y"])
+    assert get_reward("edge")(["a"], ["x"]).scores == [base.MAX_SCORE]
+    with pytest.raises(base.RewardFailed, match="reward 'broken' could not be built: RuntimeError: no model file"):
+        get_reward("broken")
+    with pytest.raises(ValueError, match="reward 'number': its factory returned int, not a callable reward"):
+        get_reward("number")
+
+
 def test_the_readme_example_reward_scores_as_documented_and_trains_through_plugins(tmp_path, monkeypatch):
     """The README's "Writing your own reward" module, as a user would copy it: loaded through `algo.plugins`,
     it scores the hand-worked cases below and a one-iteration run logs its stats as `reward_<key>`."""
@@ -543,3 +573,32 @@ def test_a_worker_busy_on_a_hanging_check_dies_with_its_parent(tmp_path):
         time.sleep(0.2)
     os.kill(worker, signal.SIGKILL)
     raise AssertionError("the math_verify worker outlived its killed parent")
+
+
+@pytest.mark.slow
+def test_a_failing_reward_plugin_stops_train_with_one_line_and_shows_its_traceback_with_v(tmp_path, monkeypatch):
+    """Through `kv4rl train`: one line naming the reward (exit 2), and with -v the traceback down to the plugin's
+    own line, which the config-error path had swallowed."""
+    from tests.small_runs import SMALL, train_cli
+
+    (tmp_path / "qa_plugin.py").write_text(
+        "from kv4rl.rewards import register_reward\n\n"
+        "@register_reward('fails_later')\n"
+        "def make():\n"
+        "    def score(responses, golds):\n"
+        "        return float('abc')\n"
+        "    return score\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    args = [f"out_dir={tmp_path}", "algo.plugins=[qa_plugin]", "reward.name=fails_later", "trainer.iterations=1",
+            *SMALL]
+    res = train_cli("name=a", *args)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "error: reward 'fails_later' raised ValueError scoring" in text, res.output
+    assert "Traceback" not in res.output
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.delitem(base._REGISTRY, "fails_later")
+    monkeypatch.delitem(__import__("sys").modules, "qa_plugin")
+    res = train_cli("name=b", "-v", *args)
+    assert isinstance(res.exception, base.RewardFailed), res.output
+    assert isinstance(res.exception.__cause__, ValueError)

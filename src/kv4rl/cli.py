@@ -179,6 +179,8 @@ def _train_command(config: Path | None, overrides: list[str] | None, resume: Pat
         finally:
             distributed.shutdown()
     except (ConfigError, ValueError) as exc:
+        if getattr(exc, "show_traceback", False) and wants_traceback(verbose):  # a reward's own failure, asked for
+            raise
         if (ranks is None and not distributed.prints_setup_errors()) or repeated:
             raise typer.Exit(2) from None  # the same error on every rank: one line says it
         fail(str(exc))

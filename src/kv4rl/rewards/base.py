@@ -132,7 +132,20 @@ def get_reward(name: str, **options: Any) -> RewardFn:
         inspect.signature(factory).bind(**options)
     except TypeError as exc:
         raise ValueError(f"bad options {sorted(options)} for reward {name!r}: {exc}") from None
-    return CheckedReward(name, factory(**options))
+    try:
+        built = factory(**options)
+    except Exception as exc:  # a plug-in's own failure: one line naming it, not a bare traceback
+        raise RewardFailed(f"reward {name!r} could not be built: {type(exc).__name__}: {exc}") from exc
+    if not callable(built):  # it failed only after the first rollout, "'int' object is not callable"
+        raise ValueError(f"reward {name!r}: its factory returned {type(built).__name__}, not a callable reward "
+                         f"(responses, golds) -> RewardResult")
+    return CheckedReward(name, built)
+
+
+class RewardFailed(ValueError):
+    """A reward's own code raised: said in one line naming the reward (`kv4rl train -v` shows the traceback)."""
+
+    show_traceback = True
 
 
 def _score_problem(value: Any) -> str | None:
@@ -150,7 +163,12 @@ def _score_problem(value: Any) -> str | None:
         return "a score must be a finite number; this one overflows a float"
     if not math.isfinite(number):
         return "a score must be a finite number"
+    if abs(number) > MAX_SCORE:  # finite, but its square overflows float32: the group's std, advantages and loss NaN
+        return f"a score must be within ±{MAX_SCORE:g}"
     return None
+
+
+MAX_SCORE = 1e15
 
 
 _LOGGED_REWARD_STATS = frozenset({"mean", "std"})
@@ -179,7 +197,11 @@ class CheckedReward(Reward):
         self.reward = reward
 
     def score(self, responses: list[str], golds: list[str], problems: list | None = None) -> RewardResult:
-        result = call_reward(self.reward, responses, golds, problems)
+        try:
+            result = call_reward(self.reward, responses, golds, problems)
+        except Exception as exc:  # a ValueError read as a config error, any other a long traceback: neither named it
+            raise RewardFailed(f"reward {self.name!r} raised {type(exc).__name__} scoring {len(responses)} responses: "
+                               f"{exc} (kv4rl train -v shows the traceback)") from exc
         if not hasattr(result, "scores"):  # a plain list failed later as "'list' object has no attribute 'scores'"
             raise ValueError(f"reward {self.name!r} returned {type(result).__name__}; it must return a "
                              f"RewardResult(scores=[one per response], stats={{name: count}})")
