@@ -100,6 +100,9 @@ def test_eval_takes_a_reward_plug_in_through_plugins(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out.json").read_text())["mean@2"] == 1.0
     res = runner.invoke(app, ["eval", "--plugins", "no_such_plugin_module", "--n", "2"])
     assert res.exit_code == 2 and "--plugins: cannot import 'no_such_plugin_module'" in " ".join(res.output.split())
+    # the option repeated: each module imported (the last alone was, the earlier dropped without a word)
+    res = runner.invoke(app, ["eval", "--plugins", "no_such_plugin_module", "--plugins", "half_reward", "--n", "2"])
+    assert res.exit_code == 2 and "--plugins: cannot import 'no_such_plugin_module'" in " ".join(res.output.split())
     sys_modules = __import__("sys").modules
     sys_modules.pop("half_reward", None)
 

@@ -43,7 +43,7 @@ EVAL_OPTIONS = {"rollout.temperature": "--temperature", "eval.temperature": "--t
 
 
 def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int | None, reward: str,
-                        template: str | None, device: str, plugins: str | None = None) -> None:
+                        template: str | None, device: str, plugins: list[str] | None = None) -> None:
     """Refuse bad options before the model loads (ValueError naming the option); import the plug-ins first."""
     from kv4rl.algo.registry import import_plugins
     from kv4rl.data.prompts import check_template
@@ -52,7 +52,7 @@ def _check_eval_options(k: int, n: int, temperature: float, max_new_tokens: int 
 
     if plugins:  # a reward plug-in registers its name when imported, as train's algo.plugins does
         try:
-            import_plugins([m.strip() for m in plugins.split(",") if m.strip()])
+            import_plugins([m.strip() for given in plugins for m in given.split(",") if m.strip()])
         except ValueError as exc:
             raise ValueError(str(exc).replace("algo.plugins:", "--plugins:", 1)) from None
     check_at_least(1, ("--k", k), ("--max-new-tokens", max_new_tokens))
@@ -171,9 +171,9 @@ def eval_cmd(
         5.0, "--reward-timeout", parser=finite_float,
         help="seconds math_verify may take per answer before it scores 0 (train's reward.timeout_s; give the "
              "run's to score its checkpoints as its in-training eval did)"),
-    plugins: str | None = typer.Option(
-        None, "--plugins", help="modules to import first, comma-separated (e.g. a reward plug-in's, as train's "
-                                "algo.plugins; they must be on the Python path)"),
+    plugins: list[str] | None = typer.Option(
+        None, "--plugins", help="modules to import first, comma-separated or the option repeated (e.g. a reward "
+                                "plug-in's, as train's algo.plugins; they must be on the Python path)"),
     template: str | None = typer.Option(
         None, "--template", help="prompt template with {problem} (default: the boxed-answer instruction for --data)"),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="apply the tokenizer's chat template"),
