@@ -272,3 +272,27 @@ def test_eval_refuses_one_data_file_given_twice_and_says_a_gguf_file_needs_conve
     gguf.write_bytes(b"GGUF")
     res = CliRunner().invoke(app, ["eval", "--model", str(gguf), "--n", "1", "--k", "1", "--device", "cpu"])
     assert res.exit_code != 0 and "GGUF file is not read directly" in res.output, res.output
+
+
+def test_a_failing_reward_in_eval_is_one_line_and_its_traceback_on_request(tmp_path, monkeypatch):
+    """eval printed a reward's KeyError as one line pointing at `kv4rl train -v`, an option eval has not, and hid
+    the traceback even with KV4RL_TRACEBACK=1: the line now names the variable, which brings the traceback back."""
+    from typer.testing import CliRunner
+
+    from kv4rl.cli import app
+    from kv4rl.rewards import base
+
+    (tmp_path / "bad_reward_mod.py").write_text(
+        "from kv4rl.rewards import register_reward\n"
+        "register_reward('bad_reward')(lambda: lambda responses, golds: {}['missing'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.delenv("KV4RL_TRACEBACK", raising=False)
+    args = ["eval", "--plugins", "bad_reward_mod", "--reward", "bad_reward", "--n", "2", "--k", "1"]
+    res = CliRunner().invoke(app, args)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "reward 'bad_reward' raised KeyError scoring" in text and "KV4RL_TRACEBACK=1" in text
+    monkeypatch.setenv("KV4RL_TRACEBACK", "1")
+    res = CliRunner().invoke(app, args)
+    assert isinstance(res.exception, base.RewardFailed) and isinstance(res.exception.__cause__, KeyError)
+    __import__("sys").modules.pop("bad_reward_mod", None)

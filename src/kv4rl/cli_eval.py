@@ -25,6 +25,7 @@ from kv4rl.cli_common import (
     engine_config,
     fail,
     finite_float,
+    wants_traceback,
     warn,
     write_together,
     wrote,
@@ -219,6 +220,8 @@ def eval_cmd(
                                                 reward_timeout)
         distributed.barrier()  # every rank past its last collective before any rank takes the groups down
     except ValueError as exc:
+        if getattr(exc, "show_traceback", False) and wants_traceback():  # a reward's own failure, asked for
+            raise
         if ranks.world > 1 and not distributed.first_to_report(str(exc)):  # before the job's store goes
             raise typer.Exit(2) from None  # the same error on every rank (a model the engine cannot shard)
         fail(str(exc))

@@ -143,7 +143,8 @@ def get_reward(name: str, **options: Any) -> RewardFn:
 
 
 class RewardFailed(ValueError):
-    """A reward's own code raised: said in one line naming the reward (`kv4rl train -v` shows the traceback)."""
+    """A reward's own code raised: said in one line naming the reward (KV4RL_TRACEBACK=1, or train's -v, shows the
+    traceback)."""
 
     show_traceback = True
 
@@ -201,7 +202,7 @@ class CheckedReward(Reward):
             result = call_reward(self.reward, responses, golds, problems)
         except Exception as exc:  # a ValueError read as a config error, any other a long traceback: neither named it
             raise RewardFailed(f"reward {self.name!r} raised {type(exc).__name__} scoring {len(responses)} responses: "
-                               f"{exc} (kv4rl train -v shows the traceback)") from exc
+                               f"{exc} (KV4RL_TRACEBACK=1, or train's -v, shows the traceback)") from exc
         if not hasattr(result, "scores"):  # a plain list failed later as "'list' object has no attribute 'scores'"
             raise ValueError(f"reward {self.name!r} returned {type(result).__name__}; it must return a "
                              f"RewardResult(scores=[one per response], stats={{name: count}})")
