@@ -55,14 +55,7 @@ def weights_sha256(model_dir: str | Path) -> str:
 
 def recorded_sha256(model_dir: str | Path) -> str | None:
     """The fingerprint a kv4rl build stored in its record (None: no record, or an older one without it)."""
-    for name in BUILD_RECORDS:
-        try:
-            record = json.loads((Path(model_dir) / name).read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(record, dict) and isinstance(record.get("weights_sha256"), str):
-            return record["weights_sha256"]
-    return None
+    return _record(model_dir).get("weights_sha256")
 
 
 def model_fingerprint(model_dir: str | Path) -> str | None:
@@ -114,11 +107,12 @@ def build_matches_record(model_dir: str | Path) -> bool:
 
 
 def _record(model_dir: str | Path) -> dict:
+    """The first build record of `model_dir` that stores a weights fingerprint ({} when it has none)."""
     for name in BUILD_RECORDS:
         try:
             record = json.loads((Path(model_dir) / name).read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if isinstance(record, dict):
+        if isinstance(record, dict) and isinstance(record.get("weights_sha256"), str):
             return record
     return {}
